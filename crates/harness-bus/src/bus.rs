@@ -1,0 +1,226 @@
+//! The Bus trait and the types it speaks.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::error::BusError;
+
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Value, BusError>> + Send + 'static>>;
+
+/// Where a streaming function writes its frames. Unbounded on purpose: a generation is bounded by
+/// the model's output limit, and a slow reader must never make a provider connection stall.
+pub type FrameSink = mpsc::UnboundedSender<Value>;
+
+/// What a handler learns about the call besides its payload.
+#[derive(Clone, Default)]
+pub struct CallContext {
+    /// Present when the caller asked for a streaming call.
+    pub frames: Option<FrameSink>,
+}
+
+impl CallContext {
+    /// Sends a frame if the caller is streaming; a reader that went away is not an error.
+    pub fn frame(&self, frame: Value) {
+        if let Some(sink) = &self.frames {
+            let _ = sink.send(frame);
+        }
+    }
+}
+
+/// A function implementation.
+pub trait Handler: Send + Sync + 'static {
+    fn call(&self, payload: Value, ctx: CallContext) -> HandlerFuture;
+}
+
+impl<F, Fut> Handler for F
+where
+    F: Fn(Value, CallContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Value, BusError>> + Send + 'static,
+{
+    fn call(&self, payload: Value, ctx: CallContext) -> HandlerFuture {
+        Box::pin((self)(payload, ctx))
+    }
+}
+
+/// A function's public description: what `engine::functions::info` returns.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FunctionDef {
+    pub function_id: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub request_schema: Option<Value>,
+    #[serde(default)]
+    pub response_schema: Option<Value>,
+    /// `{"internal": true}` hides the function from default discovery.
+    #[serde(default)]
+    pub metadata: Value,
+}
+
+impl FunctionDef {
+    pub fn new(function_id: impl Into<String>, description: impl Into<String>) -> Self {
+        FunctionDef {
+            function_id: function_id.into(),
+            description: description.into(),
+            request_schema: None,
+            response_schema: None,
+            metadata: json!({}),
+        }
+    }
+
+    pub fn schemas(mut self, request: Value, response: Value) -> Self {
+        self.request_schema = Some(request);
+        self.response_schema = Some(response);
+        self
+    }
+
+    pub fn internal(mut self) -> Self {
+        self.metadata["internal"] = json!(true);
+        self
+    }
+
+    pub fn is_internal(&self) -> bool {
+        self.metadata.get("internal") == Some(&json!(true))
+    }
+}
+
+/// Validates a binding's `config` for one trigger type; returns the reason it is rejected.
+pub type ConfigValidator = Arc<dyn Fn(&Value) -> Result<(), String> + Send + Sync>;
+
+/// A trigger type bindings can be made for (an event the harness emits, a hook point, cron).
+#[derive(Clone)]
+pub struct TriggerTypeDef {
+    pub id: String,
+    pub description: String,
+    pub config_schema: Value,
+    pub validate: Option<ConfigValidator>,
+}
+
+/// One binding of a trigger type to a function.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Binding {
+    pub id: String,
+    pub trigger_type: String,
+    pub function_id: String,
+    #[serde(default)]
+    pub config: Value,
+    #[serde(default)]
+    pub metadata: Value,
+}
+
+/// A durable FIFO queue: one message per group is in flight at a time, groups run in parallel.
+#[derive(Clone, Debug)]
+pub struct QueueDef {
+    pub queue: String,
+    /// The payload field whose value groups messages (`session_id` for `harness-turn`).
+    pub message_group_field: String,
+    pub concurrency: usize,
+    pub max_retries: u32,
+    pub backoff_ms: u64,
+    /// A delivery not acked within this time is redelivered.
+    pub visibility_timeout_ms: u64,
+}
+
+/// A call whose callee streams frames before it answers.
+pub struct StreamingCall {
+    pub frames: mpsc::UnboundedReceiver<Value>,
+    pub result: HandlerFuture,
+}
+
+/// Everything the loop needs from the world outside itself.
+#[async_trait]
+pub trait Bus: Send + Sync + 'static {
+    /// Calls a function by id and waits for its answer (`timeout` None = the bus default).
+    async fn call(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+    ) -> Result<Value, BusError>;
+
+    /// Calls a function that streams frames (`router::chat`); frames arrive on `frames` while
+    /// `result` is pending.
+    async fn call_streaming(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+    ) -> Result<StreamingCall, BusError>;
+
+    /// Fire-and-forget call; failures are logged, never returned.
+    async fn call_void(&self, function_id: &str, payload: Value);
+
+    fn register_function(&self, def: FunctionDef, handler: Arc<dyn Handler>);
+
+    fn register_trigger_type(&self, def: TriggerTypeDef);
+
+    /// The live bindings of a trigger type (rebuilt by the runtime after a restart).
+    async fn bindings(&self, trigger_type: &str) -> Result<Vec<Binding>, BusError>;
+
+    /// Ensures a queue exists and starts consuming it; fails loudly when it cannot be ensured.
+    async fn define_queue(&self, def: QueueDef) -> Result<(), BusError>;
+
+    /// Durably enqueues a call of `function_id` on `queue`.
+    async fn enqueue(&self, queue: &str, function_id: &str, payload: Value)
+        -> Result<(), BusError>;
+
+    /// Appends an event to the bus's event log (what `GET /v1/sessions/{id}/events` serves). A
+    /// repeated `dedupe_key` is a no-op, so a redelivered step can publish again safely.
+    async fn publish(
+        &self,
+        topic: &str,
+        payload: Value,
+        dedupe_key: Option<String>,
+    ) -> Result<(), BusError>;
+
+    /// Resolves once every write issued through this bus so far is on stable storage. Where the
+    /// backing store gives no such promise this is a no-op (documented per implementation).
+    async fn barrier(&self) -> Result<(), BusError>;
+
+    // --- state, as the `state::*` functions -------------------------------------------------
+
+    async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>, BusError> {
+        let v = self
+            .call("state::get", json!({"scope": scope, "key": key}), None)
+            .await?;
+        Ok(if v.is_null() { None } else { Some(v) })
+    }
+
+    async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
+        self.call(
+            "state::set",
+            json!({"scope": scope, "key": key, "value": value}),
+            None,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    async fn state_delete(&self, scope: &str, key: &str) -> Result<(), BusError> {
+        self.call("state::delete", json!({"scope": scope, "key": key}), None)
+            .await
+            .map(|_| ())
+    }
+
+    /// Values of a scope, keys included as `{key, value}` pairs.
+    async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>, BusError> {
+        let v = self
+            .call("state::list", json!({"scope": scope, "with_keys": true}), None)
+            .await?;
+        let items = v.as_array().cloned().unwrap_or_default();
+        Ok(items
+            .into_iter()
+            .filter_map(|item| {
+                let key = item.get("key")?.as_str()?.to_string();
+                Some((key, item.get("value").cloned().unwrap_or(Value::Null)))
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,287 @@
+//! The embedded bus: in-process dispatch over a SQLite store.
+//!
+//! Functions live in a registry behind a std `RwLock` (reads on every call, writes only at
+//! registration; no lock is ever held across an await). Bindings are persisted in the store so a
+//! restarted server keeps them. Queues are the store's durable FIFO queues, consumed by calling
+//! the queued function through this same registry.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::FutureExt;
+use harness_store::{QueueConfig, QueueHandler, QueueMessage, Queues, Store};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::bus::{
+    Binding, Bus, CallContext, FunctionDef, Handler, QueueDef, StreamingCall, TriggerTypeDef,
+};
+use crate::engine_functions;
+use crate::error::BusError;
+
+/// Scope of the persisted bindings in the state store.
+pub(crate) const BINDINGS_SCOPE: &str = "engine_bindings";
+
+const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+struct Registered {
+    def: FunctionDef,
+    handler: Arc<dyn Handler>,
+}
+
+pub(crate) struct Inner {
+    functions: RwLock<HashMap<String, Arc<Registered>>>,
+    pub(crate) trigger_types: RwLock<HashMap<String, TriggerTypeDef>>,
+    pub(crate) bindings: RwLock<HashMap<String, Binding>>,
+    queue_groups: RwLock<HashMap<String, String>>,
+    pub(crate) store: Store,
+    queues: Queues,
+}
+
+/// The in-process bus. Cheap to clone.
+#[derive(Clone)]
+pub struct EmbeddedBus {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl EmbeddedBus {
+    /// A bus over `store`, with the `engine::*` and `state::*` functions registered and the
+    /// persisted bindings loaded.
+    pub fn new(store: Store) -> Result<EmbeddedBus, BusError> {
+        let queues = Queues::new(store.clone());
+        let bus = EmbeddedBus {
+            inner: Arc::new(Inner {
+                functions: RwLock::new(HashMap::new()),
+                trigger_types: RwLock::new(HashMap::new()),
+                bindings: RwLock::new(HashMap::new()),
+                queue_groups: RwLock::new(HashMap::new()),
+                store,
+                queues,
+            }),
+        };
+        let persisted = bus.inner.store.kv_list(BINDINGS_SCOPE)?;
+        {
+            let mut bindings = bus.inner.bindings.write().expect("bindings lock");
+            for (id, value) in persisted {
+                match serde_json::from_value::<Binding>(value) {
+                    Ok(b) => {
+                        bindings.insert(id, b);
+                    }
+                    Err(e) => tracing::warn!(binding = %id, "skipping unreadable binding: {e}"),
+                }
+            }
+        }
+        engine_functions::register(&bus);
+        Ok(bus)
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    pub fn queues(&self) -> &Queues {
+        &self.inner.queues
+    }
+
+    /// Every registered function's description, sorted by id.
+    pub fn function_defs(&self) -> Vec<FunctionDef> {
+        let functions = self.inner.functions.read().expect("functions lock");
+        let mut defs: Vec<FunctionDef> = functions.values().map(|r| r.def.clone()).collect();
+        defs.sort_by(|a, b| a.function_id.cmp(&b.function_id));
+        defs
+    }
+
+    pub fn function_def(&self, function_id: &str) -> Option<FunctionDef> {
+        let functions = self.inner.functions.read().expect("functions lock");
+        functions.get(function_id).map(|r| r.def.clone())
+    }
+
+    pub fn trigger_type_ids(&self) -> Vec<(String, String, Value)> {
+        let types = self.inner.trigger_types.read().expect("trigger types lock");
+        let mut out: Vec<_> = types
+            .values()
+            .map(|t| (t.id.clone(), t.description.clone(), t.config_schema.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Stops consuming queues; in-flight steps are left to redelivery.
+    pub async fn shutdown(&self) {
+        self.inner.queues.shutdown().await;
+    }
+
+    fn lookup(&self, function_id: &str) -> Result<Arc<Registered>, BusError> {
+        let functions = self.inner.functions.read().expect("functions lock");
+        functions
+            .get(function_id)
+            .cloned()
+            .ok_or_else(|| BusError::function_not_found(function_id))
+    }
+
+    async fn invoke(
+        &self,
+        function_id: &str,
+        payload: Value,
+        ctx: CallContext,
+        timeout: Option<Duration>,
+    ) -> Result<Value, BusError> {
+        let registered = self.lookup(function_id)?;
+        let timeout = timeout.unwrap_or(DEFAULT_CALL_TIMEOUT);
+        // A panicking handler must fail its call, not the caller's task.
+        let fut = AssertUnwindSafe(registered.handler.call(payload, ctx)).catch_unwind();
+        match tokio::time::timeout(timeout, fut).await {
+            Err(_) => Err(BusError::timeout(function_id, timeout.as_millis() as u64)),
+            Ok(Err(_panic)) => Err(BusError::internal(format!(
+                "{function_id} panicked while handling the call"
+            ))),
+            Ok(Ok(result)) => result,
+        }
+    }
+}
+
+#[async_trait]
+impl Bus for EmbeddedBus {
+    async fn call(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+    ) -> Result<Value, BusError> {
+        self.invoke(function_id, payload, CallContext::default(), timeout)
+            .await
+    }
+
+    async fn call_streaming(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+    ) -> Result<StreamingCall, BusError> {
+        self.lookup(function_id)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let bus = self.clone();
+        let function_id = function_id.to_string();
+        let result = Box::pin(async move {
+            bus.invoke(&function_id, payload, CallContext { frames: Some(tx) }, timeout)
+                .await
+        });
+        Ok(StreamingCall { frames: rx, result })
+    }
+
+    async fn call_void(&self, function_id: &str, payload: Value) {
+        let bus = self.clone();
+        let function_id = function_id.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = bus.call(&function_id, payload, None).await {
+                tracing::warn!(function = %function_id, "fire-and-forget call failed: {e}");
+            }
+        });
+    }
+
+    fn register_function(&self, def: FunctionDef, handler: Arc<dyn Handler>) {
+        let mut functions = self.inner.functions.write().expect("functions lock");
+        functions.insert(def.function_id.clone(), Arc::new(Registered { def, handler }));
+    }
+
+    fn register_trigger_type(&self, def: TriggerTypeDef) {
+        let mut types = self.inner.trigger_types.write().expect("trigger types lock");
+        types.insert(def.id.clone(), def);
+    }
+
+    async fn bindings(&self, trigger_type: &str) -> Result<Vec<Binding>, BusError> {
+        let bindings = self.inner.bindings.read().expect("bindings lock");
+        let mut out: Vec<Binding> = bindings
+            .values()
+            .filter(|b| b.trigger_type == trigger_type)
+            .cloned()
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    async fn define_queue(&self, def: QueueDef) -> Result<(), BusError> {
+        {
+            let mut groups = self.inner.queue_groups.write().expect("queue groups lock");
+            if groups.contains_key(&def.queue) {
+                return Ok(());
+            }
+            groups.insert(def.queue.clone(), def.message_group_field.clone());
+        }
+        self.inner.queues.define(
+            &def.queue,
+            QueueConfig {
+                concurrency: def.concurrency,
+                max_retries: def.max_retries,
+                backoff_ms: def.backoff_ms,
+                visibility_timeout_ms: def.visibility_timeout_ms,
+            },
+        );
+        let bus = self.clone();
+        let visibility = Duration::from_millis(def.visibility_timeout_ms);
+        let handler: QueueHandler = Arc::new(move |msg: QueueMessage| {
+            let bus = bus.clone();
+            Box::pin(async move {
+                bus.invoke(
+                    &msg.function_id,
+                    msg.payload,
+                    CallContext::default(),
+                    Some(visibility),
+                )
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+            })
+        });
+        self.inner.queues.start(&def.queue, handler);
+        Ok(())
+    }
+
+    async fn enqueue(
+        &self,
+        queue: &str,
+        function_id: &str,
+        payload: Value,
+    ) -> Result<(), BusError> {
+        let group_field = {
+            let groups = self.inner.queue_groups.read().expect("queue groups lock");
+            groups.get(queue).cloned()
+        }
+        .ok_or_else(|| BusError::internal(format!("queue '{queue}' is not defined")))?;
+        let group = match payload.get(&group_field) {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => String::new(),
+        };
+        self.inner
+            .queues
+            .enqueue(queue, &group, function_id, &payload)
+            .await?;
+        Ok(())
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        payload: Value,
+        dedupe_key: Option<String>,
+    ) -> Result<(), BusError> {
+        let session_id = payload
+            .get("session_id")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        self.inner
+            .store
+            .append_event(session_id.as_deref(), topic, &payload, dedupe_key.as_deref())
+            .await?;
+        Ok(())
+    }
+
+    async fn barrier(&self) -> Result<(), BusError> {
+        self.inner.store.barrier().await?;
+        Ok(())
+    }
+}

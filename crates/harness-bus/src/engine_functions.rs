@@ -1,0 +1,291 @@
+//! The engine's own functions on the embedded bus: discovery (`engine::functions::*`), trigger
+//! bindings (`engine::register_trigger`, ...) and state (`state::*`), with the same ids and shapes
+//! as on an iii engine.
+
+use std::sync::Arc;
+
+use harness_types::parse::parse_payload;
+use harness_types::HarnessError;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::bus::{Binding, Bus, CallContext, FunctionDef, Handler};
+use crate::embedded::{EmbeddedBus, BINDINGS_SCOPE};
+use crate::error::BusError;
+
+fn reg<F, Fut>(bus: &EmbeddedBus, def: FunctionDef, f: F)
+where
+    F: Fn(EmbeddedBus, Value) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Value, BusError>> + Send + 'static,
+{
+    let me = bus.clone();
+    let handler = move |payload: Value, _ctx: CallContext| f(me.clone(), payload);
+    bus.register_function(def, Arc::new(handler) as Arc<dyn Handler>);
+}
+
+#[derive(Deserialize)]
+struct ListRequest {
+    #[serde(default)]
+    prefix: Option<String>,
+    #[serde(default)]
+    include_internal: bool,
+}
+
+#[derive(Deserialize)]
+struct InfoRequest {
+    #[serde(default)]
+    function_id: Option<String>,
+    #[serde(default)]
+    function_ids: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+struct RegisterTriggerRequest {
+    trigger_type: String,
+    function_id: String,
+    #[serde(default)]
+    config: Value,
+    #[serde(default)]
+    metadata: Value,
+}
+
+#[derive(Deserialize)]
+struct IdRequest {
+    id: String,
+}
+
+#[derive(Deserialize)]
+struct TriggersListRequest {
+    #[serde(default)]
+    trigger_type: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct StateKey {
+    scope: String,
+    key: String,
+}
+
+#[derive(Deserialize)]
+struct StateSet {
+    scope: String,
+    key: String,
+    value: Value,
+}
+
+#[derive(Deserialize)]
+struct StateList {
+    scope: String,
+    #[serde(default)]
+    with_keys: bool,
+}
+
+fn info_of(def: &FunctionDef) -> Value {
+    json!({
+        "function_id": def.function_id,
+        "description": def.description,
+        "request_schema": def.request_schema,
+        "response_schema": def.response_schema,
+        "metadata": def.metadata,
+    })
+}
+
+pub(crate) fn register(bus: &EmbeddedBus) {
+    reg(
+        bus,
+        FunctionDef::new(
+            "engine::functions::list",
+            "List registered functions (internal ones only with include_internal).",
+        ),
+        |bus, payload| async move {
+            let req: ListRequest = parse_payload(payload)?;
+            let functions: Vec<Value> = bus
+                .function_defs()
+                .iter()
+                .filter(|d| req.include_internal || !d.is_internal())
+                .filter(|d| {
+                    req.prefix
+                        .as_deref()
+                        .is_none_or(|p| d.function_id.starts_with(p))
+                })
+                .map(|d| json!({"function_id": d.function_id, "description": d.description}))
+                .collect();
+            Ok(json!({ "functions": functions }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new(
+            "engine::functions::info",
+            "Describe one function (function_id) or several (function_ids), schemas included.",
+        ),
+        |bus, payload| async move {
+            let req: InfoRequest = parse_payload(payload)?;
+            if let Some(ids) = req.function_ids {
+                let items: Vec<Value> = ids
+                    .iter()
+                    .map(|id| match bus.function_def(id) {
+                        Some(def) => info_of(&def),
+                        None => json!({"function_id": id, "error": "not available"}),
+                    })
+                    .collect();
+                return Ok(json!({ "functions": items }));
+            }
+            let id = req.function_id.ok_or_else(|| {
+                HarnessError::invalid_field("function_id", "required (or function_ids)")
+            })?;
+            Ok(bus.function_def(&id).map(|d| info_of(&d)).unwrap_or(Value::Null))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new(
+            "engine::register_trigger",
+            "Bind a trigger type to a function; the binding persists across restarts.",
+        ),
+        |bus, payload| async move {
+            let req: RegisterTriggerRequest = parse_payload(payload)?;
+            let validate = {
+                let types = bus.inner.trigger_types.read().expect("trigger types lock");
+                let t = types.get(&req.trigger_type).ok_or_else(|| {
+                    HarnessError::invalid_field(
+                        "trigger_type",
+                        format!("unknown trigger type '{}'", req.trigger_type),
+                    )
+                })?;
+                t.validate.clone()
+            };
+            let config = if req.config.is_null() {
+                json!({})
+            } else {
+                req.config
+            };
+            if let Some(validate) = validate {
+                validate(&config).map_err(|why| HarnessError::invalid_field("config", why))?;
+            }
+            let binding = Binding {
+                id: format!("trg_{}", uuid::Uuid::new_v4().simple()),
+                trigger_type: req.trigger_type,
+                function_id: req.function_id,
+                config,
+                metadata: if req.metadata.is_null() {
+                    json!({})
+                } else {
+                    req.metadata
+                },
+            };
+            let value = serde_json::to_value(&binding)
+                .map_err(|e| BusError::internal(e.to_string()))?;
+            bus.store().kv_set(BINDINGS_SCOPE, &binding.id, &value).await?;
+            bus.inner
+                .bindings
+                .write()
+                .expect("bindings lock")
+                .insert(binding.id.clone(), binding.clone());
+            Ok(json!({ "id": binding.id }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new("engine::unregister_trigger", "Remove a trigger binding by id."),
+        |bus, payload| async move {
+            let req: IdRequest = parse_payload(payload)?;
+            let removed = bus
+                .inner
+                .bindings
+                .write()
+                .expect("bindings lock")
+                .remove(&req.id)
+                .is_some();
+            bus.store().kv_delete(BINDINGS_SCOPE, &req.id).await?;
+            Ok(json!({ "ok": removed }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new(
+            "engine::registered-triggers::list",
+            "Every trigger binding, optionally of one trigger type.",
+        ),
+        |bus, payload| async move {
+            let req: TriggersListRequest = parse_payload(payload)?;
+            let all: Vec<Binding> = {
+                let bindings = bus.inner.bindings.read().expect("bindings lock");
+                bindings
+                    .values()
+                    .filter(|b| {
+                        req.trigger_type
+                            .as_deref()
+                            .is_none_or(|t| t == b.trigger_type)
+                    })
+                    .cloned()
+                    .collect()
+            };
+            let mut all = all;
+            all.sort_by(|a, b| a.id.cmp(&b.id));
+            Ok(json!({ "triggers": all }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new("engine::triggers::list", "Trigger types and their config schemas."),
+        |bus, _payload| async move {
+            let types: Vec<Value> = bus
+                .trigger_type_ids()
+                .into_iter()
+                .map(|(id, description, schema)| {
+                    json!({"id": id, "description": description, "config_schema": schema})
+                })
+                .collect();
+            Ok(json!({ "trigger_types": types }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new("state::get", "Read a state value; null when absent."),
+        |bus, payload| async move {
+            let req: StateKey = parse_payload(payload)?;
+            Ok(bus.store().kv_get(&req.scope, &req.key)?.unwrap_or(Value::Null))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new("state::set", "Write a state value; returns the old and new values."),
+        |bus, payload| async move {
+            let req: StateSet = parse_payload(payload)?;
+            let old = bus.store().kv_set(&req.scope, &req.key, &req.value).await?;
+            Ok(json!({"old_value": old, "new_value": req.value}))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new("state::delete", "Delete a state value; returns the old value."),
+        |bus, payload| async move {
+            let req: StateKey = parse_payload(payload)?;
+            let old = bus.store().kv_delete(&req.scope, &req.key).await?;
+            Ok(json!({ "old_value": old }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new(
+            "state::list",
+            "Values of a scope (with_keys: true gives {key, value} pairs).",
+        ),
+        |bus, payload| async move {
+            let req: StateList = parse_payload(payload)?;
+            let rows = bus.store().kv_list(&req.scope)?;
+            let items: Vec<Value> = rows
+                .into_iter()
+                .map(|(k, v)| {
+                    if req.with_keys {
+                        json!({"key": k, "value": v})
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            Ok(Value::Array(items))
+        },
+    );
+}

@@ -1,0 +1,22 @@
+//! The Bus: everything the turn loop does outside itself goes through this interface.
+//!
+//! It is modelled on the iii engine: functions are called by id (plainly, or streaming frames for
+//! `router::chat`), registered with request/response JSON Schemas; trigger types are registered
+//! and bound to functions through the `engine::register_trigger` / `engine::unregister_trigger`
+//! functions; steps are enqueued on a named FIFO queue grouped by a payload field; state is the
+//! `state::*` functions.
+//!
+//! [`embedded::EmbeddedBus`] implements it in-process over SQLite. The iii implementation lives in
+//! its own crate. Architecture invariant: nothing that uses a `dyn Bus` may know which one it has.
+
+pub mod bus;
+pub mod embedded;
+mod engine_functions;
+pub mod error;
+
+pub use bus::{
+    Binding, Bus, CallContext, FrameSink, FunctionDef, Handler, HandlerFuture, QueueDef,
+    StreamingCall, TriggerTypeDef,
+};
+pub use embedded::EmbeddedBus;
+pub use error::BusError;

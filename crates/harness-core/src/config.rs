@@ -1,0 +1,42 @@
+//! Loop configuration, with the README's shipped defaults.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HarnessConfig {
+    /// Generate-step cap per turn when a send names none.
+    pub default_max_turns: u32,
+    /// Recovery generations after a stream failed with partial output.
+    pub max_transient_resumes: u32,
+    /// Minimum interval between streamed `update-message` writes (0 = every frame).
+    pub stream_coalesce_ms: u64,
+    /// Outer budget of one `router::chat`.
+    pub router_timeout_ms: u64,
+    /// Budget of `session::*`, `state::*` and `context::*` calls.
+    pub session_timeout_ms: u64,
+    /// Budget of one function target call.
+    pub dispatch_timeout_ms: u64,
+    /// Context window assumed for models the catalog does not know.
+    pub default_context_window: u64,
+    /// Steps of different sessions running at once.
+    pub queue_concurrency: usize,
+    /// A step not finished within this time is redelivered.
+    pub step_visibility_timeout_ms: u64,
+}
+
+impl Default for HarnessConfig {
+    fn default() -> Self {
+        HarnessConfig {
+            default_max_turns: 16,
+            max_transient_resumes: 1,
+            stream_coalesce_ms: 150,
+            router_timeout_ms: 620_000,
+            session_timeout_ms: 10_000,
+            dispatch_timeout_ms: 300_000,
+            default_context_window: 200_000,
+            queue_concurrency: 256,
+            step_visibility_timeout_ms: 900_000,
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! The turn events: recorded on the bus's event log (deduplicated, so a redelivered finalizer
+//! records them once) and fanned out to the bindings whose filter matches.
+
+use harness_types::api::{TurnCompletedEvent, TurnEventFilter, TurnStartedEvent};
+use serde_json::Value;
+
+use crate::harness::{Harness, Result};
+use crate::topics;
+
+/// Whether a binding's filter admits an event of `session_id` with this parent.
+fn admits(config: &Value, session_id: &str, parent_session_id: Option<&str>) -> bool {
+    let filter: TurnEventFilter = match serde_json::from_value(config.clone()) {
+        Ok(f) => f,
+        Err(_) => return false,
+    };
+    filter.session_id.as_deref().is_none_or(|s| s == session_id)
+        && filter
+            .parent_session_id
+            .as_deref()
+            .is_none_or(|p| Some(p) == parent_session_id)
+}
+
+impl Harness {
+    async fn emit(&self, topic: &str, dedupe_key: String, session_id: &str, parent: Option<&str>, payload: Value) -> Result<()> {
+        self.inner
+            .bus
+            .publish(topic, payload.clone(), Some(dedupe_key))
+            .await
+            .map_err(|e| e.into_harness())?;
+        let bindings = match self.inner.bus.bindings(topic).await {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(topic, "cannot list bindings: {e}");
+                return Ok(());
+            }
+        };
+        for b in bindings {
+            if admits(&b.config, session_id, parent) {
+                self.inner.bus.call_void(&b.function_id, payload.clone()).await;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn emit_turn_started(&self, ev: TurnStartedEvent) -> Result<()> {
+        let key = format!("{}:{}", topics::TURN_STARTED, ev.turn_id);
+        let session_id = ev.session_id.clone();
+        let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
+        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
+        self.emit(topics::TURN_STARTED, key, &session_id, parent.as_deref(), payload).await
+    }
+
+    pub(crate) async fn emit_turn_completed(&self, ev: TurnCompletedEvent) -> Result<()> {
+        let key = format!("{}:{}", topics::TURN_COMPLETED, ev.turn_id);
+        let session_id = ev.session_id.clone();
+        let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
+        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
+        self.emit(topics::TURN_COMPLETED, key, &session_id, parent.as_deref(), payload).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn filters_match_session_and_parent() {
+        assert!(admits(&json!({}), "s", None));
+        assert!(admits(&json!({"session_id": "s"}), "s", None));
+        assert!(!admits(&json!({"session_id": "x"}), "s", None));
+        assert!(admits(&json!({"parent_session_id": "p"}), "s", Some("p")));
+        assert!(!admits(&json!({"parent_session_id": "p"}), "s", None));
+        assert!(!admits(&json!({"bogus": 1}), "s", None));
+    }
+}

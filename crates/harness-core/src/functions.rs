@@ -1,0 +1,114 @@
+//! The `harness::*` functions on the bus, and the trigger types the loop emits.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness_bus::{BusError, CallContext, FunctionDef, Handler, TriggerTypeDef};
+use harness_types::api::*;
+use harness_types::parse::parse_payload;
+use harness_types::HarnessError;
+use schemars::{schema_for, JsonSchema};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::harness::Harness;
+use crate::topics;
+
+fn schema<T: JsonSchema>() -> Value {
+    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
+}
+
+fn register_fn<Req, Resp, F, Fut>(h: &Harness, def: FunctionDef, f: F)
+where
+    Req: DeserializeOwned + JsonSchema + Send + 'static,
+    Resp: Serialize + JsonSchema + 'static,
+    F: Fn(Harness, Req) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, HarnessError>> + Send + 'static,
+{
+    let def = def.schemas(schema::<Req>(), schema::<Resp>());
+    let harness = h.clone();
+    let f = Arc::new(f);
+    let handler = move |payload: Value, _ctx: CallContext| {
+        let harness = harness.clone();
+        let f = f.clone();
+        async move {
+            let req: Req = parse_payload(payload)?;
+            let resp = f(harness, req).await?;
+            serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
+        }
+    };
+    h.bus().register_function(def, Arc::new(handler) as Arc<dyn Handler>);
+}
+
+fn turn_event_filter_validator() -> harness_bus::bus::ConfigValidator {
+    Arc::new(|config: &Value| {
+        serde_json::from_value::<TurnEventFilter>(config.clone())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Registers the `harness::*` functions and the turn-event trigger types on the harness's bus.
+pub fn register(h: &Harness) {
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::send",
+            "Entry point: ensure the session, persist the incoming message, and kick off a turn; returns fast (or merges into a running turn).",
+        ),
+        |h, req: SendRequest| async move { h.send(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new("harness::status", "Read the current turn status for a session."),
+        |h, req: StatusRequest| async move { h.status(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new("harness::stop", "Request cancellation of an in-flight turn."),
+        |h, req: StopRequest| async move { h.stop(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::turn",
+            "Internal durable loop step (enqueued onto the harness-turn queue); not called directly.",
+        )
+        .internal(),
+        |h, req: TurnStepPayload| async move { run_step(&h, req).await },
+    );
+    for (id, description) in [
+        (topics::TURN_STARTED, "A harness turn began executing (first loop step)."),
+        (topics::TURN_COMPLETED, "A harness turn reached a terminal status (completed/cancelled/failed)."),
+    ] {
+        h.bus().register_trigger_type(TriggerTypeDef {
+            id: id.into(),
+            description: description.into(),
+            config_schema: schema::<TurnEventFilter>(),
+            validate: Some(turn_event_filter_validator()),
+        });
+    }
+}
+
+/// A step with in-place retries for a dependency that is (re)starting; any other error fails
+/// the turn with a durable error record instead of leaving it running.
+async fn run_step(h: &Harness, req: TurnStepPayload) -> Result<TurnStepResult, HarnessError> {
+    let mut attempt = 0;
+    loop {
+        match h.step(req.clone()).await {
+            Ok(r) => return Ok(r),
+            Err(e) if matches!(e.code, harness_types::ErrorCode::FunctionNotFound | harness_types::ErrorCode::Timeout) && attempt < 10 => {
+                attempt += 1;
+                tracing::warn!(session = %req.session_id, "step hit a transient dependency error, retrying: {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                tracing::error!(session = %req.session_id, turn = %req.turn_id, "step failed: {e}");
+                h.fail_turn(&req, &e).await?;
+                return Ok(TurnStepResult { session_id: req.session_id, status: TurnStatus::Failed, next_step: None, skipped: false });
+            }
+        }
+    }
+}

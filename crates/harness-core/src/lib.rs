@@ -1,0 +1,46 @@
+//! The harness turn loop.
+//!
+//! A message arrives through [`Harness::send`]; it is persisted, a turn record is seeded, and
+//! step 0 is enqueued on the `harness-turn` queue. Each step ([`Harness::step`]) drains steering
+//! messages, assembles the context, streams one generation into a pre-appended assistant entry,
+//! closes the function calls the model made, and either advances (enqueues the next step) or
+//! finalizes the turn. Every write has a deterministic id, so a redelivered step rewrites the
+//! same entries instead of adding new ones.
+//!
+//! Architecture invariant: this crate performs I/O only through a `dyn Bus`. It does not know
+//! whether it runs embedded or on an iii engine.
+
+mod config;
+mod dispatch;
+mod events;
+mod finalize;
+mod functions;
+mod harness;
+mod locks;
+mod prompt;
+mod record;
+mod send;
+mod status;
+mod step;
+mod steering;
+mod stop;
+mod stream;
+
+pub use config::HarnessConfig;
+pub use functions::register;
+pub use harness::Harness;
+pub use record::{CallCheckpoint, CallState, Failure, TurnOptions, TurnRecord};
+
+/// The queue every step runs on: FIFO per `session_id`, sessions in parallel.
+pub const TURN_QUEUE: &str = "harness-turn";
+/// State scope of the turn records (one per session, keyed by session id).
+pub const TURN_SCOPE: &str = "harness_turn";
+/// State scope of idempotency rows.
+pub const IDEM_SCOPE: &str = "harness_idem";
+
+/// Topics (trigger types) of the events the loop emits.
+pub mod topics {
+    pub const TURN_STARTED: &str = "harness::turn-started";
+    pub const TURN_COMPLETED: &str = "harness::turn-completed";
+    pub const MESSAGE_QUEUED: &str = "harness::message-queued";
+}

@@ -1,0 +1,83 @@
+//! System prompt assembly: resolved once at send time and frozen on the record; each step only
+//! appends the runtime aid after it.
+
+use harness_types::api::{FunctionPolicy, SystemPromptStrategy};
+
+/// The built-in identity every agent starts from.
+pub const IDENTITY: &str = "You are a capable assistant working inside harness, a durable agent loop. \
+Answer directly and concisely. When functions are available, call them only when they help, and \
+never call a function the dispatch policy does not allow.";
+
+pub(crate) fn resolve(custom: Option<&str>, strategy: SystemPromptStrategy) -> Option<String> {
+    let custom = custom.map(str::trim).filter(|c| !c.is_empty());
+    match (strategy, custom) {
+        (SystemPromptStrategy::Disabled, _) => None,
+        (SystemPromptStrategy::Override, Some(c)) => Some(c.to_string()),
+        (SystemPromptStrategy::Enrich, Some(c)) => Some(format!("{IDENTITY}\n\n{c}")),
+        (_, None) => Some(IDENTITY.to_string()),
+    }
+}
+
+/// The short policy aid line the prompt carries.
+pub(crate) fn policy_aid(policy: Option<&FunctionPolicy>) -> Option<String> {
+    let Some(p) = policy.filter(|p| !p.allow.is_empty()) else {
+        return Some("Function dispatch is entirely disabled this turn — do not call any function.".into());
+    };
+    if p.allow.iter().any(|a| a == "*") && p.deny.is_empty() {
+        return None;
+    }
+    let mut allow: Vec<&str> = p.allow.iter().map(String::as_str).collect();
+    allow.sort();
+    allow.dedup();
+    let mut line = String::from("Functions you may call this turn: ");
+    line.push_str(&allow.iter().take(30).copied().collect::<Vec<_>>().join(", "));
+    if allow.len() > 30 {
+        line.push_str(", …");
+    }
+    line.push('.');
+    if !p.deny.is_empty() {
+        let mut deny: Vec<&str> = p.deny.iter().map(String::as_str).collect();
+        deny.sort();
+        deny.dedup();
+        line.push_str(&format!(" Deny-listed on top: {}.", deny.join(", ")));
+    }
+    Some(line)
+}
+
+/// The prompt sent with one generation: the frozen prompt plus the runtime aid.
+pub(crate) fn for_step(frozen: Option<&str>, session_id: &str, policy: Option<&FunctionPolicy>) -> Option<String> {
+    let mut aid = format!("Your session id is {session_id}.");
+    if let Some(line) = policy_aid(policy) {
+        aid.push('\n');
+        aid.push_str(&line);
+    }
+    Some(match frozen {
+        Some(p) => format!("{p}\n\n{aid}"),
+        None => aid,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategies() {
+        assert_eq!(resolve(Some("X"), SystemPromptStrategy::Override).as_deref(), Some("X"));
+        assert_eq!(resolve(Some("X"), SystemPromptStrategy::Enrich), Some(format!("{IDENTITY}\n\nX")));
+        assert_eq!(resolve(Some("X"), SystemPromptStrategy::Disabled), None);
+        assert_eq!(resolve(Some("  "), SystemPromptStrategy::Override).as_deref(), Some(IDENTITY));
+    }
+
+    #[test]
+    fn policy_aid_lines() {
+        assert!(policy_aid(None).unwrap().contains("entirely disabled"));
+        let all = FunctionPolicy { allow: vec!["*".into()], ..Default::default() };
+        assert_eq!(policy_aid(Some(&all)), None);
+        let some = FunctionPolicy { allow: vec!["b::x".into(), "a::*".into()], deny: vec!["a::rm".into()], ..Default::default() };
+        assert_eq!(
+            policy_aid(Some(&some)).unwrap(),
+            "Functions you may call this turn: a::*, b::x. Deny-listed on top: a::rm."
+        );
+    }
+}

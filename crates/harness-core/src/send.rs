@@ -1,0 +1,391 @@
+//! `harness::send`: persist the message, then seed a turn or merge into the running one.
+
+use harness_types::api::{SendOptions, SendRequest, SendResponse, SystemPromptStrategy, TurnStatus};
+use harness_types::message::AgentMessage;
+use harness_types::session::{AppendRequest, CreateRequest, CreateResponse, EnsureRequest, EnsureResponse};
+use harness_types::{ids, now_ms, ErrorCode, HarnessError};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::harness::{Harness, Result};
+use crate::prompt;
+use crate::record::{message_preview, TurnOptions, TurnRecord};
+use crate::steering::QueuedMessage;
+use crate::IDEM_SCOPE;
+
+#[derive(Serialize, Deserialize)]
+struct IdemRow {
+    session_id: String,
+    turn_id: String,
+    entry_id: String,
+    ts: i64,
+}
+
+/// Checks the role before the shape, so the error names what is actually wrong.
+pub(crate) fn normalize_message(message: Value) -> Result<AgentMessage> {
+    match message {
+        Value::String(text) => Ok(AgentMessage::user_text(text, now_ms())),
+        Value::Object(ref map) => {
+            match map.get("role") {
+                Some(Value::String(r)) if r == "user" || r == "custom" => {}
+                Some(Value::String(r)) => {
+                    return Err(HarnessError::new(
+                        ErrorCode::InvalidMessageRole,
+                        format!("message.role: '{r}' cannot be sent; use 'user' or 'custom'"),
+                    ))
+                }
+                Some(other) => {
+                    return Err(HarnessError::new(
+                        ErrorCode::InvalidMessageRole,
+                        format!("message.role: must be the string 'user' or 'custom' (got {other})"),
+                    ))
+                }
+                None => return Err(HarnessError::invalid_field("message.role", "missing field `role`")),
+            }
+            let mut m: AgentMessage = harness_types::parse::parse_payload(message)
+                .map_err(|e| HarnessError::invalid(format!("message.{}", e.message)))?;
+            match &mut m {
+                AgentMessage::User(u) if u.timestamp == 0 => u.timestamp = now_ms(),
+                AgentMessage::Custom(c) if c.timestamp == 0 => c.timestamp = now_ms(),
+                _ => {}
+            }
+            Ok(m)
+        }
+        Value::Null => Err(HarnessError::invalid_field("message", "missing field `message`")),
+        other => Err(HarnessError::invalid_field(
+            "message",
+            format!("must be a string or a message object (got {})", json_kind(&other)),
+        )),
+    }
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn validate_options(o: &SendOptions) -> Result<()> {
+    if o.max_turns == Some(0) {
+        return Err(HarnessError::invalid_field("options.max_turns", "must be at least 1"));
+    }
+    if let Some(r) = &o.reasoning {
+        if r != "lowest" {
+            return Err(HarnessError::invalid_field(
+                "options.reasoning",
+                format!("only \"lowest\" is accepted (got \"{r}\")"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Harness {
+    pub async fn send(&self, req: SendRequest) -> Result<SendResponse> {
+        let message = normalize_message(req.message.clone())?;
+        let options = req.options.clone().unwrap_or_default();
+        validate_options(&options)?;
+        if let Some(id) = &req.session_id {
+            if id.is_empty() {
+                return Err(HarnessError::invalid_field("session_id", "must not be empty"));
+            }
+        }
+        if let Some(key) = &req.idempotency_key {
+            if key.is_empty() {
+                return Err(HarnessError::invalid_field("idempotency_key", "must not be empty"));
+            }
+            if let Some(row) = self.idem_row(key).await? {
+                return Ok(SendResponse {
+                    session_id: row.session_id,
+                    turn_id: row.turn_id,
+                    accepted: true,
+                    deduplicated: Some(true),
+                    ..SendResponse::default()
+                });
+            }
+        }
+        let session_id = req.session_id.clone().unwrap_or_else(ids::new_session_id);
+        let _guard = self.inner.locks.lock(&session_id).await;
+        // Re-check under the lock: two sends with one key racing must not both append.
+        if let Some(key) = &req.idempotency_key {
+            if let Some(row) = self.idem_row(key).await? {
+                return Ok(SendResponse {
+                    session_id: row.session_id,
+                    turn_id: row.turn_id,
+                    accepted: true,
+                    deduplicated: Some(true),
+                    ..SendResponse::default()
+                });
+            }
+        }
+        let prev = match &req.session_id {
+            Some(id) => self.load_record(id).await?,
+            None => None,
+        };
+        let frozen = self.freeze_options(&req, &options, prev.as_ref())?;
+
+        // The session.
+        match &req.session_id {
+            Some(id) => {
+                let init = req.session.clone().unwrap_or_default();
+                let _: EnsureResponse = self
+                    .call(
+                        "session::ensure",
+                        &EnsureRequest {
+                            session_id: id.clone(),
+                            title: init.title,
+                            metadata: init.metadata,
+                            kind: init.kind,
+                        },
+                    )
+                    .await?;
+            }
+            None => {
+                let init = req.session.clone().unwrap_or_default();
+                let _: CreateResponse = self
+                    .call(
+                        "session::create",
+                        &CreateRequest {
+                            session_id: Some(session_id.clone()),
+                            title: init.title,
+                            metadata: init.metadata,
+                            kind: init.kind,
+                        },
+                    )
+                    .await?;
+            }
+        }
+
+        let entry_id = match &req.idempotency_key {
+            Some(key) => ids::idempotent_user_entry(key),
+            None => ids::new_entry_id(),
+        };
+        let preview = message_preview(&message.text());
+        let response = match prev {
+            Some(rec) if rec.status == TurnStatus::Running => {
+                // A step may be streaming: park the message for the next step's drain.
+                self.queue_message(&QueuedMessage {
+                    id: ids::new_queue_id(),
+                    session_id: session_id.clone(),
+                    message,
+                    entry_id: entry_id.clone(),
+                    origin: None,
+                    queued_at: now_ms(),
+                })
+                .await?;
+                let _ = self
+                    .inner
+                    .bus
+                    .publish(
+                        crate::topics::MESSAGE_QUEUED,
+                        json!({"session_id": session_id, "entry_id": entry_id, "queued_at": now_ms(), "timestamp": now_ms()}),
+                        None,
+                    )
+                    .await;
+                SendResponse {
+                    session_id: session_id.clone(),
+                    turn_id: rec.turn_id,
+                    accepted: true,
+                    merged: Some(true),
+                    queued: Some(true),
+                    ..SendResponse::default()
+                }
+            }
+            Some(rec) if rec.status == TurnStatus::AwaitingFunctions => {
+                // Parked: nothing is streaming, so the message goes straight in and steers the
+                // next generation.
+                self.append_user(&session_id, message, &entry_id, &rec.turn_id).await?;
+                SendResponse {
+                    session_id: session_id.clone(),
+                    turn_id: rec.turn_id,
+                    accepted: true,
+                    merged: Some(true),
+                    ..SendResponse::default()
+                }
+            }
+            prev => {
+                let turn_id = ids::new_turn_id();
+                self.append_user(&session_id, message, &entry_id, &turn_id).await?;
+                let depth = prev.as_ref().map_or(0, |p| p.depth);
+                let parent = prev.as_ref().and_then(|p| p.parent.clone());
+                let mut rec = new_record(&session_id, &turn_id, frozen, depth, parent, preview);
+                self.save_record(&mut rec).await?;
+                if let Err(e) = self.enqueue_step(&rec).await {
+                    // Never leave a `running` record that no step will ever pick up.
+                    rec.status = TurnStatus::Failed;
+                    rec.result_error = Some("the turn could not be scheduled".into());
+                    self.save_record(&mut rec).await?;
+                    return Err(e);
+                }
+                SendResponse {
+                    session_id: session_id.clone(),
+                    turn_id,
+                    accepted: true,
+                    ..SendResponse::default()
+                }
+            }
+        };
+        if let Some(key) = &req.idempotency_key {
+            let row = IdemRow {
+                session_id: response.session_id.clone(),
+                turn_id: response.turn_id.clone(),
+                entry_id,
+                ts: now_ms(),
+            };
+            let value = serde_json::to_value(row).map_err(|e| HarnessError::internal(e.to_string()))?;
+            self.inner
+                .bus
+                .state_set(IDEM_SCOPE, key, value)
+                .await
+                .map_err(|e| e.into_harness())?;
+        }
+        // What we answer must survive a crash (and, with fsync on, a power loss).
+        self.barrier().await?;
+        Ok(response)
+    }
+
+    async fn idem_row(&self, key: &str) -> Result<Option<IdemRow>> {
+        let v = self
+            .inner
+            .bus
+            .state_get(IDEM_SCOPE, key)
+            .await
+            .map_err(|e| e.into_harness())?;
+        Ok(v.and_then(|v| serde_json::from_value(v).ok()))
+    }
+
+    async fn append_user(&self, session_id: &str, message: AgentMessage, entry_id: &str, turn_id: &str) -> Result<()> {
+        self.append(AppendRequest {
+            session_id: session_id.to_string(),
+            message: Some(message),
+            custom: None,
+            entry_id: Some(entry_id.to_string()),
+            origin: Some(json!({ "turn_id": turn_id })),
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Resolves the options the next turn would run with. Explicit fields win; omitted ones are
+    /// inherited from the previous turn (model, provider, policy, prompt, reasoning).
+    fn freeze_options(&self, req: &SendRequest, o: &SendOptions, prev: Option<&TurnRecord>) -> Result<TurnOptions> {
+        let prev_opts = prev.map(|p| &p.options);
+        let (model, provider) = match (&req.model, prev_opts) {
+            (Some(m), _) if m.is_empty() => {
+                return Err(HarnessError::invalid_field("model", "must not be empty"))
+            }
+            (Some(m), p) => (
+                m.clone(),
+                req.provider
+                    .clone()
+                    .or_else(|| p.filter(|p| &p.model == m).and_then(|p| p.provider.clone())),
+            ),
+            (None, Some(p)) => (p.model.clone(), req.provider.clone().or_else(|| p.provider.clone())),
+            (None, None) => {
+                return Err(HarnessError::invalid_field(
+                    "model",
+                    match &req.session_id {
+                        Some(id) => format!("required: session '{id}' has no previous turn to inherit a model from"),
+                        None => "required when the send creates a session".to_string(),
+                    },
+                ))
+            }
+        };
+        let system_prompt = if o.system_prompt.is_none() && o.system_prompt_strategy.is_none() {
+            match prev_opts {
+                Some(p) => p.system_prompt.clone(),
+                None => prompt::resolve(None, SystemPromptStrategy::Enrich),
+            }
+        } else {
+            prompt::resolve(o.system_prompt.as_deref(), o.system_prompt_strategy.unwrap_or_default())
+        };
+        let (thinking_level, provider_options) = if o.thinking_level.is_none() && o.provider_options.is_none() {
+            prev_opts.map_or((None, None), |p| (p.thinking_level, p.provider_options.clone()))
+        } else {
+            (o.thinking_level, o.provider_options.clone().filter(|v| v.as_object().is_none_or(|m| !m.is_empty())))
+        };
+        Ok(TurnOptions {
+            model,
+            provider,
+            system_prompt,
+            max_turns: o.max_turns.unwrap_or(self.inner.config.default_max_turns),
+            max_output_tokens: o.max_output_tokens.or(prev_opts.and_then(|p| p.max_output_tokens)),
+            thinking_level,
+            provider_options,
+            output: o.output.clone().unwrap_or_default(),
+            functions: o.functions.clone().or_else(|| prev_opts.and_then(|p| p.functions.clone())),
+            metadata: o.metadata.clone(),
+            max_transient_resumes: self.inner.config.max_transient_resumes,
+        })
+    }
+}
+
+pub(crate) fn new_record(
+    session_id: &str,
+    turn_id: &str,
+    options: TurnOptions,
+    depth: u32,
+    parent: Option<harness_types::api::ParentLink>,
+    preview: Option<String>,
+) -> TurnRecord {
+    let now = now_ms();
+    TurnRecord {
+        turn_id: turn_id.to_string(),
+        session_id: session_id.to_string(),
+        status: TurnStatus::Running,
+        step: 0,
+        turn_count: 0,
+        depth,
+        message_preview: preview,
+        abort: false,
+        watermark_entry_id: None,
+        stream_request_id: None,
+        options,
+        calls: Default::default(),
+        parent,
+        result: None,
+        result_error: None,
+        failure: None,
+        transient_resumes: 0,
+        stop_reason: None,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harness_types::message::UserMessage;
+    use serde_json::json;
+
+    #[test]
+    fn roles_other_than_user_and_custom_are_refused_by_name() {
+        let err = normalize_message(json!({"role": "assistant", "content": []})).unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidMessageRole);
+        assert!(err.message.starts_with("message.role:"), "{err}");
+        let err = normalize_message(json!({"role": "wizard"})).unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidMessageRole);
+        let err = normalize_message(json!(5)).unwrap_err();
+        assert!(err.to_string().contains("message: must be a string"), "{err}");
+    }
+
+    #[test]
+    fn a_malformed_user_message_names_the_inner_field() {
+        let err = normalize_message(json!({"role": "user", "content": [{"type": "text", "text": 3}]})).unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidRequest);
+        assert!(err.message.starts_with("message."), "{err}");
+    }
+
+    #[test]
+    fn strings_become_user_text() {
+        let m = normalize_message(json!("hi")).unwrap();
+        assert!(matches!(m, AgentMessage::User(UserMessage { .. })));
+        assert_eq!(m.text(), "hi");
+    }
+}

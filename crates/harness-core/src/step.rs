@@ -1,0 +1,308 @@
+//! One durable step (`harness::turn`), top to bottom.
+//!
+//! generate: guard → drain steering → first-step event → max_turns → context → pre-append the
+//! assistant entry → stream (lock released) ; finish: cancel? → failure/resume? → calls →
+//! advance or finalize.
+
+use harness_context::{AssembleOptions, AssembleRequest, AssembleResponse, ModelRef};
+use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
+use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason};
+use harness_types::router::ChatRequest;
+use harness_types::session::{AppendRequest, Entry, SessionStatus};
+use harness_types::{ids, now_ms, HarnessError};
+use serde_json::json;
+
+use crate::dispatch::plan_calls;
+use crate::finalize::Outcome;
+use crate::harness::{Harness, Result};
+use crate::locks::SessionGuard;
+use crate::prompt;
+use crate::record::TurnRecord;
+
+/// Tokens reserved for request framing.
+const FRAMING_TOKENS: u64 = 64;
+
+fn skipped(session_id: &str) -> TurnStepResult {
+    TurnStepResult { session_id: session_id.to_string(), status: TurnStatus::Running, next_step: None, skipped: true }
+}
+
+fn done(rec: &TurnRecord) -> TurnStepResult {
+    TurnStepResult {
+        session_id: rec.session_id.clone(),
+        status: rec.status,
+        next_step: (rec.status == TurnStatus::Running).then_some(rec.step),
+        skipped: false,
+    }
+}
+
+/// The model's view of the transcript: messages only, and every function call that has no
+/// result anywhere gets a synthetic one right after its assistant message (context copy only).
+fn model_messages(entries: &[Entry]) -> Vec<AgentMessage> {
+    let messages: Vec<&AgentMessage> = entries.iter().filter_map(|e| e.message.as_ref()).collect();
+    let answered: std::collections::HashSet<&str> = messages
+        .iter()
+        .filter_map(|m| match m {
+            AgentMessage::FunctionResult(r) => Some(r.function_call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    let mut out = Vec::with_capacity(messages.len());
+    for m in messages {
+        out.push(m.clone());
+        if let AgentMessage::Assistant(a) = m {
+            for b in &a.content {
+                if let ContentBlock::FunctionCall { id, function_id, .. } = b {
+                    if !answered.contains(id.as_str()) {
+                        out.push(AgentMessage::FunctionResult(FunctionResultMessage {
+                            function_call_id: id.clone(),
+                            function_id: function_id.clone(),
+                            content: vec![ContentBlock::text(
+                                "result unknown: the call was interrupted after dispatch; it ran at most once — verify its effect before repeating it",
+                            )],
+                            details: json!({"error": "interrupted"}),
+                            is_error: true,
+                            timestamp: a.timestamp,
+                        }));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+impl Harness {
+    /// Runs one step. Stale and duplicate deliveries are acknowledged and dropped.
+    pub async fn step(&self, payload: TurnStepPayload) -> Result<TurnStepResult> {
+        let sid = payload.session_id.clone();
+        let guard = self.inner.locks.lock(&sid).await;
+        let Some(mut rec) = self.load_record(&sid).await? else {
+            return Ok(skipped(&sid));
+        };
+        if rec.turn_id != payload.turn_id || rec.step != payload.step {
+            return Ok(skipped(&sid));
+        }
+        if rec.is_terminal() {
+            // A crash between the terminal write and the event: publish again (deduplicated).
+            self.after_terminal(&rec).await?;
+            return Ok(skipped(&sid));
+        }
+        if rec.status != TurnStatus::Running {
+            return Ok(skipped(&sid));
+        }
+        if rec.abort {
+            return self.finalize(&mut rec, Outcome::Cancelled).await.map(|_| done(&rec));
+        }
+        self.drain_queue(&sid, &rec.turn_id).await?;
+        self.set_status(&sid, SessionStatus::Working, Some("preparing context")).await?;
+        if rec.step == 0 && rec.turn_count == 0 {
+            self.emit_turn_started(TurnStartedEvent {
+                session_id: sid.clone(),
+                turn_id: rec.turn_id.clone(),
+                timestamp: now_ms(),
+                parent: rec.parent.clone(),
+                depth: rec.depth,
+                message_preview: rec.message_preview.clone(),
+            })
+            .await?;
+        }
+        if rec.turn_count >= rec.options.max_turns {
+            let text = format!("max_turns ({}) reached; ending the turn.", rec.options.max_turns);
+            self.append_custom(&sid, ids::max_turns_entry(&rec.turn_id), "notice", json!({"reason": "max_turns", "message": text}), &rec.turn_id)
+                .await?;
+            rec.stop_reason = Some("max_turns".into());
+            self.finalize(&mut rec, Outcome::Completed(json!(text))).await?;
+            return Ok(done(&rec));
+        }
+
+        // Context.
+        let entries = self.transcript(&sid).await?;
+        let new_watermark = entries.last().map(|e| e.entry_id.clone());
+        let messages = model_messages(&entries);
+        let system_prompt = prompt::for_step(rec.options.system_prompt.as_deref(), &sid, rec.options.functions.as_ref());
+        let assembled = match self.assemble(&rec, messages, system_prompt).await {
+            Ok(a) => a,
+            Err(overflow) => {
+                self.finalize(&mut rec, Outcome::failed("harness.context_overflow", "context_assembly", "The conversation no longer fits the model's context window.", Some(overflow)))
+                    .await?;
+                return Ok(done(&rec));
+            }
+        };
+        if assembled.messages.is_empty() {
+            self.finalize(&mut rec, Outcome::failed("harness.empty_context", "context_assembly", "There was nothing to send to the model.", None)).await?;
+            return Ok(done(&rec));
+        }
+        let cancel = self.signal(&rec.turn_id);
+        if cancel.is_cancelled() {
+            self.finalize(&mut rec, Outcome::Cancelled).await?;
+            return Ok(done(&rec));
+        }
+
+        // The assistant entry exists before the first token, so a replay reuses it.
+        let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
+        self.append(AppendRequest {
+            session_id: sid.clone(),
+            message: Some(AgentMessage::Assistant(AssistantMessage {
+                content: vec![],
+                model: rec.options.model.clone(),
+                provider: rec.options.provider.clone().unwrap_or_default(),
+                stop_reason: StopReason::End,
+                usage: None,
+                error_kind: None,
+                error_message: None,
+                native_stop_reason: None,
+                warnings: None,
+                timestamp: now_ms(),
+            })),
+            custom: None,
+            entry_id: Some(entry_id.clone()),
+            origin: Some(json!({"turn_id": rec.turn_id})),
+        })
+        .await?;
+        let request_id = ids::request_id(&rec.turn_id, rec.step);
+        rec.stream_request_id = Some(request_id.clone());
+        self.save_record(&mut rec).await?;
+        let req = ChatRequest {
+            request_id,
+            session_id: Some(sid.clone()),
+            model: rec.options.model.clone(),
+            provider: rec.options.provider.clone(),
+            system_prompt: assembled.system_prompt,
+            messages: assembled.messages,
+            tools: vec![],
+            thinking_level: rec.options.thinking_level,
+            max_output_tokens: rec.options.max_output_tokens,
+            provider_options: rec.options.provider_options.clone(),
+            response_format: None,
+        };
+
+        // Generate with the lock released, so `stop` can land mid-stream.
+        drop(guard);
+        let _ = self.set_status(&sid, SessionStatus::Working, Some(&format!("waiting for {}", rec.options.model))).await;
+        let generation = self.generate(req, &sid, &entry_id, cancel.clone()).await;
+        let guard: SessionGuard = self.inner.locks.lock(&sid).await;
+        let generation = generation?;
+
+        // Finish, on the durable record as it is now (a stop may have finalized it meanwhile).
+        let Some(mut rec) = self.load_record(&sid).await? else {
+            return Ok(skipped(&sid));
+        };
+        if rec.turn_id != payload.turn_id || rec.step != payload.step || rec.is_terminal() {
+            drop(guard);
+            return Ok(skipped(&sid));
+        }
+        rec.watermark_entry_id = new_watermark;
+        rec.turn_count += 1;
+        if rec.abort || cancel.is_cancelled() || generation.message.stop_reason == StopReason::Aborted {
+            self.finalize(&mut rec, Outcome::Cancelled).await?;
+            return Ok(done(&rec));
+        }
+        if let Some(err) = &generation.error {
+            let partial = generation.has_partial();
+            if partial {
+                let text = harness_types::message::joined_text(&generation.message.content);
+                rec.result = Some(if text.trim().is_empty() { json!(generation.message.content) } else { json!(text) });
+            }
+            if partial && err.kind.retryable() && rec.transient_resumes < rec.options.max_transient_resumes && rec.turn_count < rec.options.max_turns {
+                self.begin_resume(&mut rec, &err.message).await?;
+                return self.advance(&mut rec).await.map(|_| done(&rec));
+            }
+            let outcome = Outcome::generation_failed(err, &rec.options.model, rec.options.provider.as_deref(), partial);
+            self.finalize(&mut rec, outcome).await?;
+            return Ok(done(&rec));
+        }
+        if rec.transient_resumes > 0 {
+            self.append_custom(
+                &sid,
+                ids::recovery_entry(&rec.turn_id, rec.transient_resumes, "recovered"),
+                "recovery",
+                json!({"status": "recovered", "attempt": rec.transient_resumes, "max_attempts": rec.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
+                &rec.turn_id,
+            )
+            .await?;
+        }
+        let calls = plan_calls(&generation.message.content);
+        if !calls.is_empty() {
+            let cut = (generation.message.stop_reason == StopReason::Length).then_some("the reply hit the output limit");
+            self.dispatch_calls(&mut rec, &calls, cut).await?;
+            return self.advance(&mut rec).await.map(|_| done(&rec));
+        }
+        if !self.queued(&sid).await?.is_empty() {
+            // Steering arrived while the model was answering: it gets to react.
+            return self.advance(&mut rec).await.map(|_| done(&rec));
+        }
+        let text = harness_types::message::joined_text(&generation.message.content);
+        self.finalize(&mut rec, Outcome::Completed(json!(text))).await?;
+        Ok(done(&rec))
+    }
+
+    /// Persists `step + 1` and enqueues it.
+    pub(crate) async fn advance(&self, rec: &mut TurnRecord) -> Result<()> {
+        rec.step += 1;
+        rec.status = TurnStatus::Running;
+        self.save_record(rec).await?;
+        self.enqueue_step(rec).await
+    }
+
+    async fn begin_resume(&self, rec: &mut TurnRecord, reason: &str) -> Result<()> {
+        let k = rec.transient_resumes + 1;
+        let sid = rec.session_id.clone();
+        self.append_custom(
+            &sid,
+            ids::recovery_entry(&rec.turn_id, k, "recovering"),
+            "recovery",
+            json!({"status": "recovering", "summary": "The provider stopped mid-answer; resuming from the partial reply.", "detail": reason,
+                   "phase": "generation", "attempt": k, "max_attempts": rec.options.max_transient_resumes,
+                   "partial_result_available": true, "timestamp": now_ms()}),
+            &rec.turn_id,
+        )
+        .await?;
+        let nudge = format!(
+            "The provider/router ended transiently after streaming the previous partial response: {reason}. \
+             Resume from the transcript and return the complete deliverable, incorporating the previous partial \
+             response. Do not repeat function calls that already have successful results."
+        );
+        self.append(AppendRequest {
+            session_id: sid,
+            message: Some(AgentMessage::user_text(nudge, now_ms())),
+            custom: None,
+            entry_id: Some(ids::transient_resume_entry(&rec.turn_id, k)),
+            origin: Some(json!({"turn_id": rec.turn_id, "recovery": true})),
+        })
+        .await?;
+        rec.transient_resumes = k;
+        Ok(())
+    }
+
+    /// `context::assemble` when a context manager is registered, the raw history otherwise.
+    async fn assemble(&self, rec: &TurnRecord, messages: Vec<AgentMessage>, system_prompt: Option<String>) -> std::result::Result<AssembleResponse, String> {
+        let req = AssembleRequest {
+            messages,
+            model: ModelRef { id: rec.options.model.clone(), provider: rec.options.provider.clone() },
+            system_prompt,
+            tools: vec![],
+            options: AssembleOptions {
+                request_overhead_tokens: FRAMING_TOKENS,
+                context_window: self.inner.config.default_context_window,
+                max_output_tokens: rec.options.max_output_tokens.unwrap_or(0) as u64,
+            },
+        };
+        let payload = serde_json::to_value(&req).map_err(|e| e.to_string())?;
+        match self.inner.bus.call("context::assemble", payload, Some(std::time::Duration::from_millis(self.inner.config.session_timeout_ms))).await {
+            Ok(v) => serde_json::from_value(v).map_err(|e| format!("context::assemble answered an unexpected shape: {e}")),
+            Err(e) if e.is_not_found() => harness_context::assemble(req),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Fails the current turn of a session after an unexpected step error.
+    pub(crate) async fn fail_turn(&self, payload: &TurnStepPayload, err: &HarnessError) -> Result<()> {
+        let _guard = self.inner.locks.lock(&payload.session_id).await;
+        let Some(mut rec) = self.load_record(&payload.session_id).await? else { return Ok(()) };
+        if rec.turn_id != payload.turn_id || rec.is_terminal() {
+            return Ok(());
+        }
+        self.finalize(&mut rec, Outcome::failed("harness.turn_internal", "execution", "The turn stopped on an internal error.", Some(err.to_string())))
+            .await
+    }
+}

@@ -1,0 +1,41 @@
+//! `harness::stop`: durable abort plus cancelling the generation in flight.
+
+use harness_types::api::{StopRequest, StopResponse};
+use harness_types::session::SessionStatus;
+use serde_json::json;
+
+use crate::finalize::Outcome;
+use crate::harness::{Harness, Result};
+
+impl Harness {
+    pub async fn stop(&self, req: StopRequest) -> Result<StopResponse> {
+        let Some(rec) = self.load_record(&req.session_id).await? else {
+            // Nothing to stop; make sure the session does not look busy.
+            let _ = self.set_status(&req.session_id, SessionStatus::Idle, None).await;
+            return Ok(StopResponse { stopping: false });
+        };
+        if rec.is_terminal() || req.turn_id.as_deref().is_some_and(|t| t != rec.turn_id) {
+            return Ok(StopResponse { stopping: false });
+        }
+        let turn_id = rec.turn_id.clone();
+        // First cut the generation (lock-free: the step does not hold the lock while streaming).
+        self.fire_signal(&turn_id);
+        if let Some(request_id) = &rec.stream_request_id {
+            let _ = self
+                .inner
+                .bus
+                .call("router::abort", json!({"request_id": request_id}), Some(std::time::Duration::from_secs(2)))
+                .await;
+        }
+        let _guard = self.inner.locks.lock(&req.session_id).await;
+        let Some(mut rec) = self.load_record(&req.session_id).await? else {
+            return Ok(StopResponse { stopping: false });
+        };
+        if rec.turn_id != turn_id || rec.is_terminal() {
+            return Ok(StopResponse { stopping: false });
+        }
+        self.finalize(&mut rec, Outcome::Cancelled).await?;
+        self.barrier().await?;
+        Ok(StopResponse { stopping: true })
+    }
+}

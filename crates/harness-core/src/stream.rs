@@ -1,0 +1,263 @@
+//! One generation: call `router::chat`, fold its frames into the pre-appended assistant entry
+//! with coalesced `session::update-message` writes, and end with exactly one outcome.
+
+use std::time::{Duration, Instant};
+
+use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
+use harness_types::router::{ChatAck, ChatRequest, Frame};
+use harness_types::session::{UpdateMessageRequest, UpdateMessageResponse};
+use harness_types::HarnessError;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::harness::{Harness, Result};
+
+/// How a generation ended.
+pub(crate) struct Generation {
+    pub message: AssistantMessage,
+    /// Set when the provider failed; the message holds the partial output.
+    pub error: Option<GenerationError>,
+}
+
+pub(crate) struct GenerationError {
+    pub code: String,
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Generation {
+    pub fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+
+    /// True when something the user could see was streamed before the failure.
+    pub fn has_partial(&self) -> bool {
+        self.message.content.iter().any(|b| match b {
+            ContentBlock::Text { text } | ContentBlock::Thinking { text, .. } => !text.trim().is_empty(),
+            _ => true,
+        })
+    }
+}
+
+/// Folds frames into content blocks; a function call's arguments arrive as JSON text in pieces.
+struct Accumulator {
+    content: Vec<ContentBlock>,
+    args_text: String,
+    usage: Option<harness_types::message::Usage>,
+}
+
+impl Accumulator {
+    fn apply(&mut self, frame: &Frame) -> bool {
+        match frame {
+            Frame::TextStart => self.content.push(ContentBlock::text("")),
+            Frame::TextDelta { delta } => match self.content.last_mut() {
+                Some(ContentBlock::Text { text }) => text.push_str(delta),
+                _ => self.content.push(ContentBlock::text(delta.clone())),
+            },
+            Frame::ThinkingStart => self.content.push(ContentBlock::Thinking {
+                text: String::new(),
+                signature: None,
+            }),
+            Frame::ThinkingDelta { delta } => match self.content.last_mut() {
+                Some(ContentBlock::Thinking { text, .. }) => text.push_str(delta),
+                _ => self.content.push(ContentBlock::Thinking {
+                    text: delta.clone(),
+                    signature: None,
+                }),
+            },
+            Frame::ThinkingEnd { signature } => {
+                if let Some(ContentBlock::Thinking { signature: s, .. }) = self.content.last_mut() {
+                    *s = signature.clone();
+                }
+            }
+            Frame::FunctionCallStart { id, function_id } => {
+                self.args_text.clear();
+                self.content.push(ContentBlock::FunctionCall {
+                    id: id.clone(),
+                    function_id: function_id.clone(),
+                    // Until the call ends its arguments are incomplete: marked so they can never
+                    // be executed if the stream breaks here.
+                    arguments: json!({"_partial": true}),
+                });
+            }
+            Frame::FunctionCallDelta { delta } => {
+                self.args_text.push_str(delta);
+                return false;
+            }
+            Frame::FunctionCallEnd => {
+                let parsed = if self.args_text.trim().is_empty() {
+                    json!({})
+                } else {
+                    serde_json::from_str::<Value>(&self.args_text)
+                        .unwrap_or_else(|_| json!({"_raw": self.args_text.clone()}))
+                };
+                if let Some(ContentBlock::FunctionCall { arguments, .. }) = self.content.last_mut() {
+                    *arguments = parsed;
+                }
+            }
+            Frame::Usage { usage } => {
+                self.usage = Some(usage.clone());
+                return false;
+            }
+            _ => return false,
+        }
+        true
+    }
+}
+
+impl Harness {
+    async fn write_stream(&self, session_id: &str, entry_id: &str, message: &AssistantMessage, details: Option<Value>) -> Result<()> {
+        let _: UpdateMessageResponse = self
+            .call(
+                "session::update-message",
+                &UpdateMessageRequest {
+                    session_id: session_id.to_string(),
+                    entry_id: entry_id.to_string(),
+                    content: message.content.clone(),
+                    usage: message.usage.clone(),
+                    stop_reason: Some(message.stop_reason),
+                    details,
+                    origin: None,
+                    expected_revision: None,
+                },
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Streams one generation into `entry_id`. Bus failures (no router, a dropped link) are step
+    /// errors; provider failures are a `Generation` with `error` set.
+    pub(crate) async fn generate(
+        &self,
+        req: ChatRequest,
+        session_id: &str,
+        entry_id: &str,
+        cancel: CancellationToken,
+    ) -> Result<Generation> {
+        let c = &self.inner.config;
+        let model = req.model.clone();
+        let provider = req.provider.clone().unwrap_or_default();
+        let request_id = req.request_id.clone();
+        let payload = serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let mut call = self
+            .inner
+            .bus
+            .call_streaming("router::chat", payload, Some(Duration::from_millis(c.router_timeout_ms)))
+            .await
+            .map_err(|e| e.into_harness())?;
+        let coalesce = Duration::from_millis(c.stream_coalesce_ms);
+        let mut acc = Accumulator {
+            content: Vec::new(),
+            args_text: String::new(),
+            usage: None,
+        };
+        let mut terminal: Option<Frame> = None;
+        let mut last_write = Instant::now();
+        let mut dirty = false;
+        let mut abort_sent = false;
+        let mut result = Some(call.result);
+        let mut ack: Option<std::result::Result<Value, harness_bus::BusError>> = None;
+        loop {
+            tokio::select! {
+                frame = call.frames.recv() => {
+                    let Some(frame) = frame else { break };
+                    let Ok(frame) = serde_json::from_value::<Frame>(frame) else { continue };
+                    if frame.is_terminal() {
+                        terminal = Some(frame);
+                        continue;
+                    }
+                    if acc.apply(&frame) {
+                        dirty = true;
+                        if last_write.elapsed() >= coalesce {
+                            let partial = partial_message(&acc, &model, &provider);
+                            self.write_stream(session_id, entry_id, &partial, None).await?;
+                            last_write = Instant::now();
+                            dirty = false;
+                        }
+                    }
+                }
+                r = async { result.as_mut().expect("result polled after completion").await }, if result.is_some() => {
+                    result = None;
+                    ack = Some(r);
+                }
+                _ = cancel.cancelled(), if !abort_sent => {
+                    abort_sent = true;
+                    // Best effort: the provider stops and sends its terminal frame.
+                    let _ = self.inner.bus.call("router::abort", json!({"request_id": request_id}), Some(Duration::from_secs(2))).await;
+                }
+            }
+        }
+        let ack = match ack {
+            Some(a) => a,
+            None => match result {
+                Some(r) => r.await,
+                None => Err(harness_bus::BusError::internal("router::chat ended without an answer")),
+            },
+        };
+        let _ = dirty;
+        let gen = match (terminal, ack) {
+            (Some(Frame::Done { mut message }), _) => {
+                if message.usage.is_none() {
+                    message.usage = acc.usage.clone();
+                }
+                Generation { message, error: None }
+            }
+            (Some(Frame::Error { error, error_kind, error_message }), ack) => {
+                let code = ack
+                    .ok()
+                    .and_then(|v| serde_json::from_value::<ChatAck>(v).ok())
+                    .and_then(|a| a.error.map(|e| e.code))
+                    .unwrap_or_else(|| format!("llm.{}", error_kind.as_str()));
+                let mut message = error;
+                if message.content.is_empty() {
+                    message.content = acc.content.clone();
+                }
+                Generation {
+                    message,
+                    error: Some(GenerationError { code, kind: error_kind, message: error_message }),
+                }
+            }
+            (_, Err(e)) if !e.is_not_found() && e.code != "timeout" => {
+                return Err(e.into_harness());
+            }
+            (_, outcome) => {
+                // No terminal frame: a rejected call is permanent, a frame-less answer transient.
+                let (kind, why) = match outcome {
+                    Err(e) => (ErrorKind::Transient, e.to_string()),
+                    Ok(_) => (ErrorKind::Transient, "the router answered without a terminal frame".to_string()),
+                };
+                let mut message = partial_message(&acc, &model, &provider);
+                message.stop_reason = StopReason::Error;
+                Generation {
+                    message,
+                    error: Some(GenerationError { code: format!("llm.{}", kind.as_str()), kind, message: why }),
+                }
+            }
+        };
+        let mut final_message = gen.message.clone();
+        if cancel.is_cancelled() && gen.ok() {
+            final_message.stop_reason = StopReason::Aborted;
+        }
+        let details = gen.error.as_ref().map(|e| json!({"error_kind": e.kind, "error_message": e.message}));
+        self.write_stream(session_id, entry_id, &final_message, details).await?;
+        Ok(Generation {
+            message: final_message,
+            error: gen.error,
+        })
+    }
+}
+
+fn partial_message(acc: &Accumulator, model: &str, provider: &str) -> AssistantMessage {
+    AssistantMessage {
+        content: acc.content.clone(),
+        model: model.to_string(),
+        provider: provider.to_string(),
+        stop_reason: StopReason::End,
+        usage: acc.usage.clone(),
+        error_kind: None,
+        error_message: None,
+        native_stop_reason: None,
+        warnings: None,
+        timestamp: harness_types::now_ms(),
+    }
+}

@@ -1,0 +1,641 @@
+//! Typed transcript operations over the embedded store's SQLite connection.
+
+use harness_store::{insert_event_in, Store, StoreError};
+use harness_types::message::AgentMessage;
+use harness_types::session::*;
+use harness_types::{now_ms, ErrorCode, HarnessError};
+use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::{json, Value};
+
+use crate::topics;
+
+/// The largest page `messages` returns.
+pub const MAX_PAGE: u32 = 500;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Harness(#[from] HarnessError),
+    #[error("transcript store: {0}")]
+    Store(#[from] StoreError),
+}
+
+impl From<rusqlite::Error> for SessionError {
+    fn from(e: rusqlite::Error) -> Self {
+        SessionError::Store(StoreError::Sqlite(e))
+    }
+}
+
+impl From<SessionError> for HarnessError {
+    fn from(e: SessionError) -> Self {
+        match e {
+            SessionError::Harness(h) => h,
+            SessionError::Store(s) => HarnessError::new(ErrorCode::State, s.to_string()),
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, SessionError>;
+
+/// Lifts a typed error through the store's write closure, which only carries `StoreError`.
+fn reject(e: HarnessError) -> StoreError {
+    StoreError::Invalid(e.to_string())
+}
+
+fn lower(e: StoreError) -> SessionError {
+    match e {
+        StoreError::Invalid(text) => SessionError::Harness(HarnessError::from_wire(&text)),
+        other => SessionError::Store(other),
+    }
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    title TEXT,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    kind TEXT,
+    status TEXT NOT NULL DEFAULT 'idle',
+    status_reason TEXT,
+    created_at INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS entries (
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    entry_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    body TEXT NOT NULL,
+    origin TEXT,
+    revision INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (session_id, seq)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS entries_by_id ON entries (session_id, entry_id);
+";
+
+/// The transcript store. Cheap to clone.
+#[derive(Clone)]
+pub struct SessionStore {
+    store: Store,
+}
+
+fn status_str(s: SessionStatus) -> &'static str {
+    match s {
+        SessionStatus::Idle => "idle",
+        SessionStatus::Working => "working",
+        SessionStatus::Done => "done",
+        SessionStatus::Error => "error",
+    }
+}
+
+fn parse_status(s: &str) -> SessionStatus {
+    match s {
+        "working" => SessionStatus::Working,
+        "done" => SessionStatus::Done,
+        "error" => SessionStatus::Error,
+        _ => SessionStatus::Idle,
+    }
+}
+
+fn meta_in(conn: &Connection, session_id: &str) -> std::result::Result<Option<SessionMeta>, StoreError> {
+    let row = conn
+        .prepare_cached(
+            "SELECT title, metadata, kind, status, status_reason, created_at, updated_at
+             FROM sessions WHERE session_id = ?1",
+        )?
+        .query_row(params![session_id], |r| {
+            Ok((
+                r.get::<_, Option<String>>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, Option<String>>(4)?,
+                r.get::<_, i64>(5)?,
+                r.get::<_, i64>(6)?,
+            ))
+        })
+        .optional()?;
+    Ok(match row {
+        None => None,
+        Some((title, metadata, kind, status, status_reason, created_at, updated_at)) => {
+            Some(SessionMeta {
+                session_id: session_id.to_string(),
+                title,
+                metadata: serde_json::from_str(&metadata).unwrap_or(Value::Null),
+                kind,
+                status: parse_status(&status),
+                status_reason,
+                created_at,
+                updated_at,
+            })
+        }
+    })
+}
+
+fn insert_session_in(
+    conn: &Connection,
+    session_id: &str,
+    title: Option<&str>,
+    metadata: &Value,
+    kind: Option<&str>,
+) -> std::result::Result<(), StoreError> {
+    let now = now_ms();
+    conn.prepare_cached(
+        "INSERT INTO sessions (session_id, title, metadata, kind, status, created_at, updated_at)
+         VALUES (?1, ?2, ?3, ?4, 'idle', ?5, ?5)",
+    )?
+    .execute(params![session_id, title, metadata.to_string(), kind, now])?;
+    Ok(())
+}
+
+fn entry_from_row(
+    entry_id: String,
+    seq: i64,
+    kind: &str,
+    body: &str,
+    origin: Option<String>,
+    revision: i64,
+) -> std::result::Result<Entry, StoreError> {
+    let origin = origin.map(|o| serde_json::from_str(&o)).transpose()?;
+    let (message, custom) = if kind == "custom" {
+        (None, Some(serde_json::from_str::<CustomEntry>(body)?))
+    } else {
+        (Some(serde_json::from_str::<AgentMessage>(body)?), None)
+    };
+    Ok(Entry {
+        entry_id,
+        seq,
+        message,
+        custom,
+        origin,
+        revision,
+    })
+}
+
+fn entry_in(conn: &Connection, session_id: &str, entry_id: &str) -> std::result::Result<Option<Entry>, StoreError> {
+    let row = conn
+        .prepare_cached(
+            "SELECT seq, kind, body, origin, revision FROM entries
+             WHERE session_id = ?1 AND entry_id = ?2",
+        )?
+        .query_row(params![session_id, entry_id], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, Option<String>>(3)?,
+                r.get::<_, i64>(4)?,
+            ))
+        })
+        .optional()?;
+    row.map(|(seq, kind, body, origin, revision)| {
+        entry_from_row(entry_id.to_string(), seq, &kind, &body, origin, revision)
+    })
+    .transpose()
+}
+
+fn require_session(conn: &Connection, session_id: &str) -> std::result::Result<(), StoreError> {
+    let exists: bool = conn
+        .prepare_cached("SELECT 1 FROM sessions WHERE session_id = ?1")?
+        .exists(params![session_id])?;
+    if exists {
+        Ok(())
+    } else {
+        Err(reject(HarnessError::not_found(format!(
+            "session_id: no session '{session_id}'"
+        ))))
+    }
+}
+
+impl SessionStore {
+    /// Creates the tables if needed.
+    pub async fn open(store: Store) -> Result<SessionStore> {
+        store
+            .write(|conn| {
+                conn.execute_batch(SCHEMA)?;
+                Ok(())
+            })
+            .await?;
+        Ok(SessionStore { store })
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub async fn create(&self, req: CreateRequest) -> Result<CreateResponse> {
+        let session_id = req
+            .session_id
+            .clone()
+            .unwrap_or_else(harness_types::ids::new_session_id);
+        validate_session_id(&session_id)?;
+        let id = session_id.clone();
+        self.store
+            .write(move |conn| {
+                if meta_in(conn, &id)?.is_some() {
+                    return Err(reject(HarnessError::invalid_field(
+                        "session_id",
+                        format!("session '{id}' already exists"),
+                    )));
+                }
+                insert_session_in(
+                    conn,
+                    &id,
+                    req.title.as_deref(),
+                    req.metadata.as_ref().unwrap_or(&json!({})),
+                    req.kind.as_deref(),
+                )
+            })
+            .await
+            .map_err(lower)?;
+        Ok(CreateResponse { session_id })
+    }
+
+    /// Creates the session if it does not exist; title/metadata apply only on creation.
+    pub async fn ensure(&self, req: EnsureRequest) -> Result<EnsureResponse> {
+        validate_session_id(&req.session_id)?;
+        if let Some(meta) = self.get(&req.session_id)? {
+            return Ok(EnsureResponse {
+                meta,
+                created: false,
+            });
+        }
+        self.store
+            .write(move |conn| {
+                if let Some(meta) = meta_in(conn, &req.session_id)? {
+                    return Ok(EnsureResponse {
+                        meta,
+                        created: false,
+                    });
+                }
+                insert_session_in(
+                    conn,
+                    &req.session_id,
+                    req.title.as_deref(),
+                    req.metadata.as_ref().unwrap_or(&json!({})),
+                    req.kind.as_deref(),
+                )?;
+                let meta = meta_in(conn, &req.session_id)?
+                    .ok_or_else(|| StoreError::Invalid("session vanished".into()))?;
+                Ok(EnsureResponse {
+                    meta,
+                    created: true,
+                })
+            })
+            .await
+            .map_err(lower)
+    }
+
+    pub fn get(&self, session_id: &str) -> Result<Option<SessionMeta>> {
+        Ok(self.store.read(|conn| meta_in(conn, session_id))?)
+    }
+
+    pub fn entry(&self, session_id: &str, entry_id: &str) -> Result<Option<Entry>> {
+        Ok(self.store.read(|conn| entry_in(conn, session_id, entry_id))?)
+    }
+
+    /// Appends an entry; an existing `entry_id` is a no-op that returns the original.
+    pub async fn append(&self, req: AppendRequest) -> Result<AppendResponse> {
+        let (kind, body) = match (&req.message, &req.custom) {
+            (Some(m), None) => ("message", serde_json::to_string(m).map_err(StoreError::from)?),
+            (None, Some(c)) => ("custom", serde_json::to_string(c).map_err(StoreError::from)?),
+            (Some(_), Some(_)) => {
+                return Err(HarnessError::invalid_field(
+                    "message",
+                    "give either message or custom, not both",
+                )
+                .into())
+            }
+            (None, None) => {
+                return Err(HarnessError::invalid_field("message", "required (or custom)").into())
+            }
+        };
+        let entry_id = req
+            .entry_id
+            .clone()
+            .unwrap_or_else(harness_types::ids::new_entry_id);
+        if entry_id.is_empty() {
+            return Err(HarnessError::invalid_field("entry_id", "must not be empty").into());
+        }
+        let origin = req.origin.as_ref().map(|o| o.to_string());
+        let session_id = req.session_id.clone();
+        let response = self
+            .store
+            .write(move |conn| {
+                require_session(conn, &session_id)?;
+                if let Some(seq) = conn
+                    .prepare_cached(
+                        "SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2",
+                    )?
+                    .query_row(params![session_id, entry_id], |r| r.get::<_, i64>(0))
+                    .optional()?
+                {
+                    return Ok(AppendResponse {
+                        entry_id,
+                        seq,
+                        appended: false,
+                    });
+                }
+                let seq: i64 = conn
+                    .prepare_cached(
+                        "SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE session_id = ?1",
+                    )?
+                    .query_row(params![session_id], |r| r.get(0))?;
+                conn.prepare_cached(
+                    "INSERT INTO entries (session_id, seq, entry_id, kind, body, origin, revision)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, 0)",
+                )?
+                .execute(params![session_id, seq, entry_id, kind, body, origin])?;
+                insert_event_in(
+                    conn,
+                    Some(&session_id),
+                    topics::MESSAGE_ADDED,
+                    &json!({"session_id": session_id, "entry_id": entry_id, "seq": seq}),
+                    None,
+                )?;
+                Ok(AppendResponse {
+                    entry_id,
+                    seq,
+                    appended: true,
+                })
+            })
+            .await
+            .map_err(lower)?;
+        if response.appended {
+            self.store.notify_events();
+        }
+        Ok(response)
+    }
+
+    /// Replaces a message's content wholesale (and usage/stop reason when given).
+    pub async fn update_message(&self, req: UpdateMessageRequest) -> Result<UpdateMessageResponse> {
+        let response = self
+            .store
+            .write(move |conn| {
+                require_session(conn, &req.session_id)?;
+                let entry = entry_in(conn, &req.session_id, &req.entry_id)?.ok_or_else(|| {
+                    reject(HarnessError::not_found(format!(
+                        "entry_id: no entry '{}' in session '{}'",
+                        req.entry_id, req.session_id
+                    )))
+                })?;
+                if let Some(expected) = req.expected_revision {
+                    if expected != entry.revision {
+                        return Ok(UpdateMessageResponse {
+                            updated: false,
+                            revision: entry.revision,
+                        });
+                    }
+                }
+                let mut message = entry.message.ok_or_else(|| {
+                    reject(HarnessError::invalid_field(
+                        "entry_id",
+                        format!("entry '{}' is a custom record, not a message", req.entry_id),
+                    ))
+                })?;
+                apply_update(&mut message, &req).map_err(reject)?;
+                let revision = entry.revision + 1;
+                let origin = match (entry.origin, req.origin) {
+                    (Some(Value::Object(mut old)), Some(Value::Object(new))) => {
+                        old.extend(new);
+                        Some(Value::Object(old))
+                    }
+                    (old, new) => new.or(old),
+                };
+                conn.prepare_cached(
+                    "UPDATE entries SET body = ?3, origin = ?4, revision = ?5
+                     WHERE session_id = ?1 AND entry_id = ?2",
+                )?
+                .execute(params![
+                    req.session_id,
+                    req.entry_id,
+                    serde_json::to_string(&message)?,
+                    origin.map(|o| o.to_string()),
+                    revision
+                ])?;
+                insert_event_in(
+                    conn,
+                    Some(&req.session_id),
+                    topics::MESSAGE_UPDATED,
+                    &json!({"session_id": req.session_id, "entry_id": req.entry_id, "revision": revision}),
+                    None,
+                )?;
+                Ok(UpdateMessageResponse {
+                    updated: true,
+                    revision,
+                })
+            })
+            .await
+            .map_err(lower)?;
+        if response.updated {
+            self.store.notify_events();
+        }
+        Ok(response)
+    }
+
+    /// One page of the transcript, oldest first.
+    pub fn messages(&self, req: &MessagesRequest) -> Result<MessagesResponse> {
+        let limit = req.limit.unwrap_or(MAX_PAGE);
+        if limit == 0 || limit > MAX_PAGE {
+            return Err(HarnessError::invalid_field(
+                "limit",
+                format!("must be between 1 and {MAX_PAGE} (got {limit})"),
+            )
+            .into());
+        }
+        let after_seq: i64 = match &req.cursor {
+            Some(c) => c.parse().map_err(|_| {
+                HarnessError::invalid_field("cursor", format!("not a cursor from this store: '{c}'"))
+            })?,
+            None => 0,
+        };
+        let page = self
+            .store
+            .read(|conn| {
+                require_session(conn, &req.session_id)?;
+                let mut floor = after_seq;
+                if let Some(after) = &req.after_entry_id {
+                    let seq = conn
+                        .prepare_cached(
+                            "SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2",
+                        )?
+                        .query_row(params![req.session_id, after], |r| r.get::<_, i64>(0))
+                        .optional()?
+                        .ok_or_else(|| {
+                            reject(HarnessError::not_found(format!(
+                                "after_entry_id: no entry '{after}' in session '{}'",
+                                req.session_id
+                            )))
+                        })?;
+                    floor = floor.max(seq);
+                }
+                let sql = if req.include_custom {
+                    "SELECT seq, entry_id, kind, body, origin, revision FROM entries
+                     WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+                } else {
+                    "SELECT seq, entry_id, kind, body, origin, revision FROM entries
+                     WHERE session_id = ?1 AND seq > ?2 AND kind = 'message' ORDER BY seq LIMIT ?3"
+                };
+                let mut stmt = conn.prepare_cached(sql)?;
+                let rows = stmt.query_map(params![req.session_id, floor, limit + 1], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                        r.get::<_, Option<String>>(4)?,
+                        r.get::<_, i64>(5)?,
+                    ))
+                })?;
+                let mut out = Vec::new();
+                for row in rows {
+                    let (seq, entry_id, kind, body, origin, revision) = row?;
+                    out.push(entry_from_row(entry_id, seq, &kind, &body, origin, revision)?);
+                }
+                Ok(out)
+            })
+            .map_err(lower)?;
+        let mut messages = page;
+        let next_cursor = if messages.len() > limit as usize {
+            messages.truncate(limit as usize);
+            messages.last().map(|e| e.seq.to_string())
+        } else {
+            None
+        };
+        Ok(MessagesResponse {
+            messages,
+            next_cursor,
+        })
+    }
+
+    /// Every entry of a session, paging internally.
+    pub fn all_entries(&self, session_id: &str, include_custom: bool) -> Result<Vec<Entry>> {
+        let mut out = Vec::new();
+        let mut cursor = None;
+        loop {
+            let page = self.messages(&MessagesRequest {
+                session_id: session_id.to_string(),
+                include_custom,
+                limit: Some(MAX_PAGE),
+                cursor,
+                after_entry_id: None,
+            })?;
+            out.extend(page.messages);
+            match page.next_cursor {
+                Some(c) => cursor = Some(c),
+                None => return Ok(out),
+            }
+        }
+    }
+
+    /// Sets the coarse status; the same status and reason again changes nothing and fires nothing.
+    pub async fn set_status(&self, req: SetStatusRequest) -> Result<SetStatusResponse> {
+        let response = self
+            .store
+            .write(move |conn| {
+                let meta = meta_in(conn, &req.session_id)?.ok_or_else(|| {
+                    reject(HarnessError::not_found(format!(
+                        "session_id: no session '{}'",
+                        req.session_id
+                    )))
+                })?;
+                if meta.status == req.status && meta.status_reason == req.reason {
+                    return Ok(SetStatusResponse { changed: false });
+                }
+                conn.prepare_cached(
+                    "UPDATE sessions SET status = ?2, status_reason = ?3, updated_at = ?4
+                     WHERE session_id = ?1",
+                )?
+                .execute(params![
+                    req.session_id,
+                    status_str(req.status),
+                    req.reason,
+                    now_ms()
+                ])?;
+                insert_event_in(
+                    conn,
+                    Some(&req.session_id),
+                    topics::STATUS_CHANGED,
+                    &json!({"session_id": req.session_id, "status": req.status, "reason": req.reason}),
+                    None,
+                )?;
+                Ok(SetStatusResponse { changed: true })
+            })
+            .await
+            .map_err(lower)?;
+        if response.changed {
+            self.store.notify_events();
+        }
+        Ok(response)
+    }
+
+    pub fn list(&self, req: &ListRequest) -> Result<ListResponse> {
+        let limit = req.limit.unwrap_or(100).clamp(1, MAX_PAGE);
+        let after = req.cursor.clone().unwrap_or_default();
+        let ids: Vec<String> = self.store.read(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT session_id FROM sessions WHERE session_id > ?1 ORDER BY session_id LIMIT ?2",
+            )?;
+            let rows = stmt.query_map(params![after, limit + 1], |r| r.get::<_, String>(0))?;
+            Ok(rows.collect::<std::result::Result<Vec<_>, _>>()?)
+        })?;
+        let mut sessions = Vec::new();
+        for id in ids.iter().take(limit as usize) {
+            if let Some(meta) = self.get(id)? {
+                sessions.push(meta);
+            }
+        }
+        let next_cursor = (ids.len() > limit as usize).then(|| sessions.last().map(|m| m.session_id.clone())).flatten();
+        Ok(ListResponse {
+            sessions,
+            next_cursor,
+        })
+    }
+}
+
+fn validate_session_id(id: &str) -> std::result::Result<(), HarnessError> {
+    if id.is_empty() || id.len() > 256 || id.chars().any(|c| c.is_control()) {
+        return Err(HarnessError::invalid_field(
+            "session_id",
+            "must be 1 to 256 characters with no control characters",
+        ));
+    }
+    Ok(())
+}
+
+fn apply_update(
+    message: &mut AgentMessage,
+    req: &UpdateMessageRequest,
+) -> std::result::Result<(), HarnessError> {
+    match message {
+        AgentMessage::Assistant(m) => {
+            m.content = req.content.clone();
+            if let Some(usage) = &req.usage {
+                m.usage = Some(usage.clone());
+            }
+            if let Some(stop) = req.stop_reason {
+                m.stop_reason = stop;
+            }
+            if let Some(details) = &req.details {
+                if let Some(kind) = details.get("error_kind") {
+                    m.error_kind = serde_json::from_value(kind.clone()).ok();
+                }
+                if let Some(msg) = details.get("error_message").and_then(Value::as_str) {
+                    m.error_message = Some(msg.to_string());
+                }
+                if let Some(native) = details.get("native_stop_reason").and_then(Value::as_str) {
+                    m.native_stop_reason = Some(native.to_string());
+                }
+            }
+        }
+        AgentMessage::User(m) => m.content = req.content.clone(),
+        AgentMessage::Custom(m) => m.content = req.content.clone(),
+        AgentMessage::FunctionResult(m) => {
+            m.content = req.content.clone();
+            if let Some(details) = &req.details {
+                m.details = details.clone();
+            }
+        }
+    }
+    Ok(())
+}

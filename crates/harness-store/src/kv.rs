@@ -1,0 +1,92 @@
+//! Scoped JSON key/value state (`kv` table).
+//!
+//! The `*_in` helpers take a bare connection so callers can combine KV changes with other writes
+//! in one atomic `Store::write` closure; the `Store::kv_*` methods are the one-shot versions.
+
+use rusqlite::{Connection, OptionalExtension};
+use serde_json::Value;
+
+use crate::error::StoreError;
+use crate::store::Store;
+
+/// Reads one value.
+pub fn kv_get_in(conn: &Connection, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
+    let text: Option<String> = conn
+        .prepare_cached("SELECT value FROM kv WHERE scope = ?1 AND key = ?2")?
+        .query_row((scope, key), |r| r.get(0))
+        .optional()?;
+    text.map(|t| serde_json::from_str(&t).map_err(StoreError::from))
+        .transpose()
+}
+
+/// Upserts one value; returns the previous value.
+pub fn kv_set_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    value: &Value,
+) -> Result<Option<Value>, StoreError> {
+    let old = kv_get_in(conn, scope, key)?;
+    let text = serde_json::to_string(value)?;
+    conn.prepare_cached(
+        "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+    )?
+    .execute((scope, key, text, crate::now_ms()))?;
+    Ok(old)
+}
+
+/// Deletes one value; returns it if it existed.
+pub fn kv_delete_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+) -> Result<Option<Value>, StoreError> {
+    let old = kv_get_in(conn, scope, key)?;
+    if old.is_some() {
+        conn.prepare_cached("DELETE FROM kv WHERE scope = ?1 AND key = ?2")?
+            .execute((scope, key))?;
+    }
+    Ok(old)
+}
+
+impl Store {
+    pub fn kv_get(&self, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
+        self.read(|c| kv_get_in(c, scope, key))
+    }
+
+    /// Committed (not fsynced) when it resolves; returns the previous value.
+    pub async fn kv_set(
+        &self,
+        scope: &str,
+        key: &str,
+        value: &Value,
+    ) -> Result<Option<Value>, StoreError> {
+        let (scope, key, value) = (scope.to_string(), key.to_string(), value.clone());
+        self.write(move |c| kv_set_in(c, &scope, &key, &value))
+            .await
+    }
+
+    /// Committed (not fsynced) when it resolves; returns the removed value.
+    pub async fn kv_delete(&self, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
+        let (scope, key) = (scope.to_string(), key.to_string());
+        self.write(move |c| kv_delete_in(c, &scope, &key)).await
+    }
+
+    /// Every `(key, value)` of a scope, ordered by key (the primary key order: no sort needed).
+    pub fn kv_list(&self, scope: &str) -> Result<Vec<(String, Value)>, StoreError> {
+        self.read(|c| {
+            let mut stmt =
+                c.prepare_cached("SELECT key, value FROM kv WHERE scope = ?1 ORDER BY key")?;
+            let rows = stmt.query_map([scope], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+            })?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (key, text) = row?;
+                out.push((key, serde_json::from_str(&text)?));
+            }
+            Ok(out)
+        })
+    }
+}

@@ -1,0 +1,522 @@
+//! The [`Store`]: one SQLite file in WAL mode, one writer thread with group commit, pooled
+//! readers, and an explicit, group-committed durability barrier.
+//!
+//! Durability model (the reason for this shape):
+//! * `write` resolves after the batch `COMMIT`. With `journal_mode=WAL` + `synchronous=NORMAL`
+//!   the commit has appended its frames to the `-wal` file, i.e. they are in the OS page cache:
+//!   they survive a SIGKILL of this process, not a power loss.
+//! * `barrier` (in [`Durability::Full`]) resolves once an `fsync` of the `-wal` file has covered
+//!   every commit made before the call. One fsync serves every barrier that is waiting when it
+//!   starts, so N concurrent loop steps pay far fewer than N fsyncs.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags};
+use tokio::sync::{oneshot, watch};
+
+use crate::error::StoreError;
+use crate::{events, panic_message, schema};
+
+/// Most ops folded into one transaction; bounds a batch's latency and memory.
+const MAX_BATCH: usize = 1024;
+/// How long a connection waits on a lock held by another connection (e.g. a checkpoint).
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Idle reader connections kept open; more are opened on demand and closed after use.
+const MAX_IDLE_READERS: usize = 16;
+
+/// What [`Store::barrier`] guarantees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// `barrier` fsyncs the WAL: everything committed before it survives power loss.
+    Full,
+    /// `barrier` only waits for the commit (which `write` already did): a process crash loses
+    /// nothing, a power loss or kernel crash may lose the most recent commits (the database is
+    /// never corrupted). No fsync on the hot path at all; SQLite still fsyncs at checkpoints.
+    Normal,
+}
+
+/// Counters since open (monotonic).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Batch transactions committed (each holds one or more successful writes).
+    pub commits: u64,
+    /// Write ops executed (successful or not).
+    pub writes: u64,
+    /// fsyncs issued by barriers.
+    pub fsyncs: u64,
+}
+
+/// A write op as the writer thread sees it: run it with the connection (or with the reason it
+/// cannot run), get back whether it succeeded and how to reply once the batch's fate is known.
+type Job = Box<dyn FnOnce(Result<&Connection, String>) -> (bool, Reply) + Send>;
+/// Sends the op's result; `Some(reason)` means the batch was lost after the op succeeded.
+type Reply = Box<dyn FnOnce(Option<String>) + Send>;
+
+/// A barrier waiting for the syncer: fsync must cover commit sequence number `target`.
+struct SyncRequest {
+    target: u64,
+    reply: oneshot::Sender<Result<(), StoreError>>,
+}
+
+/// Shared between handles and the two threads (the threads never hold an `Inner`, so dropping
+/// the last `Store` really drops the channels and lets the threads exit).
+#[derive(Default)]
+struct Counters {
+    commits: AtomicU64,
+    writes: AtomicU64,
+    fsyncs: AtomicU64,
+    /// Sequence number of the latest commit; starts at 1 so that the first barrier of a process
+    /// always fsyncs (it also covers whatever a crashed predecessor left in the page cache).
+    commit_seq: AtomicU64,
+    /// Highest `commit_seq` known to be on stable storage.
+    synced_seq: AtomicU64,
+}
+
+struct Inner {
+    path: PathBuf,
+    durability: Durability,
+    // An RwLock so every `write` only takes the shared side to clone-free send (mpsc::Sender is
+    // Sync); `close` takes the exclusive side once to drop the sender.
+    writer_tx: RwLock<Option<mpsc::Sender<Job>>>,
+    syncer_tx: RwLock<Option<mpsc::Sender<SyncRequest>>>,
+    // A std Mutex for the reader pool: it is held only to push/pop a connection (never across
+    // a query or an await), so it is uncontended and cheaper than an async lock.
+    readers: Mutex<Vec<Connection>>,
+    counters: Arc<Counters>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Latest committed event id (see `events.rs` for why a watch channel).
+    events_tx: watch::Sender<i64>,
+}
+
+/// Handle to the database; cheap to clone, all clones share one writer.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("path", &self.inner.path)
+            .field("durability", &self.inner.durability)
+            .finish()
+    }
+}
+
+impl Store {
+    /// Opens (creating if needed, with parent directories) the database at `path`, switches it to
+    /// WAL, creates the schema and starts the writer and syncer threads.
+    pub fn open(path: &Path, durability: Durability) -> Result<Store, StoreError> {
+        if let Some(parent) = path.parent() {
+            if !parent.as_os_str().is_empty() {
+                std::fs::create_dir_all(parent)?;
+            }
+        }
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        let mode: String =
+            conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Invalid(format!(
+                "cannot switch {} to WAL (journal_mode={mode})",
+                path.display()
+            )));
+        }
+        // NORMAL on purpose: commits do not fsync; durability comes from our own fsync of the WAL
+        // at barriers (group-committed). SQLite still fsyncs the WAL before a checkpoint and the
+        // database file after it, so checkpointed data is always on disk before the WAL resets.
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // Keep the WAL from staying huge after a burst (truncated on reset, same inode).
+        conn.pragma_update(None, "journal_size_limit", 64 * 1024 * 1024)?;
+        conn.set_prepared_statement_cache_capacity(64);
+        schema::create(&conn)?;
+        let last_event = events::max_event_id(&conn)?;
+
+        let counters = Arc::new(Counters::default());
+        counters.commit_seq.store(1, Ordering::SeqCst);
+
+        // The writer is a dedicated OS thread, not a tokio task: SQLite calls block (and a
+        // checkpoint can take a while), and a single owner of the write connection needs no lock.
+        let (writer_tx, writer_rx) = mpsc::channel::<Job>();
+        let writer = {
+            let counters = counters.clone();
+            std::thread::Builder::new()
+                .name("harness-store-writer".into())
+                .spawn(move || writer_loop(conn, writer_rx, counters))?
+        };
+        // fsync runs on its own thread so the writer keeps committing while the disk syncs; the
+        // next fsync then covers everything committed meanwhile (pipelined group commit).
+        let (syncer_tx, syncer_rx) = mpsc::channel::<SyncRequest>();
+        let syncer = {
+            let counters = counters.clone();
+            let db = path.to_path_buf();
+            std::thread::Builder::new()
+                .name("harness-store-syncer".into())
+                .spawn(move || syncer_loop(db, syncer_rx, counters))?
+        };
+
+        Ok(Store {
+            inner: Arc::new(Inner {
+                path: path.to_path_buf(),
+                durability,
+                writer_tx: RwLock::new(Some(writer_tx)),
+                syncer_tx: RwLock::new(Some(syncer_tx)),
+                readers: Mutex::new(Vec::new()),
+                counters,
+                threads: Mutex::new(vec![writer, syncer]),
+                events_tx: watch::channel(last_event).0,
+            }),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    pub fn durability(&self) -> Durability {
+        self.inner.durability
+    }
+
+    /// Runs `f` on the writer thread inside the current batch transaction, in its own SAVEPOINT:
+    /// if `f` returns `Err` (or panics) only its own changes are rolled back. Resolves after the
+    /// batch COMMIT: the effects are visible to `read` and survive a kill of this process, but
+    /// are not necessarily fsynced (use [`Store::barrier`]).
+    ///
+    /// `f` must not issue transaction control (`BEGIN`/`COMMIT`/`ROLLBACK`); if the transaction
+    /// ends under it, every op of the batch so far is reported as failed.
+    pub async fn write<R, F>(&self, f: F) -> Result<R, StoreError>
+    where
+        F: FnOnce(&Connection) -> Result<R, StoreError> + Send + 'static,
+        R: Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel::<Result<R, StoreError>>();
+        let job: Job = Box::new(move |conn| {
+            let res = match conn {
+                Ok(conn) => match catch_unwind(AssertUnwindSafe(|| f(conn))) {
+                    Ok(res) => res,
+                    Err(payload) => Err(StoreError::Invalid(format!(
+                        "write closure panicked: {}",
+                        panic_message(payload.as_ref())
+                    ))),
+                },
+                Err(reason) => Err(StoreError::Invalid(reason)),
+            };
+            let ok = res.is_ok();
+            let reply: Reply = Box::new(move |lost| {
+                let out = match (res, lost) {
+                    (Ok(_), Some(reason)) => Err(StoreError::Invalid(reason)),
+                    (res, _) => res,
+                };
+                let _ = tx.send(out);
+            });
+            (ok, reply)
+        });
+        {
+            let guard = self
+                .inner
+                .writer_tx
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
+            let sender = guard.as_ref().ok_or(StoreError::Closed)?;
+            sender.send(job).map_err(|_| StoreError::Closed)?;
+        }
+        // A dropped reply sender means the writer thread died: report Closed, never hang.
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// Resolves once every write committed before this call is on stable storage.
+    ///
+    /// * [`Durability::Full`]: an fsync of the `-wal` file. Barriers are group-committed: all
+    ///   barriers waiting when an fsync starts share it, and a barrier whose writes an earlier
+    ///   fsync already covered returns at once without any syscall.
+    /// * [`Durability::Normal`]: returns at once (the commit already happened when `write`
+    ///   resolved). Trade: no fsync cost, but a power loss may drop the latest commits; a crash
+    ///   of this process loses nothing.
+    pub async fn barrier(&self) -> Result<(), StoreError> {
+        let counters = &self.inner.counters;
+        let target = counters.commit_seq.load(Ordering::SeqCst);
+        if self.inner.durability == Durability::Normal
+            || target <= counters.synced_seq.load(Ordering::SeqCst)
+        {
+            return if self.is_closed() {
+                Err(StoreError::Closed)
+            } else {
+                Ok(())
+            };
+        }
+        let (tx, rx) = oneshot::channel();
+        {
+            let guard = self
+                .inner
+                .syncer_tx
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
+            let sender = guard.as_ref().ok_or(StoreError::Closed)?;
+            sender
+                .send(SyncRequest { target, reply: tx })
+                .map_err(|_| StoreError::Closed)?;
+        }
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// Runs `f` on a pooled reader connection. WAL readers never block the writer nor each
+    /// other, and each statement starts a fresh snapshot, so `f` sees every write whose `write`
+    /// future has resolved. Synchronous: meant for short indexed reads.
+    pub fn read<R>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        let pooled = self
+            .inner
+            .readers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let conn = match pooled {
+            Some(conn) => conn,
+            None => self.open_reader()?,
+        };
+        let res = f(&conn);
+        // A closure that left a transaction open would pin an old snapshot on this connection and
+        // break read-your-writes for the next user: roll it back, or drop the connection.
+        if !conn.is_autocommit() && conn.execute_batch("ROLLBACK").is_err() {
+            return res;
+        }
+        let mut pool = self.inner.readers.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < MAX_IDLE_READERS {
+            pool.push(conn);
+        }
+        res
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let c = &self.inner.counters;
+        StoreStats {
+            commits: c.commits.load(Ordering::Relaxed),
+            writes: c.writes.load(Ordering::Relaxed),
+            fsyncs: c.fsyncs.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stops accepting writes, lets the writer drain what is already queued, and joins the
+    /// threads. Later `write`/`barrier` calls (on any clone) return [`StoreError::Closed`].
+    /// Dropping every clone has the same effect without the join.
+    pub fn close(&self) {
+        self.inner
+            .writer_tx
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        self.inner
+            .syncer_tx
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let threads =
+            std::mem::take(&mut *self.inner.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let me = std::thread::current().id();
+        for t in threads {
+            // A write closure may hold a Store clone and call close(): never join ourselves.
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+        self.inner
+            .readers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.inner
+            .writer_tx
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+
+    fn open_reader(&self) -> Result<Connection, StoreError> {
+        let conn = Connection::open_with_flags(
+            &self.inner.path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.set_prepared_statement_cache_capacity(64);
+        Ok(conn)
+    }
+
+    pub(crate) fn events_sender(&self) -> &watch::Sender<i64> {
+        &self.inner.events_tx
+    }
+}
+
+/// Blocks for the first op, drains whatever else is already queued (up to [`MAX_BATCH`]) and
+/// runs it all as one transaction. Exits when every sender is gone and the queue is empty.
+fn writer_loop(conn: Connection, rx: mpsc::Receiver<Job>, counters: Arc<Counters>) {
+    let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    while let Ok(first) = rx.recv() {
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        run_batch(&conn, &mut batch, &counters);
+    }
+}
+
+fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(sql)?.execute([]).map(|_| ())
+}
+
+/// `BEGIN IMMEDIATE`, each op in `SAVEPOINT op` … `RELEASE`/`ROLLBACK TO`, one `COMMIT`, then
+/// the replies (after the commit, so a resolved write is always committed).
+fn run_batch(conn: &Connection, batch: &mut Vec<Job>, counters: &Counters) {
+    let mut committed: Vec<Reply> = Vec::with_capacity(batch.len());
+    let mut in_txn = false;
+    let fail_all = |committed: &mut Vec<Reply>, reason: &str| {
+        for reply in committed.drain(..) {
+            reply(Some(reason.to_string()));
+        }
+    };
+    for job in batch.drain(..) {
+        counters.writes.fetch_add(1, Ordering::Relaxed);
+        if !in_txn {
+            if let Err(e) = exec(conn, "BEGIN IMMEDIATE") {
+                let (_, reply) = job(Err(format!("cannot begin the batch transaction: {e}")));
+                reply(None);
+                continue;
+            }
+            in_txn = true;
+        }
+        if let Err(e) = exec(conn, "SAVEPOINT op") {
+            let (_, reply) = job(Err(format!("cannot open a savepoint: {e}")));
+            reply(None);
+            continue;
+        }
+        let (ok, reply) = job(Ok(conn));
+        if conn.is_autocommit() {
+            // The transaction ended under the op (it issued COMMIT/ROLLBACK, or SQLite rolled
+            // back after e.g. SQLITE_FULL): nothing of this batch is known to be committed.
+            in_txn = false;
+            let reason = "the batch transaction was ended inside a write; its writes were lost";
+            fail_all(&mut committed, reason);
+            reply(Some(reason.to_string()));
+            continue;
+        }
+        let closed = if ok {
+            exec(conn, "RELEASE op")
+        } else {
+            exec(conn, "ROLLBACK TO op").and_then(|_| exec(conn, "RELEASE op"))
+        };
+        match closed {
+            Ok(()) if ok => committed.push(reply),
+            Ok(()) => reply(None),
+            Err(e) => {
+                let reason = format!("savepoint bookkeeping failed, batch rolled back: {e}");
+                let _ = conn.execute_batch("ROLLBACK");
+                in_txn = false;
+                fail_all(&mut committed, &reason);
+                reply(Some(reason));
+            }
+        }
+    }
+    if !in_txn {
+        return;
+    }
+    match exec(conn, "COMMIT") {
+        Ok(()) => {
+            if !committed.is_empty() {
+                counters.commits.fetch_add(1, Ordering::Relaxed);
+                // Bumped before replying: a barrier issued after a resolved write sees this seq.
+                counters.commit_seq.fetch_add(1, Ordering::SeqCst);
+            }
+            for reply in committed {
+                reply(None);
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "harness-store: batch COMMIT failed");
+            if !conn.is_autocommit() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            fail_all(&mut committed, &format!("batch commit failed: {e}"));
+        }
+    }
+}
+
+/// Serves barriers: block for one request, take every request already waiting, and issue one
+/// fsync for all of them (unless an earlier fsync already covers them all).
+fn syncer_loop(db: PathBuf, rx: mpsc::Receiver<SyncRequest>, counters: Arc<Counters>) {
+    let mut wal_path = OsString::from(db.as_os_str());
+    wal_path.push("-wal");
+    let wal_path = PathBuf::from(wal_path);
+    let mut wal: Option<File> = None;
+    // After a failed fsync the kernel may have dropped dirty pages and a later fsync could
+    // "succeed" without them: stay failed rather than claim durability we do not have.
+    let mut poisoned: Option<String> = None;
+    let mut waiting: Vec<SyncRequest> = Vec::new();
+    while let Ok(first) = rx.recv() {
+        waiting.push(first);
+        while let Ok(req) = rx.try_recv() {
+            waiting.push(req);
+        }
+        let target = waiting.iter().map(|r| r.target).max().unwrap_or(0);
+        let result: Result<(), String> = if let Some(reason) = &poisoned {
+            Err(reason.clone())
+        } else if target <= counters.synced_seq.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            // Everything committed up to `upto` is already in the WAL file's page cache.
+            let upto = counters.commit_seq.load(Ordering::SeqCst);
+            match sync_wal(&db, &wal_path, &mut wal) {
+                Ok(()) => {
+                    counters.fsyncs.fetch_add(1, Ordering::Relaxed);
+                    counters.synced_seq.fetch_max(upto, Ordering::SeqCst);
+                    Ok(())
+                }
+                Err(e) => {
+                    let reason = format!("fsync of {} failed: {e}", wal_path.display());
+                    tracing::error!("harness-store: {reason}");
+                    poisoned = Some(reason.clone());
+                    Err(reason)
+                }
+            }
+        };
+        for req in waiting.drain(..) {
+            let out = result
+                .clone()
+                .map_err(|reason| StoreError::Io(std::io::Error::other(reason)));
+            let _ = req.reply.send(out);
+        }
+    }
+}
+
+/// fsyncs the WAL. The first time, also fsyncs the database file and its directory so that the
+/// files' creation and anything a crashed predecessor left unsynced are durable too. The WAL
+/// handle stays valid for the store's life: SQLite only deletes `-wal` when the last connection
+/// closes, and our writer connection lives as long as this thread's store.
+fn sync_wal(db: &Path, wal_path: &Path, wal: &mut Option<File>) -> std::io::Result<()> {
+    match wal {
+        Some(file) => file.sync_data(),
+        None => {
+            File::open(db)?.sync_all()?;
+            let file = File::open(wal_path)?;
+            file.sync_all()?;
+            if let Some(dir) = db.parent().filter(|p| !p.as_os_str().is_empty()) {
+                File::open(dir)?.sync_all()?;
+            }
+            *wal = Some(file);
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! KV state round-trips.
+
+use harness_store::{kv_delete_in, kv_get_in, kv_set_in, Durability, Store};
+use serde_json::json;
+
+#[tokio::test]
+async fn kv_round_trip_old_values_and_ordering() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("kv.db"), Durability::Normal).unwrap();
+
+    assert_eq!(store.kv_get("s", "a").unwrap(), None);
+    assert_eq!(
+        store.kv_set("s", "b", &json!({"x": 1})).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        store.kv_set("s", "b", &json!([2])).await.unwrap(),
+        Some(json!({"x": 1}))
+    );
+    assert_eq!(store.kv_get("s", "b").unwrap(), Some(json!([2])));
+    store.kv_set("s", "c", &json!("c")).await.unwrap();
+    store.kv_set("s", "a", &json!(null)).await.unwrap();
+    store.kv_set("other", "a", &json!(9)).await.unwrap();
+
+    let list = store.kv_list("s").unwrap();
+    let keys: Vec<&str> = list.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["a", "b", "c"]);
+    assert_eq!(list[0].1, json!(null), "JSON null is a value, not absence");
+    assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(null)));
+
+    assert_eq!(store.kv_delete("s", "b").await.unwrap(), Some(json!([2])));
+    assert_eq!(store.kv_delete("s", "b").await.unwrap(), None);
+    assert_eq!(store.kv_get("other", "a").unwrap(), Some(json!(9)));
+}
+
+#[tokio::test]
+async fn kv_helpers_compose_in_one_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("kv.db"), Durability::Normal).unwrap();
+    let moved = store
+        .write(|c| {
+            kv_set_in(c, "s", "from", &json!(5))?;
+            let v = kv_delete_in(c, "s", "from")?.unwrap();
+            kv_set_in(c, "s", "to", &v)?;
+            kv_get_in(c, "s", "to")
+        })
+        .await
+        .unwrap();
+    assert_eq!(moved, Some(json!(5)));
+    assert_eq!(
+        store.kv_list("s").unwrap(),
+        vec![("to".to_string(), json!(5))]
+    );
+}

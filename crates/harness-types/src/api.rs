@@ -1,0 +1,316 @@
+//! Requests and responses of the `harness::*` functions, plus the turn events.
+//!
+//! Shapes stay a compatible superset of the v1.0.6 API reference: fields may be added (optional),
+//! never removed or renamed.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::message::AgentMessage;
+
+/// `message` is either a plain string (a user text message) or a full `AgentMessage`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum MessageInput {
+    Text(String),
+    Message(AgentMessage),
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+pub struct SendRequest {
+    /// Omit to create a new session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// The incoming message; a string is sugar for a user text message. The role must be `user` or
+    /// `custom`. Kept raw here so the role check can name the field before the shape is parsed.
+    #[schemars(with = "MessageInput")]
+    pub message: Value,
+    /// Required when the send creates a session or the session has no prior turn; otherwise
+    /// inherited from the previous turn.
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub provider: Option<String>,
+    /// Webhook dedupe: a repeated key returns the original `{session_id, turn_id}` and appends
+    /// nothing.
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    /// Applied when this send creates/ensures the session.
+    #[serde(default)]
+    pub session: Option<SessionInit>,
+    #[serde(default)]
+    pub options: Option<SendOptions>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+pub struct SessionInit {
+    #[serde(default)]
+    pub title: Option<String>,
+    #[serde(default)]
+    pub metadata: Option<Value>,
+    #[serde(default)]
+    pub kind: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SystemPromptStrategy {
+    /// Caller prompt is appended to the built-in identity prompt.
+    #[default]
+    Enrich,
+    /// Caller prompt replaces the built-in prompt verbatim.
+    Override,
+    /// No system prompt at all.
+    Disabled,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ThinkingLevel {
+    Minimal,
+    Low,
+    Medium,
+    High,
+    Xhigh,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Plan,
+    Ask,
+    Agent,
+}
+
+/// How allowed functions reach the model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ExposeMode {
+    #[default]
+    AgentTrigger,
+    Native,
+}
+
+/// The fail-closed dispatch policy. Absent on the send => every call denied (a plain chat loop).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FunctionPolicy {
+    #[serde(default)]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    pub deny: Vec<String>,
+    #[serde(default)]
+    pub expose: ExposeMode,
+}
+
+/// Free text by default; `json` constrains the final answer to a JSON value.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum OutputContract {
+    #[default]
+    Text,
+    Json {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        schema: Option<Value>,
+    },
+}
+
+/// Per-send options frozen onto the turn record.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+pub struct SendOptions {
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub system_prompt_strategy: Option<SystemPromptStrategy>,
+    #[serde(default)]
+    pub max_turns: Option<u32>,
+    #[serde(default)]
+    pub max_output_tokens: Option<u32>,
+    #[serde(default)]
+    pub thinking_level: Option<ThinkingLevel>,
+    /// Provider-namespaced options; `{}` resets them.
+    #[serde(default)]
+    pub provider_options: Option<Value>,
+    #[serde(default)]
+    pub output: Option<OutputContract>,
+    /// The fail-closed dispatch policy; omit to deny every call.
+    #[serde(default)]
+    pub functions: Option<FunctionPolicy>,
+    /// Tracing passthrough.
+    #[serde(default)]
+    pub metadata: Option<Value>,
+    #[serde(default)]
+    pub mode: Option<Mode>,
+    /// `"lowest"`: the least reasoning the model allows.
+    #[serde(default)]
+    pub reasoning: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SendResponse {
+    pub session_id: String,
+    pub turn_id: String,
+    pub accepted: bool,
+    /// True when folded into an in-flight turn (steering).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged: Option<bool>,
+    /// True when parked in the mid-turn queue until the next step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued: Option<bool>,
+    /// True when `idempotency_key` matched an earlier send.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deduplicated: Option<bool>,
+}
+
+/// The coarse turn lifecycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnStatus {
+    Running,
+    AwaitingFunctions,
+    Completed,
+    Cancelled,
+    Failed,
+}
+
+impl TurnStatus {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TurnStatus::Completed | TurnStatus::Cancelled | TurnStatus::Failed
+        )
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnStatus::Running => "running",
+            TurnStatus::AwaitingFunctions => "awaiting_functions",
+            TurnStatus::Completed => "completed",
+            TurnStatus::Cancelled => "cancelled",
+            TurnStatus::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct StatusRequest {
+    pub session_id: String,
+    #[serde(default)]
+    pub verbose: Option<bool>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ChildRef {
+    pub function_call_id: String,
+    pub session_id: String,
+    pub turn_id: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StatusReport {
+    pub session_id: String,
+    pub turn_id: Option<String>,
+    pub status: TurnStatus,
+    pub step: u64,
+    pub turn_count: u32,
+    pub max_turns: u32,
+    pub depth: u32,
+    pub pending_function_calls: Vec<String>,
+    pub children: Vec<ChildRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    pub result_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
+    #[serde(default)]
+    pub transient_resumes: u32,
+    #[serde(default)]
+    pub queued: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct StopRequest {
+    pub session_id: String,
+    /// Omit to stop the current turn.
+    #[serde(default)]
+    pub turn_id: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StopResponse {
+    pub stopping: bool,
+}
+
+/// The enqueued `harness::turn` step payload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TurnStepPayload {
+    pub session_id: String,
+    pub turn_id: String,
+    pub step: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_preview: Option<String>,
+    #[serde(default)]
+    pub depth: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TurnStepResult {
+    pub session_id: String,
+    pub status: TurnStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_step: Option<u64>,
+    /// True when a redelivered/stale step was acked and dropped.
+    #[serde(default)]
+    pub skipped: bool,
+}
+
+/// Parent link of a child turn.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ParentLink {
+    pub session_id: String,
+    pub turn_id: String,
+    pub function_call_id: String,
+}
+
+/// `harness::turn-started`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TurnStartedEvent {
+    pub session_id: String,
+    pub turn_id: String,
+    pub timestamp: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentLink>,
+    pub depth: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_preview: Option<String>,
+}
+
+/// `harness::turn-completed`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TurnCompletedEvent {
+    pub session_id: String,
+    pub turn_id: String,
+    pub status: TurnStatus,
+    pub terminal: bool,
+    pub timestamp: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentLink>,
+}
+
+/// Binding config shared by both turn-event types.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TurnEventFilter {
+    /// Only events of this session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// Only events of children of this session.
+    #[serde(default)]
+    pub parent_session_id: Option<String>,
+}

@@ -1,0 +1,152 @@
+//! The stable `harness/<code>: <message>` errors.
+//!
+//! Consumers match on the code prefix, so codes never change once shipped. Messages name the
+//! offending field and, where it helps, its value.
+
+use std::fmt;
+
+/// A stable error code. `as_str` gives the wire form `harness/<code>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    InvalidRequest,
+    InvalidMessageRole,
+    NotFound,
+    FunctionNotFound,
+    SpawnDepthExceeded,
+    SpawnFanoutExceeded,
+    Dependency,
+    ContextOverflow,
+    State,
+    Timeout,
+    Internal,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 11] = [
+        ErrorCode::InvalidRequest,
+        ErrorCode::InvalidMessageRole,
+        ErrorCode::NotFound,
+        ErrorCode::FunctionNotFound,
+        ErrorCode::SpawnDepthExceeded,
+        ErrorCode::SpawnFanoutExceeded,
+        ErrorCode::Dependency,
+        ErrorCode::ContextOverflow,
+        ErrorCode::State,
+        ErrorCode::Timeout,
+        ErrorCode::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidRequest => "harness/invalid_request",
+            ErrorCode::InvalidMessageRole => "harness/invalid_message_role",
+            ErrorCode::NotFound => "harness/not_found",
+            ErrorCode::FunctionNotFound => "harness/function_not_found",
+            ErrorCode::SpawnDepthExceeded => "harness/spawn_depth_exceeded",
+            ErrorCode::SpawnFanoutExceeded => "harness/spawn_fanout_exceeded",
+            ErrorCode::Dependency => "harness/dependency",
+            ErrorCode::ContextOverflow => "harness/context_overflow",
+            ErrorCode::State => "harness/state",
+            ErrorCode::Timeout => "harness/timeout",
+            ErrorCode::Internal => "harness/internal",
+        }
+    }
+
+    pub fn parse(code: &str) -> Option<ErrorCode> {
+        ErrorCode::ALL.into_iter().find(|c| c.as_str() == code)
+    }
+
+    /// The HTTP status an error with this code maps to on the HTTP API.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::InvalidRequest
+            | ErrorCode::InvalidMessageRole
+            | ErrorCode::SpawnDepthExceeded
+            | ErrorCode::SpawnFanoutExceeded
+            | ErrorCode::ContextOverflow => 400,
+            ErrorCode::NotFound | ErrorCode::FunctionNotFound => 404,
+            ErrorCode::Timeout => 504,
+            ErrorCode::Dependency => 503,
+            ErrorCode::State | ErrorCode::Internal => 500,
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An error that crosses the bus: a stable code and a message naming the offending input.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", code.as_str())]
+pub struct HarnessError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl HarnessError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        HarnessError {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidRequest, message)
+    }
+
+    /// `harness/invalid_request: <field>: <why>`.
+    pub fn invalid_field(field: &str, why: impl fmt::Display) -> Self {
+        Self::new(ErrorCode::InvalidRequest, format!("{field}: {why}"))
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::NotFound, message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Internal, message)
+    }
+
+    pub fn state(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::State, message)
+    }
+
+    pub fn dependency(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Dependency, message)
+    }
+
+    /// Parses the wire form `"harness/<code>: <message>"`; an unknown prefix becomes `internal`
+    /// with the whole text as message, so nothing is lost.
+    pub fn from_wire(text: &str) -> Self {
+        if let Some((code, message)) = text.split_once(": ") {
+            if let Some(code) = ErrorCode::parse(code) {
+                return HarnessError::new(code, message);
+            }
+        }
+        HarnessError::internal(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_form_round_trips_for_every_code() {
+        for code in ErrorCode::ALL {
+            let e = HarnessError::new(code, "session_id: unknown session 's1'");
+            assert_eq!(HarnessError::from_wire(&e.to_string()), e);
+        }
+    }
+
+    #[test]
+    fn unknown_prefix_keeps_the_whole_text() {
+        let e = HarnessError::from_wire("router/provider_unavailable: down");
+        assert_eq!(e.code, ErrorCode::Internal);
+        assert_eq!(e.message, "router/provider_unavailable: down");
+    }
+}

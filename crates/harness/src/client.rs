@@ -1,0 +1,33 @@
+//! The HTTP client side: `harness call`, and what `chat --url` uses.
+
+use anyhow::{anyhow, Context, Result};
+use serde_json::Value;
+
+/// Calls a function on a server; a `harness/<code>` error comes back as the error.
+pub async fn call_value(url: &str, function_id: &str, payload: &Value) -> Result<Value> {
+    let endpoint = format!("{}/v1/functions/{}", url.trim_end_matches('/'), function_id);
+    let resp = reqwest::Client::new()
+        .post(&endpoint)
+        .json(payload)
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {url}"))?;
+    let status = resp.status();
+    let body: Value = resp.json().await.with_context(|| format!("{endpoint} answered something that is not JSON"))?;
+    if status.is_success() {
+        return Ok(body);
+    }
+    let code = body["error"]["code"].as_str().unwrap_or("harness/internal");
+    let message = body["error"]["message"].as_str().unwrap_or("(no message)");
+    Err(anyhow!("{code}: {message}"))
+}
+
+pub async fn call(url: &str, function_id: &str, json: Option<&str>) -> Result<()> {
+    let payload: Value = match json {
+        Some(text) => serde_json::from_str(text).map_err(|e| anyhow!("harness/invalid_request: payload: not valid JSON: {e}"))?,
+        None => Value::Object(Default::default()),
+    };
+    let result = call_value(url, function_id, &payload).await?;
+    println!("{}", serde_json::to_string_pretty(&result)?);
+    Ok(())
+}
