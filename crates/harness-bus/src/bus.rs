@@ -212,7 +212,11 @@ pub trait Bus: Send + Sync + 'static {
     /// Values of a scope, keys included as `{key, value}` pairs.
     async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>, BusError> {
         let v = self
-            .call("state::list", json!({"scope": scope, "with_keys": true}), None)
+            .call(
+                "state::list",
+                json!({"scope": scope, "with_keys": true}),
+                None,
+            )
             .await?;
         let items = v.as_array().cloned().unwrap_or_default();
         Ok(items

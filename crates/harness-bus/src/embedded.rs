@@ -166,8 +166,13 @@ impl Bus for EmbeddedBus {
         let bus = self.clone();
         let function_id = function_id.to_string();
         let result = Box::pin(async move {
-            bus.invoke(&function_id, payload, CallContext { frames: Some(tx) }, timeout)
-                .await
+            bus.invoke(
+                &function_id,
+                payload,
+                CallContext { frames: Some(tx) },
+                timeout,
+            )
+            .await
         });
         Ok(StreamingCall { frames: rx, result })
     }
@@ -184,11 +189,18 @@ impl Bus for EmbeddedBus {
 
     fn register_function(&self, def: FunctionDef, handler: Arc<dyn Handler>) {
         let mut functions = self.inner.functions.write().expect("functions lock");
-        functions.insert(def.function_id.clone(), Arc::new(Registered { def, handler }));
+        functions.insert(
+            def.function_id.clone(),
+            Arc::new(Registered { def, handler }),
+        );
     }
 
     fn register_trigger_type(&self, def: TriggerTypeDef) {
-        let mut types = self.inner.trigger_types.write().expect("trigger types lock");
+        let mut types = self
+            .inner
+            .trigger_types
+            .write()
+            .expect("trigger types lock");
         types.insert(def.id.clone(), def);
     }
 
@@ -275,7 +287,12 @@ impl Bus for EmbeddedBus {
             .map(str::to_string);
         self.inner
             .store
-            .append_event(session_id.as_deref(), topic, &payload, dedupe_key.as_deref())
+            .append_event(
+                session_id.as_deref(),
+                topic,
+                &payload,
+                dedupe_key.as_deref(),
+            )
             .await?;
         Ok(())
     }

@@ -134,7 +134,10 @@ pub(crate) fn register(bus: &EmbeddedBus) {
             let id = req.function_id.ok_or_else(|| {
                 HarnessError::invalid_field("function_id", "required (or function_ids)")
             })?;
-            Ok(bus.function_def(&id).map(|d| info_of(&d)).unwrap_or(Value::Null))
+            Ok(bus
+                .function_def(&id)
+                .map(|d| info_of(&d))
+                .unwrap_or(Value::Null))
         },
     );
     reg(
@@ -174,9 +177,11 @@ pub(crate) fn register(bus: &EmbeddedBus) {
                     req.metadata
                 },
             };
-            let value = serde_json::to_value(&binding)
-                .map_err(|e| BusError::internal(e.to_string()))?;
-            bus.store().kv_set(BINDINGS_SCOPE, &binding.id, &value).await?;
+            let value =
+                serde_json::to_value(&binding).map_err(|e| BusError::internal(e.to_string()))?;
+            bus.store()
+                .kv_set(BINDINGS_SCOPE, &binding.id, &value)
+                .await?;
             bus.inner
                 .bindings
                 .write()
@@ -187,7 +192,10 @@ pub(crate) fn register(bus: &EmbeddedBus) {
     );
     reg(
         bus,
-        FunctionDef::new("engine::unregister_trigger", "Remove a trigger binding by id."),
+        FunctionDef::new(
+            "engine::unregister_trigger",
+            "Remove a trigger binding by id.",
+        ),
         |bus, payload| async move {
             let req: IdRequest = parse_payload(payload)?;
             let removed = bus
@@ -228,7 +236,10 @@ pub(crate) fn register(bus: &EmbeddedBus) {
     );
     reg(
         bus,
-        FunctionDef::new("engine::triggers::list", "Trigger types and their config schemas."),
+        FunctionDef::new(
+            "engine::triggers::list",
+            "Trigger types and their config schemas.",
+        ),
         |bus, _payload| async move {
             let types: Vec<Value> = bus
                 .trigger_type_ids()
@@ -245,12 +256,18 @@ pub(crate) fn register(bus: &EmbeddedBus) {
         FunctionDef::new("state::get", "Read a state value; null when absent."),
         |bus, payload| async move {
             let req: StateKey = parse_payload(payload)?;
-            Ok(bus.store().kv_get(&req.scope, &req.key)?.unwrap_or(Value::Null))
+            Ok(bus
+                .store()
+                .kv_get(&req.scope, &req.key)?
+                .unwrap_or(Value::Null))
         },
     );
     reg(
         bus,
-        FunctionDef::new("state::set", "Write a state value; returns the old and new values."),
+        FunctionDef::new(
+            "state::set",
+            "Write a state value; returns the old and new values.",
+        ),
         |bus, payload| async move {
             let req: StateSet = parse_payload(payload)?;
             let old = bus.store().kv_set(&req.scope, &req.key, &req.value).await?;
@@ -259,7 +276,10 @@ pub(crate) fn register(bus: &EmbeddedBus) {
     );
     reg(
         bus,
-        FunctionDef::new("state::delete", "Delete a state value; returns the old value."),
+        FunctionDef::new(
+            "state::delete",
+            "Delete a state value; returns the old value.",
+        ),
         |bus, payload| async move {
             let req: StateKey = parse_payload(payload)?;
             let old = bus.store().kv_delete(&req.scope, &req.key).await?;

@@ -85,7 +85,11 @@ pub fn message_tokens(message: &AgentMessage) -> u64 {
 }
 
 /// Estimated tokens of a whole request.
-pub fn count_tokens(messages: &[AgentMessage], system_prompt: Option<&str>, tools: &[ToolSpec]) -> u64 {
+pub fn count_tokens(
+    messages: &[AgentMessage],
+    system_prompt: Option<&str>,
+    tools: &[ToolSpec],
+) -> u64 {
     let tools_chars: usize = tools
         .iter()
         .map(|t| t.name.len() + t.description.len() + t.parameters.to_string().len())

@@ -35,13 +35,19 @@ fn compile(globs: &[String]) -> Option<GlobSet> {
 
 impl Policy {
     pub(crate) fn new(p: Option<&FunctionPolicy>) -> Policy {
-        let deny_all = Policy { allow: None, deny: None };
+        let deny_all = Policy {
+            allow: None,
+            deny: None,
+        };
         let Some(p) = p else { return deny_all };
         if p.allow.is_empty() {
             return deny_all;
         }
         match (compile(&p.allow), compile(&p.deny)) {
-            (Some(allow), Some(deny)) => Policy { allow: Some(allow), deny: Some(deny) },
+            (Some(allow), Some(deny)) => Policy {
+                allow: Some(allow),
+                deny: Some(deny),
+            },
             _ => deny_all,
         }
     }
@@ -65,7 +71,11 @@ pub(crate) fn plan_calls(content: &[ContentBlock]) -> Vec<PlannedCall> {
     content
         .iter()
         .filter_map(|b| match b {
-            ContentBlock::FunctionCall { id, function_id, arguments } => Some(unwrap_call(id, function_id, arguments)),
+            ContentBlock::FunctionCall {
+                id,
+                function_id,
+                arguments,
+            } => Some(unwrap_call(id, function_id, arguments)),
             _ => None,
         })
         .collect()
@@ -73,11 +83,21 @@ pub(crate) fn plan_calls(content: &[ContentBlock]) -> Vec<PlannedCall> {
 
 fn unwrap_call(id: &str, function_id: &str, arguments: &Value) -> PlannedCall {
     if function_id != "agent_trigger" {
-        return PlannedCall { id: id.into(), function_id: function_id.into(), arguments: arguments.clone() };
+        return PlannedCall {
+            id: id.into(),
+            function_id: function_id.into(),
+            arguments: arguments.clone(),
+        };
     }
-    let target = arguments.get("function").and_then(Value::as_str).unwrap_or("agent_trigger");
+    let target = arguments
+        .get("function")
+        .and_then(Value::as_str)
+        .unwrap_or("agent_trigger");
     let mut payload = match arguments.get("payload") {
-        Some(Value::String(s)) => serde_json::from_str::<Value>(s).ok().filter(Value::is_object).unwrap_or(json!({})),
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+            .ok()
+            .filter(Value::is_object)
+            .unwrap_or(json!({})),
         Some(p) => p.clone(),
         None => {
             let mut hoisted = arguments.as_object().cloned().unwrap_or_default();
@@ -91,7 +111,11 @@ fn unwrap_call(id: &str, function_id: &str, arguments: &Value) -> PlannedCall {
             obj.insert(marker.into(), m.clone());
         }
     }
-    PlannedCall { id: id.into(), function_id: target.into(), arguments: payload }
+    PlannedCall {
+        id: id.into(),
+        function_id: target.into(),
+        arguments: payload,
+    }
 }
 
 fn degraded(arguments: &Value) -> bool {
@@ -104,7 +128,10 @@ fn degraded(arguments: &Value) -> bool {
 /// §4.11: a JSON string → one text block; an object with a content block array → those blocks;
 /// anything else → its compact JSON. `is_error` comes from the value.
 fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
-    let is_error = value.get("is_error").and_then(Value::as_bool).unwrap_or(false);
+    let is_error = value
+        .get("is_error")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     if let Value::String(s) = value {
         return (vec![ContentBlock::text(s.clone())], false);
     }
@@ -119,7 +146,14 @@ fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
 }
 
 impl Harness {
-    async fn close_call(&self, rec: &mut TurnRecord, call: &PlannedCall, content: Vec<ContentBlock>, details: Value, is_error: bool) -> Result<()> {
+    async fn close_call(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        content: Vec<ContentBlock>,
+        details: Value,
+        is_error: bool,
+    ) -> Result<()> {
         let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
         self.append(AppendRequest {
             session_id: rec.session_id.clone(),
@@ -138,18 +172,30 @@ impl Harness {
         .await?;
         rec.calls.insert(
             call.id.clone(),
-            CallCheckpoint { state: CallState::Done, function_id: Some(call.function_id.clone()), entry_id: Some(entry_id) },
+            CallCheckpoint {
+                state: CallState::Done,
+                function_id: Some(call.function_id.clone()),
+                entry_id: Some(entry_id),
+            },
         );
         self.save_record(rec).await
     }
 
     fn refuse(text: String, error: &str, call: &PlannedCall) -> (Vec<ContentBlock>, Value) {
-        (vec![ContentBlock::text(text.clone())], json!({"error": error, "function_id": call.function_id, "message": text}))
+        (
+            vec![ContentBlock::text(text.clone())],
+            json!({"error": error, "function_id": call.function_id, "message": text}),
+        )
     }
 
     /// Runs the calls of one assistant message. `cut` names why the message's calls cannot be
     /// trusted (`length`, a broken stream) when it was cut short.
-    pub(crate) async fn dispatch_calls(&self, rec: &mut TurnRecord, calls: &[PlannedCall], cut: Option<&str>) -> Result<()> {
+    pub(crate) async fn dispatch_calls(
+        &self,
+        rec: &mut TurnRecord,
+        calls: &[PlannedCall],
+        cut: Option<&str>,
+    ) -> Result<()> {
         let policy = Policy::new(rec.options.functions.as_ref());
         for call in calls {
             match rec.calls.get(&call.id).map(|c| c.state) {
@@ -198,7 +244,11 @@ impl Harness {
             // Checkpoint before the side effect, durably: after a crash this call is never run again.
             rec.calls.insert(
                 call.id.clone(),
-                CallCheckpoint { state: CallState::Triggered, function_id: Some(call.function_id.clone()), entry_id: None },
+                CallCheckpoint {
+                    state: CallState::Triggered,
+                    function_id: Some(call.function_id.clone()),
+                    entry_id: None,
+                },
             );
             self.save_record(rec).await?;
             self.barrier().await?;
@@ -206,7 +256,11 @@ impl Harness {
             let outcome = self
                 .inner
                 .bus
-                .call(&call.function_id, call.arguments.clone(), Some(Duration::from_millis(self.inner.config.dispatch_timeout_ms)))
+                .call(
+                    &call.function_id,
+                    call.arguments.clone(),
+                    Some(Duration::from_millis(self.inner.config.dispatch_timeout_ms)),
+                )
                 .await;
             let (content, details, is_error) = match outcome {
                 Ok(value) => {
@@ -220,7 +274,8 @@ impl Harness {
                 ),
             };
             tracing::debug!(call = %call.id, function = %call.function_id, ms = started.elapsed().as_millis() as u64, "call finished");
-            self.close_call(rec, call, content, details, is_error).await?;
+            self.close_call(rec, call, content, details, is_error)
+                .await?;
         }
         Ok(())
     }
@@ -251,19 +306,38 @@ mod tests {
 
     #[test]
     fn agent_trigger_unwraps_string_payloads_and_hoists_keys() {
-        let c = unwrap_call("c", "agent_trigger", &json!({"function": "a::b", "payload": "{\"x\": 1}"}));
-        assert_eq!((c.function_id.as_str(), c.arguments.clone()), ("a::b", json!({"x": 1})));
-        let c = unwrap_call("c", "agent_trigger", &json!({"function": "a::b", "description": "d", "x": 2}));
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "payload": "{\"x\": 1}"}),
+        );
+        assert_eq!(
+            (c.function_id.as_str(), c.arguments.clone()),
+            ("a::b", json!({"x": 1}))
+        );
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "description": "d", "x": 2}),
+        );
         assert_eq!(c.arguments, json!({"x": 2}));
-        let c = unwrap_call("c", "agent_trigger", &json!({"function": "a::b", "payload": {}, "_partial": true}));
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "payload": {}, "_partial": true}),
+        );
         assert!(degraded(&c.arguments));
     }
 
     #[test]
     fn normalization() {
         assert_eq!(normalize(&json!("hi")).0, vec![ContentBlock::text("hi")]);
-        let (c, e) = normalize(&json!({"content": [{"type": "text", "text": "x"}], "is_error": true}));
+        let (c, e) =
+            normalize(&json!({"content": [{"type": "text", "text": "x"}], "is_error": true}));
         assert_eq!((c, e), (vec![ContentBlock::text("x")], true));
-        assert_eq!(normalize(&json!({"a": 1})).0, vec![ContentBlock::text("{\"a\":1}")]);
+        assert_eq!(
+            normalize(&json!({"a": 1})).0,
+            vec![ContentBlock::text("{\"a\":1}")]
+        );
     }
 }

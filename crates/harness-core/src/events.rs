@@ -21,7 +21,14 @@ fn admits(config: &Value, session_id: &str, parent_session_id: Option<&str>) -> 
 }
 
 impl Harness {
-    async fn emit(&self, topic: &str, dedupe_key: String, session_id: &str, parent: Option<&str>, payload: Value) -> Result<()> {
+    async fn emit(
+        &self,
+        topic: &str,
+        dedupe_key: String,
+        session_id: &str,
+        parent: Option<&str>,
+        payload: Value,
+    ) -> Result<()> {
         self.inner
             .bus
             .publish(topic, payload.clone(), Some(dedupe_key))
@@ -36,7 +43,10 @@ impl Harness {
         };
         for b in bindings {
             if admits(&b.config, session_id, parent) {
-                self.inner.bus.call_void(&b.function_id, payload.clone()).await;
+                self.inner
+                    .bus
+                    .call_void(&b.function_id, payload.clone())
+                    .await;
             }
         }
         Ok(())
@@ -47,7 +57,14 @@ impl Harness {
         let session_id = ev.session_id.clone();
         let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
         let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        self.emit(topics::TURN_STARTED, key, &session_id, parent.as_deref(), payload).await
+        self.emit(
+            topics::TURN_STARTED,
+            key,
+            &session_id,
+            parent.as_deref(),
+            payload,
+        )
+        .await
     }
 
     pub(crate) async fn emit_turn_completed(&self, ev: TurnCompletedEvent) -> Result<()> {
@@ -55,7 +72,14 @@ impl Harness {
         let session_id = ev.session_id.clone();
         let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
         let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        self.emit(topics::TURN_COMPLETED, key, &session_id, parent.as_deref(), payload).await
+        self.emit(
+            topics::TURN_COMPLETED,
+            key,
+            &session_id,
+            parent.as_deref(),
+            payload,
+        )
+        .await
     }
 }
 

@@ -23,7 +23,12 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    pub(crate) fn failed(code: &str, phase: &str, summary: &str, detail: Option<String>) -> Outcome {
+    pub(crate) fn failed(
+        code: &str,
+        phase: &str,
+        summary: &str,
+        detail: Option<String>,
+    ) -> Outcome {
         Outcome::Failed(Failure {
             code: code.into(),
             phase: phase.into(),
@@ -34,7 +39,12 @@ impl Outcome {
         })
     }
 
-    pub(crate) fn generation_failed(err: &GenerationError, _model: &str, _provider: Option<&str>, _partial: bool) -> Outcome {
+    pub(crate) fn generation_failed(
+        err: &GenerationError,
+        _model: &str,
+        _provider: Option<&str>,
+        _partial: bool,
+    ) -> Outcome {
         let summary = match err.kind {
             ErrorKind::AuthExpired => "The provider rejected the credentials.",
             ErrorKind::RateLimited => "The provider is rate limiting requests; try again shortly.",
@@ -110,13 +120,21 @@ impl Harness {
                     &rec.turn_id,
                 )
                 .await?;
-                self.set_status(sid, SessionStatus::Error, Some(&f.summary)).await?;
+                self.set_status(sid, SessionStatus::Error, Some(&f.summary))
+                    .await?;
                 Some(f.summary)
             }
             TurnStatus::Cancelled => {
-                self.append_custom(sid, ids::stopped_entry(&rec.turn_id), "notice", json!({"reason": "stopped", "message": "stopped by user."}), &rec.turn_id)
+                self.append_custom(
+                    sid,
+                    ids::stopped_entry(&rec.turn_id),
+                    "notice",
+                    json!({"reason": "stopped", "message": "stopped by user."}),
+                    &rec.turn_id,
+                )
+                .await?;
+                self.set_status(sid, SessionStatus::Done, Some("stopped"))
                     .await?;
-                self.set_status(sid, SessionStatus::Done, Some("stopped")).await?;
                 Some("stopped by user.".to_string())
             }
             _ => {

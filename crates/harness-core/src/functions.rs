@@ -39,7 +39,8 @@ where
             serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
         }
     };
-    h.bus().register_function(def, Arc::new(handler) as Arc<dyn Handler>);
+    h.bus()
+        .register_function(def, Arc::new(handler) as Arc<dyn Handler>);
 }
 
 fn turn_event_filter_validator() -> harness_bus::bus::ConfigValidator {
@@ -62,12 +63,18 @@ pub fn register(h: &Harness) {
     );
     register_fn(
         h,
-        FunctionDef::new("harness::status", "Read the current turn status for a session."),
+        FunctionDef::new(
+            "harness::status",
+            "Read the current turn status for a session.",
+        ),
         |h, req: StatusRequest| async move { h.status(req).await },
     );
     register_fn(
         h,
-        FunctionDef::new("harness::stop", "Request cancellation of an in-flight turn."),
+        FunctionDef::new(
+            "harness::stop",
+            "Request cancellation of an in-flight turn.",
+        ),
         |h, req: StopRequest| async move { h.stop(req).await },
     );
     register_fn(
@@ -80,8 +87,14 @@ pub fn register(h: &Harness) {
         |h, req: TurnStepPayload| async move { run_step(&h, req).await },
     );
     for (id, description) in [
-        (topics::TURN_STARTED, "A harness turn began executing (first loop step)."),
-        (topics::TURN_COMPLETED, "A harness turn reached a terminal status (completed/cancelled/failed)."),
+        (
+            topics::TURN_STARTED,
+            "A harness turn began executing (first loop step).",
+        ),
+        (
+            topics::TURN_COMPLETED,
+            "A harness turn reached a terminal status (completed/cancelled/failed).",
+        ),
     ] {
         h.bus().register_trigger_type(TriggerTypeDef {
             id: id.into(),
@@ -99,7 +112,12 @@ async fn run_step(h: &Harness, req: TurnStepPayload) -> Result<TurnStepResult, H
     loop {
         match h.step(req.clone()).await {
             Ok(r) => return Ok(r),
-            Err(e) if matches!(e.code, harness_types::ErrorCode::FunctionNotFound | harness_types::ErrorCode::Timeout) && attempt < 10 => {
+            Err(e)
+                if matches!(
+                    e.code,
+                    harness_types::ErrorCode::FunctionNotFound | harness_types::ErrorCode::Timeout
+                ) && attempt < 10 =>
+            {
                 attempt += 1;
                 tracing::warn!(session = %req.session_id, "step hit a transient dependency error, retrying: {e}");
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -107,7 +125,12 @@ async fn run_step(h: &Harness, req: TurnStepPayload) -> Result<TurnStepResult, H
             Err(e) => {
                 tracing::error!(session = %req.session_id, turn = %req.turn_id, "step failed: {e}");
                 h.fail_turn(&req, &e).await?;
-                return Ok(TurnStepResult { session_id: req.session_id, status: TurnStatus::Failed, next_step: None, skipped: false });
+                return Ok(TurnStepResult {
+                    session_id: req.session_id,
+                    status: TurnStatus::Failed,
+                    next_step: None,
+                    skipped: false,
+                });
             }
         }
     }

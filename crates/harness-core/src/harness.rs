@@ -74,7 +74,9 @@ impl Harness {
                 visibility_timeout_ms: c.step_visibility_timeout_ms,
             })
             .await
-            .map_err(|e| HarnessError::dependency(format!("cannot ensure the {TURN_QUEUE} queue: {e}")))?;
+            .map_err(|e| {
+                HarnessError::dependency(format!("cannot ensure the {TURN_QUEUE} queue: {e}"))
+            })?;
         self.redrive_running().await
     }
 
@@ -82,7 +84,12 @@ impl Harness {
     /// record and enqueueing its step would otherwise strand the turn; a step that was in fact
     /// still queued runs once and the duplicate is dropped by the stale guard.
     async fn redrive_running(&self) -> Result<()> {
-        let records = self.inner.bus.state_list(TURN_SCOPE).await.map_err(bus_err)?;
+        let records = self
+            .inner
+            .bus
+            .state_list(TURN_SCOPE)
+            .await
+            .map_err(bus_err)?;
         let mut redriven = 0;
         for (_, value) in records {
             let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {
@@ -111,7 +118,8 @@ impl Harness {
         function_id: &str,
         req: &Req,
     ) -> Result<Resp> {
-        let payload = serde_json::to_value(req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let payload =
+            serde_json::to_value(req).map_err(|e| HarnessError::internal(e.to_string()))?;
         let mut attempt = 0;
         loop {
             match self
@@ -122,7 +130,9 @@ impl Harness {
             {
                 Ok(v) => {
                     return serde_json::from_value(v).map_err(|e| {
-                        HarnessError::dependency(format!("{function_id} answered an unexpected shape: {e}"))
+                        HarnessError::dependency(format!(
+                            "{function_id} answered an unexpected shape: {e}"
+                        ))
                     })
                 }
                 Err(e) if e.is_transient_dependency() && attempt < 10 => {
@@ -143,9 +153,9 @@ impl Harness {
             .map_err(bus_err)?;
         match v {
             None => Ok(None),
-            Some(v) => serde_json::from_value(v)
-                .map(Some)
-                .map_err(|e| HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))),
+            Some(v) => serde_json::from_value(v).map(Some).map_err(|e| {
+                HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
+            }),
         }
     }
 
@@ -167,7 +177,8 @@ impl Harness {
             message_preview: rec.message_preview.clone(),
             depth: rec.depth,
         };
-        let payload = serde_json::to_value(payload).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let payload =
+            serde_json::to_value(payload).map_err(|e| HarnessError::internal(e.to_string()))?;
         let mut attempt = 0;
         loop {
             match self
@@ -216,7 +227,12 @@ impl Harness {
         .await
     }
 
-    pub(crate) async fn set_status(&self, session_id: &str, status: SessionStatus, reason: Option<&str>) -> Result<()> {
+    pub(crate) async fn set_status(
+        &self,
+        session_id: &str,
+        status: SessionStatus,
+        reason: Option<&str>,
+    ) -> Result<()> {
         let _: SetStatusResponse = self
             .call(
                 "session::set-status",
@@ -270,6 +286,10 @@ impl Harness {
     }
 
     pub(crate) fn clear_signal(&self, turn_id: &str) {
-        self.inner.signals.lock().expect("signals lock").remove(turn_id);
+        self.inner
+            .signals
+            .lock()
+            .expect("signals lock")
+            .remove(turn_id);
     }
 }

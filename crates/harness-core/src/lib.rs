@@ -21,8 +21,8 @@ mod prompt;
 mod record;
 mod send;
 mod status;
-mod step;
 mod steering;
+mod step;
 mod stop;
 mod stream;
 

@@ -53,9 +53,11 @@ mod tests {
     async fn same_session_serializes_and_idle_sessions_cost_nothing() {
         let locks = SessionLocks::default();
         let g = locks.lock("a").await;
-        assert!(tokio::time::timeout(std::time::Duration::from_millis(20), locks.lock("a"))
-            .await
-            .is_err());
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(20), locks.lock("a"))
+                .await
+                .is_err()
+        );
         let _other = locks.lock("b").await;
         drop(g);
         let _again = locks.lock("a").await;

@@ -4,7 +4,8 @@
 use harness_types::api::{FunctionPolicy, SystemPromptStrategy};
 
 /// The built-in identity every agent starts from.
-pub const IDENTITY: &str = "You are a capable assistant working inside harness, a durable agent loop. \
+pub const IDENTITY: &str =
+    "You are a capable assistant working inside harness, a durable agent loop. \
 Answer directly and concisely. When functions are available, call them only when they help, and \
 never call a function the dispatch policy does not allow.";
 
@@ -21,7 +22,9 @@ pub(crate) fn resolve(custom: Option<&str>, strategy: SystemPromptStrategy) -> O
 /// The short policy aid line the prompt carries.
 pub(crate) fn policy_aid(policy: Option<&FunctionPolicy>) -> Option<String> {
     let Some(p) = policy.filter(|p| !p.allow.is_empty()) else {
-        return Some("Function dispatch is entirely disabled this turn — do not call any function.".into());
+        return Some(
+            "Function dispatch is entirely disabled this turn — do not call any function.".into(),
+        );
     };
     if p.allow.iter().any(|a| a == "*") && p.deny.is_empty() {
         return None;
@@ -30,7 +33,14 @@ pub(crate) fn policy_aid(policy: Option<&FunctionPolicy>) -> Option<String> {
     allow.sort();
     allow.dedup();
     let mut line = String::from("Functions you may call this turn: ");
-    line.push_str(&allow.iter().take(30).copied().collect::<Vec<_>>().join(", "));
+    line.push_str(
+        &allow
+            .iter()
+            .take(30)
+            .copied()
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
     if allow.len() > 30 {
         line.push_str(", …");
     }
@@ -45,7 +55,11 @@ pub(crate) fn policy_aid(policy: Option<&FunctionPolicy>) -> Option<String> {
 }
 
 /// The prompt sent with one generation: the frozen prompt plus the runtime aid.
-pub(crate) fn for_step(frozen: Option<&str>, session_id: &str, policy: Option<&FunctionPolicy>) -> Option<String> {
+pub(crate) fn for_step(
+    frozen: Option<&str>,
+    session_id: &str,
+    policy: Option<&FunctionPolicy>,
+) -> Option<String> {
     let mut aid = format!("Your session id is {session_id}.");
     if let Some(line) = policy_aid(policy) {
         aid.push('\n');
@@ -63,18 +77,34 @@ mod tests {
 
     #[test]
     fn strategies() {
-        assert_eq!(resolve(Some("X"), SystemPromptStrategy::Override).as_deref(), Some("X"));
-        assert_eq!(resolve(Some("X"), SystemPromptStrategy::Enrich), Some(format!("{IDENTITY}\n\nX")));
+        assert_eq!(
+            resolve(Some("X"), SystemPromptStrategy::Override).as_deref(),
+            Some("X")
+        );
+        assert_eq!(
+            resolve(Some("X"), SystemPromptStrategy::Enrich),
+            Some(format!("{IDENTITY}\n\nX"))
+        );
         assert_eq!(resolve(Some("X"), SystemPromptStrategy::Disabled), None);
-        assert_eq!(resolve(Some("  "), SystemPromptStrategy::Override).as_deref(), Some(IDENTITY));
+        assert_eq!(
+            resolve(Some("  "), SystemPromptStrategy::Override).as_deref(),
+            Some(IDENTITY)
+        );
     }
 
     #[test]
     fn policy_aid_lines() {
         assert!(policy_aid(None).unwrap().contains("entirely disabled"));
-        let all = FunctionPolicy { allow: vec!["*".into()], ..Default::default() };
+        let all = FunctionPolicy {
+            allow: vec!["*".into()],
+            ..Default::default()
+        };
         assert_eq!(policy_aid(Some(&all)), None);
-        let some = FunctionPolicy { allow: vec!["b::x".into(), "a::*".into()], deny: vec!["a::rm".into()], ..Default::default() };
+        let some = FunctionPolicy {
+            allow: vec!["b::x".into(), "a::*".into()],
+            deny: vec!["a::rm".into()],
+            ..Default::default()
+        };
         assert_eq!(
             policy_aid(Some(&some)).unwrap(),
             "Functions you may call this turn: a::*, b::x. Deny-listed on top: a::rm."

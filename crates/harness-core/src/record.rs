@@ -161,7 +161,10 @@ mod tests {
             message_preview("  hello\n\n world  ").as_deref(),
             Some("hello world")
         );
-        assert_eq!(message_preview(&"é".repeat(40)).unwrap().chars().count(), 30);
+        assert_eq!(
+            message_preview(&"é".repeat(40)).unwrap().chars().count(),
+            30
+        );
         assert_eq!(message_preview("   "), None);
     }
 }

@@ -1,8 +1,12 @@
 //! `harness::send`: persist the message, then seed a turn or merge into the running one.
 
-use harness_types::api::{SendOptions, SendRequest, SendResponse, SystemPromptStrategy, TurnStatus};
+use harness_types::api::{
+    SendOptions, SendRequest, SendResponse, SystemPromptStrategy, TurnStatus,
+};
 use harness_types::message::AgentMessage;
-use harness_types::session::{AppendRequest, CreateRequest, CreateResponse, EnsureRequest, EnsureResponse};
+use harness_types::session::{
+    AppendRequest, CreateRequest, CreateResponse, EnsureRequest, EnsureResponse,
+};
 use harness_types::{ids, now_ms, ErrorCode, HarnessError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -37,10 +41,17 @@ pub(crate) fn normalize_message(message: Value) -> Result<AgentMessage> {
                 Some(other) => {
                     return Err(HarnessError::new(
                         ErrorCode::InvalidMessageRole,
-                        format!("message.role: must be the string 'user' or 'custom' (got {other})"),
+                        format!(
+                            "message.role: must be the string 'user' or 'custom' (got {other})"
+                        ),
                     ))
                 }
-                None => return Err(HarnessError::invalid_field("message.role", "missing field `role`")),
+                None => {
+                    return Err(HarnessError::invalid_field(
+                        "message.role",
+                        "missing field `role`",
+                    ))
+                }
             }
             let mut m: AgentMessage = harness_types::parse::parse_payload(message)
                 .map_err(|e| HarnessError::invalid(format!("message.{}", e.message)))?;
@@ -51,10 +62,16 @@ pub(crate) fn normalize_message(message: Value) -> Result<AgentMessage> {
             }
             Ok(m)
         }
-        Value::Null => Err(HarnessError::invalid_field("message", "missing field `message`")),
+        Value::Null => Err(HarnessError::invalid_field(
+            "message",
+            "missing field `message`",
+        )),
         other => Err(HarnessError::invalid_field(
             "message",
-            format!("must be a string or a message object (got {})", json_kind(&other)),
+            format!(
+                "must be a string or a message object (got {})",
+                json_kind(&other)
+            ),
         )),
     }
 }
@@ -72,7 +89,10 @@ fn json_kind(v: &Value) -> &'static str {
 
 fn validate_options(o: &SendOptions) -> Result<()> {
     if o.max_turns == Some(0) {
-        return Err(HarnessError::invalid_field("options.max_turns", "must be at least 1"));
+        return Err(HarnessError::invalid_field(
+            "options.max_turns",
+            "must be at least 1",
+        ));
     }
     if let Some(r) = &o.reasoning {
         if r != "lowest" {
@@ -92,12 +112,18 @@ impl Harness {
         validate_options(&options)?;
         if let Some(id) = &req.session_id {
             if id.is_empty() {
-                return Err(HarnessError::invalid_field("session_id", "must not be empty"));
+                return Err(HarnessError::invalid_field(
+                    "session_id",
+                    "must not be empty",
+                ));
             }
         }
         if let Some(key) = &req.idempotency_key {
             if key.is_empty() {
-                return Err(HarnessError::invalid_field("idempotency_key", "must not be empty"));
+                return Err(HarnessError::invalid_field(
+                    "idempotency_key",
+                    "must not be empty",
+                ));
             }
             if let Some(row) = self.idem_row(key).await? {
                 return Ok(SendResponse {
@@ -199,7 +225,8 @@ impl Harness {
             Some(rec) if rec.status == TurnStatus::AwaitingFunctions => {
                 // Parked: nothing is streaming, so the message goes straight in and steers the
                 // next generation.
-                self.append_user(&session_id, message, &entry_id, &rec.turn_id).await?;
+                self.append_user(&session_id, message, &entry_id, &rec.turn_id)
+                    .await?;
                 SendResponse {
                     session_id: session_id.clone(),
                     turn_id: rec.turn_id,
@@ -210,7 +237,8 @@ impl Harness {
             }
             prev => {
                 let turn_id = ids::new_turn_id();
-                self.append_user(&session_id, message, &entry_id, &turn_id).await?;
+                self.append_user(&session_id, message, &entry_id, &turn_id)
+                    .await?;
                 let depth = prev.as_ref().map_or(0, |p| p.depth);
                 let parent = prev.as_ref().and_then(|p| p.parent.clone());
                 let mut rec = new_record(&session_id, &turn_id, frozen, depth, parent, preview);
@@ -237,7 +265,8 @@ impl Harness {
                 entry_id,
                 ts: now_ms(),
             };
-            let value = serde_json::to_value(row).map_err(|e| HarnessError::internal(e.to_string()))?;
+            let value =
+                serde_json::to_value(row).map_err(|e| HarnessError::internal(e.to_string()))?;
             self.inner
                 .bus
                 .state_set(IDEM_SCOPE, key, value)
@@ -259,7 +288,13 @@ impl Harness {
         Ok(v.and_then(|v| serde_json::from_value(v).ok()))
     }
 
-    async fn append_user(&self, session_id: &str, message: AgentMessage, entry_id: &str, turn_id: &str) -> Result<()> {
+    async fn append_user(
+        &self,
+        session_id: &str,
+        message: AgentMessage,
+        entry_id: &str,
+        turn_id: &str,
+    ) -> Result<()> {
         self.append(AppendRequest {
             session_id: session_id.to_string(),
             message: Some(message),
@@ -273,52 +308,77 @@ impl Harness {
 
     /// Resolves the options the next turn would run with. Explicit fields win; omitted ones are
     /// inherited from the previous turn (model, provider, policy, prompt, reasoning).
-    fn freeze_options(&self, req: &SendRequest, o: &SendOptions, prev: Option<&TurnRecord>) -> Result<TurnOptions> {
+    fn freeze_options(
+        &self,
+        req: &SendRequest,
+        o: &SendOptions,
+        prev: Option<&TurnRecord>,
+    ) -> Result<TurnOptions> {
         let prev_opts = prev.map(|p| &p.options);
-        let (model, provider) = match (&req.model, prev_opts) {
-            (Some(m), _) if m.is_empty() => {
-                return Err(HarnessError::invalid_field("model", "must not be empty"))
-            }
-            (Some(m), p) => (
-                m.clone(),
-                req.provider
-                    .clone()
-                    .or_else(|| p.filter(|p| &p.model == m).and_then(|p| p.provider.clone())),
-            ),
-            (None, Some(p)) => (p.model.clone(), req.provider.clone().or_else(|| p.provider.clone())),
-            (None, None) => {
-                return Err(HarnessError::invalid_field(
+        let (model, provider) =
+            match (&req.model, prev_opts) {
+                (Some(m), _) if m.is_empty() => {
+                    return Err(HarnessError::invalid_field("model", "must not be empty"))
+                }
+                (Some(m), p) => (
+                    m.clone(),
+                    req.provider
+                        .clone()
+                        .or_else(|| p.filter(|p| &p.model == m).and_then(|p| p.provider.clone())),
+                ),
+                (None, Some(p)) => (
+                    p.model.clone(),
+                    req.provider.clone().or_else(|| p.provider.clone()),
+                ),
+                (None, None) => return Err(HarnessError::invalid_field(
                     "model",
                     match &req.session_id {
-                        Some(id) => format!("required: session '{id}' has no previous turn to inherit a model from"),
+                        Some(id) => format!(
+                            "required: session '{id}' has no previous turn to inherit a model from"
+                        ),
                         None => "required when the send creates a session".to_string(),
                     },
-                ))
-            }
-        };
+                )),
+            };
         let system_prompt = if o.system_prompt.is_none() && o.system_prompt_strategy.is_none() {
             match prev_opts {
                 Some(p) => p.system_prompt.clone(),
                 None => prompt::resolve(None, SystemPromptStrategy::Enrich),
             }
         } else {
-            prompt::resolve(o.system_prompt.as_deref(), o.system_prompt_strategy.unwrap_or_default())
+            prompt::resolve(
+                o.system_prompt.as_deref(),
+                o.system_prompt_strategy.unwrap_or_default(),
+            )
         };
-        let (thinking_level, provider_options) = if o.thinking_level.is_none() && o.provider_options.is_none() {
-            prev_opts.map_or((None, None), |p| (p.thinking_level, p.provider_options.clone()))
-        } else {
-            (o.thinking_level, o.provider_options.clone().filter(|v| v.as_object().is_none_or(|m| !m.is_empty())))
-        };
+        let (thinking_level, provider_options) =
+            if o.thinking_level.is_none() && o.provider_options.is_none() {
+                prev_opts.map_or((None, None), |p| {
+                    (p.thinking_level, p.provider_options.clone())
+                })
+            } else {
+                (
+                    o.thinking_level,
+                    o.provider_options
+                        .clone()
+                        .filter(|v| v.as_object().is_none_or(|m| !m.is_empty())),
+                )
+            };
         Ok(TurnOptions {
             model,
             provider,
             system_prompt,
             max_turns: o.max_turns.unwrap_or(self.inner.config.default_max_turns),
-            max_output_tokens: o.max_output_tokens.or(prev_opts.and_then(|p| p.max_output_tokens)),
+            max_output_tokens: o
+                .max_output_tokens
+                .or(prev_opts.and_then(|p| p.max_output_tokens)),
             thinking_level,
             provider_options,
             output: o.output.clone().unwrap_or_default(),
-            functions: o.functions.clone().or_else(|| prev_opts.and_then(|p| p.functions.clone())),
+            functions: o
+                .functions
+                .clone()
+                .or_else(|| prev_opts.and_then(|p| p.functions.clone())),
             metadata: o.metadata.clone(),
             max_transient_resumes: self.inner.config.max_transient_resumes,
         })
@@ -372,12 +432,17 @@ mod tests {
         let err = normalize_message(json!({"role": "wizard"})).unwrap_err();
         assert_eq!(err.code, ErrorCode::InvalidMessageRole);
         let err = normalize_message(json!(5)).unwrap_err();
-        assert!(err.to_string().contains("message: must be a string"), "{err}");
+        assert!(
+            err.to_string().contains("message: must be a string"),
+            "{err}"
+        );
     }
 
     #[test]
     fn a_malformed_user_message_names_the_inner_field() {
-        let err = normalize_message(json!({"role": "user", "content": [{"type": "text", "text": 3}]})).unwrap_err();
+        let err =
+            normalize_message(json!({"role": "user", "content": [{"type": "text", "text": 3}]}))
+                .unwrap_err();
         assert_eq!(err.code, ErrorCode::InvalidRequest);
         assert!(err.message.starts_with("message."), "{err}");
     }

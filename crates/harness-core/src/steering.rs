@@ -31,7 +31,8 @@ impl Harness {
     /// Parks a message for the next step. Keys sort by arrival.
     pub(crate) async fn queue_message(&self, row: &QueuedMessage) -> Result<()> {
         let key = format!("{:020}_{}", row.queued_at, row.id);
-        let value = serde_json::to_value(row).map_err(|e| harness_types::HarnessError::internal(e.to_string()))?;
+        let value = serde_json::to_value(row)
+            .map_err(|e| harness_types::HarnessError::internal(e.to_string()))?;
         self.inner
             .bus
             .state_set(&scope(&row.session_id), &key, value)

@@ -6,7 +6,9 @@
 
 use harness_context::{AssembleOptions, AssembleRequest, AssembleResponse, ModelRef};
 use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
-use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason};
+use harness_types::message::{
+    AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason,
+};
 use harness_types::router::ChatRequest;
 use harness_types::session::{AppendRequest, Entry, SessionStatus};
 use harness_types::{ids, now_ms, HarnessError};
@@ -23,7 +25,12 @@ use crate::record::TurnRecord;
 const FRAMING_TOKENS: u64 = 64;
 
 fn skipped(session_id: &str) -> TurnStepResult {
-    TurnStepResult { session_id: session_id.to_string(), status: TurnStatus::Running, next_step: None, skipped: true }
+    TurnStepResult {
+        session_id: session_id.to_string(),
+        status: TurnStatus::Running,
+        next_step: None,
+        skipped: true,
+    }
 }
 
 fn done(rec: &TurnRecord) -> TurnStepResult {
@@ -51,7 +58,10 @@ fn model_messages(entries: &[Entry]) -> Vec<AgentMessage> {
         out.push(m.clone());
         if let AgentMessage::Assistant(a) = m {
             for b in &a.content {
-                if let ContentBlock::FunctionCall { id, function_id, .. } = b {
+                if let ContentBlock::FunctionCall {
+                    id, function_id, ..
+                } = b
+                {
                     if !answered.contains(id.as_str()) {
                         out.push(AgentMessage::FunctionResult(FunctionResultMessage {
                             function_call_id: id.clone(),
@@ -91,10 +101,14 @@ impl Harness {
             return Ok(skipped(&sid));
         }
         if rec.abort {
-            return self.finalize(&mut rec, Outcome::Cancelled).await.map(|_| done(&rec));
+            return self
+                .finalize(&mut rec, Outcome::Cancelled)
+                .await
+                .map(|_| done(&rec));
         }
         self.drain_queue(&sid, &rec.turn_id).await?;
-        self.set_status(&sid, SessionStatus::Working, Some("preparing context")).await?;
+        self.set_status(&sid, SessionStatus::Working, Some("preparing context"))
+            .await?;
         if rec.step == 0 && rec.turn_count == 0 {
             self.emit_turn_started(TurnStartedEvent {
                 session_id: sid.clone(),
@@ -107,11 +121,21 @@ impl Harness {
             .await?;
         }
         if rec.turn_count >= rec.options.max_turns {
-            let text = format!("max_turns ({}) reached; ending the turn.", rec.options.max_turns);
-            self.append_custom(&sid, ids::max_turns_entry(&rec.turn_id), "notice", json!({"reason": "max_turns", "message": text}), &rec.turn_id)
-                .await?;
+            let text = format!(
+                "max_turns ({}) reached; ending the turn.",
+                rec.options.max_turns
+            );
+            self.append_custom(
+                &sid,
+                ids::max_turns_entry(&rec.turn_id),
+                "notice",
+                json!({"reason": "max_turns", "message": text}),
+                &rec.turn_id,
+            )
+            .await?;
             rec.stop_reason = Some("max_turns".into());
-            self.finalize(&mut rec, Outcome::Completed(json!(text))).await?;
+            self.finalize(&mut rec, Outcome::Completed(json!(text)))
+                .await?;
             return Ok(done(&rec));
         }
 
@@ -119,17 +143,38 @@ impl Harness {
         let entries = self.transcript(&sid).await?;
         let new_watermark = entries.last().map(|e| e.entry_id.clone());
         let messages = model_messages(&entries);
-        let system_prompt = prompt::for_step(rec.options.system_prompt.as_deref(), &sid, rec.options.functions.as_ref());
+        let system_prompt = prompt::for_step(
+            rec.options.system_prompt.as_deref(),
+            &sid,
+            rec.options.functions.as_ref(),
+        );
         let assembled = match self.assemble(&rec, messages, system_prompt).await {
             Ok(a) => a,
             Err(overflow) => {
-                self.finalize(&mut rec, Outcome::failed("harness.context_overflow", "context_assembly", "The conversation no longer fits the model's context window.", Some(overflow)))
-                    .await?;
+                self.finalize(
+                    &mut rec,
+                    Outcome::failed(
+                        "harness.context_overflow",
+                        "context_assembly",
+                        "The conversation no longer fits the model's context window.",
+                        Some(overflow),
+                    ),
+                )
+                .await?;
                 return Ok(done(&rec));
             }
         };
         if assembled.messages.is_empty() {
-            self.finalize(&mut rec, Outcome::failed("harness.empty_context", "context_assembly", "There was nothing to send to the model.", None)).await?;
+            self.finalize(
+                &mut rec,
+                Outcome::failed(
+                    "harness.empty_context",
+                    "context_assembly",
+                    "There was nothing to send to the model.",
+                    None,
+                ),
+            )
+            .await?;
             return Ok(done(&rec));
         }
         let cancel = self.signal(&rec.turn_id);
@@ -178,7 +223,13 @@ impl Harness {
 
         // Generate with the lock released, so `stop` can land mid-stream.
         drop(guard);
-        let _ = self.set_status(&sid, SessionStatus::Working, Some(&format!("waiting for {}", rec.options.model))).await;
+        let _ = self
+            .set_status(
+                &sid,
+                SessionStatus::Working,
+                Some(&format!("waiting for {}", rec.options.model)),
+            )
+            .await;
         let generation = self.generate(req, &sid, &entry_id, cancel.clone()).await;
         let guard: SessionGuard = self.inner.locks.lock(&sid).await;
         let generation = generation?;
@@ -193,7 +244,10 @@ impl Harness {
         }
         rec.watermark_entry_id = new_watermark;
         rec.turn_count += 1;
-        if rec.abort || cancel.is_cancelled() || generation.message.stop_reason == StopReason::Aborted {
+        if rec.abort
+            || cancel.is_cancelled()
+            || generation.message.stop_reason == StopReason::Aborted
+        {
             self.finalize(&mut rec, Outcome::Cancelled).await?;
             return Ok(done(&rec));
         }
@@ -201,13 +255,26 @@ impl Harness {
             let partial = generation.has_partial();
             if partial {
                 let text = harness_types::message::joined_text(&generation.message.content);
-                rec.result = Some(if text.trim().is_empty() { json!(generation.message.content) } else { json!(text) });
+                rec.result = Some(if text.trim().is_empty() {
+                    json!(generation.message.content)
+                } else {
+                    json!(text)
+                });
             }
-            if partial && err.kind.retryable() && rec.transient_resumes < rec.options.max_transient_resumes && rec.turn_count < rec.options.max_turns {
+            if partial
+                && err.kind.retryable()
+                && rec.transient_resumes < rec.options.max_transient_resumes
+                && rec.turn_count < rec.options.max_turns
+            {
                 self.begin_resume(&mut rec, &err.message).await?;
                 return self.advance(&mut rec).await.map(|_| done(&rec));
             }
-            let outcome = Outcome::generation_failed(err, &rec.options.model, rec.options.provider.as_deref(), partial);
+            let outcome = Outcome::generation_failed(
+                err,
+                &rec.options.model,
+                rec.options.provider.as_deref(),
+                partial,
+            );
             self.finalize(&mut rec, outcome).await?;
             return Ok(done(&rec));
         }
@@ -223,7 +290,8 @@ impl Harness {
         }
         let calls = plan_calls(&generation.message.content);
         if !calls.is_empty() {
-            let cut = (generation.message.stop_reason == StopReason::Length).then_some("the reply hit the output limit");
+            let cut = (generation.message.stop_reason == StopReason::Length)
+                .then_some("the reply hit the output limit");
             self.dispatch_calls(&mut rec, &calls, cut).await?;
             return self.advance(&mut rec).await.map(|_| done(&rec));
         }
@@ -232,7 +300,8 @@ impl Harness {
             return self.advance(&mut rec).await.map(|_| done(&rec));
         }
         let text = harness_types::message::joined_text(&generation.message.content);
-        self.finalize(&mut rec, Outcome::Completed(json!(text))).await?;
+        self.finalize(&mut rec, Outcome::Completed(json!(text)))
+            .await?;
         Ok(done(&rec))
     }
 
@@ -275,10 +344,18 @@ impl Harness {
     }
 
     /// `context::assemble` when a context manager is registered, the raw history otherwise.
-    async fn assemble(&self, rec: &TurnRecord, messages: Vec<AgentMessage>, system_prompt: Option<String>) -> std::result::Result<AssembleResponse, String> {
+    async fn assemble(
+        &self,
+        rec: &TurnRecord,
+        messages: Vec<AgentMessage>,
+        system_prompt: Option<String>,
+    ) -> std::result::Result<AssembleResponse, String> {
         let req = AssembleRequest {
             messages,
-            model: ModelRef { id: rec.options.model.clone(), provider: rec.options.provider.clone() },
+            model: ModelRef {
+                id: rec.options.model.clone(),
+                provider: rec.options.provider.clone(),
+            },
             system_prompt,
             tools: vec![],
             options: AssembleOptions {
@@ -288,21 +365,47 @@ impl Harness {
             },
         };
         let payload = serde_json::to_value(&req).map_err(|e| e.to_string())?;
-        match self.inner.bus.call("context::assemble", payload, Some(std::time::Duration::from_millis(self.inner.config.session_timeout_ms))).await {
-            Ok(v) => serde_json::from_value(v).map_err(|e| format!("context::assemble answered an unexpected shape: {e}")),
+        match self
+            .inner
+            .bus
+            .call(
+                "context::assemble",
+                payload,
+                Some(std::time::Duration::from_millis(
+                    self.inner.config.session_timeout_ms,
+                )),
+            )
+            .await
+        {
+            Ok(v) => serde_json::from_value(v)
+                .map_err(|e| format!("context::assemble answered an unexpected shape: {e}")),
             Err(e) if e.is_not_found() => harness_context::assemble(req),
             Err(e) => Err(e.to_string()),
         }
     }
 
     /// Fails the current turn of a session after an unexpected step error.
-    pub(crate) async fn fail_turn(&self, payload: &TurnStepPayload, err: &HarnessError) -> Result<()> {
+    pub(crate) async fn fail_turn(
+        &self,
+        payload: &TurnStepPayload,
+        err: &HarnessError,
+    ) -> Result<()> {
         let _guard = self.inner.locks.lock(&payload.session_id).await;
-        let Some(mut rec) = self.load_record(&payload.session_id).await? else { return Ok(()) };
+        let Some(mut rec) = self.load_record(&payload.session_id).await? else {
+            return Ok(());
+        };
         if rec.turn_id != payload.turn_id || rec.is_terminal() {
             return Ok(());
         }
-        self.finalize(&mut rec, Outcome::failed("harness.turn_internal", "execution", "The turn stopped on an internal error.", Some(err.to_string())))
-            .await
+        self.finalize(
+            &mut rec,
+            Outcome::failed(
+                "harness.turn_internal",
+                "execution",
+                "The turn stopped on an internal error.",
+                Some(err.to_string()),
+            ),
+        )
+        .await
     }
 }

@@ -11,7 +11,9 @@ impl Harness {
     pub async fn stop(&self, req: StopRequest) -> Result<StopResponse> {
         let Some(rec) = self.load_record(&req.session_id).await? else {
             // Nothing to stop; make sure the session does not look busy.
-            let _ = self.set_status(&req.session_id, SessionStatus::Idle, None).await;
+            let _ = self
+                .set_status(&req.session_id, SessionStatus::Idle, None)
+                .await;
             return Ok(StopResponse { stopping: false });
         };
         if rec.is_terminal() || req.turn_id.as_deref().is_some_and(|t| t != rec.turn_id) {
@@ -24,7 +26,11 @@ impl Harness {
             let _ = self
                 .inner
                 .bus
-                .call("router::abort", json!({"request_id": request_id}), Some(std::time::Duration::from_secs(2)))
+                .call(
+                    "router::abort",
+                    json!({"request_id": request_id}),
+                    Some(std::time::Duration::from_secs(2)),
+                )
                 .await;
         }
         let _guard = self.inner.locks.lock(&req.session_id).await;

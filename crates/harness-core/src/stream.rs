@@ -33,7 +33,9 @@ impl Generation {
     /// True when something the user could see was streamed before the failure.
     pub fn has_partial(&self) -> bool {
         self.message.content.iter().any(|b| match b {
-            ContentBlock::Text { text } | ContentBlock::Thinking { text, .. } => !text.trim().is_empty(),
+            ContentBlock::Text { text } | ContentBlock::Thinking { text, .. } => {
+                !text.trim().is_empty()
+            }
             _ => true,
         })
     }
@@ -91,7 +93,8 @@ impl Accumulator {
                     serde_json::from_str::<Value>(&self.args_text)
                         .unwrap_or_else(|_| json!({"_raw": self.args_text.clone()}))
                 };
-                if let Some(ContentBlock::FunctionCall { arguments, .. }) = self.content.last_mut() {
+                if let Some(ContentBlock::FunctionCall { arguments, .. }) = self.content.last_mut()
+                {
                     *arguments = parsed;
                 }
             }
@@ -106,7 +109,13 @@ impl Accumulator {
 }
 
 impl Harness {
-    async fn write_stream(&self, session_id: &str, entry_id: &str, message: &AssistantMessage, details: Option<Value>) -> Result<()> {
+    async fn write_stream(
+        &self,
+        session_id: &str,
+        entry_id: &str,
+        message: &AssistantMessage,
+        details: Option<Value>,
+    ) -> Result<()> {
         let _: UpdateMessageResponse = self
             .call(
                 "session::update-message",
@@ -138,11 +147,16 @@ impl Harness {
         let model = req.model.clone();
         let provider = req.provider.clone().unwrap_or_default();
         let request_id = req.request_id.clone();
-        let payload = serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let payload =
+            serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
         let mut call = self
             .inner
             .bus
-            .call_streaming("router::chat", payload, Some(Duration::from_millis(c.router_timeout_ms)))
+            .call_streaming(
+                "router::chat",
+                payload,
+                Some(Duration::from_millis(c.router_timeout_ms)),
+            )
             .await
             .map_err(|e| e.into_harness())?;
         let coalesce = Duration::from_millis(c.stream_coalesce_ms);
@@ -191,7 +205,9 @@ impl Harness {
             Some(a) => a,
             None => match result {
                 Some(r) => r.await,
-                None => Err(harness_bus::BusError::internal("router::chat ended without an answer")),
+                None => Err(harness_bus::BusError::internal(
+                    "router::chat ended without an answer",
+                )),
             },
         };
         let _ = dirty;
@@ -200,9 +216,19 @@ impl Harness {
                 if message.usage.is_none() {
                     message.usage = acc.usage.clone();
                 }
-                Generation { message, error: None }
+                Generation {
+                    message,
+                    error: None,
+                }
             }
-            (Some(Frame::Error { error, error_kind, error_message }), ack) => {
+            (
+                Some(Frame::Error {
+                    error,
+                    error_kind,
+                    error_message,
+                }),
+                ack,
+            ) => {
                 let code = ack
                     .ok()
                     .and_then(|v| serde_json::from_value::<ChatAck>(v).ok())
@@ -214,7 +240,11 @@ impl Harness {
                 }
                 Generation {
                     message,
-                    error: Some(GenerationError { code, kind: error_kind, message: error_message }),
+                    error: Some(GenerationError {
+                        code,
+                        kind: error_kind,
+                        message: error_message,
+                    }),
                 }
             }
             (_, Err(e)) if !e.is_not_found() && e.code != "timeout" => {
@@ -224,13 +254,20 @@ impl Harness {
                 // No terminal frame: a rejected call is permanent, a frame-less answer transient.
                 let (kind, why) = match outcome {
                     Err(e) => (ErrorKind::Transient, e.to_string()),
-                    Ok(_) => (ErrorKind::Transient, "the router answered without a terminal frame".to_string()),
+                    Ok(_) => (
+                        ErrorKind::Transient,
+                        "the router answered without a terminal frame".to_string(),
+                    ),
                 };
                 let mut message = partial_message(&acc, &model, &provider);
                 message.stop_reason = StopReason::Error;
                 Generation {
                     message,
-                    error: Some(GenerationError { code: format!("llm.{}", kind.as_str()), kind, message: why }),
+                    error: Some(GenerationError {
+                        code: format!("llm.{}", kind.as_str()),
+                        kind,
+                        message: why,
+                    }),
                 }
             }
         };
@@ -238,8 +275,12 @@ impl Harness {
         if cancel.is_cancelled() && gen.ok() {
             final_message.stop_reason = StopReason::Aborted;
         }
-        let details = gen.error.as_ref().map(|e| json!({"error_kind": e.kind, "error_message": e.message}));
-        self.write_stream(session_id, entry_id, &final_message, details).await?;
+        let details = gen
+            .error
+            .as_ref()
+            .map(|e| json!({"error_kind": e.kind, "error_message": e.message}));
+        self.write_stream(session_id, entry_id, &final_message, details)
+            .await?;
         Ok(Generation {
             message: final_message,
             error: gen.error,

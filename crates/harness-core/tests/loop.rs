@@ -16,20 +16,30 @@ fn text_gen(text: &str) -> serde_json::Value {
 
 #[tokio::test]
 async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
-    let rt = runtime(json!({"generations": [text_gen("Hello back, friend.")]}), config()).await;
+    let rt = runtime(
+        json!({"generations": [text_gen("Hello back, friend.")]}),
+        config(),
+    )
+    .await;
     let r = rt.harness.send(send("hello")).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Hello back, friend.")));
     assert_eq!(
         rt.messages(&r.session_id),
-        vec![("user".into(), "hello".into()), ("assistant".into(), "Hello back, friend.".into())]
+        vec![
+            ("user".into(), "hello".into()),
+            ("assistant".into(), "Hello back, friend.".into())
+        ]
     );
     let topics = rt.topics(&r.session_id);
     let count = |t: &str| topics.iter().filter(|(x, _)| x == t).count();
     assert_eq!(count("harness::turn-started"), 1);
     assert_eq!(count("harness::turn-completed"), 1);
-    let done = topics.iter().find(|(t, _)| t == "harness::turn-completed").unwrap();
+    let done = topics
+        .iter()
+        .find(|(t, _)| t == "harness::turn-completed")
+        .unwrap();
     assert_eq!(done.1["status"], "completed");
     assert_eq!(done.1["terminal"], true);
 }
@@ -39,8 +49,15 @@ async fn the_assistant_entry_id_is_deterministic() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
     let r = rt.harness.send(send("hi")).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
-    let ids: Vec<String> = rt.entries(&r.session_id).into_iter().map(|e| e.entry_id).collect();
-    assert!(ids.contains(&format!("e_{}_0_assistant", r.turn_id)), "{ids:?}");
+    let ids: Vec<String> = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .map(|e| e.entry_id)
+        .collect();
+    assert!(
+        ids.contains(&format!("e_{}_0_assistant", r.turn_id)),
+        "{ids:?}"
+    );
 }
 
 #[tokio::test]
@@ -52,9 +69,22 @@ async fn a_repeated_idempotency_key_appends_nothing() {
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
     let b = rt.harness.send(req).await.unwrap();
     assert_eq!(b.deduplicated, Some(true));
-    assert_eq!((b.session_id.clone(), b.turn_id.clone()), (a.session_id.clone(), a.turn_id.clone()));
-    assert_eq!(rt.messages(&a.session_id).iter().filter(|(r, _)| r == "user").count(), 1);
-    let ids: Vec<String> = rt.entries(&a.session_id).into_iter().map(|e| e.entry_id).collect();
+    assert_eq!(
+        (b.session_id.clone(), b.turn_id.clone()),
+        (a.session_id.clone(), a.turn_id.clone())
+    );
+    assert_eq!(
+        rt.messages(&a.session_id)
+            .iter()
+            .filter(|(r, _)| r == "user")
+            .count(),
+        1
+    );
+    let ids: Vec<String> = rt
+        .entries(&a.session_id)
+        .into_iter()
+        .map(|e| e.entry_id)
+        .collect();
     assert!(ids.contains(&"e_idem_hook~3A42".to_string()), "{ids:?}");
 }
 
@@ -71,7 +101,10 @@ async fn a_follow_up_send_inherits_the_model_and_a_new_session_needs_one() {
     no_model.session_id = Some(a.session_id.clone());
     let b = rt.harness.send(no_model).await.unwrap();
     assert_ne!(b.turn_id, a.turn_id);
-    assert_eq!(rt.wait_terminal(&b.session_id, &b.turn_id).await.status, TurnStatus::Completed);
+    assert_eq!(
+        rt.wait_terminal(&b.session_id, &b.turn_id).await.status,
+        TurnStatus::Completed
+    );
 }
 
 #[tokio::test]
@@ -84,14 +117,21 @@ async fn a_send_during_a_running_step_is_queued_and_steers_the_same_turn() {
     let a = rt.harness.send(send("first")).await.unwrap();
     // Wait until the step is streaming (the assistant entry exists), then steer.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !rt.entries(&a.session_id).iter().any(|e| e.entry_id.ends_with("_0_assistant")) {
+    while !rt
+        .entries(&a.session_id)
+        .iter()
+        .any(|e| e.entry_id.ends_with("_0_assistant"))
+    {
         assert!(std::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let mut second = send("second");
     second.session_id = Some(a.session_id.clone());
     let b = rt.harness.send(second).await.unwrap();
-    assert_eq!((b.merged, b.queued, b.turn_id.clone()), (Some(true), Some(true), a.turn_id.clone()));
+    assert_eq!(
+        (b.merged, b.queued, b.turn_id.clone()),
+        (Some(true), Some(true), a.turn_id.clone())
+    );
     let s = rt.wait_terminal(&a.session_id, &a.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.step, 1, "the steering message cost one more step");
@@ -112,20 +152,45 @@ async fn stop_cancels_a_streaming_generation() {
     let rt = runtime(script, config()).await;
     let r = rt.harness.send(send("go")).await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !rt.messages(&r.session_id).iter().any(|(role, t)| role == "assistant" && !t.is_empty()) {
+    while !rt
+        .messages(&r.session_id)
+        .iter()
+        .any(|(role, t)| role == "assistant" && !t.is_empty())
+    {
         assert!(std::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let out = rt.harness.stop(StopRequest { session_id: r.session_id.clone(), turn_id: None }).await.unwrap();
+    let out = rt
+        .harness
+        .stop(StopRequest {
+            session_id: r.session_id.clone(),
+            turn_id: None,
+        })
+        .await
+        .unwrap();
     assert!(out.stopping);
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
-    let stopped = rt.entries(&r.session_id).into_iter().find(|e| e.entry_id == format!("e_{}_stopped", r.turn_id));
+    let stopped = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_stopped", r.turn_id));
     assert_eq!(stopped.unwrap().custom.unwrap().data["reason"], "stopped");
     // A second stop has nothing to stop.
-    let again = rt.harness.stop(StopRequest { session_id: r.session_id.clone(), turn_id: None }).await.unwrap();
+    let again = rt
+        .harness
+        .stop(StopRequest {
+            session_id: r.session_id.clone(),
+            turn_id: None,
+        })
+        .await
+        .unwrap();
     assert!(!again.stopping);
-    let completed: Vec<_> = rt.topics(&r.session_id).into_iter().filter(|(t, _)| t == "harness::turn-completed").collect();
+    let completed: Vec<_> = rt
+        .topics(&r.session_id)
+        .into_iter()
+        .filter(|(t, _)| t == "harness::turn-completed")
+        .collect();
     assert_eq!(completed.len(), 1);
     assert_eq!(completed[0].1["status"], "cancelled");
 }
@@ -142,10 +207,23 @@ async fn a_transient_failure_after_partial_output_resumes_once() {
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.transient_resumes, 1);
     assert_eq!(s.result, Some(json!("Complete answer.")));
-    let ids: Vec<String> = rt.entries(&r.session_id).into_iter().map(|e| e.entry_id).collect();
-    assert!(ids.contains(&format!("e_{}_transient_recovery_1_recovering", r.turn_id)), "{ids:?}");
-    assert!(ids.contains(&format!("e_{}_transient_recovery_1_recovered", r.turn_id)), "{ids:?}");
-    assert!(ids.contains(&format!("e_{}_transient_resume_1", r.turn_id)), "{ids:?}");
+    let ids: Vec<String> = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .map(|e| e.entry_id)
+        .collect();
+    assert!(
+        ids.contains(&format!("e_{}_transient_recovery_1_recovering", r.turn_id)),
+        "{ids:?}"
+    );
+    assert!(
+        ids.contains(&format!("e_{}_transient_recovery_1_recovered", r.turn_id)),
+        "{ids:?}"
+    );
+    assert!(
+        ids.contains(&format!("e_{}_transient_resume_1", r.turn_id)),
+        "{ids:?}"
+    );
     // The partial reply is kept in its own entry.
     let msgs = rt.messages(&r.session_id);
     assert_eq!(msgs[1], ("assistant".into(), "Partial answer ".into()));
@@ -153,32 +231,54 @@ async fn a_transient_failure_after_partial_output_resumes_once() {
 
 #[tokio::test]
 async fn a_failure_with_no_output_fails_the_turn_without_spending_the_resume_budget() {
-    let script = json!({"generations": [{"error": {"kind": "transient", "message": "503 from upstream"}}]});
+    let script =
+        json!({"generations": [{"error": {"kind": "transient", "message": "503 from upstream"}}]});
     let rt = runtime(script, config()).await;
     let r = rt.harness.send(send("q")).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     assert_eq!(s.transient_resumes, 0);
-    assert_eq!(s.result_error.as_deref(), Some("The provider failed temporarily."));
-    let err = rt.entries(&r.session_id).into_iter().find(|e| e.entry_id == format!("e_{}_error", r.turn_id)).unwrap();
+    assert_eq!(
+        s.result_error.as_deref(),
+        Some("The provider failed temporarily.")
+    );
+    let err = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
+        .unwrap();
     let data = err.custom.unwrap().data;
     assert_eq!(data["phase"], "generation");
     assert_eq!(data["detail"], "503 from upstream");
-    let done = rt.topics(&r.session_id).into_iter().find(|(t, _)| t == "harness::turn-completed").unwrap();
+    let done = rt
+        .topics(&r.session_id)
+        .into_iter()
+        .find(|(t, _)| t == "harness::turn-completed")
+        .unwrap();
     assert_eq!(done.1["status"], "failed");
 }
 
 #[tokio::test]
 async fn a_conversation_that_does_not_fit_fails_cleanly() {
-    let cfg = HarnessConfig { default_context_window: 80, ..config() };
+    let cfg = HarnessConfig {
+        default_context_window: 80,
+        ..config()
+    };
     let rt = runtime(json!({"generations": [text_gen("ok")]}), cfg).await;
     let r = rt.harness.send(send(&"word ".repeat(400))).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
-    let err = rt.entries(&r.session_id).into_iter().find(|e| e.entry_id == format!("e_{}_error", r.turn_id)).unwrap();
+    let err = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
+        .unwrap();
     let data = err.custom.unwrap().data;
     assert_eq!(data["code"], "harness.context_overflow");
-    assert!(data["detail"].as_str().unwrap().starts_with("context/overflow:"));
+    assert!(data["detail"]
+        .as_str()
+        .unwrap()
+        .starts_with("context/overflow:"));
 }
 
 #[tokio::test]
@@ -188,7 +288,10 @@ async fn calls_are_denied_without_a_policy_and_max_turns_ends_the_turn() {
     ]});
     let rt = runtime(script, config()).await;
     let mut req = send("clean up");
-    req.options = Some(SendOptions { max_turns: Some(1), ..Default::default() });
+    req.options = Some(SendOptions {
+        max_turns: Some(1),
+        ..Default::default()
+    });
     let r = rt.harness.send(req).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
@@ -203,9 +306,18 @@ async fn calls_are_denied_without_a_policy_and_max_turns_ends_the_turn() {
         })
         .collect();
     assert_eq!(results.len(), 1, "the call is closed exactly once");
-    assert!(results.iter().all(|f| f.is_error && f.details["error"] == "policy_denied"));
-    let notice = rt.entries(&r.session_id).into_iter().find(|e| e.entry_id == format!("e_{}_max_turns", r.turn_id)).unwrap();
-    assert_eq!(notice.custom.unwrap().data["message"], "max_turns (1) reached; ending the turn.");
+    assert!(results
+        .iter()
+        .all(|f| f.is_error && f.details["error"] == "policy_denied"));
+    let notice = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_max_turns", r.turn_id))
+        .unwrap();
+    assert_eq!(
+        notice.custom.unwrap().data["message"],
+        "max_turns (1) reached; ending the turn."
+    );
 }
 
 #[tokio::test]
@@ -220,16 +332,24 @@ async fn an_allowed_call_runs_once_and_its_result_reaches_the_model() {
     use harness_bus::Bus;
     rt.bus.register_function(
         harness_bus::FunctionDef::new("math::add", "add two numbers"),
-        std::sync::Arc::new(move |p: serde_json::Value, _ctx: harness_bus::CallContext| {
-            let seen = seen.clone();
-            async move {
-                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                Ok(json!({"sum": p["a"].as_i64().unwrap() + p["b"].as_i64().unwrap()}))
-            }
-        }),
+        std::sync::Arc::new(
+            move |p: serde_json::Value, _ctx: harness_bus::CallContext| {
+                let seen = seen.clone();
+                async move {
+                    seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok(json!({"sum": p["a"].as_i64().unwrap() + p["b"].as_i64().unwrap()}))
+                }
+            },
+        ),
     );
     let mut req = send("add 2 and 3");
-    req.options = Some(SendOptions { functions: Some(FunctionPolicy { allow: vec!["math::*".into()], ..Default::default() }), ..Default::default() });
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: vec!["math::*".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
     let r = rt.harness.send(req).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);

@@ -35,20 +35,40 @@ pub async fn runtime(script: Value, config: HarnessConfig) -> Rt {
     let harness = Harness::new(shared, config);
     harness_core::register(&harness);
     harness.start().await.unwrap();
-    Rt { harness, sessions, store, bus, _dir: dir }
+    Rt {
+        harness,
+        sessions,
+        store,
+        bus,
+        _dir: dir,
+    }
 }
 
 pub fn config() -> HarnessConfig {
-    HarnessConfig { stream_coalesce_ms: 0, ..HarnessConfig::default() }
+    HarnessConfig {
+        stream_coalesce_ms: 0,
+        ..HarnessConfig::default()
+    }
 }
 
 pub fn send(message: &str) -> SendRequest {
-    SendRequest { message: json!(message), model: Some("m".into()), provider: Some("scripted".into()), ..Default::default() }
+    SendRequest {
+        message: json!(message),
+        model: Some("m".into()),
+        provider: Some("scripted".into()),
+        ..Default::default()
+    }
 }
 
 impl Rt {
     pub async fn status(&self, session_id: &str) -> Option<StatusReport> {
-        self.harness.status(StatusRequest { session_id: session_id.into(), verbose: None }).await.unwrap()
+        self.harness
+            .status(StatusRequest {
+                session_id: session_id.into(),
+                verbose: None,
+            })
+            .await
+            .unwrap()
     }
 
     /// Waits (with a deadline) until the session's turn `turn_id` is terminal.
@@ -60,7 +80,10 @@ impl Rt {
                     return s;
                 }
             }
-            assert!(Instant::now() < deadline, "turn {turn_id} did not end in time");
+            assert!(
+                Instant::now() < deadline,
+                "turn {turn_id} did not end in time"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -78,6 +101,11 @@ impl Rt {
     }
 
     pub fn topics(&self, session_id: &str) -> Vec<(String, Value)> {
-        self.store.events_after(session_id, 0, 10_000).unwrap().into_iter().map(|r| (r.topic, r.payload)).collect()
+        self.store
+            .events_after(session_id, 0, 10_000)
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.topic, r.payload))
+            .collect()
     }
 }

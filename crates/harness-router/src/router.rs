@@ -7,7 +7,9 @@ use async_trait::async_trait;
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
 use harness_types::message::{AssistantMessage, ErrorKind, StopReason};
 use harness_types::parse::parse_payload;
-use harness_types::router::{AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatRequest, Frame};
+use harness_types::router::{
+    AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatRequest, Frame,
+};
 use harness_types::{now_ms, HarnessError};
 use schemars::schema_for;
 use serde_json::{json, Value};
@@ -150,11 +152,20 @@ impl Router {
         if default.is_none() {
             *default = Some(id.clone());
         }
-        self.providers.lock().expect("router lock").insert(id, provider);
+        self.providers
+            .lock()
+            .expect("router lock")
+            .insert(id, provider);
     }
 
     pub fn provider_ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self.providers.lock().expect("router lock").keys().cloned().collect();
+        let mut ids: Vec<String> = self
+            .providers
+            .lock()
+            .expect("router lock")
+            .keys()
+            .cloned()
+            .collect();
         ids.sort();
         ids
     }
@@ -175,7 +186,12 @@ impl Router {
             .clone()
             .or_else(|| self.default_provider.lock().expect("router lock").clone())
             .unwrap_or_default();
-        let provider = self.providers.lock().expect("router lock").get(&provider_id).cloned();
+        let provider = self
+            .providers
+            .lock()
+            .expect("router lock")
+            .get(&provider_id)
+            .cloned();
         let out = FrameWriter::new(ctx, &req.model, &provider_id);
         let Some(provider) = provider else {
             let err = ProviderError {
@@ -195,7 +211,10 @@ impl Router {
             .expect("router lock")
             .insert(request_id.clone(), token.clone());
         let ack = provider.chat(req, out, token).await;
-        self.in_flight.lock().expect("router lock").remove(&request_id);
+        self.in_flight
+            .lock()
+            .expect("router lock")
+            .remove(&request_id);
         ack
     }
 }
@@ -233,7 +252,10 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         }
     };
     bus.register_function(
-        FunctionDef::new("router::abort", "Cancel the generation with this request_id."),
+        FunctionDef::new(
+            "router::abort",
+            "Cancel the generation with this request_id.",
+        ),
         Arc::new(abort) as Arc<dyn Handler>,
     );
     let r = router.clone();

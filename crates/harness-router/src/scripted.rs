@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use harness_bus::Bus;
-use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, ErrorKind, StopReason, Usage};
+use harness_types::message::{
+    AgentMessage, AssistantMessage, ContentBlock, ErrorKind, StopReason, Usage,
+};
 use harness_types::router::{ChatAck, ChatRequest, Frame};
 use harness_types::{now_ms, HarnessError};
 use regex::Regex;
@@ -187,7 +189,7 @@ fn deltas(text: &str) -> Vec<String> {
     let mut current = String::new();
     for ch in text.chars() {
         current.push(ch);
-        if ch.is_whitespace() && current.trim().len() > 0 {
+        if ch.is_whitespace() && !current.trim().is_empty() {
             out.push(std::mem::take(&mut current));
         }
     }
@@ -211,10 +213,14 @@ impl ScriptedProvider {
     }
 
     fn first_match(&self, used: &HashSet<usize>, text: &str) -> Option<usize> {
-        self.script.generations.iter().enumerate().position(|(i, g)| {
-            (g.repeat || !used.contains(&i))
-                && g.last_user_text.as_ref().is_none_or(|re| re.is_match(text))
-        })
+        self.script
+            .generations
+            .iter()
+            .enumerate()
+            .position(|(i, g)| {
+                (g.repeat || !used.contains(&i))
+                    && g.last_user_text.as_ref().is_none_or(|re| re.is_match(text))
+            })
     }
 
     async fn assign(&self, req: &ChatRequest) -> Result<Option<usize>, ProviderError> {
@@ -229,7 +235,12 @@ impl ScriptedProvider {
         };
         let mut a = self.assignments.lock().await;
         if !a.loaded {
-            for (key, value) in self.bus.state_list(&self.scope()).await.map_err(state_err)? {
+            for (key, value) in self
+                .bus
+                .state_list(&self.scope())
+                .await
+                .map_err(state_err)?
+            {
                 if let Some(i) = value.get("index").and_then(|v| v.as_u64()) {
                     a.used.insert(i as usize);
                     a.by_request.insert(key, i as usize);
@@ -274,7 +285,12 @@ impl Provider for ScriptedProvider {
         "scripted"
     }
 
-    async fn chat(&self, req: ChatRequest, mut out: FrameWriter, cancel: CancellationToken) -> ChatAck {
+    async fn chat(
+        &self,
+        req: ChatRequest,
+        mut out: FrameWriter,
+        cancel: CancellationToken,
+    ) -> ChatAck {
         let index = match self.assign(&req).await {
             Ok(Some(i)) => i,
             Ok(None) => {
@@ -344,7 +360,9 @@ impl Provider for ScriptedProvider {
                 }
                 ContentBlock::Thinking { text, signature } => {
                     out.send(Frame::ThinkingStart);
-                    out.send(Frame::ThinkingDelta { delta: text.clone() });
+                    out.send(Frame::ThinkingDelta {
+                        delta: text.clone(),
+                    });
                     out.send(Frame::ThinkingEnd {
                         signature: signature.clone(),
                     });
@@ -370,11 +388,7 @@ impl Provider for ScriptedProvider {
             }
             message.content.push(block.clone());
         }
-        let input_chars: usize = req
-            .messages
-            .iter()
-            .map(|m| m.text().len())
-            .sum::<usize>()
+        let input_chars: usize = req.messages.iter().map(|m| m.text().len()).sum::<usize>()
             + req.system_prompt.as_ref().map_or(0, String::len);
         let usage = g.usage.clone().unwrap_or(Usage {
             input: Some(estimate_tokens(input_chars)),
@@ -414,7 +428,10 @@ mod tests {
         let err = Script::from_json(r#"{"generations": [{"match": {"last_user_text": "("}}]}"#)
             .err()
             .unwrap();
-        assert!(err.message.contains("generations[0].match.last_user_text"), "{err}");
+        assert!(
+            err.message.contains("generations[0].match.last_user_text"),
+            "{err}"
+        );
         let err = Script::from_json(r#"{"generations": [{"stop_reason": "sideways"}]}"#)
             .err()
             .unwrap();

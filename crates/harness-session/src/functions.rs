@@ -18,8 +18,13 @@ fn schema<T: JsonSchema>() -> Value {
     serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
 }
 
-fn register_one<Req, Resp, F, Fut>(bus: &dyn Bus, sessions: &SessionStore, id: &str, description: &str, f: F)
-where
+fn register_one<Req, Resp, F, Fut>(
+    bus: &dyn Bus,
+    sessions: &SessionStore,
+    id: &str,
+    description: &str,
+    f: F,
+) where
     Req: DeserializeOwned + JsonSchema + Send + 'static,
     Resp: Serialize + JsonSchema + 'static,
     F: Fn(SessionStore, Req) -> Fut + Send + Sync + 'static,
@@ -45,9 +50,13 @@ where
 /// Registers `session::create`, `ensure`, `get`, `append`, `update-message`, `messages`,
 /// `set-status` and `list` on `bus`.
 pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
-    register_one(bus, sessions, "session::create", "Create a session.", |s, req: CreateRequest| async move {
-        Ok(s.create(req).await?)
-    });
+    register_one(
+        bus,
+        sessions,
+        "session::create",
+        "Create a session.",
+        |s, req: CreateRequest| async move { Ok(s.create(req).await?) },
+    );
     register_one(
         bus,
         sessions,
@@ -60,9 +69,7 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
         sessions,
         "session::get",
         "Read a session's metadata; null when unknown.",
-        |s, req: SessionRef| async move {
-            Ok(s.get(&req.session_id)?.map(|meta| GetResponse { meta }))
-        },
+        |s, req: SessionRef| async move { Ok(s.get(&req.session_id)?.map(|meta| GetResponse { meta })) },
     );
     register_one(
         bus,
@@ -92,7 +99,11 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
         "Set the coarse session status (idle|working|done|error).",
         |s, req: SetStatusRequest| async move { Ok(s.set_status(req).await?) },
     );
-    register_one(bus, sessions, "session::list", "List sessions.", |s, req: ListRequest| async move {
-        Ok(s.list(&req)?)
-    });
+    register_one(
+        bus,
+        sessions,
+        "session::list",
+        "List sessions.",
+        |s, req: ListRequest| async move { Ok(s.list(&req)?) },
+    );
 }

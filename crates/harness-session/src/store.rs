@@ -97,7 +97,10 @@ fn parse_status(s: &str) -> SessionStatus {
     }
 }
 
-fn meta_in(conn: &Connection, session_id: &str) -> std::result::Result<Option<SessionMeta>, StoreError> {
+fn meta_in(
+    conn: &Connection,
+    session_id: &str,
+) -> std::result::Result<Option<SessionMeta>, StoreError> {
     let row = conn
         .prepare_cached(
             "SELECT title, metadata, kind, status, status_reason, created_at, updated_at
@@ -115,21 +118,18 @@ fn meta_in(conn: &Connection, session_id: &str) -> std::result::Result<Option<Se
             ))
         })
         .optional()?;
-    Ok(match row {
-        None => None,
-        Some((title, metadata, kind, status, status_reason, created_at, updated_at)) => {
-            Some(SessionMeta {
-                session_id: session_id.to_string(),
-                title,
-                metadata: serde_json::from_str(&metadata).unwrap_or(Value::Null),
-                kind,
-                status: parse_status(&status),
-                status_reason,
-                created_at,
-                updated_at,
-            })
-        }
-    })
+    Ok(row.map(
+        |(title, metadata, kind, status, status_reason, created_at, updated_at)| SessionMeta {
+            session_id: session_id.to_string(),
+            title,
+            metadata: serde_json::from_str(&metadata).unwrap_or(Value::Null),
+            kind,
+            status: parse_status(&status),
+            status_reason,
+            created_at,
+            updated_at,
+        },
+    ))
 }
 
 fn insert_session_in(
@@ -172,7 +172,11 @@ fn entry_from_row(
     })
 }
 
-fn entry_in(conn: &Connection, session_id: &str, entry_id: &str) -> std::result::Result<Option<Entry>, StoreError> {
+fn entry_in(
+    conn: &Connection,
+    session_id: &str,
+    entry_id: &str,
+) -> std::result::Result<Option<Entry>, StoreError> {
     let row = conn
         .prepare_cached(
             "SELECT seq, kind, body, origin, revision FROM entries
@@ -291,14 +295,22 @@ impl SessionStore {
     }
 
     pub fn entry(&self, session_id: &str, entry_id: &str) -> Result<Option<Entry>> {
-        Ok(self.store.read(|conn| entry_in(conn, session_id, entry_id))?)
+        Ok(self
+            .store
+            .read(|conn| entry_in(conn, session_id, entry_id))?)
     }
 
     /// Appends an entry; an existing `entry_id` is a no-op that returns the original.
     pub async fn append(&self, req: AppendRequest) -> Result<AppendResponse> {
         let (kind, body) = match (&req.message, &req.custom) {
-            (Some(m), None) => ("message", serde_json::to_string(m).map_err(StoreError::from)?),
-            (None, Some(c)) => ("custom", serde_json::to_string(c).map_err(StoreError::from)?),
+            (Some(m), None) => (
+                "message",
+                serde_json::to_string(m).map_err(StoreError::from)?,
+            ),
+            (None, Some(c)) => (
+                "custom",
+                serde_json::to_string(c).map_err(StoreError::from)?,
+            ),
             (Some(_), Some(_)) => {
                 return Err(HarnessError::invalid_field(
                     "message",
@@ -445,7 +457,10 @@ impl SessionStore {
         }
         let after_seq: i64 = match &req.cursor {
             Some(c) => c.parse().map_err(|_| {
-                HarnessError::invalid_field("cursor", format!("not a cursor from this store: '{c}'"))
+                HarnessError::invalid_field(
+                    "cursor",
+                    format!("not a cursor from this store: '{c}'"),
+                )
             })?,
             None => 0,
         };
@@ -490,7 +505,9 @@ impl SessionStore {
                 let mut out = Vec::new();
                 for row in rows {
                     let (seq, entry_id, kind, body, origin, revision) = row?;
-                    out.push(entry_from_row(entry_id, seq, &kind, &body, origin, revision)?);
+                    out.push(entry_from_row(
+                        entry_id, seq, &kind, &body, origin, revision,
+                    )?);
                 }
                 Ok(out)
             })
@@ -585,7 +602,9 @@ impl SessionStore {
                 sessions.push(meta);
             }
         }
-        let next_cursor = (ids.len() > limit as usize).then(|| sessions.last().map(|m| m.session_id.clone())).flatten();
+        let next_cursor = (ids.len() > limit as usize)
+            .then(|| sessions.last().map(|m| m.session_id.clone()))
+            .flatten();
         Ok(ListResponse {
             sessions,
             next_cursor,

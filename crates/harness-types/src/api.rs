@@ -14,7 +14,7 @@ use crate::message::AgentMessage;
 #[serde(untagged)]
 pub enum MessageInput {
     Text(String),
-    Message(AgentMessage),
+    Message(Box<AgentMessage>),
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]

@@ -62,9 +62,12 @@ mod tests {
 
     #[test]
     fn errors_name_the_nested_field() {
-        let err =
-            parse_payload::<Outer>(json!({"name": "x", "inner": {"n": "five"}})).unwrap_err();
-        assert!(err.to_string().starts_with("harness/invalid_request: inner.n: invalid type"), "{err}");
+        let err = parse_payload::<Outer>(json!({"name": "x", "inner": {"n": "five"}})).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("harness/invalid_request: inner.n: invalid type"),
+            "{err}"
+        );
     }
 
     #[test]

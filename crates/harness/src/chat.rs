@@ -30,17 +30,23 @@ impl Source {
         match self {
             Source::Local { rt, after } => {
                 *after = rt.store.last_event_id()?;
-                let req = harness_types::parse::parse_payload(payload).map_err(|e| anyhow!("{e}"))?;
+                let req =
+                    harness_types::parse::parse_payload(payload).map_err(|e| anyhow!("{e}"))?;
                 let resp = rt.harness.send(req).await.map_err(|e| anyhow!("{e}"))?;
                 Ok(serde_json::to_value(resp)?)
             }
-            Source::Remote { url } => crate::client::call_value(url, "harness::send", &payload).await,
+            Source::Remote { url } => {
+                crate::client::call_value(url, "harness::send", &payload).await
+            }
         }
     }
 
     /// Follows the session's events until the turn ends, printing the reply as it grows.
     async fn follow(&mut self, session_id: &str, turn_id: &str) -> Result<()> {
-        let mut printer = Printer { turn_id: turn_id.to_string(), printed: Default::default() };
+        let mut printer = Printer {
+            turn_id: turn_id.to_string(),
+            printed: Default::default(),
+        };
         match self {
             Source::Local { rt, after } => {
                 let mut changes = rt.store.subscribe_events();
@@ -52,11 +58,18 @@ impl Source {
                             return Ok(());
                         }
                     }
-                    changes.changed().await.map_err(|_| anyhow!("the runtime stopped"))?;
+                    changes
+                        .changed()
+                        .await
+                        .map_err(|_| anyhow!("the runtime stopped"))?;
                 }
             }
             Source::Remote { url } => {
-                let endpoint = format!("{}/v1/sessions/{}/events", url.trim_end_matches('/'), session_id);
+                let endpoint = format!(
+                    "{}/v1/sessions/{}/events",
+                    url.trim_end_matches('/'),
+                    session_id
+                );
                 let resp = reqwest::get(&endpoint).await?;
                 if !resp.status().is_success() {
                     return Err(anyhow!("{endpoint}: HTTP {}", resp.status()));
@@ -97,8 +110,12 @@ impl Printer {
     /// Prints what is new; true when the turn is over.
     fn on_event(&mut self, topic: &str, data: &Value) -> bool {
         if topic.starts_with("session::message-") {
-            let Ok(entry) = serde_json::from_value::<Entry>(data["entry"].clone()) else { return false };
-            let Some(harness_types::AgentMessage::Assistant(m)) = &entry.message else { return false };
+            let Ok(entry) = serde_json::from_value::<Entry>(data["entry"].clone()) else {
+                return false;
+            };
+            let Some(harness_types::AgentMessage::Assistant(m)) = &entry.message else {
+                return false;
+            };
             if !entry.entry_id.starts_with(&format!("e_{}_", self.turn_id)) {
                 return false;
             }
@@ -114,7 +131,10 @@ impl Printer {
         if topic == "harness::turn-completed" && data["payload"]["turn_id"] == json!(self.turn_id) {
             let p = &data["payload"];
             match p["status"].as_str() {
-                Some("failed") => println!("\n[turn failed: {}]", p["result_error"].as_str().unwrap_or("unknown error")),
+                Some("failed") => println!(
+                    "\n[turn failed: {}]",
+                    p["result_error"].as_str().unwrap_or("unknown error")
+                ),
                 Some("cancelled") => println!("\n[stopped]"),
                 _ => println!(),
             }
@@ -127,12 +147,18 @@ impl Printer {
 pub async fn run(args: ChatArgs) -> Result<()> {
     let mut source = match &args.url {
         Some(url) => Source::Remote { url: url.clone() },
-        None => Source::Local { rt: Runtime::open(args.runtime).await?, after: 0 },
+        None => Source::Local {
+            rt: Runtime::open(args.runtime).await?,
+            after: 0,
+        },
     };
     let mut session = args.session.clone();
     let interactive = args.message.is_none();
     if interactive {
-        eprintln!("harness chat — provider {} model {}. Type a message; /quit to leave.", args.provider, args.model);
+        eprintln!(
+            "harness chat — provider {} model {}. Type a message; /quit to leave.",
+            args.provider, args.model
+        );
     }
     let stdin = std::io::stdin();
     let mut pending = args.message.clone();

@@ -13,7 +13,10 @@ pub async fn call_value(url: &str, function_id: &str, payload: &Value) -> Result
         .await
         .with_context(|| format!("cannot reach {url}"))?;
     let status = resp.status();
-    let body: Value = resp.json().await.with_context(|| format!("{endpoint} answered something that is not JSON"))?;
+    let body: Value = resp
+        .json()
+        .await
+        .with_context(|| format!("{endpoint} answered something that is not JSON"))?;
     if status.is_success() {
         return Ok(body);
     }
@@ -24,7 +27,8 @@ pub async fn call_value(url: &str, function_id: &str, payload: &Value) -> Result
 
 pub async fn call(url: &str, function_id: &str, json: Option<&str>) -> Result<()> {
     let payload: Value = match json {
-        Some(text) => serde_json::from_str(text).map_err(|e| anyhow!("harness/invalid_request: payload: not valid JSON: {e}"))?,
+        Some(text) => serde_json::from_str(text)
+            .map_err(|e| anyhow!("harness/invalid_request: payload: not valid JSON: {e}"))?,
         None => Value::Object(Default::default()),
     };
     let result = call_value(url, function_id, &payload).await?;

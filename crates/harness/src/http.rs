@@ -38,8 +38,13 @@ pub fn router(state: AppState) -> Router {
 }
 
 fn error_response(e: HarnessError) -> Response {
-    let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (status, Json(json!({"error": {"code": e.code.as_str(), "message": e.message}}))).into_response()
+    let status =
+        StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        status,
+        Json(json!({"error": {"code": e.code.as_str(), "message": e.message}})),
+    )
+        .into_response()
 }
 
 async fn list_functions(State(state): State<AppState>) -> Json<Value> {
@@ -56,13 +61,22 @@ async fn list_functions(State(state): State<AppState>) -> Json<Value> {
     Json(json!({ "functions": functions }))
 }
 
-async fn call_function(State(state): State<AppState>, Path(function_id): Path<String>, body: Bytes) -> Response {
+async fn call_function(
+    State(state): State<AppState>,
+    Path(function_id): Path<String>,
+    body: Bytes,
+) -> Response {
     let payload: Value = if body.iter().all(u8::is_ascii_whitespace) {
         json!({})
     } else {
         match serde_json::from_slice(&body) {
             Ok(v) => v,
-            Err(e) => return error_response(HarnessError::invalid_field("body", format!("not valid JSON: {e}"))),
+            Err(e) => {
+                return error_response(HarnessError::invalid_field(
+                    "body",
+                    format!("not valid JSON: {e}"),
+                ))
+            }
         }
     };
     if function_id == "harness::turn" {
@@ -86,15 +100,22 @@ struct EventsQuery {
 }
 
 fn render(sessions: &SessionStore, row: &EventRow) -> Event {
-    Event::default().id(row.id.to_string()).event(row.topic.clone()).data(event_json(sessions, row).to_string())
+    Event::default()
+        .id(row.id.to_string())
+        .event(row.topic.clone())
+        .data(event_json(sessions, row).to_string())
 }
 
 /// One event as the stream sends it: message events carry the entry as it is now.
 pub fn event_json(sessions: &SessionStore, row: &EventRow) -> Value {
-    let mut data = json!({"id": row.id, "topic": row.topic, "at_ms": row.at_ms, "payload": row.payload});
+    let mut data =
+        json!({"id": row.id, "topic": row.topic, "at_ms": row.at_ms, "payload": row.payload});
     // Message events carry a pointer; the stream sends the entry as it is now.
     if row.topic.starts_with("session::message-") {
-        if let (Some(sid), Some(eid)) = (row.session_id.as_deref(), row.payload.get("entry_id").and_then(Value::as_str)) {
+        if let (Some(sid), Some(eid)) = (
+            row.session_id.as_deref(),
+            row.payload.get("entry_id").and_then(Value::as_str),
+        ) {
             if let Ok(Some(entry)) = sessions.entry(sid, eid) {
                 data["entry"] = serde_json::to_value(entry).unwrap_or(Value::Null);
             }
@@ -111,7 +132,11 @@ async fn session_events(
 ) -> Response {
     match state.sessions.get(&session_id) {
         Ok(Some(_)) => {}
-        Ok(None) => return error_response(HarnessError::not_found(format!("session_id: no session '{session_id}'"))),
+        Ok(None) => {
+            return error_response(HarnessError::not_found(format!(
+                "session_id: no session '{session_id}'"
+            )))
+        }
         Err(e) => return error_response(e.into()),
     }
     let header_after = headers
@@ -120,7 +145,12 @@ async fn session_events(
         .map(|s| s.trim().parse::<i64>());
     let after = match (header_after, q.after) {
         (Some(Ok(n)), _) => n,
-        (Some(Err(_)), _) => return error_response(HarnessError::new(ErrorCode::InvalidRequest, "Last-Event-ID: must be an event id (an integer)")),
+        (Some(Err(_)), _) => {
+            return error_response(HarnessError::new(
+                ErrorCode::InvalidRequest,
+                "Last-Event-ID: must be an event id (an integer)",
+            ))
+        }
         (None, Some(n)) => n,
         (None, None) => 0,
     };
@@ -129,7 +159,11 @@ async fn session_events(
         .into_response()
 }
 
-fn event_stream(state: AppState, session_id: String, mut after: i64) -> impl Stream<Item = Result<Event, Infallible>> {
+fn event_stream(
+    state: AppState,
+    session_id: String,
+    mut after: i64,
+) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut changes = state.bus.store().subscribe_events();
     async_stream(move |tx| async move {
         loop {

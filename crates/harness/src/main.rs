@@ -115,15 +115,20 @@ enum Command {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("HARNESS_LOG").unwrap_or_else(|_| "warn".into());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HARNESS_LOG")
+        .unwrap_or_else(|_| "warn".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},
@@ -137,10 +142,21 @@ async fn serve(listen: SocketAddr, args: RuntimeArgs) -> Result<()> {
     let opts = args.options();
     let data_dir = opts.data_dir.clone();
     let rt = Runtime::open(opts).await?;
-    let app = http::router(http::AppState { bus: rt.bus.clone(), sessions: rt.sessions.clone() });
-    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
-    eprintln!("harness serving on http://{} (data dir {})", listener.local_addr()?, data_dir.display());
-    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    let app = http::router(http::AppState {
+        bus: rt.bus.clone(),
+        sessions: rt.sessions.clone(),
+    });
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    eprintln!(
+        "harness serving on http://{} (data dir {})",
+        listener.local_addr()?,
+        data_dir.display()
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     rt.shutdown().await;
     eprintln!("harness stopped; unfinished steps resume on the next start");
     Ok(())
@@ -149,13 +165,35 @@ async fn serve(listen: SocketAddr, args: RuntimeArgs) -> Result<()> {
 fn main() {
     init_tracing();
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Serve { listen, runtime } => serve(listen, runtime).await,
-            Command::Call { function_id, json, url } => client::call(&url, &function_id, json.as_deref()).await,
-            Command::Chat { message, session, provider, model, url, runtime } => {
-                chat::run(chat::ChatArgs { message, session, provider, model, url, runtime: runtime.options() }).await
+            Command::Call {
+                function_id,
+                json,
+                url,
+            } => client::call(&url, &function_id, json.as_deref()).await,
+            Command::Chat {
+                message,
+                session,
+                provider,
+                model,
+                url,
+                runtime,
+            } => {
+                chat::run(chat::ChatArgs {
+                    message,
+                    session,
+                    provider,
+                    model,
+                    url,
+                    runtime: runtime.options(),
+                })
+                .await
             }
             Command::Bench(args) => bench::run(args).await,
         }
