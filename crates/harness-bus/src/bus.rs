@@ -23,6 +23,9 @@ pub type FrameSink = mpsc::UnboundedSender<Value>;
 pub struct CallContext {
     /// Present when the caller asked for a streaming call.
     pub frames: Option<FrameSink>,
+    /// Call metadata (on iii: the invocation's `metadata`). The loop puts the
+    /// `function_call_id` here so an idempotent target can deduplicate.
+    pub metadata: Value,
 }
 
 impl CallContext {
@@ -153,6 +156,19 @@ pub trait Bus: Send + Sync + 'static {
         payload: Value,
         timeout: Option<Duration>,
     ) -> Result<StreamingCall, BusError>;
+
+    /// A call carrying metadata for the callee (`function_call_id`, ...). Buses that cannot carry
+    /// metadata fall back to a plain call.
+    async fn call_with_metadata(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+        metadata: Value,
+    ) -> Result<Value, BusError> {
+        let _ = metadata;
+        self.call(function_id, payload, timeout).await
+    }
 
     /// Fire-and-forget call; failures are logged, never returned.
     async fn call_void(&self, function_id: &str, payload: Value);

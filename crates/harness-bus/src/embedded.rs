@@ -155,6 +155,20 @@ impl Bus for EmbeddedBus {
             .await
     }
 
+    async fn call_with_metadata(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+        metadata: Value,
+    ) -> Result<Value, BusError> {
+        let ctx = CallContext {
+            frames: None,
+            metadata,
+        };
+        self.invoke(function_id, payload, ctx, timeout).await
+    }
+
     async fn call_streaming(
         &self,
         function_id: &str,
@@ -169,7 +183,10 @@ impl Bus for EmbeddedBus {
             bus.invoke(
                 &function_id,
                 payload,
-                CallContext { frames: Some(tx) },
+                CallContext {
+                    frames: Some(tx),
+                    metadata: Value::Null,
+                },
                 timeout,
             )
             .await

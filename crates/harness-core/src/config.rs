@@ -2,6 +2,20 @@
 
 use serde::{Deserialize, Serialize};
 
+/// How malformed call arguments are repaired before dispatch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallReconciliation {
+    /// Dispatch as written.
+    Off,
+    /// Lossless repairs only: stringified JSON the schema rejects is parsed.
+    Coerce,
+    /// Coerce, then ask `judge::evaluate` (when registered) about misnamed keys, off-enum values
+    /// and unknown arguments.
+    #[default]
+    Judge,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HarnessConfig {
@@ -23,6 +37,10 @@ pub struct HarnessConfig {
     pub queue_concurrency: usize,
     /// A step not finished within this time is redelivered.
     pub step_visibility_timeout_ms: u64,
+    /// Function results larger than this (serialized content + details) are replaced by an
+    /// elision marker; 0 turns the cap off, values below 1024 count as 1024.
+    pub max_result_bytes: usize,
+    pub call_reconciliation: CallReconciliation,
 }
 
 impl Default for HarnessConfig {
@@ -37,6 +55,8 @@ impl Default for HarnessConfig {
             default_context_window: 200_000,
             queue_concurrency: 256,
             step_visibility_timeout_ms: 900_000,
+            max_result_bytes: 262_144,
+            call_reconciliation: CallReconciliation::Judge,
         }
     }
 }

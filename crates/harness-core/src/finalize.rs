@@ -83,7 +83,9 @@ impl Harness {
                 rec.abort = true;
             }
         }
+        self.terminal_records(rec).await?;
         self.save_record(rec).await?;
+        crate::failpoint::hit("after_finalize_persisted");
         self.clear_signal(&rec.turn_id);
         self.after_terminal(rec).await?;
         // What arrived while the turn was ending gets its own turn (never after a cancel).
@@ -93,19 +95,20 @@ impl Harness {
         Ok(())
     }
 
-    /// The idempotent side effects of a terminal record.
-    pub(crate) async fn after_terminal(&self, rec: &TurnRecord) -> Result<()> {
+    /// The durable record of why a turn ended (error record, stop notice). Written before the
+    /// terminal status, so whoever sees the status can read the reason; idempotent.
+    /// For a redelivered step that finds its record terminal: a crash may have cut the side
+    /// effects short, so they run again (each is idempotent).
+    pub(crate) async fn repeat_terminal_effects(&self, rec: &TurnRecord) -> Result<()> {
+        self.terminal_records(rec).await?;
+        self.after_terminal(rec).await
+    }
+
+    async fn terminal_records(&self, rec: &TurnRecord) -> Result<()> {
         let sid = &rec.session_id;
-        let reason = match rec.status {
+        match rec.status {
             TurnStatus::Failed => {
-                let f = rec.failure.clone().unwrap_or(Failure {
-                    code: "harness.turn_internal".into(),
-                    phase: "execution".into(),
-                    summary: rec.result_error.clone().unwrap_or_default(),
-                    detail: None,
-                    retryable: false,
-                    kind: None,
-                });
+                let f = failure_of(rec);
                 self.append_custom(
                     sid,
                     ids::error_entry(&rec.turn_id),
@@ -120,9 +123,6 @@ impl Harness {
                     &rec.turn_id,
                 )
                 .await?;
-                self.set_status(sid, SessionStatus::Error, Some(&f.summary))
-                    .await?;
-                Some(f.summary)
             }
             TurnStatus::Cancelled => {
                 self.append_custom(
@@ -133,6 +133,24 @@ impl Harness {
                     &rec.turn_id,
                 )
                 .await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The idempotent side effects after the terminal write: session status and the
+    /// `harness::turn-completed` event (deduplicated by turn).
+    async fn after_terminal(&self, rec: &TurnRecord) -> Result<()> {
+        let sid = &rec.session_id;
+        let reason = match rec.status {
+            TurnStatus::Failed => {
+                let summary = failure_of(rec).summary;
+                self.set_status(sid, SessionStatus::Error, Some(&summary))
+                    .await?;
+                Some(summary)
+            }
+            TurnStatus::Cancelled => {
                 self.set_status(sid, SessionStatus::Done, Some("stopped"))
                     .await?;
                 Some("stopped by user.".to_string())
@@ -168,4 +186,15 @@ impl Harness {
         self.save_record(&mut rec).await?;
         self.enqueue_step(&rec).await
     }
+}
+
+fn failure_of(rec: &TurnRecord) -> Failure {
+    rec.failure.clone().unwrap_or(Failure {
+        code: "harness.turn_internal".into(),
+        phase: "execution".into(),
+        summary: rec.result_error.clone().unwrap_or_default(),
+        detail: None,
+        retryable: false,
+        kind: None,
+    })
 }

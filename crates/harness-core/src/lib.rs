@@ -13,6 +13,7 @@
 mod config;
 mod dispatch;
 mod events;
+pub mod failpoint;
 mod finalize;
 mod functions;
 mod harness;
@@ -26,10 +27,10 @@ mod step;
 mod stop;
 mod stream;
 
-pub use config::HarnessConfig;
+pub use config::{CallReconciliation, HarnessConfig};
 pub use functions::register;
 pub use harness::Harness;
-pub use record::{CallCheckpoint, CallState, Failure, TurnOptions, TurnRecord};
+pub use record::{CallCheckpoint, CallState, FailedCall, Failure, TurnOptions, TurnRecord};
 
 /// The queue every step runs on: FIFO per `session_id`, sessions in parallel.
 pub const TURN_QUEUE: &str = "harness-turn";

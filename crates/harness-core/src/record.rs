@@ -57,6 +57,31 @@ pub struct CallCheckpoint {
     pub entry_id: Option<String>,
 }
 
+/// A provider failure of one generation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenerationError {
+    pub code: String,
+    pub kind: harness_types::message::ErrorKind,
+    pub message: String,
+}
+
+/// Marks that step `step` finished generating, so a redelivered step resumes at its calls
+/// instead of asking the model again (a second answer could call different functions).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GeneratedStep {
+    pub step: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<GenerationError>,
+}
+
+/// The breaker ledger entry of one call key in this turn.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FailedCall {
+    /// Digest of the target's error output.
+    pub error: String,
+    pub count: u32,
+}
+
 /// Why a turn failed: what the error record and `turn-completed` carry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Failure {
@@ -108,6 +133,14 @@ pub struct TurnRecord {
     pub transient_resumes: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generated: Option<GeneratedStep>,
+    /// Repeated-failure breaker ledger, reset on each new turn.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub failed_calls: BTreeMap<String, FailedCall>,
+    /// Repairs already noted this turn (the same repair is noted once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub noted_repairs: Vec<String>,
     #[serde(default)]
     pub created_at: i64,
     #[serde(default)]

@@ -243,6 +243,7 @@ impl Harness {
                 let parent = prev.as_ref().and_then(|p| p.parent.clone());
                 let mut rec = new_record(&session_id, &turn_id, frozen, depth, parent, preview);
                 self.save_record(&mut rec).await?;
+                crate::failpoint::hit("after_send_persisted");
                 if let Err(e) = self.enqueue_step(&rec).await {
                     // Never leave a `running` record that no step will ever pick up.
                     rec.status = TurnStatus::Failed;
@@ -315,22 +316,22 @@ impl Harness {
         prev: Option<&TurnRecord>,
     ) -> Result<TurnOptions> {
         let prev_opts = prev.map(|p| &p.options);
-        let (model, provider) =
-            match (&req.model, prev_opts) {
-                (Some(m), _) if m.is_empty() => {
-                    return Err(HarnessError::invalid_field("model", "must not be empty"))
-                }
-                (Some(m), p) => (
-                    m.clone(),
-                    req.provider
-                        .clone()
-                        .or_else(|| p.filter(|p| &p.model == m).and_then(|p| p.provider.clone())),
-                ),
-                (None, Some(p)) => (
-                    p.model.clone(),
-                    req.provider.clone().or_else(|| p.provider.clone()),
-                ),
-                (None, None) => return Err(HarnessError::invalid_field(
+        let (model, provider) = match (&req.model, prev_opts) {
+            (Some(m), _) if m.is_empty() => {
+                return Err(HarnessError::invalid_field("model", "must not be empty"))
+            }
+            (Some(m), p) => (
+                m.clone(),
+                req.provider
+                    .clone()
+                    .or_else(|| p.filter(|p| &p.model == m).and_then(|p| p.provider.clone())),
+            ),
+            (None, Some(p)) => (
+                p.model.clone(),
+                req.provider.clone().or_else(|| p.provider.clone()),
+            ),
+            (None, None) => {
+                return Err(HarnessError::invalid_field(
                     "model",
                     match &req.session_id {
                         Some(id) => format!(
@@ -338,8 +339,9 @@ impl Harness {
                         ),
                         None => "required when the send creates a session".to_string(),
                     },
-                )),
-            };
+                ))
+            }
+        };
         let system_prompt = if o.system_prompt.is_none() && o.system_prompt_strategy.is_none() {
             match prev_opts {
                 Some(p) => p.system_prompt.clone(),
@@ -413,6 +415,9 @@ pub(crate) fn new_record(
         failure: None,
         transient_resumes: 0,
         stop_reason: None,
+        generated: None,
+        failed_calls: Default::default(),
+        noted_repairs: Vec::new(),
         created_at: now,
         updated_at: now,
     }

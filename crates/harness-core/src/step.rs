@@ -14,12 +14,15 @@ use harness_types::session::{AppendRequest, Entry, SessionStatus};
 use harness_types::{ids, now_ms, HarnessError};
 use serde_json::json;
 
-use crate::dispatch::plan_calls;
+use crate::dispatch::{plan_calls, Dispatched};
+use crate::failpoint;
 use crate::finalize::Outcome;
 use crate::harness::{Harness, Result};
 use crate::locks::SessionGuard;
 use crate::prompt;
-use crate::record::TurnRecord;
+use crate::record::{GeneratedStep, TurnRecord};
+use crate::stream::Generation;
+use tokio_util::sync::CancellationToken;
 
 /// Tokens reserved for request framing.
 const FRAMING_TOKENS: u64 = 64;
@@ -94,7 +97,7 @@ impl Harness {
         }
         if rec.is_terminal() {
             // A crash between the terminal write and the event: publish again (deduplicated).
-            self.after_terminal(&rec).await?;
+            self.repeat_terminal_effects(&rec).await?;
             return Ok(skipped(&sid));
         }
         if rec.status != TurnStatus::Running {
@@ -105,6 +108,30 @@ impl Harness {
                 .finalize(&mut rec, Outcome::Cancelled)
                 .await
                 .map(|_| done(&rec));
+        }
+        if let Some(generated) = rec.generated.clone().filter(|g| g.step == rec.step) {
+            // Redelivered after the model had answered: resume at the calls, never re-ask.
+            let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
+            let message = self
+                .transcript(&sid)
+                .await?
+                .into_iter()
+                .find(|e| e.entry_id == entry_id)
+                .and_then(|e| match e.message {
+                    Some(AgentMessage::Assistant(m)) => Some(m),
+                    _ => None,
+                })
+                .ok_or_else(|| {
+                    HarnessError::state(format!(
+                        "entry_id: '{entry_id}' is missing after its generation was recorded"
+                    ))
+                })?;
+            let generation = Generation {
+                message,
+                error: generated.error,
+            };
+            let cancel = self.signal(&rec.turn_id);
+            return self.finish(&payload, guard, generation, cancel, None).await;
         }
         self.drain_queue(&sid, &rec.turn_id).await?;
         self.set_status(&sid, SessionStatus::Working, Some("preparing context"))
@@ -148,7 +175,11 @@ impl Harness {
             &sid,
             rec.options.functions.as_ref(),
         );
-        let assembled = match self.assemble(&rec, messages, system_prompt).await {
+        let tools = self.tool_surface(&rec).await?;
+        let assembled = match self
+            .assemble(&rec, messages, system_prompt, tools.clone())
+            .await
+        {
             Ok(a) => a,
             Err(overflow) => {
                 self.finalize(
@@ -204,6 +235,7 @@ impl Harness {
             origin: Some(json!({"turn_id": rec.turn_id})),
         })
         .await?;
+        failpoint::hit("after_assistant_appended");
         let request_id = ids::request_id(&rec.turn_id, rec.step);
         rec.stream_request_id = Some(request_id.clone());
         self.save_record(&mut rec).await?;
@@ -214,7 +246,7 @@ impl Harness {
             provider: rec.options.provider.clone(),
             system_prompt: assembled.system_prompt,
             messages: assembled.messages,
-            tools: vec![],
+            tools,
             thinking_level: rec.options.thinking_level,
             max_output_tokens: rec.options.max_output_tokens,
             provider_options: rec.options.provider_options.clone(),
@@ -233,17 +265,37 @@ impl Harness {
         let generation = self.generate(req, &sid, &entry_id, cancel.clone()).await;
         let guard: SessionGuard = self.inner.locks.lock(&sid).await;
         let generation = generation?;
+        self.finish(&payload, guard, generation, cancel, Some(new_watermark))
+            .await
+    }
 
-        // Finish, on the durable record as it is now (a stop may have finalized it meanwhile).
+    /// The finish phase: runs under the session lock, on the durable record as it is now (a
+    /// stop may have finalized it while the model streamed).
+    async fn finish(
+        &self,
+        payload: &TurnStepPayload,
+        _guard: SessionGuard,
+        generation: Generation,
+        cancel: CancellationToken,
+        new_watermark: Option<Option<String>>,
+    ) -> Result<TurnStepResult> {
+        let sid = payload.session_id.clone();
         let Some(mut rec) = self.load_record(&sid).await? else {
             return Ok(skipped(&sid));
         };
         if rec.turn_id != payload.turn_id || rec.step != payload.step || rec.is_terminal() {
-            drop(guard);
             return Ok(skipped(&sid));
         }
-        rec.watermark_entry_id = new_watermark;
-        rec.turn_count += 1;
+        if rec.generated.as_ref().map(|g| g.step) != Some(rec.step) {
+            if let Some(w) = new_watermark {
+                rec.watermark_entry_id = w;
+            }
+            rec.turn_count += 1;
+            rec.generated = Some(GeneratedStep {
+                step: rec.step,
+                error: generation.error.clone(),
+            });
+        }
         if rec.abort
             || cancel.is_cancelled()
             || generation.message.stop_reason == StopReason::Aborted
@@ -292,7 +344,10 @@ impl Harness {
         if !calls.is_empty() {
             let cut = (generation.message.stop_reason == StopReason::Length)
                 .then_some("the reply hit the output limit");
-            self.dispatch_calls(&mut rec, &calls, cut).await?;
+            if self.dispatch_calls(&mut rec, &calls, cut, &cancel).await? == Dispatched::Cancelled {
+                self.finalize(&mut rec, Outcome::Cancelled).await?;
+                return Ok(done(&rec));
+            }
             return self.advance(&mut rec).await.map(|_| done(&rec));
         }
         if !self.queued(&sid).await?.is_empty() {
@@ -310,6 +365,7 @@ impl Harness {
         rec.step += 1;
         rec.status = TurnStatus::Running;
         self.save_record(rec).await?;
+        failpoint::hit("after_advance_persisted");
         self.enqueue_step(rec).await
     }
 
@@ -349,6 +405,7 @@ impl Harness {
         rec: &TurnRecord,
         messages: Vec<AgentMessage>,
         system_prompt: Option<String>,
+        tools: Vec<harness_types::router::ToolSpec>,
     ) -> std::result::Result<AssembleResponse, String> {
         let req = AssembleRequest {
             messages,
@@ -357,7 +414,7 @@ impl Harness {
                 provider: rec.options.provider.clone(),
             },
             system_prompt,
-            tools: vec![],
+            tools,
             options: AssembleOptions {
                 request_overhead_tokens: FRAMING_TOKENS,
                 context_window: self.inner.config.default_context_window,

@@ -37,8 +37,14 @@ impl Harness {
         let Some(mut rec) = self.load_record(&req.session_id).await? else {
             return Ok(StopResponse { stopping: false });
         };
-        if rec.turn_id != turn_id || rec.is_terminal() {
+        if rec.turn_id != turn_id {
             return Ok(StopResponse { stopping: false });
+        }
+        if rec.is_terminal() {
+            // The step saw the signal first (mid-call) and finalized the cancel itself.
+            return Ok(StopResponse {
+                stopping: rec.status == harness_types::api::TurnStatus::Cancelled,
+            });
         }
         self.finalize(&mut rec, Outcome::Cancelled).await?;
         self.barrier().await?;

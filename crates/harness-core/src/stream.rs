@@ -19,11 +19,7 @@ pub(crate) struct Generation {
     pub error: Option<GenerationError>,
 }
 
-pub(crate) struct GenerationError {
-    pub code: String,
-    pub kind: ErrorKind,
-    pub message: String,
-}
+pub(crate) use crate::record::GenerationError;
 
 impl Generation {
     pub fn ok(&self) -> bool {

@@ -32,6 +32,7 @@ async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
             ("assistant".into(), "Hello back, friend.".into())
         ]
     );
+    rt.completed_events(&r.session_id, &r.turn_id).await;
     let topics = rt.topics(&r.session_id);
     let count = |t: &str| topics.iter().filter(|(x, _)| x == t).count();
     assert_eq!(count("harness::turn-started"), 1);
@@ -250,12 +251,8 @@ async fn a_failure_with_no_output_fails_the_turn_without_spending_the_resume_bud
     let data = err.custom.unwrap().data;
     assert_eq!(data["phase"], "generation");
     assert_eq!(data["detail"], "503 from upstream");
-    let done = rt
-        .topics(&r.session_id)
-        .into_iter()
-        .find(|(t, _)| t == "harness::turn-completed")
-        .unwrap();
-    assert_eq!(done.1["status"], "failed");
+    let done = rt.completed_events(&r.session_id, &r.turn_id).await;
+    assert_eq!(done[0]["status"], "failed");
 }
 
 #[tokio::test]

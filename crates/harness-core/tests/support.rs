@@ -77,6 +77,8 @@ impl Rt {
         loop {
             if let Some(s) = self.status(session_id).await {
                 if s.turn_id.as_deref() == Some(turn_id) && s.status.is_terminal() {
+                    // The terminal side effects (records, event) follow the terminal write.
+                    self.completed_events(session_id, turn_id).await;
                     return s;
                 }
             }
@@ -84,6 +86,25 @@ impl Rt {
                 Instant::now() < deadline,
                 "turn {turn_id} did not end in time"
             );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits (with a deadline) for the turn's `harness::turn-completed`, which is published just
+    /// after the terminal record is written; returns every such event of the session.
+    pub async fn completed_events(&self, session_id: &str, turn_id: &str) -> Vec<Value> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let events: Vec<Value> = self
+                .topics(session_id)
+                .into_iter()
+                .filter(|(t, p)| t == "harness::turn-completed" && p["turn_id"] == turn_id)
+                .map(|(_, p)| p)
+                .collect();
+            if !events.is_empty() {
+                return events;
+            }
+            assert!(Instant::now() < deadline, "no turn-completed for {turn_id}");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }

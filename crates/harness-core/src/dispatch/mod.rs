@@ -1,0 +1,449 @@
+//! Closing the function calls of a step, at most once each.
+//!
+//! The pipeline of one call, in content order (each early exit appends a result and marks the
+//! call done):
+//! 1. checkpoint: `done`/`pending` → skip; `triggered` (the process died while the target ran)
+//!    → the "interrupted" error result, never a second run;
+//! 2. `agent_trigger` with no target; degraded (cut) arguments → refused, never executed;
+//! 3. the fail-closed policy (before anything else sees the call);
+//! 4. the repeated-failure breaker;
+//! 5. argument reconciliation;
+//! 6. checkpoint `triggered`, durably; run the target (racing the stop signal); normalize;
+//! 7. discovery filtering, breaker ledger, repair note, result cap; append under the call's
+//!    deterministic entry id; checkpoint `done`.
+
+mod breaker;
+mod cap;
+pub(crate) mod policy;
+mod reconcile;
+pub(crate) mod tools;
+
+use std::time::Duration;
+
+use harness_types::message::{AgentMessage, ContentBlock, FunctionResultMessage};
+use harness_types::session::AppendRequest;
+use harness_types::{ids, now_ms};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+pub(crate) use policy::Policy;
+pub use reconcile::Change;
+
+use crate::config::CallReconciliation;
+use crate::failpoint;
+use crate::harness::{Harness, Result};
+use crate::record::{CallCheckpoint, CallState, TurnRecord};
+
+/// One call as the model wrote it, unwrapped from `agent_trigger` when needed.
+#[derive(Clone, Debug)]
+pub(crate) struct PlannedCall {
+    pub id: String,
+    pub function_id: String,
+    pub arguments: Value,
+}
+
+/// How a step's dispatch ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Dispatched {
+    /// Every call is closed.
+    All,
+    /// The stop signal fired; the calls not reached are left for the finalizer.
+    Cancelled,
+}
+
+pub(crate) fn plan_calls(content: &[ContentBlock]) -> Vec<PlannedCall> {
+    content
+        .iter()
+        .filter_map(|b| match b {
+            ContentBlock::FunctionCall {
+                id,
+                function_id,
+                arguments,
+            } => Some(unwrap_call(id, function_id, arguments)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// §4.3: the target is `arguments.function`; a string payload is parsed leniently (kept only if
+/// it is an object); a missing payload hoists the other keys; truncation markers travel along.
+fn unwrap_call(id: &str, function_id: &str, arguments: &Value) -> PlannedCall {
+    if function_id != tools::AGENT_TRIGGER {
+        return PlannedCall {
+            id: id.into(),
+            function_id: function_id.into(),
+            arguments: arguments.clone(),
+        };
+    }
+    let target = arguments
+        .get("function")
+        .and_then(Value::as_str)
+        .filter(|t| !t.is_empty())
+        .unwrap_or(tools::AGENT_TRIGGER);
+    let mut payload = match arguments.get("payload") {
+        Some(Value::String(s)) => lenient_object(s).unwrap_or(json!({})),
+        Some(p) => p.clone(),
+        None => {
+            let mut hoisted = arguments.as_object().cloned().unwrap_or_default();
+            hoisted.remove("function");
+            hoisted.remove("description");
+            Value::Object(hoisted)
+        }
+    };
+    for marker in ["_partial", "_raw"] {
+        if let (Some(m), Some(obj)) = (arguments.get(marker), payload.as_object_mut()) {
+            obj.insert(marker.into(), m.clone());
+        }
+    }
+    PlannedCall {
+        id: id.into(),
+        function_id: target.into(),
+        arguments: payload,
+    }
+}
+
+/// The first JSON value in `text`, if it is an object.
+fn lenient_object(text: &str) -> Option<Value> {
+    let start = text.find('{')?;
+    let mut stream = serde_json::Deserializer::from_str(&text[start..]).into_iter::<Value>();
+    stream.next()?.ok().filter(Value::is_object)
+}
+
+fn degraded(arguments: &Value) -> bool {
+    match arguments.as_object() {
+        Some(obj) => obj.contains_key("_partial") || obj.contains_key("_raw"),
+        None => true,
+    }
+}
+
+/// §4.11: a JSON string → one text block; an object with a content block array → those blocks;
+/// anything else → its compact JSON. `is_error` comes from the value.
+fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
+    let is_error = value
+        .get("is_error")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if let Value::String(s) = value {
+        return (vec![ContentBlock::text(s.clone())], false);
+    }
+    if let Some(blocks) = value
+        .get("content")
+        .and_then(|c| serde_json::from_value::<Vec<ContentBlock>>(c.clone()).ok())
+        .filter(|b| !b.is_empty())
+    {
+        return (blocks, is_error);
+    }
+    (vec![ContentBlock::text(value.to_string())], is_error)
+}
+
+/// A result ready to append.
+struct Closing {
+    content: Vec<ContentBlock>,
+    details: Value,
+    is_error: bool,
+    origin: Value,
+}
+
+impl Closing {
+    fn refusal(call: &PlannedCall, turn_id: &str, error: &str, text: String) -> Closing {
+        Closing {
+            content: vec![ContentBlock::text(text.clone())],
+            details: json!({"error": error, "function_id": call.function_id, "message": text}),
+            is_error: true,
+            origin: json!({"turn_id": turn_id}),
+        }
+    }
+}
+
+impl Harness {
+    async fn close_call(&self, rec: &mut TurnRecord, call: &PlannedCall, c: Closing) -> Result<()> {
+        let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
+        self.append(AppendRequest {
+            session_id: rec.session_id.clone(),
+            message: Some(AgentMessage::FunctionResult(FunctionResultMessage {
+                function_call_id: call.id.clone(),
+                function_id: call.function_id.clone(),
+                content: c.content,
+                details: c.details,
+                is_error: c.is_error,
+                timestamp: now_ms(),
+            })),
+            custom: None,
+            entry_id: Some(entry_id.clone()),
+            origin: Some(c.origin),
+        })
+        .await?;
+        failpoint::hit("after_call_result_appended");
+        rec.calls.insert(
+            call.id.clone(),
+            CallCheckpoint {
+                state: CallState::Done,
+                function_id: Some(call.function_id.clone()),
+                entry_id: Some(entry_id),
+            },
+        );
+        self.save_record(rec).await?;
+        failpoint::hit("after_call_done");
+        Ok(())
+    }
+
+    /// The request schema of a function, if the registry knows one.
+    async fn request_schema(&self, function_id: &str) -> Option<Value> {
+        let info: Value = self
+            .call(
+                "engine::functions::info",
+                &json!({"function_id": function_id}),
+            )
+            .await
+            .ok()?;
+        info.get("request_schema")
+            .filter(|s| s.is_object())
+            .cloned()
+    }
+
+    async fn reconcile(&self, call: &PlannedCall) -> (Value, Vec<Change>) {
+        if self.inner.config.call_reconciliation == CallReconciliation::Off {
+            return (call.arguments.clone(), vec![]);
+        }
+        let Some(schema) = self.request_schema(&call.function_id).await else {
+            return (call.arguments.clone(), vec![]);
+        };
+        reconcile::coerce(&schema, &call.arguments)
+    }
+
+    /// Runs the calls of one assistant message. `cut` names why the message's calls cannot be
+    /// trusted (the output limit, a broken stream) when it was cut short.
+    pub(crate) async fn dispatch_calls(
+        &self,
+        rec: &mut TurnRecord,
+        calls: &[PlannedCall],
+        cut: Option<&str>,
+        cancel: &CancellationToken,
+    ) -> Result<Dispatched> {
+        let policy = Policy::new(rec.options.functions.as_ref());
+        let turn_id = rec.turn_id.clone();
+        for call in calls {
+            match rec.calls.get(&call.id).map(|c| c.state) {
+                Some(CallState::Done) | Some(CallState::Pending) => continue,
+                Some(CallState::Triggered) => {
+                    let text = "interrupted: executed at most once, result unknown (restart during execution); \
+                                verify its effect before repeating it";
+                    self.close_call(
+                        rec,
+                        call,
+                        Closing::refusal(call, &turn_id, "interrupted", text.into()),
+                    )
+                    .await?;
+                    continue;
+                }
+                None => {}
+            }
+            if cancel.is_cancelled() {
+                return Ok(Dispatched::Cancelled);
+            }
+            if call.function_id == tools::AGENT_TRIGGER {
+                let text = "agent_trigger needs a target: call it as {\"function\": \"<function id>\", \"description\": \"…\", \"payload\": {…}}";
+                self.close_call(
+                    rec,
+                    call,
+                    Closing::refusal(call, &turn_id, "agent_trigger_no_target", text.into()),
+                )
+                .await?;
+                continue;
+            }
+            if degraded(&call.arguments) || cut.is_some() {
+                let why = cut.unwrap_or("the stream broke mid-call");
+                let text = format!("function {} was not run: its arguments were cut short ({why}); send the complete call again", call.function_id);
+                self.close_call(
+                    rec,
+                    call,
+                    Closing::refusal(call, &turn_id, "degraded_arguments", text),
+                )
+                .await?;
+                continue;
+            }
+            if !policy.allows(&call.function_id) {
+                let text = format!(
+                    "function {} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)",
+                    call.function_id
+                );
+                self.close_call(
+                    rec,
+                    call,
+                    Closing::refusal(call, &turn_id, "policy_denied", text),
+                )
+                .await?;
+                continue;
+            }
+            let key = breaker::key(&call.function_id, &call.arguments);
+            if breaker::tripped(&rec.failed_calls, &key) {
+                let text = format!(
+                    "function {} already failed twice with these exact arguments and the same error; it was not run again. \
+                     Change the arguments or the approach.",
+                    call.function_id
+                );
+                let mut c = Closing::refusal(call, &turn_id, "repeated_failure", text);
+                c.details["count"] = json!(breaker::TRIP_AFTER);
+                self.close_call(rec, call, c).await?;
+                continue;
+            }
+            let (arguments, changes) = self.reconcile(call).await;
+
+            // Checkpoint before the side effect, durably: after a crash this call never runs again.
+            rec.calls.insert(
+                call.id.clone(),
+                CallCheckpoint {
+                    state: CallState::Triggered,
+                    function_id: Some(call.function_id.clone()),
+                    entry_id: None,
+                },
+            );
+            self.save_record(rec).await?;
+            self.barrier().await?;
+            failpoint::hit("after_call_triggered");
+            let metadata = json!({"function_call_id": call.id, "session_id": rec.session_id, "turn_id": turn_id});
+            let invoke = self.inner.bus.call_with_metadata(
+                &call.function_id,
+                arguments,
+                Some(Duration::from_millis(self.inner.config.dispatch_timeout_ms)),
+                metadata,
+            );
+            let outcome = tokio::select! {
+                outcome = invoke => Some(outcome),
+                _ = cancel.cancelled() => None,
+            };
+            failpoint::hit("after_call_target");
+            let Some(outcome) = outcome else {
+                let text = format!(
+                    "function {} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone",
+                    call.function_id
+                );
+                self.close_call(
+                    rec,
+                    call,
+                    Closing::refusal(call, &turn_id, "cancelled", text),
+                )
+                .await?;
+                return Ok(Dispatched::Cancelled);
+            };
+            let (mut content, mut details, is_error) = match outcome {
+                Ok(value) => {
+                    let value = tools::filter_discovery(&call.function_id, &policy, value);
+                    let (content, is_error) = normalize(&value);
+                    (content, value, is_error)
+                }
+                Err(e) => (
+                    vec![ContentBlock::text(e.to_string())],
+                    json!({"error": {"code": e.code, "message": e.message}}),
+                    true,
+                ),
+            };
+            breaker::record(
+                &mut rec.failed_calls,
+                &key,
+                is_error,
+                &serde_json::to_string(&content).unwrap_or_default(),
+            );
+            let mut origin = json!({"turn_id": turn_id});
+            if !changes.is_empty() {
+                origin["reconciled"] = serde_json::to_value(&changes).unwrap_or(Value::Null);
+                let fresh: Vec<String> = changes
+                    .iter()
+                    .map(|c| format!("{}{}", call.function_id, c.path))
+                    .filter(|k| !rec.noted_repairs.contains(k))
+                    .collect();
+                if !fresh.is_empty() && !call.function_id.starts_with("engine::functions::") {
+                    if let Some(text) = reconcile::note(&changes) {
+                        content.push(ContentBlock::text(text));
+                    }
+                    rec.noted_repairs.extend(fresh);
+                }
+            }
+            if let Some((c, d)) = cap::cap(self.inner.config.max_result_bytes, &content, &details) {
+                content = c;
+                details = d;
+            }
+            self.close_call(
+                rec,
+                call,
+                Closing {
+                    content,
+                    details,
+                    is_error,
+                    origin,
+                },
+            )
+            .await?;
+        }
+        Ok(Dispatched::All)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_trigger_unwraps_string_payloads_and_hoists_keys() {
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "payload": "{\"x\": 1}"}),
+        );
+        assert_eq!(
+            (c.function_id.as_str(), c.arguments.clone()),
+            ("a::b", json!({"x": 1}))
+        );
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "payload": "sure: {\"x\": 1} done"}),
+        );
+        assert_eq!(
+            c.arguments,
+            json!({"x": 1}),
+            "the first JSON value in the text"
+        );
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "payload": "[1]"}),
+        );
+        assert_eq!(c.arguments, json!({}), "a non-object payload is dropped");
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "description": "d", "x": 2}),
+        );
+        assert_eq!(c.arguments, json!({"x": 2}));
+        let c = unwrap_call(
+            "c",
+            "agent_trigger",
+            &json!({"function": "a::b", "payload": {}, "_partial": true}),
+        );
+        assert!(degraded(&c.arguments));
+        let c = unwrap_call("c", "agent_trigger", &json!({"payload": {}}));
+        assert_eq!(
+            c.function_id, "agent_trigger",
+            "no target stays agent_trigger"
+        );
+        let c = unwrap_call("c", "weather::now", &json!({"city": "Oslo"}));
+        assert_eq!(
+            (c.function_id.as_str(), c.arguments),
+            ("weather::now", json!({"city": "Oslo"}))
+        );
+    }
+
+    #[test]
+    fn normalization() {
+        assert_eq!(normalize(&json!("hi")).0, vec![ContentBlock::text("hi")]);
+        let (c, e) =
+            normalize(&json!({"content": [{"type": "text", "text": "x"}], "is_error": true}));
+        assert_eq!((c, e), (vec![ContentBlock::text("x")], true));
+        assert_eq!(
+            normalize(&json!({"a": 1})).0,
+            vec![ContentBlock::text("{\"a\":1}")]
+        );
+        assert!(normalize(&json!({"a": 1, "is_error": true})).1);
+    }
+}

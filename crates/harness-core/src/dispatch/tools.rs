@@ -1,0 +1,152 @@
+//! What the model is offered: the tool surface of a step, and discovery results filtered to
+//! what the session may call.
+
+use harness_types::api::ExposeMode;
+use harness_types::router::ToolSpec;
+use serde_json::{json, Value};
+
+use super::policy::Policy;
+use crate::harness::{Harness, Result};
+use crate::record::TurnRecord;
+
+pub(crate) const AGENT_TRIGGER: &str = "agent_trigger";
+
+/// The single tool of `agent_trigger` exposure.
+pub(crate) fn agent_trigger_tool() -> ToolSpec {
+    ToolSpec {
+        name: AGENT_TRIGGER.into(),
+        description: "Call a registered function by id. Discover functions with engine::functions::list and read one's \
+                      request schema with engine::functions::info before the first call."
+            .into(),
+        parameters: json!({
+            "type": "object",
+            "properties": {
+                "function": {"type": "string", "description": "The function id, e.g. `weather::forecast`."},
+                "description": {"type": "string", "minLength": 1, "maxLength": 120,
+                                "description": "A short label of this action, shown to the user."},
+                "payload": {"type": "object", "description": "The function's arguments: a JSON object, never a string."}
+            },
+            "required": ["function", "description"]
+        }),
+    }
+}
+
+impl Harness {
+    /// The tools of one generation: none when the policy allows nothing; the `agent_trigger`
+    /// tool; or (native) one tool per allowed registered function, sorted by id.
+    pub(crate) async fn tool_surface(&self, rec: &TurnRecord) -> Result<Vec<ToolSpec>> {
+        let policy = Policy::new(rec.options.functions.as_ref());
+        if !policy.any() {
+            return Ok(vec![]);
+        }
+        let expose = rec
+            .options
+            .functions
+            .as_ref()
+            .map(|p| p.expose)
+            .unwrap_or_default();
+        if expose == ExposeMode::AgentTrigger {
+            return Ok(vec![agent_trigger_tool()]);
+        }
+        let list: Value = self.call("engine::functions::list", &json!({})).await?;
+        let mut ids: Vec<String> = list["functions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| f["function_id"].as_str())
+            .filter(|id| policy.allows(id))
+            .map(str::to_string)
+            .collect();
+        ids.sort();
+        ids.dedup();
+        if ids.is_empty() {
+            return Ok(vec![]);
+        }
+        let info: Value = self
+            .call("engine::functions::info", &json!({"function_ids": ids}))
+            .await?;
+        let tools = info["functions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|f| f.get("error").is_none())
+            .filter_map(|f| {
+                Some(ToolSpec {
+                    name: f["function_id"].as_str()?.to_string(),
+                    description: f["description"].as_str().unwrap_or_default().to_string(),
+                    parameters: f
+                        .get("request_schema")
+                        .filter(|s| s.is_object())
+                        .cloned()
+                        .unwrap_or_else(|| json!({"type": "object"})),
+                })
+            })
+            .collect();
+        Ok(tools)
+    }
+}
+
+/// Discovery answers show only what this session may call: `engine::functions::list` drops the
+/// rest; `engine::functions::info` answers null for one id and masks entries of a batch.
+pub(crate) fn filter_discovery(function_id: &str, policy: &Policy, value: Value) -> Value {
+    match function_id {
+        "engine::functions::list" => {
+            let mut value = value;
+            if let Some(list) = value.get_mut("functions").and_then(Value::as_array_mut) {
+                list.retain(|f| {
+                    f["function_id"]
+                        .as_str()
+                        .is_some_and(|id| policy.allows(id))
+                });
+            }
+            value
+        }
+        "engine::functions::info" => {
+            if let Some(list) = value.get("functions").and_then(Value::as_array) {
+                let masked: Vec<Value> = list
+                    .iter()
+                    .map(|f| match f["function_id"].as_str() {
+                        Some(id) if policy.allows(id) => f.clone(),
+                        id => json!({"function_id": id, "error": "not available"}),
+                    })
+                    .collect();
+                return json!({ "functions": masked });
+            }
+            match value.get("function_id").and_then(Value::as_str) {
+                Some(id) if policy.allows(id) => value,
+                _ => Value::Null,
+            }
+        }
+        _ => value,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harness_types::api::FunctionPolicy;
+
+    #[test]
+    fn discovery_is_filtered_to_callable_ids() {
+        let p = Policy::new(Some(&FunctionPolicy {
+            allow: vec!["weather::*".into()],
+            ..Default::default()
+        }));
+        let list =
+            json!({"functions": [{"function_id": "weather::now"}, {"function_id": "shell::exec"}]});
+        assert_eq!(
+            filter_discovery("engine::functions::list", &p, list),
+            json!({"functions": [{"function_id": "weather::now"}]})
+        );
+        let one = json!({"function_id": "shell::exec", "request_schema": {}});
+        assert_eq!(
+            filter_discovery("engine::functions::info", &p, one),
+            Value::Null
+        );
+        let batch = json!({"functions": [{"function_id": "weather::now", "description": "d"}, {"function_id": "shell::exec"}]});
+        assert_eq!(
+            filter_discovery("engine::functions::info", &p, batch),
+            json!({"functions": [{"function_id": "weather::now", "description": "d"}, {"function_id": "shell::exec", "error": "not available"}]})
+        );
+    }
+}
