@@ -31,6 +31,8 @@ pub(crate) struct Inner {
     /// In-process cancel signals of running turns, by turn id. A std Mutex: held only to insert,
     /// fire or remove a token.
     pub(crate) signals: Mutex<HashMap<String, CancellationToken>>,
+    /// Until when the judge is skipped after a failure (process-wide).
+    pub(crate) judge_paused_until: Mutex<Option<std::time::Instant>>,
 }
 
 pub(crate) type Result<T> = std::result::Result<T, HarnessError>;
@@ -47,6 +49,7 @@ impl Harness {
                 config,
                 locks: SessionLocks::default(),
                 signals: Mutex::new(HashMap::new()),
+                judge_paused_until: Mutex::new(None),
             }),
         }
     }
@@ -269,6 +272,23 @@ impl Harness {
                 None => return Ok(out),
             }
         }
+    }
+
+    pub(crate) fn judge_paused(&self) -> bool {
+        let until = self
+            .inner
+            .judge_paused_until
+            .lock()
+            .expect("judge pause lock");
+        until.is_some_and(|t| std::time::Instant::now() < t)
+    }
+
+    pub(crate) fn pause_judge(&self) {
+        *self
+            .inner
+            .judge_paused_until
+            .lock()
+            .expect("judge pause lock") = Some(std::time::Instant::now() + Duration::from_secs(30));
     }
 
     // --- cancel signals ----------------------------------------------------------------------

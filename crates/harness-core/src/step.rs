@@ -340,7 +340,13 @@ impl Harness {
             )
             .await?;
         }
-        let calls = plan_calls(&generation.message.content);
+        let expose = rec
+            .options
+            .functions
+            .as_ref()
+            .map(|p| p.expose)
+            .unwrap_or_default();
+        let calls = plan_calls(&generation.message.content, expose);
         if !calls.is_empty() {
             let cut = (generation.message.stop_reason == StopReason::Length)
                 .then_some("the reply hit the output limit");

@@ -1,5 +1,7 @@
 //! An in-process runtime for loop tests: embedded bus, sessions, scripted router, the loop.
 
+#![allow(dead_code)] // each test binary uses a different part of it
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +20,31 @@ pub struct Rt {
     pub sessions: SessionStore,
     pub store: Store,
     pub bus: EmbeddedBus,
+    pub recorder: Arc<Recorder>,
     _dir: tempfile::TempDir,
+}
+
+/// Records every `router::chat` request before the scripted provider answers it.
+pub struct Recorder {
+    inner: ScriptedProvider,
+    pub seen: std::sync::Mutex<Vec<harness_types::router::ChatRequest>>,
+}
+
+#[async_trait::async_trait]
+impl harness_router::Provider for Recorder {
+    fn id(&self) -> &str {
+        "scripted"
+    }
+
+    async fn chat(
+        &self,
+        req: harness_types::router::ChatRequest,
+        out: harness_router::FrameWriter,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> harness_types::router::ChatAck {
+        self.seen.lock().unwrap().push(req.clone());
+        self.inner.chat(req, out, cancel).await
+    }
 }
 
 pub async fn runtime(script: Value, config: HarnessConfig) -> Rt {
@@ -30,7 +56,11 @@ pub async fn runtime(script: Value, config: HarnessConfig) -> Rt {
     harness_session::register(shared.as_ref(), &sessions);
     let router = Router::new();
     let script = Script::from_json(&script.to_string()).unwrap();
-    router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
+    let recorder = Arc::new(Recorder {
+        inner: ScriptedProvider::new(script, shared.clone()),
+        seen: Default::default(),
+    });
+    router.add_provider(recorder.clone());
     harness_router::register(shared.as_ref(), &router);
     let harness = Harness::new(shared, config);
     harness_core::register(&harness);
@@ -40,6 +70,7 @@ pub async fn runtime(script: Value, config: HarnessConfig) -> Rt {
         sessions,
         store,
         bus,
+        recorder,
         _dir: dir,
     }
 }
@@ -107,6 +138,44 @@ impl Rt {
             assert!(Instant::now() < deadline, "no turn-completed for {turn_id}");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    /// Registers an in-process function that counts its calls.
+    pub fn register<F>(
+        &self,
+        id: &str,
+        schema: Option<Value>,
+        f: F,
+    ) -> Arc<std::sync::atomic::AtomicUsize>
+    where
+        F: Fn(Value) -> Value + Send + Sync + 'static,
+    {
+        use harness_bus::Bus;
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = count.clone();
+        let f = Arc::new(f);
+        let mut def = harness_bus::FunctionDef::new(id, "test function");
+        def.request_schema = schema;
+        self.bus.register_function(
+            def,
+            Arc::new(move |p: Value, _ctx: harness_bus::CallContext| {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let out = f(p);
+                async move { Ok(out) }
+            }),
+        );
+        count
+    }
+
+    /// The function_result messages of a session.
+    pub fn results(&self, session_id: &str) -> Vec<harness_types::message::FunctionResultMessage> {
+        self.entries(session_id)
+            .into_iter()
+            .filter_map(|e| match e.message {
+                Some(harness_types::AgentMessage::FunctionResult(f)) => Some(f),
+                _ => None,
+            })
+            .collect()
     }
 
     pub fn entries(&self, session_id: &str) -> Vec<Entry> {

@@ -20,6 +20,7 @@ pub(crate) mod tools;
 
 use std::time::Duration;
 
+use harness_types::api::ExposeMode;
 use harness_types::message::{AgentMessage, ContentBlock, FunctionResultMessage};
 use harness_types::session::AppendRequest;
 use harness_types::{ids, now_ms};
@@ -40,6 +41,8 @@ pub(crate) struct PlannedCall {
     pub id: String,
     pub function_id: String,
     pub arguments: Value,
+    /// The `agent_trigger` description: what the model meant to do (the judge's context).
+    pub intent: Option<String>,
 }
 
 /// How a step's dispatch ended.
@@ -51,7 +54,7 @@ pub(crate) enum Dispatched {
     Cancelled,
 }
 
-pub(crate) fn plan_calls(content: &[ContentBlock]) -> Vec<PlannedCall> {
+pub(crate) fn plan_calls(content: &[ContentBlock], expose: ExposeMode) -> Vec<PlannedCall> {
     content
         .iter()
         .filter_map(|b| match b {
@@ -59,7 +62,7 @@ pub(crate) fn plan_calls(content: &[ContentBlock]) -> Vec<PlannedCall> {
                 id,
                 function_id,
                 arguments,
-            } => Some(unwrap_call(id, function_id, arguments)),
+            } => Some(unwrap_call(id, function_id, arguments, expose)),
             _ => None,
         })
         .collect()
@@ -67,19 +70,20 @@ pub(crate) fn plan_calls(content: &[ContentBlock]) -> Vec<PlannedCall> {
 
 /// §4.3: the target is `arguments.function`; a string payload is parsed leniently (kept only if
 /// it is an object); a missing payload hoists the other keys; truncation markers travel along.
-fn unwrap_call(id: &str, function_id: &str, arguments: &Value) -> PlannedCall {
-    if function_id != tools::AGENT_TRIGGER {
+fn unwrap_call(id: &str, function_id: &str, arguments: &Value, expose: ExposeMode) -> PlannedCall {
+    if function_id != tools::AGENT_TRIGGER && expose == ExposeMode::Native {
         return PlannedCall {
             id: id.into(),
             function_id: function_id.into(),
             arguments: arguments.clone(),
+            intent: None,
         };
     }
     let target = arguments
         .get("function")
         .and_then(Value::as_str)
         .filter(|t| !t.is_empty())
-        .unwrap_or(tools::AGENT_TRIGGER);
+        .unwrap_or(function_id);
     let mut payload = match arguments.get("payload") {
         Some(Value::String(s)) => lenient_object(s).unwrap_or(json!({})),
         Some(p) => p.clone(),
@@ -99,6 +103,10 @@ fn unwrap_call(id: &str, function_id: &str, arguments: &Value) -> PlannedCall {
         id: id.into(),
         function_id: target.into(),
         arguments: payload,
+        intent: arguments
+            .get("description")
+            .and_then(Value::as_str)
+            .map(str::to_string),
     }
 }
 
@@ -202,13 +210,75 @@ impl Harness {
     }
 
     async fn reconcile(&self, call: &PlannedCall) -> (Value, Vec<Change>) {
-        if self.inner.config.call_reconciliation == CallReconciliation::Off {
+        let mode = self.inner.config.call_reconciliation;
+        if mode == CallReconciliation::Off {
             return (call.arguments.clone(), vec![]);
         }
         let Some(schema) = self.request_schema(&call.function_id).await else {
             return (call.arguments.clone(), vec![]);
         };
-        reconcile::coerce(&schema, &call.arguments)
+        let (args, mut changes) = reconcile::coerce(&schema, &call.arguments);
+        if mode != CallReconciliation::Judge
+            || reconcile::violations(&schema, &args).is_none_or(|v| v.is_empty())
+        {
+            return (args, changes);
+        }
+        match self.ask_judge(call, &schema, &args).await {
+            Some((fixed, judged)) => {
+                changes.extend(judged);
+                (fixed, changes)
+            }
+            None => (args, changes),
+        }
+    }
+
+    /// Layer B: asks `judge::evaluate` (when registered and not paused) about what coerce could
+    /// not settle; keeps its repairs only if the arguments then validate. Fail-open.
+    async fn ask_judge(
+        &self,
+        call: &PlannedCall,
+        schema: &Value,
+        args: &Value,
+    ) -> Option<(Value, Vec<Change>)> {
+        if self.judge_paused() {
+            return None;
+        }
+        let found = reconcile::issues(schema, args);
+        if found.is_empty() {
+            return None;
+        }
+        let req = reconcile::judge_request(
+            &call.function_id,
+            call.intent.as_deref(),
+            schema,
+            args,
+            &found,
+        )?;
+        let outer = Duration::from_secs(3);
+        let response = match tokio::time::timeout(
+            outer,
+            self.inner.bus.call("judge::evaluate", req, Some(outer)),
+        )
+        .await
+        {
+            Ok(Ok(r)) if r["status"] == "ok" => r,
+            Ok(Err(e)) if e.is_not_found() || e.code.contains("invalid_request") => return None,
+            Ok(Ok(r))
+                if r["code"]
+                    .as_str()
+                    .is_some_and(|c| c.contains("invalid_request")) =>
+            {
+                return None
+            }
+            other => {
+                tracing::warn!(function = %call.function_id, "judge failed, pausing it for 30 s: {other:?}");
+                self.pause_judge();
+                return None;
+            }
+        };
+        let (fixed, changes) = reconcile::apply_judgement(args, &found, &response);
+        let valid = reconcile::violations(schema, &fixed).is_some_and(|v| v.is_empty());
+        (!changes.is_empty() && valid).then_some((fixed, changes))
     }
 
     /// Runs the calls of one assistant message. `cut` names why the message's calls cannot be
@@ -383,54 +453,78 @@ impl Harness {
 mod tests {
     use super::*;
 
+    fn unwrap(function_id: &str, args: Value) -> PlannedCall {
+        unwrap_call("c", function_id, &args, ExposeMode::AgentTrigger)
+    }
+
     #[test]
     fn agent_trigger_unwraps_string_payloads_and_hoists_keys() {
-        let c = unwrap_call(
-            "c",
+        let c = unwrap(
             "agent_trigger",
-            &json!({"function": "a::b", "payload": "{\"x\": 1}"}),
+            json!({"function": "a::b", "payload": "{\"x\": 1}"}),
         );
         assert_eq!(
             (c.function_id.as_str(), c.arguments.clone()),
             ("a::b", json!({"x": 1}))
         );
-        let c = unwrap_call(
-            "c",
+        let c = unwrap(
             "agent_trigger",
-            &json!({"function": "a::b", "payload": "sure: {\"x\": 1} done"}),
+            json!({"function": "a::b", "payload": "sure: {\"x\": 1} done"}),
         );
         assert_eq!(
             c.arguments,
             json!({"x": 1}),
             "the first JSON value in the text"
         );
-        let c = unwrap_call(
-            "c",
+        let c = unwrap(
             "agent_trigger",
-            &json!({"function": "a::b", "payload": "[1]"}),
+            json!({"function": "a::b", "payload": "[1]"}),
         );
         assert_eq!(c.arguments, json!({}), "a non-object payload is dropped");
-        let c = unwrap_call(
-            "c",
+        let c = unwrap(
             "agent_trigger",
-            &json!({"function": "a::b", "description": "d", "x": 2}),
+            json!({"function": "a::b", "description": "d", "x": 2}),
         );
-        assert_eq!(c.arguments, json!({"x": 2}));
-        let c = unwrap_call(
-            "c",
+        assert_eq!(
+            (c.arguments, c.intent.as_deref()),
+            (json!({"x": 2}), Some("d"))
+        );
+        let c = unwrap(
             "agent_trigger",
-            &json!({"function": "a::b", "payload": {}, "_partial": true}),
+            json!({"function": "a::b", "payload": {}, "_partial": true}),
         );
         assert!(degraded(&c.arguments));
-        let c = unwrap_call("c", "agent_trigger", &json!({"payload": {}}));
+        let c = unwrap("agent_trigger", json!({"payload": {}}));
         assert_eq!(
             c.function_id, "agent_trigger",
             "no target stays agent_trigger"
         );
-        let c = unwrap_call("c", "weather::now", &json!({"city": "Oslo"}));
+    }
+
+    #[test]
+    fn block_names_are_targets_in_native_mode_and_fallbacks_in_agent_trigger_mode() {
+        let c = unwrap_call(
+            "c",
+            "weather::now",
+            &json!({"city": "Oslo"}),
+            ExposeMode::Native,
+        );
         assert_eq!(
             (c.function_id.as_str(), c.arguments),
             ("weather::now", json!({"city": "Oslo"}))
+        );
+        let c = unwrap("weather::now", json!({"city": "Oslo"}));
+        assert_eq!(
+            (c.function_id.as_str(), c.arguments),
+            ("weather::now", json!({"city": "Oslo"}))
+        );
+        let c = unwrap(
+            "weather::now",
+            json!({"function": "weather::forecast", "payload": {"days": 2}}),
+        );
+        assert_eq!(
+            (c.function_id.as_str(), c.arguments),
+            ("weather::forecast", json!({"days": 2}))
         );
     }
 

@@ -161,3 +161,347 @@ mod tests {
         assert!(changes.is_empty());
     }
 }
+
+// --- Layer B: the judge -------------------------------------------------------------------
+
+use jsonschema::error::ValidationErrorKind;
+use serde_json::json;
+
+/// Answers below this probability are not applied.
+pub(crate) const JUDGE_MIN_PROBABILITY: f64 = 0.8;
+/// State larger than this is not sent to the judge at all.
+const JUDGE_MAX_STATE_BYTES: usize = 48 * 1024;
+/// Strings longer than this are cut before the judge sees them.
+const JUDGE_MAX_STRING: usize = 512;
+/// Keys whose values the judge never sees.
+const SECRET_KEYS: &[&str] = &[
+    "password",
+    "passwd",
+    "token",
+    "api_key",
+    "apikey",
+    "authorization",
+    "secret",
+    "cookie",
+    "credential",
+    "private_key",
+];
+
+/// One thing the judge is asked about.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Issue {
+    /// An unknown key while required keys are missing: which one was meant?
+    Rename {
+        at: String,
+        unknown: String,
+        missing: Vec<String>,
+    },
+    /// A value outside the enum: which allowed value was meant?
+    Enum {
+        path: String,
+        value: Value,
+        options: Vec<Value>,
+    },
+    /// Unknown keys and nothing missing: does dropping them keep the intent?
+    Drop { at: String, keys: Vec<String> },
+}
+
+/// What the judge could settle for these arguments.
+pub(crate) fn issues(schema: &Value, args: &Value) -> Vec<Issue> {
+    let Ok(validator) = jsonschema::validator_for(schema) else {
+        return vec![];
+    };
+    let mut unknown: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    let mut missing: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    let mut out = Vec::new();
+    for e in validator.iter_errors(args) {
+        let at = e.instance_path().as_str().to_string();
+        match e.kind() {
+            ValidationErrorKind::AdditionalProperties { unexpected } => unknown
+                .entry(at)
+                .or_default()
+                .extend(unexpected.iter().cloned()),
+            ValidationErrorKind::Required { property } => {
+                if let Some(p) = property.as_str() {
+                    missing.entry(at).or_default().push(p.to_string());
+                }
+            }
+            ValidationErrorKind::Enum { options } => {
+                let options: Vec<Value> = options
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .take(254)
+                    .collect();
+                out.push(Issue::Enum {
+                    path: at,
+                    value: e.instance().clone().into_owned(),
+                    options,
+                });
+            }
+            _ => {}
+        }
+    }
+    for (at, keys) in unknown {
+        match missing.get(&at).filter(|m| !m.is_empty()) {
+            Some(m) => out.extend(keys.into_iter().map(|k| Issue::Rename {
+                at: at.clone(),
+                unknown: k,
+                missing: m.clone(),
+            })),
+            None => out.push(Issue::Drop { at, keys }),
+        }
+    }
+    out
+}
+
+/// The arguments as the judge may see them: secret-keyed values masked, long strings cut.
+pub(crate) fn redact(value: &Value) -> Value {
+    match value {
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .map(|(k, v)| {
+                    let lower = k.to_ascii_lowercase();
+                    if SECRET_KEYS.iter().any(|s| lower.contains(s)) {
+                        (k.clone(), json!("***"))
+                    } else {
+                        (k.clone(), redact(v))
+                    }
+                })
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(redact).collect()),
+        Value::String(s) if s.chars().count() > JUDGE_MAX_STRING => Value::String(format!(
+            "{}…",
+            s.chars().take(JUDGE_MAX_STRING).collect::<String>()
+        )),
+        other => other.clone(),
+    }
+}
+
+/// The `judge::evaluate` request for these issues, or None when the state is too large.
+pub(crate) fn judge_request(
+    function_id: &str,
+    intent: Option<&str>,
+    schema: &Value,
+    args: &Value,
+    issues: &[Issue],
+) -> Option<Value> {
+    let mut questions = serde_json::Map::new();
+    for (i, issue) in issues.iter().enumerate() {
+        let q = match issue {
+            Issue::Rename {
+                at,
+                unknown,
+                missing,
+            } => {
+                let mut choices: Vec<Value> = missing.iter().map(|m| json!(m)).collect();
+                choices.push(json!("none"));
+                json!({"type": "choice", "instructions": format!("The call passed an unknown argument `{unknown}` at `{at}` while required arguments are missing. Which required argument did the caller mean?"), "criteria": choices})
+            }
+            Issue::Enum {
+                path,
+                value,
+                options,
+            } => {
+                let mut choices = options.clone();
+                choices.push(json!("none"));
+                json!({"type": "choice", "instructions": format!("The value {value} at `{path}` is not one of the allowed values. Which allowed value did the caller mean?"), "criteria": choices})
+            }
+            Issue::Drop { at, keys } => {
+                json!({"type": "noul", "instructions": format!("The call passed unknown arguments {keys:?} at `{at}`. Does dropping them keep the caller's intent?"), "criteria": "yes if the remaining arguments still express the request"})
+            }
+        };
+        questions.insert(format!("q{i}"), q);
+    }
+    let state = json!({"function_id": function_id, "intent": intent, "schema": schema, "arguments": redact(args)});
+    if state.to_string().len() > JUDGE_MAX_STATE_BYTES {
+        return None;
+    }
+    Some(
+        json!({"timeout_ms": 2000, "evaluations": [{"id": "reconcile", "state": state, "questions": questions}]}),
+    )
+}
+
+fn confident(answer: &Value) -> bool {
+    answer
+        .get("probability")
+        .or_else(|| answer.get("confidence"))
+        .and_then(Value::as_f64)
+        .is_some_and(|p| p >= JUDGE_MIN_PROBABILITY)
+}
+
+fn child_path(at: &str, key: &str) -> String {
+    format!("{at}/{}", key.replace('~', "~0").replace('/', "~1"))
+}
+
+/// Applies the judge's confident answers; the caller keeps the result only if it validates.
+pub(crate) fn apply_judgement(
+    args: &Value,
+    issues: &[Issue],
+    response: &Value,
+) -> (Value, Vec<Change>) {
+    let answers = &response["results"]["reconcile"]["answers"];
+    let mut out = args.clone();
+    let mut changes = Vec::new();
+    for (i, issue) in issues.iter().enumerate() {
+        let a = &answers[format!("q{i}")];
+        if !confident(a) {
+            continue;
+        }
+        match issue {
+            Issue::Rename {
+                at,
+                unknown,
+                missing,
+            } => {
+                let Some(choice) = a["choice"]
+                    .as_str()
+                    .filter(|c| missing.iter().any(|m| m == c))
+                else {
+                    continue;
+                };
+                let obj = if at.is_empty() {
+                    Some(&mut out)
+                } else {
+                    out.pointer_mut(at)
+                };
+                if let Some(Value::Object(map)) = obj {
+                    if let Some(v) = map.remove(unknown) {
+                        map.insert(choice.to_string(), v.clone());
+                        changes.push(Change {
+                            path: child_path(at, unknown),
+                            kind: "renamed".into(),
+                            from: json!(unknown),
+                            to: json!(choice),
+                        });
+                    }
+                }
+            }
+            Issue::Enum {
+                path,
+                value,
+                options,
+            } => {
+                let choice = &a["choice"];
+                if !options.contains(choice) {
+                    continue;
+                }
+                let slot = if path.is_empty() {
+                    Some(&mut out)
+                } else {
+                    out.pointer_mut(path)
+                };
+                if let Some(slot) = slot {
+                    *slot = choice.clone();
+                    changes.push(Change {
+                        path: path.clone(),
+                        kind: "replaced".into(),
+                        from: value.clone(),
+                        to: choice.clone(),
+                    });
+                }
+            }
+            Issue::Drop { at, keys } => {
+                if a["noul"].as_str() != Some("yes") && a["answer"].as_str() != Some("yes") {
+                    continue;
+                }
+                let obj = if at.is_empty() {
+                    Some(&mut out)
+                } else {
+                    out.pointer_mut(at)
+                };
+                if let Some(Value::Object(map)) = obj {
+                    for k in keys {
+                        if let Some(v) = map.remove(k) {
+                            changes.push(Change {
+                                path: child_path(at, k),
+                                kind: "dropped".into(),
+                                from: v,
+                                to: Value::Null,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (out, changes)
+}
+
+#[cfg(test)]
+mod judge_tests {
+    use super::*;
+
+    fn schema() -> Value {
+        json!({"type": "object", "additionalProperties": false,
+               "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "days": {"type": "integer"}},
+               "required": ["city"]})
+    }
+
+    #[test]
+    fn finds_renames_enums_and_drops() {
+        let found = issues(&schema(), &json!({"town": "Oslo", "unit": "kelvin"}));
+        assert!(found.contains(&Issue::Rename {
+            at: "".into(),
+            unknown: "town".into(),
+            missing: vec!["city".into()]
+        }));
+        assert!(found
+            .iter()
+            .any(|i| matches!(i, Issue::Enum { path, .. } if path == "/unit")));
+        let found = issues(&schema(), &json!({"city": "Oslo", "verbose": true}));
+        assert_eq!(
+            found,
+            vec![Issue::Drop {
+                at: "".into(),
+                keys: vec!["verbose".into()]
+            }]
+        );
+    }
+
+    #[test]
+    fn secrets_are_masked_and_long_strings_cut() {
+        let r = redact(
+            &json!({"api_key": "sk-123", "nested": {"Authorization": "Bearer x"}, "body": "y".repeat(600)}),
+        );
+        assert_eq!(r["api_key"], "***");
+        assert_eq!(r["nested"]["Authorization"], "***");
+        assert_eq!(r["body"].as_str().unwrap().chars().count(), 513);
+    }
+
+    #[test]
+    fn only_confident_valid_answers_apply() {
+        let args = json!({"town": "Oslo", "unit": "kelvin"});
+        let found = issues(&schema(), &args);
+        let req = judge_request(
+            "weather::now",
+            Some("weather in Oslo"),
+            &schema(),
+            &args,
+            &found,
+        )
+        .unwrap();
+        assert_eq!(req["evaluations"][0]["id"], "reconcile");
+        let q_rename = found
+            .iter()
+            .position(|i| matches!(i, Issue::Rename { .. }))
+            .unwrap();
+        let q_enum = found
+            .iter()
+            .position(|i| matches!(i, Issue::Enum { .. }))
+            .unwrap();
+        let response = json!({"status": "ok", "results": {"reconcile": {"answers": {
+            format!("q{q_rename}"): {"type": "choice", "choice": "city", "probability": 0.95},
+            format!("q{q_enum}"): {"type": "choice", "choice": "c", "probability": 0.5}
+        }}}});
+        let (out, changes) = apply_judgement(&args, &found, &response);
+        assert_eq!(
+            out,
+            json!({"city": "Oslo", "unit": "kelvin"}),
+            "the unsure enum answer is not applied"
+        );
+        assert_eq!(changes[0].kind, "renamed");
+    }
+}

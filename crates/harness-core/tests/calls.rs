@@ -1,0 +1,289 @@
+//! Function calls through the loop: exposure, repair, breaker, result cap.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+
+use harness_core::{CallReconciliation, HarnessConfig};
+use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, TurnStatus};
+use harness_types::message::ContentBlock;
+use harness_types::AgentMessage;
+use serde_json::{json, Value};
+use support::*;
+
+fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
+}
+
+fn text_gen(text: &str) -> Value {
+    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
+}
+
+fn allowing(text: &str, allow: &[&str], expose: ExposeMode) -> harness_types::api::SendRequest {
+    let mut req = send(text);
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            deny: vec![],
+            expose,
+        }),
+        ..Default::default()
+    });
+    req
+}
+
+#[tokio::test]
+async fn a_deny_all_policy_sends_no_tools_and_agent_trigger_sends_one() {
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    let a = rt.harness.send(send("plain chat")).await.unwrap();
+    rt.wait_terminal(&a.session_id, &a.turn_id).await;
+    let b = rt
+        .harness
+        .send(allowing("with tools", &["*"], ExposeMode::AgentTrigger))
+        .await
+        .unwrap();
+    rt.wait_terminal(&b.session_id, &b.turn_id).await;
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    assert!(seen[0].tools.is_empty(), "deny-all: no tools at all");
+    assert!(seen[0]
+        .system_prompt
+        .as_deref()
+        .unwrap()
+        .contains("Function dispatch is entirely disabled"));
+    let names: Vec<&str> = seen[1].tools.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, vec!["agent_trigger"]);
+    assert_eq!(
+        seen[1].tools[0].parameters["required"],
+        json!(["function", "description"])
+    );
+}
+
+#[tokio::test]
+async fn native_exposure_lists_allowed_functions_sorted_with_their_schemas() {
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    rt.register("weather::now", Some(schema.clone()), |_| json!({}));
+    rt.register("weather::forecast", None, |_| json!({}));
+    rt.register("shell::exec", None, |_| json!({}));
+    let r = rt
+        .harness
+        .send(allowing(
+            "tools please",
+            &["weather::*", "engine::functions::*"],
+            ExposeMode::Native,
+        ))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let names: Vec<&str> = seen[0].tools.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            "engine::functions::info",
+            "engine::functions::list",
+            "weather::forecast",
+            "weather::now"
+        ]
+    );
+    let now = seen[0]
+        .tools
+        .iter()
+        .find(|t| t.name == "weather::now")
+        .unwrap();
+    assert_eq!(now.parameters, schema);
+    let forecast = seen[0]
+        .tools
+        .iter()
+        .find(|t| t.name == "weather::forecast")
+        .unwrap();
+    assert_eq!(forecast.parameters, json!({"type": "object"}));
+}
+
+#[tokio::test]
+async fn discovery_through_agent_trigger_only_shows_callable_functions() {
+    let script = json!({"generations": [
+        call_gen("discover", "c1", "agent_trigger", json!({"function": "engine::functions::list", "description": "list", "payload": {}})),
+        text_gen("done")
+    ]});
+    let rt = runtime(script, config()).await;
+    rt.register("weather::now", None, |_| json!({}));
+    rt.register("shell::exec", None, |_| json!({}));
+    let r = rt
+        .harness
+        .send(allowing(
+            "discover",
+            &["weather::*", "engine::functions::*"],
+            ExposeMode::AgentTrigger,
+        ))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let result = &rt.results(&r.session_id)[0];
+    let ids: Vec<&str> = result.details["functions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["function_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        vec![
+            "engine::functions::info",
+            "engine::functions::list",
+            "weather::now"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn stringified_json_arguments_are_repaired_and_the_repair_is_noted() {
+    let script = json!({"generations": [
+        call_gen("sum", "c1", "math::sum", json!({"numbers": "[1, 2, 3]"})),
+        text_gen("6")
+    ]});
+    let cfg = HarnessConfig {
+        call_reconciliation: CallReconciliation::Coerce,
+        ..config()
+    };
+    let rt = runtime(script, cfg).await;
+    let schema = json!({"type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}}, "required": ["numbers"]});
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Value::Null));
+    let seen = got.clone();
+    rt.register("math::sum", Some(schema), move |p| {
+        *seen.lock().unwrap() = p.clone();
+        json!({"sum": p["numbers"].as_array().map(|a| a.iter().filter_map(Value::as_i64).sum::<i64>())})
+    });
+    let r = rt
+        .harness
+        .send(allowing("sum these", &["math::*"], ExposeMode::Native))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(
+        *got.lock().unwrap(),
+        json!({"numbers": [1, 2, 3]}),
+        "the target got the parsed array"
+    );
+    let entry = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| matches!(e.message, Some(AgentMessage::FunctionResult(_))))
+        .unwrap();
+    assert_eq!(
+        entry.origin.as_ref().unwrap()["reconciled"][0]["path"],
+        "/numbers"
+    );
+    assert_eq!(
+        entry.origin.as_ref().unwrap()["reconciled"][0]["kind"],
+        "parsed"
+    );
+    let Some(AgentMessage::FunctionResult(result)) = entry.message else {
+        unreachable!()
+    };
+    let texts: Vec<&str> = result
+        .content
+        .iter()
+        .filter_map(ContentBlock::as_text)
+        .collect();
+    assert_eq!(texts[0], "{\"sum\":6}");
+    assert_eq!(
+        texts[1],
+        "[harness] `/numbers` (array) arrived as a JSON string and was parsed before dispatch."
+    );
+}
+
+#[tokio::test]
+async fn the_third_identical_failing_call_is_answered_by_the_breaker() {
+    let script = json!({"generations": [
+        call_gen("flaky", "c1", "net::get", json!({"url": "x"})),
+        {"match": {"last_user_text": "flaky"}, "content": [{"type": "function_call", "id": "c2", "function_id": "net::get", "arguments": {"url": "x"}}]},
+        {"match": {"last_user_text": "flaky"}, "content": [{"type": "function_call", "id": "c3", "function_id": "net::get", "arguments": {"url": "x"}}]},
+        text_gen("giving up")
+    ]});
+    let rt = runtime(script, config()).await;
+    let calls = rt.register(
+        "net::get",
+        None,
+        |_| json!({"content": [{"type": "text", "text": "connection refused"}], "is_error": true}),
+    );
+    let r = rt
+        .harness
+        .send(allowing("flaky", &["net::*"], ExposeMode::Native))
+        .await
+        .unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the target ran twice, not three times"
+    );
+    let results = rt.results(&r.session_id);
+    assert_eq!(results.len(), 3);
+    assert_eq!(results[2].details["error"], "repeated_failure");
+    assert_eq!(results[2].details["count"], 2);
+    assert!(results[2].is_error);
+}
+
+#[tokio::test]
+async fn an_oversized_result_is_elided_in_the_transcript_and_the_next_context() {
+    let script = json!({"generations": [
+        call_gen("dump", "c1", "db::dump", json!({})),
+        text_gen("summarized")
+    ]});
+    let cfg = HarnessConfig {
+        max_result_bytes: 2048,
+        ..config()
+    };
+    let rt = runtime(script, cfg).await;
+    rt.register("db::dump", None, |_| json!({"rows": vec!["row"; 2000]}));
+    let r = rt
+        .harness
+        .send(allowing("dump", &["db::*"], ExposeMode::Native))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let result = &rt.results(&r.session_id)[0];
+    let text = result.content[0].as_text().unwrap().to_string();
+    assert!(text.starts_with("<omitted: result was ~"), "{text}");
+    assert!(text.contains("an object with 1 keys"), "{text}");
+    assert_eq!(
+        result.details,
+        json!({"result_capped": {"max_bytes": 2048}})
+    );
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let in_context = seen[1]
+        .messages
+        .iter()
+        .find_map(|m| match m {
+            AgentMessage::FunctionResult(f) => Some(f.content[0].as_text().unwrap().to_string()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(in_context, text, "the model saw the same marker");
+}
+
+#[tokio::test]
+async fn degraded_and_targetless_calls_are_refused_without_running_anything() {
+    let script = json!({"generations": [
+        {"match": {"last_user_text": "go"}, "content": [
+            {"type": "function_call", "id": "c1", "function_id": "agent_trigger", "arguments": {"payload": {}}},
+            {"type": "function_call", "id": "c2", "function_id": "fs::write", "arguments": {"_raw": "{\"path\": \"/tm"}}
+        ]},
+        text_gen("ok")
+    ]});
+    let rt = runtime(script, config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({}));
+    let r = rt
+        .harness
+        .send(allowing("go", &["*"], ExposeMode::AgentTrigger))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let results = rt.results(&r.session_id);
+    assert_eq!(results[0].details["error"], "agent_trigger_no_target");
+    assert_eq!(results[1].details["error"], "degraded_arguments");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
