@@ -39,6 +39,8 @@ pub(crate) struct Inner {
     queue_groups: RwLock<HashMap<String, String>>,
     pub(crate) store: Store,
     queues: Queues,
+    /// Running `cron` schedules by binding id. A std Mutex: held only to insert or take.
+    schedules: std::sync::Mutex<HashMap<String, tokio::task::AbortHandle>>,
 }
 
 /// The in-process bus. Cheap to clone.
@@ -60,6 +62,7 @@ impl EmbeddedBus {
                 queue_groups: RwLock::new(HashMap::new()),
                 store,
                 queues,
+                schedules: std::sync::Mutex::new(HashMap::new()),
             }),
         };
         let persisted = bus.inner.store.kv_list(BINDINGS_SCOPE)?;
@@ -75,6 +78,14 @@ impl EmbeddedBus {
             }
         }
         engine_functions::register(&bus);
+        bus.register_trigger_type(crate::cron::trigger_type());
+        let crons: Vec<Binding> = {
+            let bindings = bus.inner.bindings.read().expect("bindings lock");
+            bindings.values().filter(|b| b.trigger_type == crate::cron::CRON).cloned().collect()
+        };
+        for b in crons {
+            bus.binding_added(&b);
+        }
         Ok(bus)
     }
 
@@ -109,8 +120,26 @@ impl EmbeddedBus {
         out
     }
 
+    /// Starts what a new binding needs to fire (a `cron` schedule).
+    pub(crate) fn binding_added(&self, b: &Binding) {
+        if b.trigger_type == crate::cron::CRON {
+            if let Some(handle) = crate::cron::spawn(self, b) {
+                self.inner.schedules.lock().expect("schedules lock").insert(b.id.clone(), handle);
+            }
+        }
+    }
+
+    pub(crate) fn binding_removed(&self, id: &str) {
+        if let Some(handle) = self.inner.schedules.lock().expect("schedules lock").remove(id) {
+            handle.abort();
+        }
+    }
+
     /// Stops consuming queues; in-flight steps are left to redelivery.
     pub async fn shutdown(&self) {
+        for (_, handle) in self.inner.schedules.lock().expect("schedules lock").drain() {
+            handle.abort();
+        }
         self.inner.queues.shutdown().await;
     }
 

@@ -187,6 +187,7 @@ pub(crate) fn register(bus: &EmbeddedBus) {
                 .write()
                 .expect("bindings lock")
                 .insert(binding.id.clone(), binding.clone());
+            bus.binding_added(&binding);
             Ok(json!({ "id": binding.id }))
         },
     );
@@ -206,6 +207,7 @@ pub(crate) fn register(bus: &EmbeddedBus) {
                 .remove(&req.id)
                 .is_some();
             bus.store().kv_delete(BINDINGS_SCOPE, &req.id).await?;
+            bus.binding_removed(&req.id);
             Ok(json!({ "ok": removed }))
         },
     );

@@ -10,6 +10,7 @@
 //! its own crate. Architecture invariant: nothing that uses a `dyn Bus` may know which one it has.
 
 pub mod bus;
+mod cron;
 pub mod embedded;
 mod engine_functions;
 pub mod error;

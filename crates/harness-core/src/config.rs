@@ -41,6 +41,11 @@ pub struct HarnessConfig {
     /// elision marker; 0 turns the cap off, values below 1024 count as 1024.
     pub max_result_bytes: usize,
     pub call_reconciliation: CallReconciliation,
+    /// A pending call (not a hook hold: those never expire) older than this gets a timeout
+    /// result from the sweep.
+    pub default_pending_timeout_ms: u64,
+    /// 6-field cron expression of the pending-call sweep.
+    pub sweep_expression: String,
 }
 
 impl Default for HarnessConfig {
@@ -57,6 +62,8 @@ impl Default for HarnessConfig {
             step_visibility_timeout_ms: 900_000,
             max_result_bytes: 262_144,
             call_reconciliation: CallReconciliation::Judge,
+            default_pending_timeout_ms: 1_800_000,
+            sweep_expression: "0 * * * * *".into(),
         }
     }
 }

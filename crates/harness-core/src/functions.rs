@@ -86,6 +86,39 @@ pub fn register(h: &Harness) {
         .internal(),
         |h, req: TurnStepPayload| async move { run_step(&h, req).await },
     );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::function::resolve",
+            "Internal: settle a pending call's result (or release a held call) and resume the parked turn.",
+        )
+        .internal(),
+        |h, req: ResolveRequest| async move {
+            crate::deferred::check_resolve(&req)?;
+            h.resolve(req).await
+        },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::function::trigger",
+            "Internal: run the dispatch pipeline (policy, pre-trigger hooks, target, post-trigger hooks) for one already-unwrapped call.",
+        )
+        .internal(),
+        |h, req: FunctionTriggerRequest| async move { h.function_trigger(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::sweep-pending",
+            "Internal cron target: settle pending calls past their timeout (hook holds never expire).",
+        )
+        .internal(),
+        |h, req: SweepRequest| async move { h.sweep_pending(req).await },
+    );
+    for t in crate::hooks::trigger_types() {
+        h.bus().register_trigger_type(t);
+    }
     for (id, description) in [
         (
             topics::TURN_STARTED,

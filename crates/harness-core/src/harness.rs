@@ -80,7 +80,41 @@ impl Harness {
             .map_err(|e| {
                 HarnessError::dependency(format!("cannot ensure the {TURN_QUEUE} queue: {e}"))
             })?;
+        self.ensure_sweep().await?;
         self.redrive_running().await
+    }
+
+    /// Binds `harness::sweep-pending` to the `cron` trigger with the configured expression,
+    /// replacing a binding with another expression (new first, then the old one goes).
+    async fn ensure_sweep(&self) -> Result<()> {
+        let bus = &self.inner.bus;
+        let expression = self.inner.config.sweep_expression.clone();
+        let existing: Vec<harness_bus::Binding> = bus
+            .bindings("cron")
+            .await
+            .map_err(bus_err)?
+            .into_iter()
+            .filter(|b| b.function_id == "harness::sweep-pending")
+            .collect();
+        let mut keep = existing.iter().any(|b| b.config["expression"] == expression);
+        if !keep {
+            bus.call(
+                "engine::register_trigger",
+                serde_json::json!({"trigger_type": "cron", "function_id": "harness::sweep-pending", "config": {"expression": expression}}),
+                self.session_timeout(),
+            )
+            .await
+            .map_err(|e| HarnessError::invalid(format!("sweep_expression: {}", e.message)))?;
+            keep = true;
+        }
+        for b in existing {
+            if keep && b.config["expression"] != expression {
+                let _ = bus
+                    .call("engine::unregister_trigger", serde_json::json!({"id": b.id}), self.session_timeout())
+                    .await;
+            }
+        }
+        Ok(())
     }
 
     /// Re-enqueues the current step of every `running` record. A crash between persisting a

@@ -11,10 +11,12 @@
 //! whether it runs embedded or on an iii engine.
 
 mod config;
+mod deferred;
 mod dispatch;
 mod events;
 pub mod failpoint;
 mod finalize;
+mod hooks;
 mod functions;
 mod harness;
 mod locks;

@@ -55,6 +55,50 @@ pub struct CallCheckpoint {
     pub function_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub entry_id: Option<String>,
+    /// The hook that holds this pending call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_by: Option<String>,
+    /// `pre_trigger` or `post_trigger`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_point: Option<String>,
+    /// The arguments as mutated up to and including the holder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_arguments: Option<Value>,
+    /// A post-trigger hold keeps the target's result: a release appends it, never re-runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_at: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_timeout_ms: Option<u64>,
+    /// Repairs made before the hold (they go into the result's origin).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconciled: Option<Value>,
+    /// Hook annotations gathered before the hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<Value>,
+    /// The breaker key of the call as the model wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub breaker_key: Option<String>,
+}
+
+impl CallCheckpoint {
+    pub fn new(state: CallState, function_id: &str) -> CallCheckpoint {
+        CallCheckpoint {
+            state,
+            function_id: Some(function_id.to_string()),
+            entry_id: None,
+            held_by: None,
+            held_point: None,
+            held_arguments: None,
+            held_result: None,
+            pending_at: None,
+            pending_timeout_ms: None,
+            reconciled: None,
+            annotations: None,
+            breaker_key: None,
+        }
+    }
 }
 
 /// A provider failure of one generation.
@@ -150,6 +194,10 @@ pub struct TurnRecord {
 impl TurnRecord {
     pub fn is_terminal(&self) -> bool {
         self.status.is_terminal()
+    }
+
+    pub fn has_pending(&self) -> bool {
+        self.calls.values().any(|c| c.state == CallState::Pending)
     }
 
     /// Ids of calls still `triggered` or `pending`.

@@ -53,13 +53,27 @@ pub(crate) fn normalize_message(message: Value) -> Result<AgentMessage> {
                     ))
                 }
             }
-            let mut m: AgentMessage = harness_types::parse::parse_payload(message)
-                .map_err(|e| HarnessError::invalid(format!("message.{}", e.message)))?;
-            match &mut m {
-                AgentMessage::User(u) if u.timestamp == 0 => u.timestamp = now_ms(),
-                AgentMessage::Custom(c) if c.timestamp == 0 => c.timestamp = now_ms(),
-                _ => {}
+            // Parse the variant's own struct: an enum tagged by `role` would lose the field
+            // path of an error inside it.
+            let role_is_user = map.get("role") == Some(&Value::String("user".into()));
+            let mut body = message.clone();
+            if let Some(obj) = body.as_object_mut() {
+                obj.remove("role");
             }
+            let named = |e: HarnessError| HarnessError::invalid(format!("message.{}", e.message));
+            let m = if role_is_user {
+                let mut u: harness_types::message::UserMessage = harness_types::parse::parse_payload(body).map_err(named)?;
+                if u.timestamp == 0 {
+                    u.timestamp = now_ms();
+                }
+                AgentMessage::User(u)
+            } else {
+                let mut c: harness_types::message::CustomMessage = harness_types::parse::parse_payload(body).map_err(named)?;
+                if c.timestamp == 0 {
+                    c.timestamp = now_ms();
+                }
+                AgentMessage::Custom(c)
+            };
             Ok(m)
         }
         Value::Null => Err(HarnessError::invalid_field(
@@ -449,7 +463,9 @@ mod tests {
             normalize_message(json!({"role": "user", "content": [{"type": "text", "text": 3}]}))
                 .unwrap_err();
         assert_eq!(err.code, ErrorCode::InvalidRequest);
-        assert!(err.message.starts_with("message."), "{err}");
+        assert!(err.message.starts_with("message.content[0]: invalid type"), "{err}");
+        let err = normalize_message(json!({"role": "user"})).unwrap_err();
+        assert!(err.message.starts_with("message.content: missing field") || err.message.contains("missing field `content`"), "{err}");
     }
 
     #[test]

@@ -15,6 +15,7 @@ use harness_types::{ids, now_ms, HarnessError};
 use serde_json::json;
 
 use crate::dispatch::{plan_calls, Dispatched};
+use crate::hooks::{self, Decision, HookPoint};
 use crate::failpoint;
 use crate::finalize::Outcome;
 use crate::harness::{Harness, Result};
@@ -133,7 +134,19 @@ impl Harness {
             let cancel = self.signal(&rec.turn_id);
             return self.finish(&payload, guard, generation, cancel, None).await;
         }
-        self.drain_queue(&sid, &rec.turn_id).await?;
+        // A step redelivered mid-generation finds its assistant entry already there: it rebuilds
+        // the context it had (everything before that entry) and leaves newly queued steering
+        // for the next step, which the steering check below then schedules.
+        let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
+        let mut entries = self.transcript(&sid).await?;
+        match entries.iter().position(|e| e.entry_id == entry_id) {
+            Some(at) => entries.truncate(at),
+            None => {
+                if self.drain_queue(&sid, &rec.turn_id).await? > 0 {
+                    entries = self.transcript(&sid).await?;
+                }
+            }
+        }
         self.set_status(&sid, SessionStatus::Working, Some("preparing context"))
             .await?;
         if rec.step == 0 && rec.turn_count == 0 {
@@ -146,6 +159,15 @@ impl Harness {
                 message_preview: rec.message_preview.clone(),
             })
             .await?;
+            let env = hooks::envelope(HookPoint::PreTurn, &sid, &rec.turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
+            if let Decision::Deny(reason) = self.run_hooks(HookPoint::PreTurn, env, None, None).await?.decision {
+                self.finalize(
+                    &mut rec,
+                    Outcome::failed("harness.pre_turn_denied", "pre_turn", "A hook refused to start this turn.", Some(format!("pre_turn hook denied: {reason}"))),
+                )
+                .await?;
+                return Ok(done(&rec));
+            }
         }
         if rec.turn_count >= rec.options.max_turns {
             let text = format!(
@@ -167,7 +189,6 @@ impl Harness {
         }
 
         // Context.
-        let entries = self.transcript(&sid).await?;
         let new_watermark = entries.last().map(|e| e.entry_id.clone());
         let messages = model_messages(&entries);
         let system_prompt = prompt::for_step(
@@ -208,6 +229,13 @@ impl Harness {
             .await?;
             return Ok(done(&rec));
         }
+        let (system_prompt, messages) = match self.pre_generate(&rec, assembled, &tools).await? {
+            Ok(prepared) => prepared,
+            Err(outcome) => {
+                self.finalize(&mut rec, outcome).await?;
+                return Ok(done(&rec));
+            }
+        };
         let cancel = self.signal(&rec.turn_id);
         if cancel.is_cancelled() {
             self.finalize(&mut rec, Outcome::Cancelled).await?;
@@ -215,7 +243,6 @@ impl Harness {
         }
 
         // The assistant entry exists before the first token, so a replay reuses it.
-        let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
         self.append(AppendRequest {
             session_id: sid.clone(),
             message: Some(AgentMessage::Assistant(AssistantMessage {
@@ -244,8 +271,8 @@ impl Harness {
             session_id: Some(sid.clone()),
             model: rec.options.model.clone(),
             provider: rec.options.provider.clone(),
-            system_prompt: assembled.system_prompt,
-            messages: assembled.messages,
+            system_prompt,
+            messages,
             tools,
             thinking_level: rec.options.thinking_level,
             max_output_tokens: rec.options.max_output_tokens,
@@ -263,6 +290,12 @@ impl Harness {
             )
             .await;
         let generation = self.generate(req, &sid, &entry_id, cancel.clone()).await;
+        if let Ok(g) = &generation {
+            let mut env = hooks::envelope(HookPoint::PostGenerate, &sid, &rec.turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
+            env["generated"] = json!({ "message": g.message });
+            // Observe only: what the hooks answer is ignored, and so are their failures.
+            let _ = self.run_hooks(HookPoint::PostGenerate, env, None, None).await;
+        }
         let guard: SessionGuard = self.inner.locks.lock(&sid).await;
         let generation = generation?;
         self.finish(&payload, guard, generation, cancel, Some(new_watermark))
@@ -354,6 +387,13 @@ impl Harness {
                 self.finalize(&mut rec, Outcome::Cancelled).await?;
                 return Ok(done(&rec));
             }
+            if rec.has_pending() {
+                // Parked: no step is held; a resolve of the last pending call resumes the turn.
+                rec.status = TurnStatus::AwaitingFunctions;
+                self.save_record(&mut rec).await?;
+                self.set_status(&sid, SessionStatus::Working, Some("awaiting functions")).await?;
+                return Ok(done(&rec));
+            }
             return self.advance(&mut rec).await.map(|_| done(&rec));
         }
         if !self.queued(&sid).await?.is_empty() {
@@ -364,6 +404,57 @@ impl Harness {
         self.finalize(&mut rec, Outcome::Completed(json!(text)))
             .await?;
         Ok(done(&rec))
+    }
+
+    /// Runs the pre-generate chain: it may replace the system prompt, append messages (never
+    /// persisted) or deny the generation; static `inject_prompt` texts are appended to the prompt.
+    async fn pre_generate(
+        &self,
+        rec: &TurnRecord,
+        assembled: AssembleResponse,
+        tools: &[harness_types::router::ToolSpec],
+    ) -> Result<std::result::Result<(Option<String>, Vec<AgentMessage>), Outcome>> {
+        if self.hooks(HookPoint::PreGenerate).await?.is_empty() {
+            return Ok(Ok((assembled.system_prompt, assembled.messages)));
+        }
+        let expose = rec.options.functions.as_ref().map(|p| p.expose).unwrap_or_default();
+        let mut env = hooks::envelope(HookPoint::PreGenerate, &rec.session_id, &rec.turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
+        env["generate"] = json!({"system_prompt": assembled.system_prompt, "messages": assembled.messages,
+                                 "model": rec.options.model, "provider": rec.options.provider, "tools": tools, "expose": expose});
+        let chain = self.run_hooks(HookPoint::PreGenerate, env, None, None).await?;
+        if let Decision::Deny(reason) = chain.decision {
+            return Ok(Err(Outcome::failed(
+                "harness.pre_generate_denied",
+                "pre_generate",
+                "A hook refused this generation.",
+                Some(format!("pre_generate hook denied: {reason}")),
+            )));
+        }
+        let generate = &chain.payload["generate"];
+        let mut prompt = generate["system_prompt"].as_str().map(str::to_string);
+        for text in chain.injected {
+            prompt = Some(match prompt {
+                Some(p) => format!("{p}\n\n{text}"),
+                None => text,
+            });
+        }
+        let messages: Vec<AgentMessage> = match serde_json::from_value(generate["messages"].clone()) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(session = %rec.session_id, "pre_generate hooks left messages that do not parse, ignoring them: {e}");
+                assembled.messages
+            }
+        };
+        let tokens = harness_context::count_tokens(&messages, prompt.as_deref(), tools) + FRAMING_TOKENS;
+        if tokens > assembled.usable {
+            return Ok(Err(Outcome::failed(
+                "harness.context_overflow",
+                "pre_generate",
+                "The conversation no longer fits the model's context window.",
+                Some(format!("context/overflow: ~{tokens} tokens after pre_generate hooks, {} usable", assembled.usable)),
+            )));
+        }
+        Ok(Ok((prompt, messages)))
     }
 
     /// Persists `step + 1` and enqueues it.

@@ -314,3 +314,87 @@ pub struct TurnEventFilter {
     #[serde(default)]
     pub parent_session_id: Option<String>,
 }
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ResolveAction {
+    /// Supply the call's result.
+    #[default]
+    Deliver,
+    /// Release a hook-held call through the rest of the trigger pipeline.
+    Execute,
+}
+
+/// Internal: settle a pending call's result (or release a held call) and resume the parked turn.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ResolveRequest {
+    pub session_id: String,
+    pub turn_id: String,
+    pub function_call_id: String,
+    /// `deliver` (default) supplies the result; `execute` releases a hook-held call through the
+    /// remaining trigger pipeline.
+    #[serde(default)]
+    pub action: Option<ResolveAction>,
+    #[serde(default)]
+    pub content: Option<Vec<crate::message::ContentBlock>>,
+    #[serde(default)]
+    pub is_error: Option<bool>,
+    #[serde(default)]
+    pub details: Option<Value>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ResolveResponse {
+    /// False when the call is unknown, already done, or (execute) not held.
+    pub resolved: bool,
+    /// True when this resolve re-enqueued the turn.
+    pub turn_resumed: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct TriggerCall {
+    pub id: String,
+    pub function_id: String,
+    #[serde(default)]
+    pub arguments: Value,
+}
+
+/// Internal: run the dispatch pipeline for one already-unwrapped call.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct FunctionTriggerRequest {
+    pub session_id: String,
+    pub call: TriggerCall,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FunctionTriggerResponse {
+    pub function_call_id: String,
+    pub function_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<Vec<crate::message::ContentBlock>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub is_error: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub details: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// True when a hook holds the call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_by: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+pub struct SweepRequest {
+    /// Ignored (cron passthrough).
+    #[serde(default)]
+    pub scheduled_at: Option<Value>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SweepResponse {
+    pub ok: bool,
+    /// Pending calls settled by this sweep.
+    pub resolved: u32,
+}

@@ -11,6 +11,18 @@ use crate::error::HarnessError;
 /// Engine decorations (top-level keys starting with `_`, such as `_caller_worker_id`) are removed
 /// first, so strict types still accept payloads routed through an engine.
 pub fn parse_payload<T: DeserializeOwned>(payload: Value) -> Result<T, HarnessError> {
+    if !payload.is_object() {
+        // serde would take an array as a struct's fields in order: never what a caller meant.
+        let kind = match payload {
+            Value::Null => "null",
+            Value::Bool(_) => "a boolean",
+            Value::Number(_) => "a number",
+            Value::String(_) => "a string",
+            Value::Array(_) => "an array",
+            Value::Object(_) => "an object",
+        };
+        return Err(HarnessError::invalid(format!("payload: must be a JSON object (got {kind})")));
+    }
     let payload = strip_engine_fields(payload);
     serde_path_to_error::deserialize::<_, T>(payload).map_err(|err| {
         let path = err.path().to_string();
@@ -74,6 +86,12 @@ mod tests {
     fn missing_fields_are_named() {
         let err = parse_payload::<Outer>(json!({})).unwrap_err();
         assert!(err.to_string().contains("missing field `name`"), "{err}");
+    }
+
+    #[test]
+    fn non_object_payloads_are_refused() {
+        let err = parse_payload::<Outer>(json!(["x", null])).unwrap_err();
+        assert_eq!(err.message, "payload: must be a JSON object (got an array)");
     }
 
     #[test]

@@ -24,13 +24,14 @@ use harness_types::api::ExposeMode;
 use harness_types::message::{AgentMessage, ContentBlock, FunctionResultMessage};
 use harness_types::session::AppendRequest;
 use harness_types::{ids, now_ms};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use tokio_util::sync::CancellationToken;
 
 pub(crate) use policy::Policy;
 pub use reconcile::Change;
 
 use crate::config::CallReconciliation;
+use crate::hooks::{self, Decision, HookPoint};
 use crate::failpoint;
 use crate::harness::{Harness, Result};
 use crate::record::{CallCheckpoint, CallState, TurnRecord};
@@ -126,7 +127,7 @@ fn degraded(arguments: &Value) -> bool {
 
 /// §4.11: a JSON string → one text block; an object with a content block array → those blocks;
 /// anything else → its compact JSON. `is_error` comes from the value.
-fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
+pub(crate) fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
     let is_error = value
         .get("is_error")
         .and_then(Value::as_bool)
@@ -142,6 +143,24 @@ fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
         return (blocks, is_error);
     }
     (vec![ContentBlock::text(value.to_string())], is_error)
+}
+
+/// How one call's run ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum CallEnd {
+    Closed,
+    Held,
+    Cancelled,
+}
+
+/// What a call runs with once it passed the checks before the hooks.
+pub(crate) struct Run {
+    pub arguments: Value,
+    pub changes: Vec<Change>,
+    pub annotations: Map<String, Value>,
+    pub breaker_key: String,
+    /// A released call resumes the pre-trigger chain strictly after this hook.
+    pub after: Option<String>,
 }
 
 /// A result ready to append.
@@ -164,6 +183,11 @@ impl Closing {
 }
 
 impl Harness {
+    /// Appends a call's result and marks it done (resolve uses it for settled pending calls).
+    pub(crate) async fn append_result(&self, rec: &mut TurnRecord, call: &PlannedCall, content: Vec<ContentBlock>, details: Value, is_error: bool, origin: Value) -> Result<()> {
+        self.close_call(rec, call, Closing { content, details, is_error, origin }).await
+    }
+
     async fn close_call(&self, rec: &mut TurnRecord, call: &PlannedCall, c: Closing) -> Result<()> {
         let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
         self.append(AppendRequest {
@@ -182,14 +206,9 @@ impl Harness {
         })
         .await?;
         failpoint::hit("after_call_result_appended");
-        rec.calls.insert(
-            call.id.clone(),
-            CallCheckpoint {
-                state: CallState::Done,
-                function_id: Some(call.function_id.clone()),
-                entry_id: Some(entry_id),
-            },
-        );
+        let mut cp = CallCheckpoint::new(CallState::Done, &call.function_id);
+        cp.entry_id = Some(entry_id);
+        rec.calls.insert(call.id.clone(), cp);
         self.save_record(rec).await?;
         failpoint::hit("after_call_done");
         Ok(())
@@ -358,95 +377,152 @@ impl Harness {
                 continue;
             }
             let (arguments, changes) = self.reconcile(call).await;
-
-            // Checkpoint before the side effect, durably: after a crash this call never runs again.
-            rec.calls.insert(
-                call.id.clone(),
-                CallCheckpoint {
-                    state: CallState::Triggered,
-                    function_id: Some(call.function_id.clone()),
-                    entry_id: None,
-                },
-            );
-            self.save_record(rec).await?;
-            self.barrier().await?;
-            failpoint::hit("after_call_triggered");
-            let metadata = json!({"function_call_id": call.id, "session_id": rec.session_id, "turn_id": turn_id});
-            let invoke = self.inner.bus.call_with_metadata(
-                &call.function_id,
-                arguments,
-                Some(Duration::from_millis(self.inner.config.dispatch_timeout_ms)),
-                metadata,
-            );
-            let outcome = tokio::select! {
-                outcome = invoke => Some(outcome),
-                _ = cancel.cancelled() => None,
-            };
-            failpoint::hit("after_call_target");
-            let Some(outcome) = outcome else {
-                let text = format!(
-                    "function {} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone",
-                    call.function_id
-                );
-                self.close_call(
-                    rec,
-                    call,
-                    Closing::refusal(call, &turn_id, "cancelled", text),
-                )
-                .await?;
+            let run = Run { arguments, changes, annotations: Map::new(), breaker_key: key, after: None };
+            if self.run_call(rec, call, run, cancel).await? == CallEnd::Cancelled {
                 return Ok(Dispatched::Cancelled);
-            };
-            let (mut content, mut details, is_error) = match outcome {
-                Ok(value) => {
-                    let value = tools::filter_discovery(&call.function_id, &policy, value);
-                    let (content, is_error) = normalize(&value);
-                    (content, value, is_error)
-                }
-                Err(e) => (
-                    vec![ContentBlock::text(e.to_string())],
-                    json!({"error": {"code": e.code, "message": e.message}}),
-                    true,
-                ),
-            };
-            breaker::record(
-                &mut rec.failed_calls,
-                &key,
-                is_error,
-                &serde_json::to_string(&content).unwrap_or_default(),
-            );
-            let mut origin = json!({"turn_id": turn_id});
-            if !changes.is_empty() {
-                origin["reconciled"] = serde_json::to_value(&changes).unwrap_or(Value::Null);
-                let fresh: Vec<String> = changes
-                    .iter()
-                    .map(|c| format!("{}{}", call.function_id, c.path))
-                    .filter(|k| !rec.noted_repairs.contains(k))
-                    .collect();
-                if !fresh.is_empty() && !call.function_id.starts_with("engine::functions::") {
-                    if let Some(text) = reconcile::note(&changes) {
-                        content.push(ContentBlock::text(text));
-                    }
-                    rec.noted_repairs.extend(fresh);
-                }
             }
-            if let Some((c, d)) = cap::cap(self.inner.config.max_result_bytes, &content, &details) {
-                content = c;
-                details = d;
-            }
-            self.close_call(
-                rec,
-                call,
-                Closing {
-                    content,
-                    details,
-                    is_error,
-                    origin,
-                },
-            )
-            .await?;
         }
         Ok(Dispatched::All)
     }
+}
+
+impl Harness {
+    /// From the pre-trigger chain to the appended result: the part of the pipeline a released
+    /// call runs too.
+    pub(crate) async fn run_call(&self, rec: &mut TurnRecord, call: &PlannedCall, run: Run, cancel: &CancellationToken) -> Result<CallEnd> {
+        let turn_id = rec.turn_id.clone();
+        let Run { arguments, changes, mut annotations, breaker_key, after } = run;
+        let mut payload = hooks::envelope(HookPoint::PreTrigger, &rec.session_id, &turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
+        payload["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+        let chain = self.run_hooks(HookPoint::PreTrigger, payload, Some(&call.function_id), after.as_deref()).await?;
+        annotations.extend(chain.annotations);
+        let arguments = chain.payload["call"]["arguments"].clone();
+        let reconciled = (!changes.is_empty()).then(|| serde_json::to_value(&changes).unwrap_or(Value::Null));
+        match chain.decision {
+            Decision::Deny(reason) => {
+                let mut c = Closing::refusal(call, &turn_id, "hook_denied", format!("function {} was denied by a hook: {reason}", call.function_id));
+                c.details["message"] = json!(reason);
+                c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
+                self.close_call(rec, call, c).await?;
+                return Ok(CallEnd::Closed);
+            }
+            Decision::Hold(holder) => {
+                let mut cp = CallCheckpoint::new(CallState::Pending, &call.function_id);
+                cp.held_by = Some(holder);
+                cp.held_point = Some(HookPoint::PreTrigger.name().into());
+                cp.held_arguments = Some(arguments);
+                cp.pending_at = Some(now_ms());
+                cp.reconciled = reconciled;
+                cp.annotations = Some(Value::Object(annotations));
+                cp.breaker_key = Some(breaker_key);
+                rec.calls.insert(call.id.clone(), cp);
+                self.save_record(rec).await?;
+                return Ok(CallEnd::Held);
+            }
+            Decision::Continue => {}
+        }
+
+        // Checkpoint before the side effect, durably: after a crash this call never runs again.
+        let mut cp = CallCheckpoint::new(CallState::Triggered, &call.function_id);
+        cp.breaker_key = Some(breaker_key.clone());
+        rec.calls.insert(call.id.clone(), cp);
+        self.save_record(rec).await?;
+        self.barrier().await?;
+        failpoint::hit("after_call_triggered");
+        let metadata = json!({"function_call_id": call.id, "session_id": rec.session_id, "turn_id": turn_id});
+        let invoke = self.inner.bus.call_with_metadata(
+            &call.function_id,
+            arguments.clone(),
+            Some(Duration::from_millis(self.inner.config.dispatch_timeout_ms)),
+            metadata,
+        );
+        let outcome = tokio::select! {
+            outcome = invoke => Some(outcome),
+            _ = cancel.cancelled() => None,
+        };
+        failpoint::hit("after_call_target");
+        let Some(outcome) = outcome else {
+            let text = format!(
+                "function {} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone",
+                call.function_id
+            );
+            self.close_call(rec, call, Closing::refusal(call, &turn_id, "cancelled", text)).await?;
+            return Ok(CallEnd::Cancelled);
+        };
+        let policy = Policy::new(rec.options.functions.as_ref());
+        let (content, details, is_error) = match outcome {
+            Ok(value) => {
+                let value = tools::filter_discovery(&call.function_id, &policy, value);
+                let (content, is_error) = normalize(&value);
+                (content, value, is_error)
+            }
+            Err(e) => (
+                vec![ContentBlock::text(e.to_string())],
+                json!({"error": {"code": e.code, "message": e.message}}),
+                true,
+            ),
+        };
+        breaker::record(&mut rec.failed_calls, &breaker_key, is_error, &serde_json::to_string(&content).unwrap_or_default());
+
+        // post-trigger: may rewrite the result, or hold it for a decision.
+        let mut payload = hooks::envelope(HookPoint::PostTrigger, &rec.session_id, &turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
+        payload["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+        payload["result"] = json!({"function_call_id": call.id, "function_id": call.function_id, "content": content, "is_error": is_error, "details": details});
+        let chain = self.run_hooks(HookPoint::PostTrigger, payload, Some(&call.function_id), None).await?;
+        annotations.extend(chain.annotations);
+        let result = &chain.payload["result"];
+        let mut content: Vec<ContentBlock> = serde_json::from_value(result["content"].clone()).unwrap_or(content);
+        let mut details = result["details"].clone();
+        let is_error = result["is_error"].as_bool().unwrap_or(is_error);
+
+        if !changes.is_empty() {
+            let fresh: Vec<String> = changes
+                .iter()
+                .map(|c| format!("{}{}", call.function_id, c.path))
+                .filter(|k| !rec.noted_repairs.contains(k))
+                .collect();
+            if !fresh.is_empty() && !call.function_id.starts_with("engine::functions::") {
+                if let Some(text) = reconcile::note(&changes) {
+                    content.push(ContentBlock::text(text));
+                }
+                rec.noted_repairs.extend(fresh);
+            }
+        }
+        if let Some((c, d)) = cap::cap(self.inner.config.max_result_bytes, &content, &details) {
+            content = c;
+            details = d;
+        }
+        if let Decision::Hold(holder) = chain.decision {
+            // The target ran; the result waits for the holder's decision and is appended on
+            // release, never produced by a second run.
+            let mut cp = CallCheckpoint::new(CallState::Pending, &call.function_id);
+            cp.held_by = Some(holder);
+            cp.held_point = Some(HookPoint::PostTrigger.name().into());
+            cp.held_arguments = Some(arguments);
+            cp.held_result = Some(json!({"content": content, "details": details, "is_error": is_error}));
+            cp.pending_at = Some(now_ms());
+            cp.reconciled = reconciled;
+            cp.annotations = Some(Value::Object(annotations));
+            cp.breaker_key = Some(breaker_key);
+            rec.calls.insert(call.id.clone(), cp);
+            self.save_record(rec).await?;
+            return Ok(CallEnd::Held);
+        }
+        let origin = origin(&turn_id, &annotations, reconciled.as_ref());
+        self.close_call(rec, call, Closing { content, details, is_error, origin }).await?;
+        Ok(CallEnd::Closed)
+    }
+}
+
+/// A result entry's origin: the turn, hook annotations, repairs.
+pub(crate) fn origin(turn_id: &str, annotations: &Map<String, Value>, reconciled: Option<&Value>) -> Value {
+    let mut o = Map::new();
+    o.extend(annotations.clone());
+    o.insert("turn_id".into(), json!(turn_id));
+    if let Some(r) = reconciled {
+        o.insert("reconciled".into(), r.clone());
+    }
+    Value::Object(o)
 }
 
 #[cfg(test)]

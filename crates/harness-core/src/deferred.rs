@@ -1,0 +1,238 @@
+//! Deferred calls: resolving a parked call (`harness::function::resolve`), the pending-call
+//! sweep (`harness::sweep-pending`), and the pipeline for one call from a trusted caller
+//! (`harness::function::trigger`).
+
+use std::time::Instant;
+
+use harness_types::api::*;
+use harness_types::message::ContentBlock;
+use harness_types::{now_ms, HarnessError};
+use serde_json::{json, Map, Value};
+
+use crate::dispatch::{self, CallEnd, PlannedCall, Policy, Run};
+use crate::harness::{Harness, Result};
+use crate::hooks::{self, Decision, HookPoint};
+use crate::record::{CallState, TurnRecord};
+use crate::TURN_SCOPE;
+
+fn not_resolved() -> ResolveResponse {
+    ResolveResponse {
+        resolved: false,
+        turn_resumed: false,
+    }
+}
+
+impl Harness {
+    pub async fn resolve(&self, req: ResolveRequest) -> Result<ResolveResponse> {
+        let _guard = self.inner.locks.lock(&req.session_id).await;
+        let Some(mut rec) = self.load_record(&req.session_id).await? else {
+            return Ok(not_resolved());
+        };
+        if rec.turn_id != req.turn_id || rec.is_terminal() {
+            return Ok(not_resolved());
+        }
+        let Some(cp) = rec.calls.get(&req.function_call_id).cloned() else {
+            return Ok(not_resolved());
+        };
+        if cp.state != CallState::Pending {
+            return Ok(not_resolved());
+        }
+        let function_id = cp.function_id.clone().unwrap_or_default();
+        let call = PlannedCall {
+            id: req.function_call_id.clone(),
+            function_id: function_id.clone(),
+            arguments: cp.held_arguments.clone().unwrap_or(Value::Null),
+            intent: None,
+        };
+        let annotations = match &cp.annotations {
+            Some(Value::Object(m)) => m.clone(),
+            _ => Map::new(),
+        };
+        match req.action.unwrap_or_default() {
+            ResolveAction::Deliver => {
+                let content = req.content.clone().unwrap_or_else(|| vec![ContentBlock::text("")]);
+                let origin = dispatch::origin(&rec.turn_id, &annotations, cp.reconciled.as_ref());
+                self.close_pending(&mut rec, &call, content, req.details.clone().unwrap_or(Value::Null), req.is_error.unwrap_or(false), origin)
+                    .await?;
+            }
+            ResolveAction::Execute => {
+                let Some(holder) = cp.held_by.clone() else {
+                    return Ok(not_resolved());
+                };
+                if cp.held_point.as_deref() == Some(HookPoint::PostTrigger.name()) {
+                    // The target already ran: its held result is appended as it was.
+                    let held = cp.held_result.clone().unwrap_or(Value::Null);
+                    let content = serde_json::from_value(held["content"].clone()).unwrap_or_default();
+                    let origin = dispatch::origin(&rec.turn_id, &annotations, cp.reconciled.as_ref());
+                    self.close_pending(&mut rec, &call, content, held["details"].clone(), held["is_error"].as_bool().unwrap_or(false), origin)
+                        .await?;
+                } else {
+                    let changes = cp.reconciled.clone().and_then(|r| serde_json::from_value(r).ok()).unwrap_or_default();
+                    let run = Run {
+                        arguments: call.arguments.clone(),
+                        changes,
+                        annotations,
+                        breaker_key: cp.breaker_key.clone().unwrap_or_default(),
+                        after: Some(holder),
+                    };
+                    let cancel = self.signal(&rec.turn_id);
+                    if self.run_call(&mut rec, &call, run, &cancel).await? == CallEnd::Held {
+                        self.barrier().await?;
+                        return Ok(ResolveResponse {
+                            resolved: true,
+                            turn_resumed: false,
+                        });
+                    }
+                }
+            }
+        }
+        let resumed = self.resume_if_settled(&mut rec).await?;
+        self.barrier().await?;
+        Ok(ResolveResponse {
+            resolved: true,
+            turn_resumed: resumed,
+        })
+    }
+
+    async fn close_pending(&self, rec: &mut TurnRecord, call: &PlannedCall, content: Vec<ContentBlock>, details: Value, is_error: bool, origin: Value) -> Result<()> {
+        self.append_result(rec, call, content, details, is_error, origin).await
+    }
+
+    /// A parked turn whose last pending call was settled runs its next step.
+    async fn resume_if_settled(&self, rec: &mut TurnRecord) -> Result<bool> {
+        if rec.status != TurnStatus::AwaitingFunctions || rec.has_pending() {
+            return Ok(false);
+        }
+        self.advance(rec).await?;
+        Ok(true)
+    }
+
+    /// Settles pending calls past their timeout (hook holds never expire). Returns how many.
+    pub async fn sweep_pending(&self, _req: SweepRequest) -> Result<SweepResponse> {
+        let records = self.inner.bus.state_list(TURN_SCOPE).await.map_err(|e| e.into_harness())?;
+        let now = now_ms();
+        let mut resolved = 0;
+        for (session_id, value) in records {
+            let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else { continue };
+            if rec.status != TurnStatus::AwaitingFunctions {
+                continue;
+            }
+            for (call_id, cp) in &rec.calls {
+                if cp.state != CallState::Pending || cp.held_by.is_some() {
+                    continue;
+                }
+                let timeout = cp.pending_timeout_ms.unwrap_or(self.inner.config.default_pending_timeout_ms) as i64;
+                if now - cp.pending_at.unwrap_or(now) < timeout {
+                    continue;
+                }
+                let out = self
+                    .resolve(ResolveRequest {
+                        session_id: session_id.clone(),
+                        turn_id: rec.turn_id.clone(),
+                        function_call_id: call_id.clone(),
+                        action: Some(ResolveAction::Deliver),
+                        content: Some(vec![ContentBlock::text(format!(
+                            "pending call timed out after {} ms without a result",
+                            timeout
+                        ))]),
+                        is_error: Some(true),
+                        details: Some(json!({"error": "pending_timeout"})),
+                    })
+                    .await?;
+                if out.resolved {
+                    resolved += 1;
+                }
+            }
+        }
+        Ok(SweepResponse { ok: true, resolved })
+    }
+
+    /// The pipeline for one already-unwrapped call, for trusted callers: the session's policy
+    /// (deny-all without a turn record), pre-trigger hooks, the target, post-trigger hooks. Nothing
+    /// is written to the transcript; a hold answers `pending: true`.
+    pub async fn function_trigger(&self, req: FunctionTriggerRequest) -> Result<FunctionTriggerResponse> {
+        let rec = self.load_record(&req.session_id).await?;
+        let policy = Policy::new(rec.as_ref().and_then(|r| r.options.functions.as_ref()));
+        let call = req.call;
+        let base = FunctionTriggerResponse {
+            function_call_id: call.id.clone(),
+            function_id: call.function_id.clone(),
+            content: None,
+            is_error: None,
+            details: None,
+            duration_ms: None,
+            pending: None,
+            held_by: None,
+        };
+        let refuse = |error: &str, text: String| FunctionTriggerResponse {
+            content: Some(vec![ContentBlock::text(text.clone())]),
+            is_error: Some(true),
+            details: Some(json!({"error": error, "function_id": call.function_id, "message": text})),
+            ..base.clone()
+        };
+        if !policy.allows(&call.function_id) {
+            return Ok(refuse(
+                "policy_denied",
+                format!("function {} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)", call.function_id),
+            ));
+        }
+        let (turn_id, step, depth, metadata) = match &rec {
+            Some(r) => (r.turn_id.clone(), r.step, r.depth, r.options.metadata.clone()),
+            None => (String::new(), 0, 0, None),
+        };
+        let mut env = hooks::envelope(HookPoint::PreTrigger, &req.session_id, &turn_id, step, depth, metadata.as_ref());
+        env["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": call.arguments});
+        let chain = self.run_hooks(HookPoint::PreTrigger, env, Some(&call.function_id), None).await?;
+        match chain.decision {
+            Decision::Deny(reason) => return Ok(refuse("hook_denied", format!("function {} was denied by a hook: {reason}", call.function_id))),
+            Decision::Hold(holder) => {
+                return Ok(FunctionTriggerResponse {
+                    pending: Some(true),
+                    held_by: Some(holder),
+                    ..base
+                })
+            }
+            Decision::Continue => {}
+        }
+        let arguments = chain.payload["call"]["arguments"].clone();
+        let started = Instant::now();
+        let outcome = self
+            .inner
+            .bus
+            .call_with_metadata(
+                &call.function_id,
+                arguments.clone(),
+                Some(std::time::Duration::from_millis(self.inner.config.dispatch_timeout_ms)),
+                json!({"function_call_id": call.id, "session_id": req.session_id}),
+            )
+            .await;
+        let duration_ms = started.elapsed().as_millis() as u64;
+        let (content, details, is_error) = match outcome {
+            Ok(v) => {
+                let (c, e) = dispatch::normalize(&v);
+                (c, v, e)
+            }
+            Err(e) => (vec![ContentBlock::text(e.to_string())], json!({"error": {"code": e.code, "message": e.message}}), true),
+        };
+        let mut env = hooks::envelope(HookPoint::PostTrigger, &req.session_id, &turn_id, step, depth, metadata.as_ref());
+        env["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+        env["result"] = json!({"function_call_id": call.id, "function_id": call.function_id, "content": content, "is_error": is_error, "details": details});
+        let chain = self.run_hooks(HookPoint::PostTrigger, env, Some(&call.function_id), None).await?;
+        let result = &chain.payload["result"];
+        Ok(FunctionTriggerResponse {
+            content: Some(serde_json::from_value(result["content"].clone()).unwrap_or(content)),
+            is_error: Some(result["is_error"].as_bool().unwrap_or(is_error)),
+            details: Some(result["details"].clone()),
+            duration_ms: Some(duration_ms),
+            ..base
+        })
+    }
+}
+
+/// Errors a resolve can raise on bad input (the rest answer `resolved: false`).
+pub(crate) fn check_resolve(req: &ResolveRequest) -> std::result::Result<(), HarnessError> {
+    if req.function_call_id.is_empty() {
+        return Err(HarnessError::invalid_field("function_call_id", "must not be empty"));
+    }
+    Ok(())
+}
