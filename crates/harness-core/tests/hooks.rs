@@ -1,0 +1,613 @@
+//! Hooks, holds and deferred calls, driven in-process.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use harness_bus::{Bus, CallContext, FunctionDef};
+use harness_types::api::{
+    ExposeMode, FunctionPolicy, ResolveAction, ResolveRequest, SendOptions, SweepRequest,
+    TurnStatus,
+};
+use harness_types::message::ContentBlock;
+use serde_json::{json, Value};
+use support::*;
+
+fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
+}
+
+fn text_gen(text: &str) -> Value {
+    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
+}
+
+fn allowing(text: &str) -> harness_types::api::SendRequest {
+    let mut req = send(text);
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: vec!["*".into()],
+            deny: vec![],
+            expose: ExposeMode::Native,
+        }),
+        ..Default::default()
+    });
+    req
+}
+
+/// A hook function that records what it saw and answers with `answer(seen)`.
+fn hook<F>(rt: &Rt, id: &str, answer: F) -> Arc<Mutex<Vec<Value>>>
+where
+    F: Fn(&Value) -> Value + Send + Sync + 'static,
+{
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let answer = Arc::new(answer);
+    rt.bus.register_function(
+        FunctionDef::new(id, "test hook"),
+        Arc::new(move |p: Value, _ctx: CallContext| {
+            log.lock().unwrap().push(p.clone());
+            let out = answer(&p);
+            async move { Ok(out) }
+        }),
+    );
+    seen
+}
+
+async fn bind(rt: &Rt, point: &str, function_id: &str, config: Value, metadata: Value) -> String {
+    let out = rt
+        .bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": format!("harness::hook::{point}"), "function_id": function_id, "config": config, "metadata": metadata}),
+            None,
+        )
+        .await
+        .unwrap();
+    out["id"].as_str().unwrap().to_string()
+}
+
+async fn wait_status(rt: &Rt, session_id: &str, status: TurnStatus) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if rt
+            .status(session_id)
+            .await
+            .is_some_and(|s| s.status == status)
+        {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "session never reached {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn script_one_call() -> Value {
+    json!({"generations": [call_gen("write", "c1", "fs::write", json!({"path": "/tmp/a", "text": "hi"})), text_gen("written")]})
+}
+
+#[tokio::test]
+async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_after_release() {
+    let rt = runtime(script_one_call(), config()).await;
+    let target = Arc::new(Mutex::new(Vec::new()));
+    let got = target.clone();
+    rt.register("fs::write", None, move |p| {
+        got.lock().unwrap().push(p.clone());
+        json!({"ok": true})
+    });
+    let holder = hook(&rt, "guard::hold", |p| {
+        let mut args = p["call"]["arguments"].clone();
+        args["path"] = json!("/sandbox/a");
+        json!({"decision": "hold", "mutations": {"arguments": args}, "annotations": {"guard": "held"}})
+    });
+    bind(
+        &rt,
+        "pre-trigger",
+        "guard::hold",
+        json!({"functions": ["fs::*"]}),
+        json!({}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let s = rt.status(&r.session_id).await.unwrap();
+    assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
+    assert!(target.lock().unwrap().is_empty(), "nothing runs while held");
+
+    let out = rt
+        .harness
+        .resolve(ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: Some(ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+        })
+        .await
+        .unwrap();
+    assert!(out.resolved && out.turn_resumed);
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(
+        *target.lock().unwrap(),
+        vec![json!({"path": "/sandbox/a", "text": "hi"})]
+    );
+    assert_eq!(
+        holder.lock().unwrap().len(),
+        1,
+        "the holder is not re-run on release"
+    );
+    let entry = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_c1", r.turn_id))
+        .unwrap();
+    assert_eq!(
+        entry.origin.unwrap()["guard"],
+        "held",
+        "annotations reach the origin"
+    );
+
+    // A second resolve is a no-op.
+    let again = rt
+        .harness
+        .resolve(ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: Some(ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+        })
+        .await
+        .unwrap();
+    assert!(!again.resolved && !again.turn_resumed);
+    assert_eq!(target.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both() {
+    let rt = runtime(script_one_call(), config()).await;
+    let target = Arc::new(Mutex::new(Vec::new()));
+    let got = target.clone();
+    rt.register("fs::write", None, move |p| {
+        got.lock().unwrap().push(p.clone());
+        json!({"ok": true})
+    });
+    let mutator = hook(&rt, "a::mutate", |p| {
+        let mut args = p["call"]["arguments"].clone();
+        args["text"] = json!("HI");
+        json!({"decision": "continue", "mutations": {"arguments": args}})
+    });
+    let holder = hook(&rt, "b::hold", |_| json!({"decision": "hold"}));
+    bind(
+        &rt,
+        "pre-trigger",
+        "b::hold",
+        json!({"priority": 20}),
+        json!({}),
+    )
+    .await;
+    bind(
+        &rt,
+        "pre-trigger",
+        "a::mutate",
+        json!({"priority": 10}),
+        json!({}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    assert_eq!(
+        mutator.lock().unwrap()[0]["call"]["arguments"]["text"],
+        "hi",
+        "the mutator saw the originals"
+    );
+    assert_eq!(
+        holder.lock().unwrap()[0]["call"]["arguments"]["text"],
+        "HI",
+        "the holder saw the mutation"
+    );
+    let out = rt
+        .harness
+        .resolve(ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: Some(ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+        })
+        .await
+        .unwrap();
+    assert!(out.resolved);
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(
+        *target.lock().unwrap(),
+        vec![json!({"path": "/tmp/a", "text": "HI"})]
+    );
+    assert_eq!(holder.lock().unwrap().len(), 1);
+    assert_eq!(
+        mutator.lock().unwrap().len(),
+        1,
+        "hooks before the holder are not re-run either"
+    );
+}
+
+#[tokio::test]
+async fn deliver_settles_a_held_call_with_the_given_result() {
+    let rt = runtime(script_one_call(), config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
+    bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let out = rt
+        .harness
+        .resolve(ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: None,
+            content: Some(vec![ContentBlock::text("denied by the operator")]),
+            is_error: Some(true),
+            details: Some(json!({"error": "denied"})),
+        })
+        .await
+        .unwrap();
+    assert!(out.resolved && out.turn_resumed);
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let result = &rt.results(&r.session_id)[0];
+    assert!(result.is_error);
+    assert_eq!(
+        result.content,
+        vec![ContentBlock::text("denied by the operator")]
+    );
+}
+
+#[tokio::test]
+async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation() {
+    let rt = runtime(script_one_call(), config()).await;
+    rt.register("fs::write", None, |_| json!({"ok": true}));
+    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
+    bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let mut steer = send("also add a footer");
+    steer.session_id = Some(r.session_id.clone());
+    let s = rt.harness.send(steer).await.unwrap();
+    assert_eq!(
+        (s.merged, s.queued, s.turn_id.clone()),
+        (Some(true), None, r.turn_id.clone())
+    );
+    assert_eq!(
+        rt.messages(&r.session_id).last().unwrap(),
+        &("user".to_string(), "also add a footer".to_string())
+    );
+    rt.harness
+        .resolve(ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: Some(ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+        })
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let last_user = seen[1].messages.iter().rev().find_map(|m| match m {
+        harness_types::AgentMessage::User(u) => {
+            Some(harness_types::message::joined_text(&u.content))
+        }
+        _ => None,
+    });
+    assert_eq!(last_user.as_deref(), Some("also add a footer"));
+}
+
+#[tokio::test]
+async fn deny_at_each_point() {
+    // pre-turn
+    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    hook(
+        &rt,
+        "policy::no",
+        |_| json!({"decision": "deny", "reason": "quota exhausted"}),
+    );
+    bind(&rt, "pre-turn", "policy::no", json!({}), json!({})).await;
+    let r = rt.harness.send(send("hi")).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Failed);
+    let err = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
+        .unwrap();
+    assert_eq!(
+        err.custom.as_ref().unwrap().data["code"],
+        "harness.pre_turn_denied"
+    );
+    assert_eq!(
+        err.custom.unwrap().data["detail"],
+        "pre_turn hook denied: quota exhausted"
+    );
+    assert!(
+        rt.recorder.seen.lock().unwrap().is_empty(),
+        "no model spend"
+    );
+
+    // pre-generate
+    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    hook(
+        &rt,
+        "policy::no",
+        |_| json!({"decision": "deny", "reason": "off hours"}),
+    );
+    bind(&rt, "pre-generate", "policy::no", json!({}), json!({})).await;
+    let r = rt.harness.send(send("hi")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let err = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
+        .unwrap();
+    assert_eq!(
+        err.custom.unwrap().data["code"],
+        "harness.pre_generate_denied"
+    );
+
+    // pre-trigger: the call gets a hook_denied result, the target never runs.
+    let rt = runtime(script_one_call(), config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+    hook(
+        &rt,
+        "policy::no",
+        |_| json!({"decision": "deny", "reason": "read-only day"}),
+    );
+    bind(&rt, "pre-trigger", "policy::no", json!({}), json!({})).await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let result = &rt.results(&r.session_id)[0];
+    assert_eq!(
+        (result.is_error, result.details["error"].clone()),
+        (true, json!("hook_denied"))
+    );
+    assert_eq!(result.details["message"], "read-only day");
+
+    // post-trigger: a deny is ignored, a rewrite applies.
+    let rt = runtime(script_one_call(), config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+    hook(
+        &rt,
+        "post::rewrite",
+        |_| json!({"decision": "deny", "mutations": {"content": [{"type": "text", "text": "redacted"}]}}),
+    );
+    bind(&rt, "post-trigger", "post::rewrite", json!({}), json!({})).await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        rt.results(&r.session_id)[0].content,
+        vec![ContentBlock::text("{\"ok\":true}")],
+        "a post-trigger deny changes nothing"
+    );
+    let rt2 = runtime(script_one_call(), config()).await;
+    rt2.register("fs::write", None, |_| json!({"ok": true}));
+    hook(
+        &rt2,
+        "post::rewrite",
+        |_| json!({"mutations": {"content": [{"type": "text", "text": "redacted"}], "is_error": true}}),
+    );
+    bind(&rt2, "post-trigger", "post::rewrite", json!({}), json!({})).await;
+    let r = rt2.harness.send(allowing("write it")).await.unwrap();
+    rt2.wait_terminal(&r.session_id, &r.turn_id).await;
+    let result = &rt2.results(&r.session_id)[0];
+    assert_eq!(
+        (result.content.clone(), result.is_error),
+        (vec![ContentBlock::text("redacted")], true)
+    );
+}
+
+#[tokio::test]
+async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
+    let rt = runtime(script_one_call(), config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+    rt.bus.register_function(
+        FunctionDef::new("slow::hook", "sleeps"),
+        Arc::new(|_p: Value, _ctx: CallContext| async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok(Value::Null)
+        }),
+    );
+    bind(
+        &rt,
+        "pre-trigger",
+        "slow::hook",
+        json!({"timeout_ms": 50}),
+        json!({}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let result = &rt.results(&r.session_id)[0];
+    assert_eq!(result.details["error"], "hook_denied");
+    assert!(
+        result.details["message"]
+            .as_str()
+            .unwrap()
+            .contains("timed out after 50 ms"),
+        "{}",
+        result.details
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+    // The same slow hook with fail_open is skipped.
+    let rt = runtime(script_one_call(), config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+    rt.bus.register_function(
+        FunctionDef::new("slow::hook", "sleeps"),
+        Arc::new(|_p: Value, _ctx: CallContext| async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok(Value::Null)
+        }),
+    );
+    bind(
+        &rt,
+        "pre-trigger",
+        "slow::hook",
+        json!({"timeout_ms": 50, "on_error": "fail_open"}),
+        json!({}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    // A missing post-trigger hook function is skipped (fail_open by default).
+    let rt = runtime(script_one_call(), config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+    bind(&rt, "post-trigger", "nobody::home", json!({}), json!({})).await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(!rt.results(&r.session_id)[0].is_error);
+}
+
+#[tokio::test]
+async fn pre_generate_extends_the_prompt_and_appends_messages() {
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    hook(&rt, "ctx::add", |p| {
+        let prompt = format!(
+            "{}\n\nToday is Sunday.",
+            p["generate"]["system_prompt"].as_str().unwrap()
+        );
+        json!({"mutations": {"system_prompt": prompt,
+                             "append_messages": [{"role": "user", "content": [{"type": "text", "text": "(reminder: be brief)"}], "timestamp": 1}]}})
+    });
+    let never = hook(&rt, "never::called", |_| json!({"decision": "deny"}));
+    bind(
+        &rt,
+        "pre-generate",
+        "ctx::add",
+        json!({"priority": 1}),
+        json!({}),
+    )
+    .await;
+    bind(
+        &rt,
+        "pre-generate",
+        "never::called",
+        json!({"priority": 2}),
+        json!({"inject_prompt": "Answer in English."}),
+    )
+    .await;
+    let r = rt.harness.send(send("hi")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let prompt = seen[0].system_prompt.clone().unwrap();
+    assert!(
+        prompt.ends_with("Today is Sunday.\n\nAnswer in English."),
+        "{prompt}"
+    );
+    assert!(
+        never.lock().unwrap().is_empty(),
+        "an inject_prompt binding is never invoked"
+    );
+    let last = seen[0].messages.last().unwrap();
+    assert_eq!(last.text(), "(reminder: be brief)");
+    assert_eq!(
+        rt.messages(&r.session_id).len(),
+        2,
+        "appended messages are not persisted"
+    );
+}
+
+#[tokio::test]
+async fn the_sweep_expires_a_stale_pending_call_but_never_a_hold() {
+    let rt = runtime(json!({"generations": [
+        {"match": {"last_user_text": "write"}, "content": [
+            {"type": "function_call", "id": "c1", "function_id": "fs::write", "arguments": {}},
+            {"type": "function_call", "id": "c2", "function_id": "fs::write", "arguments": {"n": 2}}
+        ]},
+        text_gen("done")
+    ]}), HarnessConfig { default_pending_timeout_ms: 1000, ..config() }).await;
+    rt.register("fs::write", None, |_| json!({"ok": true}));
+    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
+    bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    // Make c2 a legacy parked call (no holder) that has waited too long; c1 stays a hold.
+    let mut rec = rt
+        .bus
+        .state_get("harness_turn", &r.session_id)
+        .await
+        .unwrap()
+        .unwrap();
+    rec["calls"]["c2"]["held_by"] = Value::Null;
+    rec["calls"]["c2"]["pending_at"] = json!(harness_types::now_ms() - 60_000);
+    rec["calls"]["c1"]["pending_at"] = json!(harness_types::now_ms() - 600_000_000);
+    rt.bus
+        .state_set("harness_turn", &r.session_id, rec)
+        .await
+        .unwrap();
+
+    let out = rt
+        .harness
+        .sweep_pending(SweepRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(out.resolved, 1);
+    let results = rt.results(&r.session_id);
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].function_call_id, "c2");
+    assert_eq!(results[0].details["error"], "pending_timeout");
+    let s = rt.status(&r.session_id).await.unwrap();
+    assert_eq!(
+        s.status,
+        TurnStatus::AwaitingFunctions,
+        "the hold keeps the turn parked"
+    );
+    assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
+    assert_eq!(
+        rt.harness
+            .sweep_pending(SweepRequest::default())
+            .await
+            .unwrap()
+            .resolved,
+        0
+    );
+}
+
+#[tokio::test]
+async fn unknown_binding_fields_are_rejected_by_name() {
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    let err = rt
+        .bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "x", "config": {"priorty": 1}}),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, "harness/invalid_request");
+    assert!(
+        err.message.starts_with("config: unknown field `priorty`"),
+        "{}",
+        err.message
+    );
+}
+
+use harness_core::HarnessConfig;
