@@ -6,6 +6,7 @@
 mod bench;
 mod chat;
 mod client;
+mod fixtures;
 mod http;
 mod runtime;
 
@@ -53,26 +54,51 @@ struct RuntimeArgs {
     script: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "full")]
     durability: DurabilityArg,
-    /// Minimum interval between streamed transcript writes, in ms.
-    #[arg(long, default_value_t = 150)]
-    stream_coalesce_ms: u64,
+    /// Minimum interval between streamed transcript writes, in ms (default 150).
+    #[arg(long)]
+    stream_coalesce_ms: Option<u64>,
     /// Context window assumed for models with no catalog entry, in tokens.
-    #[arg(long, default_value_t = 200_000)]
-    context_window: u64,
+    #[arg(long)]
+    context_window: Option<u64>,
+    /// Loop configuration, a JSON object (`default_max_turns`, `max_result_bytes`,
+    /// `call_reconciliation`, ...); flags given explicitly win.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Register fixture functions from this JSON file (tests and demos).
+    #[arg(long)]
+    fixtures: Option<PathBuf>,
+    /// Append every fixture invocation to this file (one fsynced JSON line each).
+    #[arg(long, requires = "fixtures")]
+    fixture_log: Option<PathBuf>,
 }
 
 impl RuntimeArgs {
-    fn options(&self) -> RuntimeOptions {
-        RuntimeOptions {
+    fn options(&self) -> Result<RuntimeOptions> {
+        let mut config = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read config {}", path.display()))?;
+                let value: serde_json::Value = serde_json::from_str(&text)
+                    .with_context(|| format!("config {}: not JSON", path.display()))?;
+                harness_types::parse::parse_payload::<HarnessConfig>(value)
+                    .map_err(|e| anyhow::anyhow!("config {}: {}", path.display(), e.message))?
+            }
+            None => HarnessConfig::default(),
+        };
+        if let Some(ms) = self.stream_coalesce_ms {
+            config.stream_coalesce_ms = ms;
+        }
+        if let Some(tokens) = self.context_window {
+            config.default_context_window = tokens;
+        }
+        Ok(RuntimeOptions {
             data_dir: self.data_dir.clone().unwrap_or_else(default_data_dir),
             script: self.script.clone(),
             durability: self.durability.into(),
-            config: HarnessConfig {
-                stream_coalesce_ms: self.stream_coalesce_ms,
-                default_context_window: self.context_window,
-                ..HarnessConfig::default()
-            },
-        }
+            config,
+            fixtures: self.fixtures.clone(),
+            fixture_log: self.fixture_log.clone(),
+        })
     }
 }
 
@@ -139,7 +165,7 @@ async fn shutdown_signal() {
 }
 
 async fn serve(listen: SocketAddr, args: RuntimeArgs) -> Result<()> {
-    let opts = args.options();
+    let opts = args.options()?;
     let data_dir = opts.data_dir.clone();
     let rt = Runtime::open(opts).await?;
     let app = http::router(http::AppState {
@@ -191,7 +217,7 @@ fn main() {
                     provider,
                     model,
                     url,
-                    runtime: runtime.options(),
+                    runtime: runtime.options()?,
                 })
                 .await
             }

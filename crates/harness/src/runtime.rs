@@ -20,6 +20,9 @@ pub struct RuntimeOptions {
     pub script: Option<PathBuf>,
     pub durability: Durability,
     pub config: HarnessConfig,
+    /// Fixture functions to register (`--fixtures`), and where to log their invocations.
+    pub fixtures: Option<PathBuf>,
+    pub fixture_log: Option<PathBuf>,
 }
 
 /// A running embedded runtime.
@@ -49,13 +52,22 @@ fn load_script(path: Option<&Path>) -> Result<Script> {
 
 impl Runtime {
     pub async fn open(opts: RuntimeOptions) -> Result<Runtime> {
+        Runtime::open_layered(opts, |bus| bus).await
+    }
+
+    /// [`Runtime::open`], with `layer` wrapped around the bus that the loop and every sibling
+    /// use (`harness bench` puts its timing probe there).
+    pub async fn open_layered(
+        opts: RuntimeOptions,
+        layer: impl FnOnce(Arc<dyn Bus>) -> Arc<dyn Bus>,
+    ) -> Result<Runtime> {
         std::fs::create_dir_all(&opts.data_dir)
             .with_context(|| format!("cannot create data dir {}", opts.data_dir.display()))?;
         let script = load_script(opts.script.as_deref())?;
         let store = Store::open(&opts.data_dir.join("harness.db"), opts.durability)
             .with_context(|| format!("cannot open the store in {}", opts.data_dir.display()))?;
         let bus = EmbeddedBus::new(store.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let shared: Arc<dyn Bus> = Arc::new(bus.clone());
+        let shared: Arc<dyn Bus> = layer(Arc::new(bus.clone()));
         let sessions = SessionStore::open(store.clone())
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -64,6 +76,9 @@ impl Runtime {
         let router = Router::new();
         router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
         harness_router::register(shared.as_ref(), &router);
+        if let Some(path) = &opts.fixtures {
+            crate::fixtures::register(shared.as_ref(), path, opts.fixture_log.as_ref())?;
+        }
         let harness = Harness::new(shared, opts.config);
         harness_core::register(&harness);
         harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -1,0 +1,61 @@
+//! `harness bench --quick --json` runs end to end and prints one JSON object with the documented
+//! keys. Shapes only: the numbers depend on the machine, so no thresholds are asserted.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn positive(report: &Value, key: &str) -> f64 {
+    let v = report
+        .pointer(key)
+        .unwrap_or_else(|| panic!("missing {key} in {report}"))
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} is not a number in {report}"));
+    assert!(v > 0.0, "{key} = {v}, expected > 0");
+    v
+}
+
+#[test]
+fn bench_quick_json_prints_every_metric() {
+    let dir = tempfile::tempdir().unwrap();
+    // Smaller than --quick alone so the debug build stays well under a minute.
+    let out = Command::new(env!("CARGO_BIN_EXE_harness"))
+        .args(["bench", "--quick", "--json", "--idle-sessions", "300", "--cell-secs", "0.4"])
+        .arg("--dir")
+        .arg(dir.path())
+        .env("HARNESS_LOG", "error")
+        .output()
+        .expect("run harness bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let report: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
+    assert!(report.is_object());
+
+    for key in ["/overhead_us_p50", "/overhead_us_p99", "/handoff_us_p50", "/fsyncs_per_text_step"] {
+        positive(&report, key);
+    }
+    for c in ["1", "10", "200"] {
+        for mode in ["fsync", "nofsync"] {
+            positive(&report, &format!("/steps_per_sec/{c}/{mode}"));
+        }
+    }
+    // RSS can even shrink between two readings on a busy allocator: a number, not necessarily > 0.
+    let idle = report["idle_session_bytes"].as_f64().expect("idle_session_bytes is a number");
+    assert!(idle >= 0.0, "idle_session_bytes = {idle}");
+    assert!(report["idle_sessions"].as_u64().unwrap_or(0) > 0);
+    // The bench left nothing behind in its directory.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn bench_iii_mode_fails_clearly() {
+    let out = Command::new(env!("CARGO_BIN_EXE_harness"))
+        .args(["bench", "--iii", "ws://127.0.0.1:49134"])
+        .output()
+        .expect("run harness bench");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("iii mode is not built yet"), "{stderr}");
+}

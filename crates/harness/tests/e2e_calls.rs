@@ -1,0 +1,257 @@
+//! Function calls under crashes, with real processes: every target runs at most once, and every
+//! call the model made ends with exactly one result.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// A fixtures file and the path of its invocation log, in their own temp dir.
+struct Fixtures {
+    dir: tempfile::TempDir,
+}
+
+impl Fixtures {
+    fn new(functions: Value) -> Fixtures {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("fixtures.json"),
+            json!({ "functions": functions }).to_string(),
+        )
+        .unwrap();
+        Fixtures { dir }
+    }
+
+    fn file(&self) -> PathBuf {
+        self.dir.path().join("fixtures.json")
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.path().join("invocations.jsonl")
+    }
+
+    fn args(&self) -> Vec<String> {
+        vec![
+            "--fixtures".into(),
+            self.file().display().to_string(),
+            "--fixture-log".into(),
+            self.log().display().to_string(),
+        ]
+    }
+}
+
+/// Invocations logged so far, by function_call_id.
+fn invocations(log: &Path) -> HashMap<String, usize> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut out = HashMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).expect("fixture log line is JSON");
+        *out.entry(v["function_call_id"].as_str().unwrap_or("?").to_string())
+            .or_insert(0) += 1;
+    }
+    out
+}
+
+fn send_body(session_id: &str, text: &str, allow: &[&str]) -> Value {
+    json!({"session_id": session_id, "message": text, "model": "m", "provider": "scripted",
+           "options": {"functions": {"allow": allow, "expose": "native"}}})
+}
+
+/// Every function_call in the transcript has exactly one function_result.
+fn assert_every_call_closed(entries: &[Value]) {
+    let mut calls = Vec::new();
+    let mut results: HashMap<String, usize> = HashMap::new();
+    for e in entries {
+        for b in e["message"]["content"].as_array().into_iter().flatten() {
+            if b["type"] == "function_call" {
+                calls.push(b["id"].as_str().unwrap().to_string());
+            }
+        }
+        if e["message"]["role"] == "function_result" {
+            *results
+                .entry(
+                    e["message"]["function_call_id"]
+                        .as_str()
+                        .unwrap()
+                        .to_string(),
+                )
+                .or_insert(0) += 1;
+        }
+    }
+    for c in &calls {
+        assert_eq!(
+            results.get(c),
+            Some(&1),
+            "call {c} must have exactly one result; transcript:\n{}",
+            render(entries)
+        );
+    }
+    assert_eq!(
+        results.len(),
+        calls.len(),
+        "no result without a call; transcript:\n{}",
+        render(entries)
+    );
+}
+
+async fn wait_settled(server: &Server, session_id: &str) -> Value {
+    wait_for("the turn to end", WAIT, || async {
+        let s = server.status(session_id).await;
+        (!s.is_null() && is_terminal(&s)).then_some(s)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_while_the_target_runs_the_call_runs_once_and_is_closed_as_interrupted() {
+    let fx = Fixtures::new(
+        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
+    );
+    let script = script(vec![
+        json!({"match": {"last_user_text": "do the work"},
+               "content": [{"type": "function_call", "id": "c1", "function_id": "slow::work", "arguments": {"job": 1}}]}),
+        text_gen(
+            None,
+            "The job was interrupted; I will check before retrying.",
+            0,
+            true,
+        ),
+    ]);
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut server = Server::start(&script, &extra).await;
+    let sent = server
+        .ok(
+            "harness::send",
+            send_body("s_slow", "do the work", &["slow::*"]),
+        )
+        .await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    wait_for("the fixture log to show the call", WAIT, || async {
+        (invocations(&fx.log()).get("c1") == Some(&1)).then_some(())
+    })
+    .await;
+    server.kill();
+    server.restart().await;
+    let status = server.wait_turn("s_slow", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    let entries = server.transcript("s_slow", false).await;
+    assert_every_call_closed(&entries);
+    let result = entries
+        .iter()
+        .find(|e| e["message"]["role"] == "function_result")
+        .unwrap();
+    assert_eq!(result["message"]["is_error"], true);
+    assert_eq!(
+        result["message"]["details"]["error"], "interrupted",
+        "{result}"
+    );
+    assert!(
+        text_of(result).contains("at most once"),
+        "{}",
+        text_of(result)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_every_step_boundary_of_a_five_call_turn() {
+    let ids = ["a", "b", "c", "d", "e"];
+    let fx = Fixtures::new(Value::Array(
+        ids.iter()
+            .map(|i| json!({"id": format!("f::{i}"), "response": {"ok": i}}))
+            .collect(),
+    ));
+    let calls: Vec<Value> = ids
+        .iter()
+        .enumerate()
+        .map(|(n, i)| json!({"type": "function_call", "id": format!("c{}", n + 1), "function_id": format!("f::{i}"), "arguments": {"n": n}}))
+        .collect();
+    let script = script(vec![
+        json!({"match": {"last_user_text": "five"}, "content": calls}),
+        text_gen(None, "all five done", 0, true),
+    ]);
+    let points = [
+        "after_send_persisted:1",
+        "after_assistant_appended:1",
+        "after_call_triggered:1",
+        "after_call_triggered:3",
+        "after_call_target:2",
+        "after_call_result_appended:4",
+        "after_call_done:5",
+        "after_advance_persisted:1",
+        "after_assistant_appended:2",
+        "after_finalize_persisted:1",
+    ];
+    for point in points {
+        std::fs::remove_file(fx.log()).ok();
+        let extra = fx.args();
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let mut server = Server::start(&script, &extra).await;
+        server.kill();
+        server.set_env("HARNESS_FAILPOINT", Some(point));
+        server.start_again().await;
+        let sid = "s_five";
+        // The send itself may be cut by the failpoint: its answer does not matter.
+        let _ = server
+            .client
+            .post(format!("{}/v1/functions/harness::send", server.url()))
+            .json(&send_body(sid, "run all five", &["f::*"]))
+            .send()
+            .await;
+        wait_for(
+            &format!("the failpoint {point} to kill the server"),
+            WAIT,
+            || {
+                let dead = server.exited();
+                async move { dead.then_some(()) }
+            },
+        )
+        .await;
+        server.set_env("HARNESS_FAILPOINT", None);
+        server.start_again().await;
+        let status = wait_settled(&server, sid).await;
+        assert_eq!(status["status"], "completed", "{point}: {status}");
+        let ran = invocations(&fx.log());
+        assert!(
+            ran.values().all(|n| *n == 1),
+            "{point}: a target ran twice: {ran:?}"
+        );
+        let entries = server.transcript(sid, false).await;
+        assert_every_call_closed(&entries);
+        let users = entries
+            .iter()
+            .filter(|e| role_of(e) == Some("user"))
+            .count();
+        assert_eq!(users, 1, "{point}: one user message\n{}", render(&entries));
+        let last = entries.last().unwrap();
+        assert_eq!(
+            (role_of(last), text_of(last).as_str()),
+            (Some("assistant"), "all five done"),
+            "{point}"
+        );
+        // Calls that ran and were closed normally carry the target's result.
+        for e in entries
+            .iter()
+            .filter(|e| role_of(e) == Some("function_result"))
+        {
+            let id = e["message"]["function_call_id"].as_str().unwrap();
+            if e["message"]["is_error"] == false {
+                assert_eq!(
+                    ran.get(id),
+                    Some(&1),
+                    "{point}: {id} has a result but never ran"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(0)).await;
+    }
+}
