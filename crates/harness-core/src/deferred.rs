@@ -50,10 +50,20 @@ impl Harness {
         };
         match req.action.unwrap_or_default() {
             ResolveAction::Deliver => {
-                let content = req.content.clone().unwrap_or_else(|| vec![ContentBlock::text("")]);
+                let content = req
+                    .content
+                    .clone()
+                    .unwrap_or_else(|| vec![ContentBlock::text("")]);
                 let origin = dispatch::origin(&rec.turn_id, &annotations, cp.reconciled.as_ref());
-                self.close_pending(&mut rec, &call, content, req.details.clone().unwrap_or(Value::Null), req.is_error.unwrap_or(false), origin)
-                    .await?;
+                self.close_pending(
+                    &mut rec,
+                    &call,
+                    content,
+                    req.details.clone().unwrap_or(Value::Null),
+                    req.is_error.unwrap_or(false),
+                    origin,
+                )
+                .await?;
             }
             ResolveAction::Execute => {
                 let Some(holder) = cp.held_by.clone() else {
@@ -62,12 +72,25 @@ impl Harness {
                 if cp.held_point.as_deref() == Some(HookPoint::PostTrigger.name()) {
                     // The target already ran: its held result is appended as it was.
                     let held = cp.held_result.clone().unwrap_or(Value::Null);
-                    let content = serde_json::from_value(held["content"].clone()).unwrap_or_default();
-                    let origin = dispatch::origin(&rec.turn_id, &annotations, cp.reconciled.as_ref());
-                    self.close_pending(&mut rec, &call, content, held["details"].clone(), held["is_error"].as_bool().unwrap_or(false), origin)
-                        .await?;
+                    let content =
+                        serde_json::from_value(held["content"].clone()).unwrap_or_default();
+                    let origin =
+                        dispatch::origin(&rec.turn_id, &annotations, cp.reconciled.as_ref());
+                    self.close_pending(
+                        &mut rec,
+                        &call,
+                        content,
+                        held["details"].clone(),
+                        held["is_error"].as_bool().unwrap_or(false),
+                        origin,
+                    )
+                    .await?;
                 } else {
-                    let changes = cp.reconciled.clone().and_then(|r| serde_json::from_value(r).ok()).unwrap_or_default();
+                    let changes = cp
+                        .reconciled
+                        .clone()
+                        .and_then(|r| serde_json::from_value(r).ok())
+                        .unwrap_or_default();
                     let run = Run {
                         arguments: call.arguments.clone(),
                         changes,
@@ -94,8 +117,17 @@ impl Harness {
         })
     }
 
-    async fn close_pending(&self, rec: &mut TurnRecord, call: &PlannedCall, content: Vec<ContentBlock>, details: Value, is_error: bool, origin: Value) -> Result<()> {
-        self.append_result(rec, call, content, details, is_error, origin).await
+    async fn close_pending(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        content: Vec<ContentBlock>,
+        details: Value,
+        is_error: bool,
+        origin: Value,
+    ) -> Result<()> {
+        self.append_result(rec, call, content, details, is_error, origin)
+            .await
     }
 
     /// A parked turn whose last pending call was settled runs its next step.
@@ -109,11 +141,18 @@ impl Harness {
 
     /// Settles pending calls past their timeout (hook holds never expire). Returns how many.
     pub async fn sweep_pending(&self, _req: SweepRequest) -> Result<SweepResponse> {
-        let records = self.inner.bus.state_list(TURN_SCOPE).await.map_err(|e| e.into_harness())?;
+        let records = self
+            .inner
+            .bus
+            .state_list(TURN_SCOPE)
+            .await
+            .map_err(|e| e.into_harness())?;
         let now = now_ms();
         let mut resolved = 0;
         for (session_id, value) in records {
-            let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else { continue };
+            let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {
+                continue;
+            };
             if rec.status != TurnStatus::AwaitingFunctions {
                 continue;
             }
@@ -121,7 +160,10 @@ impl Harness {
                 if cp.state != CallState::Pending || cp.held_by.is_some() {
                     continue;
                 }
-                let timeout = cp.pending_timeout_ms.unwrap_or(self.inner.config.default_pending_timeout_ms) as i64;
+                let timeout = cp
+                    .pending_timeout_ms
+                    .unwrap_or(self.inner.config.default_pending_timeout_ms)
+                    as i64;
                 if now - cp.pending_at.unwrap_or(now) < timeout {
                     continue;
                 }
@@ -150,7 +192,10 @@ impl Harness {
     /// The pipeline for one already-unwrapped call, for trusted callers: the session's policy
     /// (deny-all without a turn record), pre-trigger hooks, the target, post-trigger hooks. Nothing
     /// is written to the transcript; a hold answers `pending: true`.
-    pub async fn function_trigger(&self, req: FunctionTriggerRequest) -> Result<FunctionTriggerResponse> {
+    pub async fn function_trigger(
+        &self,
+        req: FunctionTriggerRequest,
+    ) -> Result<FunctionTriggerResponse> {
         let rec = self.load_record(&req.session_id).await?;
         let policy = Policy::new(rec.as_ref().and_then(|r| r.options.functions.as_ref()));
         let call = req.call;
@@ -167,7 +212,9 @@ impl Harness {
         let refuse = |error: &str, text: String| FunctionTriggerResponse {
             content: Some(vec![ContentBlock::text(text.clone())]),
             is_error: Some(true),
-            details: Some(json!({"error": error, "function_id": call.function_id, "message": text})),
+            details: Some(
+                json!({"error": error, "function_id": call.function_id, "message": text}),
+            ),
             ..base.clone()
         };
         if !policy.allows(&call.function_id) {
@@ -177,14 +224,37 @@ impl Harness {
             ));
         }
         let (turn_id, step, depth, metadata) = match &rec {
-            Some(r) => (r.turn_id.clone(), r.step, r.depth, r.options.metadata.clone()),
+            Some(r) => (
+                r.turn_id.clone(),
+                r.step,
+                r.depth,
+                r.options.metadata.clone(),
+            ),
             None => (String::new(), 0, 0, None),
         };
-        let mut env = hooks::envelope(HookPoint::PreTrigger, &req.session_id, &turn_id, step, depth, metadata.as_ref());
-        env["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": call.arguments});
-        let chain = self.run_hooks(HookPoint::PreTrigger, env, Some(&call.function_id), None).await?;
+        let mut env = hooks::envelope(
+            HookPoint::PreTrigger,
+            &req.session_id,
+            &turn_id,
+            step,
+            depth,
+            metadata.as_ref(),
+        );
+        env["call"] =
+            json!({"id": call.id, "function_id": call.function_id, "arguments": call.arguments});
+        let chain = self
+            .run_hooks(HookPoint::PreTrigger, env, Some(&call.function_id), None)
+            .await?;
         match chain.decision {
-            Decision::Deny(reason) => return Ok(refuse("hook_denied", format!("function {} was denied by a hook: {reason}", call.function_id))),
+            Decision::Deny(reason) => {
+                return Ok(refuse(
+                    "hook_denied",
+                    format!(
+                        "function {} was denied by a hook: {reason}",
+                        call.function_id
+                    ),
+                ))
+            }
             Decision::Hold(holder) => {
                 return Ok(FunctionTriggerResponse {
                     pending: Some(true),
@@ -202,7 +272,9 @@ impl Harness {
             .call_with_metadata(
                 &call.function_id,
                 arguments.clone(),
-                Some(std::time::Duration::from_millis(self.inner.config.dispatch_timeout_ms)),
+                Some(std::time::Duration::from_millis(
+                    self.inner.config.dispatch_timeout_ms,
+                )),
                 json!({"function_call_id": call.id, "session_id": req.session_id}),
             )
             .await;
@@ -212,12 +284,26 @@ impl Harness {
                 let (c, e) = dispatch::normalize(&v);
                 (c, v, e)
             }
-            Err(e) => (vec![ContentBlock::text(e.to_string())], json!({"error": {"code": e.code, "message": e.message}}), true),
+            Err(e) => (
+                vec![ContentBlock::text(e.to_string())],
+                json!({"error": {"code": e.code, "message": e.message}}),
+                true,
+            ),
         };
-        let mut env = hooks::envelope(HookPoint::PostTrigger, &req.session_id, &turn_id, step, depth, metadata.as_ref());
-        env["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+        let mut env = hooks::envelope(
+            HookPoint::PostTrigger,
+            &req.session_id,
+            &turn_id,
+            step,
+            depth,
+            metadata.as_ref(),
+        );
+        env["call"] =
+            json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
         env["result"] = json!({"function_call_id": call.id, "function_id": call.function_id, "content": content, "is_error": is_error, "details": details});
-        let chain = self.run_hooks(HookPoint::PostTrigger, env, Some(&call.function_id), None).await?;
+        let chain = self
+            .run_hooks(HookPoint::PostTrigger, env, Some(&call.function_id), None)
+            .await?;
         let result = &chain.payload["result"];
         Ok(FunctionTriggerResponse {
             content: Some(serde_json::from_value(result["content"].clone()).unwrap_or(content)),
@@ -232,7 +318,10 @@ impl Harness {
 /// Errors a resolve can raise on bad input (the rest answer `resolved: false`).
 pub(crate) fn check_resolve(req: &ResolveRequest) -> std::result::Result<(), HarnessError> {
     if req.function_call_id.is_empty() {
-        return Err(HarnessError::invalid_field("function_call_id", "must not be empty"));
+        return Err(HarnessError::invalid_field(
+            "function_call_id",
+            "must not be empty",
+        ));
     }
     Ok(())
 }

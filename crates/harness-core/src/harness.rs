@@ -96,7 +96,9 @@ impl Harness {
             .into_iter()
             .filter(|b| b.function_id == "harness::sweep-pending")
             .collect();
-        let mut keep = existing.iter().any(|b| b.config["expression"] == expression);
+        let mut keep = existing
+            .iter()
+            .any(|b| b.config["expression"] == expression);
         if !keep {
             bus.call(
                 "engine::register_trigger",
@@ -110,7 +112,11 @@ impl Harness {
         for b in existing {
             if keep && b.config["expression"] != expression {
                 let _ = bus
-                    .call("engine::unregister_trigger", serde_json::json!({"id": b.id}), self.session_timeout())
+                    .call(
+                        "engine::unregister_trigger",
+                        serde_json::json!({"id": b.id}),
+                        self.session_timeout(),
+                    )
                     .await;
             }
         }

@@ -74,7 +74,9 @@ impl HookPoint {
     /// undo it.
     fn default_on_error(self) -> OnError {
         match self {
-            HookPoint::PreTurn | HookPoint::PreGenerate | HookPoint::PreTrigger => OnError::FailClosed,
+            HookPoint::PreTurn | HookPoint::PreGenerate | HookPoint::PreTrigger => {
+                OnError::FailClosed
+            }
             HookPoint::PostGenerate | HookPoint::PostTrigger => OnError::FailOpen,
         }
     }
@@ -84,7 +86,10 @@ impl HookPoint {
     }
 
     fn may_deny(self) -> bool {
-        matches!(self, HookPoint::PreTurn | HookPoint::PreGenerate | HookPoint::PreTrigger)
+        matches!(
+            self,
+            HookPoint::PreTurn | HookPoint::PreGenerate | HookPoint::PreTrigger
+        )
     }
 }
 
@@ -119,9 +124,11 @@ pub(crate) fn trigger_types() -> Vec<TriggerTypeDef> {
         .map(|p| TriggerTypeDef {
             id: p.trigger_type().into(),
             description: p.description().into(),
-            config_schema: serde_json::to_value(schemars::schema_for!(HookBindingConfig)).unwrap_or(Value::Null),
+            config_schema: serde_json::to_value(schemars::schema_for!(HookBindingConfig))
+                .unwrap_or(Value::Null),
             validate: Some(std::sync::Arc::new(|config: &Value| {
-                let c: HookBindingConfig = serde_json::from_value(config.clone()).map_err(|e| e.to_string())?;
+                let c: HookBindingConfig =
+                    serde_json::from_value(config.clone()).map_err(|e| e.to_string())?;
                 for g in c.functions.iter().flatten() {
                     Glob::new(g).map_err(|e| format!("functions: invalid glob '{g}': {e}"))?;
                 }
@@ -151,12 +158,18 @@ impl Hook {
             timeout: Duration::from_millis(c.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)),
             on_error: c.on_error.unwrap_or(point.default_on_error()),
             functions: c.functions.filter(|f| !f.is_empty()),
-            inject_prompt: b.metadata.get("inject_prompt").and_then(Value::as_str).map(str::to_string),
+            inject_prompt: b
+                .metadata
+                .get("inject_prompt")
+                .and_then(Value::as_str)
+                .map(str::to_string),
         })
     }
 
     fn applies_to(&self, function_id: Option<&str>) -> bool {
-        let (Some(globs), Some(id)) = (&self.functions, function_id) else { return true };
+        let (Some(globs), Some(id)) = (&self.functions, function_id) else {
+            return true;
+        };
         let mut b = GlobSetBuilder::new();
         for g in globs {
             match Glob::new(g) {
@@ -196,7 +209,9 @@ pub(crate) struct ChainOutcome {
 
 /// Applies one hook's `mutations` to the payload the next hook will see.
 fn apply_mutations(point: HookPoint, payload: &mut Value, mutations: &Value) {
-    let Some(m) = mutations.as_object() else { return };
+    let Some(m) = mutations.as_object() else {
+        return;
+    };
     match point {
         HookPoint::PreGenerate => {
             if let Some(p) = m.get("system_prompt").filter(|p| p.is_string()) {
@@ -233,7 +248,10 @@ impl Harness {
             .bindings(point.trigger_type())
             .await
             .map_err(|e| e.into_harness())?;
-        let mut hooks: Vec<Hook> = bindings.iter().filter_map(|b| Hook::from_binding(point, b)).collect();
+        let mut hooks: Vec<Hook> = bindings
+            .iter()
+            .filter_map(|b| Hook::from_binding(point, b))
+            .collect();
         hooks.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(hooks)
     }
@@ -256,7 +274,12 @@ impl Harness {
                 None => hooks.len(),
             },
         };
-        let mut out = ChainOutcome { decision: Decision::Continue, payload, annotations: Map::new(), injected: vec![] };
+        let mut out = ChainOutcome {
+            decision: Decision::Continue,
+            payload,
+            annotations: Map::new(),
+            injected: vec![],
+        };
         for hook in hooks.iter().skip(start) {
             if !hook.applies_to(function_id) {
                 continue;
@@ -267,7 +290,11 @@ impl Harness {
                     continue;
                 }
             }
-            let call = self.inner.bus.call(&hook.function_id, out.payload.clone(), Some(hook.timeout + HARD_BOUND_EXTRA));
+            let call = self.inner.bus.call(
+                &hook.function_id,
+                out.payload.clone(),
+                Some(hook.timeout + HARD_BOUND_EXTRA),
+            );
             let answer = match tokio::time::timeout(hook.timeout, call).await {
                 Ok(Ok(v)) => Ok(v),
                 Ok(Err(e)) => Err(e.to_string()),
@@ -281,7 +308,8 @@ impl Harness {
                         continue;
                     }
                     OnError::FailClosed => {
-                        out.decision = Decision::Deny(format!("hook {} failed: {why}", hook.function_id));
+                        out.decision =
+                            Decision::Deny(format!("hook {} failed: {why}", hook.function_id));
                         return Ok(out);
                     }
                 },
@@ -292,7 +320,10 @@ impl Harness {
             if let Some(notes) = answer.get("annotations").and_then(Value::as_object) {
                 out.annotations.extend(notes.clone());
             }
-            let decision = answer.get("decision").and_then(Value::as_str).unwrap_or("continue");
+            let decision = answer
+                .get("decision")
+                .and_then(Value::as_str)
+                .unwrap_or("continue");
             if let Some(m) = answer.get("mutations") {
                 // A holding hook's mutations apply too: the call is parked as it rewrote it.
                 if decision != "deny" {
@@ -301,7 +332,11 @@ impl Harness {
             }
             match decision {
                 "deny" if point.may_deny() => {
-                    let reason = answer.get("reason").and_then(Value::as_str).unwrap_or("denied by hook").to_string();
+                    let reason = answer
+                        .get("reason")
+                        .and_then(Value::as_str)
+                        .unwrap_or("denied by hook")
+                        .to_string();
                     out.decision = Decision::Deny(reason);
                     return Ok(out);
                 }
@@ -317,7 +352,14 @@ impl Harness {
 }
 
 /// The input envelope every hook receives.
-pub(crate) fn envelope(point: HookPoint, session_id: &str, turn_id: &str, step: u64, depth: u32, metadata: Option<&Value>) -> Value {
+pub(crate) fn envelope(
+    point: HookPoint,
+    session_id: &str,
+    turn_id: &str,
+    step: u64,
+    depth: u32,
+    metadata: Option<&Value>,
+) -> Value {
     let mut v = json!({"point": point.name(), "session_id": session_id, "turn_id": turn_id, "step": step, "depth": depth});
     if let Some(m) = metadata {
         v["metadata"] = m.clone();
@@ -334,27 +376,59 @@ mod tests {
         let validate = trigger_types()[0].validate.clone().unwrap();
         assert!(validate(&json!({})).is_ok());
         assert!(validate(&json!({"functions": ["shell::*"], "priority": -5, "timeout_ms": 100, "on_error": "fail_open"})).is_ok());
-        assert!(validate(&json!({"priority": 1, "colour": "red"})).unwrap_err().contains("colour"));
+        assert!(validate(&json!({"priority": 1, "colour": "red"}))
+            .unwrap_err()
+            .contains("colour"));
         assert!(validate(&json!({"on_error": "sometimes"})).is_err());
-        assert!(validate(&json!({"functions": ["[bad"]})).unwrap_err().contains("invalid glob"));
+        assert!(validate(&json!({"functions": ["[bad"]}))
+            .unwrap_err()
+            .contains("invalid glob"));
     }
 
     #[test]
     fn defaults_depend_on_the_point() {
-        let b = |config: Value| Binding { id: "b".into(), trigger_type: String::new(), function_id: "h".into(), config, metadata: json!({}) };
-        assert_eq!(Hook::from_binding(HookPoint::PreTrigger, &b(json!({}))).unwrap().on_error, OnError::FailClosed);
-        assert_eq!(Hook::from_binding(HookPoint::PostTrigger, &b(json!({}))).unwrap().on_error, OnError::FailOpen);
-        let h = Hook::from_binding(HookPoint::PreTrigger, &b(json!({"functions": ["fs::*"]}))).unwrap();
+        let b = |config: Value| Binding {
+            id: "b".into(),
+            trigger_type: String::new(),
+            function_id: "h".into(),
+            config,
+            metadata: json!({}),
+        };
+        assert_eq!(
+            Hook::from_binding(HookPoint::PreTrigger, &b(json!({})))
+                .unwrap()
+                .on_error,
+            OnError::FailClosed
+        );
+        assert_eq!(
+            Hook::from_binding(HookPoint::PostTrigger, &b(json!({})))
+                .unwrap()
+                .on_error,
+            OnError::FailOpen
+        );
+        let h =
+            Hook::from_binding(HookPoint::PreTrigger, &b(json!({"functions": ["fs::*"]}))).unwrap();
         assert!(h.applies_to(Some("fs::write")) && !h.applies_to(Some("net::get")));
     }
 
     #[test]
     fn mutations_thread_through_the_payload() {
         let mut p = json!({"call": {"arguments": {"a": 1}}});
-        apply_mutations(HookPoint::PreTrigger, &mut p, &json!({"arguments": {"a": 2}}));
+        apply_mutations(
+            HookPoint::PreTrigger,
+            &mut p,
+            &json!({"arguments": {"a": 2}}),
+        );
         assert_eq!(p["call"]["arguments"], json!({"a": 2}));
         let mut p = json!({"generate": {"system_prompt": "s", "messages": [1]}});
-        apply_mutations(HookPoint::PreGenerate, &mut p, &json!({"system_prompt": "t", "append_messages": [2]}));
-        assert_eq!(p["generate"], json!({"system_prompt": "t", "messages": [1, 2]}));
+        apply_mutations(
+            HookPoint::PreGenerate,
+            &mut p,
+            &json!({"system_prompt": "t", "append_messages": [2]}),
+        );
+        assert_eq!(
+            p["generate"],
+            json!({"system_prompt": "t", "messages": [1, 2]})
+        );
     }
 }

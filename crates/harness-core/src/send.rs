@@ -62,13 +62,15 @@ pub(crate) fn normalize_message(message: Value) -> Result<AgentMessage> {
             }
             let named = |e: HarnessError| HarnessError::invalid(format!("message.{}", e.message));
             let m = if role_is_user {
-                let mut u: harness_types::message::UserMessage = harness_types::parse::parse_payload(body).map_err(named)?;
+                let mut u: harness_types::message::UserMessage =
+                    harness_types::parse::parse_payload(body).map_err(named)?;
                 if u.timestamp == 0 {
                     u.timestamp = now_ms();
                 }
                 AgentMessage::User(u)
             } else {
-                let mut c: harness_types::message::CustomMessage = harness_types::parse::parse_payload(body).map_err(named)?;
+                let mut c: harness_types::message::CustomMessage =
+                    harness_types::parse::parse_payload(body).map_err(named)?;
                 if c.timestamp == 0 {
                     c.timestamp = now_ms();
                 }
@@ -150,6 +152,34 @@ impl Harness {
             }
         }
         let session_id = req.session_id.clone().unwrap_or_else(ids::new_session_id);
+        let entry_id = match &req.idempotency_key {
+            Some(key) => ids::idempotent_user_entry(key),
+            None => ids::new_entry_id(),
+        };
+        let preview = message_preview(&message.text());
+
+        // Fast path: a running turn takes steering without the session lock, which its step may
+        // hold for as long as a function runs. The message is parked first, then the record is
+        // read again: if the turn ended in between, the locked path below starts a new turn whose
+        // first step drains it.
+        let mut parked = false;
+        if req.session_id.is_some() {
+            if let Some(rec) = self.load_record(&session_id).await? {
+                if rec.status == TurnStatus::Running {
+                    self.park(&session_id, message.clone(), &entry_id).await?;
+                    parked = true;
+                    if let Some(now) = self
+                        .load_record(&session_id)
+                        .await?
+                        .filter(|r| !r.is_terminal())
+                    {
+                        let response = merged(&session_id, now.turn_id, true);
+                        return self.answer_send(&req, response, entry_id).await;
+                    }
+                }
+            }
+        }
+
         let _guard = self.inner.locks.lock(&session_id).await;
         // Re-check under the lock: two sends with one key racing must not both append.
         if let Some(key) = &req.idempotency_key {
@@ -168,91 +198,30 @@ impl Harness {
             None => None,
         };
         let frozen = self.freeze_options(&req, &options, prev.as_ref())?;
+        self.ensure_session(&req, &session_id).await?;
 
-        // The session.
-        match &req.session_id {
-            Some(id) => {
-                let init = req.session.clone().unwrap_or_default();
-                let _: EnsureResponse = self
-                    .call(
-                        "session::ensure",
-                        &EnsureRequest {
-                            session_id: id.clone(),
-                            title: init.title,
-                            metadata: init.metadata,
-                            kind: init.kind,
-                        },
-                    )
-                    .await?;
-            }
-            None => {
-                let init = req.session.clone().unwrap_or_default();
-                let _: CreateResponse = self
-                    .call(
-                        "session::create",
-                        &CreateRequest {
-                            session_id: Some(session_id.clone()),
-                            title: init.title,
-                            metadata: init.metadata,
-                            kind: init.kind,
-                        },
-                    )
-                    .await?;
-            }
-        }
-
-        let entry_id = match &req.idempotency_key {
-            Some(key) => ids::idempotent_user_entry(key),
-            None => ids::new_entry_id(),
-        };
-        let preview = message_preview(&message.text());
         let response = match prev {
             Some(rec) if rec.status == TurnStatus::Running => {
-                // A step may be streaming: park the message for the next step's drain.
-                self.queue_message(&QueuedMessage {
-                    id: ids::new_queue_id(),
-                    session_id: session_id.clone(),
-                    message,
-                    entry_id: entry_id.clone(),
-                    origin: None,
-                    queued_at: now_ms(),
-                })
-                .await?;
-                let _ = self
-                    .inner
-                    .bus
-                    .publish(
-                        crate::topics::MESSAGE_QUEUED,
-                        json!({"session_id": session_id, "entry_id": entry_id, "queued_at": now_ms(), "timestamp": now_ms()}),
-                        None,
-                    )
-                    .await;
-                SendResponse {
-                    session_id: session_id.clone(),
-                    turn_id: rec.turn_id,
-                    accepted: true,
-                    merged: Some(true),
-                    queued: Some(true),
-                    ..SendResponse::default()
+                if !parked {
+                    self.park(&session_id, message, &entry_id).await?;
                 }
+                merged(&session_id, rec.turn_id, true)
             }
             Some(rec) if rec.status == TurnStatus::AwaitingFunctions => {
-                // Parked: nothing is streaming, so the message goes straight in and steers the
-                // next generation.
-                self.append_user(&session_id, message, &entry_id, &rec.turn_id)
-                    .await?;
-                SendResponse {
-                    session_id: session_id.clone(),
-                    turn_id: rec.turn_id,
-                    accepted: true,
-                    merged: Some(true),
-                    ..SendResponse::default()
+                // Parked turn: nothing is streaming, so the message goes straight in and steers
+                // the next generation (or, if it was parked already, the next step drains it).
+                if !parked {
+                    self.append_user(&session_id, message, &entry_id, &rec.turn_id)
+                        .await?;
                 }
+                merged(&session_id, rec.turn_id, parked)
             }
             prev => {
                 let turn_id = ids::new_turn_id();
-                self.append_user(&session_id, message, &entry_id, &turn_id)
-                    .await?;
+                if !parked {
+                    self.append_user(&session_id, message, &entry_id, &turn_id)
+                        .await?;
+                }
                 let depth = prev.as_ref().map_or(0, |p| p.depth);
                 let parent = prev.as_ref().and_then(|p| p.parent.clone());
                 let mut rec = new_record(&session_id, &turn_id, frozen, depth, parent, preview);
@@ -273,6 +242,16 @@ impl Harness {
                 }
             }
         };
+        self.answer_send(&req, response, entry_id).await
+    }
+
+    /// Writes the idempotency row and makes everything durable before the caller hears back.
+    async fn answer_send(
+        &self,
+        req: &SendRequest,
+        response: SendResponse,
+        entry_id: String,
+    ) -> Result<SendResponse> {
         if let Some(key) = &req.idempotency_key {
             let row = IdemRow {
                 session_id: response.session_id.clone(),
@@ -291,6 +270,62 @@ impl Harness {
         // What we answer must survive a crash (and, with fsync on, a power loss).
         self.barrier().await?;
         Ok(response)
+    }
+
+    /// Parks a message in the mid-turn queue for the next step.
+    async fn park(&self, session_id: &str, message: AgentMessage, entry_id: &str) -> Result<()> {
+        self.queue_message(&QueuedMessage {
+            id: ids::new_queue_id(),
+            session_id: session_id.to_string(),
+            message,
+            entry_id: entry_id.to_string(),
+            origin: None,
+            queued_at: now_ms(),
+        })
+        .await?;
+        let _ = self
+            .inner
+            .bus
+            .publish(
+                crate::topics::MESSAGE_QUEUED,
+                json!({"session_id": session_id, "entry_id": entry_id, "queued_at": now_ms(), "timestamp": now_ms()}),
+                None,
+            )
+            .await;
+        Ok(())
+    }
+
+    async fn ensure_session(&self, req: &SendRequest, session_id: &str) -> Result<()> {
+        let init = req.session.clone().unwrap_or_default();
+        match &req.session_id {
+            Some(id) => {
+                let _: EnsureResponse = self
+                    .call(
+                        "session::ensure",
+                        &EnsureRequest {
+                            session_id: id.clone(),
+                            title: init.title,
+                            metadata: init.metadata,
+                            kind: init.kind,
+                        },
+                    )
+                    .await?;
+            }
+            None => {
+                let _: CreateResponse = self
+                    .call(
+                        "session::create",
+                        &CreateRequest {
+                            session_id: Some(session_id.to_string()),
+                            title: init.title,
+                            metadata: init.metadata,
+                            kind: init.kind,
+                        },
+                    )
+                    .await?;
+            }
+        }
+        Ok(())
     }
 
     async fn idem_row(&self, key: &str) -> Result<Option<IdemRow>> {
@@ -401,6 +436,17 @@ impl Harness {
     }
 }
 
+fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {
+    SendResponse {
+        session_id: session_id.to_string(),
+        turn_id,
+        accepted: true,
+        merged: Some(true),
+        queued: queued.then_some(true),
+        ..SendResponse::default()
+    }
+}
+
 pub(crate) fn new_record(
     session_id: &str,
     turn_id: &str,
@@ -463,9 +509,16 @@ mod tests {
             normalize_message(json!({"role": "user", "content": [{"type": "text", "text": 3}]}))
                 .unwrap_err();
         assert_eq!(err.code, ErrorCode::InvalidRequest);
-        assert!(err.message.starts_with("message.content[0]: invalid type"), "{err}");
+        assert!(
+            err.message.starts_with("message.content[0]: invalid type"),
+            "{err}"
+        );
         let err = normalize_message(json!({"role": "user"})).unwrap_err();
-        assert!(err.message.starts_with("message.content: missing field") || err.message.contains("missing field `content`"), "{err}");
+        assert!(
+            err.message.starts_with("message.content: missing field")
+                || err.message.contains("missing field `content`"),
+            "{err}"
+        );
     }
 
     #[test]

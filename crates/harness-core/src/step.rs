@@ -15,10 +15,10 @@ use harness_types::{ids, now_ms, HarnessError};
 use serde_json::json;
 
 use crate::dispatch::{plan_calls, Dispatched};
-use crate::hooks::{self, Decision, HookPoint};
 use crate::failpoint;
 use crate::finalize::Outcome;
 use crate::harness::{Harness, Result};
+use crate::hooks::{self, Decision, HookPoint};
 use crate::locks::SessionGuard;
 use crate::prompt;
 use crate::record::{GeneratedStep, TurnRecord};
@@ -159,11 +159,27 @@ impl Harness {
                 message_preview: rec.message_preview.clone(),
             })
             .await?;
-            let env = hooks::envelope(HookPoint::PreTurn, &sid, &rec.turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
-            if let Decision::Deny(reason) = self.run_hooks(HookPoint::PreTurn, env, None, None).await?.decision {
+            let env = hooks::envelope(
+                HookPoint::PreTurn,
+                &sid,
+                &rec.turn_id,
+                rec.step,
+                rec.depth,
+                rec.options.metadata.as_ref(),
+            );
+            if let Decision::Deny(reason) = self
+                .run_hooks(HookPoint::PreTurn, env, None, None)
+                .await?
+                .decision
+            {
                 self.finalize(
                     &mut rec,
-                    Outcome::failed("harness.pre_turn_denied", "pre_turn", "A hook refused to start this turn.", Some(format!("pre_turn hook denied: {reason}"))),
+                    Outcome::failed(
+                        "harness.pre_turn_denied",
+                        "pre_turn",
+                        "A hook refused to start this turn.",
+                        Some(format!("pre_turn hook denied: {reason}")),
+                    ),
                 )
                 .await?;
                 return Ok(done(&rec));
@@ -291,10 +307,19 @@ impl Harness {
             .await;
         let generation = self.generate(req, &sid, &entry_id, cancel.clone()).await;
         if let Ok(g) = &generation {
-            let mut env = hooks::envelope(HookPoint::PostGenerate, &sid, &rec.turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
+            let mut env = hooks::envelope(
+                HookPoint::PostGenerate,
+                &sid,
+                &rec.turn_id,
+                rec.step,
+                rec.depth,
+                rec.options.metadata.as_ref(),
+            );
             env["generated"] = json!({ "message": g.message });
             // Observe only: what the hooks answer is ignored, and so are their failures.
-            let _ = self.run_hooks(HookPoint::PostGenerate, env, None, None).await;
+            let _ = self
+                .run_hooks(HookPoint::PostGenerate, env, None, None)
+                .await;
         }
         let guard: SessionGuard = self.inner.locks.lock(&sid).await;
         let generation = generation?;
@@ -391,7 +416,8 @@ impl Harness {
                 // Parked: no step is held; a resolve of the last pending call resumes the turn.
                 rec.status = TurnStatus::AwaitingFunctions;
                 self.save_record(&mut rec).await?;
-                self.set_status(&sid, SessionStatus::Working, Some("awaiting functions")).await?;
+                self.set_status(&sid, SessionStatus::Working, Some("awaiting functions"))
+                    .await?;
                 return Ok(done(&rec));
             }
             return self.advance(&mut rec).await.map(|_| done(&rec));
@@ -417,11 +443,25 @@ impl Harness {
         if self.hooks(HookPoint::PreGenerate).await?.is_empty() {
             return Ok(Ok((assembled.system_prompt, assembled.messages)));
         }
-        let expose = rec.options.functions.as_ref().map(|p| p.expose).unwrap_or_default();
-        let mut env = hooks::envelope(HookPoint::PreGenerate, &rec.session_id, &rec.turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
+        let expose = rec
+            .options
+            .functions
+            .as_ref()
+            .map(|p| p.expose)
+            .unwrap_or_default();
+        let mut env = hooks::envelope(
+            HookPoint::PreGenerate,
+            &rec.session_id,
+            &rec.turn_id,
+            rec.step,
+            rec.depth,
+            rec.options.metadata.as_ref(),
+        );
         env["generate"] = json!({"system_prompt": assembled.system_prompt, "messages": assembled.messages,
                                  "model": rec.options.model, "provider": rec.options.provider, "tools": tools, "expose": expose});
-        let chain = self.run_hooks(HookPoint::PreGenerate, env, None, None).await?;
+        let chain = self
+            .run_hooks(HookPoint::PreGenerate, env, None, None)
+            .await?;
         if let Decision::Deny(reason) = chain.decision {
             return Ok(Err(Outcome::failed(
                 "harness.pre_generate_denied",
@@ -438,20 +478,25 @@ impl Harness {
                 None => text,
             });
         }
-        let messages: Vec<AgentMessage> = match serde_json::from_value(generate["messages"].clone()) {
+        let messages: Vec<AgentMessage> = match serde_json::from_value(generate["messages"].clone())
+        {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(session = %rec.session_id, "pre_generate hooks left messages that do not parse, ignoring them: {e}");
                 assembled.messages
             }
         };
-        let tokens = harness_context::count_tokens(&messages, prompt.as_deref(), tools) + FRAMING_TOKENS;
+        let tokens =
+            harness_context::count_tokens(&messages, prompt.as_deref(), tools) + FRAMING_TOKENS;
         if tokens > assembled.usable {
             return Ok(Err(Outcome::failed(
                 "harness.context_overflow",
                 "pre_generate",
                 "The conversation no longer fits the model's context window.",
-                Some(format!("context/overflow: ~{tokens} tokens after pre_generate hooks, {} usable", assembled.usable)),
+                Some(format!(
+                    "context/overflow: ~{tokens} tokens after pre_generate hooks, {} usable",
+                    assembled.usable
+                )),
             )));
         }
         Ok(Ok((prompt, messages)))

@@ -287,3 +287,53 @@ async fn degraded_and_targetless_calls_are_refused_without_running_anything() {
     assert_eq!(results[1].details["error"], "degraded_arguments");
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
+
+#[tokio::test]
+async fn a_send_while_a_function_runs_returns_at_once_and_steers_the_next_step() {
+    let script = json!({"generations": [
+        call_gen("start", "c1", "job::wait", json!({})),
+        {"match": {"last_user_text": "meanwhile"}, "content": [{"type": "text", "text": "noted the follow-up"}]},
+        text_gen("fallback")
+    ]});
+    let rt = runtime(script, config()).await;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    {
+        use harness_bus::Bus;
+        let (gate, started) = (gate.clone(), started.clone());
+        rt.bus.register_function(
+            harness_bus::FunctionDef::new("job::wait", "waits for the test"),
+            std::sync::Arc::new(move |_p: Value, _ctx: harness_bus::CallContext| {
+                let (gate, started) = (gate.clone(), started.clone());
+                async move {
+                    started.notify_one();
+                    gate.notified().await;
+                    Ok(json!({"finished": true}))
+                }
+            }),
+        );
+    }
+    let r = rt
+        .harness
+        .send(allowing("start the job", &["job::*"], ExposeMode::Native))
+        .await
+        .unwrap();
+    started.notified().await;
+    // The step holds the session while the function runs; the send must not wait for it.
+    let mut steer = send("meanwhile, add a note");
+    steer.session_id = Some(r.session_id.clone());
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(20), rt.harness.send(steer))
+        .await
+        .expect("send returned while the function was still running")
+        .unwrap();
+    assert_eq!((answer.merged, answer.queued), (Some(true), Some(true)));
+    gate.notify_one();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.result, Some(json!("noted the follow-up")));
+    let msgs = rt.messages(&r.session_id);
+    let roles: Vec<&str> = msgs.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(
+        roles,
+        vec!["user", "assistant", "function_result", "user", "assistant"]
+    );
+}

@@ -31,9 +31,9 @@ pub(crate) use policy::Policy;
 pub use reconcile::Change;
 
 use crate::config::CallReconciliation;
-use crate::hooks::{self, Decision, HookPoint};
 use crate::failpoint;
 use crate::harness::{Harness, Result};
+use crate::hooks::{self, Decision, HookPoint};
 use crate::record::{CallCheckpoint, CallState, TurnRecord};
 
 /// One call as the model wrote it, unwrapped from `agent_trigger` when needed.
@@ -184,8 +184,26 @@ impl Closing {
 
 impl Harness {
     /// Appends a call's result and marks it done (resolve uses it for settled pending calls).
-    pub(crate) async fn append_result(&self, rec: &mut TurnRecord, call: &PlannedCall, content: Vec<ContentBlock>, details: Value, is_error: bool, origin: Value) -> Result<()> {
-        self.close_call(rec, call, Closing { content, details, is_error, origin }).await
+    pub(crate) async fn append_result(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        content: Vec<ContentBlock>,
+        details: Value,
+        is_error: bool,
+        origin: Value,
+    ) -> Result<()> {
+        self.close_call(
+            rec,
+            call,
+            Closing {
+                content,
+                details,
+                is_error,
+                origin,
+            },
+        )
+        .await
     }
 
     async fn close_call(&self, rec: &mut TurnRecord, call: &PlannedCall, c: Closing) -> Result<()> {
@@ -377,7 +395,13 @@ impl Harness {
                 continue;
             }
             let (arguments, changes) = self.reconcile(call).await;
-            let run = Run { arguments, changes, annotations: Map::new(), breaker_key: key, after: None };
+            let run = Run {
+                arguments,
+                changes,
+                annotations: Map::new(),
+                breaker_key: key,
+                after: None,
+            };
             if self.run_call(rec, call, run, cancel).await? == CallEnd::Cancelled {
                 return Ok(Dispatched::Cancelled);
             }
@@ -389,18 +413,54 @@ impl Harness {
 impl Harness {
     /// From the pre-trigger chain to the appended result: the part of the pipeline a released
     /// call runs too.
-    pub(crate) async fn run_call(&self, rec: &mut TurnRecord, call: &PlannedCall, run: Run, cancel: &CancellationToken) -> Result<CallEnd> {
+    pub(crate) async fn run_call(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        run: Run,
+        cancel: &CancellationToken,
+    ) -> Result<CallEnd> {
         let turn_id = rec.turn_id.clone();
-        let Run { arguments, changes, mut annotations, breaker_key, after } = run;
-        let mut payload = hooks::envelope(HookPoint::PreTrigger, &rec.session_id, &turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
-        payload["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
-        let chain = self.run_hooks(HookPoint::PreTrigger, payload, Some(&call.function_id), after.as_deref()).await?;
+        let Run {
+            arguments,
+            changes,
+            mut annotations,
+            breaker_key,
+            after,
+        } = run;
+        let mut payload = hooks::envelope(
+            HookPoint::PreTrigger,
+            &rec.session_id,
+            &turn_id,
+            rec.step,
+            rec.depth,
+            rec.options.metadata.as_ref(),
+        );
+        payload["call"] =
+            json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+        let chain = self
+            .run_hooks(
+                HookPoint::PreTrigger,
+                payload,
+                Some(&call.function_id),
+                after.as_deref(),
+            )
+            .await?;
         annotations.extend(chain.annotations);
         let arguments = chain.payload["call"]["arguments"].clone();
-        let reconciled = (!changes.is_empty()).then(|| serde_json::to_value(&changes).unwrap_or(Value::Null));
+        let reconciled =
+            (!changes.is_empty()).then(|| serde_json::to_value(&changes).unwrap_or(Value::Null));
         match chain.decision {
             Decision::Deny(reason) => {
-                let mut c = Closing::refusal(call, &turn_id, "hook_denied", format!("function {} was denied by a hook: {reason}", call.function_id));
+                let mut c = Closing::refusal(
+                    call,
+                    &turn_id,
+                    "hook_denied",
+                    format!(
+                        "function {} was denied by a hook: {reason}",
+                        call.function_id
+                    ),
+                );
                 c.details["message"] = json!(reason);
                 c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
                 self.close_call(rec, call, c).await?;
@@ -429,7 +489,8 @@ impl Harness {
         self.save_record(rec).await?;
         self.barrier().await?;
         failpoint::hit("after_call_triggered");
-        let metadata = json!({"function_call_id": call.id, "session_id": rec.session_id, "turn_id": turn_id});
+        let metadata =
+            json!({"function_call_id": call.id, "session_id": rec.session_id, "turn_id": turn_id});
         let invoke = self.inner.bus.call_with_metadata(
             &call.function_id,
             arguments.clone(),
@@ -446,7 +507,12 @@ impl Harness {
                 "function {} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone",
                 call.function_id
             );
-            self.close_call(rec, call, Closing::refusal(call, &turn_id, "cancelled", text)).await?;
+            self.close_call(
+                rec,
+                call,
+                Closing::refusal(call, &turn_id, "cancelled", text),
+            )
+            .await?;
             return Ok(CallEnd::Cancelled);
         };
         let policy = Policy::new(rec.options.functions.as_ref());
@@ -462,16 +528,37 @@ impl Harness {
                 true,
             ),
         };
-        breaker::record(&mut rec.failed_calls, &breaker_key, is_error, &serde_json::to_string(&content).unwrap_or_default());
+        breaker::record(
+            &mut rec.failed_calls,
+            &breaker_key,
+            is_error,
+            &serde_json::to_string(&content).unwrap_or_default(),
+        );
 
         // post-trigger: may rewrite the result, or hold it for a decision.
-        let mut payload = hooks::envelope(HookPoint::PostTrigger, &rec.session_id, &turn_id, rec.step, rec.depth, rec.options.metadata.as_ref());
-        payload["call"] = json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+        let mut payload = hooks::envelope(
+            HookPoint::PostTrigger,
+            &rec.session_id,
+            &turn_id,
+            rec.step,
+            rec.depth,
+            rec.options.metadata.as_ref(),
+        );
+        payload["call"] =
+            json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
         payload["result"] = json!({"function_call_id": call.id, "function_id": call.function_id, "content": content, "is_error": is_error, "details": details});
-        let chain = self.run_hooks(HookPoint::PostTrigger, payload, Some(&call.function_id), None).await?;
+        let chain = self
+            .run_hooks(
+                HookPoint::PostTrigger,
+                payload,
+                Some(&call.function_id),
+                None,
+            )
+            .await?;
         annotations.extend(chain.annotations);
         let result = &chain.payload["result"];
-        let mut content: Vec<ContentBlock> = serde_json::from_value(result["content"].clone()).unwrap_or(content);
+        let mut content: Vec<ContentBlock> =
+            serde_json::from_value(result["content"].clone()).unwrap_or(content);
         let mut details = result["details"].clone();
         let is_error = result["is_error"].as_bool().unwrap_or(is_error);
 
@@ -499,7 +586,8 @@ impl Harness {
             cp.held_by = Some(holder);
             cp.held_point = Some(HookPoint::PostTrigger.name().into());
             cp.held_arguments = Some(arguments);
-            cp.held_result = Some(json!({"content": content, "details": details, "is_error": is_error}));
+            cp.held_result =
+                Some(json!({"content": content, "details": details, "is_error": is_error}));
             cp.pending_at = Some(now_ms());
             cp.reconciled = reconciled;
             cp.annotations = Some(Value::Object(annotations));
@@ -509,13 +597,27 @@ impl Harness {
             return Ok(CallEnd::Held);
         }
         let origin = origin(&turn_id, &annotations, reconciled.as_ref());
-        self.close_call(rec, call, Closing { content, details, is_error, origin }).await?;
+        self.close_call(
+            rec,
+            call,
+            Closing {
+                content,
+                details,
+                is_error,
+                origin,
+            },
+        )
+        .await?;
         Ok(CallEnd::Closed)
     }
 }
 
 /// A result entry's origin: the turn, hook annotations, repairs.
-pub(crate) fn origin(turn_id: &str, annotations: &Map<String, Value>, reconciled: Option<&Value>) -> Value {
+pub(crate) fn origin(
+    turn_id: &str,
+    annotations: &Map<String, Value>,
+    reconciled: Option<&Value>,
+) -> Value {
     let mut o = Map::new();
     o.extend(annotations.clone());
     o.insert("turn_id".into(), json!(turn_id));
