@@ -88,6 +88,9 @@ impl Harness {
         crate::failpoint::hit("after_finalize_persisted");
         self.clear_signal(&rec.turn_id);
         self.after_terminal(rec).await?;
+        // A send that parked its message just before the terminal write saw a running turn and
+        // answered `merged`: drain again so it is never stranded.
+        let drained = drained + self.drain_queue(&rec.session_id, &rec.turn_id).await?;
         // What arrived while the turn was ending gets its own turn (never after a cancel).
         if drained > 0 && rec.status != TurnStatus::Cancelled {
             self.reseed(rec).await?;
