@@ -86,6 +86,26 @@ async fn wait_status(rt: &Rt, session_id: &str, status: TurnStatus) {
     }
 }
 
+/// Releases a held call.
+async fn execute(
+    rt: &Rt,
+    r: &harness_types::api::SendResponse,
+    call_id: &str,
+) -> harness_types::api::ResolveResponse {
+    rt.harness
+        .resolve(ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: call_id.into(),
+            action: Some(ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+        })
+        .await
+        .unwrap()
+}
+
 fn script_one_call() -> Value {
     json!({"generations": [call_gen("write", "c1", "fs::write", json!({"path": "/tmp/a", "text": "hi"})), text_gen("written")]})
 }
@@ -118,19 +138,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
     assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
     assert!(target.lock().unwrap().is_empty(), "nothing runs while held");
 
-    let out = rt
-        .harness
-        .resolve(ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: "c1".into(),
-            action: Some(ResolveAction::Execute),
-            content: None,
-            is_error: None,
-            details: None,
-        })
-        .await
-        .unwrap();
+    let out = execute(&rt, &r, "c1").await;
     assert!(out.resolved && out.turn_resumed);
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
@@ -155,19 +163,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
     );
 
     // A second resolve is a no-op.
-    let again = rt
-        .harness
-        .resolve(ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: "c1".into(),
-            action: Some(ResolveAction::Execute),
-            content: None,
-            is_error: None,
-            details: None,
-        })
-        .await
-        .unwrap();
+    let again = execute(&rt, &r, "c1").await;
     assert!(!again.resolved && !again.turn_resumed);
     assert_eq!(target.lock().unwrap().len(), 1);
 }
@@ -215,19 +211,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
         "HI",
         "the holder saw the mutation"
     );
-    let out = rt
-        .harness
-        .resolve(ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: "c1".into(),
-            action: Some(ResolveAction::Execute),
-            content: None,
-            is_error: None,
-            details: None,
-        })
-        .await
-        .unwrap();
+    let out = execute(&rt, &r, "c1").await;
     assert!(out.resolved);
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(
@@ -293,18 +277,7 @@ async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation(
         rt.messages(&r.session_id).last().unwrap(),
         &("user".to_string(), "also add a footer".to_string())
     );
-    rt.harness
-        .resolve(ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: "c1".into(),
-            action: Some(ResolveAction::Execute),
-            content: None,
-            is_error: None,
-            details: None,
-        })
-        .await
-        .unwrap();
+    execute(&rt, &r, "c1").await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let last_user = seen[1].messages.iter().rev().find_map(|m| match m {

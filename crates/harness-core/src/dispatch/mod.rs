@@ -467,17 +467,16 @@ impl Harness {
                 return Ok(CallEnd::Closed);
             }
             Decision::Hold(holder) => {
-                let mut cp = CallCheckpoint::new(CallState::Pending, &call.function_id);
-                cp.held_by = Some(holder);
-                cp.held_point = Some(HookPoint::PreTrigger.name().into());
-                cp.held_arguments = Some(arguments);
-                cp.pending_at = Some(now_ms());
-                cp.reconciled = reconciled;
-                cp.annotations = Some(Value::Object(annotations));
-                cp.breaker_key = Some(breaker_key);
-                rec.calls.insert(call.id.clone(), cp);
-                self.save_record(rec).await?;
-                return Ok(CallEnd::Held);
+                let hold = Hold {
+                    holder,
+                    point: HookPoint::PreTrigger,
+                    arguments,
+                    result: None,
+                    reconciled,
+                    annotations,
+                    breaker_key,
+                };
+                return self.park_call(rec, call, hold).await;
             }
             Decision::Continue => {}
         }
@@ -582,33 +581,58 @@ impl Harness {
         if let Decision::Hold(holder) = chain.decision {
             // The target ran; the result waits for the holder's decision and is appended on
             // release, never produced by a second run.
-            let mut cp = CallCheckpoint::new(CallState::Pending, &call.function_id);
-            cp.held_by = Some(holder);
-            cp.held_point = Some(HookPoint::PostTrigger.name().into());
-            cp.held_arguments = Some(arguments);
-            cp.held_result =
+            let result =
                 Some(json!({"content": content, "details": details, "is_error": is_error}));
-            cp.pending_at = Some(now_ms());
-            cp.reconciled = reconciled;
-            cp.annotations = Some(Value::Object(annotations));
-            cp.breaker_key = Some(breaker_key);
-            rec.calls.insert(call.id.clone(), cp);
-            self.save_record(rec).await?;
-            return Ok(CallEnd::Held);
+            let hold = Hold {
+                holder,
+                point: HookPoint::PostTrigger,
+                arguments,
+                result,
+                reconciled,
+                annotations,
+                breaker_key,
+            };
+            return self.park_call(rec, call, hold).await;
         }
         let origin = origin(&turn_id, &annotations, reconciled.as_ref());
-        self.close_call(
-            rec,
-            call,
-            Closing {
-                content,
-                details,
-                is_error,
-                origin,
-            },
-        )
-        .await?;
+        self.append_result(rec, call, content, details, is_error, origin)
+            .await?;
         Ok(CallEnd::Closed)
+    }
+}
+
+/// A hook's hold on a call, as checkpointed.
+struct Hold {
+    holder: String,
+    point: HookPoint,
+    arguments: Value,
+    /// Post-trigger holds keep the target's result.
+    result: Option<Value>,
+    reconciled: Option<Value>,
+    annotations: Map<String, Value>,
+    breaker_key: String,
+}
+
+impl Harness {
+    /// Checkpoints a held call `pending`; the turn parks once its other calls are closed.
+    async fn park_call(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        hold: Hold,
+    ) -> Result<CallEnd> {
+        let mut cp = CallCheckpoint::new(CallState::Pending, &call.function_id);
+        cp.held_by = Some(hold.holder);
+        cp.held_point = Some(hold.point.name().into());
+        cp.held_arguments = Some(hold.arguments);
+        cp.held_result = hold.result;
+        cp.pending_at = Some(now_ms());
+        cp.reconciled = hold.reconciled;
+        cp.annotations = Some(Value::Object(hold.annotations));
+        cp.breaker_key = Some(hold.breaker_key);
+        rec.calls.insert(call.id.clone(), cp);
+        self.save_record(rec).await?;
+        Ok(CallEnd::Held)
     }
 }
 
