@@ -17,7 +17,8 @@ fn parse(config: &Value) -> Result<Cron, String> {
         .get("expression")
         .and_then(Value::as_str)
         .ok_or("expression: required (a 6-field cron expression, seconds first)")?;
-    Cron::from_str(expression).map_err(|e| format!("expression: '{expression}' is not a cron expression: {e}"))
+    Cron::from_str(expression)
+        .map_err(|e| format!("expression: '{expression}' is not a cron expression: {e}"))
 }
 
 pub(crate) fn trigger_type() -> TriggerTypeDef {
@@ -43,10 +44,13 @@ pub(crate) fn spawn(bus: &EmbeddedBus, binding: &Binding) -> Option<tokio::task:
     let task = handle.spawn(async move {
         loop {
             let now = Utc::now();
-            let Ok(next) = cron.find_next_occurrence(&now, false) else { return };
+            let Ok(next) = cron.find_next_occurrence(&now, false) else {
+                return;
+            };
             let wait = (next - now).to_std().unwrap_or_default();
             tokio::time::sleep(wait).await;
-            bus.call_void(&function_id, json!({"scheduled_at": next.to_rfc3339()})).await;
+            bus.call_void(&function_id, json!({"scheduled_at": next.to_rfc3339()}))
+                .await;
         }
     });
     Some(task.abort_handle())
@@ -61,8 +65,12 @@ mod tests {
         let v = trigger_type().validate.unwrap();
         assert!(v(&json!({"expression": "0 * * * * *"})).is_ok());
         assert!(v(&json!({"expression": "*/5 * * * * *"})).is_ok());
-        assert!(v(&json!({"expression": "every minute"})).unwrap_err().starts_with("expression:"));
+        assert!(v(&json!({"expression": "every minute"}))
+            .unwrap_err()
+            .starts_with("expression:"));
         assert!(v(&json!({})).is_err());
-        assert!(v(&json!({"expression": "0 * * * * *", "tz": "x"})).unwrap_err().contains("tz"));
+        assert!(v(&json!({"expression": "0 * * * * *", "tz": "x"}))
+            .unwrap_err()
+            .contains("tz"));
     }
 }

@@ -81,7 +81,11 @@ impl EmbeddedBus {
         bus.register_trigger_type(crate::cron::trigger_type());
         let crons: Vec<Binding> = {
             let bindings = bus.inner.bindings.read().expect("bindings lock");
-            bindings.values().filter(|b| b.trigger_type == crate::cron::CRON).cloned().collect()
+            bindings
+                .values()
+                .filter(|b| b.trigger_type == crate::cron::CRON)
+                .cloned()
+                .collect()
         };
         for b in crons {
             bus.binding_added(&b);
@@ -124,13 +128,23 @@ impl EmbeddedBus {
     pub(crate) fn binding_added(&self, b: &Binding) {
         if b.trigger_type == crate::cron::CRON {
             if let Some(handle) = crate::cron::spawn(self, b) {
-                self.inner.schedules.lock().expect("schedules lock").insert(b.id.clone(), handle);
+                self.inner
+                    .schedules
+                    .lock()
+                    .expect("schedules lock")
+                    .insert(b.id.clone(), handle);
             }
         }
     }
 
     pub(crate) fn binding_removed(&self, id: &str) {
-        if let Some(handle) = self.inner.schedules.lock().expect("schedules lock").remove(id) {
+        if let Some(handle) = self
+            .inner
+            .schedules
+            .lock()
+            .expect("schedules lock")
+            .remove(id)
+        {
             handle.abort();
         }
     }

@@ -46,6 +46,8 @@ pub struct HarnessConfig {
     pub default_pending_timeout_ms: u64,
     /// 6-field cron expression of the pending-call sweep.
     pub sweep_expression: String,
+    /// Send the frozen prompt prefix as its own cacheable section (+ digest) on `router::chat`.
+    pub prompt_cache_sections: bool,
 }
 
 impl Default for HarnessConfig {
@@ -64,6 +66,7 @@ impl Default for HarnessConfig {
             call_reconciliation: CallReconciliation::Judge,
             default_pending_timeout_ms: 1_800_000,
             sweep_expression: "0 * * * * *".into(),
+            prompt_cache_sections: true,
         }
     }
 }

@@ -138,15 +138,56 @@ impl Harness {
             let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {
                 continue;
             };
-            if rec.status == harness_types::api::TurnStatus::Running {
-                self.enqueue_step(&rec).await?;
-                redriven += 1;
+            match rec.status {
+                harness_types::api::TurnStatus::Running => {
+                    self.enqueue_step(&rec).await?;
+                    redriven += 1;
+                }
+                harness_types::api::TurnStatus::AwaitingFunctions
+                    if self.recover_parked(&rec.session_id).await? =>
+                {
+                    redriven += 1;
+                }
+                _ => {}
             }
         }
         if redriven > 0 {
             tracing::info!(redriven, "re-enqueued the current step of running turns");
         }
         Ok(())
+    }
+
+    /// A parked turn whose release was cut by a crash: a call left `triggered` (it may have run,
+    /// once) gets the interrupted result, and a turn with nothing pending left runs on. Returns
+    /// whether the turn was resumed.
+    async fn recover_parked(&self, session_id: &str) -> Result<bool> {
+        let _guard = self.inner.locks.lock(session_id).await;
+        let Some(mut rec) = self.load_record(session_id).await? else {
+            return Ok(false);
+        };
+        if rec.status != harness_types::api::TurnStatus::AwaitingFunctions {
+            return Ok(false);
+        }
+        let interrupted: Vec<(String, String)> = rec
+            .calls
+            .iter()
+            .filter(|(_, c)| c.state == crate::record::CallState::Triggered)
+            .map(|(id, c)| (id.clone(), c.function_id.clone().unwrap_or_default()))
+            .collect();
+        for (id, function_id) in interrupted {
+            let call = crate::dispatch::PlannedCall {
+                id,
+                function_id,
+                arguments: serde_json::Value::Null,
+                intent: None,
+            };
+            self.close_interrupted(&mut rec, &call).await?;
+        }
+        if rec.has_pending() {
+            return Ok(false);
+        }
+        self.advance(&mut rec).await?;
+        Ok(true)
     }
 
     // --- typed bus helpers ---------------------------------------------------------------

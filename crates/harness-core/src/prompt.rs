@@ -71,9 +71,44 @@ pub(crate) fn for_step(
     })
 }
 
+/// The cache seam of a step's prompt: when the prompt still starts with the frozen prefix, the
+/// router gets it as two sections (the stable one marked as a cache boundary) plus a digest of
+/// the stable text, so providers with prompt caching reuse it across steps and turns.
+pub(crate) fn cache_sections(
+    frozen: Option<&str>,
+    prompt: Option<&str>,
+) -> Option<serde_json::Value> {
+    use sha2::Digest;
+    let (stable, prompt) = (frozen?, prompt?);
+    let rest = prompt.strip_prefix(stable)?.strip_prefix("\n\n")?;
+    let digest = sha2::Sha256::digest(stable.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    Some(serde_json::json!({
+        "system_sections": [{"text": stable, "cache_boundary": true}, {"text": rest, "cache_boundary": false}],
+        "cache_intent": {"surface_digest": format!("sha256:{hex}")}
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_sections_split_at_the_frozen_prefix() {
+        let s =
+            cache_sections(Some("identity"), Some("identity\n\nYour session id is s.")).unwrap();
+        assert_eq!(
+            s["system_sections"][0],
+            serde_json::json!({"text": "identity", "cache_boundary": true})
+        );
+        assert_eq!(s["system_sections"][1]["text"], "Your session id is s.");
+        assert!(s["cache_intent"]["surface_digest"]
+            .as_str()
+            .unwrap()
+            .starts_with("sha256:"));
+        assert!(cache_sections(Some("identity"), Some("rewritten by a hook")).is_none());
+        assert!(cache_sections(None, Some("x")).is_none());
+    }
 
     #[test]
     fn strategies() {

@@ -34,6 +34,9 @@ pub struct TurnOptions {
     pub metadata: Option<Value>,
     #[serde(default)]
     pub max_transient_resumes: u32,
+    /// `"lowest"`: the least reasoning the model allows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

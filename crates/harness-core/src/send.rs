@@ -402,19 +402,27 @@ impl Harness {
                 o.system_prompt_strategy.unwrap_or_default(),
             )
         };
-        let (thinking_level, provider_options) =
-            if o.thinking_level.is_none() && o.provider_options.is_none() {
-                prev_opts.map_or((None, None), |p| {
-                    (p.thinking_level, p.provider_options.clone())
-                })
-            } else {
+        // Reasoning is sticky as a whole: naming any of its fields resolves it fresh.
+        let (thinking_level, provider_options, reasoning) = if o.thinking_level.is_none()
+            && o.provider_options.is_none()
+            && o.reasoning.is_none()
+        {
+            prev_opts.map_or((None, None, None), |p| {
                 (
-                    o.thinking_level,
-                    o.provider_options
-                        .clone()
-                        .filter(|v| v.as_object().is_none_or(|m| !m.is_empty())),
+                    p.thinking_level,
+                    p.provider_options.clone(),
+                    p.reasoning.clone(),
                 )
-            };
+            })
+        } else {
+            (
+                o.thinking_level,
+                o.provider_options
+                    .clone()
+                    .filter(|v| v.as_object().is_none_or(|m| !m.is_empty())),
+                o.reasoning.clone(),
+            )
+        };
         Ok(TurnOptions {
             model,
             provider,
@@ -432,6 +440,7 @@ impl Harness {
                 .or_else(|| prev_opts.and_then(|p| p.functions.clone())),
             metadata: o.metadata.clone(),
             max_transient_resumes: self.inner.config.max_transient_resumes,
+            reasoning,
         })
     }
 }

@@ -12,7 +12,7 @@ use harness_types::message::{
 use harness_types::router::ChatRequest;
 use harness_types::session::{AppendRequest, Entry, SessionStatus};
 use harness_types::{ids, now_ms, HarnessError};
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::dispatch::{plan_calls, Dispatched};
 use crate::failpoint;
@@ -282,6 +282,19 @@ impl Harness {
         let request_id = ids::request_id(&rec.turn_id, rec.step);
         rec.stream_request_id = Some(request_id.clone());
         self.save_record(&mut rec).await?;
+        let mut extras = serde_json::Map::new();
+        if self.inner.config.prompt_cache_sections {
+            if let Some(Value::Object(sections)) = prompt::cache_sections(
+                rec.options.system_prompt.as_deref(),
+                system_prompt.as_deref(),
+            ) {
+                extras.extend(sections);
+            }
+        }
+        if let Some(r) = &rec.options.reasoning {
+            extras.insert("reasoning".into(), json!(r));
+        }
+        let extras = Value::Object(extras);
         let req = ChatRequest {
             request_id,
             session_id: Some(sid.clone()),
@@ -305,7 +318,9 @@ impl Harness {
                 Some(&format!("waiting for {}", rec.options.model)),
             )
             .await;
-        let generation = self.generate(req, &sid, &entry_id, cancel.clone()).await;
+        let generation = self
+            .generate(req, extras, &sid, &entry_id, cancel.clone())
+            .await;
         if let Ok(g) = &generation {
             let mut env = hooks::envelope(
                 HookPoint::PostGenerate,
@@ -559,7 +574,7 @@ impl Harness {
             tools,
             options: AssembleOptions {
                 request_overhead_tokens: FRAMING_TOKENS,
-                context_window: self.inner.config.default_context_window,
+                context_window: self.context_window(rec).await,
                 max_output_tokens: rec.options.max_output_tokens.unwrap_or(0) as u64,
             },
         };
@@ -580,6 +595,31 @@ impl Harness {
                 .map_err(|e| format!("context::assemble answered an unexpected shape: {e}")),
             Err(e) if e.is_not_found() => harness_context::assemble(req),
             Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// The model's context window from the router's catalog; for models it does not know (or
+    /// only by a catch-all row), the configured default.
+    async fn context_window(&self, rec: &TurnRecord) -> u64 {
+        let req = json!({"provider": rec.options.provider, "id": rec.options.model});
+        match self
+            .inner
+            .bus
+            .call(
+                "router::models::get",
+                req,
+                Some(std::time::Duration::from_millis(
+                    self.inner.config.session_timeout_ms,
+                )),
+            )
+            .await
+        {
+            // A provider's catch-all row is a guess; the configured default is the better one.
+            Ok(entry) if entry["generic"] != true => entry["context_window"]
+                .as_u64()
+                .unwrap_or(self.inner.config.default_context_window),
+            Ok(_) => self.inner.config.default_context_window,
+            Err(_) => self.inner.config.default_context_window,
         }
     }
 

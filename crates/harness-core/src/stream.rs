@@ -135,6 +135,7 @@ impl Harness {
     pub(crate) async fn generate(
         &self,
         req: ChatRequest,
+        extras: Value,
         session_id: &str,
         entry_id: &str,
         cancel: CancellationToken,
@@ -143,8 +144,12 @@ impl Harness {
         let model = req.model.clone();
         let provider = req.provider.clone().unwrap_or_default();
         let request_id = req.request_id.clone();
-        let payload =
+        let mut payload =
             serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        // Fields the router reads beside the request (cache sections, `reasoning`).
+        if let (Value::Object(p), Value::Object(x)) = (&mut payload, extras) {
+            p.extend(x);
+        }
         let mut call = self
             .inner
             .bus

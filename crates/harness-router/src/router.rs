@@ -1,35 +1,77 @@
-//! The router: provider registry, in-flight generations, and the `router::*` functions.
+//! The router: provider registry, the catalog, in-flight generations, and the `router::*`
+//! functions.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
-use harness_types::message::{AssistantMessage, ErrorKind, StopReason};
+use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
 use harness_types::parse::parse_payload;
 use harness_types::router::{
     AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatRequest, Frame,
 };
 use harness_types::{now_ms, HarnessError};
-use schemars::schema_for;
+use schemars::{schema_for, JsonSchema};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-/// A provider failure before or during a stream.
-#[derive(Clone, Debug, thiserror::Error)]
-#[error("{code}: {message}")]
-pub struct ProviderError {
-    /// `router/<code>`.
-    pub code: String,
-    pub kind: ErrorKind,
-    pub message: String,
+use crate::catalog::{Capability, Catalog, LowestReasoning, ModelEntry};
+use crate::error::ProviderError;
+
+/// One section of the system prompt (spec §11 `system_sections`): the stable prefix is marked
+/// `cache_boundary`, so cache-aware providers put their cache marker there.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SystemSection {
+    pub text: String,
+    #[serde(default)]
+    pub cache_boundary: bool,
 }
 
-/// Writes frames to the caller and remembers what was streamed, so a failure can always carry
-/// the partial message.
+/// `cache_intent` of spec §11: a digest naming the stable prompt prefix.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CacheIntent {
+    #[serde(default)]
+    pub surface_digest: Option<String>,
+}
+
+/// `router::chat` request fields that `ChatRequest` does not carry yet (spec §11), read from
+/// the same payload: a caller that sends them gets prompt-cache sections and `reasoning:
+/// "lowest"`; one that does not loses nothing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ChatExtras {
+    #[serde(default)]
+    pub system_sections: Option<Vec<SystemSection>>,
+    #[serde(default)]
+    pub cache_intent: Option<CacheIntent>,
+    /// `"lowest"`: the least reasoning the model allows (from the catalog).
+    #[serde(default)]
+    pub reasoning: Option<String>,
+}
+
+/// What the router knows about a request beyond the request itself, handed to the provider
+/// through its [`FrameWriter`].
+#[derive(Clone, Debug, Default)]
+pub struct ChatContext {
+    /// The catalog row of the requested model on this provider.
+    pub model: Option<ModelEntry>,
+    pub extras: ChatExtras,
+    /// The provider-native reasoning effort chosen by `reasoning: "lowest"`.
+    pub reasoning_effort: Option<String>,
+}
+
+/// Writes frames to the caller and folds them into the partial message, so a failure always
+/// carries what was streamed (text, thinking with its signature, function calls, opaque blocks)
+/// and a success is built from exactly what the caller saw.
 pub struct FrameWriter {
     ctx: CallContext,
     partial: AssistantMessage,
+    /// Arguments text of the function call being streamed.
+    args_text: String,
+    started: bool,
+    output: bool,
+    chat: ChatContext,
 }
 
 impl FrameWriter {
@@ -48,30 +90,141 @@ impl FrameWriter {
                 warnings: None,
                 timestamp: now_ms(),
             },
+            args_text: String::new(),
+            started: false,
+            output: false,
+            chat: ChatContext::default(),
         }
     }
 
-    /// Sends a non-terminal frame and folds it into the partial message.
+    pub fn with_context(mut self, chat: ChatContext) -> Self {
+        self.chat = chat;
+        self
+    }
+
+    /// The request's catalog row, extras and resolved reasoning.
+    pub fn context(&self) -> &ChatContext {
+        &self.chat
+    }
+
+    /// Sends a non-terminal frame and folds it into the partial message. A second `start` (a
+    /// retried request) is dropped; terminal frames go through [`done`](Self::done) or
+    /// [`fail`](Self::fail) only.
     pub fn send(&mut self, frame: Frame) {
-        use harness_types::message::ContentBlock;
-        match &frame {
-            Frame::TextStart => self.partial.content.push(ContentBlock::text("")),
+        let frame = match frame {
+            Frame::Start { .. } if self.started => return,
+            Frame::Start { .. } => {
+                self.started = true;
+                frame
+            }
+            Frame::Done { .. } | Frame::Error { .. } => return,
+            Frame::Usage { mut usage } => {
+                if usage.cost_usd.is_none() {
+                    if let Some(p) = self.chat.model.as_ref().and_then(|m| m.pricing) {
+                        usage.cost_usd = Some(p.cost(&usage));
+                    }
+                }
+                self.partial.usage = Some(usage.clone());
+                Frame::Usage { usage }
+            }
+            other => {
+                self.fold(&other);
+                other
+            }
+        };
+        if let Ok(v) = serde_json::to_value(&frame) {
+            self.ctx.frame(v);
+        }
+    }
+
+    fn fold(&mut self, frame: &Frame) {
+        let content = &mut self.partial.content;
+        match frame {
+            Frame::TextStart => {
+                content.push(ContentBlock::text(""));
+                self.output = true;
+            }
             Frame::TextDelta { delta } => {
-                if let Some(ContentBlock::Text { text }) = self.partial.content.last_mut() {
-                    text.push_str(delta);
-                } else {
-                    self.partial.content.push(ContentBlock::text(delta.clone()));
+                match content.last_mut() {
+                    Some(ContentBlock::Text { text }) => text.push_str(delta),
+                    _ => content.push(ContentBlock::text(delta.clone())),
+                }
+                self.output = true;
+            }
+            Frame::ThinkingStart => {
+                content.push(ContentBlock::Thinking {
+                    text: String::new(),
+                    signature: None,
+                });
+                self.output = true;
+            }
+            Frame::ThinkingDelta { delta } => {
+                match content.last_mut() {
+                    Some(ContentBlock::Thinking { text, .. }) => text.push_str(delta),
+                    _ => content.push(ContentBlock::Thinking {
+                        text: delta.clone(),
+                        signature: None,
+                    }),
+                }
+                self.output = true;
+            }
+            Frame::ThinkingEnd { signature } => {
+                if let Some(ContentBlock::Thinking { signature: s, .. }) = content.last_mut() {
+                    *s = signature.clone();
                 }
             }
-            Frame::Usage { usage } => self.partial.usage = Some(usage.clone()),
+            Frame::FunctionCallStart { id, function_id } => {
+                self.args_text.clear();
+                content.push(ContentBlock::FunctionCall {
+                    id: id.clone(),
+                    function_id: function_id.clone(),
+                    // Incomplete until `functioncall_end`: marked so it can never run.
+                    arguments: json!({"_partial": true}),
+                });
+                self.output = true;
+            }
+            Frame::FunctionCallDelta { delta } => self.args_text.push_str(delta),
+            Frame::FunctionCallEnd => {
+                let parsed = if self.args_text.trim().is_empty() {
+                    json!({})
+                } else {
+                    serde_json::from_str::<Value>(&self.args_text)
+                        .unwrap_or_else(|_| json!({"_raw": self.args_text.clone()}))
+                };
+                if let Some(ContentBlock::FunctionCall { arguments, .. }) = content.last_mut() {
+                    *arguments = parsed;
+                }
+            }
             _ => {}
         }
-        self.emit(&frame);
     }
 
-    fn emit(&self, frame: &Frame) {
-        if let Ok(v) = serde_json::to_value(frame) {
-            self.ctx.frame(v);
+    /// Keeps a block that has no frame (redacted thinking: opaque, replayed verbatim).
+    pub fn record(&mut self, block: ContentBlock) {
+        self.partial.content.push(block);
+    }
+
+    /// Adds a warning to the final message (an option the model could not honour).
+    pub fn warn(&mut self, warning: impl Into<String>) {
+        self.partial
+            .warnings
+            .get_or_insert_with(Vec::new)
+            .push(warning.into());
+    }
+
+    /// True once a content frame (text, thinking, function call) reached the caller: from then
+    /// on a retry would repeat output, so failures go to the loop's recovery instead.
+    pub fn has_output(&self) -> bool {
+        self.output
+    }
+
+    /// Forgets what an attempt that streamed no output left behind (usage, opaque blocks), so a
+    /// retried request starts clean.
+    pub fn restart(&mut self) {
+        if !self.output {
+            self.partial.content.clear();
+            self.partial.usage = None;
+            self.args_text.clear();
         }
     }
 
@@ -79,8 +232,43 @@ impl FrameWriter {
         &self.partial
     }
 
+    fn priced(&self, mut message: AssistantMessage) -> AssistantMessage {
+        if let (Some(u), Some(p)) = (
+            message.usage.as_mut(),
+            self.chat.model.as_ref().and_then(|m| m.pricing),
+        ) {
+            if u.cost_usd.is_none() {
+                u.cost_usd = Some(p.cost(u));
+            }
+        }
+        message
+    }
+
+    /// Ends the stream with `stop` and `done`, the message being everything streamed.
+    pub fn complete(
+        mut self,
+        stop_reason: StopReason,
+        native_stop_reason: Option<String>,
+    ) -> ChatAck {
+        self.send(Frame::Stop {
+            stop_reason,
+            error_message: None,
+        });
+        let mut message = self.partial.clone();
+        message.stop_reason = stop_reason;
+        message.native_stop_reason = native_stop_reason;
+        message.timestamp = now_ms();
+        self.done(message)
+    }
+
+    /// Ends an aborted stream: `done` with `stop_reason: aborted` and what was streamed.
+    pub fn aborted(self) -> ChatAck {
+        self.complete(StopReason::Aborted, None)
+    }
+
     /// Ends the stream with `done`.
     pub fn done(self, message: AssistantMessage) -> ChatAck {
+        let message = self.priced(message);
         let ack = ChatAck {
             ok: true,
             provider: message.provider.clone(),
@@ -89,21 +277,31 @@ impl FrameWriter {
             usage: message.usage.clone(),
             error: None,
         };
-        self.emit(&Frame::Done { message });
+        if let Ok(v) = serde_json::to_value(Frame::Done { message }) {
+            self.ctx.frame(v);
+        }
         ack
     }
 
-    /// Ends the stream with `error`, carrying the partial message.
-    pub fn fail(self, err: &ProviderError) -> ChatAck {
-        let mut partial = self.partial.clone();
+    /// Ends the stream with `error`, carrying the partial message; the frame's `error_message` is
+    /// the raw diagnostic, the ack's `message` the public sentence.
+    pub fn fail(mut self, err: &ProviderError) -> ChatAck {
+        self.send(Frame::Stop {
+            stop_reason: StopReason::Error,
+            error_message: Some(err.message.clone()),
+        });
+        let mut partial = self.priced(self.partial.clone());
         partial.stop_reason = StopReason::Error;
         partial.error_kind = Some(err.kind);
-        partial.error_message = Some(err.message.clone());
-        self.emit(&Frame::Error {
+        partial.error_message = Some(err.diagnostic().to_string());
+        let frame = Frame::Error {
             error: partial.clone(),
             error_kind: err.kind,
-            error_message: err.message.clone(),
-        });
+            error_message: err.diagnostic().to_string(),
+        };
+        if let Ok(v) = serde_json::to_value(&frame) {
+            self.ctx.frame(v);
+        }
         ChatAck {
             ok: false,
             provider: partial.provider,
@@ -115,7 +313,7 @@ impl FrameWriter {
                 message: err.message.clone(),
                 kind: err.kind,
                 retryable: err.kind.retryable(),
-                detail: None,
+                detail: err.detail.clone(),
             }),
         }
     }
@@ -126,26 +324,41 @@ impl FrameWriter {
 pub trait Provider: Send + Sync + 'static {
     fn id(&self) -> &str;
 
-    /// Streams one generation. Must end the writer with `done` or `fail` (the router guarantees
-    /// a terminal frame even if it does not), and stop promptly when `cancel` fires.
+    /// Streams one generation. Must end the writer with `done`/`complete`/`aborted` or `fail`,
+    /// and stop promptly when `cancel` fires.
     async fn chat(&self, req: ChatRequest, out: FrameWriter, cancel: CancellationToken) -> ChatAck;
+
+    /// The model ids the provider's server lists, for providers that can ask (local servers);
+    /// `None` when the catalog is the list.
+    async fn list_models(&self) -> Result<Option<Vec<String>>, ProviderError> {
+        Ok(None)
+    }
+
+    /// What `router::models::list` shows about the provider: kind and endpoint, never
+    /// credentials.
+    fn describe(&self) -> Value {
+        json!({"id": self.id()})
+    }
 }
 
-/// The provider registry plus the generations in flight (for `router::abort`).
+/// The provider registry, the catalog, and the generations in flight (for `router::abort`).
 #[derive(Clone, Default)]
 pub struct Router {
     providers: Arc<Mutex<HashMap<String, Arc<dyn Provider>>>>,
     default_provider: Arc<Mutex<Option<String>>>,
     // std Mutex: held only to insert/remove/look up a token, never across an await.
     in_flight: Arc<Mutex<HashMap<String, CancellationToken>>>,
+    catalog: Arc<RwLock<Arc<Catalog>>>,
 }
 
 impl Router {
+    /// A router with the shipped catalog and no providers.
     pub fn new() -> Self {
         Router::default()
     }
 
-    /// Adds a provider; the first one added is the default for requests naming none.
+    /// Adds a provider (replacing one with the same id); the first one added is the default for
+    /// requests naming none.
     pub fn add_provider(&self, provider: Arc<dyn Provider>) {
         let id = provider.id().to_string();
         let mut default = self.default_provider.lock().expect("router lock");
@@ -156,6 +369,10 @@ impl Router {
             .lock()
             .expect("router lock")
             .insert(id, provider);
+    }
+
+    pub fn provider(&self, id: &str) -> Option<Arc<dyn Provider>> {
+        self.providers.lock().expect("router lock").get(id).cloned()
     }
 
     pub fn provider_ids(&self) -> Vec<String> {
@@ -170,6 +387,16 @@ impl Router {
         ids
     }
 
+    /// Replaces the catalog (an override merged by the caller).
+    pub fn set_catalog(&self, catalog: Catalog) {
+        *self.catalog.write().expect("router lock") = Arc::new(catalog);
+    }
+
+    /// The catalog in use: context windows, output limits, prices, capabilities.
+    pub fn catalog(&self) -> Arc<Catalog> {
+        self.catalog.read().expect("router lock").clone()
+    }
+
     pub fn abort(&self, request_id: &str) -> bool {
         match self.in_flight.lock().expect("router lock").get(request_id) {
             Some(token) => {
@@ -181,29 +408,75 @@ impl Router {
     }
 
     pub async fn chat(&self, req: ChatRequest, ctx: CallContext) -> ChatAck {
+        self.chat_with(req, ChatExtras::default(), ctx).await
+    }
+
+    /// [`chat`](Self::chat) with the spec §11 fields `ChatRequest` does not carry.
+    pub async fn chat_with(
+        &self,
+        mut req: ChatRequest,
+        extras: ChatExtras,
+        ctx: CallContext,
+    ) -> ChatAck {
         let provider_id = req
             .provider
             .clone()
             .or_else(|| self.default_provider.lock().expect("router lock").clone())
             .unwrap_or_default();
-        let provider = self
-            .providers
-            .lock()
-            .expect("router lock")
-            .get(&provider_id)
-            .cloned();
+        let provider = self.provider(&provider_id);
+        let model = self.catalog().get(Some(&provider_id), &req.model);
+        let mut chat = ChatContext {
+            model,
+            extras,
+            reasoning_effort: None,
+        };
         let out = FrameWriter::new(ctx, &req.model, &provider_id);
         let Some(provider) = provider else {
-            let err = ProviderError {
-                code: "router/provider_unavailable".into(),
-                kind: ErrorKind::Permanent,
-                message: format!(
+            let err = ProviderError::new(
+                ErrorKind::Permanent,
+                format!(
                     "provider '{provider_id}' is not configured (available: {})",
                     self.provider_ids().join(", ")
                 ),
-            };
+            )
+            .with_code("provider_unavailable")
+            .with_message("The requested provider is not configured.");
             return out.fail(&err);
         };
+        if let Some(r) = chat.extras.reasoning.clone() {
+            match (r.as_str(), &chat.model) {
+                ("lowest", Some(m)) => {
+                    if req.thinking_level.is_none() {
+                        let LowestReasoning {
+                            thinking_level,
+                            reasoning_effort,
+                        } = m.lowest_reasoning();
+                        req.thinking_level = thinking_level;
+                        chat.reasoning_effort = reasoning_effort;
+                    }
+                }
+                ("lowest", None) => {
+                    let err = ProviderError::new(
+                        ErrorKind::Permanent,
+                        format!(
+                            "reasoning \"lowest\" needs a catalog row for model '{}' on provider '{provider_id}'",
+                            req.model
+                        ),
+                    )
+                    .with_code("unknown_model");
+                    return out.with_context(chat).fail(&err);
+                }
+                (other, _) => {
+                    let err = ProviderError::new(
+                        ErrorKind::Permanent,
+                        format!("reasoning: expected \"lowest\", got \"{other}\""),
+                    )
+                    .with_code("invalid_request");
+                    return out.with_context(chat).fail(&err);
+                }
+            }
+        }
+        let out = out.with_context(chat);
         let token = CancellationToken::new();
         let request_id = req.request_id.clone();
         self.in_flight
@@ -217,17 +490,112 @@ impl Router {
             .remove(&request_id);
         ack
     }
+
+    /// `router::models::list`: configured providers and the catalog rows (of one provider, plus
+    /// what its server lists, when `provider` is given).
+    pub async fn list_models(&self, provider: Option<&str>) -> Result<Value, HarnessError> {
+        let catalog = self.catalog();
+        let mut models: Vec<Value> = catalog
+            .entries(provider)
+            .into_iter()
+            .filter(|m| m.id != "*")
+            .map(|m| serde_json::to_value(m).unwrap_or(Value::Null))
+            .collect();
+        let mut details = Vec::new();
+        for id in self.provider_ids() {
+            if let Some(p) = self.provider(&id) {
+                details.push(p.describe());
+            }
+        }
+        if let Some(pid) = provider {
+            let Some(p) = self.provider(pid) else {
+                return Err(HarnessError::invalid_field(
+                    "provider",
+                    format!(
+                        "'{pid}' is not configured (available: {})",
+                        self.provider_ids().join(", ")
+                    ),
+                ));
+            };
+            match p.list_models().await {
+                Ok(Some(ids)) => {
+                    for id in ids {
+                        let listed = json!(id);
+                        if models.iter().any(|m| m["id"] == listed) {
+                            continue;
+                        }
+                        if let Some(entry) = catalog.get(Some(pid), &id) {
+                            models.push(serde_json::to_value(entry).unwrap_or(Value::Null));
+                        } else {
+                            models.push(json!({"provider": pid, "id": id}));
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(HarnessError::dependency(format!(
+                        "{pid}: cannot list models: {}",
+                        e.diagnostic()
+                    )))
+                }
+            }
+        }
+        Ok(json!({"providers": self.provider_ids(), "provider_details": details, "models": models}))
+    }
 }
 
-/// Registers `router::chat`, `router::abort` and `router::models::list` on `bus`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ListRequest {
+    #[serde(default)]
+    provider: Option<String>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct GetRequest {
+    #[serde(default)]
+    provider: Option<String>,
+    id: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct SupportsRequest {
+    provider: String,
+    id: String,
+    capability: String,
+}
+
+fn to_value<T: Serialize>(v: &T) -> Result<Value, BusError> {
+    serde_json::to_value(v).map_err(|e| BusError::internal(e.to_string()))
+}
+
+fn schema<T: JsonSchema>() -> Value {
+    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
+}
+
+/// Registers `router::chat`, `router::abort`, `router::models::list`, `router::models::get` and
+/// `router::models::supports` on `bus`.
 pub fn register(bus: &dyn Bus, router: &Router) {
     let r = router.clone();
     let chat = move |payload: Value, ctx: CallContext| {
         let r = r.clone();
         async move {
+            let extras: ChatExtras = match &payload {
+                Value::Object(map) => {
+                    let pick = |k: &str| map.get(k).cloned().unwrap_or(Value::Null);
+                    parse_payload(json!({
+                        "system_sections": pick("system_sections"),
+                        "cache_intent": pick("cache_intent"),
+                        "reasoning": pick("reasoning"),
+                    }))?
+                }
+                _ => ChatExtras::default(),
+            };
             let req: ChatRequest = parse_payload(payload)?;
-            let ack = r.chat(req, ctx).await;
-            serde_json::to_value(ack).map_err(|e| BusError::internal(e.to_string()))
+            let ack = r.chat_with(req, extras, ctx).await;
+            to_value(&ack)
         }
     };
     bus.register_function(
@@ -235,10 +603,7 @@ pub fn register(bus: &dyn Bus, router: &Router) {
             "router::chat",
             "Stream one generation as frames; answers with the ack when the stream ended.",
         )
-        .schemas(
-            serde_json::to_value(schema_for!(ChatRequest)).unwrap_or(Value::Null),
-            serde_json::to_value(schema_for!(ChatAck)).unwrap_or(Value::Null),
-        ),
+        .schemas(schema::<ChatRequest>(), schema::<ChatAck>()),
         Arc::new(chat) as Arc<dyn Handler>,
     );
     let r = router.clone();
@@ -247,30 +612,84 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         async move {
             let req: AbortRequest = parse_payload(payload)?;
             let aborted = r.abort(&req.request_id);
-            serde_json::to_value(AbortResponse { aborted })
-                .map_err(|e| BusError::internal(e.to_string()))
+            to_value(&AbortResponse { aborted })
         }
     };
     bus.register_function(
         FunctionDef::new(
             "router::abort",
             "Cancel the generation with this request_id.",
-        ),
+        )
+        .schemas(schema::<AbortRequest>(), schema::<AbortResponse>()),
         Arc::new(abort) as Arc<dyn Handler>,
     );
     let r = router.clone();
-    let list = move |_payload: Value, _ctx: CallContext| {
+    let list = move |payload: Value, _ctx: CallContext| {
         let r = r.clone();
-        async move { Ok::<_, BusError>(json!({"providers": r.provider_ids()})) }
+        async move {
+            let payload = if payload.is_null() {
+                json!({})
+            } else {
+                payload
+            };
+            let req: ListRequest = parse_payload(payload)?;
+            Ok::<_, BusError>(r.list_models(req.provider.as_deref()).await?)
+        }
     };
     bus.register_function(
-        FunctionDef::new("router::models::list", "Configured providers."),
+        FunctionDef::new(
+            "router::models::list",
+            "Configured providers and catalog models (with `provider`: that provider's, plus what its server lists).",
+        )
+        .schemas(schema::<ListRequest>(), json!({"type": "object"})),
         Arc::new(list) as Arc<dyn Handler>,
     );
-}
-
-impl From<ProviderError> for HarnessError {
-    fn from(e: ProviderError) -> Self {
-        HarnessError::dependency(e.to_string())
-    }
+    let r = router.clone();
+    let get = move |payload: Value, _ctx: CallContext| {
+        let r = r.clone();
+        async move {
+            let req: GetRequest = parse_payload(payload)?;
+            let entry = r.catalog().get(req.provider.as_deref(), &req.id);
+            to_value(&entry)
+        }
+    };
+    bus.register_function(
+        FunctionDef::new(
+            "router::models::get",
+            "The catalog row of a model (context window, max output, capabilities, prices per million tokens), or null.",
+        )
+        .schemas(schema::<GetRequest>(), schema::<Option<ModelEntry>>()),
+        Arc::new(get) as Arc<dyn Handler>,
+    );
+    let r = router.clone();
+    let supports = move |payload: Value, _ctx: CallContext| {
+        let r = r.clone();
+        async move {
+            let req: SupportsRequest = parse_payload(payload)?;
+            let Some(cap) = Capability::parse(&req.capability) else {
+                return Err(HarnessError::invalid_field(
+                    "capability",
+                    format!(
+                        "unknown capability '{}' (known: {})",
+                        req.capability,
+                        Capability::NAMES
+                    ),
+                )
+                .into());
+            };
+            let supported = r.catalog().supports(Some(&req.provider), &req.id, cap);
+            Ok(json!({"supported": supported}))
+        }
+    };
+    bus.register_function(
+        FunctionDef::new(
+            "router::models::supports",
+            "Whether a model has a capability: tools, vision, thinking, structured_output.",
+        )
+        .schemas(
+            schema::<SupportsRequest>(),
+            json!({"type": "object", "properties": {"supported": {"type": "boolean"}}}),
+        ),
+        Arc::new(supports) as Arc<dyn Handler>,
+    );
 }

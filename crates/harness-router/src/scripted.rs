@@ -28,7 +28,8 @@ use serde_json::json;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::router::{FrameWriter, Provider, ProviderError};
+use crate::error::ProviderError;
+use crate::router::{FrameWriter, Provider};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -232,6 +233,8 @@ impl ScriptedProvider {
             code: "router/state".into(),
             kind: ErrorKind::Transient,
             message: format!("scripted provider could not read its assignments: {e}"),
+            detail: None,
+            retry_after: None,
         };
         let mut a = self.assignments.lock().await;
         if !a.loaded {
@@ -301,6 +304,8 @@ impl Provider for ScriptedProvider {
                         "the script has no unused generation matching the last user message (request {})",
                         req.request_id
                     ),
+                    detail: None,
+                    retry_after: None,
                 })
             }
             Err(e) => return out.fail(&e),
@@ -344,6 +349,8 @@ impl Provider for ScriptedProvider {
                 code: format!("router/{}", err.kind.as_str()),
                 kind: err.kind,
                 message: err.message.clone(),
+                detail: None,
+                retry_after: None,
             });
         }
         for block in &g.content {

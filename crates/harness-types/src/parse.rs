@@ -21,7 +21,9 @@ pub fn parse_payload<T: DeserializeOwned>(payload: Value) -> Result<T, HarnessEr
             Value::Array(_) => "an array",
             Value::Object(_) => "an object",
         };
-        return Err(HarnessError::invalid(format!("payload: must be a JSON object (got {kind})")));
+        return Err(HarnessError::invalid(format!(
+            "payload: must be a JSON object (got {kind})"
+        )));
     }
     let payload = strip_engine_fields(payload);
     serde_path_to_error::deserialize::<_, T>(payload).map_err(|err| {
@@ -33,7 +35,20 @@ pub fn parse_payload<T: DeserializeOwned>(payload: Value) -> Result<T, HarnessEr
             .next()
             .unwrap_or(inner.as_str())
             .to_string();
-        if path == "." || path.is_empty() {
+        let root = path == "." || path.is_empty();
+        // A missing field is reported on its parent; name the field itself.
+        if let Some(name) = inner
+            .strip_prefix("missing field `")
+            .and_then(|r| r.split('`').next())
+        {
+            let field = if root {
+                name.to_string()
+            } else {
+                format!("{path}.{name}")
+            };
+            return HarnessError::invalid(format!("{field}: missing field `{name}`"));
+        }
+        if root {
             HarnessError::invalid(format!("payload: {inner}"))
         } else {
             HarnessError::invalid(format!("{path}: {inner}"))
@@ -85,7 +100,9 @@ mod tests {
     #[test]
     fn missing_fields_are_named() {
         let err = parse_payload::<Outer>(json!({})).unwrap_err();
-        assert!(err.to_string().contains("missing field `name`"), "{err}");
+        assert_eq!(err.message, "name: missing field `name`");
+        let err = parse_payload::<Outer>(json!({"name": "x", "inner": {}})).unwrap_err();
+        assert_eq!(err.message, "inner.n: missing field `n`");
     }
 
     #[test]

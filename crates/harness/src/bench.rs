@@ -1,6 +1,68 @@
-//! `harness bench` (being written).
+//! `harness bench`: measures the embedded loop in-process, with the scripted provider at zero
+//! latency, and prints a table (or, with `--json`, one JSON object on stdout; progress goes to
+//! stderr).
+//!
+//! Every phase opens a fresh runtime in its own temporary directory (under `--dir`, default the
+//! system temp dir; fsync numbers are only meaningful on a real disk) through
+//! [`Runtime::open_layered`], which wraps the bus in a [`ProbeBus`]: a pass-through that
+//!
+//! * times every `harness::turn` delivery (one step) from handler start to handler end;
+//! * inside a step, adds up the time spent awaiting the store: `session::*` and `state::*` calls,
+//!   `state_*`, `enqueue`, `publish` and `barrier` (found through a task-local set by the step's
+//!   handler, so concurrent sends are never charged to a step);
+//! * stamps when a step's `enqueue` returned, so the next delivery of that `(turn, step)` can
+//!   compute its handoff latency;
+//! * wakes the bench when a `harness::turn-completed` event has been committed.
+//!
+//! Methods, per metric:
+//!
+//! * **Loop overhead per step** (`overhead_us_*`): concurrency 1, fsync off, one text turn (one
+//!   step) at a time; per step, handler wall time minus the time spent awaiting the store as
+//!   above. What remains is the loop's own work: JSON (de)serialisation, context assembly, the
+//!   router and scripted provider (which answer instantly), stream accumulation, locking, task
+//!   hops. The store's part (its own serialisation included) is reported next to it
+//!   (`store_us_p50`, `store_ops_per_step`), as is the whole step (`step_us_*`). The durable
+//!   write itself (the ack's fsync) happens after the handler returns and is never in either.
+//! * **Handoff** (`handoff_us_*`): turns whose script always calls a function the deny-by-default
+//!   policy refuses, capped with `max_turns`, so each turn is 9 steps; per step ≥ 1, from the
+//!   moment the previous step's `enqueue` of it returned to the moment its handler starts. That
+//!   includes the previous step's return, its queue ack (a commit and, with fsync on, the fsync
+//!   the queue waits for before it releases the session's next message) and two task spawns.
+//!   Measured with fsync on (`handoff_us_*`, the default durability) and off
+//!   (`handoff_nofsync_us_*`); `send_handoff_us_p50` is send's enqueue → step 0.
+//! * **Durable steps/s** (`steps_per_sec`): C sessions each running text turns back to back (send,
+//!   wait for `turn-completed`, send again; a new session every 20 turns so transcripts stay
+//!   short) for a fixed time after a short warm-up; steps/s = completed one-step turns / elapsed.
+//!   The send (which persists the message and fsyncs before it answers) is part of every step.
+//! * **fsyncs per text step** (`fsyncs_per_text_step`): concurrency 1, fsync on; per turn, the
+//!   store's fsync counter between `send` returning and the queue being idle again (the step and
+//!   its ack); the send's own fsyncs are `fsyncs_per_send`. `fsyncs_per_step` gives fsyncs /
+//!   steps of each fsync-on throughput cell, sends included (group commit shares them).
+//! * **RAM per idle session** (`idle_session_bytes`): fsync off; N sessions with one completed
+//!   turn each (64 at a time); resident set (`VmRSS`, after `malloc_trim`) after minus before,
+//!   divided by N. It includes SQLite's page caches growing with the database;
+//!   `idle_session_marginal_bytes` is the slope over the second half only.
 
-use anyhow::Result;
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use async_trait::async_trait;
+use harness_bus::{
+    Binding, Bus, BusError, CallContext, FunctionDef, Handler, HandlerFuture, QueueDef,
+    StreamingCall, TriggerTypeDef,
+};
+use harness_core::{topics, Harness, HarnessConfig, TURN_QUEUE};
+use harness_store::Durability;
+use harness_types::api::{SendOptions, SendRequest};
+use serde_json::{json, Map, Value};
+use tokio::sync::oneshot;
+
+use crate::runtime::{Runtime, RuntimeOptions};
 
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {
@@ -10,8 +72,1406 @@ pub struct BenchArgs {
     /// A shorter run (under 30 s).
     #[arg(long)]
     pub quick: bool,
+    /// Measure a harness on an iii engine instead of in-process (not built yet).
+    #[arg(long, value_name = "URL")]
+    pub iii: Option<String>,
+    /// Where the temporary stores go (default: the system temp dir). Use a real disk: fsync on
+    /// tmpfs costs nothing.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Sessions for the idle-RAM measurement (default 10000; 2000 with --quick).
+    #[arg(long)]
+    pub idle_sessions: Option<usize>,
+    /// Measured seconds per throughput cell (default 5; 1.2 with --quick).
+    #[arg(long)]
+    pub cell_secs: Option<f64>,
 }
 
-pub async fn run(_args: BenchArgs) -> Result<()> {
-    anyhow::bail!("harness bench is not built yet")
+/// The step function the queue delivers.
+const STEP_FN: &str = "harness::turn";
+/// Longest a bench turn may take before the bench gives up.
+const TURN_TIMEOUT: Duration = Duration::from_secs(60);
+/// Throughput workers start a new session after this many turns (keeps transcripts short).
+const TURNS_PER_SESSION: u32 = 20;
+/// `max_turns` of a handoff turn: 8 generations + the step that ends the turn = 9 steps.
+const HANDOFF_MAX_TURNS: u32 = 8;
+/// Sends in flight while filling the idle sessions.
+const IDLE_FILL_CONCURRENCY: usize = 64;
+const CONCURRENCIES: [usize; 3] = [1, 10, 200];
+
+const TEXT_SCRIPT: &str =
+    r#"{"generations": [{"repeat": true, "content": [{"type": "text", "text": "ok"}]}]}"#;
+/// Always a call the deny-by-default policy refuses: the turn advances until `max_turns`.
+const CALL_SCRIPT: &str = r#"{"generations": [{"repeat": true, "content": [{"type": "function_call", "id": "c1", "function_id": "bench::noop", "arguments": {}}]}]}"#;
+
+/// Phase sizes.
+struct Plan {
+    idle_sessions: usize,
+    idle_cap: Duration,
+    overhead_steps: usize,
+    overhead_cap: Duration,
+    store_writes: usize,
+    handoff_turns: usize,
+    handoff_cap: Duration,
+    fsync_turns: usize,
+    fsync_cap: Duration,
+    cell_warmup: Duration,
+    cell: Duration,
+}
+
+impl Plan {
+    fn new(args: &BenchArgs) -> Plan {
+        let mut p = if args.quick {
+            Plan {
+                idle_sessions: 2_000,
+                idle_cap: Duration::from_secs(6),
+                overhead_steps: 300,
+                overhead_cap: Duration::from_secs(3),
+                store_writes: 300,
+                handoff_turns: 30,
+                handoff_cap: Duration::from_secs(2),
+                fsync_turns: 60,
+                fsync_cap: Duration::from_secs(2),
+                cell_warmup: Duration::from_millis(200),
+                cell: Duration::from_millis(1200),
+            }
+        } else {
+            Plan {
+                idle_sessions: 10_000,
+                idle_cap: Duration::from_secs(60),
+                overhead_steps: 3_000,
+                overhead_cap: Duration::from_secs(20),
+                store_writes: 2_000,
+                handoff_turns: 200,
+                handoff_cap: Duration::from_secs(10),
+                fsync_turns: 500,
+                fsync_cap: Duration::from_secs(10),
+                cell_warmup: Duration::from_millis(500),
+                cell: Duration::from_secs(5),
+            }
+        };
+        if let Some(n) = args.idle_sessions {
+            p.idle_sessions = n.max(2);
+        }
+        if let Some(s) = args.cell_secs {
+            p.cell = Duration::from_secs_f64(s.max(0.1));
+        }
+        p
+    }
+}
+
+// --- the probe ---------------------------------------------------------------------------------
+
+tokio::task_local! {
+    /// Set while a step handler runs: where its store time is added up.
+    static STEP: Arc<StepAcc>;
+}
+
+#[derive(Default)]
+struct StepAcc {
+    store_ns: AtomicU64,
+    store_ops: AtomicU64,
+    /// Per operation: (count, ns), store operations and timed loop calls alike.
+    by_op: Mutex<HashMap<String, (u64, u64)>>,
+}
+
+impl StepAcc {
+    fn add(&self, op: &str, store: bool, ns: u64) {
+        if store {
+            self.store_ns.fetch_add(ns, Ordering::Relaxed);
+            self.store_ops.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut by_op = lock(&self.by_op);
+        let e = by_op.entry(op.to_string()).or_default();
+        e.0 += 1;
+        e.1 += ns;
+    }
+}
+
+struct StepSample {
+    wall_ns: u64,
+    store_ns: u64,
+    store_ops: u64,
+    by_op: HashMap<String, (u64, u64)>,
+}
+
+/// How a turn ended, as its `turn-completed` event said.
+type Ended = std::result::Result<(), String>;
+
+enum Slot {
+    Ended(Ended),
+    Waiting(oneshot::Sender<Ended>),
+}
+
+#[derive(Default)]
+struct Probe {
+    /// Record per-step samples (otherwise steps are only counted).
+    sample_steps: AtomicBool,
+    /// Stamp enqueues and compute handoffs.
+    track_handoff: AtomicBool,
+    steps: Mutex<Vec<StepSample>>,
+    /// `turn_id:step` → when its enqueue returned.
+    enqueued: Mutex<HashMap<String, Instant>>,
+    /// Handoff samples (ns): into step 0 (from send) and into later steps.
+    handoff_send_ns: Mutex<Vec<u64>>,
+    handoff_step_ns: Mutex<Vec<u64>>,
+    completions: Mutex<HashMap<String, Slot>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn step_key(payload: &Value) -> Option<(String, u64)> {
+    let turn = payload.get("turn_id")?.as_str()?;
+    let step = payload.get("step")?.as_u64()?;
+    Some((format!("{turn}:{step}"), step))
+}
+
+impl Probe {
+    fn completed(&self, payload: &Value) {
+        let Some(turn_id) = payload.get("turn_id").and_then(Value::as_str) else {
+            return;
+        };
+        let ended = match payload.get("status").and_then(Value::as_str) {
+            Some("completed") => Ok(()),
+            other => Err(format!(
+                "turn {turn_id} ended {}: {}",
+                other.unwrap_or("?"),
+                payload
+                    .get("result_error")
+                    .and_then(Value::as_str)
+                    .unwrap_or("(no error text)")
+            )),
+        };
+        let mut map = lock(&self.completions);
+        match map.remove(turn_id) {
+            Some(Slot::Waiting(tx)) => {
+                let _ = tx.send(ended);
+            }
+            _ => {
+                map.insert(turn_id.to_string(), Slot::Ended(ended));
+            }
+        }
+    }
+
+    async fn wait(&self, turn_id: &str) -> Result<()> {
+        let rx = {
+            let mut map = lock(&self.completions);
+            match map.remove(turn_id) {
+                Some(Slot::Ended(ended)) => return ended.map_err(|e| anyhow!(e)),
+                _ => {
+                    let (tx, rx) = oneshot::channel();
+                    map.insert(turn_id.to_string(), Slot::Waiting(tx));
+                    rx
+                }
+            }
+        };
+        match tokio::time::timeout(TURN_TIMEOUT, rx).await {
+            Ok(Ok(ended)) => ended.map_err(|e| anyhow!(e)),
+            Ok(Err(_)) => bail!("turn {turn_id}: completion waiter dropped"),
+            Err(_) => bail!(
+                "turn {turn_id} did not complete within {} s",
+                TURN_TIMEOUT.as_secs()
+            ),
+        }
+    }
+
+    fn enqueued(&self, payload: &Value) {
+        if !self.track_handoff.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some((key, _)) = step_key(payload) {
+            lock(&self.enqueued).insert(key, Instant::now());
+        }
+    }
+
+    fn step_started(&self, payload: &Value, at: Instant) {
+        if !self.track_handoff.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some((key, step)) = step_key(payload) else {
+            return;
+        };
+        let Some(from) = lock(&self.enqueued).remove(&key) else {
+            return;
+        };
+        let ns = at.saturating_duration_since(from).as_nanos() as u64;
+        if step == 0 {
+            lock(&self.handoff_send_ns).push(ns);
+        } else {
+            lock(&self.handoff_step_ns).push(ns);
+        }
+    }
+
+    fn step_finished(&self, sample: StepSample, skipped: bool) {
+        if skipped {
+            return;
+        }
+        if self.sample_steps.load(Ordering::Relaxed) {
+            lock(&self.steps).push(sample);
+        }
+    }
+}
+
+/// Awaits an operation; inside a step, records its time (as store time when `store`).
+async fn timed<T>(op: &str, store: bool, fut: impl Future<Output = T>) -> T {
+    let t = Instant::now();
+    let out = fut.await;
+    let _ = STEP.try_with(|acc| acc.add(op, store, t.elapsed().as_nanos() as u64));
+    out
+}
+
+/// Awaits a store operation; inside a step, charges its time to the step's store time.
+async fn store_op<T>(op: &str, fut: impl Future<Output = T>) -> T {
+    timed(op, true, fut).await
+}
+
+fn is_store_function(function_id: &str) -> bool {
+    function_id.starts_with("session::") || function_id.starts_with("state::")
+}
+
+/// The operations [`ProbeBus`] charges as store time (by the name it records them under).
+fn is_store_op(op: &str) -> bool {
+    is_store_function(op)
+        || matches!(
+            op,
+            "enqueue" | "publish" | "barrier" | "state_get" | "state_set" | "state_delete"
+        )
+        || op.starts_with("state_list")
+}
+
+/// A scope with the session id in it (`harness_queue:s_<hex>`) named generically, so the
+/// breakdown groups one operation instead of listing every session.
+fn generic_scope(scope: &str) -> String {
+    match scope.rfind("s_") {
+        Some(i)
+            if scope[i + 2..].len() >= 8
+                && scope[i + 2..].bytes().all(|b| b.is_ascii_alphanumeric()) =>
+        {
+            format!("{}<session>", &scope[..i])
+        }
+        _ => scope.to_string(),
+    }
+}
+
+fn breakdown_json(rows: &[(String, f64, f64)]) -> Value {
+    rows.iter()
+        .map(|(op, n, us)| {
+            (
+                op.clone(),
+                json!({"per_step": round1(*n), "us_per_step": round1(*us)}),
+            )
+        })
+        .collect::<Map<String, Value>>()
+        .into()
+}
+
+/// Wraps the step handler: timing, store-time accounting, handoff stamps.
+struct StepHandler {
+    inner: Arc<dyn Handler>,
+    probe: Arc<Probe>,
+}
+
+impl Handler for StepHandler {
+    fn call(&self, payload: Value, ctx: CallContext) -> HandlerFuture {
+        let inner = self.inner.clone();
+        let probe = self.probe.clone();
+        Box::pin(async move {
+            let start = Instant::now();
+            probe.step_started(&payload, start);
+            let acc = Arc::new(StepAcc::default());
+            let out = STEP.scope(acc.clone(), inner.call(payload, ctx)).await;
+            let wall_ns = start.elapsed().as_nanos() as u64;
+            let skipped = match &out {
+                Ok(v) => v.get("skipped").and_then(Value::as_bool).unwrap_or(false),
+                Err(_) => true,
+            };
+            let sample = StepSample {
+                wall_ns,
+                store_ns: acc.store_ns.load(Ordering::Relaxed),
+                store_ops: acc.store_ops.load(Ordering::Relaxed),
+                by_op: std::mem::take(&mut *lock(&acc.by_op)),
+            };
+            probe.step_finished(sample, skipped);
+            out
+        })
+    }
+}
+
+/// A pass-through bus that measures (see the module docs).
+struct ProbeBus {
+    inner: Arc<dyn Bus>,
+    probe: Arc<Probe>,
+}
+
+#[async_trait]
+impl Bus for ProbeBus {
+    async fn call(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+    ) -> Result<Value, BusError> {
+        let store = is_store_function(function_id);
+        timed(
+            function_id,
+            store,
+            self.inner.call(function_id, payload, timeout),
+        )
+        .await
+    }
+
+    async fn call_streaming(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+    ) -> Result<StreamingCall, BusError> {
+        let t = Instant::now();
+        let mut call = self
+            .inner
+            .call_streaming(function_id, payload, timeout)
+            .await?;
+        // Time until the answer (the frames are consumed meanwhile, by the same step).
+        if let Ok(acc) = STEP.try_with(Arc::clone) {
+            let result = call.result;
+            let op = function_id.to_string();
+            call.result = Box::pin(async move {
+                let out = result.await;
+                acc.add(&op, false, t.elapsed().as_nanos() as u64);
+                out
+            });
+        }
+        Ok(call)
+    }
+
+    async fn call_void(&self, function_id: &str, payload: Value) {
+        self.inner.call_void(function_id, payload).await
+    }
+
+    fn register_function(&self, def: FunctionDef, handler: Arc<dyn Handler>) {
+        let handler: Arc<dyn Handler> = if def.function_id == STEP_FN {
+            Arc::new(StepHandler {
+                inner: handler,
+                probe: self.probe.clone(),
+            })
+        } else {
+            handler
+        };
+        self.inner.register_function(def, handler)
+    }
+
+    fn register_trigger_type(&self, def: TriggerTypeDef) {
+        self.inner.register_trigger_type(def)
+    }
+
+    async fn bindings(&self, trigger_type: &str) -> Result<Vec<Binding>, BusError> {
+        self.inner.bindings(trigger_type).await
+    }
+
+    async fn define_queue(&self, def: QueueDef) -> Result<(), BusError> {
+        self.inner.define_queue(def).await
+    }
+
+    async fn enqueue(
+        &self,
+        queue: &str,
+        function_id: &str,
+        payload: Value,
+    ) -> Result<(), BusError> {
+        let stamp = (queue == TURN_QUEUE).then(|| payload.clone());
+        store_op("enqueue", self.inner.enqueue(queue, function_id, payload)).await?;
+        if let Some(p) = stamp {
+            self.probe.enqueued(&p);
+        }
+        Ok(())
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        payload: Value,
+        dedupe_key: Option<String>,
+    ) -> Result<(), BusError> {
+        let completed = (topic == topics::TURN_COMPLETED).then(|| payload.clone());
+        store_op("publish", self.inner.publish(topic, payload, dedupe_key)).await?;
+        if let Some(p) = completed {
+            self.probe.completed(&p);
+        }
+        Ok(())
+    }
+
+    async fn barrier(&self) -> Result<(), BusError> {
+        store_op("barrier", self.inner.barrier()).await
+    }
+
+    async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>, BusError> {
+        store_op("state_get", self.inner.state_get(scope, key)).await
+    }
+
+    async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
+        store_op("state_set", self.inner.state_set(scope, key, value)).await
+    }
+
+    async fn state_delete(&self, scope: &str, key: &str) -> Result<(), BusError> {
+        store_op("state_delete", self.inner.state_delete(scope, key)).await
+    }
+
+    async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>, BusError> {
+        store_op(
+            &format!("state_list {}", generic_scope(scope)),
+            self.inner.state_list(scope),
+        )
+        .await
+    }
+}
+
+// --- a runtime in a temporary directory ---------------------------------------------------------
+
+/// Removes the directory when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(base: &Path) -> Result<TempDir> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let name = format!(
+            "harness-bench-{}-{}-{nanos:x}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let path = base.join(name);
+        std::fs::create_dir_all(&path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(TempDir(path))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[derive(Clone, Copy)]
+enum ScriptKind {
+    Text,
+    Calls,
+}
+
+struct Rig {
+    rt: Runtime,
+    probe: Arc<Probe>,
+    _dir: TempDir,
+}
+
+impl Rig {
+    async fn open(base: &Path, script: ScriptKind, durability: Durability) -> Result<Rig> {
+        let dir = TempDir::new(base)?;
+        let script_path = dir.0.join("bench-script.json");
+        let text = match script {
+            ScriptKind::Text => TEXT_SCRIPT,
+            ScriptKind::Calls => CALL_SCRIPT,
+        };
+        std::fs::write(&script_path, text)
+            .with_context(|| format!("cannot write {}", script_path.display()))?;
+        let probe = Arc::new(Probe::default());
+        let layer_probe = probe.clone();
+        let rt = Runtime::open_layered(
+            RuntimeOptions {
+                data_dir: dir.0.join("data"),
+                script: Some(script_path),
+                durability,
+                config: HarnessConfig::default(),
+                fixtures: None,
+                fixture_log: None,
+            },
+            move |inner| {
+                Arc::new(ProbeBus {
+                    inner,
+                    probe: layer_probe,
+                }) as Arc<dyn Bus>
+            },
+        )
+        .await?;
+        Ok(Rig {
+            rt,
+            probe,
+            _dir: dir,
+        })
+    }
+
+    fn driver(&self) -> Driver {
+        Driver {
+            harness: self.rt.harness.clone(),
+            probe: self.probe.clone(),
+        }
+    }
+
+    fn fsyncs(&self) -> u64 {
+        self.rt.store.stats().fsyncs
+    }
+
+    /// Waits until every step message is acked (its fsync included).
+    async fn queue_idle(&self) -> Result<()> {
+        let deadline = Instant::now() + TURN_TIMEOUT;
+        while self.rt.bus.queues().depth(TURN_QUEUE) > 0 {
+            if Instant::now() > deadline {
+                bail!(
+                    "the step queue did not drain within {} s",
+                    TURN_TIMEOUT.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_micros(50)).await;
+        }
+        Ok(())
+    }
+
+    async fn close(self) {
+        self.rt.shutdown().await;
+        self.rt.store.close();
+    }
+}
+
+/// What a worker task needs to run turns.
+#[derive(Clone)]
+struct Driver {
+    harness: Harness,
+    probe: Arc<Probe>,
+}
+
+impl Driver {
+    async fn send(
+        &self,
+        session: Option<String>,
+        options: Option<SendOptions>,
+    ) -> Result<(String, String)> {
+        let new = session.is_none();
+        let resp = self
+            .harness
+            .send(SendRequest {
+                session_id: session,
+                message: json!("hi"),
+                model: new.then(|| "bench".to_string()),
+                provider: new.then(|| "scripted".to_string()),
+                options,
+                ..SendRequest::default()
+            })
+            .await
+            .map_err(|e| anyhow!("harness::send failed: {e}"))?;
+        Ok((resp.session_id, resp.turn_id))
+    }
+
+    /// One turn, start to `turn-completed`; returns the session id.
+    async fn turn(&self, session: Option<String>, options: Option<SendOptions>) -> Result<String> {
+        let (session_id, turn_id) = self.send(session, options).await?;
+        self.probe.wait(&turn_id).await?;
+        Ok(session_id)
+    }
+
+    /// Text turns back to back until `deadline` (or `max_turns`); returns the turns completed.
+    async fn text_loop(&self, deadline: Instant, max_turns: u64) -> Result<u64> {
+        let mut session = None;
+        let mut in_session = 0;
+        let mut done = 0;
+        while done < max_turns && Instant::now() < deadline {
+            let id = self.turn(session.take(), None).await?;
+            done += 1;
+            in_session += 1;
+            if in_session < TURNS_PER_SESSION {
+                session = Some(id);
+            } else {
+                in_session = 0;
+            }
+        }
+        Ok(done)
+    }
+}
+
+/// Runs `n` text-loop workers until `deadline`; returns the turns they completed.
+async fn run_workers(d: &Driver, n: usize, deadline: Instant, max_turns_each: u64) -> Result<u64> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let d = d.clone();
+        tasks.spawn(async move { d.text_loop(deadline, max_turns_each).await });
+    }
+    let mut total = 0;
+    while let Some(r) = tasks.join_next().await {
+        total += r.context("bench worker panicked")??;
+    }
+    Ok(total)
+}
+
+// --- measurements ---------------------------------------------------------------------------------
+
+fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
+    if sorted_ns.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted_ns.len() - 1) as f64 * q).round() as usize;
+    sorted_ns[i.min(sorted_ns.len() - 1)] as f64 / 1000.0
+}
+
+fn sorted(mut v: Vec<u64>) -> Vec<u64> {
+    v.sort_unstable();
+    v
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn progress(msg: &str) {
+    eprintln!("bench: {msg}");
+}
+
+/// CPU time of the whole process (every thread, user + system) in µs, from /proc/self/stat
+/// (clock ticks, assumed 100 Hz as on every mainstream Linux); 0 where unavailable.
+fn cpu_time_us() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0;
+    };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return 0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (ticks(11) + ticks(12)) * 10_000
+}
+
+/// Resident set size in bytes (Linux; None elsewhere).
+fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Hands freed heap back to the OS, so RSS tracks live memory rather than allocator caches.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_heap() {
+    extern "C" {
+        fn malloc_trim(pad: usize) -> std::os::raw::c_int;
+    }
+    // SAFETY: malloc_trim only releases free memory of glibc's own arenas; no pointer is passed.
+    unsafe {
+        malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_heap() {}
+
+async fn settled_rss() -> u64 {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    trim_heap();
+    rss_bytes().unwrap_or(0)
+}
+
+struct IdleRam {
+    sessions: usize,
+    bytes_per_session: f64,
+    marginal_bytes: f64,
+    rss_before: u64,
+    rss_after: u64,
+}
+
+/// Fills `n` sessions (one completed turn each, 64 in flight) until done or `cap` runs out.
+async fn fill_sessions(d: &Driver, n: usize, cap: Duration) -> Result<usize> {
+    let deadline = Instant::now() + cap;
+    let next = Arc::new(AtomicU64::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..IDLE_FILL_CONCURRENCY.min(n) {
+        let d = d.clone();
+        let next = next.clone();
+        tasks.spawn(async move {
+            let mut made = 0usize;
+            while (next.fetch_add(1, Ordering::Relaxed) as usize) < n && Instant::now() < deadline {
+                d.turn(None, None).await?;
+                made += 1;
+            }
+            anyhow::Ok(made)
+        });
+    }
+    let mut made = 0;
+    while let Some(r) = tasks.join_next().await {
+        made += r.context("bench worker panicked")??;
+    }
+    Ok(made)
+}
+
+async fn idle_ram(base: &Path, plan: &Plan) -> Result<IdleRam> {
+    progress(&format!(
+        "RAM per idle session ({} sessions, fsync off)",
+        plan.idle_sessions
+    ));
+    let rig = Rig::open(base, ScriptKind::Text, Durability::Normal).await?;
+    let d = rig.driver();
+    // Warm-up: the runtime's fixed costs (threads, connections, statement caches) land before the baseline.
+    fill_sessions(&d, 100, Duration::from_secs(2)).await?;
+    rig.queue_idle().await?;
+    let rss_before = settled_rss().await;
+    let cap_end = Instant::now() + plan.idle_cap;
+    let half = plan.idle_sessions / 2;
+    let made_half = fill_sessions(&d, half, plan.idle_cap).await?;
+    rig.queue_idle().await?;
+    let rss_half = settled_rss().await;
+    let left = cap_end.saturating_duration_since(Instant::now());
+    let made_rest = fill_sessions(&d, plan.idle_sessions - half, left).await?;
+    rig.queue_idle().await?;
+    let rss_after = settled_rss().await;
+    let sessions = made_half + made_rest;
+    if sessions < plan.idle_sessions {
+        progress(&format!("  time cap reached: measured {sessions} sessions"));
+    }
+    let per = |delta: i64, n: usize| {
+        if n == 0 {
+            0.0
+        } else {
+            (delta.max(0) as f64) / n as f64
+        }
+    };
+    let out = IdleRam {
+        sessions,
+        bytes_per_session: per(rss_after as i64 - rss_before as i64, sessions),
+        marginal_bytes: per(rss_after as i64 - rss_half as i64, made_rest),
+        rss_before,
+        rss_after,
+    };
+    rig.close().await;
+    Ok(out)
+}
+
+struct Overhead {
+    steps: usize,
+    overhead_p50: f64,
+    overhead_p99: f64,
+    step_p50: f64,
+    step_p99: f64,
+    store_p50: f64,
+    store_ops_per_step: f64,
+    store_write_p50: f64,
+    store_write_idle_p50: f64,
+    /// Process CPU time (all threads) per turn of the measured run, send and ack included.
+    cpu_per_turn_us: f64,
+    /// Wall time per turn of the measured run (send → turn-completed, back to back).
+    wall_per_turn_us: f64,
+    /// Per operation: calls per step and mean µs per step, slowest first; store operations
+    /// (subtracted from the overhead) and timed loop calls (part of it) apart.
+    store_breakdown: Vec<(String, f64, f64)>,
+    loop_breakdown: Vec<(String, f64, f64)>,
+}
+
+async fn overhead(base: &Path, plan: &Plan) -> Result<Overhead> {
+    progress(&format!(
+        "loop overhead per step ({} text steps, concurrency 1, fsync off)",
+        plan.overhead_steps
+    ));
+    let rig = Rig::open(base, ScriptKind::Text, Durability::Normal).await?;
+    let d = rig.driver();
+    d.text_loop(Instant::now() + plan.overhead_cap, 50).await?;
+    rig.queue_idle().await?;
+    rig.probe.sample_steps.store(true, Ordering::Relaxed);
+    let (cpu0, t0) = (cpu_time_us(), Instant::now());
+    let turns = d
+        .text_loop(
+            Instant::now() + plan.overhead_cap,
+            plan.overhead_steps as u64,
+        )
+        .await?;
+    let (cpu1, run_wall) = (cpu_time_us(), t0.elapsed());
+    rig.queue_idle().await?;
+    rig.probe.sample_steps.store(false, Ordering::Relaxed);
+    let samples = std::mem::take(&mut *lock(&rig.probe.steps));
+    if samples.is_empty() {
+        bail!("no step was measured");
+    }
+    let over = sorted(
+        samples
+            .iter()
+            .map(|s| s.wall_ns.saturating_sub(s.store_ns))
+            .collect(),
+    );
+    let wall = sorted(samples.iter().map(|s| s.wall_ns).collect());
+    let store = sorted(samples.iter().map(|s| s.store_ns).collect());
+    let ops: u64 = samples.iter().map(|s| s.store_ops).sum();
+    let mut by_op: HashMap<String, (u64, u64)> = HashMap::new();
+    for s in &samples {
+        for (op, (n, ns)) in &s.by_op {
+            let e = by_op.entry(op.clone()).or_default();
+            e.0 += n;
+            e.1 += ns;
+        }
+    }
+    let count = samples.len() as f64;
+    let (mut store_breakdown, mut loop_breakdown) = (Vec::new(), Vec::new());
+    for (op, (n, ns)) in by_op {
+        let row = (op.clone(), n as f64 / count, ns as f64 / 1000.0 / count);
+        if is_store_op(&op) {
+            store_breakdown.push(row);
+        } else {
+            loop_breakdown.push(row);
+        }
+    }
+    store_breakdown.sort_by(|a, b| b.2.total_cmp(&a.2));
+    loop_breakdown.sort_by(|a, b| b.2.total_cmp(&a.2));
+    // One empty commit, as a yardstick for the store's part.
+    let mut writes = Vec::with_capacity(plan.store_writes);
+    for _ in 0..plan.store_writes {
+        let t = Instant::now();
+        rig.rt
+            .store
+            .write(|_| Ok(()))
+            .await
+            .map_err(|e| anyhow!("store write: {e}"))?;
+        writes.push(t.elapsed().as_nanos() as u64);
+    }
+    let writes = sorted(writes);
+    // The same after 1 ms of idleness: the writer thread (and the waiting worker) are parked
+    // and must be woken, as between the store calls of a step.
+    let mut idle_writes = Vec::with_capacity(plan.store_writes / 4);
+    for _ in 0..plan.store_writes / 4 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let t = Instant::now();
+        rig.rt
+            .store
+            .write(|_| Ok(()))
+            .await
+            .map_err(|e| anyhow!("store write: {e}"))?;
+        idle_writes.push(t.elapsed().as_nanos() as u64);
+    }
+    let idle_writes = sorted(idle_writes);
+    let out = Overhead {
+        steps: samples.len(),
+        overhead_p50: percentile_us(&over, 0.5),
+        overhead_p99: percentile_us(&over, 0.99),
+        step_p50: percentile_us(&wall, 0.5),
+        step_p99: percentile_us(&wall, 0.99),
+        store_p50: percentile_us(&store, 0.5),
+        store_ops_per_step: ops as f64 / samples.len() as f64,
+        store_write_p50: percentile_us(&writes, 0.5),
+        store_write_idle_p50: percentile_us(&idle_writes, 0.5),
+        cpu_per_turn_us: cpu1.saturating_sub(cpu0) as f64 / turns.max(1) as f64,
+        wall_per_turn_us: run_wall.as_secs_f64() * 1e6 / turns.max(1) as f64,
+        store_breakdown,
+        loop_breakdown,
+    };
+    rig.close().await;
+    Ok(out)
+}
+
+struct Handoff {
+    samples: usize,
+    p50: f64,
+    p99: f64,
+    send_p50: f64,
+}
+
+async fn handoff(base: &Path, plan: &Plan, durability: Durability) -> Result<Handoff> {
+    let label = if durability == Durability::Full {
+        "on"
+    } else {
+        "off"
+    };
+    progress(&format!(
+        "step→step handoff ({} turns of {} steps, fsync {label})",
+        plan.handoff_turns,
+        HANDOFF_MAX_TURNS + 1
+    ));
+    let rig = Rig::open(base, ScriptKind::Calls, durability).await?;
+    let d = rig.driver();
+    let options = || {
+        Some(SendOptions {
+            max_turns: Some(HANDOFF_MAX_TURNS),
+            ..SendOptions::default()
+        })
+    };
+    for _ in 0..3 {
+        d.turn(None, options()).await?;
+    }
+    rig.queue_idle().await?;
+    rig.probe.track_handoff.store(true, Ordering::Relaxed);
+    let deadline = Instant::now() + plan.handoff_cap;
+    for _ in 0..plan.handoff_turns {
+        if Instant::now() > deadline {
+            break;
+        }
+        d.turn(None, options()).await?;
+    }
+    rig.queue_idle().await?;
+    rig.probe.track_handoff.store(false, Ordering::Relaxed);
+    let steps = sorted(std::mem::take(&mut *lock(&rig.probe.handoff_step_ns)));
+    let sends = sorted(std::mem::take(&mut *lock(&rig.probe.handoff_send_ns)));
+    if steps.is_empty() {
+        bail!("no step→step handoff was measured (did the turns run more than one step?)");
+    }
+    let out = Handoff {
+        samples: steps.len(),
+        p50: percentile_us(&steps, 0.5),
+        p99: percentile_us(&steps, 0.99),
+        send_p50: percentile_us(&sends, 0.5),
+    };
+    rig.close().await;
+    Ok(out)
+}
+
+struct Fsyncs {
+    turns: usize,
+    per_step: f64,
+    per_send: f64,
+}
+
+async fn fsyncs(base: &Path, plan: &Plan) -> Result<Fsyncs> {
+    progress(&format!(
+        "fsyncs per text step ({} turns, concurrency 1, fsync on)",
+        plan.fsync_turns
+    ));
+    let rig = Rig::open(base, ScriptKind::Text, Durability::Full).await?;
+    let d = rig.driver();
+    d.text_loop(Instant::now() + plan.fsync_cap, 10).await?;
+    rig.queue_idle().await?;
+    let (mut in_send, mut in_step, mut turns) = (0u64, 0u64, 0usize);
+    let mut session: Option<String> = None;
+    let deadline = Instant::now() + plan.fsync_cap;
+    while turns < plan.fsync_turns && Instant::now() < deadline {
+        let s0 = rig.fsyncs();
+        let (sid, turn_id) = d.send(session.take(), None).await?;
+        let s1 = rig.fsyncs();
+        d.probe.wait(&turn_id).await?;
+        rig.queue_idle().await?;
+        let s2 = rig.fsyncs();
+        in_send += s1 - s0;
+        in_step += s2 - s1;
+        turns += 1;
+        if turns % TURNS_PER_SESSION as usize != 0 {
+            session = Some(sid);
+        }
+    }
+    rig.close().await;
+    let n = turns.max(1) as f64;
+    Ok(Fsyncs {
+        turns,
+        per_step: in_step as f64 / n,
+        per_send: in_send as f64 / n,
+    })
+}
+
+struct Cell {
+    concurrency: usize,
+    fsync: bool,
+    steps: u64,
+    secs: f64,
+    fsyncs: u64,
+    cpu_us: u64,
+}
+
+impl Cell {
+    fn rate(&self) -> f64 {
+        if self.secs > 0.0 {
+            self.steps as f64 / self.secs
+        } else {
+            0.0
+        }
+    }
+}
+
+async fn throughput(base: &Path, plan: &Plan, concurrency: usize, fsync: bool) -> Result<Cell> {
+    progress(&format!(
+        "durable steps/s at {concurrency} sessions, fsync {} ({:.1} s)",
+        if fsync { "on" } else { "off" },
+        plan.cell.as_secs_f64()
+    ));
+    let durability = if fsync {
+        Durability::Full
+    } else {
+        Durability::Normal
+    };
+    let rig = Rig::open(base, ScriptKind::Text, durability).await?;
+    let d = rig.driver();
+    run_workers(&d, concurrency, Instant::now() + plan.cell_warmup, u64::MAX).await?;
+    rig.queue_idle().await?;
+    let f0 = rig.fsyncs();
+    let cpu0 = cpu_time_us();
+    let start = Instant::now();
+    let steps = run_workers(&d, concurrency, start + plan.cell, u64::MAX).await?;
+    let secs = start.elapsed().as_secs_f64();
+    let cpu_us = cpu_time_us().saturating_sub(cpu0);
+    rig.queue_idle().await?;
+    let fsyncs = rig.fsyncs() - f0;
+    rig.close().await;
+    Ok(Cell {
+        concurrency,
+        fsync,
+        steps,
+        secs,
+        fsyncs,
+        cpu_us,
+    })
+}
+
+// --- the report ---------------------------------------------------------------------------------
+
+/// The filesystem type of the mount holding `path` (from /proc/self/mounts).
+fn fs_type(path: &Path) -> Option<String> {
+    let path = path.canonicalize().ok()?;
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, mount, fstype) = (f.next()?, f.next()?, f.next()?);
+            path.starts_with(mount)
+                .then(|| (mount.len(), fstype.to_string()))
+        })
+        .max_by_key(|(len, _)| *len)
+        .map(|(_, t)| t)
+}
+
+struct Target {
+    key: &'static str,
+    label: &'static str,
+    value: f64,
+    unit: &'static str,
+    target: &'static str,
+    met: bool,
+}
+
+pub async fn run(args: BenchArgs) -> Result<()> {
+    if let Some(url) = &args.iii {
+        bail!("iii mode is not built yet (--iii {url}); run `harness bench` without --iii to measure in-process");
+    }
+    let plan = Plan::new(&args);
+    let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&base).with_context(|| format!("cannot create {}", base.display()))?;
+    let fs = fs_type(&base).unwrap_or_else(|| "unknown".into());
+    if fs == "tmpfs" || fs == "ramfs" {
+        eprintln!(
+            "bench: warning: {} is on {fs}: fsync costs nothing there; use --dir on a real disk",
+            base.display()
+        );
+    }
+    let started = Instant::now();
+
+    let ram = idle_ram(&base, &plan).await?;
+    let over = overhead(&base, &plan).await?;
+    let hand = handoff(&base, &plan, Durability::Full).await?;
+    let hand_nofsync = handoff(&base, &plan, Durability::Normal).await?;
+    let fs_steps = fsyncs(&base, &plan).await?;
+    let mut cells = Vec::new();
+    for c in CONCURRENCIES {
+        for fsync in [true, false] {
+            cells.push(throughput(&base, &plan, c, fsync).await?);
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+
+    let rate = |c: usize, fsync: bool| {
+        cells
+            .iter()
+            .find(|x| x.concurrency == c && x.fsync == fsync)
+            .map(Cell::rate)
+            .unwrap_or(0.0)
+    };
+    let cpu = |c: usize, fsync: bool| {
+        cells
+            .iter()
+            .find(|x| x.concurrency == c && x.fsync == fsync)
+            .map(|x| x.cpu_us as f64 / x.steps.max(1) as f64)
+            .unwrap_or(0.0)
+    };
+    let mut steps_per_sec = Map::new();
+    let mut cpu_per_step = Map::new();
+    let mut fsyncs_per_step = Map::new();
+    for c in CONCURRENCIES {
+        steps_per_sec.insert(
+            c.to_string(),
+            json!({"fsync": rate(c, true).round(), "nofsync": rate(c, false).round()}),
+        );
+        cpu_per_step.insert(
+            c.to_string(),
+            json!({"fsync": cpu(c, true).round(), "nofsync": cpu(c, false).round()}),
+        );
+        if let Some(cell) = cells.iter().find(|x| x.concurrency == c && x.fsync) {
+            fsyncs_per_step.insert(
+                c.to_string(),
+                json!(round3(cell.fsyncs as f64 / cell.steps.max(1) as f64)),
+            );
+        }
+    }
+
+    let targets = [
+        Target {
+            key: "overhead_us_p50",
+            label: "loop overhead per step, p50",
+            value: over.overhead_p50,
+            unit: "µs",
+            target: "≤ 200 µs",
+            met: over.overhead_p50 <= 200.0,
+        },
+        Target {
+            key: "handoff_us_p50",
+            label: "step→step handoff, p50 (fsync on)",
+            value: hand.p50,
+            unit: "µs",
+            target: "≤ 1000 µs",
+            met: hand.p50 <= 1000.0,
+        },
+        Target {
+            key: "steps_per_sec.200.fsync",
+            label: "durable steps/s, 200 sessions, fsync on",
+            value: rate(200, true),
+            unit: "/s",
+            target: "≥ 10000 /s",
+            met: rate(200, true) >= 10_000.0,
+        },
+        Target {
+            key: "fsyncs_per_text_step",
+            label: "fsyncs per text step",
+            value: fs_steps.per_step,
+            unit: "",
+            target: "≤ 1",
+            met: fs_steps.per_step <= 1.0,
+        },
+        Target {
+            key: "idle_session_bytes",
+            label: "RAM per idle session",
+            value: ram.bytes_per_session,
+            unit: "B",
+            target: "≤ 4096 B",
+            met: ram.bytes_per_session <= 4096.0,
+        },
+    ];
+
+    let build = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let report = json!({
+        "mode": "in-process",
+        "build": build,
+        "quick": args.quick,
+        "cores": cores,
+        "data_fs": fs,
+        "elapsed_s": round1(elapsed),
+        "overhead_us_p50": round1(over.overhead_p50),
+        "overhead_us_p99": round1(over.overhead_p99),
+        "step_us_p50": round1(over.step_p50),
+        "step_us_p99": round1(over.step_p99),
+        "store_us_p50": round1(over.store_p50),
+        "store_ops_per_step": round1(over.store_ops_per_step),
+        "store_write_us_p50": round1(over.store_write_p50),
+        "store_write_idle_us_p50": round1(over.store_write_idle_p50),
+        "overhead_steps": over.steps,
+        "store_breakdown": breakdown_json(&over.store_breakdown),
+        "loop_breakdown": breakdown_json(&over.loop_breakdown),
+        "handoff_us_p50": round1(hand.p50),
+        "handoff_us_p99": round1(hand.p99),
+        "handoff_nofsync_us_p50": round1(hand_nofsync.p50),
+        "handoff_nofsync_us_p99": round1(hand_nofsync.p99),
+        "send_handoff_us_p50": round1(hand.send_p50),
+        "handoff_samples": hand.samples,
+        "steps_per_sec": steps_per_sec,
+        "cpu_us_per_step": cpu_per_step,
+        "turn_us_c1": over.wall_per_turn_us.round(),
+        "turn_cpu_us_c1": over.cpu_per_turn_us.round(),
+        "fsyncs_per_text_step": round3(fs_steps.per_step),
+        "fsyncs_per_send": round3(fs_steps.per_send),
+        "fsyncs_per_step": fsyncs_per_step,
+        "fsync_turns": fs_steps.turns,
+    });
+    let more = json!({
+        "idle_session_bytes": ram.bytes_per_session.round(),
+        "idle_session_marginal_bytes": ram.marginal_bytes.round(),
+        "idle_sessions": ram.sessions,
+        "idle_rss_before_bytes": ram.rss_before,
+        "idle_rss_after_bytes": ram.rss_after,
+        "targets_met": targets.iter().map(|t| (t.key.to_string(), json!(t.met))).collect::<Map<String, Value>>(),
+        "method": {
+            "overhead": "concurrency 1, fsync off, text steps: step handler wall time minus time awaiting the store (session::*, state::*, enqueue, publish, barrier)",
+            "handoff": "9-step turns (denied function call until max_turns): previous step's enqueue returned -> next step's handler start; includes the queue ack and, with fsync on, its fsync",
+            "steps_per_sec": "C sessions, each send -> turn-completed -> send (new session every 20 turns); one text turn = one step; the send is included",
+            "fsyncs_per_text_step": "concurrency 1, fsync on: fsyncs between send returning and the queue being idle, per turn; the send's own are fsyncs_per_send",
+            "idle_session_bytes": "fsync off: (VmRSS after - before, after malloc_trim) / sessions with one completed turn each",
+        },
+    });
+    let mut report = report;
+    if let (Some(obj), Value::Object(more)) = (report.as_object_mut(), more) {
+        obj.extend(more);
+    }
+
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+
+    let mut rows: Vec<(String, String, String, String)> = Vec::new();
+    let us = |x: f64| format!("{x:.1} µs");
+    for t in &targets {
+        let value = match t.unit {
+            "µs" => us(t.value),
+            "/s" => format!("{:.0} /s", t.value),
+            "B" => format!("{:.0} B", t.value),
+            _ => format!("{:.3}", t.value),
+        };
+        rows.push((
+            t.label.into(),
+            value,
+            t.target.into(),
+            if t.met { "yes" } else { "NO" }.into(),
+        ));
+    }
+    let info = |rows: &mut Vec<(String, String, String, String)>, label: String, value: String| {
+        rows.push((label, value, String::new(), String::new()));
+    };
+    info(
+        &mut rows,
+        "loop overhead per step, p99".into(),
+        us(over.overhead_p99),
+    );
+    info(
+        &mut rows,
+        "whole step (store included), p50 / p99".into(),
+        format!("{} / {}", us(over.step_p50), us(over.step_p99)),
+    );
+    info(
+        &mut rows,
+        "store time per step, p50 (ops per step)".into(),
+        format!("{} ({:.1})", us(over.store_p50), over.store_ops_per_step),
+    );
+    info(
+        &mut rows,
+        "one empty store commit, p50 (back to back / after 1 ms idle)".into(),
+        format!(
+            "{} / {}",
+            us(over.store_write_p50),
+            us(over.store_write_idle_p50)
+        ),
+    );
+    info(
+        &mut rows,
+        "step→step handoff, p99 (fsync on)".into(),
+        us(hand.p99),
+    );
+    info(
+        &mut rows,
+        "step→step handoff, p50 / p99 (fsync off)".into(),
+        format!("{} / {}", us(hand_nofsync.p50), us(hand_nofsync.p99)),
+    );
+    info(
+        &mut rows,
+        "send → step 0 handoff, p50 (fsync on)".into(),
+        us(hand.send_p50),
+    );
+    info(
+        &mut rows,
+        "one turn at concurrency 1: wall / process CPU (fsync off)".into(),
+        format!(
+            "{} / {}",
+            us(over.wall_per_turn_us),
+            us(over.cpu_per_turn_us)
+        ),
+    );
+    for c in CONCURRENCIES {
+        info(
+            &mut rows,
+            format!("durable steps/s, {c} sessions (fsync on / off)"),
+            format!("{:.0} / {:.0}", rate(c, true), rate(c, false)),
+        );
+    }
+    for c in CONCURRENCIES {
+        info(
+            &mut rows,
+            format!("process CPU per step, {c} sessions (fsync on / off)"),
+            format!("{} / {}", us(cpu(c, true)), us(cpu(c, false))),
+        );
+    }
+    info(
+        &mut rows,
+        "fsyncs per send".into(),
+        format!("{:.3}", fs_steps.per_send),
+    );
+    for c in CONCURRENCIES {
+        if let Some(v) = fsyncs_per_step.get(&c.to_string()) {
+            info(
+                &mut rows,
+                format!("fsyncs per step incl. send, {c} sessions"),
+                v.to_string(),
+            );
+        }
+    }
+    info(
+        &mut rows,
+        format!(
+            "RAM per idle session, marginal (2nd half of {})",
+            ram.sessions
+        ),
+        format!("{:.0} B", ram.marginal_bytes),
+    );
+    let widths = rows.iter().fold((6, 5, 6), |(a, b, c), r| {
+        (
+            a.max(r.0.chars().count()),
+            b.max(r.1.chars().count()),
+            c.max(r.2.chars().count()),
+        )
+    });
+    let pad = |s: &str, w: usize| format!("{s}{}", " ".repeat(w.saturating_sub(s.chars().count())));
+    println!(
+        "harness bench: in-process, scripted provider at zero latency, {build} build, {cores} cores, store on {fs}, {:.0} s{}",
+        elapsed,
+        if args.quick { " (--quick)" } else { "" }
+    );
+    println!();
+    println!(
+        "{}  {}  {}  met",
+        pad("metric", widths.0),
+        pad("value", widths.1),
+        pad("target", widths.2)
+    );
+    println!("{}", "-".repeat(widths.0 + widths.1 + widths.2 + 9));
+    for (label, value, target, met) in &rows {
+        println!(
+            "{}  {}  {}  {met}",
+            pad(label, widths.0),
+            pad(value, widths.1),
+            pad(target, widths.2)
+        );
+    }
+    println!();
+    println!("where a step's time goes (concurrency 1, fsync off; mean per step):");
+    for (title, rows) in [
+        (
+            "store (subtracted from the overhead)",
+            &over.store_breakdown,
+        ),
+        (
+            "timed loop calls (part of the overhead)",
+            &over.loop_breakdown,
+        ),
+    ] {
+        println!("  {title}:");
+        for (op, n, us) in rows {
+            println!("    {}  {n:>4.1} calls  {us:>8.1} µs", pad(op, 36));
+        }
+    }
+    println!();
+    println!(
+        "overhead: concurrency 1, fsync off; step handler time minus time awaiting the store."
+    );
+    println!("handoff: previous step's enqueue → next step's start, in 9-step turns; includes the queue ack (and its fsync).");
+    println!("steps/s: one text turn = one step, send included; a new session every {TURNS_PER_SESSION} turns.");
+    println!("idle RAM: VmRSS delta (after malloc_trim) over sessions with one completed turn each; includes SQLite page caches.");
+    Ok(())
 }

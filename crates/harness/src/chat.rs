@@ -13,9 +13,14 @@ use crate::runtime::{Runtime, RuntimeOptions};
 pub struct ChatArgs {
     pub message: Option<String>,
     pub session: Option<String>,
-    pub provider: String,
-    pub model: String,
+    /// `None`: chosen by [`choose`].
+    pub provider: Option<String>,
+    pub model: Option<String>,
     pub url: Option<String>,
+    /// Function globs the model may call (`--allow`); empty = none.
+    pub allow: Vec<String>,
+    /// Function globs held for approval in the in-process runtime (`--approve`).
+    pub approve: Vec<String>,
     pub runtime: RuntimeOptions,
 }
 
@@ -46,7 +51,12 @@ impl Source {
         let mut printer = Printer {
             turn_id: turn_id.to_string(),
             printed: Default::default(),
+            parked: false,
         };
+        // The turn may be parked already (the session's earlier events are not replayed here).
+        if !answer_approvals(self.caller(), session_id).await? {
+            return Ok(());
+        }
         match self {
             Source::Local { rt, after } => {
                 let mut changes = rt.store.subscribe_events();
@@ -55,6 +65,11 @@ impl Source {
                         *after = row.id;
                         let data = crate::http::event_json(&rt.sessions, &row);
                         if printer.on_event(&row.topic, &data) {
+                            return Ok(());
+                        }
+                        if printer.take_parked()
+                            && !answer_approvals(Caller::Local(rt), session_id).await?
+                        {
                             return Ok(());
                         }
                     }
@@ -92,6 +107,11 @@ impl Source {
                             if printer.on_event(&topic, &value) {
                                 return Ok(());
                             }
+                            if printer.take_parked()
+                                && !answer_approvals(Caller::Remote(url), session_id).await?
+                            {
+                                return Ok(());
+                            }
                         }
                     }
                 }
@@ -104,11 +124,23 @@ impl Source {
 struct Printer {
     turn_id: String,
     printed: std::collections::HashMap<String, usize>,
+    /// Set when the session parked for function results (approvals may be waiting).
+    parked: bool,
 }
 
 impl Printer {
+    fn take_parked(&mut self) -> bool {
+        std::mem::take(&mut self.parked)
+    }
+
     /// Prints what is new; true when the turn is over.
     fn on_event(&mut self, topic: &str, data: &Value) -> bool {
+        if topic == "session::status-changed"
+            && data["payload"]["reason"] == json!("awaiting functions")
+        {
+            self.parked = true;
+            return false;
+        }
         if topic.starts_with("session::message-") {
             let Ok(entry) = serde_json::from_value::<Entry>(data["entry"].clone()) else {
                 return false;
@@ -144,11 +176,39 @@ impl Printer {
     }
 }
 
+/// The provider and model: the flags, else the router config, else whichever key is set, else
+/// the scripted demo (said on stderr). A named provider that is not configured fails with what
+/// to set.
+async fn choose(args: &ChatArgs) -> Result<(String, String)> {
+    if args.url.is_some() {
+        // The server has its own providers; only the model default can be looked up here.
+        let provider = args.provider.clone().unwrap_or_else(|| "scripted".into());
+        let model = match &args.model {
+            Some(m) => m.clone(),
+            None if provider == "scripted" => "demo".into(),
+            None => harness_router::Catalog::builtin()
+                .default_model(&provider)
+                .ok_or_else(|| anyhow!("name a model for provider '{provider}' with --model"))?,
+        };
+        return Ok((provider, model));
+    }
+    let setup = harness_router::Setup::from_env().map_err(|e| anyhow!("{e}"))?;
+    let c = setup
+        .choose(args.provider.as_deref(), args.model.as_deref())
+        .await
+        .map_err(|e| anyhow!(e))?;
+    if let Some(note) = &c.note {
+        eprintln!("harness chat: {note}");
+    }
+    Ok((c.provider, c.model))
+}
+
 pub async fn run(args: ChatArgs) -> Result<()> {
+    let (provider, model) = choose(&args).await?;
     let mut source = match &args.url {
         Some(url) => Source::Remote { url: url.clone() },
         None => Source::Local {
-            rt: Runtime::open(args.runtime).await?,
+            rt: Runtime::open(args.runtime, args.approve.clone()).await?,
             after: 0,
         },
     };
@@ -156,8 +216,7 @@ pub async fn run(args: ChatArgs) -> Result<()> {
     let interactive = args.message.is_none();
     if interactive {
         eprintln!(
-            "harness chat — provider {} model {}. Type a message; /quit to leave.",
-            args.provider, args.model
+            "harness chat — provider {provider} model {model}. Type a message; /quit to leave."
         );
     }
     let stdin = std::io::stdin();
@@ -182,9 +241,12 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             }
             None => break,
         };
-        let mut payload = json!({"message": text, "model": args.model, "provider": args.provider});
+        let mut payload = json!({"message": text, "model": model, "provider": provider});
         if let Some(s) = &session {
             payload["session_id"] = json!(s);
+        }
+        if !args.allow.is_empty() {
+            payload["options"] = json!({"functions": {"allow": args.allow}});
         }
         let resp = source.send(payload).await?;
         let sid = resp["session_id"].as_str().unwrap_or_default().to_string();
@@ -202,4 +264,98 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         rt.shutdown().await;
     }
     Ok(())
+}
+
+// --- approvals: shown when the followed turn parks, answered y/n on stdin ---------------------
+
+/// Where `approval::*` is called: the in-process bus or the server.
+enum Caller<'a> {
+    Local(&'a Runtime),
+    Remote(&'a str),
+}
+
+impl Source {
+    fn caller(&self) -> Caller<'_> {
+        match self {
+            Source::Local { rt, .. } => Caller::Local(rt),
+            Source::Remote { url } => Caller::Remote(url),
+        }
+    }
+}
+
+impl Caller<'_> {
+    async fn call(&self, function_id: &str, payload: Value) -> Result<Value> {
+        match self {
+            Caller::Local(rt) => {
+                use harness_bus::Bus;
+                rt.bus
+                    .call(function_id, payload, None)
+                    .await
+                    .map_err(|e| anyhow!("{e}"))
+            }
+            Caller::Remote(url) => crate::client::call_value(url, function_id, &payload).await,
+        }
+    }
+}
+
+/// One line from stdin; `None` at end of input.
+async fn read_answer() -> Result<Option<String>> {
+    tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        let n = std::io::stdin().lock().read_line(&mut line)?;
+        Ok::<_, std::io::Error>((n > 0).then_some(line))
+    })
+    .await?
+    .map_err(Into::into)
+}
+
+/// Shows every pending approval of the session and asks y/N for each; the answer is sent with
+/// the digest that was shown. False when stdin ended: the approval is left pending.
+async fn answer_approvals(caller: Caller<'_>, session_id: &str) -> Result<bool> {
+    let listed = match caller
+        .call("approval::list", json!({ "session_id": session_id }))
+        .await
+    {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("[cannot list approvals: {e}]");
+            return Ok(true);
+        }
+    };
+    for a in listed["approvals"].as_array().cloned().unwrap_or_default() {
+        let id = a["approval_id"].as_str().unwrap_or_default();
+        let arguments =
+            serde_json::to_string_pretty(&a["arguments"]).unwrap_or_else(|_| "null".into());
+        println!(
+            "\n[approval needed] call {} of {} with arguments:",
+            a["function_call_id"].as_str().unwrap_or_default(),
+            a["function_id"].as_str().unwrap_or_default(),
+        );
+        for line in arguments.lines() {
+            println!("    {line}");
+        }
+        print!("Approve? [y/N] ");
+        let _ = std::io::stdout().flush();
+        let Some(answer) = read_answer().await? else {
+            println!(
+                "\n[no answer: approval {id} stays pending; decide it with `harness call approval::decide`]"
+            );
+            return Ok(false);
+        };
+        if !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+            println!("{}", answer.trim()); // a terminal echoed it already
+        }
+        let yes = matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
+        let mut decision = json!({"approval_id": id, "digest": a["digest"],
+                                  "decision": if yes { "approve" } else { "deny" }});
+        if !yes {
+            decision["reason"] = json!("denied in harness chat");
+        }
+        match caller.call("approval::decide", decision).await {
+            Ok(_) if yes => println!("[approved]"),
+            Ok(_) => println!("[denied]"),
+            Err(e) => println!("[approval {id} not decided: {e}]"),
+        }
+    }
+    Ok(true)
 }

@@ -9,6 +9,8 @@ mod client;
 mod fixtures;
 mod http;
 mod runtime;
+#[cfg(feature = "iii")]
+mod worker;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -70,6 +72,10 @@ struct RuntimeArgs {
     /// Append every fixture invocation to this file (one fsynced JSON line each).
     #[arg(long, requires = "fixtures")]
     fixture_log: Option<PathBuf>,
+    /// Hold calls of functions matching this glob until a person approves them (repeatable):
+    /// `approval::list` / `approval::decide`, or y/n in `harness chat`.
+    #[arg(long = "approve", value_name = "GLOB")]
+    approve: Vec<String>,
 }
 
 impl RuntimeArgs {
@@ -126,18 +132,31 @@ enum Command {
         message: Option<String>,
         #[arg(long)]
         session: Option<String>,
-        #[arg(long, default_value = "scripted")]
-        provider: String,
-        #[arg(long, default_value = "demo")]
-        model: String,
+        /// scripted, anthropic, openai, openai-responses, openai-compatible, ollama, llamacpp,
+        /// vllm, lmstudio (default: the router config's, else whichever API key is set, else the
+        /// scripted demo).
+        #[arg(long)]
+        provider: Option<String>,
+        /// Default: the router config's, else the provider's catalog default (a local server's
+        /// first listed model).
+        #[arg(long)]
+        model: Option<String>,
         /// Talk to a running server instead of an in-process runtime.
         #[arg(long)]
         url: Option<String>,
+        /// Let the model call functions matching this glob (repeatable; default none: a plain
+        /// chat).
+        #[arg(long = "allow", value_name = "GLOB")]
+        allow: Vec<String>,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
     /// Measure loop overhead, handoff latency, durable throughput and memory per idle session.
     Bench(bench::BenchArgs),
+    /// Run the loop as a worker of an iii engine: register `harness::*` (and the `--with`
+    /// siblings) there and use the engine's calls, state and queue (feature `iii`).
+    #[cfg(feature = "iii")]
+    Worker(worker::WorkerArgs),
 }
 
 fn init_tracing() {
@@ -167,7 +186,7 @@ async fn shutdown_signal() {
 async fn serve(listen: SocketAddr, args: RuntimeArgs) -> Result<()> {
     let opts = args.options()?;
     let data_dir = opts.data_dir.clone();
-    let rt = Runtime::open(opts).await?;
+    let rt = Runtime::open(opts, args.approve.clone()).await?;
     let app = http::router(http::AppState {
         bus: rt.bus.clone(),
         sessions: rt.sessions.clone(),
@@ -209,6 +228,7 @@ fn main() {
                 provider,
                 model,
                 url,
+                allow,
                 runtime,
             } => {
                 chat::run(chat::ChatArgs {
@@ -217,11 +237,15 @@ fn main() {
                     provider,
                     model,
                     url,
+                    allow,
+                    approve: runtime.approve.clone(),
                     runtime: runtime.options()?,
                 })
                 .await
             }
             Command::Bench(args) => bench::run(args).await,
+            #[cfg(feature = "iii")]
+            Command::Worker(args) => worker::run(args).await,
         }
     });
     if let Err(e) = result {

@@ -51,14 +51,23 @@ fn load_script(path: Option<&Path>) -> Result<Script> {
 }
 
 impl Runtime {
-    pub async fn open(opts: RuntimeOptions) -> Result<Runtime> {
-        Runtime::open_layered(opts, |bus| bus).await
+    /// `approve`: function globs held for a human approval (`--approve`; empty = none).
+    pub async fn open(opts: RuntimeOptions, approve: Vec<String>) -> Result<Runtime> {
+        Runtime::open_with(opts, approve, |bus| bus).await
     }
 
     /// [`Runtime::open`], with `layer` wrapped around the bus that the loop and every sibling
     /// use (`harness bench` puts its timing probe there).
     pub async fn open_layered(
         opts: RuntimeOptions,
+        layer: impl FnOnce(Arc<dyn Bus>) -> Arc<dyn Bus>,
+    ) -> Result<Runtime> {
+        Runtime::open_with(opts, Vec::new(), layer).await
+    }
+
+    async fn open_with(
+        opts: RuntimeOptions,
+        approve: Vec<String>,
         layer: impl FnOnce(Arc<dyn Bus>) -> Arc<dyn Bus>,
     ) -> Result<Runtime> {
         std::fs::create_dir_all(&opts.data_dir)
@@ -75,12 +84,19 @@ impl Runtime {
         harness_context::register(shared.as_ref());
         let router = Router::new();
         router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
+        // Real providers from the environment / router config; the scripted one stays default.
+        harness_router::register_from_env(&router).map_err(|e| anyhow::anyhow!("{e}"))?;
         harness_router::register(shared.as_ref(), &router);
         if let Some(path) = &opts.fixtures {
             crate::fixtures::register(shared.as_ref(), path, opts.fixture_log.as_ref())?;
         }
         let harness = Harness::new(shared, opts.config);
         harness_core::register(&harness);
+        // approval::* always (approvals left from an earlier run stay decidable); the gate binding
+        // only for `approve`. Before `start`: a redelivered step may meet the persisted binding.
+        harness_approval::install(harness.bus().clone(), approve)
+            .await
+            .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
         harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(Runtime {
             bus,
@@ -93,5 +109,116 @@ impl Runtime {
     /// Stops taking steps; in-flight ones are left to redelivery on the next start.
     pub async fn shutdown(&self) {
         self.bus.shutdown().await;
+    }
+}
+
+// --- worker mode: the same runtime on a given bus (`harness worker`, `harness bench --iii`) ----
+
+/// Which of our own siblings a runtime on a given bus registers (`harness worker --with`); the
+/// rest is left to whatever the deployment runs on the engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(not(feature = "iii"), allow(dead_code))]
+pub struct Siblings {
+    /// `session::*` (the transcript store, SQLite in the data dir).
+    pub session: bool,
+    /// `context::*`.
+    pub context: bool,
+    /// `router::*` (the scripted provider plus the providers the environment configures).
+    pub router: bool,
+    /// `approval::*` (and the `--approve` gate binding).
+    pub approval: bool,
+}
+
+#[cfg_attr(not(feature = "iii"), allow(dead_code))]
+impl Siblings {
+    pub const ALL: Siblings = Siblings {
+        session: true,
+        context: true,
+        router: true,
+        approval: true,
+    };
+
+    /// `session,context,router,approval` or `all` (comma-separated, repeatable).
+    pub fn parse(items: &[String]) -> Result<Siblings> {
+        let mut s = Siblings::default();
+        for item in items.iter().flat_map(|i| i.split(',')).map(str::trim) {
+            match item {
+                "" => {}
+                "all" => s = Siblings::ALL,
+                "session" => s.session = true,
+                "context" => s.context = true,
+                "router" => s.router = true,
+                "approval" => s.approval = true,
+                other => anyhow::bail!(
+                    "--with: unknown sibling '{other}' (expected session, context, router, approval or all)"
+                ),
+            }
+        }
+        Ok(s)
+    }
+}
+
+/// A runtime on a bus it was given (not the embedded one). The fields are for callers that
+/// inspect it (`harness bench --iii`).
+#[allow(dead_code)]
+pub struct BusRuntime {
+    pub bus: Arc<dyn Bus>,
+    pub harness: Harness,
+    /// The transcript store, when `session` is one of the siblings.
+    pub sessions: Option<SessionStore>,
+    pub store: Option<Store>,
+}
+
+#[cfg_attr(not(feature = "iii"), allow(dead_code))]
+impl Runtime {
+    /// Registers the `harness::*` surface, the chosen siblings and the fixtures on `bus`, then
+    /// starts the loop (ensures the `harness-turn` queue, redrives running turns). The same
+    /// wiring as [`Runtime::open`]; only the bus and the set of siblings differ.
+    pub async fn open_on_bus(
+        opts: RuntimeOptions,
+        bus: Arc<dyn Bus>,
+        with: Siblings,
+        approve: Vec<String>,
+    ) -> Result<BusRuntime> {
+        let (sessions, store) = if with.session {
+            std::fs::create_dir_all(&opts.data_dir)
+                .with_context(|| format!("cannot create data dir {}", opts.data_dir.display()))?;
+            let store = Store::open(&opts.data_dir.join("harness.db"), opts.durability)
+                .with_context(|| format!("cannot open the store in {}", opts.data_dir.display()))?;
+            let sessions = SessionStore::open(store.clone())
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            harness_session::register(bus.as_ref(), &sessions);
+            (Some(sessions), Some(store))
+        } else {
+            (None, None)
+        };
+        if with.context {
+            harness_context::register(bus.as_ref());
+        }
+        if with.router {
+            let script = load_script(opts.script.as_deref())?;
+            let router = Router::new();
+            router.add_provider(Arc::new(ScriptedProvider::new(script, bus.clone())));
+            harness_router::register_from_env(&router).map_err(|e| anyhow::anyhow!("{e}"))?;
+            harness_router::register(bus.as_ref(), &router);
+        }
+        if let Some(path) = &opts.fixtures {
+            crate::fixtures::register(bus.as_ref(), path, opts.fixture_log.as_ref())?;
+        }
+        let harness = Harness::new(bus.clone(), opts.config);
+        harness_core::register(&harness);
+        if with.approval {
+            harness_approval::install(harness.bus().clone(), approve)
+                .await
+                .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
+        }
+        harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(BusRuntime {
+            bus,
+            harness,
+            sessions,
+            store,
+        })
     }
 }

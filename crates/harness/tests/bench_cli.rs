@@ -20,7 +20,15 @@ fn bench_quick_json_prints_every_metric() {
     let dir = tempfile::tempdir().unwrap();
     // Smaller than --quick alone so the debug build stays well under a minute.
     let out = Command::new(env!("CARGO_BIN_EXE_harness"))
-        .args(["bench", "--quick", "--json", "--idle-sessions", "300", "--cell-secs", "0.4"])
+        .args([
+            "bench",
+            "--quick",
+            "--json",
+            "--idle-sessions",
+            "300",
+            "--cell-secs",
+            "0.4",
+        ])
         .arg("--dir")
         .arg(dir.path())
         .env("HARNESS_LOG", "error")
@@ -33,7 +41,12 @@ fn bench_quick_json_prints_every_metric() {
         .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
     assert!(report.is_object());
 
-    for key in ["/overhead_us_p50", "/overhead_us_p99", "/handoff_us_p50", "/fsyncs_per_text_step"] {
+    for key in [
+        "/overhead_us_p50",
+        "/overhead_us_p99",
+        "/handoff_us_p50",
+        "/fsyncs_per_text_step",
+    ] {
         positive(&report, key);
     }
     for c in ["1", "10", "200"] {
@@ -42,7 +55,9 @@ fn bench_quick_json_prints_every_metric() {
         }
     }
     // RSS can even shrink between two readings on a busy allocator: a number, not necessarily > 0.
-    let idle = report["idle_session_bytes"].as_f64().expect("idle_session_bytes is a number");
+    let idle = report["idle_session_bytes"]
+        .as_f64()
+        .expect("idle_session_bytes is a number");
     assert!(idle >= 0.0, "idle_session_bytes = {idle}");
     assert!(report["idle_sessions"].as_u64().unwrap_or(0) > 0);
     // The bench left nothing behind in its directory.

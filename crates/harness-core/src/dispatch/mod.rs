@@ -183,6 +183,25 @@ impl Closing {
 }
 
 impl Harness {
+    /// Closes a call found `triggered` after a restart: it may have run, once; it never runs
+    /// again.
+    pub(crate) async fn close_interrupted(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+    ) -> Result<()> {
+        let text =
+            "interrupted: executed at most once, result unknown (restart during execution); \
+                    verify its effect before repeating it";
+        let turn_id = rec.turn_id.clone();
+        self.close_call(
+            rec,
+            call,
+            Closing::refusal(call, &turn_id, "interrupted", text.into()),
+        )
+        .await
+    }
+
     /// Appends a call's result and marks it done (resolve uses it for settled pending calls).
     pub(crate) async fn append_result(
         &self,
@@ -333,14 +352,7 @@ impl Harness {
             match rec.calls.get(&call.id).map(|c| c.state) {
                 Some(CallState::Done) | Some(CallState::Pending) => continue,
                 Some(CallState::Triggered) => {
-                    let text = "interrupted: executed at most once, result unknown (restart during execution); \
-                                verify its effect before repeating it";
-                    self.close_call(
-                        rec,
-                        call,
-                        Closing::refusal(call, &turn_id, "interrupted", text.into()),
-                    )
-                    .await?;
+                    self.close_interrupted(rec, call).await?;
                     continue;
                 }
                 None => {}

@@ -1,0 +1,499 @@
+//! OpenAI Chat Completions (`POST {base}/chat/completions`, `stream: true`), for OpenAI itself
+//! (`openai`) and for OpenAI-compatible servers (`openai-compatible`, `ollama`, `llamacpp`,
+//! `vllm`, `lmstudio`, or any id the config gives that kind).
+//!
+//! Request: `system` message, `user` / `assistant` (text + `tool_calls`) / `tool` messages;
+//! tools as `{"type":"function","function":{...}}` with `::`-free names;
+//! `stream_options.include_usage` so the last chunk carries usage; `reasoning_effort` from
+//! `thinking_level`. OpenAI gets `max_completion_tokens` (its reasoning models reject
+//! `max_tokens`), compatible servers the `max_tokens` they all understand.
+//!
+//! Stream: `data: {chunk}` lines, `choices[0].delta` carrying `content`, `tool_calls[{index, id,
+//! function{name, arguments}}]` (arguments in pieces) and, on local servers,
+//! `reasoning_content` / `reasoning` (shown as thinking, never replayed); `finish_reason`; a last
+//! chunk with `usage` and no choices; `data: [DONE]`. An `{"error": ...}` chunk is an in-stream
+//! error.
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use harness_types::message::{AgentMessage, ContentBlock, StopReason, Usage};
+use harness_types::router::{ChatAck, ChatRequest, Frame};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{classify_http, classify_stream, parse_error_body, ProviderError};
+use crate::http::{run, transport_error, Decoder, Flow, Transport};
+use crate::names::{self, ToolNames};
+use crate::providers::wire::{
+    args_object, data_url, max_output, merge_options, namespaced, result_text, transport,
+};
+use crate::providers::{ProviderConfig, ProviderKind, Secret};
+use crate::router::{ChatContext, FrameWriter, Provider};
+use crate::sse::SseEvent;
+
+/// Output budget for compatible servers when the caller sets none.
+const DEFAULT_MAX_TOKENS: u64 = 4096;
+
+pub struct OpenAiChatProvider {
+    id: String,
+    base_url: String,
+    key: Option<Secret>,
+    /// OpenAI itself, not a compatible server.
+    openai: bool,
+    transport: Transport,
+}
+
+impl OpenAiChatProvider {
+    pub fn new(cfg: &ProviderConfig) -> Self {
+        OpenAiChatProvider {
+            id: cfg.id.clone(),
+            base_url: cfg.base_url.trim_end_matches('/').to_string(),
+            key: cfg.api_key.clone(),
+            openai: cfg.kind == ProviderKind::Openai,
+            transport: transport(cfg),
+        }
+    }
+
+    /// The request body and the name table for mapping tool names back.
+    pub fn body(
+        &self,
+        req: &ChatRequest,
+        ctx: &ChatContext,
+    ) -> Result<(Value, ToolNames, Vec<String>), ProviderError> {
+        let mut names = ToolNames::default();
+        let mut warnings = Vec::new();
+        let collision = |e: names::NameCollision| {
+            ProviderError::new(harness_types::ErrorKind::Permanent, e.to_string())
+                .with_code("tool_name_collision")
+        };
+        let mut tools = Vec::new();
+        for t in &req.tools {
+            let mut schema = args_object(&t.parameters);
+            if schema.get("type").is_none() {
+                schema["type"] = json!("object");
+            }
+            let mut f =
+                json!({"name": names.add(&t.name).map_err(collision)?, "parameters": schema});
+            if !t.description.is_empty() {
+                f["description"] = json!(t.description);
+            }
+            tools.push(json!({"type": "function", "function": f}));
+        }
+        let mut messages = Vec::new();
+        if let Some(s) = req.system_prompt.as_deref().filter(|s| !s.is_empty()) {
+            messages.push(json!({"role": "system", "content": s}));
+        }
+        for m in &req.messages {
+            match m {
+                AgentMessage::User(u) => {
+                    let only_text = u
+                        .content
+                        .iter()
+                        .all(|b| matches!(b, ContentBlock::Text { .. }));
+                    let content = if only_text {
+                        json!(harness_types::message::joined_text(&u.content))
+                    } else {
+                        Value::Array(
+                            u.content
+                                .iter()
+                                .filter_map(|b| match b {
+                                    ContentBlock::Text { text } => {
+                                        Some(json!({"type": "text", "text": text}))
+                                    }
+                                    ContentBlock::Image { data, mime } => Some(json!({
+                                        "type": "image_url",
+                                        "image_url": {"url": data_url(mime, data)},
+                                    })),
+                                    _ => None,
+                                })
+                                .collect(),
+                        )
+                    };
+                    messages.push(json!({"role": "user", "content": content}));
+                }
+                AgentMessage::Assistant(a) => {
+                    let text = harness_types::message::joined_text(&a.content);
+                    let mut calls = Vec::new();
+                    for b in &a.content {
+                        if let ContentBlock::FunctionCall {
+                            id,
+                            function_id,
+                            arguments,
+                        } = b
+                        {
+                            calls.push(json!({
+                                "id": id,
+                                "type": "function",
+                                "function": {
+                                    "name": names.add(function_id).map_err(collision)?,
+                                    "arguments": args_object(arguments).to_string(),
+                                },
+                            }));
+                        }
+                    }
+                    if text.is_empty() && calls.is_empty() {
+                        continue;
+                    }
+                    let mut msg = json!({
+                        "role": "assistant",
+                        "content": if text.is_empty() { Value::Null } else { json!(text) },
+                    });
+                    if !calls.is_empty() {
+                        msg["tool_calls"] = Value::Array(calls);
+                    }
+                    messages.push(msg);
+                }
+                AgentMessage::FunctionResult(r) => messages.push(json!({
+                    "role": "tool",
+                    "tool_call_id": r.function_call_id,
+                    "content": result_text(&r.content),
+                })),
+                AgentMessage::Custom(_) => {}
+            }
+        }
+        let mut body = json!({
+            "model": req.model,
+            "messages": messages,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        if !tools.is_empty() {
+            body["tools"] = Value::Array(tools);
+        }
+        if self.openai {
+            if req.max_output_tokens.is_some() {
+                body["max_completion_tokens"] = json!(max_output(req, ctx, 0));
+            }
+            if let Some(d) = ctx
+                .extras
+                .cache_intent
+                .as_ref()
+                .and_then(|c| c.surface_digest.as_ref())
+            {
+                body["prompt_cache_key"] = json!(d);
+            }
+        } else {
+            body["max_tokens"] = json!(max_output(req, ctx, DEFAULT_MAX_TOKENS));
+        }
+        if let Some(effort) = reasoning_effort(req, ctx, &mut warnings) {
+            body["reasoning_effort"] = json!(effort);
+        }
+        if let Some(rf) = &req.response_format {
+            body["response_format"] = rf.clone();
+        }
+        let family = if self.openai {
+            "openai"
+        } else {
+            "openai-compatible"
+        };
+        merge_options(
+            &mut body,
+            namespaced(req, &[&self.id, family]),
+            &["model", "messages", "stream"],
+        );
+        Ok((body, names, warnings))
+    }
+
+    fn auth(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.key {
+            Some(k) => rb.bearer_auth(k.expose()),
+            None => rb,
+        }
+    }
+}
+
+/// The native effort for the request: `reasoning: "lowest"`'s pick, else `thinking_level`
+/// snapped to what the model offers. Models the catalog says cannot reason get none.
+pub(crate) fn reasoning_effort(
+    req: &ChatRequest,
+    ctx: &ChatContext,
+    warnings: &mut Vec<String>,
+) -> Option<String> {
+    if let Some(e) = &ctx.reasoning_effort {
+        return Some(e.clone());
+    }
+    let level = req.thinking_level?;
+    match &ctx.model {
+        Some(m) if !m.capabilities.thinking && m.reasoning_efforts.is_empty() => {
+            warnings.push(format!(
+                "thinking_level ignored: {} has no reasoning effort",
+                req.model
+            ));
+            None
+        }
+        Some(m) => Some(m.effort_for(level)),
+        None => Some(crate::catalog::effort_name(level).to_string()),
+    }
+}
+
+/// The open block of the stream (frames fold into the last block, so one is open at a time).
+#[derive(Clone, Copy, PartialEq)]
+enum Open {
+    None,
+    Text,
+    Thinking,
+    Call(u64),
+}
+
+struct ChatDecoder {
+    names: ToolNames,
+    secrets: Vec<String>,
+    open: Open,
+    calls: u32,
+    finish: Option<String>,
+    started: bool,
+    model: String,
+    provider: String,
+    request_id: String,
+}
+
+impl ChatDecoder {
+    fn close(&mut self, out: &mut FrameWriter) {
+        match self.open {
+            Open::Text => out.send(Frame::TextEnd),
+            Open::Thinking => out.send(Frame::ThinkingEnd { signature: None }),
+            Open::Call(_) => out.send(Frame::FunctionCallEnd),
+            Open::None => {}
+        }
+        self.open = Open::None;
+    }
+}
+
+/// OpenAI counts cached tokens inside `prompt_tokens`; the router's `input` is uncached input.
+pub(crate) fn openai_usage(u: &Value, input_key: &str, output_key: &str) -> Usage {
+    let n = |v: &Value| v.as_u64();
+    let prompt = n(&u[input_key]);
+    let details = if input_key == "prompt_tokens" {
+        &u["prompt_tokens_details"]
+    } else {
+        &u["input_tokens_details"]
+    };
+    let cached = n(&details["cached_tokens"]);
+    let out_details = if output_key == "completion_tokens" {
+        &u["completion_tokens_details"]
+    } else {
+        &u["output_tokens_details"]
+    };
+    Usage {
+        input: prompt.map(|p| p.saturating_sub(cached.unwrap_or(0))),
+        output: n(&u[output_key]),
+        cache_read: cached,
+        cache_write: None,
+        reasoning: n(&out_details["reasoning_tokens"]),
+        cost_usd: None,
+    }
+}
+
+fn malformed(data: &str) -> ProviderError {
+    let cut: String = data.chars().take(200).collect();
+    ProviderError::new(
+        harness_types::ErrorKind::Transient,
+        format!("malformed chunk from the provider: {cut}"),
+    )
+    .with_code("malformed_stream")
+}
+
+impl Decoder for ChatDecoder {
+    fn event(&mut self, ev: &SseEvent, out: &mut FrameWriter) -> Result<Flow, ProviderError> {
+        let data = ev.data.trim();
+        if data == "[DONE]" {
+            return Ok(Flow::End);
+        }
+        if data.is_empty() {
+            return Ok(Flow::Continue);
+        }
+        let v: Value = serde_json::from_str(data).map_err(|_| malformed(data))?;
+        if v.get("error").is_some_and(|e| !e.is_null()) || ev.event == "error" {
+            return Err(classify_stream(&parse_error_body(&v), &self.secrets));
+        }
+        if !self.started {
+            self.started = true;
+            out.send(Frame::Start {
+                model: Some(self.model.clone()),
+                provider: Some(self.provider.clone()),
+            });
+        }
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            let usage = openai_usage(u, "prompt_tokens", "completion_tokens");
+            out.send(Frame::Usage { usage });
+        }
+        let Some(choice) = v["choices"].get(0) else {
+            return Ok(Flow::Continue);
+        };
+        let delta = &choice["delta"];
+        let reasoning = delta["reasoning_content"]
+            .as_str()
+            .or_else(|| delta["reasoning"].as_str())
+            .filter(|s| !s.is_empty());
+        if let Some(r) = reasoning {
+            if self.open != Open::Thinking {
+                self.close(out);
+                out.send(Frame::ThinkingStart);
+                self.open = Open::Thinking;
+            }
+            out.send(Frame::ThinkingDelta { delta: r.into() });
+        }
+        if let Some(text) = delta["content"].as_str().filter(|s| !s.is_empty()) {
+            if self.open != Open::Text {
+                self.close(out);
+                out.send(Frame::TextStart);
+                self.open = Open::Text;
+            }
+            out.send(Frame::TextDelta { delta: text.into() });
+        }
+        if let Some(calls) = delta["tool_calls"].as_array() {
+            for (i, c) in calls.iter().enumerate() {
+                let index = c["index"].as_u64().unwrap_or(i as u64);
+                let f = &c["function"];
+                if self.open != Open::Call(index) {
+                    self.close(out);
+                    let name = f["name"].as_str().unwrap_or("");
+                    self.calls += 1;
+                    let id = c["id"]
+                        .as_str()
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_string)
+                        .unwrap_or_else(|| format!("call_{}_{}", self.request_id, self.calls));
+                    out.send(Frame::FunctionCallStart {
+                        id,
+                        function_id: self.names.id_of(name),
+                    });
+                    self.open = Open::Call(index);
+                }
+                // Arguments are a JSON text in pieces; a few servers send the object itself.
+                let piece = match &f["arguments"] {
+                    Value::String(s) => s.clone(),
+                    Value::Null => String::new(),
+                    other => other.to_string(),
+                };
+                if !piece.is_empty() {
+                    out.send(Frame::FunctionCallDelta { delta: piece });
+                }
+            }
+        }
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            self.close(out);
+            self.finish = Some(reason.to_string());
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn complete_at_eof(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    fn finish(&mut self, out: &mut FrameWriter) -> (StopReason, Option<String>) {
+        self.close(out);
+        let stop = match self.finish.as_deref() {
+            Some("length") => StopReason::Length,
+            _ if self.calls > 0 => StopReason::FunctionCall,
+            _ => StopReason::End,
+        };
+        (stop, self.finish.clone())
+    }
+}
+
+#[async_trait]
+impl Provider for OpenAiChatProvider {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    async fn chat(
+        &self,
+        req: ChatRequest,
+        mut out: FrameWriter,
+        cancel: CancellationToken,
+    ) -> ChatAck {
+        let (body, names, warnings) = match self.body(&req, out.context()) {
+            Ok(b) => b,
+            Err(e) => return out.fail(&e),
+        };
+        for w in warnings {
+            out.warn(w);
+        }
+        let bytes = Bytes::from(body.to_string());
+        let client = self.transport.client.clone();
+        let url = format!("{}/chat/completions", self.base_url);
+        let key = self.key.clone();
+        let request = move || {
+            let rb = client
+                .post(&url)
+                .header("content-type", "application/json")
+                .header("accept", "text/event-stream")
+                .body(bytes.clone());
+            match &key {
+                Some(k) => rb.bearer_auth(k.expose()),
+                None => rb,
+            }
+        };
+        let secrets = self.transport.secrets.clone();
+        let provider = self.id.clone();
+        let model = req.model.clone();
+        let request_id: String = req
+            .request_id
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        run(
+            &self.transport,
+            &request,
+            || ChatDecoder {
+                names: names.clone(),
+                secrets: secrets.clone(),
+                open: Open::None,
+                calls: 0,
+                finish: None,
+                started: false,
+                model: model.clone(),
+                provider: provider.clone(),
+                request_id: request_id.clone(),
+            },
+            out,
+            cancel,
+        )
+        .await
+    }
+
+    /// Compatible servers list their models at `GET {base}/models`.
+    async fn list_models(&self) -> Result<Option<Vec<String>>, ProviderError> {
+        if self.openai {
+            return Ok(None);
+        }
+        let t = &self.transport;
+        let resp = self
+            .auth(t.client.get(format!("{}/models", self.base_url)))
+            .timeout(std::time::Duration::from_secs(10))
+            .send()
+            .await
+            .map_err(|e| transport_error(&e, &t.secrets))?;
+        let status = resp.status().as_u16();
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| transport_error(&e, &t.secrets))?;
+        if !(200..300).contains(&status) {
+            return Err(classify_http(status, &text, None, None, &t.secrets));
+        }
+        let v: Value = serde_json::from_str(&text).map_err(|_| malformed(&text))?;
+        let ids = v["data"]
+            .as_array()
+            .or_else(|| v["models"].as_array())
+            .map(|list| {
+                list.iter()
+                    .filter_map(|m| m["id"].as_str().or_else(|| m["name"].as_str()))
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Some(ids))
+    }
+
+    fn describe(&self) -> Value {
+        json!({
+            "id": self.id,
+            "kind": if self.openai { "openai" } else { "openai-compatible" },
+            "base_url": crate::providers::public_url(&self.base_url),
+        })
+    }
+}

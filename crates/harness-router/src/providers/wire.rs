@@ -1,0 +1,90 @@
+//! Small pieces every adapter needs when it builds a request.
+
+use harness_types::message::ContentBlock;
+use harness_types::router::ChatRequest;
+use serde_json::{Map, Value};
+
+use crate::http::{client, Transport};
+use crate::providers::{is_loopback, ProviderConfig};
+use crate::router::ChatContext;
+
+/// The transport of a provider: one pooled client, its retry policy, its key as a secret.
+pub(crate) fn transport(cfg: &ProviderConfig) -> Transport {
+    let mut builder = reqwest::Client::builder()
+        .connect_timeout(cfg.http.connect_timeout)
+        .pool_idle_timeout(std::time::Duration::from_secs(60));
+    if is_loopback(&cfg.base_url) {
+        // A proxy from the environment must never see (or break) traffic to this machine.
+        builder = builder.no_proxy();
+    }
+    Transport {
+        client: builder
+            .build()
+            .unwrap_or_else(|_| client(cfg.http.connect_timeout)),
+        policy: cfg.http.retry.clone(),
+        idle_timeout: cfg.http.idle_timeout,
+        secrets: cfg.api_key.iter().map(|k| k.expose().to_string()).collect(),
+    }
+}
+
+/// `provider_options.<id>` for the first of `ids` present (options are namespaced by provider
+/// id or API family, e.g. `{"anthropic": {"top_k": 5}}`).
+pub(crate) fn namespaced<'a>(req: &'a ChatRequest, ids: &[&str]) -> Option<&'a Map<String, Value>> {
+    let opts = req.provider_options.as_ref()?.as_object()?;
+    ids.iter().find_map(|id| opts.get(*id)?.as_object())
+}
+
+/// Copies provider options into the body, except the keys the adapter owns.
+pub(crate) fn merge_options(
+    body: &mut Value,
+    opts: Option<&Map<String, Value>>,
+    reserved: &[&str],
+) {
+    let (Some(opts), Some(obj)) = (opts, body.as_object_mut()) else {
+        return;
+    };
+    for (k, v) in opts {
+        if !reserved.contains(&k.as_str()) {
+            obj.insert(k.clone(), v.clone());
+        }
+    }
+}
+
+/// The text of a function result (text blocks, one per line; other blocks named).
+pub(crate) fn result_text(content: &[ContentBlock]) -> String {
+    let parts: Vec<String> = content
+        .iter()
+        .map(|b| match b {
+            ContentBlock::Text { text } => text.clone(),
+            ContentBlock::Image { mime, .. } => format!("[image {mime} omitted]"),
+            other => serde_json::to_string(other).unwrap_or_default(),
+        })
+        .collect();
+    parts.join("\n")
+}
+
+/// Call arguments as a JSON object (the APIs require one).
+pub(crate) fn args_object(v: &Value) -> Value {
+    match v {
+        Value::Object(_) => v.clone(),
+        Value::Null => Value::Object(Map::new()),
+        other => serde_json::json!({ "value": other }),
+    }
+}
+
+/// The output budget: the caller's, clamped to the model's limit; else `fallback` clamped the
+/// same way.
+pub(crate) fn max_output(req: &ChatRequest, ctx: &ChatContext, fallback: u64) -> u64 {
+    let limit = ctx.model.as_ref().map(|m| m.max_output_tokens);
+    let wanted = req.max_output_tokens.map(u64::from).unwrap_or(fallback);
+    match limit {
+        Some(l) if l > 0 => wanted.min(l),
+        _ => wanted,
+    }
+    .max(1)
+}
+
+/// A `data:` URL of an image block.
+pub(crate) fn data_url(mime: &str, data: &str) -> String {
+    format!("data:{mime};base64,{data}")
+}

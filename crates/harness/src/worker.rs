@@ -1,0 +1,98 @@
+//! `harness worker`: the loop as a worker of an iii engine (feature `iii`).
+//!
+//! Registers the `harness::*` surface on the engine through `iii-sdk`, plus our own siblings named
+//! by `--with` (so a bare engine and one `harness worker --with all` is a complete stack), and
+//! uses the engine's calls, state and queue. See the `harness-iii` crate for what holds there.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::ValueEnum;
+use harness_bus::Bus;
+use harness_iii::{IiiBus, IiiOptions, QueueMode};
+
+use crate::runtime::{Runtime, Siblings};
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum QueueModeArg {
+    /// The engine's queue (`engine::queue::enqueue`) when a queue provider is registered, else
+    /// a standard topic queue with per-session serialisation in the worker.
+    Auto,
+    /// Always `TriggerAction::Enqueue` (declare `harness-turn` in the queue worker's config).
+    Enqueue,
+    /// A standard topic queue (`iii::durable::publish` + `durable:subscriber`).
+    Topic,
+    /// A FIFO topic queue: one global line, no parallelism across sessions.
+    Fifo,
+}
+
+#[derive(clap::Args)]
+pub struct WorkerArgs {
+    /// The engine's worker endpoint.
+    #[arg(long, env = "III_URL", default_value = "ws://127.0.0.1:49134")]
+    engine: String,
+    /// Our own siblings to register on the engine too: session, context, router, approval, all
+    /// (comma-separated or repeated). Without it the deployment's siblings are used.
+    #[arg(long, value_name = "LIST")]
+    with: Vec<String>,
+    #[arg(long, value_enum, default_value = "auto")]
+    queue_mode: QueueModeArg,
+    /// The worker name (the engine leases it to one live connection per namespace: run one
+    /// harness worker per session set).
+    #[arg(long, default_value = "harness")]
+    worker_name: String,
+    /// Seconds to wait for the engine to accept the worker and list its functions.
+    #[arg(long, default_value = "30")]
+    connect_timeout: u64,
+    #[command(flatten)]
+    runtime: crate::RuntimeArgs,
+}
+
+pub async fn run(args: WorkerArgs) -> Result<()> {
+    let with = Siblings::parse(&args.with)?;
+    let opts = args.runtime.options()?;
+    let data_dir = opts.data_dir.clone();
+    let mut iii = IiiOptions::new(args.engine.clone());
+    iii.worker_name = args.worker_name.clone();
+    iii.connect_timeout = Duration::from_secs(args.connect_timeout.max(1));
+    iii.queue_mode = match args.queue_mode {
+        QueueModeArg::Auto => QueueMode::Auto,
+        QueueModeArg::Enqueue => QueueMode::Enqueue,
+        QueueModeArg::Topic => QueueMode::Topic,
+        QueueModeArg::Fifo => QueueMode::TopicFifo,
+    };
+    let bus = IiiBus::connect(iii).await?;
+    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
+    let rt = match Runtime::open_on_bus(opts, shared, with, args.runtime.approve.clone()).await {
+        Ok(rt) => rt,
+        Err(e) => {
+            bus.shutdown().await;
+            return Err(e);
+        }
+    };
+    eprintln!(
+        "harness worker registered on {} (with {:?}; data dir {})",
+        args.engine,
+        with,
+        data_dir.display()
+    );
+    let mut reconnects = bus.reconnects();
+    loop {
+        tokio::select! {
+            _ = crate::shutdown_signal() => break,
+            changed = reconnects.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                // The engine failed what was in flight on the old connection: redrive.
+                if let Err(e) = rt.harness.start().await {
+                    tracing::error!("redrive after a reconnect failed: {e}");
+                }
+            }
+        }
+    }
+    bus.shutdown().await;
+    eprintln!("harness worker stopped; unfinished steps resume on the next start");
+    Ok(())
+}

@@ -1,0 +1,478 @@
+//! The end-to-end scenarios of the embedded mode, in iii mode: a real `harness worker --with all`
+//! process against the in-test engine double (tests/iii_engine). Every call the test makes goes
+//! through the engine, decorated with `_caller_worker_id` like any routed payload.
+#![cfg(feature = "iii")]
+
+mod iii_engine;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use iii_engine::worker::{WorkerProc, WAIT};
+use iii_engine::Engine;
+use serde_json::{json, Value};
+
+fn text_gen(matcher: Option<&str>, text: &str, chunk_delay_ms: u64, repeat: bool) -> Value {
+    let mut g = json!({"chunk_delay_ms": chunk_delay_ms, "content": [{"type": "text", "text": text}], "repeat": repeat});
+    if let Some(m) = matcher {
+        g["match"] = json!({ "last_user_text": m });
+    }
+    g
+}
+
+fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
+}
+
+fn script(generations: Vec<Value>) -> Value {
+    json!({ "generations": generations })
+}
+
+struct Fixtures {
+    dir: tempfile::TempDir,
+}
+
+impl Fixtures {
+    fn new(functions: Value) -> Fixtures {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("fixtures.json"),
+            json!({ "functions": functions }).to_string(),
+        )
+        .unwrap();
+        Fixtures { dir }
+    }
+    fn log(&self) -> PathBuf {
+        self.dir.path().join("invocations.jsonl")
+    }
+    fn args(&self) -> Vec<String> {
+        vec![
+            "--fixtures".into(),
+            self.dir.path().join("fixtures.json").display().to_string(),
+            "--fixture-log".into(),
+            self.log().display().to_string(),
+        ]
+    }
+}
+
+fn invocations(log: &Path) -> HashMap<String, usize> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut out = HashMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).expect("fixture log line is JSON");
+        *out.entry(v["function_call_id"].as_str().unwrap_or("?").to_string())
+            .or_insert(0) += 1;
+    }
+    out
+}
+
+fn text_of(entry: &Value) -> String {
+    entry["message"]["content"]
+        .as_array()
+        .map(|b| {
+            b.iter()
+                .filter(|b| b["type"] == "text")
+                .filter_map(|b| b["text"].as_str())
+                .collect::<String>()
+        })
+        .unwrap_or_default()
+}
+
+fn role_of(entry: &Value) -> Option<&str> {
+    entry["message"]["role"].as_str()
+}
+
+fn render(entries: &[Value]) -> String {
+    entries
+        .iter()
+        .map(|e| format!("  {:?}: {:?}", role_of(e), text_of(e)))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every function_call in the transcript has exactly one function_result.
+fn assert_every_call_closed(entries: &[Value]) {
+    let mut calls = Vec::new();
+    let mut results: HashMap<String, usize> = HashMap::new();
+    for e in entries {
+        for b in e["message"]["content"].as_array().into_iter().flatten() {
+            if b["type"] == "function_call" {
+                calls.push(b["id"].as_str().unwrap().to_string());
+            }
+        }
+        if role_of(e) == Some("function_result") {
+            *results
+                .entry(
+                    e["message"]["function_call_id"]
+                        .as_str()
+                        .unwrap()
+                        .to_string(),
+                )
+                .or_insert(0) += 1;
+        }
+    }
+    for c in &calls {
+        assert_eq!(results.get(c), Some(&1), "call {c}: {}", render(entries));
+    }
+    assert_eq!(results.len(), calls.len(), "{}", render(entries));
+}
+
+async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_turn_streams_through_the_engine() {
+    let engine = Engine::start().await;
+    let _worker = WorkerProc::start(
+        &engine,
+        &script(vec![text_gen(None, "Hello from the iii side.", 5, true)]),
+        &["--stream-coalesce-ms", "0"],
+    )
+    .await;
+    let sent = engine.send("s_text", "hi", &[]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let status = engine.wait_turn("s_text", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(status["result"], "Hello from the iii side.");
+    let entries = engine.transcript("s_text", false).await;
+    assert_eq!(entries.len(), 2, "{}", render(&entries));
+    assert_eq!(
+        (role_of(&entries[1]), text_of(&entries[1]).as_str()),
+        (Some("assistant"), "Hello from the iii side.")
+    );
+    // The frames went caller ← callee through the engine, to the worker's frame sink.
+    let frames: Vec<Value> = engine
+        .received()
+        .into_iter()
+        .filter(|m| {
+            m["type"] == "invokefunction"
+                && m["function_id"]
+                    .as_str()
+                    .is_some_and(|f| f.starts_with("harness::frames::"))
+        })
+        .collect();
+    assert!(
+        !frames.is_empty(),
+        "router::chat frames travel through the engine"
+    );
+    let kinds: Vec<String> = frames
+        .iter()
+        .flat_map(|m| m["data"]["frames"].as_array().cloned().unwrap_or_default())
+        .filter_map(|f| f["type"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(kinds.last().map(String::as_str), Some("done"), "{kinds:?}");
+    // The step ran on the engine's topic queue, through the delivery function.
+    assert!(engine
+        .received()
+        .iter()
+        .any(|m| m["type"] == "registertrigger"
+            && m["trigger_type"] == "durable:subscriber"
+            && m["config"]["topic"] == "harness-turn"));
+    // Bad input still names the field, through the engine's decoration.
+    let err = engine
+        .call(
+            "harness::send",
+            json!({"session_id": 5, "message": "x", "model": "m", "provider": "scripted"}),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, "harness/invalid_request", "{err:?}");
+    assert!(err.message.contains("session_id"), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_call_runs_exactly_once() {
+    let engine = Engine::start().await;
+    let fx = Fixtures::new(json!([{"id": "f::a", "description": "a", "response": {"ok": "a"}}]));
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let _worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen("run a", "c1", "f::a", json!({"n": 1})),
+            text_gen(None, "a is done", 0, true),
+        ]),
+        &extra,
+    )
+    .await;
+    let sent = engine.send("s_call", "run a", &["f::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let status = engine.wait_turn("s_call", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)])
+    );
+    let entries = engine.transcript("s_call", false).await;
+    assert_every_call_closed(&entries);
+    let result = entries
+        .iter()
+        .find(|e| role_of(e) == Some("function_result"))
+        .unwrap();
+    assert_eq!(result["message"]["is_error"], false, "{result}");
+    assert_eq!(text_of(entries.last().unwrap()), "a is done");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_call_the_call_runs_once_and_is_closed_as_interrupted() {
+    let engine = Engine::start().await;
+    let fx = Fixtures::new(
+        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
+    );
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
+            text_gen(
+                None,
+                "The job was interrupted; I will check before retrying.",
+                0,
+                true,
+            ),
+        ]),
+        &extra,
+    )
+    .await;
+    let sent = engine.send("s_slow", "do the work", &["slow::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let log = fx.log();
+    wait_until("the fixture log to show the call", || {
+        invocations(&log).get("c1") == Some(&1)
+    })
+    .await;
+    worker.kill();
+    worker.restart().await;
+    let status = engine.wait_turn("s_slow", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    let entries = engine.transcript("s_slow", false).await;
+    assert_every_call_closed(&entries);
+    let result = entries
+        .iter()
+        .find(|e| role_of(e) == Some("function_result"))
+        .unwrap();
+    assert_eq!(result["message"]["is_error"], true);
+    assert_eq!(
+        result["message"]["details"]["error"], "interrupted",
+        "{result}"
+    );
+    let users = entries
+        .iter()
+        .filter(|e| role_of(e) == Some("user"))
+        .count();
+    assert_eq!(users, 1, "{}", render(&entries));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_call_runs_once_after_release() {
+    let engine = Engine::start().await;
+    let fx = Fixtures::new(
+        json!([{"id": "fs::write", "description": "write", "response": {"ok": true}}]),
+    );
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let _worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen(
+                "write it",
+                "c1",
+                "fs::write",
+                json!({"path": "/tmp/a", "text": "hi"}),
+            ),
+            text_gen(None, "written", 0, true),
+        ]),
+        &extra,
+    )
+    .await;
+    // A hook that holds, bound through the engine: the engine forwards the binding to the
+    // harness worker, which owns the hook trigger types.
+    let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h = held.clone();
+    engine.register_local("guard::hold", move |p| {
+        assert!(p["call"]["function_id"] == "fs::write", "{p}");
+        h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(json!({"decision": "hold"}))
+    });
+    let bound = engine
+        .ok(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {"functions": ["fs::*"]}}),
+        )
+        .await;
+    let id = bound["id"].as_str().unwrap();
+    let ack = engine.wait_trigger_result(id, WAIT).await;
+    assert!(
+        ack["error"].is_null(),
+        "the worker accepted the binding: {ack}"
+    );
+
+    let sent = engine.send("s_hold", "write it", &["fs::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let s = engine.wait_status("s_hold", "awaiting_functions").await;
+    assert_eq!(s["pending_function_calls"], json!(["c1"]), "{s}");
+    assert!(invocations(&fx.log()).is_empty(), "nothing runs while held");
+
+    let out = engine
+        .ok(
+            "harness::function::resolve",
+            json!({"session_id": "s_hold", "turn_id": turn_id, "function_call_id": "c1", "action": "execute"}),
+        )
+        .await;
+    assert_eq!(
+        (out["resolved"].clone(), out["turn_resumed"].clone()),
+        (json!(true), json!(true)),
+        "{out}"
+    );
+    let status = engine.wait_turn("s_hold", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)])
+    );
+    assert_eq!(
+        held.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the holder is not re-run"
+    );
+    assert_every_call_closed(&engine.transcript("s_hold", false).await);
+
+    // Unbinding through the engine reaches the worker too: the next call runs without a hold.
+    engine
+        .ok("engine::unregister_trigger", json!({"id": id}))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_connection_replays_registrations_and_the_turn_completes_once() {
+    const STORY: &str =
+        "Once upon a time a durable loop lost its link to the engine, reconnected, \
+        and finished the story without repeating itself.";
+    let engine = Engine::start().await;
+    let _worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            text_gen(Some("^marker$"), "marker reply", 0, true),
+            // `repeat`: the generation cut by the dropped link is a transient failure, and the
+            // resume asks again with a new request.
+            text_gen(None, STORY, 60, true),
+        ]),
+        &["--stream-coalesce-ms", "0"],
+    )
+    .await;
+    let sent = engine.send("s_drop", "tell me a story", &[]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    // Mid-stream: some of the story is in the transcript, not all of it.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let entries = engine.transcript("s_drop", false).await;
+        let partial = entries
+            .iter()
+            .find(|e| role_of(e) == Some("assistant"))
+            .map(text_of)
+            .unwrap_or_default();
+        if !partial.is_empty() && partial.len() < STORY.len() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no partial reply");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(engine.drop_workers("harness"), 1, "one harness connection");
+    // The SDK reconnects and replays its registrations; the engine failed the in-flight step
+    // (invocation_stopped) and retries it; the worker redrives after the reconnect.
+    engine.wait_function("harness::send", WAIT).await;
+    let status = engine.wait_turn("s_drop", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(status["result"], json!(STORY));
+    // The cut generation was closed as a transient failure and resumed once: one user
+    // message, and the turn ends with the whole story.
+    let entries = engine.transcript("s_drop", false).await;
+    let users = entries.iter().filter(|e| role_of(e) == Some("user")).count();
+    assert_eq!(users, 1, "{}", render(&entries));
+    assert_eq!(text_of(entries.last().unwrap()), STORY, "{}", render(&entries));
+    // A later turn works on the replayed registrations.
+    let marker = engine.send("s_drop", "marker", &[]).await;
+    let mt = marker["turn_id"].as_str().unwrap().to_string();
+    assert_eq!(engine.wait_turn("s_drop", &mt).await["status"], "completed");
+    assert_eq!(engine.connected_workers("harness"), 1);
+}
+
+/// The engine's state is not durable for its last seconds (5 s flush): here the turn record of a
+/// parked turn is lost. Releasing the held call must not run the target, and the session must
+/// stay usable: a lost record costs the turn, never a side effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
+    let engine = Engine::start().await;
+    let fx = Fixtures::new(
+        json!([{"id": "fs::write", "description": "write", "response": {"ok": true}}]),
+    );
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen("write it", "c1", "fs::write", json!({"path": "/tmp/a"})),
+            text_gen(None, "fresh start", 0, true),
+        ]),
+        &extra,
+    )
+    .await;
+    engine.register_local("guard::hold", |_| Ok(json!({"decision": "hold"})));
+    let bound = engine
+        .ok(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {"functions": ["fs::*"]}}),
+        )
+        .await;
+    engine
+        .wait_trigger_result(bound["id"].as_str().unwrap(), WAIT)
+        .await;
+    let sent = engine.send("s_lost", "write it", &["fs::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    engine.wait_status("s_lost", "awaiting_functions").await;
+    assert!(engine.state("harness_turn", "s_lost").is_some());
+
+    // The engine dies before flushing: the record is gone; the worker restarts too.
+    engine.set_state("harness_turn", "s_lost", None);
+    worker.restart().await;
+    let out = engine
+        .call(
+            "harness::function::resolve",
+            json!({"session_id": "s_lost", "turn_id": turn_id, "function_call_id": "c1", "action": "execute"}),
+        )
+        .await;
+    if let Ok(v) = &out {
+        assert_ne!(
+            v["resolved"], true,
+            "nothing to resolve without the record: {v}"
+        );
+    }
+    assert!(
+        invocations(&fx.log()).is_empty(),
+        "the held target never ran"
+    );
+
+    // The session takes a new turn.
+    engine
+        .ok("engine::unregister_trigger", json!({"id": bound["id"]}))
+        .await;
+    let again = engine.send("s_lost", "start over", &[]).await;
+    let t2 = again["turn_id"].as_str().unwrap().to_string();
+    assert_ne!(t2, turn_id);
+    let s = engine.wait_turn("s_lost", &t2).await;
+    assert_eq!(s["status"], "completed", "{s}");
+    assert!(invocations(&fx.log()).is_empty(), "no target ran at all");
+}

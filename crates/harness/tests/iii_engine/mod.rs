@@ -1,0 +1,891 @@
+//! A minimal in-test double of an iii engine's worker protocol (a test fixture, never a product
+//! mode), faithful to what was observed on a real engine (shared/spec/iii-engine-facts.md) and
+//! to the engine's source for the parts the harness uses:
+//!
+//! - JSON text frames over a WebSocket, `type` tag: `workerregistered` on accept; from workers
+//!   `registerfunction`, `unregisterfunction`, `registertriggertype`, `registertrigger`,
+//!   `unregistertrigger`, `triggerregistrationresult`, `invokefunction` (with `invocation_id`:
+//!   a result is routed back; without: fire-and-forget), `invocationresult`, `reattach`, `ping`.
+//! - Routing: a call of a worker's function is sent to that worker as `invokefunction` with a
+//!   fresh invocation id; its object payload gets `_caller_worker_id`. An unknown function fails
+//!   with `function_not_found`; the calls in flight to a worker that disconnects fail with
+//!   `invocation_stopped`.
+//! - Built-ins: `engine::functions::list|info`, `engine::triggers::list`,
+//!   `engine::register_trigger` / `engine::unregister_trigger` (durable, not owned by the
+//!   caller), `engine::registered-triggers::list`, `engine::workers::register`, `state::get|set|
+//!   delete|list` (list answers values without keys; no compare-and-swap),
+//!   `iii::durable::publish {topic, data}`.
+//! - Trigger types: a worker's `registertriggertype` makes it the provider; every binding of
+//!   that type (from any worker or `engine::register_trigger`) is forwarded to it as
+//!   `registertrigger`, replayed when the type is registered again, parked while no provider
+//!   is connected. A worker's own `registertrigger` bindings are removed when it disconnects.
+//! - `durable:subscriber {topic, queue_config}`: each published message is queued per
+//!   (topic, function); consumers deliver with `concurrency` (1 for `fifo`), retry a failure
+//!   with exponential backoff up to `maxRetries`, then dead-letter it. A job in flight when its
+//!   worker dies fails (`invocation_stopped`) and is retried like any failure; nothing returns
+//!   it to the queue otherwise. `cron` bindings are accepted and never fire.
+//!
+//! Not modelled: namespaces, RBAC, observe, channels, the 5 s state flush (state lives in memory
+//! and survives worker restarts, which is the point), the queue worker (`engine::queue::enqueue`).
+
+#![allow(dead_code)]
+
+pub mod worker;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, Notify};
+use tokio_tungstenite::tungstenite::Message as Ws;
+
+/// An error answer: `{code, message}`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallError {
+    pub code: String,
+    pub message: String,
+}
+
+impl CallError {
+    fn new(code: &str, message: impl Into<String>) -> CallError {
+        CallError {
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+}
+
+type LocalFn = Arc<dyn Fn(Value) -> Result<Value, CallError> + Send + Sync>;
+
+#[derive(Clone)]
+struct Function {
+    worker: String,
+    def: Value,
+}
+
+#[derive(Clone)]
+struct TriggerType {
+    worker: Option<String>,
+    def: Value,
+}
+
+#[derive(Clone, Debug)]
+struct Trigger {
+    id: String,
+    trigger_type: String,
+    function_id: String,
+    config: Value,
+    metadata: Value,
+    /// The connection that registered it (None: `engine::register_trigger`, durable).
+    owner: Option<String>,
+}
+
+struct WorkerConn {
+    tx: mpsc::UnboundedSender<Ws>,
+    name: Option<String>,
+}
+
+struct Job {
+    data: Value,
+    attempts: u32,
+    not_before: Instant,
+}
+
+/// A topic queue of one subscribing function.
+#[derive(Default)]
+struct TopicQueue {
+    jobs: VecDeque<Job>,
+    in_flight: usize,
+}
+
+#[derive(Default)]
+struct State {
+    workers: HashMap<String, WorkerConn>,
+    functions: HashMap<String, Function>,
+    trigger_types: HashMap<String, TriggerType>,
+    triggers: HashMap<String, Trigger>,
+    /// Invocations sent to a worker: engine invocation id → (worker, reply).
+    pending: HashMap<String, (String, oneshot::Sender<Result<Value, CallError>>)>,
+    kv: HashMap<String, HashMap<String, Value>>,
+    local: HashMap<String, LocalFn>,
+    topics: HashMap<(String, String), TopicQueue>,
+    dead_letters: Vec<(String, Value, CallError)>,
+    /// Every frame received from workers, in order (for assertions).
+    received: Vec<Value>,
+    trigger_results: Vec<Value>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    changed: Notify,
+    ids: AtomicU64,
+}
+
+/// The engine double. Cheap to clone; the server stops when the test ends.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+    pub url: String,
+}
+
+const BUILTIN_TRIGGER_TYPES: &[&str] = &[
+    "cron",
+    "durable:subscriber",
+    "state",
+    "subscribe",
+    "engine::functions-available",
+    "engine::workers-available",
+];
+
+impl Engine {
+    pub async fn start() -> Engine {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind engine");
+        let url = format!("ws://{}", listener.local_addr().unwrap());
+        let engine = Engine {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State::default()),
+                changed: Notify::new(),
+                ids: AtomicU64::new(0),
+            }),
+            url,
+        };
+        let e = engine.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let _ = tcp.set_nodelay(true);
+                let e = e.clone();
+                tokio::spawn(async move {
+                    if let Ok(ws) = tokio_tungstenite::accept_async(tcp).await {
+                        e.serve(ws).await;
+                    }
+                });
+            }
+        });
+        let e = engine.clone();
+        tokio::spawn(async move { e.run_queues().await });
+        engine
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A fresh id in UUID form (the SDK parses invocation ids as UUIDs).
+    fn fresh_id(&self) -> String {
+        let n = self.inner.ids.fetch_add(1, Ordering::SeqCst);
+        let salt = std::process::id() as u64;
+        format!("{:08x}-0000-4000-8000-{:012x}", salt & 0xffff_ffff, n)
+    }
+
+    fn send_frame(&self, worker: &str, frame: Value) -> bool {
+        let st = self.lock();
+        match st.workers.get(worker) {
+            Some(w) => w.tx.send(Ws::Text(frame.to_string().into())).is_ok(),
+            None => false,
+        }
+    }
+
+    // --- connections ----------------------------------------------------------------------
+
+    async fn serve(&self, ws: tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>) {
+        let (mut sink, mut stream) = ws.split();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Ws>();
+        let worker_id = self.fresh_id();
+        self.lock().workers.insert(
+            worker_id.clone(),
+            WorkerConn {
+                tx: tx.clone(),
+                name: None,
+            },
+        );
+        let _ = tx.send(Ws::Text(
+            json!({"type": "workerregistered", "worker_id": worker_id, "reattach_token": format!("tok-{worker_id}")})
+                .to_string()
+                .into(),
+        ));
+        let writer = tokio::spawn(async move {
+            while let Some(m) = rx.recv().await {
+                let close = matches!(m, Ws::Close(_));
+                if sink.send(m).await.is_err() || close {
+                    break;
+                }
+            }
+            let _ = sink.close().await;
+        });
+        while let Some(frame) = stream.next().await {
+            let text = match frame {
+                Ok(Ws::Text(t)) => t.to_string(),
+                Ok(Ws::Binary(b)) => String::from_utf8_lossy(&b).into_owned(),
+                Ok(Ws::Close(_)) | Err(_) => break,
+                Ok(_) => continue,
+            };
+            let Ok(msg) = serde_json::from_str::<Value>(&text) else {
+                continue;
+            };
+            if !self.lock().workers.contains_key(&worker_id) {
+                break; // dropped by the test
+            }
+            self.lock().received.push(msg.clone());
+            self.on_frame(&worker_id, msg);
+        }
+        writer.abort();
+        self.disconnected(&worker_id);
+    }
+
+    fn disconnected(&self, worker_id: &str) {
+        let mut unforward = Vec::new();
+        {
+            let mut st = self.lock();
+            st.workers.remove(worker_id);
+            st.functions.retain(|_, f| f.worker != worker_id);
+            let owned: Vec<String> = st
+                .triggers
+                .values()
+                .filter(|t| t.owner.as_deref() == Some(worker_id))
+                .map(|t| t.id.clone())
+                .collect();
+            for id in owned {
+                if let Some(t) = st.triggers.remove(&id) {
+                    unforward.push(t);
+                }
+            }
+            // Its trigger types lose their provider; their bindings wait for the next one.
+            for tt in st.trigger_types.values_mut() {
+                if tt.worker.as_deref() == Some(worker_id) {
+                    tt.worker = None;
+                }
+            }
+            let stopped: Vec<String> = st
+                .pending
+                .iter()
+                .filter(|(_, (w, _))| w == worker_id)
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in stopped {
+                if let Some((_, reply)) = st.pending.remove(&id) {
+                    let _ = reply.send(Err(CallError::new(
+                        "invocation_stopped",
+                        "the worker handling the invocation disconnected",
+                    )));
+                }
+            }
+        }
+        for t in unforward {
+            self.forward_unregister(&t);
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    fn on_frame(&self, worker_id: &str, msg: Value) {
+        let kind = msg["type"].as_str().unwrap_or_default().to_string();
+        match kind.as_str() {
+            "registerfunction" => {
+                let id = msg["id"].as_str().unwrap_or_default().to_string();
+                self.lock().functions.insert(
+                    id,
+                    Function {
+                        worker: worker_id.to_string(),
+                        def: msg,
+                    },
+                );
+                self.inner.changed.notify_waiters();
+            }
+            "unregisterfunction" => {
+                let id = msg["id"].as_str().unwrap_or_default();
+                let mut st = self.lock();
+                if st.functions.get(id).is_some_and(|f| f.worker == worker_id) {
+                    st.functions.remove(id);
+                }
+            }
+            "registertriggertype" => {
+                let id = msg["id"].as_str().unwrap_or_default().to_string();
+                let replay: Vec<Trigger> = {
+                    let mut st = self.lock();
+                    st.trigger_types.insert(
+                        id.clone(),
+                        TriggerType {
+                            worker: Some(worker_id.to_string()),
+                            def: msg,
+                        },
+                    );
+                    st.triggers
+                        .values()
+                        .filter(|t| t.trigger_type == id)
+                        .cloned()
+                        .collect()
+                };
+                for t in replay {
+                    self.forward_register(&t);
+                }
+                self.inner.changed.notify_waiters();
+            }
+            "registertrigger" => {
+                let t = Trigger {
+                    id: msg["id"].as_str().unwrap_or_default().to_string(),
+                    trigger_type: msg["trigger_type"].as_str().unwrap_or_default().to_string(),
+                    function_id: msg["function_id"].as_str().unwrap_or_default().to_string(),
+                    config: msg.get("config").cloned().unwrap_or(Value::Null),
+                    metadata: msg.get("metadata").cloned().unwrap_or(Value::Null),
+                    owner: Some(worker_id.to_string()),
+                };
+                self.add_trigger(t);
+            }
+            "unregistertrigger" => {
+                let id = msg["id"].as_str().unwrap_or_default();
+                let removed = self.lock().triggers.remove(id);
+                if let Some(t) = removed {
+                    self.forward_unregister(&t);
+                }
+            }
+            "triggerregistrationresult" => {
+                self.lock().trigger_results.push(msg);
+            }
+            "invokefunction" => {
+                let e = self.clone();
+                let caller = worker_id.to_string();
+                tokio::spawn(async move { e.on_invoke(caller, msg).await });
+            }
+            "invocationresult" => {
+                let id = msg["invocation_id"].as_str().unwrap_or_default();
+                let pending = self.lock().pending.remove(id);
+                if let Some((_, reply)) = pending {
+                    let r = match msg.get("error").filter(|e| !e.is_null()) {
+                        Some(err) => Err(CallError::new(
+                            err["code"].as_str().unwrap_or("invocation_failed"),
+                            err["message"].as_str().unwrap_or_default(),
+                        )),
+                        None => Ok(msg.get("result").cloned().unwrap_or(Value::Null)),
+                    };
+                    let _ = reply.send(r);
+                }
+            }
+            "ping" => {
+                self.send_frame(worker_id, json!({"type": "pong"}));
+            }
+            _ => {} // reattach, pong, unknown: ignored
+        }
+    }
+
+    async fn on_invoke(&self, caller: String, msg: Value) {
+        let function_id = msg["function_id"].as_str().unwrap_or_default().to_string();
+        let data = msg.get("data").cloned().unwrap_or(Value::Null);
+        let metadata = msg.get("metadata").cloned().filter(|m| !m.is_null());
+        let action = msg["action"]["type"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        if function_id == "engine::workers::register" {
+            if let Some(w) = self.lock().workers.get_mut(&caller) {
+                w.name = data["name"].as_str().map(str::to_string);
+            }
+        }
+        let result = if action == "enqueue" {
+            // No queue provider in this double (as on a default 0.23 engine build).
+            Err(CallError::new(
+                "enqueue_error",
+                "engine::queue::enqueue not found: no queue worker is connected",
+            ))
+        } else {
+            self.dispatch(&function_id, data, Some(&caller), metadata)
+                .await
+        };
+        let Some(invocation_id) = msg["invocation_id"].as_str() else {
+            return; // fire-and-forget
+        };
+        let mut frame = json!({"type": "invocationresult", "invocation_id": invocation_id, "function_id": function_id});
+        match result {
+            Ok(v) => frame["result"] = v,
+            Err(e) => frame["error"] = json!({"code": e.code, "message": e.message}),
+        }
+        self.send_frame(&caller, frame);
+    }
+
+    /// Runs a call: a built-in, a test-side function, or a worker's function (routed).
+    async fn dispatch(
+        &self,
+        function_id: &str,
+        data: Value,
+        caller: Option<&str>,
+        metadata: Option<Value>,
+    ) -> Result<Value, CallError> {
+        if let Some(r) = self.builtin(function_id, &data) {
+            return r;
+        }
+        let local = self.lock().local.get(function_id).cloned();
+        if let Some(f) = local {
+            return f(data);
+        }
+        let owner = self
+            .lock()
+            .functions
+            .get(function_id)
+            .map(|f| f.worker.clone());
+        let Some(owner) = owner else {
+            return Err(CallError::new(
+                "function_not_found",
+                format!("Function '{function_id}' not found"),
+            ));
+        };
+        let mut data = data;
+        if let Value::Object(map) = &mut data {
+            map.insert(
+                "_caller_worker_id".into(),
+                json!(caller.unwrap_or("00000000-0000-0000-0000-000000000000")),
+            );
+        }
+        let invocation_id = self.fresh_id();
+        let (tx, rx) = oneshot::channel();
+        self.lock()
+            .pending
+            .insert(invocation_id.clone(), (owner.clone(), tx));
+        let mut frame = json!({"type": "invokefunction", "invocation_id": invocation_id, "function_id": function_id, "data": data});
+        if let Some(m) = metadata {
+            frame["metadata"] = m;
+        }
+        if !self.send_frame(&owner, frame) {
+            self.lock().pending.remove(&invocation_id);
+            return Err(CallError::new("invocation_stopped", "the worker is gone"));
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(CallError::new("invocation_stopped", "dropped")))
+    }
+
+    fn builtin(&self, function_id: &str, data: &Value) -> Option<Result<Value, CallError>> {
+        let bad = |why: &str| Err(CallError::new("deserialization_error", why.to_string()));
+        let s = |v: &Value, k: &str| v[k].as_str().map(str::to_string);
+        Some(match function_id {
+            "engine::workers::register" => Ok(json!({"success": true})),
+            "engine::functions::list" => {
+                let st = self.lock();
+                let prefix = s(data, "prefix").unwrap_or_default();
+                let mut fns: Vec<Value> = st
+                    .functions
+                    .iter()
+                    .filter(|(id, _)| id.starts_with(&prefix))
+                    .map(|(id, f)| {
+                        json!({"function_id": id, "description": f.def["description"], "namespace": "default",
+                               "worker_name": st.workers.get(&f.worker).and_then(|w| w.name.clone())})
+                    })
+                    .collect();
+                fns.sort_by(|a, b| a["function_id"].as_str().cmp(&b["function_id"].as_str()));
+                Ok(json!({ "functions": fns }))
+            }
+            "engine::functions::info" => {
+                let st = self.lock();
+                let detail = |id: &str| {
+                    st.functions.get(id).map(|f| {
+                        json!({"function_id": id, "namespace": "default", "worker_name": "",
+                            "description": f.def["description"], "request_schema": f.def["request_format"],
+                            "response_schema": f.def["response_format"], "metadata": f.def["metadata"],
+                            "registered_triggers": []})
+                    })
+                };
+                match (s(data, "function_id"), data["function_ids"].as_array()) {
+                    (Some(id), None) => detail(&id).ok_or_else(|| {
+                        CallError::new("NOT_FOUND", format!("Function '{id}' not found"))
+                    }),
+                    (None, Some(ids)) if ids.len() <= 32 => Ok(json!({"functions": ids
+                        .iter()
+                        .map(|id| {
+                            let id = id.as_str().unwrap_or_default();
+                            detail(id).unwrap_or_else(|| json!({"function_id": id, "error": "not_found"}))
+                        })
+                        .collect::<Vec<_>>()})),
+                    (None, Some(_)) => {
+                        Err(CallError::new("INVALID_INPUT", "function_ids: at most 32"))
+                    }
+                    _ => Err(CallError::new(
+                        "INVALID_INPUT",
+                        "exactly one of function_id / function_ids must be set",
+                    )),
+                }
+            }
+            "engine::triggers::list" => {
+                let st = self.lock();
+                let mut types: Vec<Value> = BUILTIN_TRIGGER_TYPES
+                    .iter()
+                    .map(|t| json!({"id": t, "description": "built-in"}))
+                    .collect();
+                for (id, t) in &st.trigger_types {
+                    types.push(json!({"id": id, "description": t.def["description"],
+                        "trigger_request_format": t.def["trigger_request_format"]}));
+                }
+                Ok(json!({ "trigger_types": types }))
+            }
+            "engine::register_trigger" => {
+                let (Some(tt), Some(f)) = (s(data, "trigger_type"), s(data, "function_id")) else {
+                    return Some(bad("missing field `trigger_type` or `function_id`"));
+                };
+                let t = Trigger {
+                    id: self.fresh_id(),
+                    trigger_type: tt,
+                    function_id: f,
+                    config: data.get("config").cloned().unwrap_or(Value::Null),
+                    metadata: data.get("metadata").cloned().unwrap_or(Value::Null),
+                    owner: None,
+                };
+                let id = t.id.clone();
+                self.add_trigger(t);
+                Ok(json!({ "id": id }))
+            }
+            "engine::unregister_trigger" => {
+                let Some(id) = s(data, "id") else {
+                    return Some(bad("missing field `id`"));
+                };
+                let removed = self.lock().triggers.remove(&id);
+                if let Some(t) = &removed {
+                    self.forward_unregister(t);
+                }
+                Ok(json!({"removed": removed.is_some()}))
+            }
+            "engine::registered-triggers::list" => {
+                let st = self.lock();
+                let tt = s(data, "trigger_type");
+                let f = s(data, "function_id");
+                let mut rows: Vec<Value> = st
+                    .triggers
+                    .values()
+                    .filter(|t| tt.as_deref().is_none_or(|x| x == t.trigger_type))
+                    .filter(|t| f.as_deref().is_none_or(|x| x == t.function_id))
+                    .map(|t| json!({"id": t.id, "trigger_type": t.trigger_type, "function_id": t.function_id,
+                        "worker_name": "", "config": t.config, "config_summary": t.config.to_string()}))
+                    .collect();
+                rows.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+                Ok(json!({ "registered_triggers": rows }))
+            }
+            "state::get" | "state::set" | "state::delete" | "state::list" => {
+                let Some(scope) = s(data, "scope") else {
+                    return Some(bad("missing field `scope`"));
+                };
+                let mut st = self.lock();
+                let table = st.kv.entry(scope).or_default();
+                if function_id == "state::list" {
+                    return Some(Ok(Value::Array(table.values().cloned().collect())));
+                }
+                let Some(key) = s(data, "key") else {
+                    return Some(bad("missing field `key`"));
+                };
+                match function_id {
+                    "state::get" => Ok(table.get(&key).cloned().unwrap_or(Value::Null)),
+                    "state::set" => {
+                        let value = data.get("value").cloned().unwrap_or(Value::Null);
+                        let old = table.insert(key, value.clone());
+                        Ok(json!({"old_value": old, "new_value": value}))
+                    }
+                    _ => Ok(json!({"old_value": table.remove(&key)})),
+                }
+            }
+            "iii::durable::publish" => {
+                let Some(topic) = s(data, "topic") else {
+                    return Some(bad("missing field `topic`"));
+                };
+                let payload = data.get("data").cloned().unwrap_or(Value::Null);
+                let mut st = self.lock();
+                let subscribers: Vec<String> = st
+                    .triggers
+                    .values()
+                    .filter(|t| {
+                        t.trigger_type == "durable:subscriber" && t.config["topic"] == json!(topic)
+                    })
+                    .map(|t| t.function_id.clone())
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .collect();
+                for f in subscribers {
+                    st.topics
+                        .entry((topic.clone(), f))
+                        .or_default()
+                        .jobs
+                        .push_back(Job {
+                            data: payload.clone(),
+                            attempts: 0,
+                            not_before: Instant::now(),
+                        });
+                }
+                drop(st);
+                self.inner.changed.notify_waiters();
+                Ok(json!({"ok": true}))
+            }
+            _ => return None,
+        })
+    }
+
+    // --- triggers ---------------------------------------------------------------------------
+
+    fn add_trigger(&self, t: Trigger) {
+        let forward = {
+            let mut st = self.lock();
+            st.triggers.insert(t.id.clone(), t.clone());
+            st.trigger_types
+                .get(&t.trigger_type)
+                .is_some_and(|tt| tt.worker.is_some())
+        };
+        if forward {
+            self.forward_register(&t);
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    fn provider(&self, trigger_type: &str) -> Option<String> {
+        self.lock()
+            .trigger_types
+            .get(trigger_type)
+            .and_then(|t| t.worker.clone())
+    }
+
+    fn forward_register(&self, t: &Trigger) {
+        if let Some(p) = self.provider(&t.trigger_type) {
+            let mut frame = json!({"type": "registertrigger", "id": t.id, "trigger_type": t.trigger_type,
+                "function_id": t.function_id, "config": t.config});
+            if !t.metadata.is_null() {
+                frame["metadata"] = t.metadata.clone();
+            }
+            self.send_frame(&p, frame);
+        }
+    }
+
+    fn forward_unregister(&self, t: &Trigger) {
+        if let Some(p) = self.provider(&t.trigger_type) {
+            self.send_frame(
+                &p,
+                json!({"type": "unregistertrigger", "id": t.id, "trigger_type": t.trigger_type}),
+            );
+        }
+    }
+
+    // --- topic queues ---------------------------------------------------------------------------
+
+    /// Delivers topic jobs to subscribers that have a binding, within their concurrency.
+    async fn run_queues(&self) {
+        loop {
+            let notified = self.inner.changed.notified();
+            let mut starts = Vec::new();
+            {
+                let mut st = self.lock();
+                let configs: HashMap<(String, String), Value> = st
+                    .triggers
+                    .values()
+                    .filter(|t| t.trigger_type == "durable:subscriber")
+                    .map(|t| {
+                        (
+                            (
+                                t.config["topic"].as_str().unwrap_or_default().to_string(),
+                                t.function_id.clone(),
+                            ),
+                            t.config["queue_config"].clone(),
+                        )
+                    })
+                    .collect();
+                let now = Instant::now();
+                for (key, q) in st.topics.iter_mut() {
+                    let Some(cfg) = configs.get(key) else {
+                        continue;
+                    };
+                    let limit = if cfg["type"] == "fifo" {
+                        1
+                    } else {
+                        cfg["concurrency"].as_u64().unwrap_or(10).max(1) as usize
+                    };
+                    while q.in_flight < limit {
+                        let ready = q.jobs.front().is_some_and(|j| j.not_before <= now);
+                        if !ready {
+                            break;
+                        }
+                        let job = q.jobs.pop_front().unwrap();
+                        q.in_flight += 1;
+                        starts.push((key.clone(), cfg.clone(), job));
+                    }
+                }
+            }
+            for (key, cfg, job) in starts {
+                let e = self.clone();
+                tokio::spawn(async move { e.deliver(key, cfg, job).await });
+            }
+            // Poll-based like the engine's consumer (100 ms), woken early by a publish.
+            let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
+        }
+    }
+
+    async fn deliver(&self, key: (String, String), cfg: Value, mut job: Job) {
+        let r = self.dispatch(&key.1, job.data.clone(), None, None).await;
+        {
+            let mut st = self.lock();
+            if let Some(q) = st.topics.get_mut(&key) {
+                q.in_flight -= 1;
+            }
+            if let Err(e) = r {
+                job.attempts += 1;
+                let max = cfg["maxRetries"].as_u64().unwrap_or(3) as u32;
+                if job.attempts > max {
+                    st.dead_letters.push((key.0.clone(), job.data, e));
+                } else {
+                    let base = cfg["backoffDelayMs"].as_u64().unwrap_or(1000);
+                    let delay = base.saturating_mul(1 << (job.attempts - 1).min(10));
+                    job.not_before = Instant::now() + Duration::from_millis(delay);
+                    let q = st.topics.entry(key).or_default();
+                    if cfg["type"] == "fifo" {
+                        q.jobs.push_front(job);
+                    } else {
+                        q.jobs.push_back(job);
+                    }
+                }
+            }
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    // --- the test's side ----------------------------------------------------------------------
+
+    /// Calls a function as a client of the engine would (payload decorated like any routed one).
+    pub async fn call(&self, function_id: &str, payload: Value) -> Result<Value, CallError> {
+        let d = self.dispatch(function_id, payload, Some("test-client"), None);
+        match tokio::time::timeout(Duration::from_secs(60), d).await {
+            Ok(r) => r,
+            Err(_) => Err(CallError::new(
+                "timeout",
+                format!("{function_id}: no answer in 60 s"),
+            )),
+        }
+    }
+
+    pub async fn ok(&self, function_id: &str, payload: Value) -> Value {
+        match self.call(function_id, payload.clone()).await {
+            Ok(v) => v,
+            Err(e) => panic!("{function_id} {payload} failed: {}: {}", e.code, e.message),
+        }
+    }
+
+    /// A test-side function (a hook, a target) the engine answers itself.
+    pub fn register_local(
+        &self,
+        function_id: &str,
+        f: impl Fn(Value) -> Result<Value, CallError> + Send + Sync + 'static,
+    ) {
+        self.lock()
+            .local
+            .insert(function_id.to_string(), Arc::new(f));
+    }
+
+    /// Waits until a function is registered by a worker.
+    pub async fn wait_function(&self, function_id: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let notified = self.inner.changed.notified();
+            if self.lock().functions.contains_key(function_id) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{function_id} was not registered within {timeout:?}"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
+        }
+    }
+
+    /// The `registerfunction` frames the engine holds, by id.
+    pub fn functions(&self) -> HashMap<String, Value> {
+        self.lock()
+            .functions
+            .iter()
+            .map(|(k, f)| (k.clone(), f.def.clone()))
+            .collect()
+    }
+
+    /// The `registertriggertype` frames the engine holds, by id.
+    pub fn trigger_types(&self) -> HashMap<String, Value> {
+        self.lock()
+            .trigger_types
+            .iter()
+            .map(|(k, t)| (k.clone(), t.def.clone()))
+            .collect()
+    }
+
+    /// Closes every connection of workers with this name (as a network failure would).
+    pub fn drop_workers(&self, name: &str) -> usize {
+        let ids: Vec<String> = {
+            let st = self.lock();
+            st.workers
+                .iter()
+                .filter(|(_, w)| w.name.as_deref() == Some(name))
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        for id in &ids {
+            let tx = self.lock().workers.get(id).map(|w| w.tx.clone());
+            if let Some(tx) = tx {
+                let _ = tx.send(Ws::Close(None));
+            }
+            self.disconnected(id);
+        }
+        ids.len()
+    }
+
+    pub fn connected_workers(&self, name: &str) -> usize {
+        self.lock()
+            .workers
+            .values()
+            .filter(|w| w.name.as_deref() == Some(name))
+            .count()
+    }
+
+    /// Waits for the provider's `triggerregistrationresult` of binding `id`; returns it.
+    pub async fn wait_trigger_result(&self, id: &str, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let notified = self.inner.changed.notified();
+            let found = self
+                .lock()
+                .trigger_results
+                .iter()
+                .rev()
+                .find(|r| r["id"] == json!(id))
+                .cloned();
+            if let Some(r) = found {
+                return r;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no triggerregistrationresult for {id} within {timeout:?}"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+        }
+    }
+
+    pub fn received(&self) -> Vec<Value> {
+        self.lock().received.clone()
+    }
+
+    pub fn dead_letters(&self) -> usize {
+        self.lock().dead_letters.len()
+    }
+
+    /// A state value as stored.
+    pub fn state(&self, scope: &str, key: &str) -> Option<Value> {
+        self.lock().kv.get(scope).and_then(|t| t.get(key)).cloned()
+    }
+
+    /// Overwrites (or removes) a state value, as a lost write would leave it.
+    pub fn set_state(&self, scope: &str, key: &str, value: Option<Value>) {
+        let mut st = self.lock();
+        let t = st.kv.entry(scope.to_string()).or_default();
+        match value {
+            Some(v) => {
+                t.insert(key.to_string(), v);
+            }
+            None => {
+                t.remove(key);
+            }
+        }
+    }
+
+    pub fn next_seq(&self) -> u64 {
+        self.inner.ids.fetch_add(1, Ordering::SeqCst)
+    }
+}

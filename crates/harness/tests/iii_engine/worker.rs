@@ -1,0 +1,242 @@
+//! A `harness worker` child process connected to the engine double, and the harness calls the
+//! tests make through the engine (as any other client of the engine would).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::{CallError, Engine};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_harness");
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A `harness worker --with all` on a temporary data dir. Killed (SIGKILL) on drop.
+pub struct WorkerProc {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    engine_url: String,
+    extra: Vec<String>,
+    env: Vec<(String, String)>,
+    starts: u32,
+}
+
+impl WorkerProc {
+    pub async fn start(engine: &Engine, script: &Value, extra: &[&str]) -> WorkerProc {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("script.json"), script.to_string()).expect("write script");
+        let mut w = WorkerProc {
+            child: None,
+            dir,
+            engine_url: engine.url.clone(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
+            starts: 0,
+        };
+        w.spawn().await;
+        w
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("worker.log")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.env.push((key.to_string(), v.to_string()));
+        }
+    }
+
+    async fn spawn(&mut self) {
+        assert!(self.child.is_none(), "spawn while a child is running");
+        self.starts += 1;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("open worker log");
+        let offset = log.metadata().map(|m| m.len()).unwrap_or(0) as usize;
+        let child = Command::new(BIN)
+            .arg("worker")
+            .arg("--engine")
+            .arg(&self.engine_url)
+            .arg("--with")
+            .arg("all")
+            .arg("--data-dir")
+            .arg(self.dir.path().join("data"))
+            .arg("--script")
+            .arg(self.dir.path().join("script.json"))
+            .args(&self.extra)
+            .env("HARNESS_LOG", "warn,harness_iii=debug")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("spawn harness worker");
+        self.child = Some(child);
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let log = self.log();
+            let fresh = log.get(offset..).unwrap_or("");
+            if fresh.contains("harness worker registered on") {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().expect("try_wait") {
+                self.child = None;
+                panic!("harness worker exited with {status} before registering; log:\n{fresh}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "harness worker did not register within {WAIT:?}; log:\n{fresh}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// True once the process has exited on its own (a failpoint); reaps it.
+    pub fn exited(&mut self) -> bool {
+        match self.child.as_mut() {
+            None => true,
+            Some(c) => match c.try_wait().expect("try_wait") {
+                Some(_) => {
+                    self.child = None;
+                    true
+                }
+                None => false,
+            },
+        }
+    }
+
+    /// Starts the worker again on the same data dir and script.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "--- harness worker log (last 80 lines, {} starts) ---\n{}\n---",
+                self.starts,
+                lines[lines.len().saturating_sub(80)..].join("\n")
+            );
+        }
+    }
+}
+
+impl Engine {
+    /// `harness::send` of a user text with model "m" on the scripted provider.
+    pub async fn send(&self, session_id: &str, text: &str, allow: &[&str]) -> Value {
+        let mut req = json!({"session_id": session_id, "message": text, "model": "m", "provider": "scripted"});
+        if !allow.is_empty() {
+            req["options"] = json!({"functions": {"allow": allow, "expose": "native"}});
+        }
+        self.ok("harness::send", req).await
+    }
+
+    /// `harness::status`, retried while the worker is (re)starting.
+    pub async fn status(&self, session_id: &str) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            match self
+                .call("harness::status", json!({ "session_id": session_id }))
+                .await
+            {
+                Ok(v) => return v,
+                Err(e) if transient(&e) && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(e) => panic!("harness::status: {}: {}", e.code, e.message),
+            }
+        }
+    }
+
+    /// Polls until turn `turn_id` is terminal; returns the status.
+    pub async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let s = self.status(session_id).await;
+            if s["turn_id"] == json!(turn_id) && is_terminal(&s) {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "turn {turn_id} not terminal within {WAIT:?}; last status {s}"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Polls until the session's turn has this status.
+    pub async fn wait_status(&self, session_id: &str, status: &str) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let s = self.status(session_id).await;
+            if s["status"] == json!(status) {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{session_id} never reached {status}; last status {s}"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Every entry of a session's transcript, oldest first.
+    pub async fn transcript(&self, session_id: &str, include_custom: bool) -> Vec<Value> {
+        let mut out = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut req =
+                json!({"session_id": session_id, "include_custom": include_custom, "limit": 100});
+            if let Some(c) = &cursor {
+                req["cursor"] = json!(c);
+            }
+            let page = self.ok("session::messages", req).await;
+            out.extend(page["messages"].as_array().cloned().unwrap_or_default());
+            match page["next_cursor"].as_str() {
+                Some(c) => cursor = Some(c.to_string()),
+                None => return out,
+            }
+        }
+    }
+}
+
+pub fn transient(e: &CallError) -> bool {
+    matches!(
+        e.code.as_str(),
+        "function_not_found" | "invocation_stopped" | "timeout"
+    )
+}
+
+pub fn is_terminal(status: &Value) -> bool {
+    matches!(
+        status["status"].as_str(),
+        Some("completed" | "failed" | "cancelled")
+    )
+}
