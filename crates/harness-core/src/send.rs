@@ -375,11 +375,12 @@ impl Harness {
                     .clone()
                     .or_else(|| p.filter(|p| &p.model == m).and_then(|p| p.provider.clone())),
             ),
-            (None, Some(p)) => (
+            // A record written after a lost one has no model to inherit.
+            (None, Some(p)) if !p.model.is_empty() => (
                 p.model.clone(),
                 req.provider.clone().or_else(|| p.provider.clone()),
             ),
-            (None, None) => {
+            (None, _) => {
                 return Err(HarnessError::invalid_field(
                     "model",
                     match &req.session_id {

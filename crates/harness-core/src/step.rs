@@ -91,7 +91,7 @@ impl Harness {
         let sid = payload.session_id.clone();
         let guard = self.inner.locks.lock(&sid).await;
         let Some(mut rec) = self.load_record(&sid).await? else {
-            return Ok(skipped(&sid));
+            return self.end_lost_turn(&payload).await;
         };
         if rec.turn_id != payload.turn_id || rec.step != payload.step {
             return Ok(skipped(&sid));
@@ -280,8 +280,9 @@ impl Harness {
         .await?;
         failpoint::hit("after_assistant_appended");
         let request_id = ids::request_id(&rec.turn_id, rec.step);
+        // Not persisted here: `stop` derives the request id from `(turn_id, step)`, so the step
+        // saves a store round trip; the next record write carries it for status readers.
         rec.stream_request_id = Some(request_id.clone());
-        self.save_record(&mut rec).await?;
         let mut extras = serde_json::Map::new();
         if self.inner.config.prompt_cache_sections {
             if let Some(Value::Object(sections)) = prompt::cache_sections(
@@ -311,13 +312,6 @@ impl Harness {
 
         // Generate with the lock released, so `stop` can land mid-stream.
         drop(guard);
-        let _ = self
-            .set_status(
-                &sid,
-                SessionStatus::Working,
-                Some(&format!("waiting for {}", rec.options.model)),
-            )
-            .await;
         let generation = self
             .generate(req, extras, &sid, &entry_id, cancel.clone())
             .await;
@@ -515,6 +509,41 @@ impl Harness {
             )));
         }
         Ok(Ok((prompt, messages)))
+    }
+
+    /// A step whose session has no turn record at all: on a store that can lose recent writes
+    /// (an iii engine's), the record of a live turn vanished. Never rebuild it from the
+    /// transcript (that could run calls again): end the turn with a durable failure the user can
+    /// read instead.
+    async fn end_lost_turn(&self, payload: &TurnStepPayload) -> Result<TurnStepResult> {
+        let sid = payload.session_id.clone();
+        let session: Option<harness_types::session::GetResponse> = self
+            .call("session::get", &json!({"session_id": sid}))
+            .await?;
+        if session.is_none() {
+            return Ok(skipped(&sid));
+        }
+        let mut rec = crate::send::new_record(
+            &sid,
+            &payload.turn_id,
+            Default::default(),
+            payload.depth,
+            None,
+            None,
+        );
+        rec.step = payload.step;
+        tracing::warn!(session = %sid, turn = %payload.turn_id, "the turn record is missing; ending the turn as failed");
+        self.finalize(
+            &mut rec,
+            Outcome::failed(
+                "harness.turn_record_lost",
+                "execution",
+                "The turn's state was lost by the store, so the turn was ended; send the message again to continue.",
+                Some(format!("no turn record for session '{sid}' at step {} of turn {}", payload.step, payload.turn_id)),
+            ),
+        )
+        .await?;
+        Ok(done(&rec))
     }
 
     /// Persists `step + 1` and enqueues it.

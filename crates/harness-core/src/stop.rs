@@ -22,17 +22,17 @@ impl Harness {
         let turn_id = rec.turn_id.clone();
         // First cut the generation (lock-free: the step does not hold the lock while streaming).
         self.fire_signal(&turn_id);
-        if let Some(request_id) = &rec.stream_request_id {
-            let _ = self
-                .inner
-                .bus
-                .call(
-                    "router::abort",
-                    json!({"request_id": request_id}),
-                    Some(std::time::Duration::from_secs(2)),
-                )
-                .await;
-        }
+        // The generation in flight, if any, is the one of the current step.
+        let request_id = harness_types::ids::request_id(&rec.turn_id, rec.step);
+        let _ = self
+            .inner
+            .bus
+            .call(
+                "router::abort",
+                json!({ "request_id": request_id }),
+                Some(std::time::Duration::from_secs(2)),
+            )
+            .await;
         let _guard = self.inner.locks.lock(&req.session_id).await;
         let Some(mut rec) = self.load_record(&req.session_id).await? else {
             return Ok(StopResponse { stopping: false });

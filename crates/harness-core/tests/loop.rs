@@ -355,3 +355,40 @@ async fn an_allowed_call_runs_once_and_its_result_reaches_the_model() {
     let msgs = rt.messages(&r.session_id);
     assert_eq!(msgs[2], ("function_result".into(), "{\"sum\":5}".into()));
 }
+
+#[tokio::test]
+async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
+    use harness_bus::Bus;
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    let r = rt.harness.send(send("hi")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    // A store that lost recent writes: the record is gone while a step of a new turn is queued.
+    rt.bus
+        .state_delete("harness_turn", &r.session_id)
+        .await
+        .unwrap();
+    rt.bus
+        .enqueue(
+            "harness-turn",
+            "harness::turn",
+            json!({"session_id": r.session_id, "turn_id": "t_lost", "step": 0}),
+        )
+        .await
+        .unwrap();
+    let s = rt.wait_terminal(&r.session_id, "t_lost").await;
+    assert_eq!(s.status, TurnStatus::Failed);
+    let err = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == "e_t_lost_error")
+        .unwrap();
+    assert_eq!(err.custom.unwrap().data["code"], "harness.turn_record_lost");
+    // The session goes on: the next send needs a model again and starts a fresh turn.
+    let mut next = send("again");
+    next.session_id = Some(r.session_id.clone());
+    let n = rt.harness.send(next).await.unwrap();
+    assert_eq!(
+        rt.wait_terminal(&n.session_id, &n.turn_id).await.status,
+        TurnStatus::Completed
+    );
+}

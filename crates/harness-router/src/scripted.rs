@@ -148,6 +148,23 @@ impl Script {
     }
 }
 
+/// `{request_id}` in a scripted call id makes it unique per generation, as a real model's ids
+/// are: a `repeat` generation can then call a function at every step.
+fn with_request_id(block: &ContentBlock, request_id: &str) -> ContentBlock {
+    match block {
+        ContentBlock::FunctionCall {
+            id,
+            function_id,
+            arguments,
+        } if id.contains("{request_id}") => ContentBlock::FunctionCall {
+            id: id.replace("{request_id}", &harness_types::ids::san(request_id)),
+            function_id: function_id.clone(),
+            arguments: arguments.clone(),
+        },
+        other => other.clone(),
+    }
+}
+
 fn fnv_hex(bytes: &[u8]) -> String {
     let mut h: u64 = 0xcbf29ce484222325;
     for b in bytes {
@@ -354,6 +371,7 @@ impl Provider for ScriptedProvider {
             });
         }
         for block in &g.content {
+            let block = &with_request_id(block, &req.request_id);
             match block {
                 ContentBlock::Text { text } => {
                     out.send(Frame::TextStart);

@@ -547,6 +547,12 @@ impl SessionStore {
 
     /// Sets the coarse status; the same status and reason again changes nothing and fires nothing.
     pub async fn set_status(&self, req: SetStatusRequest) -> Result<SetStatusResponse> {
+        // Most calls repeat the current status: answer those from a reader, without a write.
+        if let Some(meta) = self.get(&req.session_id)? {
+            if meta.status == req.status && meta.status_reason == req.reason {
+                return Ok(SetStatusResponse { changed: false });
+            }
+        }
         let response = self
             .store
             .write(move |conn| {

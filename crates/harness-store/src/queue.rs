@@ -10,8 +10,8 @@
 //! * Per group: only the oldest message is eligible, and never while another message of that
 //!   group is in flight or waiting out its retry backoff. Groups run in parallel up to
 //!   `concurrency` handlers, round-robin.
-//! * Handler Ok → the row is deleted, then `Store::barrier` (the step's one fsync, shared by all
-//!   concurrent acks), then the group's next message becomes eligible.
+//! * Handler Ok → the row is deleted, the group's next message becomes eligible, then
+//!   `Store::barrier` (the step's one fsync, shared by all concurrent acks).
 //!   Handler Err / panic / lease expiry → `attempts + 1` and `last_error` are persisted; past
 //!   `max_retries` the row becomes `dead` (dead letter) and the group moves on, otherwise it is
 //!   retried after `backoff_ms * 2^(attempts-1)` with the group still blocked.
@@ -524,23 +524,27 @@ async fn deliver(state: Arc<QueueState>, store: Store, handler: QueueHandler, ms
     match outcome {
         Ok(()) => {
             let id = msg.id;
-            let acked = async {
-                store
-                    .write(move |c| {
-                        c.prepare_cached("DELETE FROM queue_messages WHERE id = ?1")?
-                            .execute([id])?;
-                        Ok(())
-                    })
-                    .await?;
-                store.barrier().await
-            }
-            .await;
+            let deleted = store
+                .write(move |c| {
+                    c.prepare_cached("DELETE FROM queue_messages WHERE id = ?1")?
+                        .execute([id])?;
+                    Ok(())
+                })
+                .await;
+            // The group's next message may start once the delete is committed: everything it
+            // writes lands after the delete in the WAL, so whatever fsync makes its effects
+            // durable makes this ack durable too. The fsync below then stays off the handoff.
+            lock(&state.index).finish(&msg.group, id);
+            state.wake.notify_one();
+            let acked = match deleted {
+                Ok(()) => store.barrier().await,
+                Err(e) => Err(e),
+            };
             if let Err(e) = acked {
                 // At-least-once: the row may still be ready in the table and will be redelivered
                 // by the next process; do not re-run a handler that succeeded.
                 tracing::warn!(queue = %state.name, id, error = %e, "harness-store: ack failed");
             }
-            lock(&state.index).finish(&msg.group, id);
         }
         Err(reason) => match record_failure(&store, msg.id, &reason, config.max_retries).await {
             Ok(Failure::Retry { attempts }) => {

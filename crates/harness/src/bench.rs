@@ -24,7 +24,8 @@
 //!   (`store_us_p50`, `store_ops_per_step`), as is the whole step (`step_us_*`). The durable
 //!   write itself (the ack's fsync) happens after the handler returns and is never in either.
 //! * **Handoff** (`handoff_us_*`): turns whose script always calls a function the deny-by-default
-//!   policy refuses, capped with `max_turns`, so each turn is 9 steps; per step ≥ 1, from the
+//!   policy refuses (a new call id every step, so every step really closes one refused call),
+//!   capped with `max_turns`, so each turn is 9 steps; per step ≥ 1, from the
 //!   moment the previous step's `enqueue` of it returned to the moment its handler starts. That
 //!   includes the previous step's return, its queue ack (a commit and, with fsync on, the fsync
 //!   the queue waits for before it releases the session's next message) and two task spawns.
@@ -38,12 +39,44 @@
 //!   store's fsync counter between `send` returning and the queue being idle again (the step and
 //!   its ack); the send's own fsyncs are `fsyncs_per_send`. `fsyncs_per_step` gives fsyncs /
 //!   steps of each fsync-on throughput cell, sends included (group commit shares them).
+//! * **Function-call step** (`call_*`, `fsyncs_per_function_step`): an in-process no-op function
+//!   `bench::noop` is registered on the runtime's bus and turns are sent with
+//!   `functions: {allow: ["bench::*"], expose: "native"}, max_turns: 8`, against a script whose
+//!   repeated generation calls it under a per-step id (`c_{request_id}`): each turn is 8 steps
+//!   that each run one call, plus the step that ends the turn on `max_turns` (left out). Fsync
+//!   off, concurrency 1, a new session per call turn; after each call turn the same runtime runs
+//!   8 text turns (sessions of 20 turns, as above), the *paired* text steps, so both kinds are
+//!   measured on the same database, interleaved in time.
+//!   `call_step_us_*` is the whole step (handler wall time) of the steps that ran one call;
+//!   `call_target_us_p50` is the time the step spent awaiting the `bench::noop` bus call (the
+//!   target, as the loop sees it: the embedded bus's lookup and timeout included).
+//!   `call_overhead_us_p50` = p50(call step − its target time) − p50(paired text step): what one
+//!   call adds to a step beyond the target (policy, hooks, the `triggered` checkpoint and its
+//!   barrier, the result append, the `done` checkpoint, advancing instead of finalizing). The
+//!   probe's per-operation timings split it: `call_overhead_loop_us_p50` compares the steps with
+//!   the store's time also taken out (p50(call − target − store) − p50(text − store)), and
+//!   `call_breakdown` lists every operation's calls and mean µs per call step next to the paired
+//!   text step's. A difference of medians, so the parts need not add up exactly.
+//!   `fsyncs_per_function_step`: a fresh fsync-on runtime alternates turns of 8 and of 2 call
+//!   steps; per turn, the store's fsync counter from `send` returning (its own fsyncs excluded)
+//!   to the queue being idle and the WAL synced; the per-step figure is the slope
+//!   (mean(8-step turns) − mean(2-step turns)) / 6, so the step that ends the turn and anything
+//!   else paid once per turn cancel out. `fsyncs_per_function_turn` is the 8-call turn's total
+//!   (its final step included); `call_step_fsync_us_p50` the whole call step with fsync on.
+//! * **Router latency** (`router_*`): `harness_router::bench::frame_latency`, a local
+//!   Anthropic-format SSE server on 127.0.0.1 and the Anthropic adapter pointed at it. Per frame:
+//!   from the server handing an event's bytes to the socket to the parsed frame coming out of the
+//!   router's frame channel, one event in flight (`router_frame_us_*`; the target applies to its
+//!   p50, socket included); the same ping-pong on a raw `TcpStream` (`router_socket_us_*`) and
+//!   the difference of the medians (`router_frame_added_us_p50`). Per request
+//!   (`router_request_us_*`): `Router::chat` → the server has read the request, plus the
+//!   server's last byte → the ack.
 //! * **RAM per idle session** (`idle_session_bytes`): fsync off; N sessions with one completed
 //!   turn each (64 at a time); resident set (`VmRSS`, after `malloc_trim`) after minus before,
 //!   divided by N. It includes SQLite's page caches growing with the database;
 //!   `idle_session_marginal_bytes` is the slope over the second half only.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -57,8 +90,9 @@ use harness_bus::{
     StreamingCall, TriggerTypeDef,
 };
 use harness_core::{topics, Harness, HarnessConfig, TURN_QUEUE};
+use harness_router::bench::{FrameLatencyOptions, FrameLatencyReport};
 use harness_store::Durability;
-use harness_types::api::{SendOptions, SendRequest};
+use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, SendRequest};
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
@@ -101,8 +135,22 @@ const CONCURRENCIES: [usize; 3] = [1, 10, 200];
 
 const TEXT_SCRIPT: &str =
     r#"{"generations": [{"repeat": true, "content": [{"type": "text", "text": "ok"}]}]}"#;
-/// Always a call the deny-by-default policy refuses: the turn advances until `max_turns`.
-const CALL_SCRIPT: &str = r#"{"generations": [{"repeat": true, "content": [{"type": "function_call", "id": "c1", "function_id": "bench::noop", "arguments": {}}]}]}"#;
+/// The no-op function the function-call phase allows (and the handoff phase's policy refuses).
+const NOOP_FN: &str = "bench::noop";
+/// What a call turn sends; any other message gets the text generation.
+const CALL_MESSAGE: &str = "call";
+/// A call turn's every generation calls `bench::noop` under a new id (`{request_id}` is the
+/// step's request id), so every step runs (or refuses) one call: the turn advances until
+/// `max_turns`. Other messages get "ok", as in [`TEXT_SCRIPT`].
+const CALL_SCRIPT: &str = r#"{"generations": [
+  {"match": {"last_user_text": "^call$"}, "repeat": true, "content": [{"type": "function_call", "id": "c_{request_id}", "function_id": "bench::noop", "arguments": {}}]},
+  {"repeat": true, "content": [{"type": "text", "text": "ok"}]}]}"#;
+/// `max_turns` of a function-call turn: 8 steps that each run one call + the step that ends it.
+const FUNCTION_MAX_TURNS: u32 = 8;
+/// The shorter turns of the fsync measurement (per-step fsyncs = the slope between the two).
+const FUNCTION_SHORT_MAX_TURNS: u32 = 2;
+/// Longest the router measurement may take before the bench gives up.
+const ROUTER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Phase sizes.
 struct Plan {
@@ -115,6 +163,13 @@ struct Plan {
     handoff_cap: Duration,
     fsync_turns: usize,
     fsync_cap: Duration,
+    /// Call steps sampled (fsync off) and the time cap of that part.
+    function_steps: usize,
+    function_cap: Duration,
+    /// Turns of each length for the fsyncs per function step, and the time cap of that part.
+    function_fsync_turns: usize,
+    function_fsync_cap: Duration,
+    router: FrameLatencyOptions,
     cell_warmup: Duration,
     cell: Duration,
 }
@@ -132,6 +187,15 @@ impl Plan {
                 handoff_cap: Duration::from_secs(2),
                 fsync_turns: 60,
                 fsync_cap: Duration::from_secs(2),
+                function_steps: 160,
+                function_cap: Duration::from_secs(3),
+                function_fsync_turns: 8,
+                function_fsync_cap: Duration::from_secs(2),
+                router: FrameLatencyOptions {
+                    frames: 300,
+                    warmup: 50,
+                    requests: 20,
+                },
                 cell_warmup: Duration::from_millis(200),
                 cell: Duration::from_millis(1200),
             }
@@ -146,6 +210,11 @@ impl Plan {
                 handoff_cap: Duration::from_secs(10),
                 fsync_turns: 500,
                 fsync_cap: Duration::from_secs(10),
+                function_steps: 2_000,
+                function_cap: Duration::from_secs(20),
+                function_fsync_turns: 40,
+                function_fsync_cap: Duration::from_secs(10),
+                router: FrameLatencyOptions::default(),
                 cell_warmup: Duration::from_millis(500),
                 cell: Duration::from_secs(5),
             }
@@ -189,6 +258,8 @@ impl StepAcc {
 }
 
 struct StepSample {
+    /// The turn the step belongs to (empty when the payload had none).
+    turn_id: String,
     wall_ns: u64,
     store_ns: u64,
     store_ops: u64,
@@ -380,6 +451,11 @@ impl Handler for StepHandler {
         Box::pin(async move {
             let start = Instant::now();
             probe.step_started(&payload, start);
+            let turn_id = payload
+                .get("turn_id")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
             let acc = Arc::new(StepAcc::default());
             let out = STEP.scope(acc.clone(), inner.call(payload, ctx)).await;
             let wall_ns = start.elapsed().as_nanos() as u64;
@@ -388,6 +464,7 @@ impl Handler for StepHandler {
                 Err(_) => true,
             };
             let sample = StepSample {
+                turn_id,
                 wall_ns,
                 store_ns: acc.store_ns.load(Ordering::Relaxed),
                 store_ops: acc.store_ops.load(Ordering::Relaxed),
@@ -418,6 +495,23 @@ impl Bus for ProbeBus {
             function_id,
             store,
             self.inner.call(function_id, payload, timeout),
+        )
+        .await
+    }
+
+    async fn call_with_metadata(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Option<Duration>,
+        metadata: Value,
+    ) -> Result<Value, BusError> {
+        let store = is_store_function(function_id);
+        timed(
+            function_id,
+            store,
+            self.inner
+                .call_with_metadata(function_id, payload, timeout, metadata),
         )
         .await
     }
@@ -598,6 +692,15 @@ impl Rig {
             },
         )
         .await?;
+        if matches!(script, ScriptKind::Calls) {
+            // In-process and instant: what a call costs beyond its target is what is measured.
+            rt.bus.register_function(
+                FunctionDef::new(NOOP_FN, "harness bench: answers {\"ok\": true} at once"),
+                Arc::new(|_p: Value, _ctx: CallContext| async {
+                    Ok::<Value, BusError>(json!({"ok": true}))
+                }),
+            );
+        }
         Ok(Rig {
             rt,
             probe,
@@ -631,6 +734,18 @@ impl Rig {
         Ok(())
     }
 
+    /// [`Rig::queue_idle`], then a barrier: the last ack's fsync (which runs beside the next
+    /// step, off the handoff) has finished, so the fsync counter is settled. Costs no fsync when
+    /// everything committed is already synced.
+    async fn settle(&self) -> Result<()> {
+        self.queue_idle().await?;
+        self.rt
+            .store
+            .barrier()
+            .await
+            .map_err(|e| anyhow!("store barrier: {e}"))
+    }
+
     async fn close(self) {
         self.rt.shutdown().await;
         self.rt.store.close();
@@ -650,12 +765,21 @@ impl Driver {
         session: Option<String>,
         options: Option<SendOptions>,
     ) -> Result<(String, String)> {
+        self.send_message(session, "hi", options).await
+    }
+
+    async fn send_message(
+        &self,
+        session: Option<String>,
+        message: &str,
+        options: Option<SendOptions>,
+    ) -> Result<(String, String)> {
         let new = session.is_none();
         let resp = self
             .harness
             .send(SendRequest {
                 session_id: session,
-                message: json!("hi"),
+                message: json!(message),
                 model: new.then(|| "bench".to_string()),
                 provider: new.then(|| "scripted".to_string()),
                 options,
@@ -671,6 +795,14 @@ impl Driver {
         let (session_id, turn_id) = self.send(session, options).await?;
         self.probe.wait(&turn_id).await?;
         Ok(session_id)
+    }
+
+    /// A call turn ([`CALL_MESSAGE`]) in a new session, start to `turn-completed`; returns the
+    /// turn id.
+    async fn call_turn(&self, options: Option<SendOptions>) -> Result<String> {
+        let (_, turn_id) = self.send_message(None, CALL_MESSAGE, options).await?;
+        self.probe.wait(&turn_id).await?;
+        Ok(turn_id)
     }
 
     /// Text turns back to back until `deadline` (or `max_turns`); returns the turns completed.
@@ -714,6 +846,28 @@ fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
     }
     let i = ((sorted_ns.len() - 1) as f64 * q).round() as usize;
     sorted_ns[i.min(sorted_ns.len() - 1)] as f64 / 1000.0
+}
+
+/// Per operation over `samples`: (calls per step, mean µs per step).
+fn op_means(samples: &[StepSample]) -> HashMap<String, (f64, f64)> {
+    let mut by_op: HashMap<String, (u64, u64)> = HashMap::new();
+    for s in samples {
+        for (op, (n, ns)) in &s.by_op {
+            let e = by_op.entry(op.clone()).or_default();
+            e.0 += n;
+            e.1 += ns;
+        }
+    }
+    let count = samples.len().max(1) as f64;
+    by_op
+        .into_iter()
+        .map(|(op, (n, ns))| (op, (n as f64 / count, ns as f64 / 1000.0 / count)))
+        .collect()
+}
+
+/// p50 of `f` over `samples`, in µs.
+fn p50_of(samples: &[StepSample], f: impl Fn(&StepSample) -> u64) -> f64 {
+    percentile_us(&sorted(samples.iter().map(f).collect()), 0.5)
 }
 
 fn sorted(mut v: Vec<u64>) -> Vec<u64> {
@@ -904,18 +1058,9 @@ async fn overhead(base: &Path, plan: &Plan) -> Result<Overhead> {
     let wall = sorted(samples.iter().map(|s| s.wall_ns).collect());
     let store = sorted(samples.iter().map(|s| s.store_ns).collect());
     let ops: u64 = samples.iter().map(|s| s.store_ops).sum();
-    let mut by_op: HashMap<String, (u64, u64)> = HashMap::new();
-    for s in &samples {
-        for (op, (n, ns)) in &s.by_op {
-            let e = by_op.entry(op.clone()).or_default();
-            e.0 += n;
-            e.1 += ns;
-        }
-    }
-    let count = samples.len() as f64;
     let (mut store_breakdown, mut loop_breakdown) = (Vec::new(), Vec::new());
-    for (op, (n, ns)) in by_op {
-        let row = (op.clone(), n as f64 / count, ns as f64 / 1000.0 / count);
+    for (op, (n, us)) in op_means(&samples) {
+        let row = (op.clone(), n, us);
         if is_store_op(&op) {
             store_breakdown.push(row);
         } else {
@@ -996,7 +1141,7 @@ async fn handoff(base: &Path, plan: &Plan, durability: Durability) -> Result<Han
         })
     };
     for _ in 0..3 {
-        d.turn(None, options()).await?;
+        d.call_turn(options()).await?;
     }
     rig.queue_idle().await?;
     rig.probe.track_handoff.store(true, Ordering::Relaxed);
@@ -1005,7 +1150,7 @@ async fn handoff(base: &Path, plan: &Plan, durability: Durability) -> Result<Han
         if Instant::now() > deadline {
             break;
         }
-        d.turn(None, options()).await?;
+        d.call_turn(options()).await?;
     }
     rig.queue_idle().await?;
     rig.probe.track_handoff.store(false, Ordering::Relaxed);
@@ -1063,6 +1208,242 @@ async fn fsyncs(base: &Path, plan: &Plan) -> Result<Fsyncs> {
         per_step: in_step as f64 / n,
         per_send: in_send as f64 / n,
     })
+}
+
+/// One operation of the call-step breakdown: calls and mean µs per call step, and the same per
+/// paired text step.
+struct OpRow {
+    op: String,
+    store: bool,
+    call_n: f64,
+    call_us: f64,
+    text_n: f64,
+    text_us: f64,
+}
+
+struct Calls {
+    /// Call steps and paired text steps measured (fsync off).
+    steps: usize,
+    text_steps: usize,
+    step_p50: f64,
+    step_p99: f64,
+    target_p50: f64,
+    /// p50 of (call step − its target time).
+    net_p50: f64,
+    text_step_p50: f64,
+    /// p50 of (step − target − store) for call steps, (step − store) for text steps.
+    loop_p50: f64,
+    text_loop_p50: f64,
+    store_p50: f64,
+    text_store_p50: f64,
+    store_ops_per_step: f64,
+    text_store_ops_per_step: f64,
+    /// Slowest (by the call step's mean) first.
+    breakdown: Vec<OpRow>,
+    /// Whole call step with fsync on.
+    fsync_step_p50: f64,
+    fsyncs_per_step: f64,
+    fsyncs_per_turn: f64,
+    /// Turns of each length in the fsync measurement.
+    fsync_turns: usize,
+}
+
+impl Calls {
+    /// What one call adds to a step beyond its target: p50(call step − target) − p50(text step).
+    fn overhead_p50(&self) -> f64 {
+        self.net_p50 - self.text_step_p50
+    }
+
+    /// The same with the store's time also taken out of both.
+    fn overhead_loop_p50(&self) -> f64 {
+        self.loop_p50 - self.text_loop_p50
+    }
+}
+
+fn function_options(max_turns: u32) -> Option<SendOptions> {
+    Some(SendOptions {
+        max_turns: Some(max_turns),
+        functions: Some(FunctionPolicy {
+            allow: vec!["bench::*".into()],
+            deny: vec![],
+            expose: ExposeMode::Native,
+        }),
+        ..SendOptions::default()
+    })
+}
+
+/// ns the step spent awaiting `bench::noop`, and how many calls of it the step made.
+fn target_of(s: &StepSample) -> (u64, u64) {
+    s.by_op
+        .get(NOOP_FN)
+        .map(|(n, ns)| (*ns, *n))
+        .unwrap_or((0, 0))
+}
+
+async fn function_calls(base: &Path, plan: &Plan) -> Result<Calls> {
+    let n = FUNCTION_MAX_TURNS as usize;
+    progress(&format!(
+        "function-call steps ({} call steps in turns of {n} calls + paired text steps, concurrency 1, fsync off)",
+        plan.function_steps
+    ));
+    let rig = Rig::open(base, ScriptKind::Calls, Durability::Normal).await?;
+    let d = rig.driver();
+    d.call_turn(function_options(FUNCTION_MAX_TURNS)).await?;
+    d.text_loop(Instant::now() + plan.function_cap, 20).await?;
+    rig.queue_idle().await?;
+    rig.probe.sample_steps.store(true, Ordering::Relaxed);
+    let (mut call_turns, mut text_turns) = (HashSet::new(), HashSet::new());
+    let (mut text_session, mut in_session) = (None, 0);
+    let deadline = Instant::now() + plan.function_cap;
+    while call_turns.len() * n < plan.function_steps && Instant::now() < deadline {
+        call_turns.insert(d.call_turn(function_options(FUNCTION_MAX_TURNS)).await?);
+        for _ in 0..n {
+            let (sid, turn_id) = d.send(text_session.take(), None).await?;
+            d.probe.wait(&turn_id).await?;
+            text_turns.insert(turn_id);
+            in_session += 1;
+            if in_session < TURNS_PER_SESSION {
+                text_session = Some(sid);
+            } else {
+                in_session = 0;
+            }
+        }
+    }
+    rig.queue_idle().await?;
+    rig.probe.sample_steps.store(false, Ordering::Relaxed);
+    let samples = std::mem::take(&mut *lock(&rig.probe.steps));
+    rig.close().await;
+    // The steps that ran exactly one call (not the step that ends the turn on max_turns), and
+    // the paired text steps.
+    let (calls, text): (Vec<StepSample>, Vec<StepSample>) = samples
+        .into_iter()
+        .filter(|s| {
+            (call_turns.contains(&s.turn_id) && target_of(s).1 == 1)
+                || text_turns.contains(&s.turn_id)
+        })
+        .partition(|s| call_turns.contains(&s.turn_id));
+    if calls.is_empty() || text.is_empty() {
+        bail!(
+            "no function-call step was measured ({} call steps, {} text steps): did {NOOP_FN} run?",
+            calls.len(),
+            text.len()
+        );
+    }
+    let wall = sorted(calls.iter().map(|s| s.wall_ns).collect());
+    let ops = |v: &[StepSample]| {
+        v.iter().map(|s| s.store_ops).sum::<u64>() as f64 / v.len().max(1) as f64
+    };
+    let (call_ops, text_ops) = (op_means(&calls), op_means(&text));
+    let mut breakdown: Vec<OpRow> = call_ops
+        .keys()
+        .chain(text_ops.keys())
+        .collect::<HashSet<_>>()
+        .into_iter()
+        .map(|op| {
+            let (call_n, call_us) = call_ops.get(op).copied().unwrap_or_default();
+            let (text_n, text_us) = text_ops.get(op).copied().unwrap_or_default();
+            OpRow {
+                op: op.clone(),
+                store: is_store_op(op),
+                call_n,
+                call_us,
+                text_n,
+                text_us,
+            }
+        })
+        .collect();
+    breakdown.sort_by(|a, b| b.call_us.total_cmp(&a.call_us));
+    let mut out = Calls {
+        steps: calls.len(),
+        text_steps: text.len(),
+        step_p50: percentile_us(&wall, 0.5),
+        step_p99: percentile_us(&wall, 0.99),
+        target_p50: p50_of(&calls, |s| target_of(s).0),
+        net_p50: p50_of(&calls, |s| s.wall_ns.saturating_sub(target_of(s).0)),
+        text_step_p50: p50_of(&text, |s| s.wall_ns),
+        loop_p50: p50_of(&calls, |s| {
+            s.wall_ns
+                .saturating_sub(target_of(s).0)
+                .saturating_sub(s.store_ns)
+        }),
+        text_loop_p50: p50_of(&text, |s| s.wall_ns.saturating_sub(s.store_ns)),
+        store_p50: p50_of(&calls, |s| s.store_ns),
+        text_store_p50: p50_of(&text, |s| s.store_ns),
+        store_ops_per_step: ops(&calls),
+        text_store_ops_per_step: ops(&text),
+        breakdown,
+        fsync_step_p50: 0.0,
+        fsyncs_per_step: 0.0,
+        fsyncs_per_turn: 0.0,
+        fsync_turns: 0,
+    };
+
+    progress(&format!(
+        "fsyncs per function step ({} turns each of {FUNCTION_MAX_TURNS} and {FUNCTION_SHORT_MAX_TURNS} calls, concurrency 1, fsync on)",
+        plan.function_fsync_turns
+    ));
+    let rig = Rig::open(base, ScriptKind::Calls, Durability::Full).await?;
+    let d = rig.driver();
+    for len in [FUNCTION_MAX_TURNS, FUNCTION_SHORT_MAX_TURNS] {
+        d.call_turn(function_options(len)).await?;
+    }
+    rig.settle().await?;
+    rig.probe.sample_steps.store(true, Ordering::Relaxed);
+    // Per length: (turns, fsyncs after the send).
+    let mut totals = [(0usize, 0u64); 2];
+    let mut fsync_turns = HashSet::new();
+    let deadline = Instant::now() + plan.function_fsync_cap;
+    while totals.iter().any(|t| t.0 < plan.function_fsync_turns) && Instant::now() < deadline {
+        for (i, len) in [FUNCTION_MAX_TURNS, FUNCTION_SHORT_MAX_TURNS]
+            .into_iter()
+            .enumerate()
+        {
+            let (_, turn_id) = d
+                .send_message(None, CALL_MESSAGE, function_options(len))
+                .await?;
+            // The send has fsynced before it answered: counting starts here.
+            let s1 = rig.fsyncs();
+            d.probe.wait(&turn_id).await?;
+            rig.settle().await?;
+            totals[i].0 += 1;
+            totals[i].1 += rig.fsyncs() - s1;
+            fsync_turns.insert(turn_id);
+        }
+    }
+    rig.queue_idle().await?;
+    rig.probe.sample_steps.store(false, Ordering::Relaxed);
+    let samples = std::mem::take(&mut *lock(&rig.probe.steps));
+    rig.close().await;
+    let mean = |(turns, fsyncs): (usize, u64)| fsyncs as f64 / turns.max(1) as f64;
+    let (long, short) = (mean(totals[0]), mean(totals[1]));
+    out.fsyncs_per_turn = long;
+    out.fsyncs_per_step = (long - short) / (FUNCTION_MAX_TURNS - FUNCTION_SHORT_MAX_TURNS) as f64;
+    out.fsync_turns = totals[0].0.min(totals[1].0);
+    let fsync_calls: Vec<StepSample> = samples
+        .into_iter()
+        .filter(|s| fsync_turns.contains(&s.turn_id) && target_of(s).1 == 1)
+        .collect();
+    out.fsync_step_p50 = p50_of(&fsync_calls, |s| s.wall_ns);
+    Ok(out)
+}
+
+async fn router_latency(plan: &Plan) -> Result<FrameLatencyReport> {
+    progress(&format!(
+        "router latency ({} frames, {} requests over a local SSE server)",
+        plan.router.frames, plan.router.requests
+    ));
+    match tokio::time::timeout(
+        ROUTER_TIMEOUT,
+        harness_router::bench::frame_latency(plan.router.clone()),
+    )
+    .await
+    {
+        Ok(report) => report.context("router frame latency"),
+        Err(_) => bail!(
+            "the router measurement did not finish within {} s",
+            ROUTER_TIMEOUT.as_secs()
+        ),
+    }
 }
 
 struct Cell {
@@ -1166,6 +1547,8 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     let hand = handoff(&base, &plan, Durability::Full).await?;
     let hand_nofsync = handoff(&base, &plan, Durability::Normal).await?;
     let fs_steps = fsyncs(&base, &plan).await?;
+    let calls = function_calls(&base, &plan).await?;
+    let router = router_latency(&plan).await?;
     let mut cells = Vec::new();
     for c in CONCURRENCIES {
         for fsync in [true, false] {
@@ -1242,6 +1625,22 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             met: fs_steps.per_step <= 1.0,
         },
         Target {
+            key: "fsyncs_per_function_step",
+            label: "fsyncs per function step",
+            value: calls.fsyncs_per_step,
+            unit: "",
+            target: "≤ 2",
+            met: calls.fsyncs_per_step <= 2.0,
+        },
+        Target {
+            key: "router_frame_us_p50",
+            label: "router, socket bytes → frame in the loop, p50",
+            value: router.per_frame_us.p50,
+            unit: "µs",
+            target: "≤ 50 µs",
+            met: router.per_frame_us.p50 <= 50.0,
+        },
+        Target {
             key: "idle_session_bytes",
             label: "RAM per idle session",
             value: ram.bytes_per_session,
@@ -1292,6 +1691,43 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         "fsyncs_per_step": fsyncs_per_step,
         "fsync_turns": fs_steps.turns,
     });
+    let calls_json = json!({
+        "call_step_us_p50": round1(calls.step_p50),
+        "call_step_us_p99": round1(calls.step_p99),
+        "call_overhead_us_p50": round1(calls.overhead_p50()),
+        "call_overhead_loop_us_p50": round1(calls.overhead_loop_p50()),
+        "call_target_us_p50": round1(calls.target_p50),
+        "call_text_step_us_p50": round1(calls.text_step_p50),
+        "call_store_us_p50": round1(calls.store_p50),
+        "call_text_store_us_p50": round1(calls.text_store_p50),
+        "call_store_ops_per_step": round1(calls.store_ops_per_step),
+        "call_text_store_ops_per_step": round1(calls.text_store_ops_per_step),
+        "call_steps": calls.steps,
+        "call_text_steps": calls.text_steps,
+        "call_step_fsync_us_p50": round1(calls.fsync_step_p50),
+        "call_breakdown": calls.breakdown.iter().map(|r| (r.op.clone(), json!({
+            "store": r.store,
+            "per_step": round1(r.call_n),
+            "us_per_step": round1(r.call_us),
+            "text_per_step": round1(r.text_n),
+            "text_us_per_step": round1(r.text_us),
+        }))).collect::<Map<String, Value>>(),
+        "fsyncs_per_function_step": round3(calls.fsyncs_per_step),
+        "fsyncs_per_function_turn": round3(calls.fsyncs_per_turn),
+        "function_fsync_turns": calls.fsync_turns,
+    });
+    let router_json = json!({
+        "router_frame_us_p50": round1(router.per_frame_us.p50),
+        "router_frame_us_p99": round1(router.per_frame_us.p99),
+        "router_frame_added_us_p50": round1(router.added_per_frame_p50_us),
+        "router_socket_us_p50": round1(router.socket_baseline_us.p50),
+        "router_socket_us_p99": round1(router.socket_baseline_us.p99),
+        "router_request_us_p50": round1(router.per_request_us.p50),
+        "router_request_us_p99": round1(router.per_request_us.p99),
+        "router_frames": router.per_frame_us.samples,
+        "router_requests": router.per_request_us.samples,
+        "router_latency": serde_json::to_value(&router)?,
+    });
     let more = json!({
         "idle_session_bytes": ram.bytes_per_session.round(),
         "idle_session_marginal_bytes": ram.marginal_bytes.round(),
@@ -1304,12 +1740,18 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             "handoff": "9-step turns (denied function call until max_turns): previous step's enqueue returned -> next step's handler start; includes the queue ack and, with fsync on, its fsync",
             "steps_per_sec": "C sessions, each send -> turn-completed -> send (new session every 20 turns); one text turn = one step; the send is included",
             "fsyncs_per_text_step": "concurrency 1, fsync on: fsyncs between send returning and the queue being idle, per turn; the send's own are fsyncs_per_send",
+            "call_step": "concurrency 1, fsync off: turns of max_turns 8 whose every generation calls the in-process no-op bench::noop (allow bench::*, expose native, a new call id per step); whole step time of the steps that ran one call (the step ending the turn on max_turns left out)",
+            "call_overhead": "p50(call step - time awaiting the bench::noop bus call) - p50(paired text step: text turns run by the same runtime right after each call turn); call_overhead_loop_us_p50 takes the store's time out of both as well; call_breakdown: per-operation calls and mean us per call step vs per paired text step",
+            "fsyncs_per_function_step": "fresh runtime, fsync on: turns of 8 and of 2 call steps alternate; fsyncs from send returning to the queue idle and the WAL synced, per turn; (mean 8-call turn - mean 2-call turn) / 6, so the final max_turns step and per-turn costs cancel; fsyncs_per_function_turn is the 8-call turn's total",
+            "router": "harness_router::bench::frame_latency: local Anthropic-format SSE server; per frame: server writes an event's bytes -> parsed frame out of the router's frame channel, one event in flight (target on its p50, socket included); router_socket_*: the same on a raw TcpStream; router_frame_added_us_p50 = difference of medians; per request: Router::chat -> request read by the server, plus the server's last byte -> the ack",
             "idle_session_bytes": "fsync off: (VmRSS after - before, after malloc_trim) / sessions with one completed turn each",
         },
     });
     let mut report = report;
-    if let (Some(obj), Value::Object(more)) = (report.as_object_mut(), more) {
-        obj.extend(more);
+    for part in [calls_json, router_json, more] {
+        if let (Some(obj), Value::Object(part)) = (report.as_object_mut(), part) {
+            obj.extend(part);
+        }
     }
 
     if args.json {
@@ -1400,6 +1842,84 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     }
     info(
         &mut rows,
+        format!(
+            "function-call step, whole, p50 / p99 (fsync off, {FUNCTION_MAX_TURNS} calls a turn)"
+        ),
+        format!("{} / {}", us(calls.step_p50), us(calls.step_p99)),
+    );
+    info(
+        &mut rows,
+        "overhead per call excl. target, p50 (vs paired text step)".into(),
+        format!(
+            "{} ({} − {})",
+            us(calls.overhead_p50()),
+            us(calls.net_p50),
+            us(calls.text_step_p50)
+        ),
+    );
+    info(
+        &mut rows,
+        "  of it outside the store, p50 (call − target − store vs text − store)".into(),
+        us(calls.overhead_loop_p50()),
+    );
+    info(
+        &mut rows,
+        "  store per step, p50 (ops): call step / text step".into(),
+        format!(
+            "{} ({:.1}) / {} ({:.1})",
+            us(calls.store_p50),
+            calls.store_ops_per_step,
+            us(calls.text_store_p50),
+            calls.text_store_ops_per_step
+        ),
+    );
+    info(
+        &mut rows,
+        format!("time in the target ({NOOP_FN} bus call), p50"),
+        us(calls.target_p50),
+    );
+    info(
+        &mut rows,
+        "function-call step, whole, p50 (fsync on)".into(),
+        us(calls.fsync_step_p50),
+    );
+    info(
+        &mut rows,
+        format!(
+            "fsyncs per function turn ({FUNCTION_MAX_TURNS} calls + final step, send excluded)"
+        ),
+        format!("{:.3}", calls.fsyncs_per_turn),
+    );
+    info(
+        &mut rows,
+        "router, socket bytes → frame, p99".into(),
+        us(router.per_frame_us.p99),
+    );
+    info(
+        &mut rows,
+        "raw socket baseline per frame, p50 / p99".into(),
+        format!(
+            "{} / {}",
+            us(router.socket_baseline_us.p50),
+            us(router.socket_baseline_us.p99)
+        ),
+    );
+    info(
+        &mut rows,
+        "router added per frame over the raw socket, p50".into(),
+        us(router.added_per_frame_p50_us),
+    );
+    info(
+        &mut rows,
+        "router per request (request out + ack back), p50 / p99".into(),
+        format!(
+            "{} / {}",
+            us(router.per_request_us.p50),
+            us(router.per_request_us.p99)
+        ),
+    );
+    info(
+        &mut rows,
         "fsyncs per send".into(),
         format!("{:.3}", fs_steps.per_send),
     );
@@ -1468,9 +1988,33 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     }
     println!();
     println!(
+        "where a function-call step's time goes (fsync off; mean per step; paired text step beside it):"
+    );
+    for r in &calls.breakdown {
+        println!(
+            "    {}  {:>4.1} calls  {:>8.1} µs   text step: {:>4.1} calls  {:>8.1} µs{}",
+            pad(&r.op, 36),
+            r.call_n,
+            r.call_us,
+            r.text_n,
+            r.text_us,
+            if r.store {
+                "  (store)"
+            } else if r.op == NOOP_FN {
+                "  (target)"
+            } else {
+                ""
+            }
+        );
+    }
+    println!();
+    println!(
         "overhead: concurrency 1, fsync off; step handler time minus time awaiting the store."
     );
     println!("handoff: previous step's enqueue → next step's start, in 9-step turns; includes the queue ack (and its fsync).");
+    println!("function call: {NOOP_FN} (in-process no-op) at every step of max_turns {FUNCTION_MAX_TURNS} turns; overhead = p50(call step − target) − p50(text steps run alongside).");
+    println!("fsyncs per function step: (fsyncs of a {FUNCTION_MAX_TURNS}-call turn − of a {FUNCTION_SHORT_MAX_TURNS}-call turn) / {}, sends excluded.", FUNCTION_MAX_TURNS - FUNCTION_SHORT_MAX_TURNS);
+    println!("router: local Anthropic-format SSE server; server writes an event → parsed frame out of the router, one in flight; baseline: a raw TcpStream.");
     println!("steps/s: one text turn = one step, send included; a new session every {TURNS_PER_SESSION} turns.");
     println!("idle RAM: VmRSS delta (after malloc_trim) over sessions with one completed turn each; includes SQLite page caches.");
     Ok(())

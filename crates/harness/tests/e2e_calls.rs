@@ -255,3 +255,79 @@ async fn sigkill_at_every_step_boundary_of_a_five_call_turn() {
         tokio::time::sleep(Duration::from_millis(0)).await;
     }
 }
+
+/// A release (`approval::decide` → `harness::function::resolve` execute) runs the target inline,
+/// outside any queued step. A crash in the middle must still end with the call closed once and the
+/// turn finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_while_a_released_call_runs_still_closes_it_once() {
+    for point in [
+        "after_call_triggered:1",
+        "after_call_target:1",
+        "after_call_done:1",
+    ] {
+        let fx = Fixtures::new(json!([{"id": "fx::write", "response": {"ok": true}}]));
+        let script = script(vec![
+            json!({"match": {"last_user_text": "write"},
+                   "content": [{"type": "function_call", "id": "c1", "function_id": "fx::write", "arguments": {"path": "/a"}}]}),
+            text_gen(None, "done writing", 0, true),
+        ]);
+        let mut extra = fx.args();
+        extra.extend(["--approve".to_string(), "fx::*".to_string()]);
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let mut server = Server::start(&script, &extra).await;
+        let sid = "s_release";
+        let sent = server
+            .ok("harness::send", send_body(sid, "write it", &["fx::*"]))
+            .await;
+        let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+        let approval = wait_for("the approval to be listed", WAIT, || async {
+            server
+                .ok("approval::list", json!({"session_id": sid}))
+                .await["approvals"]
+                .as_array()
+                .and_then(|a| a.first().cloned())
+        })
+        .await;
+        // Arm the failpoint for the release only.
+        server.kill();
+        server.set_env("HARNESS_FAILPOINT", Some(point));
+        server.start_again().await;
+        let _ = server
+            .client
+            .post(format!("{}/v1/functions/approval::decide", server.url()))
+            .json(&json!({"approval_id": approval["approval_id"], "decision": "approve", "digest": approval["digest"]}))
+            .send()
+            .await;
+        wait_for(
+            &format!("the failpoint {point} to kill the server"),
+            WAIT,
+            || {
+                let dead = server.exited();
+                async move { dead.then_some(()) }
+            },
+        )
+        .await;
+        server.set_env("HARNESS_FAILPOINT", None);
+        server.start_again().await;
+        let status = server.wait_turn(sid, &turn_id).await;
+        assert_eq!(status["status"], "completed", "{point}: {status}");
+        let ran = invocations(&fx.log());
+        assert!(
+            ran.values().all(|n| *n == 1),
+            "{point}: the target ran twice: {ran:?}"
+        );
+        let entries = server.transcript(sid, false).await;
+        assert_every_call_closed(&entries);
+        let result = entries
+            .iter()
+            .find(|e| role_of(e) == Some("function_result"))
+            .unwrap();
+        if ran.is_empty() {
+            assert_eq!(
+                result["message"]["details"]["error"], "interrupted",
+                "{point}: {result}"
+            );
+        }
+    }
+}
