@@ -43,6 +43,20 @@ where
         .register_function(def, Arc::new(handler) as Arc<dyn Handler>);
 }
 
+/// The `harness::on-functions-change` payload: the advisory engine event tag.
+#[derive(serde::Deserialize, JsonSchema)]
+struct OnFunctionsChange {
+    /// Engine event tag (advisory: nothing is read from it).
+    #[serde(default)]
+    #[allow(dead_code)]
+    event: Option<String>,
+}
+
+#[derive(Serialize, JsonSchema)]
+struct OkResponse {
+    ok: bool,
+}
+
 fn turn_event_filter_validator() -> harness_bus::bus::ConfigValidator {
     Arc::new(|config: &Value| {
         serde_json::from_value::<TurnEventFilter>(config.clone())
@@ -115,6 +129,18 @@ pub fn register(h: &Harness) {
         )
         .internal(),
         |h, req: SweepRequest| async move { h.sweep_pending(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::on-functions-change",
+            "Internal: the function registry changed; later steps tell the model its fetched contracts may be stale.",
+        )
+        .internal(),
+        |h, _req: OnFunctionsChange| async move {
+            h.functions_changed();
+            Ok(OkResponse { ok: true })
+        },
     );
     for t in crate::hooks::trigger_types() {
         h.bus().register_trigger_type(t);

@@ -31,6 +31,8 @@ pub(crate) struct Inner {
     /// In-process cancel signals of running turns, by turn id. A std Mutex: held only to insert,
     /// fire or remove a token.
     pub(crate) signals: Mutex<HashMap<String, CancellationToken>>,
+    /// Bumped by `harness::on-functions-change`: the function registry changed.
+    pub(crate) functions_generation: std::sync::atomic::AtomicU64,
     /// Until when the judge is skipped after a failure (process-wide).
     pub(crate) judge_paused_until: Mutex<Option<std::time::Instant>>,
 }
@@ -50,6 +52,7 @@ impl Harness {
                 locks: SessionLocks::default(),
                 signals: Mutex::new(HashMap::new()),
                 judge_paused_until: Mutex::new(None),
+                functions_generation: std::sync::atomic::AtomicU64::new(1),
             }),
         }
     }
@@ -81,7 +84,44 @@ impl Harness {
                 HarnessError::dependency(format!("cannot ensure the {TURN_QUEUE} queue: {e}"))
             })?;
         self.ensure_sweep().await?;
+        self.follow_registry().await;
         self.redrive_running().await
+    }
+
+    /// On an engine that announces registry changes (`engine::functions-available`), binds
+    /// `harness::on-functions-change` to it once; elsewhere there is nothing to follow.
+    async fn follow_registry(&self) {
+        let bus = &self.inner.bus;
+        let bound = bus
+            .bindings("engine::functions-available")
+            .await
+            .map(|b| {
+                b.iter()
+                    .any(|b| b.function_id == "harness::on-functions-change")
+            })
+            .unwrap_or(false);
+        if !bound {
+            let _ = bus
+                .call(
+                    "engine::register_trigger",
+                    serde_json::json!({"trigger_type": "engine::functions-available", "function_id": "harness::on-functions-change", "config": {}}),
+                    self.session_timeout(),
+                )
+                .await;
+        }
+    }
+
+    /// The registry generation steps compare against what a turn last acknowledged.
+    pub(crate) fn functions_generation(&self) -> u64 {
+        self.inner
+            .functions_generation
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn functions_changed(&self) {
+        self.inner
+            .functions_generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Binds `harness::sweep-pending` to the `cron` trigger with the configured expression,

@@ -182,6 +182,9 @@ pub struct TurnRecord {
     pub stop_reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generated: Option<GeneratedStep>,
+    /// The function-registry generation this turn last saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub functions_generation: Option<u64>,
     /// Repeated-failure breaker ledger, reset on each new turn.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub failed_calls: BTreeMap<String, FailedCall>,

@@ -225,6 +225,7 @@ impl Harness {
                 let depth = prev.as_ref().map_or(0, |p| p.depth);
                 let parent = prev.as_ref().and_then(|p| p.parent.clone());
                 let mut rec = new_record(&session_id, &turn_id, frozen, depth, parent, preview);
+                rec.functions_generation = prev.as_ref().and_then(|p| p.functions_generation);
                 self.save_record(&mut rec).await?;
                 crate::failpoint::hit("after_send_persisted");
                 if let Err(e) = self.enqueue_step(&rec).await {
@@ -486,6 +487,7 @@ pub(crate) fn new_record(
         transient_resumes: 0,
         stop_reason: None,
         generated: None,
+        functions_generation: None,
         failed_calls: Default::default(),
         noted_repairs: Vec::new(),
         created_at: now,

@@ -206,7 +206,24 @@ impl Harness {
 
         // Context.
         let new_watermark = entries.last().map(|e| e.entry_id.clone());
-        let messages = model_messages(&entries);
+        let mut messages = model_messages(&entries);
+        // The registry changed since this session last looked: contracts it fetched may be stale.
+        // An ephemeral tail message, never persisted; the first sighting only stamps.
+        let live = self.functions_generation();
+        if rec.functions_generation.is_some_and(|seen| seen != live)
+            && rec
+                .options
+                .functions
+                .as_ref()
+                .is_some_and(|p| !p.allow.is_empty())
+        {
+            messages.push(AgentMessage::user_text(
+                "[harness] The set of registered functions changed since your last step: contracts you fetched earlier may be stale. \
+                 Re-read a function's schema with engine::functions::info before calling it again.",
+                now_ms(),
+            ));
+        }
+        let seen_generation = Some(live);
         let system_prompt = prompt::for_step(
             rec.options.system_prompt.as_deref(),
             &sid,
@@ -332,8 +349,14 @@ impl Harness {
         }
         let guard: SessionGuard = self.inner.locks.lock(&sid).await;
         let generation = generation?;
-        self.finish(&payload, guard, generation, cancel, Some(new_watermark))
-            .await
+        self.finish(
+            &payload,
+            guard,
+            generation,
+            cancel,
+            Some((new_watermark, seen_generation)),
+        )
+        .await
     }
 
     /// The finish phase: runs under the session lock, on the durable record as it is now (a
@@ -344,7 +367,7 @@ impl Harness {
         _guard: SessionGuard,
         generation: Generation,
         cancel: CancellationToken,
-        new_watermark: Option<Option<String>>,
+        seen: Option<(Option<String>, Option<u64>)>,
     ) -> Result<TurnStepResult> {
         let sid = payload.session_id.clone();
         let Some(mut rec) = self.load_record(&sid).await? else {
@@ -354,8 +377,9 @@ impl Harness {
             return Ok(skipped(&sid));
         }
         if rec.generated.as_ref().map(|g| g.step) != Some(rec.step) {
-            if let Some(w) = new_watermark {
-                rec.watermark_entry_id = w;
+            if let Some((watermark, generation)) = seen {
+                rec.watermark_entry_id = watermark;
+                rec.functions_generation = generation;
             }
             rec.turn_count += 1;
             rec.generated = Some(GeneratedStep {

@@ -337,3 +337,40 @@ async fn a_send_while_a_function_runs_returns_at_once_and_steers_the_next_step()
         vec!["user", "assistant", "function_result", "user", "assistant"]
     );
 }
+
+#[tokio::test]
+async fn a_registry_change_is_announced_once_to_a_session_that_may_call_functions() {
+    use harness_bus::Bus;
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    let a = rt
+        .harness
+        .send(allowing("first", &["*"], ExposeMode::AgentTrigger))
+        .await
+        .unwrap();
+    rt.wait_terminal(&a.session_id, &a.turn_id).await;
+    rt.bus
+        .call("harness::on-functions-change", json!({}), None)
+        .await
+        .unwrap();
+    for text in ["second", "third"] {
+        let mut next = send(text);
+        next.session_id = Some(a.session_id.clone());
+        let r = rt.harness.send(next).await.unwrap();
+        rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    }
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let last_text = |i: usize| seen[i].messages.last().unwrap().text();
+    assert!(!last_text(0).contains("registered functions changed"));
+    assert!(
+        last_text(1).starts_with("[harness] The set of registered functions changed"),
+        "{}",
+        last_text(1)
+    );
+    assert_eq!(last_text(2), "third", "announced once");
+    assert!(
+        rt.messages(&a.session_id)
+            .iter()
+            .all(|(_, t)| !t.contains("registered functions changed")),
+        "never persisted"
+    );
+}
