@@ -54,6 +54,40 @@ fn bench_quick_json_prints_every_metric() {
             positive(&report, &format!("/steps_per_sec/{c}/{mode}"));
         }
     }
+    // The function-call step and the router: present and numbers (differences of medians can be
+    // of either sign on a busy machine, so no sign is asserted for those).
+    for key in [
+        "/call_step_us_p50",
+        "/call_step_us_p99",
+        "/call_text_step_us_p50",
+        "/router_frame_us_p50",
+        "/router_frame_us_p99",
+        "/router_socket_us_p50",
+        "/router_request_us_p50",
+    ] {
+        positive(&report, key);
+    }
+    for key in [
+        "/call_overhead_us_p50",
+        "/call_overhead_loop_us_p50",
+        "/call_target_us_p50",
+        "/call_step_fsync_us_p50",
+        "/fsyncs_per_function_step",
+        "/fsyncs_per_function_turn",
+        "/router_frame_added_us_p50",
+    ] {
+        let v = report
+            .pointer(key)
+            .unwrap_or_else(|| panic!("missing {key} in {report}"));
+        assert!(v.is_number(), "{key} = {v}");
+    }
+    for key in ["fsyncs_per_function_step", "router_frame_us_p50"] {
+        assert!(report["targets_met"][key].is_boolean(), "targets_met.{key}");
+    }
+    assert!(report["call_steps"].as_u64().unwrap_or(0) > 0);
+    assert!(report["router_frames"].as_u64().unwrap_or(0) > 0);
+    let noop = &report["call_breakdown"]["bench::noop"];
+    assert!(noop["per_step"].is_number(), "call_breakdown: {report}");
     // RSS can even shrink between two readings on a busy allocator: a number, not necessarily > 0.
     let idle = report["idle_session_bytes"]
         .as_f64()
