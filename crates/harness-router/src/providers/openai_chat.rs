@@ -15,7 +15,6 @@
 //! error.
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use harness_types::message::{AgentMessage, ContentBlock, StopReason, Usage};
 use harness_types::router::{ChatAck, ChatRequest, Frame};
 use serde_json::{json, Value};
@@ -412,21 +411,12 @@ impl Provider for OpenAiChatProvider {
         for w in warnings {
             out.warn(w);
         }
-        let bytes = Bytes::from(body.to_string());
-        let client = self.transport.client.clone();
-        let url = format!("{}/chat/completions", self.base_url);
-        let key = self.key.clone();
-        let request = move || {
-            let rb = client
-                .post(&url)
-                .header("content-type", "application/json")
-                .header("accept", "text/event-stream")
-                .body(bytes.clone());
-            match &key {
-                Some(k) => rb.bearer_auth(k.expose()),
-                None => rb,
-            }
-        };
+        let request = super::wire::bearer_sse_post(
+            self.transport.client.clone(),
+            format!("{}/chat/completions", self.base_url),
+            &body,
+            self.key.clone(),
+        );
         let secrets = self.transport.secrets.clone();
         let provider = self.id.clone();
         let model = req.model.clone();

@@ -9,6 +9,28 @@ use crate::providers::{is_loopback, ProviderConfig};
 use crate::router::ChatContext;
 
 /// The transport of a provider: one pooled client, its retry policy, its key as a secret.
+/// The request of an OpenAI-style streaming call: a JSON POST asking for an event stream, with
+/// the key (if any) as a bearer token. A closure, because the driver sends it again on a retry.
+pub(crate) fn bearer_sse_post(
+    client: reqwest::Client,
+    url: String,
+    body: &Value,
+    key: Option<crate::providers::Secret>,
+) -> impl Fn() -> reqwest::RequestBuilder {
+    let bytes = bytes::Bytes::from(body.to_string());
+    move || {
+        let rb = client
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream")
+            .body(bytes.clone());
+        match &key {
+            Some(k) => rb.bearer_auth(k.expose()),
+            None => rb,
+        }
+    }
+}
+
 pub(crate) fn transport(cfg: &ProviderConfig) -> Transport {
     let mut builder = reqwest::Client::builder()
         .connect_timeout(cfg.http.connect_timeout)
