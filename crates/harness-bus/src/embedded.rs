@@ -109,6 +109,24 @@ impl EmbeddedBus {
         defs
     }
 
+    /// `(id, description, internal)` of every registered function, sorted by id, without
+    /// copying their schemas (discovery runs on every step of a native-exposure turn).
+    pub fn function_summaries(&self) -> Vec<(String, String, bool)> {
+        let functions = self.inner.functions.read().expect("functions lock");
+        let mut out: Vec<(String, String, bool)> = functions
+            .values()
+            .map(|r| {
+                (
+                    r.def.function_id.clone(),
+                    r.def.description.clone(),
+                    r.def.is_internal(),
+                )
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     pub fn function_def(&self, function_id: &str) -> Option<FunctionDef> {
         let functions = self.inner.functions.read().expect("functions lock");
         functions.get(function_id).map(|r| r.def.clone())

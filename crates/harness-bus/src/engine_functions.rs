@@ -100,15 +100,11 @@ pub(crate) fn register(bus: &EmbeddedBus) {
         |bus, payload| async move {
             let req: ListRequest = parse_payload(payload)?;
             let functions: Vec<Value> = bus
-                .function_defs()
-                .iter()
-                .filter(|d| req.include_internal || !d.is_internal())
-                .filter(|d| {
-                    req.prefix
-                        .as_deref()
-                        .is_none_or(|p| d.function_id.starts_with(p))
-                })
-                .map(|d| json!({"function_id": d.function_id, "description": d.description}))
+                .function_summaries()
+                .into_iter()
+                .filter(|(_, _, internal)| req.include_internal || !internal)
+                .filter(|(id, _, _)| req.prefix.as_deref().is_none_or(|p| id.starts_with(p)))
+                .map(|(id, description, _)| json!({"function_id": id, "description": description}))
                 .collect();
             Ok(json!({ "functions": functions }))
         },
