@@ -48,6 +48,10 @@ pub struct HarnessConfig {
     pub sweep_expression: String,
     /// Send the frozen prompt prefix as its own cacheable section (+ digest) on `router::chat`.
     pub prompt_cache_sections: bool,
+    /// Sub-agent depth budget.
+    pub max_depth: u32,
+    /// Child sessions one turn may create.
+    pub max_children: u32,
 }
 
 impl Default for HarnessConfig {
@@ -67,6 +71,8 @@ impl Default for HarnessConfig {
             default_pending_timeout_ms: 1_800_000,
             sweep_expression: "0 * * * * *".into(),
             prompt_cache_sections: true,
+            max_depth: 3,
+            max_children: 8,
         }
     }
 }

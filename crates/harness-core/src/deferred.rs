@@ -160,6 +160,30 @@ impl Harness {
                 if cp.state != CallState::Pending || cp.held_by.is_some() {
                     continue;
                 }
+                if let Some(child_session) = &cp.child_session_id {
+                    // A waiting spawn follows its child, never the clock.
+                    let Some((content, is_error, details)) = self
+                        .child_settlement(child_session, cp.child_turn_id.as_deref())
+                        .await?
+                    else {
+                        continue;
+                    };
+                    let out = self
+                        .resolve(ResolveRequest {
+                            session_id: session_id.clone(),
+                            turn_id: rec.turn_id.clone(),
+                            function_call_id: call_id.clone(),
+                            action: Some(ResolveAction::Deliver),
+                            content: Some(content),
+                            is_error: Some(is_error),
+                            details: Some(details),
+                        })
+                        .await?;
+                    if out.resolved {
+                        resolved += 1;
+                    }
+                    continue;
+                }
                 let timeout = cp
                     .pending_timeout_ms
                     .unwrap_or(self.inner.config.default_pending_timeout_ms)
@@ -187,6 +211,37 @@ impl Harness {
             }
         }
         Ok(SweepResponse { ok: true, resolved })
+    }
+
+    /// What a waiting spawn gets from its child's record: the outcome once the child's turn
+    /// ended, `child_lost` when the record is gone or moved on to another turn, nothing while the
+    /// child still runs.
+    async fn child_settlement(
+        &self,
+        child_session: &str,
+        child_turn: Option<&str>,
+    ) -> Result<Option<(Vec<ContentBlock>, bool, Value)>> {
+        let lost = |why: &str| {
+            Some((
+                vec![ContentBlock::text(format!("child_lost: {why}"))],
+                true,
+                json!({"error": "child_lost", "message": why}),
+            ))
+        };
+        let Some(child) = self.load_record(child_session).await? else {
+            return Ok(lost(
+                "child turn record missing; the sub-agent's outcome is unknown",
+            ));
+        };
+        if child_turn.is_some_and(|t| t != child.turn_id) {
+            return Ok(lost(
+                "the child session moved on to another turn; the sub-agent's outcome is unknown",
+            ));
+        }
+        if !child.is_terminal() {
+            return Ok(None);
+        }
+        Ok(Some(crate::spawn::child_outcome(&child)))
     }
 
     /// The pipeline for one already-unwrapped call, for trusted callers: the session's policy

@@ -88,6 +88,7 @@ impl Harness {
         crate::failpoint::hit("after_finalize_persisted");
         self.clear_signal(&rec.turn_id);
         self.after_terminal(rec).await?;
+        self.answer_parent(rec).await;
         // A send that parked its message just before the terminal write saw a running turn and
         // answered `merged`: drain again so it is never stranded.
         let drained = drained + self.drain_queue(&rec.session_id, &rec.turn_id).await?;

@@ -78,6 +78,14 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::spawn",
+            "Spawn a sub-agent in a child session. From a turn the call waits for the child's result (options.detach: answer with the child's ids at once); its policy is the parent's, narrowed.",
+        ),
+        |h, req: SpawnRequest| async move { h.spawn(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::status",
             "Read the current turn status for a session.",
         ),

@@ -85,7 +85,9 @@ impl Harness {
             })?;
         self.ensure_sweep().await?;
         self.follow_registry().await;
-        self.redrive_running().await
+        self.redrive_running().await?;
+        // Settle what a crash may have left waiting (children that ended, expired calls).
+        self.sweep_pending(Default::default()).await.map(|_| ())
     }
 
     /// On an engine that announces registry changes (`engine::functions-available`), binds

@@ -23,6 +23,7 @@ mod locks;
 mod prompt;
 mod record;
 mod send;
+mod spawn;
 mod status;
 mod steering;
 mod step;

@@ -83,6 +83,11 @@ pub struct CallCheckpoint {
     /// The breaker key of the call as the model wrote it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub breaker_key: Option<String>,
+    /// A `harness::spawn` call's child.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub child_session_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub child_turn_id: Option<String>,
 }
 
 impl CallCheckpoint {
@@ -100,6 +105,8 @@ impl CallCheckpoint {
             reconciled: None,
             annotations: None,
             breaker_key: None,
+            child_session_id: None,
+            child_turn_id: None,
         }
     }
 }

@@ -123,6 +123,16 @@ fn validate_options(o: &SendOptions) -> Result<()> {
 
 impl Harness {
     pub async fn send(&self, req: SendRequest) -> Result<SendResponse> {
+        self.deliver(req, None).await
+    }
+
+    /// The send path, shared with spawn: `lineage` gives a child its frozen options, depth and
+    /// parent link instead of inheriting them from the session.
+    pub(crate) async fn deliver(
+        &self,
+        req: SendRequest,
+        lineage: Option<Lineage>,
+    ) -> Result<SendResponse> {
         let message = normalize_message(req.message.clone())?;
         let options = req.options.clone().unwrap_or_default();
         validate_options(&options)?;
@@ -197,7 +207,10 @@ impl Harness {
             Some(id) => self.load_record(id).await?,
             None => None,
         };
-        let frozen = self.freeze_options(&req, &options, prev.as_ref())?;
+        let frozen = match &lineage {
+            Some(l) => l.options.clone(),
+            None => self.freeze_options(&req, &options, prev.as_ref())?,
+        };
         self.ensure_session(&req, &session_id).await?;
 
         let response = match prev {
@@ -222,8 +235,13 @@ impl Harness {
                     self.append_user(&session_id, message, &entry_id, &turn_id)
                         .await?;
                 }
-                let depth = prev.as_ref().map_or(0, |p| p.depth);
-                let parent = prev.as_ref().and_then(|p| p.parent.clone());
+                let (depth, parent) = match &lineage {
+                    Some(l) => (l.depth, l.parent.clone()),
+                    None => (
+                        prev.as_ref().map_or(0, |p| p.depth),
+                        prev.as_ref().and_then(|p| p.parent.clone()),
+                    ),
+                };
                 let mut rec = new_record(&session_id, &turn_id, frozen, depth, parent, preview);
                 rec.functions_generation = prev.as_ref().and_then(|p| p.functions_generation);
                 self.save_record(&mut rec).await?;
@@ -445,6 +463,14 @@ impl Harness {
             reasoning,
         })
     }
+}
+
+/// Where a child turn sits: its frozen options, its depth and the call waiting for it.
+#[derive(Clone, Debug)]
+pub(crate) struct Lineage {
+    pub options: TurnOptions,
+    pub depth: u32,
+    pub parent: Option<harness_types::api::ParentLink>,
 }
 
 fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {

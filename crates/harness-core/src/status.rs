@@ -20,7 +20,17 @@ impl Harness {
             max_turns: rec.options.max_turns,
             depth: rec.depth,
             pending_function_calls: rec.open_calls(),
-            children: vec![],
+            children: rec
+                .calls
+                .iter()
+                .filter_map(|(id, c)| {
+                    Some(harness_types::api::ChildRef {
+                        function_call_id: id.clone(),
+                        session_id: c.child_session_id.clone()?,
+                        turn_id: c.child_turn_id.clone()?,
+                    })
+                })
+                .collect(),
             result: rec.result.clone(),
             result_error: rec.result_error.clone(),
             stop_reason: rec.stop_reason.clone(),

@@ -42,12 +42,35 @@ impl Harness {
         }
         if rec.is_terminal() {
             // The step saw the signal first (mid-call) and finalized the cancel itself.
+            let cancelled = rec.status == harness_types::api::TurnStatus::Cancelled;
+            drop(_guard);
+            if cancelled {
+                self.stop_children(&rec).await;
+            }
             return Ok(StopResponse {
-                stopping: rec.status == harness_types::api::TurnStatus::Cancelled,
+                stopping: cancelled,
             });
         }
         self.finalize(&mut rec, Outcome::Cancelled).await?;
         self.barrier().await?;
+        drop(_guard);
+        self.stop_children(&rec).await;
         Ok(StopResponse { stopping: true })
+    }
+
+    /// Cascades a stop to the sub-agents this turn started, one session lock at a time (never
+    /// while holding the parent's).
+    async fn stop_children(&self, rec: &crate::record::TurnRecord) {
+        for c in rec.calls.values() {
+            if let (Some(session_id), Some(turn_id)) = (&c.child_session_id, &c.child_turn_id) {
+                let req = StopRequest {
+                    session_id: session_id.clone(),
+                    turn_id: Some(turn_id.clone()),
+                };
+                if let Err(e) = Box::pin(self.stop(req)).await {
+                    tracing::warn!(child = %session_id, "cannot stop a sub-agent: {e}");
+                }
+            }
+        }
     }
 }

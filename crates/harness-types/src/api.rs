@@ -398,3 +398,61 @@ pub struct SweepResponse {
     /// Pending calls settled by this sweep.
     pub resolved: u32,
 }
+
+/// Options of a sub-agent. Its policy is intersected with the parent's: narrow, never escalate.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+pub struct SpawnOptions {
+    /// Intersected with the parent policy — narrow, never escalate.
+    #[serde(default)]
+    pub functions: Option<FunctionPolicy>,
+    /// Capped at the parent's remaining turn budget.
+    #[serde(default)]
+    pub max_turns: Option<u32>,
+    /// Fan-out guard for the child's own spawns.
+    #[serde(default)]
+    pub max_children: Option<u32>,
+    #[serde(default)]
+    pub mode: Option<Mode>,
+    /// The child's deliverable: text / json / json+schema.
+    #[serde(default)]
+    pub output: Option<OutputContract>,
+    /// Parent-side wait guard for this child.
+    #[serde(default)]
+    pub pending_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub system_prompt_strategy: Option<SystemPromptStrategy>,
+    #[serde(default)]
+    pub thinking_level: Option<ThinkingLevel>,
+    /// Fire and forget: the call answers with the child's ids at once instead of waiting for its
+    /// result; the outcome is published on `harness::turn-completed`.
+    #[serde(default)]
+    pub detach: Option<bool>,
+    /// Let the child spawn and send on its own (otherwise it is a leaf).
+    #[serde(default)]
+    pub orchestrator: Option<bool>,
+}
+
+/// Spawn a sub-agent in a child session.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct SpawnRequest {
+    /// The child's goal — its opening user message.
+    #[schemars(with = "MessageInput")]
+    pub task: Value,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub provider: Option<String>,
+    /// Spawn into an existing session (e.g. a fork); default: create fresh.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    #[serde(default)]
+    pub options: Option<SpawnOptions>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SpawnResponse {
+    pub child_session_id: String,
+    pub child_turn_id: String,
+}

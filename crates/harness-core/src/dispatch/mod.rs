@@ -245,6 +245,11 @@ impl Harness {
         failpoint::hit("after_call_result_appended");
         let mut cp = CallCheckpoint::new(CallState::Done, &call.function_id);
         cp.entry_id = Some(entry_id);
+        if let Some(old) = rec.calls.get(&call.id) {
+            // A spawn's child stays known (status, the stop cascade, the fan-out count).
+            cp.child_session_id = old.child_session_id.clone();
+            cp.child_turn_id = old.child_turn_id.clone();
+        }
         rec.calls.insert(call.id.clone(), cp);
         self.save_record(rec).await?;
         failpoint::hit("after_call_done");
@@ -491,6 +496,12 @@ impl Harness {
                 return self.park_call(rec, call, hold).await;
             }
             Decision::Continue => {}
+        }
+
+        if call.function_id == crate::spawn::SPAWN {
+            // No target: the loop starts the child itself.
+            let origin = origin(&turn_id, &annotations, reconciled.as_ref());
+            return self.spawn_from_call(rec, call, arguments, origin).await;
         }
 
         // Checkpoint before the side effect, durably: after a crash this call never runs again.

@@ -1,0 +1,384 @@
+//! Sub-agents: `harness::spawn` starts a turn in a child session through the same deliver path
+//! as a send. From a turn, the parent's call waits by default (pending, the turn parks) until the
+//! child's turn ends and its result comes back as the call's result; `options.detach` answers at
+//! once with the child's ids instead. A child can never do more than its parent allowed.
+
+use harness_types::api::{
+    FunctionPolicy, ParentLink, SendOptions, SendRequest, SessionInit, SpawnRequest, SpawnResponse,
+    TurnStatus,
+};
+use harness_types::message::ContentBlock;
+use harness_types::{now_ms, ErrorCode, HarnessError};
+use serde_json::{json, Value};
+
+use crate::dispatch::{CallEnd, PlannedCall};
+use crate::harness::{Harness, Result};
+use crate::prompt;
+use crate::record::{CallCheckpoint, CallState, TurnOptions, TurnRecord};
+use crate::send::Lineage;
+
+pub(crate) const SPAWN: &str = "harness::spawn";
+
+/// Denied to every child unless it is spawned as an orchestrator: a leaf cannot fan out.
+const LEAF_WALL: &[&str] = &["harness::spawn", "harness::send"];
+
+/// Whether a parent allow glob covers a child's (conservatively: equal, `*`, or a `prefix::*`
+/// whose prefix starts the child's glob).
+fn covered(parent_allow: &[String], glob: &str) -> bool {
+    parent_allow.iter().any(|p| {
+        p == glob
+            || p == "*"
+            || p.strip_suffix('*')
+                .is_some_and(|prefix| prefix.ends_with("::") && glob.starts_with(prefix))
+    })
+}
+
+/// The child's policy: what it asked for, narrowed to what the parent may do; deny lists add up;
+/// an un-empowered parent cannot empower a child; leaves get the wall.
+pub(crate) fn child_policy(
+    parent: Option<&FunctionPolicy>,
+    requested: Option<&FunctionPolicy>,
+    orchestrator: bool,
+    parentless: bool,
+) -> Option<FunctionPolicy> {
+    let mut policy = match (parent, requested) {
+        _ if parentless => requested.cloned()?,
+        (None, _) => return None,
+        (Some(p), None) => p.clone(),
+        (Some(p), Some(r)) => FunctionPolicy {
+            allow: if r.allow.is_empty() {
+                p.allow.clone()
+            } else {
+                r.allow
+                    .iter()
+                    .filter(|g| covered(&p.allow, g))
+                    .cloned()
+                    .collect()
+            },
+            deny: p.deny.iter().chain(r.deny.iter()).cloned().collect(),
+            expose: r.expose,
+        },
+    };
+    if !orchestrator {
+        for w in LEAF_WALL {
+            if !policy.deny.iter().any(|d| d == w) {
+                policy.deny.push(w.to_string());
+            }
+        }
+    }
+    Some(policy)
+}
+
+/// What a finished child hands back to the call that waited for it.
+pub(crate) fn child_outcome(child: &TurnRecord) -> (Vec<ContentBlock>, bool, Value) {
+    match child.status {
+        TurnStatus::Completed => {
+            let result = child.result.clone().unwrap_or(Value::Null);
+            let text = match &result {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (vec![ContentBlock::text(text)], false, result)
+        }
+        status => {
+            let reason = child
+                .result_error
+                .clone()
+                .unwrap_or_else(|| format!("the sub-agent's turn ended {}", status.as_str()));
+            (
+                vec![ContentBlock::text(format!(
+                    "the sub-agent's turn {}: {reason}",
+                    status.as_str()
+                ))],
+                true,
+                json!({"error": status.as_str(), "message": reason}),
+            )
+        }
+    }
+}
+
+impl Harness {
+    /// `harness::spawn` called directly (no parent turn): the child's policy is exactly what the
+    /// request names (none = deny all), walled unless it is an orchestrator.
+    pub async fn spawn(&self, req: SpawnRequest) -> Result<SpawnResponse> {
+        self.seed_child(req, None).await
+    }
+
+    async fn seed_child(
+        &self,
+        req: SpawnRequest,
+        parent: Option<(&TurnRecord, &str)>,
+    ) -> Result<SpawnResponse> {
+        let o = req.options.clone().unwrap_or_default();
+        if let (Some((p, _)), Some(id)) = (parent, &req.session_id) {
+            if *id == p.session_id {
+                return Err(HarnessError::invalid_field(
+                    "session_id",
+                    "a turn cannot spawn into its own session",
+                ));
+            }
+        }
+        let parent_opts = parent.map(|(p, _)| &p.options);
+        let (model, provider) = match (&req.model, parent_opts) {
+            (Some(m), _) if !m.is_empty() => (m.clone(), req.provider.clone()),
+            (None, Some(p)) => (
+                p.model.clone(),
+                req.provider.clone().or_else(|| p.provider.clone()),
+            ),
+            _ => {
+                return Err(HarnessError::invalid_field(
+                    "model",
+                    "required when the spawn has no parent turn to inherit one from",
+                ))
+            }
+        };
+        let default_turns = self.inner.config.default_max_turns;
+        let max_turns = match parent {
+            Some((p, _)) => o
+                .max_turns
+                .unwrap_or(default_turns)
+                .min(p.options.max_turns.saturating_sub(p.turn_count))
+                .max(1),
+            None => o.max_turns.unwrap_or(default_turns).max(1),
+        };
+        let options = TurnOptions {
+            model,
+            provider,
+            system_prompt: prompt::resolve(
+                o.system_prompt.as_deref(),
+                o.system_prompt_strategy.unwrap_or_default(),
+            ),
+            max_turns,
+            max_output_tokens: parent_opts.and_then(|p| p.max_output_tokens),
+            thinking_level: o
+                .thinking_level
+                .or(parent_opts.and_then(|p| p.thinking_level)),
+            provider_options: None,
+            output: o.output.clone().unwrap_or_default(),
+            functions: child_policy(
+                parent_opts.and_then(|p| p.functions.as_ref()),
+                o.functions.as_ref(),
+                o.orchestrator == Some(true),
+                parent.is_none(),
+            ),
+            metadata: None,
+            max_transient_resumes: self.inner.config.max_transient_resumes,
+            reasoning: None,
+        };
+        let depth = parent.map_or(0, |(p, _)| p.depth + 1);
+        let link = parent.map(|(p, call_id)| ParentLink {
+            session_id: p.session_id.clone(),
+            turn_id: p.turn_id.clone(),
+            function_call_id: call_id.to_string(),
+        });
+        let metadata = json!({
+            "parent_session_id": link.as_ref().map(|l| &l.session_id),
+            "parent_turn_id": link.as_ref().map(|l| &l.turn_id),
+            "function_call_id": link.as_ref().map(|l| &l.function_call_id),
+            "depth": depth,
+            "spawned_by": if parent.is_some() { "agent" } else { "caller" },
+        });
+        let send = SendRequest {
+            session_id: req.session_id.clone(),
+            message: req.task.clone(),
+            model: Some(options.model.clone()),
+            provider: options.provider.clone(),
+            idempotency_key: None,
+            session: Some(SessionInit {
+                title: None,
+                metadata: Some(metadata),
+                kind: Some("subagent".into()),
+            }),
+            options: Some(SendOptions::default()),
+        };
+        let out = self
+            .deliver(
+                send,
+                Some(Lineage {
+                    options,
+                    depth,
+                    parent: link,
+                }),
+            )
+            .await?;
+        Ok(SpawnResponse {
+            child_session_id: out.session_id,
+            child_turn_id: out.turn_id,
+        })
+    }
+
+    /// The spawn path of a call from a turn: guards, the child, then either a pending call the
+    /// child's end resolves, or (detached) an answer with the child's ids at once.
+    pub(crate) async fn spawn_from_call(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        arguments: Value,
+        origin: Value,
+    ) -> Result<CallEnd> {
+        let refuse = |code: ErrorCode, text: String| {
+            (
+                vec![ContentBlock::text(text.clone())],
+                json!({"error": code.as_str(), "message": text}),
+            )
+        };
+        let req: SpawnRequest = match harness_types::parse::parse_payload(arguments) {
+            Ok(r) => r,
+            Err(e) => {
+                let (c, d) = refuse(
+                    ErrorCode::InvalidRequest,
+                    format!("invalid spawn arguments: {}", e.message),
+                );
+                self.append_result(rec, call, c, d, true, origin).await?;
+                return Ok(CallEnd::Closed);
+            }
+        };
+        let max_depth = self.inner.config.max_depth;
+        if rec.depth + 1 > max_depth {
+            let (c, d) = refuse(
+                ErrorCode::SpawnDepthExceeded,
+                format!(
+                    "spawn depth {} exceeds max_depth {max_depth}",
+                    rec.depth + 1
+                ),
+            );
+            self.append_result(rec, call, c, d, true, origin).await?;
+            return Ok(CallEnd::Closed);
+        }
+        let created = rec
+            .calls
+            .values()
+            .filter(|c| c.child_session_id.is_some())
+            .count() as u32;
+        let max_children = self.inner.config.max_children;
+        if created >= max_children {
+            let (c, d) = refuse(
+                ErrorCode::SpawnFanoutExceeded,
+                format!("this turn already created {created} sub-agents (max_children {max_children}); consolidate the work or defer it, do not retry"),
+            );
+            self.append_result(rec, call, c, d, true, origin).await?;
+            return Ok(CallEnd::Closed);
+        }
+        let detach = req.options.as_ref().and_then(|o| o.detach) == Some(true);
+        let timeout = req.options.as_ref().and_then(|o| o.pending_timeout_ms);
+        let parent = rec.clone();
+        let child = match self.seed_child(req, Some((&parent, &call.id))).await {
+            Ok(c) => c,
+            Err(e) => {
+                let (c, d) = refuse(e.code, format!("the sub-agent could not start: {e}"));
+                self.append_result(rec, call, c, d, true, origin).await?;
+                return Ok(CallEnd::Closed);
+            }
+        };
+        if detach {
+            let ids = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id});
+            let details = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id, "detached": true});
+            self.append_result(
+                rec,
+                call,
+                vec![ContentBlock::text(ids.to_string())],
+                details,
+                false,
+                origin,
+            )
+            .await?;
+            if let Some(cp) = rec.calls.get_mut(&call.id) {
+                cp.child_session_id = Some(child.child_session_id);
+                cp.child_turn_id = Some(child.child_turn_id);
+            }
+            self.save_record(rec).await?;
+            return Ok(CallEnd::Closed);
+        }
+        let mut cp = CallCheckpoint::new(CallState::Pending, SPAWN);
+        cp.child_session_id = Some(child.child_session_id);
+        cp.child_turn_id = Some(child.child_turn_id);
+        cp.pending_at = Some(now_ms());
+        cp.pending_timeout_ms = timeout;
+        cp.annotations = Some(origin);
+        rec.calls.insert(call.id.clone(), cp);
+        self.save_record(rec).await?;
+        Ok(CallEnd::Held)
+    }
+
+    /// A child's end: hand its outcome to the parent's waiting call, outside the child's lock
+    /// (the parent's lock is taken by the resolve). If this is lost in a crash, the sweep (and
+    /// every start) settles the call from the child's record.
+    pub(crate) async fn answer_parent(&self, child: &TurnRecord) {
+        let Some(parent) = &child.parent else { return };
+        let (content, is_error, details) = child_outcome(child);
+        self.inner
+            .bus
+            .call_void(
+                "harness::function::resolve",
+                json!({"session_id": parent.session_id, "turn_id": parent.turn_id, "function_call_id": parent.function_call_id,
+                       "action": "deliver", "content": content, "is_error": is_error, "details": details}),
+            )
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(allow: &[&str], deny: &[&str]) -> FunctionPolicy {
+        FunctionPolicy {
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            deny: deny.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_child_never_gets_more_than_its_parent() {
+        let parent = p(&["shell::*", "web::fetch"], &["shell::rm"]);
+        let child = child_policy(
+            Some(&parent),
+            Some(&p(&["shell::fs::*", "db::*", "*"], &["web::fetch"])),
+            false,
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            child.allow,
+            vec!["shell::fs::*".to_string()],
+            "uncovered globs are dropped, a wider `*` too"
+        );
+        assert_eq!(
+            child.deny,
+            vec!["shell::rm", "web::fetch", "harness::spawn", "harness::send"]
+        );
+        let inherited = child_policy(Some(&parent), None, true, false).unwrap();
+        assert_eq!(
+            (inherited.allow, inherited.deny),
+            (parent.allow.clone(), parent.deny.clone()),
+            "an orchestrator has no wall"
+        );
+        assert_eq!(
+            child_policy(None, Some(&p(&["*"], &[])), false, false),
+            None,
+            "an un-empowered parent cannot empower"
+        );
+        let all = child_policy(
+            Some(&p(&["shell::*"], &[])),
+            Some(&p(&["*"], &[])),
+            false,
+            false,
+        )
+        .unwrap();
+        assert!(
+            all.allow.is_empty(),
+            "a requested * under shell::* collapses to nothing"
+        );
+    }
+
+    #[test]
+    fn parentless_spawns_take_exactly_what_they_name() {
+        assert_eq!(child_policy(None, None, false, true), None);
+        let named = child_policy(None, Some(&p(&["a::*"], &[])), false, true).unwrap();
+        assert_eq!(
+            (named.allow, named.deny.len()),
+            (vec!["a::*".to_string()], 2)
+        );
+    }
+}

@@ -1,0 +1,253 @@
+//! Sub-agents: waiting and detached spawns, guards, the stop cascade, direct spawns.
+
+mod support;
+
+use std::time::Duration;
+
+use harness_core::HarnessConfig;
+use harness_types::api::{
+    ExposeMode, FunctionPolicy, SendOptions, SpawnRequest, StopRequest, TurnStatus,
+};
+use serde_json::{json, Value};
+use support::*;
+
+fn spawn_gen(matcher: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": "s1", "function_id": "harness::spawn", "arguments": arguments}]})
+}
+
+fn text(matcher: Option<&str>, text: &str, chunk_delay_ms: u64) -> Value {
+    let mut g = json!({"repeat": true, "chunk_delay_ms": chunk_delay_ms, "content": [{"type": "text", "text": text}]});
+    if let Some(m) = matcher {
+        g["match"] = json!({ "last_user_text": m });
+    }
+    g
+}
+
+fn orchestrating(message: &str) -> harness_types::api::SendRequest {
+    let mut req = send(message);
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: vec!["harness::spawn".into()],
+            deny: vec![],
+            expose: ExposeMode::Native,
+        }),
+        ..Default::default()
+    });
+    req
+}
+
+async fn wait_for_status(rt: &Rt, session_id: &str, want: TurnStatus) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while rt.status(session_id).await.is_none_or(|s| s.status != want) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{session_id} never reached {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_spawn_waits_for_the_child_and_gets_its_result() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
+            text(Some("^find flights"), "Flight AB123 at 9:00", 0),
+            text(None, "Booked: AB123", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt
+        .harness
+        .send(orchestrating("plan the trip"))
+        .await
+        .unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(s.result, Some(json!("Booked: AB123")));
+    assert_eq!(s.children.len(), 1);
+    let child = &s.children[0];
+    assert_eq!(child.function_call_id, "s1");
+    let result = &rt.results(&r.session_id)[0];
+    assert_eq!(result.content[0].as_text(), Some("Flight AB123 at 9:00"));
+    assert!(!result.is_error);
+    // The child: its own session, linked to the call, one level deeper, walled.
+    let cs = rt.status(&child.session_id).await.unwrap();
+    assert_eq!((cs.status, cs.depth), (TurnStatus::Completed, 1));
+    let meta = rt.sessions.get(&child.session_id).unwrap().unwrap();
+    assert_eq!(meta.metadata["parent_session_id"], json!(r.session_id));
+    assert_eq!(meta.metadata["function_call_id"], "s1");
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let child_req = seen
+        .iter()
+        .find(|q| q.session_id.as_deref() == Some(child.session_id.as_str()))
+        .unwrap();
+    assert!(
+        child_req.tools.is_empty() || child_req.tools.iter().all(|t| t.name != "harness::spawn"),
+        "a leaf cannot spawn"
+    );
+}
+
+#[tokio::test]
+async fn a_detached_spawn_answers_with_the_child_ids_at_once() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^start", json!({"task": "background job", "options": {"detach": true}})),
+            text(Some("^background job"), "job done", 100),
+            text(None, "started it", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt.harness.send(orchestrating("start it")).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.result, Some(json!("started it")));
+    let result = &rt.results(&r.session_id)[0];
+    assert_eq!(result.details["detached"], true);
+    let child_session = result.details["child_session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let child_turn = result.details["child_turn_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cs = rt.wait_terminal(&child_session, &child_turn).await;
+    assert_eq!(cs.result, Some(json!("job done")));
+    assert_eq!(
+        rt.results(&r.session_id).len(),
+        1,
+        "a detached child's end adds nothing to the parent"
+    );
+}
+
+#[tokio::test]
+async fn guards_answer_the_model_instead_of_spawning() {
+    let cfg = HarnessConfig {
+        max_depth: 0,
+        ..config()
+    };
+    let rt = runtime(
+        json!({"generations": [spawn_gen("^go", json!({"task": "sub"})), text(None, "ok", 0)]}),
+        cfg,
+    )
+    .await;
+    let r = rt.harness.send(orchestrating("go")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let result = &rt.results(&r.session_id)[0];
+    assert!(result.is_error);
+    assert_eq!(result.details["error"], "harness/spawn_depth_exceeded");
+    assert_eq!(rt.status(&r.session_id).await.unwrap().children.len(), 0);
+
+    let cfg = HarnessConfig {
+        max_children: 0,
+        ..config()
+    };
+    let rt = runtime(
+        json!({"generations": [spawn_gen("^go", json!({"task": "sub"})), text(None, "ok", 0)]}),
+        cfg,
+    )
+    .await;
+    let r = rt.harness.send(orchestrating("go")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(
+        rt.results(&r.session_id)[0].details["error"],
+        "harness/spawn_fanout_exceeded"
+    );
+
+    let rt = runtime(
+        json!({"generations": [spawn_gen("^go", json!({"tsak": "typo"})), text(None, "ok", 0)]}),
+        config(),
+    )
+    .await;
+    let r = rt.harness.send(orchestrating("go")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let result = &rt.results(&r.session_id)[0];
+    assert_eq!(result.details["error"], "harness/invalid_request");
+    assert!(
+        result.content[0]
+            .as_text()
+            .unwrap()
+            .contains("task: missing field"),
+        "{:?}",
+        result.content
+    );
+}
+
+#[tokio::test]
+async fn stopping_the_parent_stops_the_child() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^research", json!({"task": "dig deep"})),
+            text(Some("^dig deep"), "a b c d e f g h i j k l m n o p q r s t", 200),
+            text(None, "never", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt.harness.send(orchestrating("research it")).await.unwrap();
+    wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
+    let out = rt
+        .harness
+        .stop(StopRequest {
+            session_id: r.session_id.clone(),
+            turn_id: None,
+        })
+        .await
+        .unwrap();
+    assert!(out.stopping);
+    assert_eq!(
+        rt.wait_terminal(&r.session_id, &r.turn_id).await.status,
+        TurnStatus::Cancelled
+    );
+    assert_eq!(
+        rt.wait_terminal(&child.session_id, &child.turn_id)
+            .await
+            .status,
+        TurnStatus::Cancelled
+    );
+}
+
+#[tokio::test]
+async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
+    let rt = runtime(
+        json!({"generations": [text(None, "child says hi", 0)]}),
+        config(),
+    )
+    .await;
+    let err = rt
+        .harness
+        .spawn(SpawnRequest {
+            task: json!("hello"),
+            model: None,
+            provider: None,
+            session_id: None,
+            options: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(err.message.starts_with("model:"), "{err}");
+    use harness_bus::Bus;
+    let out = rt
+        .bus
+        .call(
+            "harness::spawn",
+            json!({"task": "hello", "model": "m", "provider": "scripted"}),
+            None,
+        )
+        .await
+        .unwrap();
+    let out: harness_types::api::SpawnResponse = serde_json::from_value(out).unwrap();
+    let s = rt
+        .wait_terminal(&out.child_session_id, &out.child_turn_id)
+        .await;
+    assert_eq!(
+        (s.status, s.result),
+        (TurnStatus::Completed, Some(json!("child says hi")))
+    );
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    assert!(seen[0].tools.is_empty(), "no policy named: deny all");
+}
