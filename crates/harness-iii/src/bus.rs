@@ -108,6 +108,22 @@ struct Inner {
     /// the barrier can read it back.
     written: Mutex<HashMap<(String, String), (u64, Value)>>,
     write_seq: std::sync::atomic::AtomicU64,
+    /// State writes sent to the engine whose answer is not back yet, per `(scope, key)`: the
+    /// engine may already hold such a value while `written` does not know it yet, so a barrier
+    /// reading that key back must not call the difference a loss.
+    writing: Mutex<HashMap<(String, String), usize>>,
+    /// While barriers run: the writes recorded after their snapshots were taken. Another task's
+    /// barrier may drain a newer write of a key from `written` before this one reads the key
+    /// back; this log still tells the newer write from a loss.
+    recent: Mutex<Recent>,
+}
+
+#[derive(Default)]
+struct Recent {
+    /// Per running barrier: the lowest sequence in its snapshot.
+    floors: Vec<u64>,
+    /// `(sequence, (scope, key))` of writes recorded while a barrier ran.
+    log: Vec<(u64, (String, String))>,
 }
 
 /// The Bus over an iii engine. Cheap to clone.
@@ -156,6 +172,8 @@ impl IiiBus {
                 disconnects,
                 written: Mutex::new(HashMap::new()),
                 write_seq: std::sync::atomic::AtomicU64::new(0),
+                writing: Mutex::new(HashMap::new()),
+                recent: Mutex::new(Recent::default()),
                 opts,
             }),
         };
@@ -982,9 +1000,27 @@ impl Bus for IiiBus {
     /// it, so a checkpoint lost before the side effect (an engine restart between the write and
     /// the dispatch) stops the dispatch. See the crate docs for what remains.
     async fn barrier(&self) -> Result<(), BusError> {
-        let snapshot: Vec<((String, String), (u64, Value))> = {
+        let (snapshot, _running) = {
             let mut w = self.inner.written.lock().expect("written lock");
-            w.drain().collect()
+            let snapshot: Vec<((String, String), (u64, Value))> = w.drain().collect();
+            let floor = snapshot
+                .iter()
+                .map(|(_, (s, _))| *s)
+                .min()
+                .unwrap_or(u64::MAX);
+            self.inner
+                .recent
+                .lock()
+                .expect("recent lock")
+                .floors
+                .push(floor);
+            (
+                snapshot,
+                BarrierRunning {
+                    inner: self.inner.clone(),
+                    floor,
+                },
+            )
         };
         for ((scope, key), (seq, value)) in snapshot {
             let stored = self
@@ -999,14 +1035,30 @@ impl Bus for IiiBus {
             if strip_decoration(stored) == value {
                 continue;
             }
-            // A newer write of the same key (another task) is not a loss.
+            // A newer write of the same key (another task), recorded or still in flight, is not
+            // a loss (the newer one is checked by a later barrier).
+            let id = (scope.clone(), key.clone());
             let newer = self
                 .inner
                 .written
                 .lock()
                 .expect("written lock")
-                .get(&(scope.clone(), key.clone()))
-                .is_some_and(|(s, _)| *s > seq);
+                .get(&id)
+                .is_some_and(|(s, _)| *s > seq)
+                || self
+                    .inner
+                    .writing
+                    .lock()
+                    .expect("writing lock")
+                    .contains_key(&id)
+                || self
+                    .inner
+                    .recent
+                    .lock()
+                    .expect("recent lock")
+                    .log
+                    .iter()
+                    .any(|(s, k)| *s > seq && *k == id);
             if !newer {
                 return Err(BusError::new(
                     "harness/state",
@@ -1035,6 +1087,7 @@ impl Bus for IiiBus {
 
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
         let stored = wrap_state(key, value);
+        let _writing = self.writing(scope, key);
         self.invoke(
             "state::set",
             json!({"scope": scope, "key": key, "value": stored}),
@@ -1048,6 +1101,7 @@ impl Bus for IiiBus {
     }
 
     async fn state_delete(&self, scope: &str, key: &str) -> Result<(), BusError> {
+        let _writing = self.writing(scope, key);
         self.invoke(
             "state::delete",
             json!({"scope": scope, "key": key}),
@@ -1089,17 +1143,75 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// A barrier in progress (see `Inner::recent`); dropping it prunes the log.
+struct BarrierRunning {
+    inner: Arc<Inner>,
+    floor: u64,
+}
+
+impl Drop for BarrierRunning {
+    fn drop(&mut self) {
+        let mut r = self.inner.recent.lock().expect("recent lock");
+        if let Some(i) = r.floors.iter().position(|f| *f == self.floor) {
+            r.floors.swap_remove(i);
+        }
+        match r.floors.iter().min().copied() {
+            None => r.log.clear(),
+            Some(min) => r.log.retain(|(s, _)| *s > min),
+        }
+    }
+}
+
+/// Marks a state write in flight until dropped (see `Inner::writing`).
+struct Writing {
+    inner: Arc<Inner>,
+    id: (String, String),
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        let mut w = self.inner.writing.lock().expect("writing lock");
+        if let Some(n) = w.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                w.remove(&self.id);
+            }
+        }
+    }
+}
+
 impl IiiBus {
+    /// Marks a write of `(scope, key)` in flight; dropped after it was recorded (or failed).
+    fn writing(&self, scope: &str, key: &str) -> Writing {
+        let id = (scope.to_string(), key.to_string());
+        *self
+            .inner
+            .writing
+            .lock()
+            .expect("writing lock")
+            .entry(id.clone())
+            .or_insert(0) += 1;
+        Writing {
+            inner: self.inner.clone(),
+            id,
+        }
+    }
+
     fn record_write(&self, scope: &str, key: &str, stored: Value) {
         let seq = self
             .inner
             .write_seq
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let id = (scope.to_string(), key.to_string());
         self.inner
             .written
             .lock()
             .expect("written lock")
-            .insert((scope.to_string(), key.to_string()), (seq, stored));
+            .insert(id.clone(), (seq, stored));
+        let mut r = self.inner.recent.lock().expect("recent lock");
+        if !r.floors.is_empty() {
+            r.log.push((seq, id));
+        }
     }
 
     /// Every function registered here, with its schemas (what the engine was told).

@@ -71,6 +71,14 @@
 //!   the difference of the medians (`router_frame_added_us_p50`). Per request
 //!   (`router_request_us_*`): `Router::chat` → the server has read the request, plus the
 //!   server's last byte → the ack.
+//! * **iii mode** (`--iii URL`, feature `iii`): every phase opens its runtime with
+//!   [`Runtime::open_on_bus`] on an `IiiBus` connected to URL (worker name `harness-bench`), with
+//!   every sibling registered (as `harness worker --with all`; their SQLite in the phase's
+//!   temporary directory) and the same probe wrapped around the bus; `bench::noop` is registered
+//!   on the engine too, so call steps go through it. The queue's drain is seen as steps enqueued
+//!   = steps handled (the engine's depth is not visible). The fsync figures and the empty-commit
+//!   yardstick are null there (the engine gives no durability point; see [`III_NOTES`]); the
+//!   rest is measured the same way, so the two reports compare key by key.
 //! * **RAM per idle session** (`idle_session_bytes`): fsync off; N sessions with one completed
 //!   turn each (64 at a time); resident set (`VmRSS`, after `malloc_trim`) after minus before,
 //!   divided by N. It includes SQLite's page caches growing with the database;
@@ -106,7 +114,9 @@ pub struct BenchArgs {
     /// A shorter run (under 30 s).
     #[arg(long)]
     pub quick: bool,
-    /// Measure a harness on an iii engine instead of in-process (not built yet).
+    /// Run every phase on an iii engine (its worker URL, e.g. ws://127.0.0.1:49134) instead of
+    /// the embedded bus: the loop and all its siblings register on it as `harness worker --with
+    /// all` would. Needs a build with `--features iii`.
     #[arg(long, value_name = "URL")]
     pub iii: Option<String>,
     /// Where the temporary stores go (default: the system temp dir). Use a real disk: fsync on
@@ -287,6 +297,10 @@ struct Probe {
     handoff_send_ns: Mutex<Vec<u64>>,
     handoff_step_ns: Mutex<Vec<u64>>,
     completions: Mutex<HashMap<String, Slot>>,
+    /// Steps enqueued on `harness-turn` (counted before the enqueue) and step deliveries
+    /// handled: how the bench sees the queue drain on iii, where its depth is not visible.
+    steps_enqueued: AtomicU64,
+    steps_handled: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -471,6 +485,7 @@ impl Handler for StepHandler {
                 by_op: std::mem::take(&mut *lock(&acc.by_op)),
             };
             probe.step_finished(sample, skipped);
+            probe.steps_handled.fetch_add(1, Ordering::SeqCst);
             out
         })
     }
@@ -575,7 +590,14 @@ impl Bus for ProbeBus {
         payload: Value,
     ) -> Result<(), BusError> {
         let stamp = (queue == TURN_QUEUE).then(|| payload.clone());
-        store_op("enqueue", self.inner.enqueue(queue, function_id, payload)).await?;
+        if stamp.is_some() {
+            self.probe.steps_enqueued.fetch_add(1, Ordering::SeqCst);
+        }
+        let out = store_op("enqueue", self.inner.enqueue(queue, function_id, payload)).await;
+        if out.is_err() && stamp.is_some() {
+            self.probe.steps_enqueued.fetch_sub(1, Ordering::SeqCst);
+        }
+        out?;
         if let Some(p) = stamp {
             self.probe.enqueued(&p);
         }
@@ -657,15 +679,61 @@ enum ScriptKind {
     Calls,
 }
 
+/// Where a phase's runtime runs: the embedded bus (in-process), or an iii engine.
+#[derive(Clone, Copy)]
+enum Mode<'a> {
+    Embedded,
+    /// The engine's worker URL (`--iii`).
+    #[cfg_attr(not(feature = "iii"), allow(dead_code))]
+    Iii(&'a str),
+}
+
+impl Mode<'_> {
+    fn is_iii(&self) -> bool {
+        matches!(self, Mode::Iii(_))
+    }
+}
+
+/// Where a phase opens its runtime: the mode and the directory of its temporary stores.
+#[derive(Clone, Copy)]
+struct At<'a> {
+    mode: Mode<'a>,
+    base: &'a Path,
+}
+
+/// The runtime under a [`Rig`].
+enum Backend {
+    Embedded(Runtime),
+    /// The loop and every sibling (`harness worker --with all`) on an [`harness_iii::IiiBus`];
+    /// the siblings' SQLite (transcripts) in the rig's temporary directory.
+    #[cfg(feature = "iii")]
+    Iii {
+        rt: crate::runtime::BusRuntime,
+        bus: harness_iii::IiiBus,
+    },
+}
+
 struct Rig {
-    rt: Runtime,
+    harness: Harness,
+    backend: Backend,
     probe: Arc<Probe>,
     _dir: TempDir,
 }
 
+/// Registers the in-process no-op target of the function-call phases.
+fn register_noop(bus: &dyn Bus) {
+    // In-process and instant: what a call costs beyond its target is what is measured.
+    bus.register_function(
+        FunctionDef::new(NOOP_FN, "harness bench: answers {\"ok\": true} at once"),
+        Arc::new(|_p: Value, _ctx: CallContext| async {
+            Ok::<Value, BusError>(json!({"ok": true}))
+        }),
+    );
+}
+
 impl Rig {
-    async fn open(base: &Path, script: ScriptKind, durability: Durability) -> Result<Rig> {
-        let dir = TempDir::new(base)?;
+    async fn open(at: At<'_>, script: ScriptKind, durability: Durability) -> Result<Rig> {
+        let dir = TempDir::new(at.base)?;
         let script_path = dir.0.join("bench-script.json");
         let text = match script {
             ScriptKind::Text => TEXT_SCRIPT,
@@ -675,34 +743,62 @@ impl Rig {
             .with_context(|| format!("cannot write {}", script_path.display()))?;
         let probe = Arc::new(Probe::default());
         let layer_probe = probe.clone();
-        let rt = Runtime::open_layered(
-            RuntimeOptions {
-                data_dir: dir.0.join("data"),
-                script: Some(script_path),
-                durability,
-                config: HarnessConfig::default(),
-                fixtures: None,
-                fixture_log: None,
-            },
-            move |inner| {
-                Arc::new(ProbeBus {
-                    inner,
-                    probe: layer_probe,
-                }) as Arc<dyn Bus>
-            },
-        )
-        .await?;
-        if matches!(script, ScriptKind::Calls) {
-            // In-process and instant: what a call costs beyond its target is what is measured.
-            rt.bus.register_function(
-                FunctionDef::new(NOOP_FN, "harness bench: answers {\"ok\": true} at once"),
-                Arc::new(|_p: Value, _ctx: CallContext| async {
-                    Ok::<Value, BusError>(json!({"ok": true}))
-                }),
-            );
-        }
+        let layer = move |inner| {
+            Arc::new(ProbeBus {
+                inner,
+                probe: layer_probe,
+            }) as Arc<dyn Bus>
+        };
+        let opts = RuntimeOptions {
+            data_dir: dir.0.join("data"),
+            script: Some(script_path),
+            durability,
+            config: HarnessConfig::default(),
+            fixtures: None,
+            fixture_log: None,
+        };
+        let backend = match at.mode {
+            Mode::Embedded => {
+                let rt = Runtime::open_layered(opts, layer).await?;
+                if matches!(script, ScriptKind::Calls) {
+                    register_noop(&rt.bus);
+                }
+                Backend::Embedded(rt)
+            }
+            #[cfg(feature = "iii")]
+            Mode::Iii(url) => {
+                use crate::runtime::Siblings;
+                let mut iii = harness_iii::IiiOptions::new(url);
+                // Not `harness`: the engine leases a worker name to one live connection, and a
+                // deployment's own `harness worker` may hold that one.
+                iii.worker_name = "harness-bench".into();
+                let bus = harness_iii::IiiBus::connect(iii)
+                    .await
+                    .with_context(|| format!("--iii {url}"))?;
+                if matches!(script, ScriptKind::Calls) {
+                    // Before the loop starts, so the engine lists it from the first turn on.
+                    register_noop(&bus);
+                }
+                let shared = layer(Arc::new(bus.clone()));
+                match Runtime::open_on_bus(opts, shared, Siblings::ALL, Vec::new()).await {
+                    Ok(rt) => Backend::Iii { rt, bus },
+                    Err(e) => {
+                        bus.shutdown().await;
+                        return Err(e);
+                    }
+                }
+            }
+            #[cfg(not(feature = "iii"))]
+            Mode::Iii(url) => bail!("{}", iii_not_built(url)),
+        };
+        let harness = match &backend {
+            Backend::Embedded(rt) => rt.harness.clone(),
+            #[cfg(feature = "iii")]
+            Backend::Iii { rt, .. } => rt.harness.clone(),
+        };
         Ok(Rig {
-            rt,
+            harness,
+            backend,
             probe,
             _dir: dir,
         })
@@ -710,19 +806,46 @@ impl Rig {
 
     fn driver(&self) -> Driver {
         Driver {
-            harness: self.rt.harness.clone(),
+            harness: self.harness.clone(),
             probe: self.probe.clone(),
         }
     }
 
-    fn fsyncs(&self) -> u64 {
-        self.rt.store.stats().fsyncs
+    /// The store's fsync counter; None on iii (the engine holds the loop's state and queue and
+    /// gives no durability point, so there is nothing comparable to count).
+    fn fsyncs(&self) -> Option<u64> {
+        match &self.backend {
+            Backend::Embedded(rt) => Some(rt.store.stats().fsyncs),
+            #[cfg(feature = "iii")]
+            Backend::Iii { .. } => None,
+        }
     }
 
-    /// Waits until every step message is acked (its fsync included).
+    /// The embedded store (None on iii).
+    fn store(&self) -> Option<&harness_store::Store> {
+        match &self.backend {
+            Backend::Embedded(rt) => Some(&rt.store),
+            #[cfg(feature = "iii")]
+            Backend::Iii { .. } => None,
+        }
+    }
+
+    /// Waits until every step message is acked (its fsync included). On iii: until every step
+    /// enqueued on `harness-turn` has been handled (the engine's queue depth is not visible).
     async fn queue_idle(&self) -> Result<()> {
         let deadline = Instant::now() + TURN_TIMEOUT;
-        while self.rt.bus.queues().depth(TURN_QUEUE) > 0 {
+        loop {
+            let busy = match &self.backend {
+                Backend::Embedded(rt) => rt.bus.queues().depth(TURN_QUEUE) > 0,
+                #[cfg(feature = "iii")]
+                Backend::Iii { .. } => {
+                    self.probe.steps_handled.load(Ordering::SeqCst)
+                        < self.probe.steps_enqueued.load(Ordering::SeqCst)
+                }
+            };
+            if !busy {
+                return Ok(());
+            }
             if Instant::now() > deadline {
                 bail!(
                     "the step queue did not drain within {} s",
@@ -731,25 +854,45 @@ impl Rig {
             }
             tokio::time::sleep(Duration::from_micros(50)).await;
         }
-        Ok(())
     }
 
     /// [`Rig::queue_idle`], then a barrier: the last ack's fsync (which runs beside the next
     /// step, off the handoff) has finished, so the fsync counter is settled. Costs no fsync when
-    /// everything committed is already synced.
+    /// everything committed is already synced. (On iii only the queue wait.)
     async fn settle(&self) -> Result<()> {
         self.queue_idle().await?;
-        self.rt
-            .store
-            .barrier()
-            .await
-            .map_err(|e| anyhow!("store barrier: {e}"))
+        match self.store() {
+            Some(store) => store
+                .barrier()
+                .await
+                .map_err(|e| anyhow!("store barrier: {e}")),
+            None => Ok(()),
+        }
     }
 
     async fn close(self) {
-        self.rt.shutdown().await;
-        self.rt.store.close();
+        match self.backend {
+            Backend::Embedded(rt) => {
+                rt.shutdown().await;
+                rt.store.close();
+            }
+            #[cfg(feature = "iii")]
+            Backend::Iii { rt, bus } => {
+                bus.shutdown().await;
+                if let Some(store) = &rt.store {
+                    store.close();
+                }
+            }
+        }
     }
+}
+
+/// The error of `--iii` in a build without the `iii` feature.
+#[cfg_attr(feature = "iii", allow(dead_code))]
+fn iii_not_built(url: &str) -> String {
+    format!(
+        "--iii {url}: this harness was built without iii support; rebuild with `cargo build --features iii` (or run `harness bench` without --iii to measure in-process)"
+    )
 }
 
 /// What a worker task needs to run turns.
@@ -963,12 +1106,12 @@ async fn fill_sessions(d: &Driver, n: usize, cap: Duration) -> Result<usize> {
     Ok(made)
 }
 
-async fn idle_ram(base: &Path, plan: &Plan) -> Result<IdleRam> {
+async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
     progress(&format!(
         "RAM per idle session ({} sessions, fsync off)",
         plan.idle_sessions
     ));
-    let rig = Rig::open(base, ScriptKind::Text, Durability::Normal).await?;
+    let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     let d = rig.driver();
     // Warm-up: the runtime's fixed costs (threads, connections, statement caches) land before the baseline.
     fill_sessions(&d, 100, Duration::from_secs(2)).await?;
@@ -1013,8 +1156,9 @@ struct Overhead {
     step_p99: f64,
     store_p50: f64,
     store_ops_per_step: f64,
-    store_write_p50: f64,
-    store_write_idle_p50: f64,
+    /// One empty commit of the embedded store (None on iii: the loop's store is the engine).
+    store_write_p50: Option<f64>,
+    store_write_idle_p50: Option<f64>,
     /// Process CPU time (all threads) per turn of the measured run, send and ack included.
     cpu_per_turn_us: f64,
     /// Wall time per turn of the measured run (send → turn-completed, back to back).
@@ -1025,12 +1169,12 @@ struct Overhead {
     loop_breakdown: Vec<(String, f64, f64)>,
 }
 
-async fn overhead(base: &Path, plan: &Plan) -> Result<Overhead> {
+async fn overhead(at: At<'_>, plan: &Plan) -> Result<Overhead> {
     progress(&format!(
         "loop overhead per step ({} text steps, concurrency 1, fsync off)",
         plan.overhead_steps
     ));
-    let rig = Rig::open(base, ScriptKind::Text, Durability::Normal).await?;
+    let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     let d = rig.driver();
     d.text_loop(Instant::now() + plan.overhead_cap, 50).await?;
     rig.queue_idle().await?;
@@ -1069,32 +1213,17 @@ async fn overhead(base: &Path, plan: &Plan) -> Result<Overhead> {
     }
     store_breakdown.sort_by(|a, b| b.2.total_cmp(&a.2));
     loop_breakdown.sort_by(|a, b| b.2.total_cmp(&a.2));
-    // One empty commit, as a yardstick for the store's part.
-    let mut writes = Vec::with_capacity(plan.store_writes);
-    for _ in 0..plan.store_writes {
-        let t = Instant::now();
-        rig.rt
-            .store
-            .write(|_| Ok(()))
-            .await
-            .map_err(|e| anyhow!("store write: {e}"))?;
-        writes.push(t.elapsed().as_nanos() as u64);
-    }
-    let writes = sorted(writes);
-    // The same after 1 ms of idleness: the writer thread (and the waiting worker) are parked
-    // and must be woken, as between the store calls of a step.
-    let mut idle_writes = Vec::with_capacity(plan.store_writes / 4);
-    for _ in 0..plan.store_writes / 4 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        let t = Instant::now();
-        rig.rt
-            .store
-            .write(|_| Ok(()))
-            .await
-            .map_err(|e| anyhow!("store write: {e}"))?;
-        idle_writes.push(t.elapsed().as_nanos() as u64);
-    }
-    let idle_writes = sorted(idle_writes);
+    // One empty commit, as a yardstick for the store's part (embedded only).
+    let (store_write_p50, store_write_idle_p50) = match rig.store() {
+        Some(store) => {
+            let (writes, idle_writes) = store_writes(store, plan.store_writes).await?;
+            (
+                Some(percentile_us(&writes, 0.5)),
+                Some(percentile_us(&idle_writes, 0.5)),
+            )
+        }
+        None => (None, None),
+    };
     let out = Overhead {
         steps: samples.len(),
         overhead_p50: percentile_us(&over, 0.5),
@@ -1103,8 +1232,8 @@ async fn overhead(base: &Path, plan: &Plan) -> Result<Overhead> {
         step_p99: percentile_us(&wall, 0.99),
         store_p50: percentile_us(&store, 0.5),
         store_ops_per_step: ops as f64 / samples.len() as f64,
-        store_write_p50: percentile_us(&writes, 0.5),
-        store_write_idle_p50: percentile_us(&idle_writes, 0.5),
+        store_write_p50,
+        store_write_idle_p50,
         cpu_per_turn_us: cpu1.saturating_sub(cpu0) as f64 / turns.max(1) as f64,
         wall_per_turn_us: run_wall.as_secs_f64() * 1e6 / turns.max(1) as f64,
         store_breakdown,
@@ -1114,6 +1243,32 @@ async fn overhead(base: &Path, plan: &Plan) -> Result<Overhead> {
     Ok(out)
 }
 
+/// `n` empty commits back to back, then `n / 4` after 1 ms of idleness each (the writer thread
+/// and the waiting worker are parked and must be woken, as between the store calls of a step);
+/// sorted ns.
+async fn store_writes(store: &harness_store::Store, n: usize) -> Result<(Vec<u64>, Vec<u64>)> {
+    let mut writes = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        store
+            .write(|_| Ok(()))
+            .await
+            .map_err(|e| anyhow!("store write: {e}"))?;
+        writes.push(t.elapsed().as_nanos() as u64);
+    }
+    let mut idle_writes = Vec::with_capacity(n / 4);
+    for _ in 0..n / 4 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let t = Instant::now();
+        store
+            .write(|_| Ok(()))
+            .await
+            .map_err(|e| anyhow!("store write: {e}"))?;
+        idle_writes.push(t.elapsed().as_nanos() as u64);
+    }
+    Ok((sorted(writes), sorted(idle_writes)))
+}
+
 struct Handoff {
     samples: usize,
     p50: f64,
@@ -1121,7 +1276,7 @@ struct Handoff {
     send_p50: f64,
 }
 
-async fn handoff(base: &Path, plan: &Plan, durability: Durability) -> Result<Handoff> {
+async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> Result<Handoff> {
     let label = if durability == Durability::Full {
         "on"
     } else {
@@ -1132,7 +1287,7 @@ async fn handoff(base: &Path, plan: &Plan, durability: Durability) -> Result<Han
         plan.handoff_turns,
         HANDOFF_MAX_TURNS + 1
     ));
-    let rig = Rig::open(base, ScriptKind::Calls, durability).await?;
+    let rig = Rig::open(at, ScriptKind::Calls, durability).await?;
     let d = rig.driver();
     let options = || {
         Some(SendOptions {
@@ -1175,12 +1330,12 @@ struct Fsyncs {
     per_send: f64,
 }
 
-async fn fsyncs(base: &Path, plan: &Plan) -> Result<Fsyncs> {
+async fn fsyncs(at: At<'_>, plan: &Plan) -> Result<Fsyncs> {
     progress(&format!(
         "fsyncs per text step ({} turns, concurrency 1, fsync on)",
         plan.fsync_turns
     ));
-    let rig = Rig::open(base, ScriptKind::Text, Durability::Full).await?;
+    let rig = Rig::open(at, ScriptKind::Text, Durability::Full).await?;
     let d = rig.driver();
     d.text_loop(Instant::now() + plan.fsync_cap, 10).await?;
     rig.queue_idle().await?;
@@ -1188,12 +1343,12 @@ async fn fsyncs(base: &Path, plan: &Plan) -> Result<Fsyncs> {
     let mut session: Option<String> = None;
     let deadline = Instant::now() + plan.fsync_cap;
     while turns < plan.fsync_turns && Instant::now() < deadline {
-        let s0 = rig.fsyncs();
+        let s0 = rig.fsyncs().unwrap_or(0);
         let (sid, turn_id) = d.send(session.take(), None).await?;
-        let s1 = rig.fsyncs();
+        let s1 = rig.fsyncs().unwrap_or(0);
         d.probe.wait(&turn_id).await?;
         rig.queue_idle().await?;
-        let s2 = rig.fsyncs();
+        let s2 = rig.fsyncs().unwrap_or(0);
         in_send += s1 - s0;
         in_step += s2 - s1;
         turns += 1;
@@ -1242,8 +1397,9 @@ struct Calls {
     breakdown: Vec<OpRow>,
     /// Whole call step with fsync on.
     fsync_step_p50: f64,
-    fsyncs_per_step: f64,
-    fsyncs_per_turn: f64,
+    /// None on iii (no fsync counter: see [`Rig::fsyncs`]).
+    fsyncs_per_step: Option<f64>,
+    fsyncs_per_turn: Option<f64>,
     /// Turns of each length in the fsync measurement.
     fsync_turns: usize,
 }
@@ -1280,13 +1436,13 @@ fn target_of(s: &StepSample) -> (u64, u64) {
         .unwrap_or((0, 0))
 }
 
-async fn function_calls(base: &Path, plan: &Plan) -> Result<Calls> {
+async fn function_calls(at: At<'_>, plan: &Plan) -> Result<Calls> {
     let n = FUNCTION_MAX_TURNS as usize;
     progress(&format!(
         "function-call steps ({} call steps in turns of {n} calls + paired text steps, concurrency 1, fsync off)",
         plan.function_steps
     ));
-    let rig = Rig::open(base, ScriptKind::Calls, Durability::Normal).await?;
+    let rig = Rig::open(at, ScriptKind::Calls, Durability::Normal).await?;
     let d = rig.driver();
     d.call_turn(function_options(FUNCTION_MAX_TURNS)).await?;
     d.text_loop(Instant::now() + plan.function_cap, 20).await?;
@@ -1373,8 +1529,8 @@ async fn function_calls(base: &Path, plan: &Plan) -> Result<Calls> {
         text_store_ops_per_step: ops(&text),
         breakdown,
         fsync_step_p50: 0.0,
-        fsyncs_per_step: 0.0,
-        fsyncs_per_turn: 0.0,
+        fsyncs_per_step: None,
+        fsyncs_per_turn: None,
         fsync_turns: 0,
     };
 
@@ -1382,7 +1538,7 @@ async fn function_calls(base: &Path, plan: &Plan) -> Result<Calls> {
         "fsyncs per function step ({} turns each of {FUNCTION_MAX_TURNS} and {FUNCTION_SHORT_MAX_TURNS} calls, concurrency 1, fsync on)",
         plan.function_fsync_turns
     ));
-    let rig = Rig::open(base, ScriptKind::Calls, Durability::Full).await?;
+    let rig = Rig::open(at, ScriptKind::Calls, Durability::Full).await?;
     let d = rig.driver();
     for len in [FUNCTION_MAX_TURNS, FUNCTION_SHORT_MAX_TURNS] {
         d.call_turn(function_options(len)).await?;
@@ -1406,7 +1562,9 @@ async fn function_calls(base: &Path, plan: &Plan) -> Result<Calls> {
             d.probe.wait(&turn_id).await?;
             rig.settle().await?;
             totals[i].0 += 1;
-            totals[i].1 += rig.fsyncs() - s1;
+            if let (Some(s1), Some(s2)) = (s1, rig.fsyncs()) {
+                totals[i].1 += s2 - s1;
+            }
             fsync_turns.insert(turn_id);
         }
     }
@@ -1416,8 +1574,11 @@ async fn function_calls(base: &Path, plan: &Plan) -> Result<Calls> {
     rig.close().await;
     let mean = |(turns, fsyncs): (usize, u64)| fsyncs as f64 / turns.max(1) as f64;
     let (long, short) = (mean(totals[0]), mean(totals[1]));
-    out.fsyncs_per_turn = long;
-    out.fsyncs_per_step = (long - short) / (FUNCTION_MAX_TURNS - FUNCTION_SHORT_MAX_TURNS) as f64;
+    if !at.mode.is_iii() {
+        out.fsyncs_per_turn = Some(long);
+        out.fsyncs_per_step =
+            Some((long - short) / (FUNCTION_MAX_TURNS - FUNCTION_SHORT_MAX_TURNS) as f64);
+    }
     out.fsync_turns = totals[0].0.min(totals[1].0);
     let fsync_calls: Vec<StepSample> = samples
         .into_iter()
@@ -1451,7 +1612,8 @@ struct Cell {
     fsync: bool,
     steps: u64,
     secs: f64,
-    fsyncs: u64,
+    /// None on iii.
+    fsyncs: Option<u64>,
     cpu_us: u64,
 }
 
@@ -1465,7 +1627,7 @@ impl Cell {
     }
 }
 
-async fn throughput(base: &Path, plan: &Plan, concurrency: usize, fsync: bool) -> Result<Cell> {
+async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) -> Result<Cell> {
     progress(&format!(
         "durable steps/s at {concurrency} sessions, fsync {} ({:.1} s)",
         if fsync { "on" } else { "off" },
@@ -1476,7 +1638,7 @@ async fn throughput(base: &Path, plan: &Plan, concurrency: usize, fsync: bool) -
     } else {
         Durability::Normal
     };
-    let rig = Rig::open(base, ScriptKind::Text, durability).await?;
+    let rig = Rig::open(at, ScriptKind::Text, durability).await?;
     let d = rig.driver();
     run_workers(&d, concurrency, Instant::now() + plan.cell_warmup, u64::MAX).await?;
     rig.queue_idle().await?;
@@ -1487,7 +1649,7 @@ async fn throughput(base: &Path, plan: &Plan, concurrency: usize, fsync: bool) -
     let secs = start.elapsed().as_secs_f64();
     let cpu_us = cpu_time_us().saturating_sub(cpu0);
     rig.queue_idle().await?;
-    let fsyncs = rig.fsyncs() - f0;
+    let fsyncs = rig.fsyncs().zip(f0).map(|(f1, f0)| f1 - f0);
     rig.close().await;
     Ok(Cell {
         concurrency,
@@ -1520,16 +1682,57 @@ fn fs_type(path: &Path) -> Option<String> {
 struct Target {
     key: &'static str,
     label: &'static str,
-    value: f64,
+    /// None where the figure does not apply (fsync counts on iii).
+    value: Option<f64>,
     unit: &'static str,
     target: &'static str,
-    met: bool,
+    met: Option<bool>,
 }
 
-pub async fn run(args: BenchArgs) -> Result<()> {
-    if let Some(url) = &args.iii {
-        bail!("iii mode is not built yet (--iii {url}); run `harness bench` without --iii to measure in-process");
+impl Target {
+    fn new(
+        key: &'static str,
+        label: &'static str,
+        value: Option<f64>,
+        unit: &'static str,
+        target: &'static str,
+        met: impl Fn(f64) -> bool,
+    ) -> Target {
+        Target {
+            key,
+            label,
+            value,
+            unit,
+            target,
+            met: value.map(met),
+        }
     }
+}
+
+/// A figure that may not apply in this mode: a number, or null.
+fn opt(x: Option<f64>, round: fn(f64) -> f64) -> Value {
+    x.map(|v| json!(round(v))).unwrap_or(Value::Null)
+}
+
+/// What the iii mode reports differently, said in the report.
+const III_NOTES: &[&str] = &[
+    "iii mode: every phase runs the loop and all its siblings (as `harness worker --with all`, worker name harness-bench) on an iii engine connection; calls, state, the step queue and events go through the engine",
+    "fsync counts (fsyncs_per_*, fsync_turns) and the empty-commit yardstick (store_write_*) are null: the engine holds the loop's state and queue and gives no durability point, so there is no fsync to count",
+    "fsync on/off (handoff, steps/s, call_step_fsync) only switches the siblings' own SQLite (transcripts, in a temporary dir); the engine's durability is whatever it is configured with",
+    "store time (store_*, overhead) is time awaiting session::*, state::*, enqueue, publish and barrier through the engine; barrier reads back the state written since the last one",
+    "idle_session_bytes is this process only (loop, siblings, transcripts); the engine's memory for the sessions is not included",
+    "router_* does not involve the bus: the same measurement as in-process",
+];
+
+pub async fn run(args: BenchArgs) -> Result<()> {
+    #[cfg(not(feature = "iii"))]
+    if let Some(url) = &args.iii {
+        bail!("{}", iii_not_built(url));
+    }
+    let mode = match &args.iii {
+        Some(url) => Mode::Iii(url),
+        None => Mode::Embedded,
+    };
     let plan = Plan::new(&args);
     let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&base).with_context(|| format!("cannot create {}", base.display()))?;
@@ -1540,19 +1743,27 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             base.display()
         );
     }
+    if let Mode::Iii(url) = mode {
+        progress(&format!("iii mode: every phase connects to {url}"));
+    }
+    let at = At { mode, base: &base };
     let started = Instant::now();
 
-    let ram = idle_ram(&base, &plan).await?;
-    let over = overhead(&base, &plan).await?;
-    let hand = handoff(&base, &plan, Durability::Full).await?;
-    let hand_nofsync = handoff(&base, &plan, Durability::Normal).await?;
-    let fs_steps = fsyncs(&base, &plan).await?;
-    let calls = function_calls(&base, &plan).await?;
+    let ram = idle_ram(at, &plan).await?;
+    let over = overhead(at, &plan).await?;
+    let hand = handoff(at, &plan, Durability::Full).await?;
+    let hand_nofsync = handoff(at, &plan, Durability::Normal).await?;
+    // Nothing to count on iii (see `Rig::fsyncs`).
+    let fs_steps = match mode {
+        Mode::Embedded => Some(fsyncs(at, &plan).await?),
+        Mode::Iii(_) => None,
+    };
+    let calls = function_calls(at, &plan).await?;
     let router = router_latency(&plan).await?;
     let mut cells = Vec::new();
     for c in CONCURRENCIES {
         for fsync in [true, false] {
-            cells.push(throughput(&base, &plan, c, fsync).await?);
+            cells.push(throughput(at, &plan, c, fsync).await?);
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
@@ -1586,68 +1797,72 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         if let Some(cell) = cells.iter().find(|x| x.concurrency == c && x.fsync) {
             fsyncs_per_step.insert(
                 c.to_string(),
-                json!(round3(cell.fsyncs as f64 / cell.steps.max(1) as f64)),
+                opt(
+                    cell.fsyncs.map(|f| f as f64 / cell.steps.max(1) as f64),
+                    round3,
+                ),
             );
         }
     }
 
+    let fsyncs_per_text_step = fs_steps.as_ref().map(|f| f.per_step);
     let targets = [
-        Target {
-            key: "overhead_us_p50",
-            label: "loop overhead per step, p50",
-            value: over.overhead_p50,
-            unit: "µs",
-            target: "≤ 200 µs",
-            met: over.overhead_p50 <= 200.0,
-        },
-        Target {
-            key: "handoff_us_p50",
-            label: "step→step handoff, p50 (fsync on)",
-            value: hand.p50,
-            unit: "µs",
-            target: "≤ 1000 µs",
-            met: hand.p50 <= 1000.0,
-        },
-        Target {
-            key: "steps_per_sec.200.fsync",
-            label: "durable steps/s, 200 sessions, fsync on",
-            value: rate(200, true),
-            unit: "/s",
-            target: "≥ 10000 /s",
-            met: rate(200, true) >= 10_000.0,
-        },
-        Target {
-            key: "fsyncs_per_text_step",
-            label: "fsyncs per text step",
-            value: fs_steps.per_step,
-            unit: "",
-            target: "≤ 1",
-            met: fs_steps.per_step <= 1.0,
-        },
-        Target {
-            key: "fsyncs_per_function_step",
-            label: "fsyncs per function step",
-            value: calls.fsyncs_per_step,
-            unit: "",
-            target: "≤ 2",
-            met: calls.fsyncs_per_step <= 2.0,
-        },
-        Target {
-            key: "router_frame_us_p50",
-            label: "router, socket bytes → frame in the loop, p50",
-            value: router.per_frame_us.p50,
-            unit: "µs",
-            target: "≤ 50 µs",
-            met: router.per_frame_us.p50 <= 50.0,
-        },
-        Target {
-            key: "idle_session_bytes",
-            label: "RAM per idle session",
-            value: ram.bytes_per_session,
-            unit: "B",
-            target: "≤ 4096 B",
-            met: ram.bytes_per_session <= 4096.0,
-        },
+        Target::new(
+            "overhead_us_p50",
+            "loop overhead per step, p50",
+            Some(over.overhead_p50),
+            "µs",
+            "≤ 200 µs",
+            |v| v <= 200.0,
+        ),
+        Target::new(
+            "handoff_us_p50",
+            "step→step handoff, p50 (fsync on)",
+            Some(hand.p50),
+            "µs",
+            "≤ 1000 µs",
+            |v| v <= 1000.0,
+        ),
+        Target::new(
+            "steps_per_sec.200.fsync",
+            "durable steps/s, 200 sessions, fsync on",
+            Some(rate(200, true)),
+            "/s",
+            "≥ 10000 /s",
+            |v| v >= 10_000.0,
+        ),
+        Target::new(
+            "fsyncs_per_text_step",
+            "fsyncs per text step",
+            fsyncs_per_text_step,
+            "",
+            "≤ 1",
+            |v| v <= 1.0,
+        ),
+        Target::new(
+            "fsyncs_per_function_step",
+            "fsyncs per function step",
+            calls.fsyncs_per_step,
+            "",
+            "≤ 2",
+            |v| v <= 2.0,
+        ),
+        Target::new(
+            "router_frame_us_p50",
+            "router, socket bytes → frame in the loop, p50",
+            Some(router.per_frame_us.p50),
+            "µs",
+            "≤ 50 µs",
+            |v| v <= 50.0,
+        ),
+        Target::new(
+            "idle_session_bytes",
+            "RAM per idle session",
+            Some(ram.bytes_per_session),
+            "B",
+            "≤ 4096 B",
+            |v| v <= 4096.0,
+        ),
     ];
 
     let build = if cfg!(debug_assertions) {
@@ -1659,7 +1874,9 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         .map(|n| n.get())
         .unwrap_or(1);
     let report = json!({
-        "mode": "in-process",
+        "mode": if mode.is_iii() { "iii" } else { "in-process" },
+        "engine": match mode { Mode::Iii(url) => json!(url), Mode::Embedded => Value::Null },
+        "notes": if mode.is_iii() { json!(III_NOTES) } else { json!([]) },
         "build": build,
         "quick": args.quick,
         "cores": cores,
@@ -1671,8 +1888,8 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         "step_us_p99": round1(over.step_p99),
         "store_us_p50": round1(over.store_p50),
         "store_ops_per_step": round1(over.store_ops_per_step),
-        "store_write_us_p50": round1(over.store_write_p50),
-        "store_write_idle_us_p50": round1(over.store_write_idle_p50),
+        "store_write_us_p50": opt(over.store_write_p50, round1),
+        "store_write_idle_us_p50": opt(over.store_write_idle_p50, round1),
         "overhead_steps": over.steps,
         "store_breakdown": breakdown_json(&over.store_breakdown),
         "loop_breakdown": breakdown_json(&over.loop_breakdown),
@@ -1686,10 +1903,10 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         "cpu_us_per_step": cpu_per_step,
         "turn_us_c1": over.wall_per_turn_us.round(),
         "turn_cpu_us_c1": over.cpu_per_turn_us.round(),
-        "fsyncs_per_text_step": round3(fs_steps.per_step),
-        "fsyncs_per_send": round3(fs_steps.per_send),
+        "fsyncs_per_text_step": opt(fsyncs_per_text_step, round3),
+        "fsyncs_per_send": opt(fs_steps.as_ref().map(|f| f.per_send), round3),
         "fsyncs_per_step": fsyncs_per_step,
-        "fsync_turns": fs_steps.turns,
+        "fsync_turns": fs_steps.as_ref().map(|f| f.turns),
     });
     let calls_json = json!({
         "call_step_us_p50": round1(calls.step_p50),
@@ -1712,9 +1929,9 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             "text_per_step": round1(r.text_n),
             "text_us_per_step": round1(r.text_us),
         }))).collect::<Map<String, Value>>(),
-        "fsyncs_per_function_step": round3(calls.fsyncs_per_step),
-        "fsyncs_per_function_turn": round3(calls.fsyncs_per_turn),
-        "function_fsync_turns": calls.fsync_turns,
+        "fsyncs_per_function_step": opt(calls.fsyncs_per_step, round3),
+        "fsyncs_per_function_turn": opt(calls.fsyncs_per_turn, round3),
+        "function_fsync_turns": calls.fsyncs_per_turn.map(|_| calls.fsync_turns),
     });
     let router_json = json!({
         "router_frame_us_p50": round1(router.per_frame_us.p50),
@@ -1761,18 +1978,25 @@ pub async fn run(args: BenchArgs) -> Result<()> {
 
     let mut rows: Vec<(String, String, String, String)> = Vec::new();
     let us = |x: f64| format!("{x:.1} µs");
+    let na = || "n/a".to_string();
     for t in &targets {
-        let value = match t.unit {
-            "µs" => us(t.value),
-            "/s" => format!("{:.0} /s", t.value),
-            "B" => format!("{:.0} B", t.value),
-            _ => format!("{:.3}", t.value),
+        let value = match (t.value, t.unit) {
+            (None, _) => na(),
+            (Some(v), "µs") => us(v),
+            (Some(v), "/s") => format!("{v:.0} /s"),
+            (Some(v), "B") => format!("{v:.0} B"),
+            (Some(v), _) => format!("{v:.3}"),
         };
         rows.push((
             t.label.into(),
             value,
             t.target.into(),
-            if t.met { "yes" } else { "NO" }.into(),
+            match t.met {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "n/a",
+            }
+            .into(),
         ));
     }
     let info = |rows: &mut Vec<(String, String, String, String)>, label: String, value: String| {
@@ -1796,11 +2020,10 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     info(
         &mut rows,
         "one empty store commit, p50 (back to back / after 1 ms idle)".into(),
-        format!(
-            "{} / {}",
-            us(over.store_write_p50),
-            us(over.store_write_idle_p50)
-        ),
+        match (over.store_write_p50, over.store_write_idle_p50) {
+            (Some(a), Some(b)) => format!("{} / {}", us(a), us(b)),
+            _ => na(),
+        },
     );
     info(
         &mut rows,
@@ -1888,7 +2111,10 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         format!(
             "fsyncs per function turn ({FUNCTION_MAX_TURNS} calls + final step, send excluded)"
         ),
-        format!("{:.3}", calls.fsyncs_per_turn),
+        calls
+            .fsyncs_per_turn
+            .map(|v| format!("{v:.3}"))
+            .unwrap_or_else(na),
     );
     info(
         &mut rows,
@@ -1921,14 +2147,17 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     info(
         &mut rows,
         "fsyncs per send".into(),
-        format!("{:.3}", fs_steps.per_send),
+        fs_steps
+            .as_ref()
+            .map(|f| format!("{:.3}", f.per_send))
+            .unwrap_or_else(na),
     );
     for c in CONCURRENCIES {
         if let Some(v) = fsyncs_per_step.get(&c.to_string()) {
             info(
                 &mut rows,
                 format!("fsyncs per step incl. send, {c} sessions"),
-                v.to_string(),
+                if v.is_null() { na() } else { v.to_string() },
             );
         }
     }
@@ -1948,11 +2177,22 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         )
     });
     let pad = |s: &str, w: usize| format!("{s}{}", " ".repeat(w.saturating_sub(s.chars().count())));
+    let where_ = match mode {
+        Mode::Embedded => format!("in-process, store on {fs}"),
+        Mode::Iii(url) => {
+            format!("iii engine at {url} (loop + all siblings as its worker; their SQLite on {fs})")
+        }
+    };
     println!(
-        "harness bench: in-process, scripted provider at zero latency, {build} build, {cores} cores, store on {fs}, {:.0} s{}",
+        "harness bench: {where_}, scripted provider at zero latency, {build} build, {cores} cores, {:.0} s{}",
         elapsed,
         if args.quick { " (--quick)" } else { "" }
     );
+    if mode.is_iii() {
+        for note in III_NOTES {
+            println!("  note: {note}");
+        }
+    }
     println!();
     println!(
         "{}  {}  {}  met",
