@@ -186,7 +186,7 @@ impl Harness {
                 }
                 let timeout = cp
                     .pending_timeout_ms
-                    .unwrap_or(self.inner.config.default_pending_timeout_ms)
+                    .unwrap_or(self.config().default_pending_timeout_ms)
                     as i64;
                 if now - cp.pending_at.unwrap_or(now) < timeout {
                     continue;
@@ -328,7 +328,7 @@ impl Harness {
                 &call.function_id,
                 arguments.clone(),
                 Some(std::time::Duration::from_millis(
-                    self.inner.config.dispatch_timeout_ms,
+                    self.config().dispatch_timeout_ms,
                 )),
                 json!({"function_call_id": call.id, "session_id": req.session_id}),
             )

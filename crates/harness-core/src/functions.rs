@@ -43,6 +43,18 @@ where
         .register_function(def, Arc::new(handler) as Arc<dyn Handler>);
 }
 
+/// The `harness::on-config-change` payload.
+#[derive(serde::Deserialize, JsonSchema)]
+struct OnConfigChange {
+    /// Configuration id that changed (advisory; the handler re-fetches).
+    #[serde(default)]
+    id: Option<String>,
+    /// The new configuration itself (every field optional, defaults for the rest; unknown keys
+    /// rejected). Without it the handler asks `configuration::get {id}` when one is registered.
+    #[serde(default)]
+    config: Option<Value>,
+}
+
 /// The `harness::on-functions-change` payload: the advisory engine event tag.
 #[derive(serde::Deserialize, JsonSchema)]
 struct OnFunctionsChange {
@@ -147,6 +159,33 @@ pub fn register(h: &Harness) {
         .internal(),
         |h, _req: OnFunctionsChange| async move {
             h.functions_changed();
+            Ok(OkResponse { ok: true })
+        },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::on-config-change",
+            "Internal: apply a changed configuration (given, or re-fetched from configuration::get); re-binds the sweep cron when sweep_expression changed.",
+        )
+        .internal(),
+        |h, req: OnConfigChange| async move {
+            let value = match req.config {
+                Some(v) => Some(v),
+                None => {
+                    let id = req.id.unwrap_or_else(|| "harness".into());
+                    match h.bus().call("configuration::get", serde_json::json!({ "id": id }), None).await {
+                        Ok(v) if v.is_object() => Some(v.get("value").filter(|x| x.is_object()).cloned().unwrap_or(v)),
+                        Ok(_) => None,
+                        Err(e) if e.is_not_found() => None,
+                        Err(e) => return Err(e.into_harness()),
+                    }
+                }
+            };
+            if let Some(v) = value {
+                let config: crate::HarnessConfig = parse_payload(v).map_err(|e| HarnessError::invalid(format!("config.{}", e.message)))?;
+                h.reconfigure(config).await?;
+            }
             Ok(OkResponse { ok: true })
         },
     );

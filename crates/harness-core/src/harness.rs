@@ -26,7 +26,9 @@ pub struct Harness {
 
 pub(crate) struct Inner {
     pub(crate) bus: Arc<dyn Bus>,
-    pub(crate) config: HarnessConfig,
+    /// Swapped whole by `harness::on-config-change`; readers take an `Arc` and never hold the
+    /// lock across an await.
+    pub(crate) config: std::sync::RwLock<Arc<HarnessConfig>>,
     pub(crate) locks: SessionLocks,
     /// In-process cancel signals of running turns, by turn id. A std Mutex: held only to insert,
     /// fire or remove a token.
@@ -48,7 +50,7 @@ impl Harness {
         Harness {
             inner: Arc::new(Inner {
                 bus,
-                config,
+                config: std::sync::RwLock::new(Arc::new(config)),
                 locks: SessionLocks::default(),
                 signals: Mutex::new(HashMap::new()),
                 judge_paused_until: Mutex::new(None),
@@ -61,14 +63,24 @@ impl Harness {
         &self.inner.bus
     }
 
-    pub fn config(&self) -> &HarnessConfig {
-        &self.inner.config
+    pub fn config(&self) -> Arc<HarnessConfig> {
+        self.inner.config.read().expect("config lock").clone()
+    }
+
+    /// Applies a new configuration; re-binds the sweep when its expression changed.
+    pub async fn reconfigure(&self, config: HarnessConfig) -> Result<()> {
+        let old = self.config();
+        *self.inner.config.write().expect("config lock") = Arc::new(config);
+        if old.sweep_expression != self.config().sweep_expression {
+            self.ensure_sweep().await?;
+        }
+        Ok(())
     }
 
     /// Ensures the `harness-turn` queue (failing loudly if it cannot be) and redrives turns a
     /// crash left `running` without a queued step. Call after `register`.
     pub async fn start(&self) -> Result<()> {
-        let c = &self.inner.config;
+        let c = self.config();
         self.inner
             .bus
             .define_queue(QueueDef {
@@ -130,7 +142,7 @@ impl Harness {
     /// replacing a binding with another expression (new first, then the old one goes).
     async fn ensure_sweep(&self) -> Result<()> {
         let bus = &self.inner.bus;
-        let expression = self.inner.config.sweep_expression.clone();
+        let expression = self.config().sweep_expression.clone();
         let existing: Vec<harness_bus::Binding> = bus
             .bindings("cron")
             .await
@@ -235,7 +247,7 @@ impl Harness {
     // --- typed bus helpers ---------------------------------------------------------------
 
     fn session_timeout(&self) -> Option<Duration> {
-        Some(Duration::from_millis(self.inner.config.session_timeout_ms))
+        Some(Duration::from_millis(self.config().session_timeout_ms))
     }
 
     /// Calls a function with retries for transient dependency failures (a sibling restarting).

@@ -447,7 +447,7 @@ impl Harness {
             model,
             provider,
             system_prompt,
-            max_turns: o.max_turns.unwrap_or(self.inner.config.default_max_turns),
+            max_turns: o.max_turns.unwrap_or(self.config().default_max_turns),
             max_output_tokens: o
                 .max_output_tokens
                 .or(prev_opts.and_then(|p| p.max_output_tokens)),
@@ -459,7 +459,7 @@ impl Harness {
                 .clone()
                 .or_else(|| prev_opts.and_then(|p| p.functions.clone())),
             metadata: o.metadata.clone(),
-            max_transient_resumes: self.inner.config.max_transient_resumes,
+            max_transient_resumes: self.config().max_transient_resumes,
             reasoning,
         })
     }

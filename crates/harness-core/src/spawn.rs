@@ -132,7 +132,7 @@ impl Harness {
                 ))
             }
         };
-        let default_turns = self.inner.config.default_max_turns;
+        let default_turns = self.config().default_max_turns;
         let max_turns = match parent {
             Some((p, _)) => o
                 .max_turns
@@ -162,7 +162,7 @@ impl Harness {
                 parent.is_none(),
             ),
             metadata: None,
-            max_transient_resumes: self.inner.config.max_transient_resumes,
+            max_transient_resumes: self.config().max_transient_resumes,
             reasoning: None,
         };
         let depth = parent.map_or(0, |(p, _)| p.depth + 1);
@@ -233,7 +233,7 @@ impl Harness {
                 return Ok(CallEnd::Closed);
             }
         };
-        let max_depth = self.inner.config.max_depth;
+        let max_depth = self.config().max_depth;
         if rec.depth + 1 > max_depth {
             let (c, d) = refuse(
                 ErrorCode::SpawnDepthExceeded,
@@ -250,7 +250,7 @@ impl Harness {
             .values()
             .filter(|c| c.child_session_id.is_some())
             .count() as u32;
-        let max_children = self.inner.config.max_children;
+        let max_children = self.config().max_children;
         if created >= max_children {
             let (c, d) = refuse(
                 ErrorCode::SpawnFanoutExceeded,

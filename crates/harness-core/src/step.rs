@@ -301,7 +301,7 @@ impl Harness {
         // saves a store round trip; the next record write carries it for status readers.
         rec.stream_request_id = Some(request_id.clone());
         let mut extras = serde_json::Map::new();
-        if self.inner.config.prompt_cache_sections {
+        if self.config().prompt_cache_sections {
             if let Some(Value::Object(sections)) = prompt::cache_sections(
                 rec.options.system_prompt.as_deref(),
                 system_prompt.as_deref(),
@@ -639,7 +639,7 @@ impl Harness {
                 "context::assemble",
                 payload,
                 Some(std::time::Duration::from_millis(
-                    self.inner.config.session_timeout_ms,
+                    self.config().session_timeout_ms,
                 )),
             )
             .await
@@ -662,7 +662,7 @@ impl Harness {
                 "router::models::get",
                 req,
                 Some(std::time::Duration::from_millis(
-                    self.inner.config.session_timeout_ms,
+                    self.config().session_timeout_ms,
                 )),
             )
             .await
@@ -670,9 +670,9 @@ impl Harness {
             // A provider's catch-all row is a guess; the configured default is the better one.
             Ok(entry) if entry["generic"] != true => entry["context_window"]
                 .as_u64()
-                .unwrap_or(self.inner.config.default_context_window),
-            Ok(_) => self.inner.config.default_context_window,
-            Err(_) => self.inner.config.default_context_window,
+                .unwrap_or(self.config().default_context_window),
+            Ok(_) => self.config().default_context_window,
+            Err(_) => self.config().default_context_window,
         }
     }
 

@@ -140,7 +140,7 @@ impl Harness {
         entry_id: &str,
         cancel: CancellationToken,
     ) -> Result<Generation> {
-        let c = &self.inner.config;
+        let c = self.config();
         let model = req.model.clone();
         let provider = req.provider.clone().unwrap_or_default();
         let request_id = req.request_id.clone();

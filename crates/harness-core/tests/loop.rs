@@ -392,3 +392,59 @@ async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
         TurnStatus::Completed
     );
 }
+
+#[tokio::test]
+async fn a_config_change_applies_at_once_and_rebinds_the_sweep() {
+    use harness_bus::Bus;
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    let sweeps = |b: Vec<harness_bus::Binding>| -> Vec<serde_json::Value> {
+        b.into_iter()
+            .filter(|b| b.function_id == "harness::sweep-pending")
+            .map(|b| b.config["expression"].clone())
+            .collect()
+    };
+    assert_eq!(
+        sweeps(rt.bus.bindings("cron").await.unwrap()),
+        vec![json!("0 * * * * *")]
+    );
+    rt.bus
+        .call(
+            "harness::on-config-change",
+            json!({"id": "harness", "config": {"max_result_bytes": 2048, "sweep_expression": "*/30 * * * * *"}}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(rt.harness.config().max_result_bytes, 2048);
+    assert_eq!(
+        sweeps(rt.bus.bindings("cron").await.unwrap()),
+        vec![json!("*/30 * * * * *")]
+    );
+    let err = rt
+        .bus
+        .call(
+            "harness::on-config-change",
+            json!({"config": {"max_result_byte": 1}}),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        err.message
+            .starts_with("config.max_result_byte: unknown field `max_result_byte`"),
+        "{}",
+        err.message
+    );
+    assert_eq!(
+        rt.harness.config().max_result_bytes,
+        2048,
+        "a bad config changes nothing"
+    );
+    // Without a config and without a configuration worker, it is an acknowledged no-op.
+    let ok = rt
+        .bus
+        .call("harness::on-config-change", json!({"id": "harness"}), None)
+        .await
+        .unwrap();
+    assert_eq!(ok, json!({"ok": true}));
+}

@@ -271,7 +271,7 @@ impl Harness {
     }
 
     async fn reconcile(&self, call: &PlannedCall) -> (Value, Vec<Change>) {
-        let mode = self.inner.config.call_reconciliation;
+        let mode = self.config().call_reconciliation;
         if mode == CallReconciliation::Off {
             return (call.arguments.clone(), vec![]);
         }
@@ -516,7 +516,7 @@ impl Harness {
         let invoke = self.inner.bus.call_with_metadata(
             &call.function_id,
             arguments.clone(),
-            Some(Duration::from_millis(self.inner.config.dispatch_timeout_ms)),
+            Some(Duration::from_millis(self.config().dispatch_timeout_ms)),
             metadata,
         );
         let outcome = tokio::select! {
@@ -597,7 +597,7 @@ impl Harness {
                 rec.noted_repairs.extend(fresh);
             }
         }
-        if let Some((c, d)) = cap::cap(self.inner.config.max_result_bytes, &content, &details) {
+        if let Some((c, d)) = cap::cap(self.config().max_result_bytes, &content, &details) {
             content = c;
             details = d;
         }
