@@ -111,7 +111,7 @@ async fn a_follow_up_send_inherits_the_model_and_a_new_session_needs_one() {
 #[tokio::test]
 async fn a_send_during_a_running_step_is_queued_and_steers_the_same_turn() {
     let script = json!({"generations": [
-        {"match": {"last_user_text": "first"}, "delay_ms": 300, "content": [{"type": "text", "text": "answer one"}]},
+        {"match": {"last_user_text": "first"}, "delay_ms": 2000, "content": [{"type": "text", "text": "answer one"}]},
         {"match": {"last_user_text": "second"}, "content": [{"type": "text", "text": "answer two"}]}
     ]});
     let rt = runtime(script, config()).await;
