@@ -4,98 +4,14 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
 
-/// A fixtures file and the path of its invocation log, in their own temp dir.
-struct Fixtures {
-    dir: tempfile::TempDir,
-}
-
-impl Fixtures {
-    fn new(functions: Value) -> Fixtures {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("fixtures.json"),
-            json!({ "functions": functions }).to_string(),
-        )
-        .unwrap();
-        Fixtures { dir }
-    }
-
-    fn file(&self) -> PathBuf {
-        self.dir.path().join("fixtures.json")
-    }
-
-    fn log(&self) -> PathBuf {
-        self.dir.path().join("invocations.jsonl")
-    }
-
-    fn args(&self) -> Vec<String> {
-        vec![
-            "--fixtures".into(),
-            self.file().display().to_string(),
-            "--fixture-log".into(),
-            self.log().display().to_string(),
-        ]
-    }
-}
-
-/// Invocations logged so far, by function_call_id.
-fn invocations(log: &Path) -> HashMap<String, usize> {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let mut out = HashMap::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let v: Value = serde_json::from_str(line).expect("fixture log line is JSON");
-        *out.entry(v["function_call_id"].as_str().unwrap_or("?").to_string())
-            .or_insert(0) += 1;
-    }
-    out
-}
-
 fn send_body(session_id: &str, text: &str, allow: &[&str]) -> Value {
     json!({"session_id": session_id, "message": text, "model": "m", "provider": "scripted",
            "options": {"functions": {"allow": allow, "expose": "native"}}})
-}
-
-/// Every function_call in the transcript has exactly one function_result.
-fn assert_every_call_closed(entries: &[Value]) {
-    let mut calls = Vec::new();
-    let mut results: HashMap<String, usize> = HashMap::new();
-    for e in entries {
-        for b in e["message"]["content"].as_array().into_iter().flatten() {
-            if b["type"] == "function_call" {
-                calls.push(b["id"].as_str().unwrap().to_string());
-            }
-        }
-        if e["message"]["role"] == "function_result" {
-            *results
-                .entry(
-                    e["message"]["function_call_id"]
-                        .as_str()
-                        .unwrap()
-                        .to_string(),
-                )
-                .or_insert(0) += 1;
-        }
-    }
-    for c in &calls {
-        assert_eq!(
-            results.get(c),
-            Some(&1),
-            "call {c} must have exactly one result; transcript:\n{}",
-            render(entries)
-        );
-    }
-    assert_eq!(
-        results.len(),
-        calls.len(),
-        "no result without a call; transcript:\n{}",
-        render(entries)
-    );
 }
 
 async fn wait_settled(server: &Server, session_id: &str) -> Value {

@@ -4,120 +4,16 @@
 #![cfg(feature = "iii")]
 
 mod iii_engine;
+#[path = "common/scripts.rs"]
+mod scripts;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use iii_engine::worker::{WorkerProc, WAIT};
 use iii_engine::Engine;
+use scripts::*;
 use serde_json::{json, Value};
-
-fn text_gen(matcher: Option<&str>, text: &str, chunk_delay_ms: u64, repeat: bool) -> Value {
-    let mut g = json!({"chunk_delay_ms": chunk_delay_ms, "content": [{"type": "text", "text": text}], "repeat": repeat});
-    if let Some(m) = matcher {
-        g["match"] = json!({ "last_user_text": m });
-    }
-    g
-}
-
-fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
-    json!({"match": {"last_user_text": matcher},
-           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
-}
-
-fn script(generations: Vec<Value>) -> Value {
-    json!({ "generations": generations })
-}
-
-struct Fixtures {
-    dir: tempfile::TempDir,
-}
-
-impl Fixtures {
-    fn new(functions: Value) -> Fixtures {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("fixtures.json"),
-            json!({ "functions": functions }).to_string(),
-        )
-        .unwrap();
-        Fixtures { dir }
-    }
-    fn log(&self) -> PathBuf {
-        self.dir.path().join("invocations.jsonl")
-    }
-    fn args(&self) -> Vec<String> {
-        vec![
-            "--fixtures".into(),
-            self.dir.path().join("fixtures.json").display().to_string(),
-            "--fixture-log".into(),
-            self.log().display().to_string(),
-        ]
-    }
-}
-
-fn invocations(log: &Path) -> HashMap<String, usize> {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let mut out = HashMap::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let v: Value = serde_json::from_str(line).expect("fixture log line is JSON");
-        *out.entry(v["function_call_id"].as_str().unwrap_or("?").to_string())
-            .or_insert(0) += 1;
-    }
-    out
-}
-
-fn text_of(entry: &Value) -> String {
-    entry["message"]["content"]
-        .as_array()
-        .map(|b| {
-            b.iter()
-                .filter(|b| b["type"] == "text")
-                .filter_map(|b| b["text"].as_str())
-                .collect::<String>()
-        })
-        .unwrap_or_default()
-}
-
-fn role_of(entry: &Value) -> Option<&str> {
-    entry["message"]["role"].as_str()
-}
-
-fn render(entries: &[Value]) -> String {
-    entries
-        .iter()
-        .map(|e| format!("  {:?}: {:?}", role_of(e), text_of(e)))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-/// Every function_call in the transcript has exactly one function_result.
-fn assert_every_call_closed(entries: &[Value]) {
-    let mut calls = Vec::new();
-    let mut results: HashMap<String, usize> = HashMap::new();
-    for e in entries {
-        for b in e["message"]["content"].as_array().into_iter().flatten() {
-            if b["type"] == "function_call" {
-                calls.push(b["id"].as_str().unwrap().to_string());
-            }
-        }
-        if role_of(e) == Some("function_result") {
-            *results
-                .entry(
-                    e["message"]["function_call_id"]
-                        .as_str()
-                        .unwrap()
-                        .to_string(),
-                )
-                .or_insert(0) += 1;
-        }
-    }
-    for c in &calls {
-        assert_eq!(results.get(c), Some(&1), "call {c}: {}", render(entries));
-    }
-    assert_eq!(results.len(), calls.len(), "{}", render(entries));
-}
 
 async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
     let deadline = Instant::now() + WAIT;

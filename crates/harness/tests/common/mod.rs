@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
+pub mod scripts;
+pub use scripts::*;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_harness");
 
 /// How long a test waits for something that should take a few seconds at most.
@@ -27,23 +30,6 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-/// One text generation of a scripted-provider script.
-pub fn text_gen(matcher: Option<&str>, text: &str, chunk_delay_ms: u64, repeat: bool) -> Value {
-    let mut g = json!({
-        "chunk_delay_ms": chunk_delay_ms,
-        "content": [{"type": "text", "text": text}],
-        "repeat": repeat,
-    });
-    if let Some(m) = matcher {
-        g["match"] = json!({ "last_user_text": m });
-    }
-    g
-}
-
-pub fn script(generations: Vec<Value>) -> Value {
-    json!({ "generations": generations })
 }
 
 /// An error answer of `POST /v1/functions/{id}`.
@@ -409,39 +395,6 @@ pub fn is_terminal(status: &Value) -> bool {
         status["status"].as_str(),
         Some("completed" | "failed" | "cancelled")
     )
-}
-
-/// The joined text blocks of an entry's message.
-pub fn text_of(entry: &Value) -> String {
-    entry["message"]["content"]
-        .as_array()
-        .map(|blocks| {
-            blocks
-                .iter()
-                .filter(|b| b["type"] == "text")
-                .filter_map(|b| b["text"].as_str())
-                .collect::<String>()
-        })
-        .unwrap_or_default()
-}
-
-pub fn role_of(entry: &Value) -> Option<&str> {
-    entry["message"]["role"].as_str()
-}
-
-/// `role: text` lines of the message entries, for readable assertion failures.
-pub fn render(entries: &[Value]) -> String {
-    entries
-        .iter()
-        .map(|e| match role_of(e) {
-            Some(r) => format!("  [{}] {r}: {:?}", e["seq"], text_of(e)),
-            None => format!(
-                "  [{}] custom {}: {}",
-                e["seq"], e["custom"]["custom_type"], e["custom"]["data"]
-            ),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// Polls `f` until it returns `Some`, failing after `timeout` with `what`.

@@ -1,0 +1,150 @@
+//! Scripts, fixture functions and transcript checks shared by the end-to-end tests of both
+//! modes (embedded `serve` and `worker` on the engine double). Pure helpers: no process here.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+/// One text generation of a scripted-provider script.
+pub fn text_gen(matcher: Option<&str>, text: &str, chunk_delay_ms: u64, repeat: bool) -> Value {
+    let mut g = json!({
+        "chunk_delay_ms": chunk_delay_ms,
+        "content": [{"type": "text", "text": text}],
+        "repeat": repeat,
+    });
+    if let Some(m) = matcher {
+        g["match"] = json!({ "last_user_text": m });
+    }
+    g
+}
+
+/// One generation that calls a function when the last user text matches.
+pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
+}
+
+pub fn script(generations: Vec<Value>) -> Value {
+    json!({ "generations": generations })
+}
+
+/// A fixtures file and the path of its invocation log, in their own temp dir.
+pub struct Fixtures {
+    dir: tempfile::TempDir,
+}
+
+impl Fixtures {
+    pub fn new(functions: Value) -> Fixtures {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("fixtures.json"),
+            json!({ "functions": functions }).to_string(),
+        )
+        .unwrap();
+        Fixtures { dir }
+    }
+
+    pub fn file(&self) -> PathBuf {
+        self.dir.path().join("fixtures.json")
+    }
+
+    pub fn log(&self) -> PathBuf {
+        self.dir.path().join("invocations.jsonl")
+    }
+
+    /// `--fixtures FILE --fixture-log LOG`.
+    pub fn args(&self) -> Vec<String> {
+        vec![
+            "--fixtures".into(),
+            self.file().display().to_string(),
+            "--fixture-log".into(),
+            self.log().display().to_string(),
+        ]
+    }
+}
+
+/// Invocations logged so far, by function_call_id.
+pub fn invocations(log: &Path) -> HashMap<String, usize> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut out = HashMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).expect("fixture log line is JSON");
+        *out.entry(v["function_call_id"].as_str().unwrap_or("?").to_string())
+            .or_insert(0) += 1;
+    }
+    out
+}
+
+/// The joined text blocks of an entry's message.
+pub fn text_of(entry: &Value) -> String {
+    entry["message"]["content"]
+        .as_array()
+        .map(|blocks| {
+            blocks
+                .iter()
+                .filter(|b| b["type"] == "text")
+                .filter_map(|b| b["text"].as_str())
+                .collect::<String>()
+        })
+        .unwrap_or_default()
+}
+
+pub fn role_of(entry: &Value) -> Option<&str> {
+    entry["message"]["role"].as_str()
+}
+
+/// `role: text` lines of the message entries, for readable assertion failures.
+pub fn render(entries: &[Value]) -> String {
+    entries
+        .iter()
+        .map(|e| match role_of(e) {
+            Some(r) => format!("  [{}] {r}: {:?}", e["seq"], text_of(e)),
+            None => format!(
+                "  [{}] custom {}: {}",
+                e["seq"], e["custom"]["custom_type"], e["custom"]["data"]
+            ),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every function_call in the transcript has exactly one function_result, and no result is
+/// without its call.
+pub fn assert_every_call_closed(entries: &[Value]) {
+    let mut calls = Vec::new();
+    let mut results: HashMap<String, usize> = HashMap::new();
+    for e in entries {
+        for b in e["message"]["content"].as_array().into_iter().flatten() {
+            if b["type"] == "function_call" {
+                calls.push(b["id"].as_str().unwrap().to_string());
+            }
+        }
+        if role_of(e) == Some("function_result") {
+            *results
+                .entry(
+                    e["message"]["function_call_id"]
+                        .as_str()
+                        .unwrap()
+                        .to_string(),
+                )
+                .or_insert(0) += 1;
+        }
+    }
+    for c in &calls {
+        assert_eq!(
+            results.get(c),
+            Some(&1),
+            "call {c} must have exactly one result; transcript:\n{}",
+            render(entries)
+        );
+    }
+    assert_eq!(
+        results.len(),
+        calls.len(),
+        "no result without a call; transcript:\n{}",
+        render(entries)
+    );
+}
