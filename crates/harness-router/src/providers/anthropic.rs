@@ -80,20 +80,12 @@ impl AnthropicProvider {
     ) -> Result<(Value, ToolNames, Vec<String>), ProviderError> {
         let mut names = ToolNames::default();
         let mut warnings = Vec::new();
-        let collision = |e: names::NameCollision| {
-            ProviderError::new(harness_types::ErrorKind::Permanent, e.to_string())
-                .with_code("tool_name_collision")
-        };
+        let collision = super::wire::collision;
         let mut tools = Vec::new();
-        for t in &req.tools {
-            let mut schema = args_object(&t.parameters);
-            if schema.get("type").is_none() {
-                schema["type"] = json!("object");
-            }
-            let mut tool =
-                json!({"name": names.add(&t.name).map_err(collision)?, "input_schema": schema});
-            if !t.description.is_empty() {
-                tool["description"] = json!(t.description);
+        for (name, schema, description) in super::wire::mapped_tools(req, &mut names)? {
+            let mut tool = json!({"name": name, "input_schema": schema});
+            if let Some(d) = description {
+                tool["description"] = json!(d);
             }
             tools.push(tool);
         }

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{classify_stream, parse_error_body, ProviderError};
 use crate::http::{run, Decoder, Flow, Transport};
-use crate::names::{self, ToolNames};
+use crate::names::ToolNames;
 use crate::providers::openai_chat::{openai_usage, reasoning_effort};
 use crate::providers::wire::{
     args_object, data_url, max_output, merge_options, namespaced, result_text, transport,
@@ -64,24 +64,13 @@ impl OpenAiResponsesProvider {
     ) -> Result<(Value, ToolNames, Vec<String>), ProviderError> {
         let mut names = ToolNames::default();
         let mut warnings = Vec::new();
-        let collision = |e: names::NameCollision| {
-            ProviderError::new(harness_types::ErrorKind::Permanent, e.to_string())
-                .with_code("tool_name_collision")
-        };
+        let collision = super::wire::collision;
         let mut tools = Vec::new();
-        for t in &req.tools {
-            let mut schema = args_object(&t.parameters);
-            if schema.get("type").is_none() {
-                schema["type"] = json!("object");
-            }
-            let mut tool = json!({
-                "type": "function",
-                "name": names.add(&t.name).map_err(collision)?,
-                "parameters": schema,
-                "strict": false,
-            });
-            if !t.description.is_empty() {
-                tool["description"] = json!(t.description);
+        for (name, schema, description) in super::wire::mapped_tools(req, &mut names)? {
+            let mut tool =
+                json!({"type": "function", "name": name, "parameters": schema, "strict": false});
+            if let Some(d) = description {
+                tool["description"] = json!(d);
             }
             tools.push(tool);
         }

@@ -31,6 +31,30 @@ pub(crate) fn bearer_sse_post(
     }
 }
 
+/// A tool-name collision is the caller's to fix: a permanent failure.
+pub(crate) fn collision(e: crate::names::NameCollision) -> crate::error::ProviderError {
+    crate::error::ProviderError::new(harness_types::ErrorKind::Permanent, e.to_string())
+        .with_code("tool_name_collision")
+}
+
+/// The request's tools as every API wants them: an API-valid name (recorded in `names`, so a
+/// call maps back to its function id), an object schema, and the description if any.
+pub(crate) fn mapped_tools(
+    req: &ChatRequest,
+    names: &mut crate::names::ToolNames,
+) -> Result<Vec<(String, Value, Option<String>)>, crate::error::ProviderError> {
+    let mut out = Vec::with_capacity(req.tools.len());
+    for t in &req.tools {
+        let mut schema = args_object(&t.parameters);
+        if schema.get("type").is_none() {
+            schema["type"] = Value::String("object".into());
+        }
+        let description = (!t.description.is_empty()).then(|| t.description.clone());
+        out.push((names.add(&t.name).map_err(collision)?, schema, description));
+    }
+    Ok(out)
+}
+
 pub(crate) fn transport(cfg: &ProviderConfig) -> Transport {
     let mut builder = reqwest::Client::builder()
         .connect_timeout(cfg.http.connect_timeout)
