@@ -136,6 +136,11 @@ impl Harness {
         let message = normalize_message(req.message.clone())?;
         let options = req.options.clone().unwrap_or_default();
         validate_options(&options)?;
+        // Checked here, not only where options are frozen: a send merged into a running turn
+        // never reaches that point and must not swallow a bad field silently.
+        if req.model.as_deref() == Some("") {
+            return Err(HarnessError::invalid_field("model", "must not be empty"));
+        }
         if let Some(id) = &req.session_id {
             if id.is_empty() {
                 return Err(HarnessError::invalid_field(

@@ -448,3 +448,24 @@ async fn a_config_change_applies_at_once_and_rebinds_the_sweep() {
         .unwrap();
     assert_eq!(ok, json!({"ok": true}));
 }
+
+#[tokio::test]
+async fn a_bad_field_is_refused_even_when_the_send_would_merge() {
+    let script =
+        json!({"generations": [{"delay_ms": 2000, "content": [{"type": "text", "text": "slow"}]}]});
+    let rt = runtime(script, config()).await;
+    let r = rt.harness.send(send("first")).await.unwrap();
+    let mut bad = send("second");
+    bad.session_id = Some(r.session_id.clone());
+    bad.model = Some(String::new());
+    let err = rt.harness.send(bad).await.unwrap_err();
+    assert_eq!(err.message, "model: must not be empty");
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(
+        rt.messages(&r.session_id)
+            .iter()
+            .filter(|(role, _)| role == "user")
+            .count(),
+        1
+    );
+}
