@@ -12,7 +12,9 @@ use serde_json::{json, Map, Value};
 use crate::dispatch::{self, CallEnd, PlannedCall, Policy, Run};
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
-use crate::record::{CallState, TurnRecord};
+use crate::machine::{self, Effect, Input};
+use crate::record::{CallCheckpoint, HoldPoint, TurnRecord, Wait};
+use crate::step::illegal;
 use crate::TURN_SCOPE;
 
 fn not_resolved() -> ResolveResponse {
@@ -31,83 +33,83 @@ impl Harness {
         if rec.turn_id != req.turn_id || rec.is_terminal() {
             return Ok(not_resolved());
         }
-        let Some(cp) = rec.calls.get(&req.function_call_id).cloned() else {
+        let Some(CallCheckpoint::Pending {
+            function_id, wait, ..
+        }) = rec.calls.get(&req.function_call_id).cloned()
+        else {
             return Ok(not_resolved());
         };
-        if cp.state != CallState::Pending {
-            return Ok(not_resolved());
-        }
-        let function_id = cp.function_id.clone().unwrap_or_default();
+        let (arguments, annotations, reconciled) = match &wait {
+            Wait::Hold(h) => (
+                h.arguments.clone(),
+                h.annotations.clone(),
+                h.reconciled.clone(),
+            ),
+            Wait::Child { origin, .. } => (Value::Null, origin.clone(), None),
+            Wait::Result => (Value::Null, None, None),
+        };
         let call = PlannedCall {
             id: req.function_call_id.clone(),
             function_id: function_id.clone(),
-            arguments: cp.held_arguments.clone().unwrap_or(Value::Null),
+            arguments,
             intent: None,
         };
-        let annotations = match &cp.annotations {
-            Some(Value::Object(m)) => m.clone(),
+        let annotations = match annotations {
+            Some(Value::Object(m)) => m,
             _ => Map::new(),
         };
-        match req.action.unwrap_or_default() {
-            ResolveAction::Deliver => {
-                let content = req
-                    .content
-                    .clone()
-                    .unwrap_or_else(|| vec![ContentBlock::text("")]);
-                let origin = dispatch::origin(&rec.turn_id, &annotations, cp.reconciled.as_ref());
+        let origin = dispatch::origin(&rec.turn_id, &annotations, reconciled.as_ref());
+        match (req.action.unwrap_or_default(), wait) {
+            (ResolveAction::Deliver, _) => {
                 self.close_pending(
                     &mut rec,
                     &call,
-                    content,
+                    req.content
+                        .clone()
+                        .unwrap_or_else(|| vec![ContentBlock::text("")]),
                     req.details.clone().unwrap_or(Value::Null),
                     req.is_error.unwrap_or(false),
                     origin,
                 )
                 .await?;
             }
-            ResolveAction::Execute => {
-                let Some(holder) = cp.held_by.clone() else {
-                    return Ok(not_resolved());
+            (ResolveAction::Execute, Wait::Hold(hold)) if hold.point == HoldPoint::PostTrigger => {
+                // The target already ran: its held result is appended as it was.
+                let held = hold.result.unwrap_or(Value::Null);
+                let content = serde_json::from_value(held["content"].clone()).unwrap_or_default();
+                self.close_pending(
+                    &mut rec,
+                    &call,
+                    content,
+                    held["details"].clone(),
+                    held["is_error"].as_bool().unwrap_or(false),
+                    origin,
+                )
+                .await?;
+            }
+            (ResolveAction::Execute, Wait::Hold(hold)) => {
+                let changes = hold
+                    .reconciled
+                    .and_then(|r| serde_json::from_value(r).ok())
+                    .unwrap_or_default();
+                let run = Run {
+                    arguments: call.arguments.clone(),
+                    changes,
+                    annotations,
+                    breaker_key: hold.breaker_key.unwrap_or_default(),
+                    after: Some(hold.holder),
                 };
-                if cp.held_point.as_deref() == Some(HookPoint::PostTrigger.name()) {
-                    // The target already ran: its held result is appended as it was.
-                    let held = cp.held_result.clone().unwrap_or(Value::Null);
-                    let content =
-                        serde_json::from_value(held["content"].clone()).unwrap_or_default();
-                    let origin =
-                        dispatch::origin(&rec.turn_id, &annotations, cp.reconciled.as_ref());
-                    self.close_pending(
-                        &mut rec,
-                        &call,
-                        content,
-                        held["details"].clone(),
-                        held["is_error"].as_bool().unwrap_or(false),
-                        origin,
-                    )
-                    .await?;
-                } else {
-                    let changes = cp
-                        .reconciled
-                        .clone()
-                        .and_then(|r| serde_json::from_value(r).ok())
-                        .unwrap_or_default();
-                    let run = Run {
-                        arguments: call.arguments.clone(),
-                        changes,
-                        annotations,
-                        breaker_key: cp.breaker_key.clone().unwrap_or_default(),
-                        after: Some(holder),
-                    };
-                    let cancel = self.signal(&rec.turn_id);
-                    if self.run_call(&mut rec, &call, run, &cancel).await? == CallEnd::Held {
-                        self.barrier().await?;
-                        return Ok(ResolveResponse {
-                            resolved: true,
-                            turn_resumed: false,
-                        });
-                    }
+                let cancel = self.signal(&rec.turn_id);
+                if self.run_call(&mut rec, &call, run, &cancel).await? == CallEnd::Held {
+                    self.barrier().await?;
+                    return Ok(ResolveResponse {
+                        resolved: true,
+                        turn_resumed: false,
+                    });
                 }
             }
+            // Nothing holds it: there is nothing to execute, only a result to deliver.
+            (ResolveAction::Execute, _) => return Ok(not_resolved()),
         }
         let resumed = self.resume_if_settled(&mut rec).await?;
         self.barrier().await?;
@@ -130,13 +132,25 @@ impl Harness {
             .await
     }
 
-    /// A parked turn whose last pending call was settled runs its next step.
-    async fn resume_if_settled(&self, rec: &mut TurnRecord) -> Result<bool> {
-        if rec.status != TurnStatus::AwaitingFunctions || rec.has_pending() {
+    /// A parked turn whose last pending call was settled runs its next step. Returns whether
+    /// it resumed.
+    pub(crate) async fn resume_if_settled(&self, rec: &mut TurnRecord) -> Result<bool> {
+        let t = machine::next(Some(rec.clone()), Input::CallSettled).map_err(illegal)?;
+        let Some(next) = t.record else {
             return Ok(false);
+        };
+        *rec = next;
+        let resumed = t.effects.contains(&Effect::EnqueueStep);
+        let mut effects = t.effects.into_iter().peekable();
+        while let Some(effect) = effects.next() {
+            let advancing =
+                effect == Effect::SaveRecord && effects.peek() == Some(&Effect::EnqueueStep);
+            self.apply(rec, effect).await?;
+            if advancing {
+                crate::failpoint::hit("after_advance_persisted");
+            }
         }
-        self.advance(rec).await?;
-        Ok(true)
+        Ok(resumed)
     }
 
     /// Settles pending calls past their timeout (hook holds never expire). Returns how many.
@@ -157,13 +171,25 @@ impl Harness {
                 continue;
             }
             for (call_id, cp) in &rec.calls {
-                if cp.state != CallState::Pending || cp.held_by.is_some() {
+                let CallCheckpoint::Pending {
+                    since,
+                    timeout_ms,
+                    wait,
+                    ..
+                } = cp
+                else {
+                    continue;
+                };
+                if matches!(wait, Wait::Hold(_)) {
                     continue;
                 }
-                if let Some(child_session) = &cp.child_session_id {
+                if let Wait::Child { child, .. } = wait {
                     // A waiting spawn follows its child, never the clock.
                     let Some((content, is_error, details)) = self
-                        .child_settlement(child_session, cp.child_turn_id.as_deref())
+                        .child_settlement(
+                            &child.session_id,
+                            Some(child.turn_id.as_str()).filter(|t| !t.is_empty()),
+                        )
                         .await?
                     else {
                         continue;
@@ -184,11 +210,8 @@ impl Harness {
                     }
                     continue;
                 }
-                let timeout = cp
-                    .pending_timeout_ms
-                    .unwrap_or(self.config().default_pending_timeout_ms)
-                    as i64;
-                if now - cp.pending_at.unwrap_or(now) < timeout {
+                let timeout = timeout_ms.unwrap_or(self.config().default_pending_timeout_ms) as i64;
+                if now - since.unwrap_or(now) < timeout {
                     continue;
                 }
                 let out = self

@@ -6,83 +6,19 @@
 //! so a crash between the writes loses nothing and duplicates nothing.
 
 use harness_types::api::{TurnCompletedEvent, TurnStatus};
-use harness_types::message::ErrorKind;
 use harness_types::session::SessionStatus;
 use harness_types::{ids, now_ms};
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::harness::{Harness, Result};
-use crate::record::{Failure, TurnRecord};
-use crate::send::new_record;
-use crate::stream::GenerationError;
-
-pub(crate) enum Outcome {
-    Completed(Value),
-    Failed(Failure),
-    Cancelled,
-}
-
-impl Outcome {
-    pub(crate) fn failed(
-        code: &str,
-        phase: &str,
-        summary: &str,
-        detail: Option<String>,
-    ) -> Outcome {
-        Outcome::Failed(Failure {
-            code: code.into(),
-            phase: phase.into(),
-            summary: summary.into(),
-            detail,
-            retryable: false,
-            kind: None,
-        })
-    }
-
-    pub(crate) fn generation_failed(
-        err: &GenerationError,
-        _model: &str,
-        _provider: Option<&str>,
-        _partial: bool,
-    ) -> Outcome {
-        let summary = match err.kind {
-            ErrorKind::AuthExpired => "The provider rejected the credentials.",
-            ErrorKind::RateLimited => "The provider is rate limiting requests; try again shortly.",
-            ErrorKind::ContextOverflow => "The conversation is too long for the model.",
-            ErrorKind::Transient => "The provider failed temporarily.",
-            ErrorKind::Permanent => "The provider rejected this request.",
-        };
-        Outcome::Failed(Failure {
-            code: err.code.clone(),
-            phase: "generation".into(),
-            summary: summary.into(),
-            detail: Some(err.message.clone()),
-            retryable: err.kind.retryable(),
-            kind: Some(err.kind.as_str().into()),
-        })
-    }
-}
+use crate::machine::{self, Input, Seed};
+use crate::record::{Failure, FailurePhase, TurnRecord};
 
 impl Harness {
-    pub(crate) async fn finalize(&self, rec: &mut TurnRecord, outcome: Outcome) -> Result<()> {
+    /// Carries out `Effect::Finalize` for a record the machine made terminal.
+    pub(crate) async fn finalize(&self, rec: &mut TurnRecord) -> Result<()> {
         // Steering rows still parked are delivered to the transcript; never dropped.
         let drained = self.drain_queue(&rec.session_id, &rec.turn_id).await?;
-        match outcome {
-            Outcome::Completed(result) => {
-                rec.status = TurnStatus::Completed;
-                rec.result = Some(result);
-                rec.result_error = None;
-            }
-            Outcome::Failed(f) => {
-                rec.status = TurnStatus::Failed;
-                rec.result_error = Some(f.summary.clone());
-                rec.failure = Some(f);
-            }
-            Outcome::Cancelled => {
-                rec.status = TurnStatus::Cancelled;
-                rec.abort = true;
-            }
-        }
         self.terminal_records(rec).await?;
         self.save_record(rec).await?;
         crate::failpoint::hit("after_finalize_persisted");
@@ -118,7 +54,7 @@ impl Harness {
                     ids::error_entry(&rec.turn_id),
                     "error",
                     json!({"status": "error", "summary": f.summary, "code": f.code, "phase": f.phase,
-                           "class": f.kind.as_ref().map(|k| format!("llm.{k}")), "detail": f.detail,
+                           "class": f.kind.map(|k| format!("llm.{}", k.as_str())), "detail": f.detail,
                            "retryable": f.retryable, "model": rec.options.model, "provider": rec.options.provider,
                            "partial_result_available": rec.result.is_some(),
                            "recovery": {"attempted": rec.transient_resumes > 0, "max_attempts": rec.options.max_transient_resumes,
@@ -161,7 +97,7 @@ impl Harness {
             }
             _ => {
                 self.set_status(sid, SessionStatus::Done, None).await?;
-                rec.stop_reason.clone()
+                rec.stop_reason.map(|r| r.as_str().to_string())
             }
         };
         self.emit_turn_completed(TurnCompletedEvent {
@@ -178,24 +114,39 @@ impl Harness {
         .await
     }
 
+    /// A new turn for messages that were drained into the transcript as the last one ended:
+    /// a send whose message is already there.
     async fn reseed(&self, prev: &TurnRecord) -> Result<()> {
-        let mut rec = new_record(
-            &prev.session_id,
-            &ids::new_turn_id(),
-            prev.options.clone(),
-            prev.depth,
-            prev.parent.clone(),
-            None,
-        );
-        self.save_record(&mut rec).await?;
-        self.enqueue_step(&rec).await
+        let seed = Seed {
+            session_id: prev.session_id.clone(),
+            turn_id: ids::new_turn_id(),
+            options: prev.options.clone(),
+            depth: prev.depth,
+            parent: prev.parent.clone(),
+            preview: None,
+            functions_generation: None,
+            now: now_ms(),
+        };
+        let input = Input::Send {
+            parked: true,
+            seed: Box::new(seed),
+        };
+        let t = machine::next(Some(prev.clone()), input).map_err(crate::step::illegal)?;
+        let Some(mut rec) = t.record else {
+            return Ok(());
+        };
+        for effect in t.effects {
+            // Boxed: applying a transition may finalize, and finalizing may reseed.
+            Box::pin(self.apply(&mut rec, effect)).await?;
+        }
+        Ok(())
     }
 }
 
 fn failure_of(rec: &TurnRecord) -> Failure {
     rec.failure.clone().unwrap_or(Failure {
         code: "harness.turn_internal".into(),
-        phase: "execution".into(),
+        phase: FailurePhase::Execution,
         summary: rec.result_error.clone().unwrap_or_default(),
         detail: None,
         retryable: false,

@@ -192,17 +192,8 @@ impl Harness {
             let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {
                 continue;
             };
-            match rec.status {
-                harness_types::api::TurnStatus::Running => {
-                    self.enqueue_step(&rec).await?;
-                    redriven += 1;
-                }
-                harness_types::api::TurnStatus::AwaitingFunctions
-                    if self.recover_parked(&rec.session_id).await? =>
-                {
-                    redriven += 1;
-                }
-                _ => {}
+            if !rec.is_terminal() && self.recover(&rec.session_id).await? {
+                redriven += 1;
             }
         }
         if redriven > 0 {
@@ -211,37 +202,30 @@ impl Harness {
         Ok(())
     }
 
-    /// A parked turn whose release was cut by a crash: a call left `triggered` (it may have run,
-    /// once) gets the interrupted result, and a turn with nothing pending left runs on. Returns
-    /// whether the turn was resumed.
-    async fn recover_parked(&self, session_id: &str) -> Result<bool> {
+    /// A turn a crash may have left without a queued step: a running one gets its current step
+    /// again; a parked one whose release was cut gets the interrupted result for a call left
+    /// `triggered` (it may have run, once) and runs on if nothing is pending. Returns whether a
+    /// step was enqueued.
+    async fn recover(&self, session_id: &str) -> Result<bool> {
         let _guard = self.inner.locks.lock(session_id).await;
-        let Some(mut rec) = self.load_record(session_id).await? else {
+        let Some(rec) = self.load_record(session_id).await? else {
             return Ok(false);
         };
-        if rec.status != harness_types::api::TurnStatus::AwaitingFunctions {
+        let t = crate::machine::next(Some(rec), crate::machine::Input::Recover)
+            .map_err(crate::step::illegal)?;
+        let Some(mut rec) = t.record else {
             return Ok(false);
+        };
+        let mut enqueued = false;
+        for effect in t.effects {
+            enqueued |= effect == crate::machine::Effect::EnqueueStep;
+            let closing = matches!(effect, crate::machine::Effect::CloseInterrupted(_));
+            self.apply(&mut rec, effect).await?;
+            if closing {
+                enqueued |= self.resume_if_settled(&mut rec).await?;
+            }
         }
-        let interrupted: Vec<(String, String)> = rec
-            .calls
-            .iter()
-            .filter(|(_, c)| c.state == crate::record::CallState::Triggered)
-            .map(|(id, c)| (id.clone(), c.function_id.clone().unwrap_or_default()))
-            .collect();
-        for (id, function_id) in interrupted {
-            let call = crate::dispatch::PlannedCall {
-                id,
-                function_id,
-                arguments: serde_json::Value::Null,
-                intent: None,
-            };
-            self.close_interrupted(&mut rec, &call).await?;
-        }
-        if rec.has_pending() {
-            return Ok(false);
-        }
-        self.advance(&mut rec).await?;
-        Ok(true)
+        Ok(enqueued)
     }
 
     // --- typed bus helpers ---------------------------------------------------------------

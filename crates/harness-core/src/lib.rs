@@ -20,6 +20,7 @@ mod functions;
 mod harness;
 mod hooks;
 mod locks;
+mod machine;
 mod prompt;
 mod record;
 mod send;
@@ -33,7 +34,10 @@ mod stream;
 pub use config::{CallReconciliation, HarnessConfig};
 pub use functions::register;
 pub use harness::Harness;
-pub use record::{CallCheckpoint, CallState, FailedCall, Failure, TurnOptions, TurnRecord};
+pub use record::{
+    CallCheckpoint, CallState, ChildLink, FailedCall, Failure, FailurePhase, Hold, HoldPoint,
+    TurnOptions, TurnRecord, TurnStopReason, Wait,
+};
 
 /// The queue every step runs on: FIFO per `session_id`, sessions in parallel.
 pub const TURN_QUEUE: &str = "harness-turn";

@@ -39,6 +39,7 @@ pub struct TurnOptions {
     pub reasoning: Option<String>,
 }
 
+/// The state of a call, as the checkpoint's variant says it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CallState {
@@ -50,63 +51,262 @@ pub enum CallState {
     Done,
 }
 
-/// The per-call checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CallCheckpoint {
-    pub state: CallState,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub function_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub entry_id: Option<String>,
-    /// The hook that holds this pending call.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub held_by: Option<String>,
-    /// `pre_trigger` or `post_trigger`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub held_point: Option<String>,
+/// The hook point that holds a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldPoint {
+    /// Before the target ran: a release resumes the pre-trigger chain after the holder.
+    PreTrigger,
+    /// After the target ran: a release appends the kept result, never a second run.
+    PostTrigger,
+}
+
+/// A hook's hold on a call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hold {
+    /// The function id of the hook that held.
+    pub holder: String,
+    pub point: HoldPoint,
     /// The arguments as mutated up to and including the holder.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub held_arguments: Option<Value>,
+    pub arguments: Value,
     /// A post-trigger hold keeps the target's result: a release appends it, never re-runs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub held_result: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pending_at: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pending_timeout_ms: Option<u64>,
+    pub result: Option<Value>,
     /// Repairs made before the hold (they go into the result's origin).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reconciled: Option<Value>,
     /// Hook annotations gathered before the hold.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub annotations: Option<Value>,
     /// The breaker key of the call as the model wrote it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub breaker_key: Option<String>,
-    /// A `harness::spawn` call's child.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub child_session_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub child_turn_id: Option<String>,
+}
+
+/// A `harness::spawn` call's child turn.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChildLink {
+    pub session_id: String,
+    pub turn_id: String,
+}
+
+/// What a pending call waits for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Wait {
+    /// A hook holds it until `harness::function::resolve` releases or answers it.
+    Hold(Hold),
+    /// A spawn waits for its child's turn to end; `origin` goes on the result entry.
+    Child {
+        child: ChildLink,
+        origin: Option<Value>,
+    },
+    /// A delivered result, and nothing else.
+    Result,
+}
+
+/// The per-call checkpoint on the turn record: one variant per state.
+///
+/// Stored in the flat shape older versions wrote (`{"state": ..., "held_by": ...}`), so a record
+/// written by any version reads back: [`wire::Checkpoint`] is that shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "wire::Checkpoint", into = "wire::Checkpoint")]
+pub enum CallCheckpoint {
+    /// Durably marked before the target runs: seen after a restart, the call may have run once.
+    Triggered {
+        function_id: String,
+        breaker_key: Option<String>,
+    },
+    /// Parked.
+    Pending {
+        function_id: String,
+        /// When it parked (ms).
+        since: Option<i64>,
+        /// How long a delivered result may take before the sweep answers for it.
+        timeout_ms: Option<u64>,
+        wait: Wait,
+    },
+    /// Its result is in the transcript under `entry_id`.
+    Done {
+        function_id: String,
+        entry_id: Option<String>,
+        /// A spawn's child stays known (status, the stop cascade, the fan-out count).
+        child: Option<ChildLink>,
+    },
 }
 
 impl CallCheckpoint {
-    pub fn new(state: CallState, function_id: &str) -> CallCheckpoint {
-        CallCheckpoint {
-            state,
-            function_id: Some(function_id.to_string()),
-            entry_id: None,
-            held_by: None,
-            held_point: None,
-            held_arguments: None,
-            held_result: None,
-            pending_at: None,
-            pending_timeout_ms: None,
-            reconciled: None,
-            annotations: None,
-            breaker_key: None,
-            child_session_id: None,
-            child_turn_id: None,
+    pub fn state(&self) -> CallState {
+        match self {
+            CallCheckpoint::Triggered { .. } => CallState::Triggered,
+            CallCheckpoint::Pending { .. } => CallState::Pending,
+            CallCheckpoint::Done { .. } => CallState::Done,
+        }
+    }
+
+    pub fn function_id(&self) -> &str {
+        match self {
+            CallCheckpoint::Triggered { function_id, .. }
+            | CallCheckpoint::Pending { function_id, .. }
+            | CallCheckpoint::Done { function_id, .. } => function_id,
+        }
+    }
+
+    /// The sub-agent this call started, waiting or done.
+    pub fn child(&self) -> Option<&ChildLink> {
+        match self {
+            CallCheckpoint::Pending {
+                wait: Wait::Child { child, .. },
+                ..
+            }
+            | CallCheckpoint::Done {
+                child: Some(child), ..
+            } => Some(child),
+            _ => None,
+        }
+    }
+
+    /// The hook hold of a pending call.
+    pub fn hold(&self) -> Option<&Hold> {
+        match self {
+            CallCheckpoint::Pending {
+                wait: Wait::Hold(h),
+                ..
+            } => Some(h),
+            _ => None,
+        }
+    }
+}
+
+/// The stored shape of a checkpoint: flat, every field optional, as older versions wrote it.
+pub mod wire {
+    use serde::{Deserialize, Serialize};
+    use serde_json::Value;
+
+    use super::{CallCheckpoint, CallState, ChildLink, Hold, HoldPoint, Wait};
+
+    #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+    pub struct Checkpoint {
+        pub state: Option<CallState>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub function_id: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub entry_id: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub held_by: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub held_point: Option<HoldPoint>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub held_arguments: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub held_result: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub pending_at: Option<i64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub pending_timeout_ms: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub reconciled: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub annotations: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub breaker_key: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub child_session_id: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub child_turn_id: Option<String>,
+    }
+
+    fn child(w: &Checkpoint) -> Option<ChildLink> {
+        Some(ChildLink {
+            session_id: w.child_session_id.clone()?,
+            turn_id: w.child_turn_id.clone().unwrap_or_default(),
+        })
+    }
+
+    impl From<Checkpoint> for CallCheckpoint {
+        fn from(w: Checkpoint) -> CallCheckpoint {
+            let function_id = w.function_id.clone().unwrap_or_default();
+            // A record without a state is the oldest shape of a dispatched call: it may have
+            // run, so it reads as triggered (never as a call that can run again).
+            match w.state.unwrap_or(CallState::Triggered) {
+                CallState::Triggered => CallCheckpoint::Triggered {
+                    function_id,
+                    breaker_key: w.breaker_key,
+                },
+                CallState::Done => CallCheckpoint::Done {
+                    child: child(&w),
+                    function_id,
+                    entry_id: w.entry_id,
+                },
+                CallState::Pending => {
+                    let wait = match (&w.held_by, child(&w)) {
+                        (Some(holder), _) => Wait::Hold(Hold {
+                            holder: holder.clone(),
+                            point: w.held_point.unwrap_or(HoldPoint::PreTrigger),
+                            arguments: w.held_arguments.clone().unwrap_or(Value::Null),
+                            result: w.held_result.clone(),
+                            reconciled: w.reconciled.clone(),
+                            annotations: w.annotations.clone(),
+                            breaker_key: w.breaker_key.clone(),
+                        }),
+                        (None, Some(child)) => Wait::Child {
+                            child,
+                            origin: w.annotations.clone(),
+                        },
+                        (None, None) => Wait::Result,
+                    };
+                    CallCheckpoint::Pending {
+                        function_id,
+                        since: w.pending_at,
+                        timeout_ms: w.pending_timeout_ms,
+                        wait,
+                    }
+                }
+            }
+        }
+    }
+
+    impl From<CallCheckpoint> for Checkpoint {
+        fn from(c: CallCheckpoint) -> Checkpoint {
+            let mut w = Checkpoint {
+                state: Some(c.state()),
+                function_id: Some(c.function_id().to_string()),
+                ..Checkpoint::default()
+            };
+            match c {
+                CallCheckpoint::Triggered { breaker_key, .. } => w.breaker_key = breaker_key,
+                CallCheckpoint::Done {
+                    entry_id, child, ..
+                } => {
+                    w.entry_id = entry_id;
+                    if let Some(c) = child {
+                        w.child_session_id = Some(c.session_id);
+                        w.child_turn_id = Some(c.turn_id);
+                    }
+                }
+                CallCheckpoint::Pending {
+                    since,
+                    timeout_ms,
+                    wait,
+                    ..
+                } => {
+                    w.pending_at = since;
+                    w.pending_timeout_ms = timeout_ms;
+                    match wait {
+                        Wait::Hold(h) => {
+                            w.held_by = Some(h.holder);
+                            w.held_point = Some(h.point);
+                            w.held_arguments = Some(h.arguments);
+                            w.held_result = h.result;
+                            w.reconciled = h.reconciled;
+                            w.annotations = h.annotations;
+                            w.breaker_key = h.breaker_key;
+                        }
+                        Wait::Child { child, origin } => {
+                            w.child_session_id = Some(child.session_id);
+                            w.child_turn_id = Some(child.turn_id);
+                            w.annotations = origin;
+                        }
+                        Wait::Result => {}
+                    }
+                }
+            }
+            w
         }
     }
 }
@@ -136,12 +336,55 @@ pub struct FailedCall {
     pub count: u32,
 }
 
+/// Where in the turn a failure happened (the error record's `phase`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailurePhase {
+    /// `harness::send` could not schedule the turn's first step.
+    Scheduling,
+    PreTurn,
+    ContextAssembly,
+    PreGenerate,
+    Generation,
+    /// Anything else the loop ran into (an internal error, a lost record).
+    Execution,
+}
+
+impl FailurePhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailurePhase::Scheduling => "scheduling",
+            FailurePhase::PreTurn => "pre_turn",
+            FailurePhase::ContextAssembly => "context_assembly",
+            FailurePhase::PreGenerate => "pre_generate",
+            FailurePhase::Generation => "generation",
+            FailurePhase::Execution => "execution",
+        }
+    }
+}
+
+/// Why a turn that completed stopped early.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnStopReason {
+    /// The turn used up `max_turns` generations.
+    MaxTurns,
+}
+
+impl TurnStopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnStopReason::MaxTurns => "max_turns",
+        }
+    }
+}
+
 /// Why a turn failed: what the error record and `turn-completed` carry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Failure {
     /// `harness.<reason>` or the router's code.
     pub code: String,
-    pub phase: String,
+    pub phase: FailurePhase,
     /// One public sentence.
     pub summary: String,
     /// The raw diagnostic.
@@ -149,8 +392,9 @@ pub struct Failure {
     pub detail: Option<String>,
     #[serde(default)]
     pub retryable: bool,
+    /// The provider's failure class, for generation failures.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
+    pub kind: Option<harness_types::message::ErrorKind>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -186,7 +430,7 @@ pub struct TurnRecord {
     #[serde(default)]
     pub transient_resumes: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop_reason: Option<String>,
+    pub stop_reason: Option<TurnStopReason>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generated: Option<GeneratedStep>,
     /// The function-registry generation this turn last saw.
@@ -210,14 +454,14 @@ impl TurnRecord {
     }
 
     pub fn has_pending(&self) -> bool {
-        self.calls.values().any(|c| c.state == CallState::Pending)
+        self.calls.values().any(|c| c.state() == CallState::Pending)
     }
 
     /// Ids of calls still `triggered` or `pending`.
     pub fn open_calls(&self) -> Vec<String> {
         self.calls
             .iter()
-            .filter(|(_, c)| c.state != CallState::Done)
+            .filter(|(_, c)| c.state() != CallState::Done)
             .map(|(id, _)| id.clone())
             .collect()
     }
@@ -245,7 +489,7 @@ mod tests {
             "calls": {"c1": {"state": "dispatched"}}
         }))
         .unwrap();
-        assert_eq!(rec.calls["c1"].state, CallState::Triggered);
+        assert_eq!(rec.calls["c1"].state(), CallState::Triggered);
         assert_eq!(rec.open_calls(), vec!["c1".to_string()]);
     }
 

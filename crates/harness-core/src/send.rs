@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::harness::{Harness, Result};
+use crate::machine::{self, Effect, Input, Seed};
 use crate::prompt;
 use crate::record::{message_preview, TurnOptions, TurnRecord};
 use crate::steering::QueuedMessage;
@@ -218,53 +219,76 @@ impl Harness {
         };
         self.ensure_session(&req, &session_id).await?;
 
-        let response = match prev {
-            Some(rec) if rec.status == TurnStatus::Running => {
-                if !parked {
-                    self.park(&session_id, message, &entry_id).await?;
+        let (depth, parent) = match &lineage {
+            Some(l) => (l.depth, l.parent.clone()),
+            None => (
+                prev.as_ref().map_or(0, |p| p.depth),
+                prev.as_ref().and_then(|p| p.parent.clone()),
+            ),
+        };
+        let seed = Seed {
+            session_id: session_id.clone(),
+            turn_id: ids::new_turn_id(),
+            options: frozen,
+            depth,
+            parent,
+            preview,
+            functions_generation: prev.as_ref().and_then(|p| p.functions_generation),
+            now: now_ms(),
+        };
+        let new_turn = seed.turn_id.clone();
+        let steering = prev.as_ref().is_some_and(|p| p.status == TurnStatus::Running);
+        let input = Input::Send {
+            parked,
+            seed: Box::new(seed),
+        };
+        let t = machine::next(prev, input).map_err(crate::step::illegal)?;
+        let Some(mut rec) = t.record else {
+            return Err(HarnessError::internal("a send left no turn record"));
+        };
+        let mut effects = t.effects.into_iter().peekable();
+        while let Some(effect) = effects.next() {
+            match effect {
+                Effect::AppendUser => {
+                    self.append_user(&session_id, message.clone(), &entry_id, &rec.turn_id)
+                        .await?
                 }
-                merged(&session_id, rec.turn_id, true)
-            }
-            Some(rec) if rec.status == TurnStatus::AwaitingFunctions => {
-                // Parked turn: nothing is streaming, so the message goes straight in and steers
-                // the next generation (or, if it was parked already, the next step drains it).
-                if !parked {
-                    self.append_user(&session_id, message, &entry_id, &rec.turn_id)
-                        .await?;
-                }
-                merged(&session_id, rec.turn_id, parked)
-            }
-            prev => {
-                let turn_id = ids::new_turn_id();
-                if !parked {
-                    self.append_user(&session_id, message, &entry_id, &turn_id)
-                        .await?;
-                }
-                let (depth, parent) = match &lineage {
-                    Some(l) => (l.depth, l.parent.clone()),
-                    None => (
-                        prev.as_ref().map_or(0, |p| p.depth),
-                        prev.as_ref().and_then(|p| p.parent.clone()),
-                    ),
-                };
-                let mut rec = new_record(&session_id, &turn_id, frozen, depth, parent, preview);
-                rec.functions_generation = prev.as_ref().and_then(|p| p.functions_generation);
-                self.save_record(&mut rec).await?;
-                crate::failpoint::hit("after_send_persisted");
-                if let Err(e) = self.enqueue_step(&rec).await {
-                    // Never leave a `running` record that no step will ever pick up.
-                    rec.status = TurnStatus::Failed;
-                    rec.result_error = Some("the turn could not be scheduled".into());
+                Effect::ParkMessage => self.park(&session_id, message.clone(), &entry_id).await?,
+                Effect::SaveRecord => {
                     self.save_record(&mut rec).await?;
-                    return Err(e);
+                    if effects.peek() == Some(&Effect::EnqueueStep) {
+                        crate::failpoint::hit("after_send_persisted");
+                    }
                 }
-                SendResponse {
-                    session_id: session_id.clone(),
-                    turn_id,
-                    accepted: true,
-                    ..SendResponse::default()
+                Effect::EnqueueStep => {
+                    if let Err(e) = self.enqueue_step(&rec).await {
+                        // Never leave a `running` record that no step will ever pick up: the turn
+                        // ends failed, with its error record and `turn-completed`.
+                        let input = Input::EnqueueFailed {
+                            detail: e.to_string(),
+                        };
+                        let t = machine::next(Some(rec), input).map_err(crate::step::illegal)?;
+                        if let Some(mut rec) = t.record {
+                            for effect in t.effects {
+                                self.apply(&mut rec, effect).await?;
+                            }
+                        }
+                        self.barrier().await?;
+                        return Err(e);
+                    }
                 }
+                other => self.apply(&mut rec, other).await?,
             }
+        }
+        let response = if rec.turn_id == new_turn {
+            SendResponse {
+                session_id: session_id.clone(),
+                turn_id: new_turn,
+                accepted: true,
+                ..SendResponse::default()
+            }
+        } else {
+            merged(&session_id, rec.turn_id, steering || parked)
         };
         self.answer_send(&req, response, entry_id).await
     }
@@ -486,43 +510,6 @@ fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {
         merged: Some(true),
         queued: queued.then_some(true),
         ..SendResponse::default()
-    }
-}
-
-pub(crate) fn new_record(
-    session_id: &str,
-    turn_id: &str,
-    options: TurnOptions,
-    depth: u32,
-    parent: Option<harness_types::api::ParentLink>,
-    preview: Option<String>,
-) -> TurnRecord {
-    let now = now_ms();
-    TurnRecord {
-        turn_id: turn_id.to_string(),
-        session_id: session_id.to_string(),
-        status: TurnStatus::Running,
-        step: 0,
-        turn_count: 0,
-        depth,
-        message_preview: preview,
-        abort: false,
-        watermark_entry_id: None,
-        stream_request_id: None,
-        options,
-        calls: Default::default(),
-        parent,
-        result: None,
-        result_error: None,
-        failure: None,
-        transient_resumes: 0,
-        stop_reason: None,
-        generated: None,
-        functions_generation: None,
-        failed_calls: Default::default(),
-        noted_repairs: Vec::new(),
-        created_at: now,
-        updated_at: now,
     }
 }
 

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use crate::dispatch::{CallEnd, PlannedCall};
 use crate::harness::{Harness, Result};
 use crate::prompt;
-use crate::record::{CallCheckpoint, CallState, TurnOptions, TurnRecord};
+use crate::record::{CallCheckpoint, ChildLink, TurnOptions, TurnRecord, Wait};
 use crate::send::Lineage;
 
 pub(crate) const SPAWN: &str = "harness::spawn";
@@ -248,7 +248,7 @@ impl Harness {
         let created = rec
             .calls
             .values()
-            .filter(|c| c.child_session_id.is_some())
+            .filter(|c| c.child().is_some())
             .count() as u32;
         let max_children = self.config().max_children;
         if created >= max_children {
@@ -282,19 +282,27 @@ impl Harness {
                 origin,
             )
             .await?;
-            if let Some(cp) = rec.calls.get_mut(&call.id) {
-                cp.child_session_id = Some(child.child_session_id);
-                cp.child_turn_id = Some(child.child_turn_id);
+            if let Some(CallCheckpoint::Done { child: link, .. }) = rec.calls.get_mut(&call.id) {
+                *link = Some(ChildLink {
+                    session_id: child.child_session_id,
+                    turn_id: child.child_turn_id,
+                });
             }
             self.save_record(rec).await?;
             return Ok(CallEnd::Closed);
         }
-        let mut cp = CallCheckpoint::new(CallState::Pending, SPAWN);
-        cp.child_session_id = Some(child.child_session_id);
-        cp.child_turn_id = Some(child.child_turn_id);
-        cp.pending_at = Some(now_ms());
-        cp.pending_timeout_ms = timeout;
-        cp.annotations = Some(origin);
+        let cp = CallCheckpoint::Pending {
+            function_id: SPAWN.to_string(),
+            since: Some(now_ms()),
+            timeout_ms: timeout,
+            wait: Wait::Child {
+                child: ChildLink {
+                    session_id: child.child_session_id,
+                    turn_id: child.child_turn_id,
+                },
+                origin: Some(origin),
+            },
+        };
         rec.calls.insert(call.id.clone(), cp);
         self.save_record(rec).await?;
         Ok(CallEnd::Held)

@@ -24,16 +24,17 @@ impl Harness {
                 .calls
                 .iter()
                 .filter_map(|(id, c)| {
+                    let child = c.child()?;
                     Some(harness_types::api::ChildRef {
                         function_call_id: id.clone(),
-                        session_id: c.child_session_id.clone()?,
-                        turn_id: c.child_turn_id.clone()?,
+                        session_id: child.session_id.clone(),
+                        turn_id: child.turn_id.clone(),
                     })
                 })
                 .collect(),
             result: rec.result.clone(),
             result_error: rec.result_error.clone(),
-            stop_reason: rec.stop_reason.clone(),
+            stop_reason: rec.stop_reason.map(|r| r.as_str().to_string()),
             transient_resumes: rec.transient_resumes,
             queued,
         }))

@@ -1,8 +1,10 @@
-//! One durable step (`harness::turn`), top to bottom.
+//! One durable step (`harness::turn`): the shell around the turn machine.
 //!
-//! generate: guard → drain steering → first-step event → max_turns → context → pre-append the
-//! assistant entry → stream (lock released) ; finish: cancel? → failure/resume? → calls →
-//! advance or finalize.
+//! The step feeds [`machine::next`] what it finds and carries out what the machine answers, in
+//! order. Its stages are effects: `Prepare` (drain steering, first-step event, pre-turn hooks),
+//! `Generate` (context → pre-generate hooks → pre-append the assistant entry → stream with the
+//! session lock released → post-generate hooks), `ResumeAtCalls` (a redelivered step re-reads
+//! the answer it recorded) and `DispatchCalls`; each ends by feeding the machine its next input.
 
 use harness_context::{AssembleOptions, AssembleRequest, AssembleResponse, ModelRef};
 use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
@@ -16,12 +18,12 @@ use serde_json::{json, Value};
 
 use crate::dispatch::{plan_calls, Dispatched};
 use crate::failpoint;
-use crate::finalize::Outcome;
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::locks::SessionGuard;
+use crate::machine::{self, ContextRefusal, Effect, Finished, Input};
 use crate::prompt;
-use crate::record::{GeneratedStep, TurnRecord};
+use crate::record::TurnRecord;
 use crate::stream::Generation;
 use tokio_util::sync::CancellationToken;
 
@@ -89,54 +91,194 @@ impl Harness {
     /// Runs one step. Stale and duplicate deliveries are acknowledged and dropped.
     pub async fn step(&self, payload: TurnStepPayload) -> Result<TurnStepResult> {
         let sid = payload.session_id.clone();
-        let guard = self.inner.locks.lock(&sid).await;
-        let Some(mut rec) = self.load_record(&sid).await? else {
-            return self.end_lost_turn(&payload).await;
+        let mut guard = Some(self.inner.locks.lock(&sid).await);
+        let rec = self.load_record(&sid).await?;
+        let input = match &rec {
+            Some(_) => Input::StepDelivered {
+                turn_id: payload.turn_id.clone(),
+                step: payload.step,
+            },
+            None => Input::RecordMissing {
+                session_id: sid.clone(),
+                turn_id: payload.turn_id.clone(),
+                step: payload.step,
+                depth: payload.depth,
+                session_exists: self.session_exists(&sid).await?,
+                now: now_ms(),
+            },
         };
-        if rec.turn_id != payload.turn_id || rec.step != payload.step {
-            return Ok(skipped(&sid));
+        if rec.is_none() {
+            tracing::warn!(session = %sid, turn = %payload.turn_id, "a step found no turn record");
         }
-        if rec.is_terminal() {
-            // A crash between the terminal write and the event: publish again (deduplicated).
-            self.repeat_terminal_effects(&rec).await?;
-            return Ok(skipped(&sid));
+        let mut ctx = StepCtx::default();
+        let mut rec = rec;
+        let mut input = Some(input);
+        let mut skipped_delivery = false;
+        while let Some(i) = input.take() {
+            let t = machine::next(rec.take(), i).map_err(illegal)?;
+            rec = t.record;
+            let mut effects = t.effects.into_iter().peekable();
+            let mut reloaded = None;
+            while let Some(effect) = effects.next() {
+                let advancing = effect == Effect::SaveRecord
+                    && effects.peek() == Some(&Effect::EnqueueStep);
+                let Some(r) = rec.as_mut() else {
+                    skipped_delivery = true;
+                    continue;
+                };
+                match effect {
+                    Effect::Skip => skipped_delivery = true,
+                    Effect::Prepare { first_step } => {
+                        input = Some(self.prepare(r, first_step, &mut ctx).await?);
+                    }
+                    Effect::Generate => {
+                        let (now, next) = self.generate_stage(r, &mut guard, &mut ctx).await?;
+                        reloaded = Some(now);
+                        input = Some(next);
+                    }
+                    Effect::ResumeAtCalls => {
+                        input = Some(self.resume_at_calls(r, &mut ctx).await?);
+                    }
+                    Effect::DispatchCalls { cut } => {
+                        let message = ctx.message.as_ref().ok_or_else(|| {
+                            HarnessError::internal("dispatch without a generation")
+                        })?;
+                        let expose = r
+                            .options
+                            .functions
+                            .as_ref()
+                            .map(|p| p.expose)
+                            .unwrap_or_default();
+                        let calls = plan_calls(&message.content, expose);
+                        let cancel = self.signal(&r.turn_id);
+                        let stopped = self.dispatch_calls(r, &calls, cut, &cancel).await?
+                            == Dispatched::Cancelled;
+                        input = Some(Input::CallsClosed { stopped });
+                    }
+                    Effect::CheckSteering => {
+                        let waiting = !self.queued(&sid).await?.is_empty();
+                        let text = ctx
+                            .message
+                            .as_ref()
+                            .map(|m| harness_types::message::joined_text(&m.content))
+                            .unwrap_or_default();
+                        input = Some(Input::SteeringChecked { waiting, text });
+                    }
+                    other => {
+                        self.apply(r, other).await?;
+                        if advancing {
+                            failpoint::hit("after_advance_persisted");
+                        }
+                    }
+                }
+                if let Some(now) = reloaded.take() {
+                    // The machine decides the rest on the record as the stream left it.
+                    rec = now;
+                    break;
+                }
+            }
         }
-        if rec.status != TurnStatus::Running {
-            return Ok(skipped(&sid));
-        }
-        if rec.abort {
-            return self
-                .finalize(&mut rec, Outcome::Cancelled)
+        Ok(match rec {
+            Some(r) if !skipped_delivery => done(&r),
+            _ => skipped(&sid),
+        })
+    }
+
+    /// The effects every shell carries out the same way.
+    pub(crate) async fn apply(&self, rec: &mut TurnRecord, effect: Effect) -> Result<()> {
+        match effect {
+            Effect::SaveRecord => self.save_record(rec).await,
+            Effect::EnqueueStep => self.enqueue_step(rec).await,
+            Effect::Finalize => self.finalize(rec).await,
+            Effect::RepeatTerminalEffects => self.repeat_terminal_effects(rec).await,
+            Effect::NoteMaxTurns => {
+                let text = machine::max_turns_text(rec.options.max_turns);
+                self.append_custom(
+                    &rec.session_id,
+                    ids::max_turns_entry(&rec.turn_id),
+                    "notice",
+                    json!({"reason": "max_turns", "message": text}),
+                    &rec.turn_id,
+                )
                 .await
-                .map(|_| done(&rec));
+                .map(|_| ())
+            }
+            Effect::NoteResume { attempt, reason } => {
+                self.note_resume(rec, attempt, &reason).await
+            }
+            Effect::NoteRecovered { attempt } => self
+                .append_custom(
+                    &rec.session_id,
+                    ids::recovery_entry(&rec.turn_id, attempt, "recovered"),
+                    "recovery",
+                    json!({"status": "recovered", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
+                    &rec.turn_id,
+                )
+                .await
+                .map(|_| ()),
+            Effect::SetAwaiting => {
+                self.set_status(
+                    &rec.session_id,
+                    SessionStatus::Working,
+                    Some("awaiting functions"),
+                )
+                .await
+            }
+            Effect::Barrier => self.barrier().await,
+            Effect::AbortGeneration => {
+                self.fire_signal(&rec.turn_id);
+                // The generation in flight, if any, is the one of the current step.
+                let request_id = ids::request_id(&rec.turn_id, rec.step);
+                let _ = self
+                    .inner
+                    .bus
+                    .call(
+                        "router::abort",
+                        json!({ "request_id": request_id }),
+                        Some(std::time::Duration::from_secs(2)),
+                    )
+                    .await;
+                Ok(())
+            }
+            Effect::StopChildren => {
+                self.stop_children(rec).await;
+                Ok(())
+            }
+            Effect::CloseInterrupted(ids) => {
+                for id in ids {
+                    let function_id = rec
+                        .calls
+                        .get(&id)
+                        .map(|c| c.function_id().to_string())
+                        .unwrap_or_default();
+                    let call = crate::dispatch::PlannedCall {
+                        id,
+                        function_id,
+                        arguments: Value::Null,
+                        intent: None,
+                    };
+                    self.close_interrupted(rec, &call).await?;
+                }
+                Ok(())
+            }
+            other => Err(HarnessError::internal(format!(
+                "the turn machine asked this shell for {other:?}, which only another shell carries out"
+            ))),
         }
-        if let Some(generated) = rec.generated.clone().filter(|g| g.step == rec.step) {
-            // Redelivered after the model had answered: resume at the calls, never re-ask.
-            let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
-            let message = self
-                .transcript(&sid)
-                .await?
-                .into_iter()
-                .find(|e| e.entry_id == entry_id)
-                .and_then(|e| match e.message {
-                    Some(AgentMessage::Assistant(m)) => Some(m),
-                    _ => None,
-                })
-                .ok_or_else(|| {
-                    HarnessError::state(format!(
-                        "entry_id: '{entry_id}' is missing after its generation was recorded"
-                    ))
-                })?;
-            let generation = Generation {
-                message,
-                error: generated.error,
-            };
-            let cancel = self.signal(&rec.turn_id);
-            return self.finish(&payload, guard, generation, cancel, None).await;
-        }
+    }
+
+    /// Stage `Prepare`: steering, the working status, the first step's event and pre-turn
+    /// hooks.
+    async fn prepare(
+        &self,
+        rec: &mut TurnRecord,
+        first_step: bool,
+        ctx: &mut StepCtx,
+    ) -> Result<Input> {
+        let sid = rec.session_id.clone();
         // A step redelivered mid-generation finds its assistant entry already there: it rebuilds
         // the context it had (everything before that entry) and leaves newly queued steering
-        // for the next step, which the steering check below then schedules.
+        // for the next step, which the steering check then schedules.
         let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
         let mut entries = self.transcript(&sid).await?;
         match entries.iter().position(|e| e.entry_id == entry_id) {
@@ -147,64 +289,51 @@ impl Harness {
                 }
             }
         }
+        ctx.entries = entries;
         self.set_status(&sid, SessionStatus::Working, Some("preparing context"))
             .await?;
-        if rec.step == 0 && rec.turn_count == 0 {
-            self.emit_turn_started(TurnStartedEvent {
-                session_id: sid.clone(),
-                turn_id: rec.turn_id.clone(),
-                timestamp: now_ms(),
-                parent: rec.parent.clone(),
-                depth: rec.depth,
-                message_preview: rec.message_preview.clone(),
-            })
-            .await?;
-            let env = hooks::envelope(
-                HookPoint::PreTurn,
-                &sid,
-                &rec.turn_id,
-                rec.step,
-                rec.depth,
-                rec.options.metadata.as_ref(),
-            );
-            if let Decision::Deny(reason) = self
-                .run_hooks(HookPoint::PreTurn, env, None, None)
-                .await?
-                .decision
-            {
-                self.finalize(
-                    &mut rec,
-                    Outcome::failed(
-                        "harness.pre_turn_denied",
-                        "pre_turn",
-                        "A hook refused to start this turn.",
-                        Some(format!("pre_turn hook denied: {reason}")),
-                    ),
-                )
-                .await?;
-                return Ok(done(&rec));
-            }
+        if !first_step {
+            return Ok(Input::Prepared { denied: None });
         }
-        if rec.turn_count >= rec.options.max_turns {
-            let text = format!(
-                "max_turns ({}) reached; ending the turn.",
-                rec.options.max_turns
-            );
-            self.append_custom(
-                &sid,
-                ids::max_turns_entry(&rec.turn_id),
-                "notice",
-                json!({"reason": "max_turns", "message": text}),
-                &rec.turn_id,
-            )
-            .await?;
-            rec.stop_reason = Some("max_turns".into());
-            self.finalize(&mut rec, Outcome::Completed(json!(text)))
-                .await?;
-            return Ok(done(&rec));
-        }
+        self.emit_turn_started(TurnStartedEvent {
+            session_id: sid.clone(),
+            turn_id: rec.turn_id.clone(),
+            timestamp: now_ms(),
+            parent: rec.parent.clone(),
+            depth: rec.depth,
+            message_preview: rec.message_preview.clone(),
+        })
+        .await?;
+        let env = hooks::envelope(
+            HookPoint::PreTurn,
+            &sid,
+            &rec.turn_id,
+            rec.step,
+            rec.depth,
+            rec.options.metadata.as_ref(),
+        );
+        let denied = match self
+            .run_hooks(HookPoint::PreTurn, env, None, None)
+            .await?
+            .decision
+        {
+            Decision::Deny(reason) => Some(reason),
+            _ => None,
+        };
+        Ok(Input::Prepared { denied })
+    }
 
-        // Context.
+    /// Stage `Generate`: context, pre-generate hooks, the pre-appended assistant entry, the
+    /// stream (with the session lock released, so `stop` can land), post-generate hooks. Answers
+    /// the record as it is after the stream (re-read under the lock) and the next input.
+    async fn generate_stage(
+        &self,
+        rec: &mut TurnRecord,
+        guard: &mut Option<SessionGuard>,
+        ctx: &mut StepCtx,
+    ) -> Result<(Option<TurnRecord>, Input)> {
+        let sid = rec.session_id.clone();
+        let entries = std::mem::take(&mut ctx.entries);
         let new_watermark = entries.last().map(|e| e.entry_id.clone());
         let mut messages = model_messages(&entries);
         // The registry changed since this session last looked: contracts it fetched may be stale.
@@ -223,59 +352,39 @@ impl Harness {
                 now_ms(),
             ));
         }
-        let seen_generation = Some(live);
         let system_prompt = prompt::for_step(
             rec.options.system_prompt.as_deref(),
             &sid,
             rec.options.functions.as_ref(),
         );
-        let tools = self.tool_surface(&rec).await?;
+        let tools = self.tool_surface(rec).await?;
         let assembled = match self
-            .assemble(&rec, messages, system_prompt, tools.clone())
+            .assemble(rec, messages, system_prompt, tools.clone())
             .await
         {
             Ok(a) => a,
             Err(overflow) => {
-                self.finalize(
-                    &mut rec,
-                    Outcome::failed(
-                        "harness.context_overflow",
-                        "context_assembly",
-                        "The conversation no longer fits the model's context window.",
-                        Some(overflow),
-                    ),
-                )
-                .await?;
-                return Ok(done(&rec));
+                let why = ContextRefusal::Overflow(overflow);
+                return Ok((Some(rec.clone()), Input::ContextRefused(why)));
             }
         };
         if assembled.messages.is_empty() {
-            self.finalize(
-                &mut rec,
-                Outcome::failed(
-                    "harness.empty_context",
-                    "context_assembly",
-                    "There was nothing to send to the model.",
-                    None,
-                ),
-            )
-            .await?;
-            return Ok(done(&rec));
+            return Ok((
+                Some(rec.clone()),
+                Input::ContextRefused(ContextRefusal::Empty),
+            ));
         }
-        let (system_prompt, messages) = match self.pre_generate(&rec, assembled, &tools).await? {
+        let (system_prompt, messages) = match self.pre_generate(rec, assembled, &tools).await? {
             Ok(prepared) => prepared,
-            Err(outcome) => {
-                self.finalize(&mut rec, outcome).await?;
-                return Ok(done(&rec));
-            }
+            Err(why) => return Ok((Some(rec.clone()), Input::ContextRefused(why))),
         };
         let cancel = self.signal(&rec.turn_id);
         if cancel.is_cancelled() {
-            self.finalize(&mut rec, Outcome::Cancelled).await?;
-            return Ok(done(&rec));
+            return Ok((Some(rec.clone()), Input::StopObserved));
         }
 
         // The assistant entry exists before the first token, so a replay reuses it.
+        let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
         self.append(AppendRequest {
             session_id: sid.clone(),
             message: Some(AgentMessage::Assistant(AssistantMessage {
@@ -328,7 +437,7 @@ impl Harness {
         };
 
         // Generate with the lock released, so `stop` can land mid-stream.
-        drop(guard);
+        drop(guard.take());
         let generation = self
             .generate(req, extras, &sid, &entry_id, cancel.clone())
             .await;
@@ -347,122 +456,56 @@ impl Harness {
                 .run_hooks(HookPoint::PostGenerate, env, None, None)
                 .await;
         }
-        let guard: SessionGuard = self.inner.locks.lock(&sid).await;
+        *guard = Some(self.inner.locks.lock(&sid).await);
         let generation = generation?;
-        self.finish(
-            &payload,
-            guard,
+        // The record as it is now: a stop may have finalized it while the model streamed.
+        let now = self.load_record(&sid).await?;
+        let input = finished(
+            rec,
             generation,
-            cancel,
-            Some((new_watermark, seen_generation)),
-        )
-        .await
+            &cancel,
+            Some((new_watermark, Some(live))),
+            ctx,
+        );
+        Ok((now, input))
     }
 
-    /// The finish phase: runs under the session lock, on the durable record as it is now (a
-    /// stop may have finalized it while the model streamed).
-    async fn finish(
-        &self,
-        payload: &TurnStepPayload,
-        _guard: SessionGuard,
-        generation: Generation,
-        cancel: CancellationToken,
-        seen: Option<(Option<String>, Option<u64>)>,
-    ) -> Result<TurnStepResult> {
-        let sid = payload.session_id.clone();
-        let Some(mut rec) = self.load_record(&sid).await? else {
-            return Ok(skipped(&sid));
-        };
-        if rec.turn_id != payload.turn_id || rec.step != payload.step || rec.is_terminal() {
-            return Ok(skipped(&sid));
-        }
-        if rec.generated.as_ref().map(|g| g.step) != Some(rec.step) {
-            if let Some((watermark, generation)) = seen {
-                rec.watermark_entry_id = watermark;
-                rec.functions_generation = generation;
-            }
-            rec.turn_count += 1;
-            rec.generated = Some(GeneratedStep {
-                step: rec.step,
-                error: generation.error.clone(),
-            });
-        }
-        if rec.abort
-            || cancel.is_cancelled()
-            || generation.message.stop_reason == StopReason::Aborted
-        {
-            self.finalize(&mut rec, Outcome::Cancelled).await?;
-            return Ok(done(&rec));
-        }
-        if let Some(err) = &generation.error {
-            let partial = generation.has_partial();
-            if partial {
-                let text = harness_types::message::joined_text(&generation.message.content);
-                rec.result = Some(if text.trim().is_empty() {
-                    json!(generation.message.content)
-                } else {
-                    json!(text)
-                });
-            }
-            if partial
-                && err.kind.retryable()
-                && rec.transient_resumes < rec.options.max_transient_resumes
-                && rec.turn_count < rec.options.max_turns
-            {
-                self.begin_resume(&mut rec, &err.message).await?;
-                return self.advance(&mut rec).await.map(|_| done(&rec));
-            }
-            let outcome = Outcome::generation_failed(
-                err,
-                &rec.options.model,
-                rec.options.provider.as_deref(),
-                partial,
-            );
-            self.finalize(&mut rec, outcome).await?;
-            return Ok(done(&rec));
-        }
-        if rec.transient_resumes > 0 {
-            self.append_custom(
-                &sid,
-                ids::recovery_entry(&rec.turn_id, rec.transient_resumes, "recovered"),
-                "recovery",
-                json!({"status": "recovered", "attempt": rec.transient_resumes, "max_attempts": rec.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
-                &rec.turn_id,
-            )
+    /// Stage `ResumeAtCalls`: redelivered after the model had answered; the answer is read back
+    /// from its entry, never asked for again.
+    async fn resume_at_calls(&self, rec: &mut TurnRecord, ctx: &mut StepCtx) -> Result<Input> {
+        let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
+        let message = self
+            .transcript(&rec.session_id)
+            .await?
+            .into_iter()
+            .find(|e| e.entry_id == entry_id)
+            .and_then(|e| match e.message {
+                Some(AgentMessage::Assistant(m)) => Some(m),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                HarnessError::state(format!(
+                    "entry_id: '{entry_id}' is missing after its generation was recorded"
+                ))
+            })?;
+        let error = rec.generated.as_ref().and_then(|g| g.error.clone());
+        let cancel = self.signal(&rec.turn_id);
+        Ok(finished(
+            rec,
+            Generation { message, error },
+            &cancel,
+            None,
+            ctx,
+        ))
+    }
+
+    /// Whether the session has a transcript (a step without a record may be for a session that
+    /// was deleted).
+    async fn session_exists(&self, session_id: &str) -> Result<bool> {
+        let session: Option<harness_types::session::GetResponse> = self
+            .call("session::get", &json!({"session_id": session_id}))
             .await?;
-        }
-        let expose = rec
-            .options
-            .functions
-            .as_ref()
-            .map(|p| p.expose)
-            .unwrap_or_default();
-        let calls = plan_calls(&generation.message.content, expose);
-        if !calls.is_empty() {
-            let cut = (generation.message.stop_reason == StopReason::Length)
-                .then_some("the reply hit the output limit");
-            if self.dispatch_calls(&mut rec, &calls, cut, &cancel).await? == Dispatched::Cancelled {
-                self.finalize(&mut rec, Outcome::Cancelled).await?;
-                return Ok(done(&rec));
-            }
-            if rec.has_pending() {
-                // Parked: no step is held; a resolve of the last pending call resumes the turn.
-                rec.status = TurnStatus::AwaitingFunctions;
-                self.save_record(&mut rec).await?;
-                self.set_status(&sid, SessionStatus::Working, Some("awaiting functions"))
-                    .await?;
-                return Ok(done(&rec));
-            }
-            return self.advance(&mut rec).await.map(|_| done(&rec));
-        }
-        if !self.queued(&sid).await?.is_empty() {
-            // Steering arrived while the model was answering: it gets to react.
-            return self.advance(&mut rec).await.map(|_| done(&rec));
-        }
-        let text = harness_types::message::joined_text(&generation.message.content);
-        self.finalize(&mut rec, Outcome::Completed(json!(text)))
-            .await?;
-        Ok(done(&rec))
+        Ok(session.is_some())
     }
 
     /// Runs the pre-generate chain: it may replace the system prompt, append messages (never
@@ -472,7 +515,7 @@ impl Harness {
         rec: &TurnRecord,
         assembled: AssembleResponse,
         tools: &[harness_types::router::ToolSpec],
-    ) -> Result<std::result::Result<(Option<String>, Vec<AgentMessage>), Outcome>> {
+    ) -> Result<std::result::Result<(Option<String>, Vec<AgentMessage>), ContextRefusal>> {
         if self.hooks(HookPoint::PreGenerate).await?.is_empty() {
             return Ok(Ok((assembled.system_prompt, assembled.messages)));
         }
@@ -496,12 +539,7 @@ impl Harness {
             .run_hooks(HookPoint::PreGenerate, env, None, None)
             .await?;
         if let Decision::Deny(reason) = chain.decision {
-            return Ok(Err(Outcome::failed(
-                "harness.pre_generate_denied",
-                "pre_generate",
-                "A hook refused this generation.",
-                Some(format!("pre_generate hook denied: {reason}")),
-            )));
+            return Ok(Err(ContextRefusal::Denied(reason)));
         }
         let generate = &chain.payload["generate"];
         let mut prompt = generate["system_prompt"].as_str().map(str::to_string);
@@ -522,72 +560,23 @@ impl Harness {
         let tokens =
             harness_context::count_tokens(&messages, prompt.as_deref(), tools) + FRAMING_TOKENS;
         if tokens > assembled.usable {
-            return Ok(Err(Outcome::failed(
-                "harness.context_overflow",
-                "pre_generate",
-                "The conversation no longer fits the model's context window.",
-                Some(format!(
-                    "context/overflow: ~{tokens} tokens after pre_generate hooks, {} usable",
-                    assembled.usable
-                )),
-            )));
+            return Ok(Err(ContextRefusal::OverflowAfterHooks(format!(
+                "context/overflow: ~{tokens} tokens after pre_generate hooks, {} usable",
+                assembled.usable
+            ))));
         }
         Ok(Ok((prompt, messages)))
     }
 
-    /// A step whose session has no turn record at all: on a store that can lose recent writes
-    /// (an iii engine's), the record of a live turn vanished. Never rebuild it from the
-    /// transcript (that could run calls again): end the turn with a durable failure the user can
-    /// read instead.
-    async fn end_lost_turn(&self, payload: &TurnStepPayload) -> Result<TurnStepResult> {
-        let sid = payload.session_id.clone();
-        let session: Option<harness_types::session::GetResponse> = self
-            .call("session::get", &json!({"session_id": sid}))
-            .await?;
-        if session.is_none() {
-            return Ok(skipped(&sid));
-        }
-        let mut rec = crate::send::new_record(
-            &sid,
-            &payload.turn_id,
-            Default::default(),
-            payload.depth,
-            None,
-            None,
-        );
-        rec.step = payload.step;
-        tracing::warn!(session = %sid, turn = %payload.turn_id, "the turn record is missing; ending the turn as failed");
-        self.finalize(
-            &mut rec,
-            Outcome::failed(
-                "harness.turn_record_lost",
-                "execution",
-                "The turn's state was lost by the store, so the turn was ended; send the message again to continue.",
-                Some(format!("no turn record for session '{sid}' at step {} of turn {}", payload.step, payload.turn_id)),
-            ),
-        )
-        .await?;
-        Ok(done(&rec))
-    }
-
-    /// Persists `step + 1` and enqueues it.
-    pub(crate) async fn advance(&self, rec: &mut TurnRecord) -> Result<()> {
-        rec.step += 1;
-        rec.status = TurnStatus::Running;
-        self.save_record(rec).await?;
-        failpoint::hit("after_advance_persisted");
-        self.enqueue_step(rec).await
-    }
-
-    async fn begin_resume(&self, rec: &mut TurnRecord, reason: &str) -> Result<()> {
-        let k = rec.transient_resumes + 1;
+    /// The recovery record and the nudge of transient resume `attempt`.
+    async fn note_resume(&self, rec: &TurnRecord, attempt: u32, reason: &str) -> Result<()> {
         let sid = rec.session_id.clone();
         self.append_custom(
             &sid,
-            ids::recovery_entry(&rec.turn_id, k, "recovering"),
+            ids::recovery_entry(&rec.turn_id, attempt, "recovering"),
             "recovery",
             json!({"status": "recovering", "summary": "The provider stopped mid-answer; resuming from the partial reply.", "detail": reason,
-                   "phase": "generation", "attempt": k, "max_attempts": rec.options.max_transient_resumes,
+                   "phase": "generation", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes,
                    "partial_result_available": true, "timestamp": now_ms()}),
             &rec.turn_id,
         )
@@ -601,11 +590,10 @@ impl Harness {
             session_id: sid,
             message: Some(AgentMessage::user_text(nudge, now_ms())),
             custom: None,
-            entry_id: Some(ids::transient_resume_entry(&rec.turn_id, k)),
+            entry_id: Some(ids::transient_resume_entry(&rec.turn_id, attempt)),
             origin: Some(json!({"turn_id": rec.turn_id, "recovery": true})),
         })
         .await?;
-        rec.transient_resumes = k;
         Ok(())
     }
 
@@ -683,21 +671,62 @@ impl Harness {
         err: &HarnessError,
     ) -> Result<()> {
         let _guard = self.inner.locks.lock(&payload.session_id).await;
-        let Some(mut rec) = self.load_record(&payload.session_id).await? else {
+        let Some(rec) = self.load_record(&payload.session_id).await? else {
             return Ok(());
         };
-        if rec.turn_id != payload.turn_id || rec.is_terminal() {
-            return Ok(());
+        let input = Input::InternalError {
+            turn_id: payload.turn_id.clone(),
+            detail: err.to_string(),
+        };
+        let t = machine::next(Some(rec), input).map_err(illegal)?;
+        if let Some(mut rec) = t.record {
+            for effect in t.effects {
+                self.apply(&mut rec, effect).await?;
+            }
         }
-        self.finalize(
-            &mut rec,
-            Outcome::failed(
-                "harness.turn_internal",
-                "execution",
-                "The turn stopped on an internal error.",
-                Some(err.to_string()),
-            ),
-        )
-        .await
+        Ok(())
     }
+}
+
+/// What a step carries from one stage to the next.
+#[derive(Default)]
+struct StepCtx {
+    /// The transcript the context is built from.
+    entries: Vec<Entry>,
+    /// The model's answer of this step.
+    message: Option<AssistantMessage>,
+}
+
+/// The machine's input for a generation that ended; keeps the answer for the next stages.
+fn finished(
+    rec: &TurnRecord,
+    generation: Generation,
+    cancel: &CancellationToken,
+    seen: Option<(Option<String>, Option<u64>)>,
+    ctx: &mut StepCtx,
+) -> Input {
+    let partial = generation.error.is_some() && generation.has_partial();
+    let message = generation.message;
+    let has_calls = message
+        .content
+        .iter()
+        .any(|b| matches!(b, ContentBlock::FunctionCall { .. }));
+    let input = Input::GenerationFinished(Box::new(Finished {
+        turn_id: rec.turn_id.clone(),
+        step: rec.step,
+        error: generation.error,
+        text: harness_types::message::joined_text(&message.content),
+        content: message.content.clone(),
+        partial,
+        stopped: cancel.is_cancelled() || message.stop_reason == StopReason::Aborted,
+        has_calls,
+        at_length: message.stop_reason == StopReason::Length,
+        seen,
+    }));
+    ctx.message = Some(message);
+    input
+}
+
+pub(crate) fn illegal(e: machine::Illegal) -> HarnessError {
+    HarnessError::internal(e.to_string())
 }

@@ -34,7 +34,7 @@ use crate::config::CallReconciliation;
 use crate::failpoint;
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
-use crate::record::{CallCheckpoint, CallState, TurnRecord};
+use crate::record::{CallCheckpoint, CallState, HoldPoint, TurnRecord, Wait};
 
 /// One call as the model wrote it, unwrapped from `agent_trigger` when needed.
 #[derive(Clone, Debug)]
@@ -243,13 +243,13 @@ impl Harness {
         })
         .await?;
         failpoint::hit("after_call_result_appended");
-        let mut cp = CallCheckpoint::new(CallState::Done, &call.function_id);
-        cp.entry_id = Some(entry_id);
-        if let Some(old) = rec.calls.get(&call.id) {
-            // A spawn's child stays known (status, the stop cascade, the fan-out count).
-            cp.child_session_id = old.child_session_id.clone();
-            cp.child_turn_id = old.child_turn_id.clone();
-        }
+        // A spawn's child stays known (status, the stop cascade, the fan-out count).
+        let child = rec.calls.get(&call.id).and_then(|c| c.child().cloned());
+        let cp = CallCheckpoint::Done {
+            function_id: call.function_id.clone(),
+            entry_id: Some(entry_id),
+            child,
+        };
         rec.calls.insert(call.id.clone(), cp);
         self.save_record(rec).await?;
         failpoint::hit("after_call_done");
@@ -354,7 +354,7 @@ impl Harness {
         let policy = Policy::new(rec.options.functions.as_ref());
         let turn_id = rec.turn_id.clone();
         for call in calls {
-            match rec.calls.get(&call.id).map(|c| c.state) {
+            match rec.calls.get(&call.id).map(CallCheckpoint::state) {
                 Some(CallState::Done) | Some(CallState::Pending) => continue,
                 Some(CallState::Triggered) => {
                     self.close_interrupted(rec, call).await?;
@@ -505,8 +505,10 @@ impl Harness {
         }
 
         // Checkpoint before the side effect, durably: after a crash this call never runs again.
-        let mut cp = CallCheckpoint::new(CallState::Triggered, &call.function_id);
-        cp.breaker_key = Some(breaker_key.clone());
+        let cp = CallCheckpoint::Triggered {
+            function_id: call.function_id.clone(),
+            breaker_key: Some(breaker_key.clone()),
+        };
         rec.calls.insert(call.id.clone(), cp);
         self.save_record(rec).await?;
         self.barrier().await?;
@@ -644,15 +646,24 @@ impl Harness {
         call: &PlannedCall,
         hold: Hold,
     ) -> Result<CallEnd> {
-        let mut cp = CallCheckpoint::new(CallState::Pending, &call.function_id);
-        cp.held_by = Some(hold.holder);
-        cp.held_point = Some(hold.point.name().into());
-        cp.held_arguments = Some(hold.arguments);
-        cp.held_result = hold.result;
-        cp.pending_at = Some(now_ms());
-        cp.reconciled = hold.reconciled;
-        cp.annotations = Some(Value::Object(hold.annotations));
-        cp.breaker_key = Some(hold.breaker_key);
+        let point = match hold.point {
+            HookPoint::PostTrigger => HoldPoint::PostTrigger,
+            _ => HoldPoint::PreTrigger,
+        };
+        let cp = CallCheckpoint::Pending {
+            function_id: call.function_id.clone(),
+            since: Some(now_ms()),
+            timeout_ms: None,
+            wait: Wait::Hold(crate::record::Hold {
+                holder: hold.holder,
+                point,
+                arguments: hold.arguments,
+                result: hold.result,
+                reconciled: hold.reconciled,
+                annotations: Some(Value::Object(hold.annotations)),
+                breaker_key: Some(hold.breaker_key),
+            }),
+        };
         rec.calls.insert(call.id.clone(), cp);
         self.save_record(rec).await?;
         Ok(CallEnd::Held)

@@ -1,0 +1,679 @@
+//! The turn as one pure state machine: `record + input → record + effects`.
+//!
+//! Nothing here does I/O or awaits. The shells (`send`, `step`, `stop`, `resolve`, the sweep and
+//! the recovery at start) gather an [`Input`], ask [`next`], and carry out the [`Effect`]s in the
+//! order given; the stages of a step (prepare, generate, dispatch) are effects too, and each
+//! ends by feeding the machine its next input. Every transition of a turn record is in the table
+//! below and nowhere else.
+//!
+//! # Phases
+//!
+//! The stored [`TurnStatus`] has five values; the machine reads one more distinction off the
+//! record ([`Phase`]): a running step either still has to ask the model (`Ready`) or already
+//! recorded the model's answer (`Generated`: a redelivered step resumes at its calls and never
+//! asks again, since a second answer could call different functions).
+//!
+//! # Transition table
+//!
+//! `Advance` = step + 1, status `running`, effects `SaveRecord, EnqueueStep`.
+//! `Finish(x)` = the terminal status `x` with its reason on the record, effect `Finalize`.
+//!
+//! | phase | input | next phase | effects |
+//! |---|---|---|---|
+//! | none, or terminal | `Send` | Ready (new turn) | `AppendUser`¹, `SaveRecord`, `EnqueueStep` |
+//! | Ready, Generated | `Send` | same | `ParkMessage`¹ (steering for the next step) |
+//! | Parked | `Send` | Parked | `AppendUser`¹ (the next generation sees it) |
+//! | Ready (step 0) | `EnqueueFailed` | Failed | `Finalize` |
+//! | none | `RecordMissing` (session known) | Failed (`turn_record_lost`) | `Finalize` |
+//! | none | `RecordMissing` (session unknown) | none | `Skip` |
+//! | any | `StepDelivered` for another turn or step | same | `Skip` |
+//! | terminal | `StepDelivered` | same | `RepeatTerminalEffects`, `Skip` |
+//! | Parked | `StepDelivered` | Parked | `Skip` |
+//! | Ready, aborted | `StepDelivered` | Cancelled | `Finalize` |
+//! | Ready | `StepDelivered` | Ready | `Prepare` |
+//! | Generated | `StepDelivered` | Generated | `ResumeAtCalls` |
+//! | Ready | `Prepared` (pre-turn denied) | Failed (`pre_turn_denied`) | `Finalize` |
+//! | Ready | `Prepared`, `max_turns` used up | Completed (`max_turns`) | `NoteMaxTurns`, `Finalize` |
+//! | Ready | `Prepared` | Ready | `Generate` |
+//! | Ready | `ContextRefused` | Failed (overflow, empty, pre-generate denied) | `Finalize` |
+//! | Ready | `StopObserved` | Cancelled | `Finalize` |
+//! | Ready, Generated | `GenerationFinished`, aborted or stopped | Cancelled | `Finalize` |
+//! | Ready, Generated | `GenerationFinished`, error after partial output, resumable | Running (Advance) | `NoteResume`, Advance |
+//! | Ready, Generated | `GenerationFinished`, error | Failed (the provider's class) | `Finalize` |
+//! | Ready, Generated | `GenerationFinished`, calls | Generated | [`NoteRecovered`], `DispatchCalls` |
+//! | Ready, Generated | `GenerationFinished`, text only | Generated | [`NoteRecovered`], `CheckSteering` |
+//! | Generated | `SteeringChecked` (waiting) | Running (Advance) | Advance |
+//! | Generated | `SteeringChecked` (none) | Completed (the text) | `Finalize` |
+//! | Generated | `CallsClosed`, stopped | Cancelled | `Finalize` |
+//! | Generated | `CallsClosed`, some pending | Parked | `SaveRecord`, `SetAwaiting` |
+//! | Generated | `CallsClosed`, all closed | Running (Advance) | Advance |
+//! | Parked | `CallSettled`, none pending | Running (Advance) | Advance |
+//! | Parked | `CallSettled`, some pending | Parked | — |
+//! | Running, Parked | `StopRequested` | same | `AbortGeneration` |
+//! | Running, Parked | `Stop` | Cancelled | `Finalize`, `Barrier`, `StopChildren` |
+//! | terminal | `Stop`, `StopRequested` | same | — |
+//! | Running | `Recover` | same | `EnqueueStep` |
+//! | Parked | `Recover` | Parked | `CloseInterrupted` (then `CallSettled`) |
+//! | Running, Parked | `InternalError` | Failed (`turn_internal`) | `Finalize` |
+//!
+//! ¹ unless the send already parked the message on its lock-free path.
+//!
+//! Every other pair is illegal: [`next`] refuses it with [`Illegal`] and leaves the record as it
+//! was (the shells treat that as a bug to report, never as a reason to write).
+
+use harness_types::api::{ParentLink, TurnStatus};
+use harness_types::message::{ContentBlock, ErrorKind};
+use serde_json::{json, Value};
+
+use crate::record::{
+    CallState, Failure, FailurePhase, GeneratedStep, GenerationError,
+    TurnOptions, TurnRecord, TurnStopReason,
+};
+
+/// What the machine reads off a record besides its status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Running; this step has not asked the model yet.
+    Ready,
+    /// Running; this step recorded the model's answer (its calls may still be open).
+    Generated,
+    /// Awaiting functions: nothing runs until a pending call settles.
+    Parked,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+pub(crate) fn phase(rec: &TurnRecord) -> Phase {
+    match rec.status {
+        TurnStatus::Running if rec.generated.as_ref().is_some_and(|g| g.step == rec.step) => {
+            Phase::Generated
+        }
+        TurnStatus::Running => Phase::Ready,
+        TurnStatus::AwaitingFunctions => Phase::Parked,
+        TurnStatus::Completed => Phase::Completed,
+        TurnStatus::Failed => Phase::Failed,
+        TurnStatus::Cancelled => Phase::Cancelled,
+    }
+}
+
+/// A new turn, as `harness::send` (or a spawn) asks for it.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Seed {
+    pub session_id: String,
+    pub turn_id: String,
+    pub options: TurnOptions,
+    pub depth: u32,
+    pub parent: Option<ParentLink>,
+    pub preview: Option<String>,
+    /// The registry generation the session's previous turn saw.
+    pub functions_generation: Option<u64>,
+    pub now: i64,
+}
+
+/// Why the context could not be sent.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum ContextRefusal {
+    /// `context::assemble` could not fit the history (its diagnostic).
+    Overflow(String),
+    /// Nothing to send.
+    Empty,
+    /// A pre-generate hook denied the generation (its reason).
+    Denied(String),
+    /// What the pre-generate hooks left no longer fits (the diagnostic).
+    OverflowAfterHooks(String),
+}
+
+/// How one generation ended, as the stream folded it.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Finished {
+    pub turn_id: String,
+    pub step: u64,
+    /// The provider's failure, if the generation failed.
+    pub error: Option<GenerationError>,
+    /// The text the model produced (joined text blocks).
+    pub text: String,
+    /// The content, for a partial result that has no text.
+    pub content: Vec<ContentBlock>,
+    /// Whether anything was streamed before a failure.
+    pub partial: bool,
+    /// The stream ended aborted, or the stop signal fired.
+    pub stopped: bool,
+    /// The answer contains function calls.
+    pub has_calls: bool,
+    /// The answer stopped at the output limit (its last call's arguments may be cut).
+    pub at_length: bool,
+    /// What the step saw when it built the context: the last entry and the registry generation.
+    pub seen: Option<(Option<String>, Option<u64>)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Input {
+    /// A user message for this session, taken under the session lock. `parked`: the send's
+    /// lock-free path already put it in the steering queue. `seed` is the turn to start if no
+    /// turn runs.
+    Send { parked: bool, seed: Box<Seed> },
+    /// The first step of a new turn could not be enqueued.
+    EnqueueFailed { detail: String },
+    /// A step was delivered and the session has no turn record at all.
+    RecordMissing {
+        session_id: String,
+        turn_id: String,
+        step: u64,
+        depth: u32,
+        session_exists: bool,
+        now: i64,
+    },
+    /// A step `(turn_id, step)` was delivered.
+    StepDelivered { turn_id: String, step: u64 },
+    /// The step drained steering and ran the pre-turn hooks (`denied`: a hook's reason).
+    Prepared { denied: Option<String> },
+    /// The context could not be sent.
+    ContextRefused(ContextRefusal),
+    /// The stop signal fired before the generation started.
+    StopObserved,
+    /// The generation ended (on the record as it is after the stream: a stop may have landed).
+    GenerationFinished(Box<Finished>),
+    /// Whether steering messages wait (asked after a text-only answer).
+    SteeringChecked { waiting: bool, text: String },
+    /// Every call of the step was taken as far as it goes.
+    CallsClosed { stopped: bool },
+    /// A pending call was closed (resolve, the sweep, a child's end, recovery).
+    CallSettled,
+    /// `harness::stop`, before taking the session lock: cut the stream.
+    StopRequested { turn_id: Option<String> },
+    /// `harness::stop`, under the session lock.
+    Stop { turn_id: Option<String> },
+    /// The process (re)started and found this record.
+    Recover,
+    /// A step failed on an unexpected error.
+    InternalError { turn_id: String, detail: String },
+}
+
+/// The I/O a transition asks for, carried out by the shell in order.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Effect {
+    /// Append the send's message to the transcript.
+    AppendUser,
+    /// Put the send's message in the steering queue for the next step.
+    ParkMessage,
+    /// Write the record.
+    SaveRecord,
+    /// Enqueue the record's current step.
+    EnqueueStep,
+    /// The terminal writes, in their crash-safe order (drain, reason, record, status, event,
+    /// parent, reseed): `finalize.rs`.
+    Finalize,
+    /// A delivered step found its turn ended: publish the terminal side effects again (each is
+    /// idempotent), in case a crash cut them short.
+    RepeatTerminalEffects,
+    /// Acknowledge the delivery as stale or duplicate.
+    Skip,
+    /// Stage: drain steering, mark the session working, first-step event and pre-turn hooks.
+    Prepare { first_step: bool },
+    /// Stage: context, pre-generate hooks, the streamed generation.
+    Generate,
+    /// Stage: the redelivered step re-reads the answer it recorded and closes its calls.
+    ResumeAtCalls,
+    /// Stage: close every call of the answer (`cut`: why its arguments may be incomplete).
+    DispatchCalls { cut: Option<&'static str> },
+    /// Ask whether steering messages wait.
+    CheckSteering,
+    /// The `max_turns` notice in the transcript.
+    NoteMaxTurns,
+    /// The recovery record and the nudge of a transient resume (`attempt` from 1).
+    NoteResume { attempt: u32, reason: String },
+    /// The recovery record after a resumed generation succeeded.
+    NoteRecovered { attempt: u32 },
+    /// The session shows "awaiting functions".
+    SetAwaiting,
+    /// Cut the generation in flight (signal and `router::abort`).
+    AbortGeneration,
+    /// Make everything so far durable before answering.
+    Barrier,
+    /// Stop the sub-agents this turn started.
+    StopChildren,
+    /// Close calls left `triggered` by a crash with the interrupted result (they ran at most
+    /// once).
+    CloseInterrupted(Vec<String>),
+}
+
+/// A transition: the record as it now is (`None`: there is none) and what to do.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Transition {
+    pub record: Option<TurnRecord>,
+    pub effects: Vec<Effect>,
+}
+
+/// An input the record's phase does not accept.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("harness/internal_error: the turn machine refuses {input} in phase {phase:?}")]
+pub(crate) struct Illegal {
+    pub phase: Option<Phase>,
+    pub input: &'static str,
+}
+
+impl Input {
+    fn name(&self) -> &'static str {
+        match self {
+            Input::Send { .. } => "Send",
+            Input::EnqueueFailed { .. } => "EnqueueFailed",
+            Input::RecordMissing { .. } => "RecordMissing",
+            Input::StepDelivered { .. } => "StepDelivered",
+            Input::Prepared { .. } => "Prepared",
+            Input::ContextRefused(_) => "ContextRefused",
+            Input::StopObserved => "StopObserved",
+            Input::GenerationFinished(_) => "GenerationFinished",
+            Input::SteeringChecked { .. } => "SteeringChecked",
+            Input::CallsClosed { .. } => "CallsClosed",
+            Input::CallSettled => "CallSettled",
+            Input::StopRequested { .. } => "StopRequested",
+            Input::Stop { .. } => "Stop",
+            Input::Recover => "Recover",
+            Input::InternalError { .. } => "InternalError",
+        }
+    }
+}
+
+/// A fresh `running` record at step 0.
+pub(crate) fn seeded(seed: Seed) -> TurnRecord {
+    TurnRecord {
+        turn_id: seed.turn_id,
+        session_id: seed.session_id,
+        status: TurnStatus::Running,
+        step: 0,
+        turn_count: 0,
+        depth: seed.depth,
+        message_preview: seed.preview,
+        abort: false,
+        watermark_entry_id: None,
+        stream_request_id: None,
+        options: seed.options,
+        calls: Default::default(),
+        parent: seed.parent,
+        result: None,
+        result_error: None,
+        failure: None,
+        transient_resumes: 0,
+        stop_reason: None,
+        generated: None,
+        functions_generation: seed.functions_generation,
+        failed_calls: Default::default(),
+        noted_repairs: Vec::new(),
+        created_at: seed.now,
+        updated_at: seed.now,
+    }
+}
+
+fn failure(code: &str, phase: FailurePhase, summary: &str, detail: Option<String>) -> Failure {
+    Failure {
+        code: code.into(),
+        phase,
+        summary: summary.into(),
+        detail,
+        retryable: false,
+        kind: None,
+    }
+}
+
+/// The failure of a generation the provider ended with an error.
+pub(crate) fn generation_failure(err: &GenerationError) -> Failure {
+    let summary = match err.kind {
+        ErrorKind::AuthExpired => "The provider rejected the credentials.",
+        ErrorKind::RateLimited => "The provider is rate limiting requests; try again shortly.",
+        ErrorKind::ContextOverflow => "The conversation is too long for the model.",
+        ErrorKind::Transient => "The provider failed temporarily.",
+        ErrorKind::Permanent => "The provider rejected this request.",
+    };
+    Failure {
+        code: err.code.clone(),
+        phase: FailurePhase::Generation,
+        summary: summary.into(),
+        detail: Some(err.message.clone()),
+        retryable: err.kind.retryable(),
+        kind: Some(err.kind),
+    }
+}
+
+fn complete(mut rec: TurnRecord, result: Value) -> TurnRecord {
+    rec.status = TurnStatus::Completed;
+    rec.result = Some(result);
+    rec.result_error = None;
+    rec
+}
+
+fn fail(mut rec: TurnRecord, f: Failure) -> TurnRecord {
+    rec.status = TurnStatus::Failed;
+    rec.result_error = Some(f.summary.clone());
+    rec.failure = Some(f);
+    rec
+}
+
+fn cancel(mut rec: TurnRecord) -> TurnRecord {
+    rec.status = TurnStatus::Cancelled;
+    rec.abort = true;
+    rec
+}
+
+fn advance(mut rec: TurnRecord, mut effects: Vec<Effect>) -> Transition {
+    rec.step += 1;
+    rec.status = TurnStatus::Running;
+    effects.extend([Effect::SaveRecord, Effect::EnqueueStep]);
+    to(rec, effects)
+}
+
+fn to(rec: TurnRecord, effects: Vec<Effect>) -> Transition {
+    Transition {
+        record: Some(rec),
+        effects,
+    }
+}
+
+fn finish(rec: TurnRecord) -> Transition {
+    to(rec, vec![Effect::Finalize])
+}
+
+fn stay(rec: TurnRecord) -> Transition {
+    to(rec, vec![])
+}
+
+fn skip(rec: Option<TurnRecord>) -> Transition {
+    Transition {
+        record: rec,
+        effects: vec![Effect::Skip],
+    }
+}
+
+/// The one transition function. `rec` is the session's turn record as the shell read it (under
+/// the session lock, except for `Send`'s lock-free probe and `StopRequested`).
+pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> {
+    let phase_now = rec.as_ref().map(phase);
+    let illegal = |input: &Input| Illegal {
+        phase: phase_now,
+        input: input.name(),
+    };
+    let Some(rec) = rec else {
+        return match input {
+            Input::Send { parked, seed } => Ok(start(parked, *seed)),
+            Input::RecordMissing {
+                session_id,
+                turn_id,
+                step,
+                depth,
+                session_exists,
+                now,
+            } => {
+                if !session_exists {
+                    return Ok(skip(None));
+                }
+                // A store that can lose recent writes (an iii engine's) lost a live turn's record.
+                // It is never rebuilt from the transcript (that could run calls again): the turn
+                // ends with a failure the user can read.
+                let mut lost = seeded(Seed {
+                        session_id,
+                        turn_id: turn_id.clone(),
+                        options: TurnOptions::default(),
+                        depth,
+                        parent: None,
+                        preview: None,
+                        functions_generation: None,
+                        now,
+                    });
+                lost.step = step;
+                Ok(finish(fail(
+                    lost,
+                    failure(
+                        "harness.turn_record_lost",
+                        FailurePhase::Execution,
+                        "The turn's state was lost by the store, so the turn was ended; send the message again to continue.",
+                        Some(format!("no turn record for this session at step {step} of turn {turn_id}")),
+                    ),
+                )))
+            }
+            Input::Stop { .. } | Input::StopRequested { .. } | Input::CallSettled => {
+                Ok(Transition {
+                    record: None,
+                    effects: vec![],
+                })
+            }
+            // The record vanished while the model streamed: nothing is left to decide on.
+            Input::GenerationFinished(_) => Ok(skip(None)),
+            other => Err(illegal(&other)),
+        };
+    };
+    let phase = phase(&rec);
+    let terminal = rec.is_terminal();
+    match input {
+        Input::Send { parked, seed } => Ok(match phase {
+            _ if terminal => start(parked, *seed),
+            Phase::Ready | Phase::Generated => {
+                to(rec, if parked { vec![] } else { vec![Effect::ParkMessage] })
+            }
+            _ => to(rec, if parked { vec![] } else { vec![Effect::AppendUser] }),
+        }),
+        Input::EnqueueFailed { detail } if phase == Phase::Ready && rec.step == 0 => {
+            Ok(finish(fail(
+                rec,
+                failure(
+                    "harness.turn_unschedulable",
+                    FailurePhase::Scheduling,
+                    "The turn could not be scheduled.",
+                    Some(detail),
+                ),
+            )))
+        }
+        Input::StepDelivered { turn_id, step } => Ok(
+            if rec.turn_id != turn_id || rec.step != step {
+                skip(Some(rec))
+            } else if terminal {
+                to(rec, vec![Effect::RepeatTerminalEffects, Effect::Skip])
+            } else {
+                match phase {
+                    Phase::Parked => skip(Some(rec)),
+                    Phase::Ready if rec.abort => finish(cancel(rec)),
+                    Phase::Generated => to(rec, vec![Effect::ResumeAtCalls]),
+                    _ => {
+                        let first_step = rec.step == 0 && rec.turn_count == 0;
+                        to(rec, vec![Effect::Prepare { first_step }])
+                    }
+                }
+            },
+        ),
+        Input::Prepared { denied } if phase == Phase::Ready => Ok(match denied {
+            Some(reason) => finish(fail(
+                rec,
+                failure(
+                    "harness.pre_turn_denied",
+                    FailurePhase::PreTurn,
+                    "A hook refused to start this turn.",
+                    Some(format!("pre_turn hook denied: {reason}")),
+                ),
+            )),
+            None if rec.turn_count >= rec.options.max_turns => {
+                let text = max_turns_text(rec.options.max_turns);
+                let mut rec = complete(rec, json!(text));
+                rec.stop_reason = Some(TurnStopReason::MaxTurns);
+                to(rec, vec![Effect::NoteMaxTurns, Effect::Finalize])
+            }
+            None => to(rec, vec![Effect::Generate]),
+        }),
+        Input::ContextRefused(why) if phase == Phase::Ready => {
+            let f = match why {
+                ContextRefusal::Overflow(detail) => failure(
+                    "harness.context_overflow",
+                    FailurePhase::ContextAssembly,
+                    "The conversation no longer fits the model's context window.",
+                    Some(detail),
+                ),
+                ContextRefusal::Empty => failure(
+                    "harness.empty_context",
+                    FailurePhase::ContextAssembly,
+                    "There was nothing to send to the model.",
+                    None,
+                ),
+                ContextRefusal::Denied(reason) => failure(
+                    "harness.pre_generate_denied",
+                    FailurePhase::PreGenerate,
+                    "A hook refused this generation.",
+                    Some(format!("pre_generate hook denied: {reason}")),
+                ),
+                ContextRefusal::OverflowAfterHooks(detail) => failure(
+                    "harness.context_overflow",
+                    FailurePhase::PreGenerate,
+                    "The conversation no longer fits the model's context window.",
+                    Some(detail),
+                ),
+            };
+            Ok(finish(fail(rec, f)))
+        }
+        Input::StopObserved if phase == Phase::Ready => Ok(finish(cancel(rec))),
+        Input::GenerationFinished(f) => {
+            if rec.turn_id != f.turn_id || rec.step != f.step || terminal {
+                // A stop finalized the turn while the model streamed, or the step is stale.
+                return Ok(skip(Some(rec)));
+            }
+            if !matches!(phase, Phase::Ready | Phase::Generated) {
+                return Err(illegal(&Input::GenerationFinished(f)));
+            }
+            Ok(generation_finished(rec, phase, *f))
+        }
+        Input::SteeringChecked { waiting, text } if phase == Phase::Generated => Ok(if waiting {
+            // Steering arrived while the model was answering: it gets to react.
+            advance(rec, vec![])
+        } else {
+            finish(complete(rec, json!(text)))
+        }),
+        Input::CallsClosed { stopped } if phase == Phase::Generated => Ok(if stopped {
+            finish(cancel(rec))
+        } else if rec.has_pending() {
+            let mut rec = rec;
+            rec.status = TurnStatus::AwaitingFunctions;
+            to(rec, vec![Effect::SaveRecord, Effect::SetAwaiting])
+        } else {
+            advance(rec, vec![])
+        }),
+        Input::CallSettled if terminal => Ok(stay(rec)),
+        Input::CallSettled if phase == Phase::Parked => Ok(if rec.has_pending() {
+            stay(rec)
+        } else {
+            advance(rec, vec![])
+        }),
+        // A settle while the step that parked it still runs: that step parks or advances.
+        Input::CallSettled => Ok(stay(rec)),
+        Input::StopRequested { turn_id } => Ok(
+            if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
+                stay(rec)
+            } else {
+                to(rec, vec![Effect::AbortGeneration])
+            },
+        ),
+        Input::Stop { turn_id } => Ok(
+            if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
+                stay(rec)
+            } else {
+                to(
+                    cancel(rec),
+                    vec![Effect::Finalize, Effect::Barrier, Effect::StopChildren],
+                )
+            },
+        ),
+        Input::Recover => Ok(match phase {
+            Phase::Ready | Phase::Generated => to(rec, vec![Effect::EnqueueStep]),
+            Phase::Parked => {
+                let interrupted: Vec<String> = rec
+                    .calls
+                    .iter()
+                    .filter(|(_, c)| c.state() == CallState::Triggered)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                to(rec, vec![Effect::CloseInterrupted(interrupted)])
+            }
+            _ => stay(rec),
+        }),
+        Input::InternalError { turn_id, detail } => Ok(if terminal || rec.turn_id != turn_id {
+            stay(rec)
+        } else {
+            finish(fail(
+                rec,
+                failure(
+                    "harness.turn_internal",
+                    FailurePhase::Execution,
+                    "The turn stopped on an internal error.",
+                    Some(detail),
+                ),
+            ))
+        }),
+        other => Err(illegal(&other)),
+    }
+}
+
+/// A new turn, from no record or a terminal one.
+fn start(parked: bool, seed: Seed) -> Transition {
+    let rec = seeded(seed);
+    let mut effects = Vec::with_capacity(3);
+    if !parked {
+        effects.push(Effect::AppendUser);
+    }
+    effects.extend([Effect::SaveRecord, Effect::EnqueueStep]);
+    to(rec, effects)
+}
+
+fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transition {
+    if phase == Phase::Ready {
+        if let Some((watermark, generation)) = f.seen.clone() {
+            rec.watermark_entry_id = watermark;
+            rec.functions_generation = generation;
+        }
+        rec.turn_count += 1;
+        rec.generated = Some(GeneratedStep {
+            step: rec.step,
+            error: f.error.clone(),
+        });
+    }
+    if f.stopped {
+        return finish(cancel(rec));
+    }
+    if let Some(err) = &f.error {
+        if f.partial {
+            rec.result = Some(if f.text.trim().is_empty() {
+                json!(f.content)
+            } else {
+                json!(f.text)
+            });
+        }
+        if f.partial
+            && err.kind.retryable()
+            && rec.transient_resumes < rec.options.max_transient_resumes
+            && rec.turn_count < rec.options.max_turns
+        {
+            rec.transient_resumes += 1;
+            let note = Effect::NoteResume {
+                attempt: rec.transient_resumes,
+                reason: err.message.clone(),
+            };
+            return advance(rec, vec![note]);
+        }
+        let failed = generation_failure(err);
+        return finish(fail(rec, failed));
+    }
+    let mut effects = Vec::with_capacity(2);
+    if rec.transient_resumes > 0 {
+        effects.push(Effect::NoteRecovered {
+            attempt: rec.transient_resumes,
+        });
+    }
+    if f.has_calls {
+        let cut = f.at_length.then_some("the reply hit the output limit");
+        effects.push(Effect::DispatchCalls { cut });
+    } else {
+        effects.push(Effect::CheckSteering);
+    }
+    to(rec, effects)
+}
+
+pub(crate) fn max_turns_text(max_turns: u32) -> String {
+    format!("max_turns ({max_turns}) reached; ending the turn.")
+}
+
+#[cfg(test)]
+mod tests;
