@@ -7,6 +7,9 @@ use serde_json::Value;
 use crate::harness::{Harness, Result};
 use crate::topics;
 
+/// State scope of the events already fanned out to bindings, by the event's dedupe key.
+const FANOUT_SCOPE: &str = "harness_fanout";
+
 /// Whether a binding's filter admits an event of `session_id` with this parent.
 fn admits(config: &Value, session_id: &str, parent_session_id: Option<&str>) -> bool {
     let filter: TurnEventFilter = match serde_json::from_value(config.clone()) {
@@ -31,7 +34,7 @@ impl Harness {
     ) -> Result<()> {
         self.inner
             .bus
-            .publish(topic, payload.clone(), Some(dedupe_key))
+            .publish(topic, payload.clone(), Some(dedupe_key.clone()))
             .await
             .map_err(|e| e.into_harness())?;
         let bindings = match self.inner.bus.bindings(topic).await {
@@ -41,13 +44,35 @@ impl Harness {
                 return Ok(());
             }
         };
-        for b in bindings {
-            if admits(&b.config, session_id, parent) {
-                self.inner
-                    .bus
-                    .call_void(&b.function_id, payload.clone())
-                    .await;
-            }
+        let admitted: Vec<_> = bindings
+            .into_iter()
+            .filter(|b| admits(&b.config, session_id, parent))
+            .collect();
+        if admitted.is_empty() {
+            return Ok(());
+        }
+        // The event log deduplicates a republished event; the fan-out must too: a step
+        // redelivered after a crash re-runs the terminal side effects, and a binding must still
+        // see one event per turn. The mark is written before the deliveries (which are
+        // fire-and-forget anyway), so a crash in between loses a delivery rather than doubling it.
+        let bus = &self.inner.bus;
+        if bus
+            .state_get(FANOUT_SCOPE, &dedupe_key)
+            .await
+            .map_err(|e| e.into_harness())?
+            .is_some()
+        {
+            return Ok(());
+        }
+        bus.state_set(
+            FANOUT_SCOPE,
+            &dedupe_key,
+            serde_json::json!({"at": harness_types::now_ms()}),
+        )
+        .await
+        .map_err(|e| e.into_harness())?;
+        for b in admitted {
+            bus.call_void(&b.function_id, payload.clone()).await;
         }
         Ok(())
     }

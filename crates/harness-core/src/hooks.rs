@@ -207,6 +207,39 @@ pub(crate) struct ChainOutcome {
     pub injected: Vec<String>,
 }
 
+/// What a hook may decide.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum HookDecision {
+    #[default]
+    Continue,
+    Deny,
+    Hold,
+}
+
+/// A hook's answer: `null`, or `{decision?, reason?, mutations?, annotations?}`.
+#[derive(Debug, Default, Deserialize)]
+struct HookAnswer {
+    #[serde(default)]
+    decision: HookDecision,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    mutations: Option<Value>,
+    #[serde(default)]
+    annotations: Option<Map<String, Value>>,
+}
+
+impl HookAnswer {
+    fn parse(hook: &str, v: Value) -> std::result::Result<HookAnswer, String> {
+        if v.is_null() {
+            return Ok(HookAnswer::default());
+        }
+        serde_json::from_value(v)
+            .map_err(|e| format!("hook {hook} answered an invalid answer: {e}"))
+    }
+}
+
 /// Applies one hook's `mutations` to the payload the next hook will see.
 fn apply_mutations(point: HookPoint, payload: &mut Value, mutations: &Value) {
     let Some(m) = mutations.as_object() else {
@@ -300,8 +333,15 @@ impl Harness {
                 Ok(Err(e)) => Err(e.to_string()),
                 Err(_) => Err(format!("timed out after {} ms", hook.timeout.as_millis())),
             };
+            // A hook's answer is parsed strictly: an answer that is not a decision this loop
+            // knows is a failure of that hook, handled by its `on_error` rule like any other.
+            // Post-generate hooks only observe: what they answer is not read.
             let answer = match answer {
-                Ok(v) => v,
+                Ok(_) if point == HookPoint::PostGenerate => continue,
+                other => other.and_then(|v| HookAnswer::parse(&hook.function_id, v)),
+            };
+            let answer = match answer {
+                Ok(a) => a,
                 Err(why) => match hook.on_error {
                     OnError::FailOpen => {
                         tracing::warn!(hook = %hook.function_id, point = point.name(), "hook failed, skipped (fail_open): {why}");
@@ -314,33 +354,22 @@ impl Harness {
                     }
                 },
             };
-            if point == HookPoint::PostGenerate || answer.is_null() {
-                continue;
+            if let Some(notes) = answer.annotations {
+                out.annotations.extend(notes);
             }
-            if let Some(notes) = answer.get("annotations").and_then(Value::as_object) {
-                out.annotations.extend(notes.clone());
-            }
-            let decision = answer
-                .get("decision")
-                .and_then(Value::as_str)
-                .unwrap_or("continue");
-            if let Some(m) = answer.get("mutations") {
+            if let Some(m) = &answer.mutations {
                 // A holding hook's mutations apply too: the call is parked as it rewrote it.
-                if decision != "deny" {
+                if answer.decision != HookDecision::Deny {
                     apply_mutations(point, &mut out.payload, m);
                 }
             }
-            match decision {
-                "deny" if point.may_deny() => {
-                    let reason = answer
-                        .get("reason")
-                        .and_then(Value::as_str)
-                        .unwrap_or("denied by hook")
-                        .to_string();
+            match answer.decision {
+                HookDecision::Deny if point.may_deny() => {
+                    let reason = answer.reason.unwrap_or_else(|| "denied by hook".into());
                     out.decision = Decision::Deny(reason);
                     return Ok(out);
                 }
-                "hold" if point.may_hold() => {
+                HookDecision::Hold if point.may_hold() => {
                     out.decision = Decision::Hold(hook.function_id.clone());
                     return Ok(out);
                 }

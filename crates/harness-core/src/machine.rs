@@ -66,8 +66,8 @@ use harness_types::message::{ContentBlock, ErrorKind};
 use serde_json::{json, Value};
 
 use crate::record::{
-    CallState, Failure, FailurePhase, GeneratedStep, GenerationError,
-    TurnOptions, TurnRecord, TurnStopReason,
+    CallState, Failure, FailurePhase, GeneratedStep, GenerationError, TurnOptions, TurnRecord,
+    TurnStopReason,
 };
 
 /// What the machine reads off a record besides its status.
@@ -410,15 +410,15 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
                 // It is never rebuilt from the transcript (that could run calls again): the turn
                 // ends with a failure the user can read.
                 let mut lost = seeded(Seed {
-                        session_id,
-                        turn_id: turn_id.clone(),
-                        options: TurnOptions::default(),
-                        depth,
-                        parent: None,
-                        preview: None,
-                        functions_generation: None,
-                        now,
-                    });
+                    session_id,
+                    turn_id: turn_id.clone(),
+                    options: TurnOptions::default(),
+                    depth,
+                    parent: None,
+                    preview: None,
+                    functions_generation: None,
+                    now,
+                });
                 lost.step = step;
                 Ok(finish(fail(
                     lost,
@@ -446,10 +446,22 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
     match input {
         Input::Send { parked, seed } => Ok(match phase {
             _ if terminal => start(parked, *seed),
-            Phase::Ready | Phase::Generated => {
-                to(rec, if parked { vec![] } else { vec![Effect::ParkMessage] })
-            }
-            _ => to(rec, if parked { vec![] } else { vec![Effect::AppendUser] }),
+            Phase::Ready | Phase::Generated => to(
+                rec,
+                if parked {
+                    vec![]
+                } else {
+                    vec![Effect::ParkMessage]
+                },
+            ),
+            _ => to(
+                rec,
+                if parked {
+                    vec![]
+                } else {
+                    vec![Effect::AppendUser]
+                },
+            ),
         }),
         Input::EnqueueFailed { detail } if phase == Phase::Ready && rec.step == 0 => {
             Ok(finish(fail(
@@ -462,8 +474,8 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
                 ),
             )))
         }
-        Input::StepDelivered { turn_id, step } => Ok(
-            if rec.turn_id != turn_id || rec.step != step {
+        Input::StepDelivered { turn_id, step } => {
+            Ok(if rec.turn_id != turn_id || rec.step != step {
                 skip(Some(rec))
             } else if terminal {
                 to(rec, vec![Effect::RepeatTerminalEffects, Effect::Skip])
@@ -477,8 +489,8 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
                         to(rec, vec![Effect::Prepare { first_step }])
                     }
                 }
-            },
-        ),
+            })
+        }
         Input::Prepared { denied } if phase == Phase::Ready => Ok(match denied {
             Some(reason) => finish(fail(
                 rec,
@@ -560,23 +572,21 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
         }),
         // A settle while the step that parked it still runs: that step parks or advances.
         Input::CallSettled => Ok(stay(rec)),
-        Input::StopRequested { turn_id } => Ok(
-            if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
+        Input::StopRequested { turn_id } => {
+            Ok(if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
                 stay(rec)
             } else {
                 to(rec, vec![Effect::AbortGeneration])
-            },
-        ),
-        Input::Stop { turn_id } => Ok(
-            if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
-                stay(rec)
-            } else {
-                to(
-                    cancel(rec),
-                    vec![Effect::Finalize, Effect::Barrier, Effect::StopChildren],
-                )
-            },
-        ),
+            })
+        }
+        Input::Stop { turn_id } => Ok(if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
+            stay(rec)
+        } else {
+            to(
+                cancel(rec),
+                vec![Effect::Finalize, Effect::Barrier, Effect::StopChildren],
+            )
+        }),
         Input::Recover => Ok(match phase {
             Phase::Ready | Phase::Generated => to(rec, vec![Effect::EnqueueStep]),
             Phase::Parked => {

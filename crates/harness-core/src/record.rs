@@ -494,6 +494,68 @@ mod tests {
     }
 
     #[test]
+    fn records_written_by_the_untyped_version_read_as_typed_and_write_back_the_same() {
+        // Exactly what the previous version stored: flat checkpoints, string phase and kind.
+        let old = serde_json::json!({
+            "turn_id": "t_1", "session_id": "s", "status": "awaiting_functions", "step": 1,
+            "options": {"model": "m", "max_turns": 4},
+            "calls": {
+                "held": {"state": "pending", "function_id": "fs::write", "held_by": "approval::gate",
+                         "held_point": "post_trigger", "held_arguments": {"path": "a"},
+                         "held_result": {"content": [], "is_error": false}, "pending_at": 5,
+                         "reconciled": [{"path": "/x"}], "annotations": {"k": 1}, "breaker_key": "bk"},
+                "child": {"state": "pending", "function_id": "harness::spawn", "child_session_id": "c",
+                          "child_turn_id": "ct", "pending_at": 6, "pending_timeout_ms": 100,
+                          "annotations": {"turn_id": "t_1"}},
+                "done": {"state": "done", "function_id": "harness::spawn", "entry_id": "e",
+                         "child_session_id": "c2", "child_turn_id": "ct2"},
+                "ran": {"state": "triggered", "function_id": "f", "breaker_key": "k"}
+            },
+            "failure": {"code": "router/x", "phase": "generation", "summary": "s", "retryable": true, "kind": "rate_limited"},
+            "stop_reason": "max_turns"
+        });
+        let rec: TurnRecord = serde_json::from_value(old.clone()).unwrap();
+        let hold = rec.calls["held"].hold().expect("a hook hold");
+        assert_eq!(
+            (hold.holder.as_str(), hold.point),
+            ("approval::gate", HoldPoint::PostTrigger)
+        );
+        assert!(hold.result.is_some());
+        match &rec.calls["child"] {
+            CallCheckpoint::Pending {
+                timeout_ms: Some(100),
+                wait: Wait::Child { child, origin },
+                ..
+            } => {
+                assert_eq!(
+                    (child.session_id.as_str(), child.turn_id.as_str()),
+                    ("c", "ct")
+                );
+                assert!(origin.is_some());
+            }
+            other => panic!("not a child wait: {other:?}"),
+        }
+        assert_eq!(rec.calls["done"].child().unwrap().session_id, "c2");
+        assert_eq!(rec.calls["ran"].state(), CallState::Triggered);
+        let f = rec.failure.clone().unwrap();
+        assert_eq!(
+            (f.phase, f.kind),
+            (
+                FailurePhase::Generation,
+                Some(harness_types::message::ErrorKind::RateLimited)
+            )
+        );
+        assert_eq!(rec.stop_reason, Some(TurnStopReason::MaxTurns));
+        let back = serde_json::to_value(&rec).unwrap();
+        assert_eq!(
+            back["calls"], old["calls"],
+            "checkpoints keep their stored shape"
+        );
+        assert_eq!(back["failure"], old["failure"]);
+        assert_eq!(back["stop_reason"], old["stop_reason"]);
+    }
+
+    #[test]
     fn preview_collapses_whitespace_and_cuts_at_30_chars() {
         assert_eq!(
             message_preview("  hello\n\n world  ").as_deref(),

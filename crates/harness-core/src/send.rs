@@ -237,7 +237,9 @@ impl Harness {
             now: now_ms(),
         };
         let new_turn = seed.turn_id.clone();
-        let steering = prev.as_ref().is_some_and(|p| p.status == TurnStatus::Running);
+        let steering = prev
+            .as_ref()
+            .is_some_and(|p| p.status == TurnStatus::Running);
         let input = Input::Send {
             parked,
             seed: Box::new(seed),

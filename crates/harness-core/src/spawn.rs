@@ -245,11 +245,7 @@ impl Harness {
             self.append_result(rec, call, c, d, true, origin).await?;
             return Ok(CallEnd::Closed);
         }
-        let created = rec
-            .calls
-            .values()
-            .filter(|c| c.child().is_some())
-            .count() as u32;
+        let created = rec.calls.values().filter(|c| c.child().is_some()).count() as u32;
         let max_children = self.config().max_children;
         if created >= max_children {
             let (c, d) = refuse(

@@ -120,8 +120,8 @@ impl Harness {
             let mut effects = t.effects.into_iter().peekable();
             let mut reloaded = None;
             while let Some(effect) = effects.next() {
-                let advancing = effect == Effect::SaveRecord
-                    && effects.peek() == Some(&Effect::EnqueueStep);
+                let advancing =
+                    effect == Effect::SaveRecord && effects.peek() == Some(&Effect::EnqueueStep);
                 let Some(r) = rec.as_mut() else {
                     skipped_delivery = true;
                     continue;

@@ -584,3 +584,49 @@ async fn unknown_binding_fields_are_rejected_by_name() {
 }
 
 use harness_core::HarnessConfig;
+
+#[tokio::test]
+async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_it() {
+    // A misspelt decision must not let the call through at pre-trigger (fail_closed)...
+    for decision in ["Deny", "block"] {
+        let rt = runtime(script_one_call(), config()).await;
+        let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+        hook(&rt, "odd::hook", move |_| json!({"decision": decision}));
+        bind(&rt, "pre-trigger", "odd::hook", json!({}), json!({})).await;
+        let r = rt.harness.send(allowing("write it")).await.unwrap();
+        rt.wait_terminal(&r.session_id, &r.turn_id).await;
+        let result = &rt.results(&r.session_id)[0];
+        assert_eq!(result.details["error"], "hook_denied", "{decision}");
+        assert!(
+            result.details["message"]
+                .as_str()
+                .unwrap()
+                .contains(decision),
+            "the refusal names what the hook answered: {}",
+            result.details
+        );
+        assert_eq!(
+            calls.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "{decision}"
+        );
+    }
+    // ...and is skipped after it (fail_open): the target's own result is appended.
+    let rt = runtime(script_one_call(), config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
+    hook(
+        &rt,
+        "odd::hook",
+        |_| json!({"decision": "block", "mutations": {"is_error": true}}),
+    );
+    bind(&rt, "post-trigger", "odd::hook", json!({}), json!({})).await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let result = &rt.results(&r.session_id)[0];
+    assert!(
+        !result.is_error,
+        "the broken hook's mutation is not applied"
+    );
+    assert_eq!(result.details, json!({"ok": true}));
+}

@@ -469,3 +469,89 @@ async fn a_bad_field_is_refused_even_when_the_send_would_merge() {
         1
     );
 }
+
+#[tokio::test]
+async fn a_send_that_cannot_schedule_its_turn_fails_it_with_an_error_record_and_turn_completed() {
+    // Never started: the turn queue is not defined, so the first step cannot be enqueued.
+    let rt = unstarted_runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    let mut req = send("hello");
+    req.session_id = Some("s_unscheduled".into());
+    let err = rt.harness.send(req).await.unwrap_err();
+    assert!(err.to_string().contains("harness-turn"), "{err}");
+    let s = rt.status("s_unscheduled").await.expect("a turn record");
+    assert_eq!(s.status, TurnStatus::Failed);
+    let turn_id = s.turn_id.clone().unwrap();
+    let events = rt.completed_events("s_unscheduled", &turn_id).await;
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0]["status"], "failed");
+    let error = rt
+        .entries("s_unscheduled")
+        .into_iter()
+        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
+        .expect("the error record");
+    assert_eq!(error.data["code"], "harness.turn_unschedulable");
+    assert_eq!(error.data["phase"], "scheduling");
+    assert_eq!(
+        rt.messages("s_unscheduled"),
+        vec![("user".into(), "hello".into())],
+        "the message is kept"
+    );
+}
+
+#[tokio::test]
+async fn a_binding_sees_one_turn_completed_when_a_finished_step_is_delivered_again() {
+    use harness_bus::{Bus, CallContext, FunctionDef};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let rt = runtime(json!({"generations": [text_gen("done")]}), config()).await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    rt.bus.register_function(
+        FunctionDef::new("watch::done", "counts turn-completed"),
+        Arc::new(move |_p: serde_json::Value, _ctx: CallContext| {
+            count.fetch_add(1, Ordering::SeqCst);
+            async { Ok(serde_json::Value::Null) }
+        }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::turn-completed", "function_id": "watch::done", "config": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let r = rt.harness.send(send("hello")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while seen.load(Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the binding never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // What the queue does after a crash during the step that ended the turn (a recovery step):
+    // the same step is delivered again and re-runs the terminal side effects.
+    let payload = harness_types::api::TurnStepPayload {
+        session_id: r.session_id.clone(),
+        turn_id: r.turn_id.clone(),
+        step: 0,
+        message_preview: None,
+        depth: 0,
+    };
+    let out = rt.harness.step(payload).await.unwrap();
+    assert!(out.skipped);
+    assert_eq!(
+        rt.completed_events(&r.session_id, &r.turn_id).await.len(),
+        1
+    );
+    // A second delivery would be a spawned call: absence is only observable by waiting a while.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        1,
+        "one turn-completed per turn"
+    );
+}

@@ -48,6 +48,16 @@ impl harness_router::Provider for Recorder {
 }
 
 pub async fn runtime(script: Value, config: HarnessConfig) -> Rt {
+    runtime_with(script, config, true).await
+}
+
+/// A runtime whose loop was never started (`start` defines the turn queue): every enqueue of a
+/// step fails.
+pub async fn unstarted_runtime(script: Value, config: HarnessConfig) -> Rt {
+    runtime_with(script, config, false).await
+}
+
+async fn runtime_with(script: Value, config: HarnessConfig, start: bool) -> Rt {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
     let bus = EmbeddedBus::new(store.clone()).unwrap();
@@ -64,7 +74,9 @@ pub async fn runtime(script: Value, config: HarnessConfig) -> Rt {
     harness_router::register(shared.as_ref(), &router);
     let harness = Harness::new(shared, config);
     harness_core::register(&harness);
-    harness.start().await.unwrap();
+    if start {
+        harness.start().await.unwrap();
+    }
     Rt {
         harness,
         sessions,
