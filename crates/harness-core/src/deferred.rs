@@ -9,7 +9,7 @@ use harness_types::message::ContentBlock;
 use harness_types::{now_ms, HarnessError};
 use serde_json::{json, Map, Value};
 
-use crate::dispatch::{self, CallEnd, PlannedCall, Policy, Run};
+use crate::dispatch::{self, CallEnd, PlannedCall, Policy, Refusal, Run};
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::machine::{self, Effect, Input};
@@ -225,7 +225,7 @@ impl Harness {
                             timeout
                         ))]),
                         is_error: Some(true),
-                        details: Some(json!({"error": "pending_timeout"})),
+                        details: Some(json!({"error": Refusal::PendingTimeout})),
                     })
                     .await?;
                 if out.resolved {
@@ -248,7 +248,7 @@ impl Harness {
             Some((
                 vec![ContentBlock::text(format!("child_lost: {why}"))],
                 true,
-                json!({"error": "child_lost", "message": why}),
+                json!({"error": Refusal::ChildLost, "message": why}),
             ))
         };
         let Some(child) = self.load_record(child_session).await? else {
@@ -297,7 +297,7 @@ impl Harness {
         };
         if !policy.allows(&call.function_id) {
             return Ok(refuse(
-                "policy_denied",
+                Refusal::PolicyDenied.as_str(),
                 format!("function {} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)", call.function_id),
             ));
         }
@@ -326,7 +326,7 @@ impl Harness {
         match chain.decision {
             Decision::Deny(reason) => {
                 return Ok(refuse(
-                    "hook_denied",
+                    Refusal::HookDenied.as_str(),
                     format!(
                         "function {} was denied by a hook: {reason}",
                         call.function_id

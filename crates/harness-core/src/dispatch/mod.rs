@@ -145,6 +145,47 @@ pub(crate) fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
     (vec![ContentBlock::text(value.to_string())], is_error)
 }
 
+/// Why a call was closed without a result of its target: the `details.error` the model and
+/// the transcript read (the serde names are the strings earlier versions wrote).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Refusal {
+    /// Found `triggered` after a restart: it may have run, once; it never runs again.
+    Interrupted,
+    /// `agent_trigger` without a target function.
+    AgentTriggerNoTarget,
+    /// Its arguments were cut short (stream broke, output limit).
+    DegradedArguments,
+    /// The dispatch policy does not allow it.
+    PolicyDenied,
+    /// It failed twice with these arguments and the same error.
+    RepeatedFailure,
+    /// A pre-trigger hook denied it.
+    HookDenied,
+    /// A stop landed while the target ran.
+    Cancelled,
+    /// A pending call waited past its timeout.
+    PendingTimeout,
+    /// A waiting spawn's child can no longer be followed.
+    ChildLost,
+}
+
+impl Refusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Interrupted => "interrupted",
+            Refusal::AgentTriggerNoTarget => "agent_trigger_no_target",
+            Refusal::DegradedArguments => "degraded_arguments",
+            Refusal::PolicyDenied => "policy_denied",
+            Refusal::RepeatedFailure => "repeated_failure",
+            Refusal::HookDenied => "hook_denied",
+            Refusal::Cancelled => "cancelled",
+            Refusal::PendingTimeout => "pending_timeout",
+            Refusal::ChildLost => "child_lost",
+        }
+    }
+}
+
 /// How one call's run ended.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum CallEnd {
@@ -172,7 +213,7 @@ struct Closing {
 }
 
 impl Closing {
-    fn refusal(call: &PlannedCall, turn_id: &str, error: &str, text: String) -> Closing {
+    fn refusal(call: &PlannedCall, turn_id: &str, error: Refusal, text: String) -> Closing {
         Closing {
             content: vec![ContentBlock::text(text.clone())],
             details: json!({"error": error, "function_id": call.function_id, "message": text}),
@@ -197,7 +238,7 @@ impl Harness {
         self.close_call(
             rec,
             call,
-            Closing::refusal(call, &turn_id, "interrupted", text.into()),
+            Closing::refusal(call, &turn_id, Refusal::Interrupted, text.into()),
         )
         .await
     }
@@ -370,7 +411,7 @@ impl Harness {
                 self.close_call(
                     rec,
                     call,
-                    Closing::refusal(call, &turn_id, "agent_trigger_no_target", text.into()),
+                    Closing::refusal(call, &turn_id, Refusal::AgentTriggerNoTarget, text.into()),
                 )
                 .await?;
                 continue;
@@ -381,7 +422,7 @@ impl Harness {
                 self.close_call(
                     rec,
                     call,
-                    Closing::refusal(call, &turn_id, "degraded_arguments", text),
+                    Closing::refusal(call, &turn_id, Refusal::DegradedArguments, text),
                 )
                 .await?;
                 continue;
@@ -394,7 +435,7 @@ impl Harness {
                 self.close_call(
                     rec,
                     call,
-                    Closing::refusal(call, &turn_id, "policy_denied", text),
+                    Closing::refusal(call, &turn_id, Refusal::PolicyDenied, text),
                 )
                 .await?;
                 continue;
@@ -406,7 +447,7 @@ impl Harness {
                      Change the arguments or the approach.",
                     call.function_id
                 );
-                let mut c = Closing::refusal(call, &turn_id, "repeated_failure", text);
+                let mut c = Closing::refusal(call, &turn_id, Refusal::RepeatedFailure, text);
                 c.details["count"] = json!(breaker::TRIP_AFTER);
                 self.close_call(rec, call, c).await?;
                 continue;
@@ -472,7 +513,7 @@ impl Harness {
                 let mut c = Closing::refusal(
                     call,
                     &turn_id,
-                    "hook_denied",
+                    Refusal::HookDenied,
                     format!(
                         "function {} was denied by a hook: {reason}",
                         call.function_id
@@ -534,7 +575,7 @@ impl Harness {
             self.close_call(
                 rec,
                 call,
-                Closing::refusal(call, &turn_id, "cancelled", text),
+                Closing::refusal(call, &turn_id, Refusal::Cancelled, text),
             )
             .await?;
             return Ok(CallEnd::Cancelled);
@@ -762,6 +803,29 @@ mod tests {
             (c.function_id.as_str(), c.arguments),
             ("weather::forecast", json!({"days": 2}))
         );
+    }
+
+    #[test]
+    fn refusals_serialize_as_the_strings_the_transcript_already_holds() {
+        let all = [
+            Refusal::Interrupted,
+            Refusal::AgentTriggerNoTarget,
+            Refusal::DegradedArguments,
+            Refusal::PolicyDenied,
+            Refusal::RepeatedFailure,
+            Refusal::HookDenied,
+            Refusal::Cancelled,
+            Refusal::PendingTimeout,
+            Refusal::ChildLost,
+        ];
+        for r in all {
+            assert_eq!(serde_json::to_value(r).unwrap(), json!(r.as_str()));
+            assert_eq!(
+                serde_json::from_value::<Refusal>(json!(r.as_str())).unwrap(),
+                r
+            );
+        }
+        assert_eq!(Refusal::PolicyDenied.as_str(), "policy_denied");
     }
 
     #[test]
