@@ -36,7 +36,7 @@ pub use functions::register;
 pub use harness::Harness;
 pub use record::{
     CallCheckpoint, CallState, ChildLink, FailedCall, Failure, FailurePhase, Hold, HoldPoint,
-    TurnOptions, TurnRecord, TurnStopReason, Wait,
+    Reasoning, TurnOptions, TurnRecord, TurnStopReason, Wait,
 };
 
 /// The queue every step runs on: FIFO per `session_id`, sessions in parallel.

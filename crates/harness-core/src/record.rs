@@ -34,9 +34,26 @@ pub struct TurnOptions {
     pub metadata: Option<Value>,
     #[serde(default)]
     pub max_transient_resumes: u32,
-    /// `"lowest"`: the least reasoning the model allows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reasoning: Option<String>,
+    pub reasoning: Option<Reasoning>,
+}
+
+/// How much reasoning to ask of the model, beyond its thinking level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reasoning {
+    /// The least reasoning the model allows.
+    Lowest,
+}
+
+impl Reasoning {
+    /// The send option's value, named by field when it is not one.
+    pub fn parse(value: &str) -> Option<Reasoning> {
+        match value {
+            "lowest" => Some(Reasoning::Lowest),
+            _ => None,
+        }
+    }
 }
 
 /// The state of a call, as the checkpoint's variant says it.
@@ -90,7 +107,7 @@ pub struct ChildLink {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Wait {
     /// A hook holds it until `harness::function::resolve` releases or answers it.
-    Hold(Hold),
+    Hold(Box<Hold>),
     /// A spawn waits for its child's turn to end; `origin` goes on the result entry.
     Child {
         child: ChildLink,
@@ -235,7 +252,7 @@ pub mod wire {
                 },
                 CallState::Pending => {
                     let wait = match (&w.held_by, child(&w)) {
-                        (Some(holder), _) => Wait::Hold(Hold {
+                        (Some(holder), _) => Wait::Hold(Box::new(Hold {
                             holder: holder.clone(),
                             point: w.held_point.unwrap_or(HoldPoint::PreTrigger),
                             arguments: w.held_arguments.clone().unwrap_or(Value::Null),
@@ -243,7 +260,7 @@ pub mod wire {
                             reconciled: w.reconciled.clone(),
                             annotations: w.annotations.clone(),
                             breaker_key: w.breaker_key.clone(),
-                        }),
+                        })),
                         (None, Some(child)) => Wait::Child {
                             child,
                             origin: w.annotations.clone(),

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use crate::harness::{Harness, Result};
 use crate::machine::{self, Effect, Input, Seed};
 use crate::prompt;
-use crate::record::{message_preview, TurnOptions, TurnRecord};
+use crate::record::{message_preview, Reasoning, TurnOptions, TurnRecord};
 use crate::steering::QueuedMessage;
 use crate::IDEM_SCOPE;
 
@@ -112,7 +112,7 @@ fn validate_options(o: &SendOptions) -> Result<()> {
         ));
     }
     if let Some(r) = &o.reasoning {
-        if r != "lowest" {
+        if Reasoning::parse(r).is_none() {
             return Err(HarnessError::invalid_field(
                 "options.reasoning",
                 format!("only \"lowest\" is accepted (got \"{r}\")"),
@@ -459,11 +459,7 @@ impl Harness {
             && o.reasoning.is_none()
         {
             prev_opts.map_or((None, None, None), |p| {
-                (
-                    p.thinking_level,
-                    p.provider_options.clone(),
-                    p.reasoning.clone(),
-                )
+                (p.thinking_level, p.provider_options.clone(), p.reasoning)
             })
         } else {
             (
@@ -471,7 +467,7 @@ impl Harness {
                 o.provider_options
                     .clone()
                     .filter(|v| v.as_object().is_none_or(|m| !m.is_empty())),
-                o.reasoning.clone(),
+                o.reasoning.as_deref().and_then(Reasoning::parse),
             )
         };
         Ok(TurnOptions {

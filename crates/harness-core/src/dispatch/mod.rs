@@ -695,7 +695,7 @@ impl Harness {
             function_id: call.function_id.clone(),
             since: Some(now_ms()),
             timeout_ms: None,
-            wait: Wait::Hold(crate::record::Hold {
+            wait: Wait::Hold(Box::new(crate::record::Hold {
                 holder: hold.holder,
                 point,
                 arguments: hold.arguments,
@@ -703,7 +703,7 @@ impl Harness {
                 reconciled: hold.reconciled,
                 annotations: Some(Value::Object(hold.annotations)),
                 breaker_key: Some(hold.breaker_key),
-            }),
+            })),
         };
         rec.calls.insert(call.id.clone(), cp);
         self.save_record(rec).await?;
