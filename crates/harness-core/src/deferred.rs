@@ -183,16 +183,31 @@ impl Harness {
                 if matches!(wait, Wait::Hold(_)) {
                     continue;
                 }
+                let timeout = timeout_ms.unwrap_or(self.config().default_pending_timeout_ms) as i64;
+                let expired = now - since.unwrap_or(now) >= timeout;
                 if let Wait::Child { child, .. } = wait {
-                    // A waiting spawn follows its child, never the clock.
-                    let Some((content, is_error, details)) = self
+                    // A waiting spawn follows its child's record first; past its wait guard it is
+                    // answered once with a timeout and the child is stopped (its late result then
+                    // finds the call closed and changes nothing).
+                    let settled = self
                         .child_settlement(
                             &child.session_id,
                             Some(child.turn_id.as_str()).filter(|t| !t.is_empty()),
                         )
-                        .await?
-                    else {
-                        continue;
+                        .await?;
+                    let timed_out = settled.is_none();
+                    let (content, is_error, details) = match settled {
+                        Some(outcome) => outcome,
+                        None if expired => (
+                            vec![ContentBlock::text(format!(
+                                "the sub-agent in session {} did not finish within {timeout} ms; it was stopped",
+                                child.session_id
+                            ))],
+                            true,
+                            json!({"error": Refusal::PendingTimeout, "child_session_id": child.session_id,
+                                   "child_turn_id": child.turn_id}),
+                        ),
+                        None => continue,
                     };
                     let out = self
                         .resolve(ResolveRequest {
@@ -208,10 +223,18 @@ impl Harness {
                     if out.resolved {
                         resolved += 1;
                     }
+                    if timed_out {
+                        let stop = StopRequest {
+                            session_id: child.session_id.clone(),
+                            turn_id: Some(child.turn_id.clone()).filter(|t| !t.is_empty()),
+                        };
+                        if let Err(e) = self.stop(stop).await {
+                            tracing::warn!(child = %child.session_id, "cannot stop a timed-out sub-agent: {e}");
+                        }
+                    }
                     continue;
                 }
-                let timeout = timeout_ms.unwrap_or(self.config().default_pending_timeout_ms) as i64;
-                if now - since.unwrap_or(now) < timeout {
+                if !expired {
                     continue;
                 }
                 let out = self

@@ -37,20 +37,20 @@
 //! | Ready | `Prepared` | Ready | `Generate` |
 //! | Ready | `ContextRefused` | Failed (overflow, empty, pre-generate denied) | `Finalize` |
 //! | Ready | `StopObserved` | Cancelled | `Finalize` |
-//! | Ready, Generated | `GenerationFinished`, aborted or stopped | Cancelled | `Finalize` |
+//! | Ready, Generated | `GenerationFinished`, aborted or stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
 //! | Ready, Generated | `GenerationFinished`, error after partial output, resumable | Running (Advance) | `NoteResume`, Advance |
 //! | Ready, Generated | `GenerationFinished`, error | Failed (the provider's class) | `Finalize` |
 //! | Ready, Generated | `GenerationFinished`, calls | Generated | [`NoteRecovered`], `DispatchCalls` |
 //! | Ready, Generated | `GenerationFinished`, text only | Generated | [`NoteRecovered`], `CheckSteering` |
 //! | Generated | `SteeringChecked` (waiting) | Running (Advance) | Advance |
 //! | Generated | `SteeringChecked` (none) | Completed (the text) | `Finalize` |
-//! | Generated | `CallsClosed`, stopped | Cancelled | `Finalize` |
+//! | Generated | `CallsClosed`, stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
 //! | Generated | `CallsClosed`, some pending | Parked | `SaveRecord`, `SetAwaiting` |
 //! | Generated | `CallsClosed`, all closed | Running (Advance) | Advance |
 //! | Parked | `CallSettled`, none pending | Running (Advance) | Advance |
 //! | Parked | `CallSettled`, some pending | Parked | — |
 //! | Running, Parked | `StopRequested` | same | `AbortGeneration` |
-//! | Running, Parked | `Stop` | Cancelled | `Finalize`, `Barrier`, `StopChildren` |
+//! | Running, Parked | `Stop` | Cancelled | `CloseOpenCalls`, `Finalize`, `Barrier`, `StopChildren` |
 //! | terminal | `Stop`, `StopRequested` | same | — |
 //! | Running | `Recover` | same | `EnqueueStep` |
 //! | Parked | `Recover` | Parked | `CloseInterrupted` (then `CallSettled`) |
@@ -124,6 +124,13 @@ pub(crate) enum ContextRefusal {
     OverflowAfterHooks(String),
 }
 
+/// A function call of the model's answer, as the step planned it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CallRef {
+    pub id: String,
+    pub function_id: String,
+}
+
 /// How one generation ended, as the stream folded it.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Finished {
@@ -139,8 +146,8 @@ pub(crate) struct Finished {
     pub partial: bool,
     /// The stream ended aborted, or the stop signal fired.
     pub stopped: bool,
-    /// The answer contains function calls.
-    pub has_calls: bool,
+    /// The function calls of the answer, in order.
+    pub calls: Vec<CallRef>,
     /// The answer stopped at the output limit (its last call's arguments may be cut).
     pub at_length: bool,
     /// What the step saw when it built the context: the last entry and the registry generation.
@@ -176,8 +183,12 @@ pub(crate) enum Input {
     GenerationFinished(Box<Finished>),
     /// Whether steering messages wait (asked after a text-only answer).
     SteeringChecked { waiting: bool, text: String },
-    /// Every call of the step was taken as far as it goes.
-    CallsClosed { stopped: bool },
+    /// Every call of the step was taken as far as it goes; a stop leaves `unreached` the calls
+    /// it never got to.
+    CallsClosed {
+        stopped: bool,
+        unreached: Vec<CallRef>,
+    },
     /// A pending call was closed (resolve, the sweep, a child's end, recovery).
     CallSettled,
     /// `harness::stop`, before taking the session lock: cut the stream.
@@ -236,6 +247,10 @@ pub(crate) enum Effect {
     /// Close calls left `triggered` by a crash with the interrupted result (they ran at most
     /// once).
     CloseInterrupted(Vec<String>),
+    /// A stop closes every call still open (pending, held, triggered) and every call of the
+    /// answer it never reached, each with a cancelled error result saying what happened to it,
+    /// so no function call is left without a result.
+    CloseOpenCalls { unreached: Vec<CallRef> },
 }
 
 /// A transition: the record as it now is (`None`: there is none) and what to do.
@@ -555,8 +570,11 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
         } else {
             finish(complete(rec, json!(text)))
         }),
-        Input::CallsClosed { stopped } if phase == Phase::Generated => Ok(if stopped {
-            finish(cancel(rec))
+        Input::CallsClosed { stopped, unreached } if phase == Phase::Generated => Ok(if stopped {
+            to(
+                cancel(rec),
+                vec![Effect::CloseOpenCalls { unreached }, Effect::Finalize],
+            )
         } else if rec.has_pending() {
             let mut rec = rec;
             rec.status = TurnStatus::AwaitingFunctions;
@@ -584,7 +602,12 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
         } else {
             to(
                 cancel(rec),
-                vec![Effect::Finalize, Effect::Barrier, Effect::StopChildren],
+                vec![
+                    Effect::CloseOpenCalls { unreached: vec![] },
+                    Effect::Finalize,
+                    Effect::Barrier,
+                    Effect::StopChildren,
+                ],
             )
         }),
         Input::Recover => Ok(match phase {
@@ -641,7 +664,15 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
         });
     }
     if f.stopped {
-        return finish(cancel(rec));
+        let unreached = f
+            .calls
+            .into_iter()
+            .filter(|c| !rec.calls.contains_key(&c.id))
+            .collect();
+        return to(
+            cancel(rec),
+            vec![Effect::CloseOpenCalls { unreached }, Effect::Finalize],
+        );
     }
     if let Some(err) = &f.error {
         if f.partial {
@@ -672,7 +703,7 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
             attempt: rec.transient_resumes,
         });
     }
-    if f.has_calls {
+    if !f.calls.is_empty() {
         let cut = f.at_length.then_some("the reply hit the output limit");
         effects.push(Effect::DispatchCalls { cut });
     } else {

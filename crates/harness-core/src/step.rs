@@ -21,7 +21,7 @@ use crate::failpoint;
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::locks::SessionGuard;
-use crate::machine::{self, ContextRefusal, Effect, Finished, Input};
+use crate::machine::{self, CallRef, ContextRefusal, Effect, Finished, Input};
 use crate::prompt;
 use crate::record::TurnRecord;
 use crate::stream::Generation;
@@ -153,7 +153,15 @@ impl Harness {
                         let cancel = self.signal(&r.turn_id);
                         let stopped = self.dispatch_calls(r, &calls, cut, &cancel).await?
                             == Dispatched::Cancelled;
-                        input = Some(Input::CallsClosed { stopped });
+                        let unreached = calls
+                            .iter()
+                            .filter(|c| !r.calls.contains_key(&c.id))
+                            .map(|c| CallRef {
+                                id: c.id.clone(),
+                                function_id: c.function_id.clone(),
+                            })
+                            .collect();
+                        input = Some(Input::CallsClosed { stopped, unreached });
                     }
                     Effect::CheckSteering => {
                         let waiting = !self.queued(&sid).await?.is_empty();
@@ -244,6 +252,7 @@ impl Harness {
                 self.stop_children(rec).await;
                 Ok(())
             }
+            Effect::CloseOpenCalls { unreached } => self.close_open_calls(rec, unreached).await,
             Effect::CloseInterrupted(ids) => {
                 for id in ids {
                     let function_id = rec
@@ -707,10 +716,19 @@ fn finished(
 ) -> Input {
     let partial = generation.error.is_some() && generation.has_partial();
     let message = generation.message;
-    let has_calls = message
-        .content
-        .iter()
-        .any(|b| matches!(b, ContentBlock::FunctionCall { .. }));
+    let expose = rec
+        .options
+        .functions
+        .as_ref()
+        .map(|p| p.expose)
+        .unwrap_or_default();
+    let calls = plan_calls(&message.content, expose)
+        .into_iter()
+        .map(|c| CallRef {
+            id: c.id,
+            function_id: c.function_id,
+        })
+        .collect();
     let input = Input::GenerationFinished(Box::new(Finished {
         turn_id: rec.turn_id.clone(),
         step: rec.step,
@@ -719,7 +737,7 @@ fn finished(
         content: message.content.clone(),
         partial,
         stopped: cancel.is_cancelled() || message.stop_reason == StopReason::Aborted,
-        has_calls,
+        calls,
         at_length: message.stop_reason == StopReason::Length,
         seen,
     }));

@@ -251,3 +251,147 @@ async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
     let seen = rt.recorder.seen.lock().unwrap().clone();
     assert!(seen[0].tools.is_empty(), "no policy named: deny all");
 }
+
+#[tokio::test]
+async fn stop_closes_every_open_call_of_a_turn_parked_on_two_children_and_a_hold() {
+    use harness_bus::{Bus, CallContext, FunctionDef};
+    use std::sync::Arc;
+    let calls = json!({"match": {"last_user_text": "^fan out"}, "content": [
+        {"type": "function_call", "id": "s1", "function_id": "harness::spawn", "arguments": {"task": "dig one"}},
+        {"type": "function_call", "id": "s2", "function_id": "harness::spawn", "arguments": {"task": "dig two"}},
+        {"type": "function_call", "id": "w1", "function_id": "fs::write", "arguments": {"path": "a"}}
+    ]});
+    let rt = runtime(
+        json!({"generations": [
+            calls,
+            text(Some("^dig"), "a b c d e f g h i j k l m n o p q r s t", 200),
+            text(None, "never", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let runs = rt.register("fs::write", None, |_| json!({"ok": true}));
+    rt.bus.register_function(
+        FunctionDef::new("gate::hold", "holds every write"),
+        Arc::new(|_p: Value, _ctx: CallContext| async { Ok(json!({"decision": "hold"})) }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "gate::hold", "config": {"functions": ["fs::*"]}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let mut req = orchestrating("fan out");
+    req.options
+        .as_mut()
+        .unwrap()
+        .functions
+        .as_mut()
+        .unwrap()
+        .allow = vec!["harness::spawn".into(), "fs::write".into()];
+    let r = rt.harness.send(req).await.unwrap();
+    wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let before = rt.status(&r.session_id).await.unwrap();
+    assert_eq!(before.pending_function_calls.len(), 3, "{before:?}");
+    let children = before.children.clone();
+    assert_eq!(children.len(), 2);
+
+    let out = rt
+        .harness
+        .stop(StopRequest {
+            session_id: r.session_id.clone(),
+            turn_id: None,
+        })
+        .await
+        .unwrap();
+    assert!(out.stopping);
+    let after = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(after.status, TurnStatus::Cancelled);
+    assert!(after.pending_function_calls.is_empty(), "{after:?}");
+    assert_eq!(after.children.len(), 2, "the children stay known");
+    let results = rt.results(&r.session_id);
+    let mut answered: Vec<&str> = results
+        .iter()
+        .map(|m| m.function_call_id.as_str())
+        .collect();
+    answered.sort();
+    assert_eq!(
+        answered,
+        ["s1", "s2", "w1"],
+        "every function call has its result"
+    );
+    for m in &results {
+        assert!(m.is_error);
+        assert_eq!(m.details["error"], "cancelled", "{:?}", m.details);
+    }
+    let held = results.iter().find(|m| m.function_call_id == "w1").unwrap();
+    let text = harness_types::message::joined_text(&held.content);
+    assert!(
+        text.contains("was not run"),
+        "a held call never ran: {text}"
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    for child in children {
+        assert_eq!(
+            rt.wait_terminal(&child.session_id, &child.turn_id)
+                .await
+                .status,
+            TurnStatus::Cancelled
+        );
+    }
+    // The children's late answers find the calls closed and change nothing.
+    assert_eq!(rt.results(&r.session_id).len(), 3);
+}
+
+#[tokio::test]
+async fn a_spawn_past_its_pending_timeout_resumes_the_parent_once_and_stops_the_child() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^research", json!({"task": "dig deep", "options": {"pending_timeout_ms": 1}})),
+            text(Some("^dig deep"), "a b c d e f g h i j k l m n o p q r s t", 200),
+            text(None, "gave up waiting", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt.harness.send(orchestrating("research it")).await.unwrap();
+    wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = rt.harness.sweep_pending(Default::default()).await.unwrap();
+        if out.resolved > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the sweep never timed the spawn out"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let done = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(done.status, TurnStatus::Completed);
+    assert_eq!(done.result, Some(json!("gave up waiting")));
+    let results = rt.results(&r.session_id);
+    assert_eq!(results.len(), 1);
+    assert!(results[0].is_error);
+    assert_eq!(results[0].details["error"], "pending_timeout");
+    assert_eq!(
+        rt.wait_terminal(&child.session_id, &child.turn_id)
+            .await
+            .status,
+        TurnStatus::Cancelled
+    );
+    // Another sweep finds nothing left to settle.
+    assert_eq!(
+        rt.harness
+            .sweep_pending(Default::default())
+            .await
+            .unwrap()
+            .resolved,
+        0
+    );
+    assert_eq!(rt.results(&r.session_id).len(), 1);
+}

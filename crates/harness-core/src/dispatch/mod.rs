@@ -267,6 +267,76 @@ impl Harness {
     }
 
     async fn close_call(&self, rec: &mut TurnRecord, call: &PlannedCall, c: Closing) -> Result<()> {
+        self.append_closing(rec, call, c).await?;
+        self.save_record(rec).await?;
+        failpoint::hit("after_call_done");
+        Ok(())
+    }
+
+    /// Closes every call a stop leaves open, with a cancelled error result that says what
+    /// happened to it. The checkpoints change in memory only: the finalizer's record write
+    /// carries them, and a crash before it re-appends nothing (the entry ids are deterministic).
+    pub(crate) async fn close_open_calls(
+        &self,
+        rec: &mut TurnRecord,
+        unreached: Vec<crate::machine::CallRef>,
+    ) -> Result<()> {
+        let turn_id = rec.turn_id.clone();
+        let open: Vec<(String, CallCheckpoint)> = rec
+            .calls
+            .iter()
+            .filter(|(_, c)| c.state() != CallState::Done)
+            .map(|(id, c)| (id.clone(), c.clone()))
+            .collect();
+        let mut closing = Vec::new();
+        for (id, cp) in open {
+            let f = cp.function_id().to_string();
+            let text = match &cp {
+                CallCheckpoint::Triggered { .. } => format!(
+                    "function {f} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone"
+                ),
+                CallCheckpoint::Pending { wait: Wait::Hold(h), .. } if h.point == HoldPoint::PostTrigger => format!(
+                    "function {f} ran, but the turn was stopped before its held result was released; its effects are not undone"
+                ),
+                CallCheckpoint::Pending { wait: Wait::Hold(h), .. } => format!(
+                    "function {f} was not run: the turn was stopped while {} held the call", h.holder
+                ),
+                CallCheckpoint::Pending { wait: Wait::Child { child, .. }, .. } => format!(
+                    "the sub-agent in session {} was stopped with this turn; its work is unfinished", child.session_id
+                ),
+                CallCheckpoint::Pending { .. } | CallCheckpoint::Done { .. } => format!(
+                    "function {f} was cancelled: the turn was stopped before its result was delivered"
+                ),
+            };
+            closing.push((id, f, text));
+        }
+        for c in unreached {
+            let text = format!(
+                "function {} was not run: the turn was stopped first",
+                c.function_id
+            );
+            closing.push((c.id, c.function_id, text));
+        }
+        for (id, function_id, text) in closing {
+            let call = PlannedCall {
+                id,
+                function_id,
+                arguments: Value::Null,
+                intent: None,
+            };
+            let c = Closing::refusal(&call, &turn_id, Refusal::Cancelled, text);
+            self.append_closing(rec, &call, c).await?;
+        }
+        Ok(())
+    }
+
+    /// Appends a call's result and marks its checkpoint done, in memory.
+    async fn append_closing(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        c: Closing,
+    ) -> Result<()> {
         let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
         self.append(AppendRequest {
             session_id: rec.session_id.clone(),
@@ -292,8 +362,6 @@ impl Harness {
             child,
         };
         rec.calls.insert(call.id.clone(), cp);
-        self.save_record(rec).await?;
-        failpoint::hit("after_call_done");
         Ok(())
     }
 

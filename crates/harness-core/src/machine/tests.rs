@@ -87,6 +87,13 @@ fn record(at: At) -> Option<TurnRecord> {
     Some(r)
 }
 
+fn call(id: &str) -> CallRef {
+    CallRef {
+        id: id.into(),
+        function_id: "f".into(),
+    }
+}
+
 fn text_answer(step: u64) -> Input {
     Input::GenerationFinished(Box::new(Finished {
         turn_id: "t".into(),
@@ -96,7 +103,7 @@ fn text_answer(step: u64) -> Input {
         content: vec![ContentBlock::text("hi")],
         partial: false,
         stopped: false,
-        has_calls: false,
+        calls: vec![],
         at_length: false,
         seen: Some((Some("e9".into()), Some(3))),
     }))
@@ -132,7 +139,10 @@ fn inputs() -> Vec<Input> {
             waiting: false,
             text: "hi".into(),
         },
-        Input::CallsClosed { stopped: false },
+        Input::CallsClosed {
+            stopped: false,
+            unreached: vec![],
+        },
         Input::CallSettled,
         Input::StopRequested { turn_id: None },
         Input::Stop { turn_id: None },
@@ -450,20 +460,28 @@ fn a_finished_generation_is_recorded_once_then_decided() {
 
     row(
         At::Ready,
-        answer(|f| f.stopped = true),
+        answer(|f| {
+            f.stopped = true;
+            f.calls = vec![call("c1")];
+        }),
         Some(Phase::Cancelled),
-        &[Finalize],
+        &[
+            CloseOpenCalls {
+                unreached: vec![call("c1")],
+            },
+            Finalize,
+        ],
     );
     row(
         At::Ready,
-        answer(|f| f.has_calls = true),
+        answer(|f| f.calls = vec![call("c1")]),
         Some(Phase::Generated),
         &[DispatchCalls { cut: None }],
     );
     row(
         At::Ready,
         answer(|f| {
-            f.has_calls = true;
+            f.calls = vec![call("c1")];
             f.at_length = true;
         }),
         Some(Phase::Generated),
@@ -569,19 +587,37 @@ fn closed_calls_cancel_park_or_advance() {
     use Effect::*;
     row(
         At::Generated,
-        Input::CallsClosed { stopped: true },
+        Input::CallsClosed {
+            stopped: true,
+            unreached: vec![call("c2")],
+        },
         Some(Phase::Cancelled),
-        &[Finalize],
+        &[
+            CloseOpenCalls {
+                unreached: vec![call("c2")],
+            },
+            Finalize,
+        ],
     );
     row(
         At::Generated,
-        Input::CallsClosed { stopped: false },
+        Input::CallsClosed {
+            stopped: false,
+            unreached: vec![],
+        },
         Some(Phase::Ready),
         &[SaveRecord, EnqueueStep],
     );
     let mut held = record(At::Generated).unwrap();
     held.calls = record(At::Parked).unwrap().calls;
-    let t = next(Some(held), Input::CallsClosed { stopped: false }).unwrap();
+    let t = next(
+        Some(held),
+        Input::CallsClosed {
+            stopped: false,
+            unreached: vec![],
+        },
+    )
+    .unwrap();
     assert_eq!(
         (phase_of(&t), t.effects),
         (Some(Phase::Parked), vec![SaveRecord, SetAwaiting])
@@ -625,7 +661,12 @@ fn stop_cuts_the_stream_then_cancels_once() {
             (phase_of(&t), t.effects),
             (
                 Some(Phase::Cancelled),
-                vec![Finalize, Barrier, StopChildren]
+                vec![
+                    CloseOpenCalls { unreached: vec![] },
+                    Finalize,
+                    Barrier,
+                    StopChildren
+                ]
             ),
             "{at:?}"
         );
