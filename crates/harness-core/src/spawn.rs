@@ -110,13 +110,11 @@ impl Harness {
         parent: Option<(&TurnRecord, &str)>,
     ) -> Result<SpawnResponse> {
         let o = req.options.clone().unwrap_or_default();
+        let mut reused = false;
         if let (Some((p, _)), Some(id)) = (parent, &req.session_id) {
-            if *id == p.session_id {
-                return Err(HarnessError::invalid_field(
-                    "session_id",
-                    "a turn cannot spawn into its own session",
-                ));
-            }
+            // Only the caller's own tree may be reused: its own session (the task merges into
+            // its own turn) or a sub-agent it started. Anything else belongs to someone else.
+            reused = *id == p.session_id || self.owned_child(id, &p.session_id).await?;
         }
         let parent_opts = parent.map(|(p, _)| &p.options);
         let (model, provider) = match (&req.model, parent_opts) {
@@ -204,7 +202,37 @@ impl Harness {
         Ok(SpawnResponse {
             child_session_id: out.session_id,
             child_turn_id: out.turn_id,
+            reused: reused.then_some(true),
         })
+    }
+
+    /// Whether `session_id` is an existing sub-agent of `parent_session_id`; `false` when it does
+    /// not exist yet. Refuses a session another tree owns, naming the owner.
+    async fn owned_child(&self, session_id: &str, parent_session_id: &str) -> Result<bool> {
+        let found: Option<harness_types::session::GetResponse> = self
+            .call("session::get", &json!({"session_id": session_id}))
+            .await?;
+        let Some(found) = found else {
+            return Ok(false);
+        };
+        let owner = found
+            .meta
+            .metadata
+            .get("parent_session_id")
+            .and_then(Value::as_str);
+        if owner == Some(parent_session_id) {
+            return Ok(true);
+        }
+        let whose = match owner {
+            Some(o) => format!("belongs to the agent tree of session '{o}'"),
+            None => "is a top-level session of its own".to_string(),
+        };
+        Err(HarnessError::invalid_field(
+            "session_id",
+            format!(
+                "session '{session_id}' {whose}; a turn may reuse only its own session or a sub-agent it started"
+            ),
+        ))
     }
 
     /// The spawn path of a call from a turn: guards, the child, then either a pending call the
@@ -255,7 +283,10 @@ impl Harness {
             self.append_result(rec, call, c, d, true, origin).await?;
             return Ok(CallEnd::Closed);
         }
-        let detach = req.options.as_ref().and_then(|o| o.detach) == Some(true);
+        // A task for the caller's own session merges into its own running turn: there is no
+        // child to wait for, so it answers at once like a detached spawn.
+        let own = req.session_id.as_deref() == Some(rec.session_id.as_str());
+        let detach = own || req.options.as_ref().and_then(|o| o.detach) == Some(true);
         let timeout = req.options.as_ref().and_then(|o| o.pending_timeout_ms);
         let parent = rec.clone();
         let child = match self.seed_child(req, Some((&parent, &call.id))).await {
@@ -267,18 +298,29 @@ impl Harness {
             }
         };
         if detach {
-            let ids = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id});
-            let details = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id, "detached": true});
+            let reused = child.reused == Some(true);
+            let mut text = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id}).to_string();
+            if own {
+                text.push_str(" (merged into this session's own turn: the task is a message to yourself, not a separate sub-agent)");
+            } else if reused {
+                text.push_str(
+                    " (reused an existing sub-agent session: its transcript and linkage are kept)",
+                );
+            }
+            let details = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id, "detached": true, "reused": reused});
             self.append_result(
                 rec,
                 call,
-                vec![ContentBlock::text(ids.to_string())],
+                vec![ContentBlock::text(text)],
                 details,
                 false,
                 origin,
             )
             .await?;
-            if let Some(CallCheckpoint::Done { child: link, .. }) = rec.calls.get_mut(&call.id) {
+            // The own session is no child: it is neither stopped with this turn nor counted.
+            if let Some(CallCheckpoint::Done { child: link, .. }) =
+                rec.calls.get_mut(&call.id).filter(|_| !own)
+            {
                 *link = Some(ChildLink {
                     session_id: child.child_session_id,
                     turn_id: child.child_turn_id,

@@ -395,3 +395,65 @@ async fn a_spawn_past_its_pending_timeout_resumes_the_parent_once_and_stops_the_
     );
     assert_eq!(rt.results(&r.session_id).len(), 1);
 }
+
+#[tokio::test]
+async fn a_turn_may_reuse_only_its_own_tree() {
+    let spawn = |id: &str, session: &str| {
+        json!({"type": "function_call", "id": id, "function_id": "harness::spawn",
+               "arguments": {"task": "side job", "session_id": session, "options": {"detach": true}}})
+    };
+    let rt = runtime(
+        json!({"generations": [
+            {"match": {"last_user_text": "^reuse"}, "content": [
+                spawn("foreign", "x_top"),
+                spawn("fresh", "kid"),
+                spawn("again", "kid"),
+                spawn("own", "p_sess")
+            ]},
+            text(Some("^side job"), "done", 0),
+            text(Some("^hello"), "hi", 0),
+            text(None, "all spawned", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    // An unrelated top-level session.
+    let mut other = send("hello");
+    other.session_id = Some("x_top".into());
+    let o = rt.harness.send(other).await.unwrap();
+    rt.wait_terminal("x_top", &o.turn_id).await;
+
+    let mut req = orchestrating("reuse test");
+    req.session_id = Some("p_sess".into());
+    let r = rt.harness.send(req).await.unwrap();
+    rt.wait_terminal("p_sess", &r.turn_id).await;
+    let results = rt.results("p_sess");
+    let by_id = |id: &str| results.iter().find(|m| m.function_call_id == id).unwrap();
+    let foreign = by_id("foreign");
+    assert!(foreign.is_error);
+    let text_of = |m: &harness_types::message::FunctionResultMessage| {
+        harness_types::message::joined_text(&m.content)
+    };
+    assert!(
+        text_of(foreign).contains("session 'x_top' is a top-level session of its own"),
+        "{}",
+        text_of(foreign)
+    );
+    assert!(!by_id("fresh").is_error);
+    assert_eq!(by_id("fresh").details["reused"], false);
+    let again = by_id("again");
+    assert!(!again.is_error, "{}", text_of(again));
+    assert_eq!(again.details["reused"], true);
+    assert_eq!(again.details["child_session_id"], "kid");
+    let own = by_id("own");
+    assert!(!own.is_error, "{}", text_of(own));
+    assert!(text_of(own).contains("merged into this session's own turn"));
+    // The foreign session was left alone.
+    assert_eq!(
+        rt.messages("x_top"),
+        vec![
+            ("user".into(), "hello".into()),
+            ("assistant".into(), "hi".into())
+        ]
+    );
+}

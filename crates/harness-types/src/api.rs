@@ -455,4 +455,8 @@ pub struct SpawnRequest {
 pub struct SpawnResponse {
     pub child_session_id: String,
     pub child_turn_id: String,
+    /// True when the task went to an existing session of the caller's own tree (its own
+    /// session, or a sub-agent it started) instead of a new one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reused: Option<bool>,
 }
