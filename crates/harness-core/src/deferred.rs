@@ -321,7 +321,7 @@ impl Harness {
         if !policy.allows(&call.function_id) {
             return Ok(refuse(
                 Refusal::PolicyDenied.as_str(),
-                format!("function {} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)", call.function_id),
+                dispatch::policy_refusal(&call.function_id),
             ));
         }
         let (turn_id, step, depth, metadata) = match &rec {

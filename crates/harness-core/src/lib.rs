@@ -32,12 +32,14 @@ mod stop;
 mod stream;
 
 pub use config::{CallReconciliation, HarnessConfig};
+pub use dispatch::{model_verdict, wall};
 pub use functions::register;
 pub use harness::Harness;
 pub use record::{
     CallCheckpoint, CallState, ChildLink, FailedCall, Failure, FailurePhase, Hold, HoldPoint,
     Reasoning, TurnOptions, TurnRecord, TurnStopReason, Wait,
 };
+pub use spawn::subagent_policy;
 
 /// The queue every step runs on: FIFO per `session_id`, sessions in parallel.
 pub const TURN_QUEUE: &str = "harness-turn";

@@ -69,6 +69,15 @@ pub(crate) fn child_policy(
     Some(policy)
 }
 
+/// The policy a sub-agent of a turn running under `parent` gets when its spawn names none:
+/// the parent's, walled unless it is an orchestrator.
+pub fn subagent_policy(
+    parent: Option<&FunctionPolicy>,
+    orchestrator: bool,
+) -> Option<FunctionPolicy> {
+    child_policy(parent, None, orchestrator, false)
+}
+
 /// What a finished child hands back to the call that waited for it.
 pub(crate) fn child_outcome(child: &TurnRecord) -> (Vec<ContentBlock>, bool, Value) {
     match child.status {

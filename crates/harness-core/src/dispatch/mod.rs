@@ -17,6 +17,7 @@ mod cap;
 pub(crate) mod policy;
 mod reconcile;
 pub(crate) mod tools;
+pub mod wall;
 
 use std::time::Duration;
 
@@ -164,6 +165,8 @@ pub enum Refusal {
     HookDenied,
     /// A stop landed while the target ran.
     Cancelled,
+    /// The control-plane wall: no model may call it, whatever its policy says.
+    ControlPlane,
     /// A pending call waited past its timeout.
     PendingTimeout,
     /// A waiting spawn's child can no longer be followed.
@@ -180,10 +183,38 @@ impl Refusal {
             Refusal::RepeatedFailure => "repeated_failure",
             Refusal::HookDenied => "hook_denied",
             Refusal::Cancelled => "cancelled",
+            Refusal::ControlPlane => "control_plane",
             Refusal::PendingTimeout => "pending_timeout",
             Refusal::ChildLost => "child_lost",
         }
     }
+}
+
+/// What a model reads when the policy refuses its call.
+pub(crate) fn policy_refusal(function_id: &str) -> String {
+    format!(
+        "function {function_id} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)"
+    )
+}
+
+/// How the dispatch answers a model that calls `function_id` under `policy`, before it looks at
+/// the arguments: `Ok(true)` runs it, `Ok(false)` runs it once its arguments pass the wall (a
+/// state scope, a session, a binding), `Err` is the refusal the model reads.
+pub fn model_verdict(
+    policy: Option<&harness_types::api::FunctionPolicy>,
+    function_id: &str,
+) -> std::result::Result<bool, String> {
+    if wall::operator_only(function_id) {
+        return Err(wall::refusal(function_id, "operator only"));
+    }
+    if !Policy::new(policy).allows(function_id) {
+        return Err(policy_refusal(function_id));
+    }
+    let by_arguments = function_id.starts_with("state::")
+        || function_id.starts_with("session::")
+        || function_id == "engine::register_trigger"
+        || function_id == "harness::status";
+    Ok(!by_arguments)
 }
 
 /// How one call's run ended.
@@ -495,11 +526,17 @@ impl Harness {
                 .await?;
                 continue;
             }
+            if let Some(text) = self.walled(rec, &call.function_id, &call.arguments).await? {
+                self.close_call(
+                    rec,
+                    call,
+                    Closing::refusal(call, &turn_id, Refusal::ControlPlane, text),
+                )
+                .await?;
+                continue;
+            }
             if !policy.allows(&call.function_id) {
-                let text = format!(
-                    "function {} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)",
-                    call.function_id
-                );
+                let text = policy_refusal(&call.function_id);
                 self.close_call(
                     rec,
                     call,
@@ -611,6 +648,14 @@ impl Harness {
             // No target: the loop starts the child itself.
             let origin = origin(&turn_id, &annotations, reconciled.as_ref());
             return self.spawn_from_call(rec, call, arguments, origin).await;
+        }
+
+        // Reconciliation and hooks may have changed the arguments since the first check.
+        if let Some(text) = self.walled(rec, &call.function_id, &arguments).await? {
+            let mut c = Closing::refusal(call, &turn_id, Refusal::ControlPlane, text);
+            c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
+            self.close_call(rec, call, c).await?;
+            return Ok(CallEnd::Closed);
         }
 
         // Checkpoint before the side effect, durably: after a crash this call never runs again.
@@ -732,6 +777,58 @@ impl Harness {
         self.append_result(rec, call, content, details, is_error, origin)
             .await?;
         Ok(CallEnd::Closed)
+    }
+}
+
+impl Harness {
+    /// The wall's refusal of a model's call, if it stops it (see `wall.rs`).
+    pub(crate) async fn walled(
+        &self,
+        rec: &TurnRecord,
+        function_id: &str,
+        arguments: &Value,
+    ) -> Result<Option<String>> {
+        match wall::check(function_id, arguments) {
+            Err(text) => Ok(Some(text)),
+            Ok(wall::Reach::Free) => Ok(None),
+            Ok(wall::Reach::Session(target)) => {
+                if self.in_tree(&rec.session_id, &target).await? {
+                    Ok(None)
+                } else {
+                    Ok(Some(wall::refusal(
+                        function_id,
+                        &format!("session '{target}' is outside this agent's own tree"),
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Whether `target` is `root` or one of its descendants (sub-agents, recursively), read from
+    /// the sessions' parent links.
+    async fn in_tree(&self, root: &str, target: &str) -> Result<bool> {
+        let mut current = target.to_string();
+        // Deeper than any depth budget: a cycle or a forged chain ends the walk as "outside".
+        for _ in 0..32 {
+            if current == root {
+                return Ok(true);
+            }
+            let found: Option<harness_types::session::GetResponse> = self
+                .call("session::get", &json!({"session_id": current}))
+                .await?;
+            let parent = found.and_then(|f| {
+                f.meta
+                    .metadata
+                    .get("parent_session_id")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            });
+            match parent {
+                Some(p) => current = p,
+                None => return Ok(false),
+            }
+        }
+        Ok(false)
     }
 }
 
@@ -883,6 +980,7 @@ mod tests {
             Refusal::RepeatedFailure,
             Refusal::HookDenied,
             Refusal::Cancelled,
+            Refusal::ControlPlane,
             Refusal::PendingTimeout,
             Refusal::ChildLost,
         ];

@@ -34,7 +34,8 @@ impl Policy {
     }
 
     pub(crate) fn allows(&self, function_id: &str) -> bool {
-        if NEVER_CALLABLE.contains(&function_id) {
+        // The control-plane wall stands above every policy: a model never sees these offered.
+        if NEVER_CALLABLE.contains(&function_id) || super::wall::operator_only(function_id) {
             return false;
         }
         match &self.sets {
