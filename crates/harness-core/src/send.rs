@@ -104,7 +104,40 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
+/// A seed field this version does not implement yet, refused by name instead of dropped.
+pub(crate) fn not_supported(field: &str) -> HarnessError {
+    HarnessError::invalid_field(
+        field,
+        "not supported yet by this version of harness; remove it (it would otherwise be ignored)",
+    )
+}
+
 fn validate_options(o: &SendOptions) -> Result<()> {
+    let unsupported = [
+        ("options.agent", o.agent.is_some()),
+        ("options.skills", o.skills.is_some()),
+        (
+            "options.max_validation_retries",
+            o.max_validation_retries.is_some(),
+        ),
+        ("options.max_total_tokens", o.max_total_tokens.is_some()),
+        ("options.max_cost_usd", o.max_cost_usd.is_some()),
+        ("options.filesystem_root", o.filesystem_root.is_some()),
+        // Only the agent mode exists: it is what every turn does.
+        (
+            "options.mode",
+            o.mode.is_some_and(|m| m != harness_types::api::Mode::Agent),
+        ),
+        (
+            "options.output",
+            o.output
+                .as_ref()
+                .is_some_and(|c| *c != harness_types::api::OutputContract::Text),
+        ),
+    ];
+    if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
+        return Err(not_supported(field));
+    }
     if o.max_turns == Some(0) {
         return Err(HarnessError::invalid_field(
             "options.max_turns",

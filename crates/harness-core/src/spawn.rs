@@ -119,6 +119,30 @@ impl Harness {
         parent: Option<(&TurnRecord, &str)>,
     ) -> Result<SpawnResponse> {
         let o = req.options.clone().unwrap_or_default();
+        let unsupported = [
+            ("agent", req.agent.is_some()),
+            ("display", req.display.is_some()),
+            ("options.skills", o.skills.is_some()),
+            ("options.filesystem_root", o.filesystem_root.is_some()),
+            (
+                "options.max_validation_retries",
+                o.max_validation_retries.is_some(),
+            ),
+            ("options.max_children", o.max_children.is_some()),
+            (
+                "options.mode",
+                o.mode.is_some_and(|m| m != harness_types::api::Mode::Agent),
+            ),
+            (
+                "options.output",
+                o.output
+                    .as_ref()
+                    .is_some_and(|c| *c != harness_types::api::OutputContract::Text),
+            ),
+        ];
+        if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
+            return Err(crate::send::not_supported(field));
+        }
         let mut reused = false;
         if let (Some((p, _)), Some(id)) = (parent, &req.session_id) {
             // Only the caller's own tree may be reused: its own session (the task merges into

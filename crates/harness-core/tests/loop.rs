@@ -555,3 +555,55 @@ async fn a_binding_sees_one_turn_completed_when_a_finished_step_is_delivered_aga
         "one turn-completed per turn"
     );
 }
+
+#[tokio::test]
+async fn unknown_and_unsupported_fields_are_refused_by_name_never_dropped() {
+    use harness_bus::Bus;
+    let rt = runtime(json!({"generations": [text_gen("hi")]}), config()).await;
+    let call = |payload: serde_json::Value| {
+        let bus = rt.bus.clone();
+        async move {
+            bus.call("harness::send", payload, None)
+                .await
+                .unwrap_err()
+                .to_string()
+        }
+    };
+    let base = |options: serde_json::Value| json!({"message": "hi", "model": "m", "provider": "scripted", "options": options});
+    let e = call(base(json!({"colour": "red"}))).await;
+    assert!(e.contains("options") && e.contains("colour"), "{e}");
+    let e = call(base(json!({"functions": {"alow": ["*"]}}))).await;
+    assert!(
+        e.contains("alow"),
+        "a misspelt policy never silently denies all: {e}"
+    );
+    let e = call(json!({"message": "hi", "model": "m", "sesion_id": "s"})).await;
+    assert!(e.contains("sesion_id"), "{e}");
+    for field in ["max_validation_retries", "agent", "max_cost_usd"] {
+        let e = call(base(json!({ field: 2 }))).await;
+        assert!(
+            e.contains(&format!("options.{field}: not supported yet")),
+            "{field}: {e}"
+        );
+    }
+    let e = call(base(json!({"output": {"type": "json"}}))).await;
+    assert!(e.contains("options.output: not supported yet"), "{e}");
+    let e = rt
+        .bus
+        .call(
+            "harness::spawn",
+            json!({"task": "t", "model": "m", "display": {"name": "x"}}),
+            None,
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("display: not supported yet"), "{e}");
+    // Nothing was started by any of them.
+    let listed = rt.bus.call("session::list", json!({}), None).await.unwrap();
+    assert_eq!(
+        listed["sessions"].as_array().map(Vec::len),
+        Some(0),
+        "{listed}"
+    );
+}

@@ -226,6 +226,8 @@ async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
             provider: None,
             session_id: None,
             options: None,
+            agent: None,
+            display: None,
         })
         .await
         .unwrap_err();

@@ -18,6 +18,7 @@ pub enum MessageInput {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct SendRequest {
     /// Omit to create a new session.
     #[serde(default)]
@@ -44,6 +45,7 @@ pub struct SendRequest {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct SessionInit {
     #[serde(default)]
     pub title: Option<String>,
@@ -94,6 +96,7 @@ pub enum ExposeMode {
 
 /// The fail-closed dispatch policy. Absent on the send => every call denied (a plain chat loop).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FunctionPolicy {
     #[serde(default)]
     pub allow: Vec<String>,
@@ -117,6 +120,7 @@ pub enum OutputContract {
 
 /// Per-send options frozen onto the turn record.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct SendOptions {
     #[serde(default)]
     pub system_prompt: Option<String>,
@@ -144,6 +148,19 @@ pub struct SendOptions {
     /// `"lowest"`: the least reasoning the model allows.
     #[serde(default)]
     pub reasoning: Option<String>,
+    /// Seed fields this version does not implement yet: refused when given, never dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skills: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_validation_retries: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_total_tokens: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem_root: Option<Value>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -401,6 +418,7 @@ pub struct SweepResponse {
 
 /// Options of a sub-agent. Its policy is intersected with the parent's: narrow, never escalate.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct SpawnOptions {
     /// Intersected with the parent policy — narrow, never escalate.
     #[serde(default)]
@@ -432,10 +450,18 @@ pub struct SpawnOptions {
     /// Let the child spawn and send on its own (otherwise it is a leaf).
     #[serde(default)]
     pub orchestrator: Option<bool>,
+    /// Seed fields this version does not implement yet: refused when given, never dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skills: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem_root: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_validation_retries: Option<Value>,
 }
 
 /// Spawn a sub-agent in a child session.
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct SpawnRequest {
     /// The child's goal — its opening user message.
     #[schemars(with = "MessageInput")]
@@ -444,11 +470,16 @@ pub struct SpawnRequest {
     pub model: Option<String>,
     #[serde(default)]
     pub provider: Option<String>,
-    /// Spawn into an existing session (e.g. a fork); default: create fresh.
+    /// Spawn into an existing session of the caller's own tree; default: create fresh.
     #[serde(default)]
     pub session_id: Option<String>,
     #[serde(default)]
     pub options: Option<SpawnOptions>,
+    /// Seed fields this version does not implement yet: refused when given, never dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<Value>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
