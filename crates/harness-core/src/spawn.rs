@@ -283,12 +283,19 @@ impl Harness {
                 json!({"error": code.as_str(), "message": text}),
             )
         };
+        // serde stops at the first unknown field; a model that misspelt `task` is told both.
+        let missing_task = arguments.get("task").is_none();
         let req: SpawnRequest = match harness_types::parse::parse_payload(arguments) {
             Ok(r) => r,
             Err(e) => {
+                let why = if missing_task && !e.message.starts_with("task:") {
+                    format!("task: missing field `task`; {}", e.message)
+                } else {
+                    e.message
+                };
                 let (c, d) = refuse(
                     ErrorCode::InvalidRequest,
-                    format!("invalid spawn arguments: {}", e.message),
+                    format!("invalid spawn arguments: {why}"),
                 );
                 self.append_result(rec, call, c, d, true, origin).await?;
                 return Ok(CallEnd::Closed);
