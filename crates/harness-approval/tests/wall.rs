@@ -171,6 +171,7 @@ engine::register_trigger args args args run
 engine::registered-triggers::list wall wall wall run
 engine::triggers::list run run run run
 engine::unregister_trigger wall wall wall run
+harness::ask run run run run
 harness::function::resolve wall wall wall run
 harness::function::trigger wall wall wall run
 harness::on-config-change wall wall wall run

@@ -10,6 +10,7 @@
 //! Architecture invariant: this crate performs I/O only through a `dyn Bus`. It does not know
 //! whether it runs embedded or on an iii engine.
 
+mod ask;
 mod config;
 mod deferred;
 mod dispatch;

@@ -46,6 +46,7 @@
 //! | Generated | `SteeringChecked` (none) | Completed (the text) | `Finalize` |
 //! | Generated | `CallsClosed`, stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
 //! | Generated | `CallsClosed`, some pending | Parked | `SaveRecord`, `SetAwaiting` |
+//! | Generated | `CallsClosed`, all closed, an ask accepted | Generated | `CheckSteering` |
 //! | Generated | `CallsClosed`, all closed | Running (Advance) | Advance |
 //! | Parked | `CallSettled`, none pending | Running (Advance) | Advance |
 //! | Parked | `CallSettled`, some pending | Parked | — |
@@ -315,6 +316,7 @@ pub(crate) fn seeded(seed: Seed) -> TurnRecord {
         functions_generation: seed.functions_generation,
         failed_calls: Default::default(),
         noted_repairs: Vec::new(),
+        ask_step: None,
         created_at: seed.now,
         updated_at: seed.now,
     }
@@ -579,6 +581,9 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
             let mut rec = rec;
             rec.status = TurnStatus::AwaitingFunctions;
             to(rec, vec![Effect::SaveRecord, Effect::SetAwaiting])
+        } else if rec.ask_step == Some(rec.step) {
+            // The turn ends on the question, like a text-only answer (steering still advances).
+            to(rec, vec![Effect::CheckSteering])
         } else {
             advance(rec, vec![])
         }),

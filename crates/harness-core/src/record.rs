@@ -456,6 +456,10 @@ pub struct TurnRecord {
     /// Repeated-failure breaker ledger, reset on each new turn.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub failed_calls: BTreeMap<String, FailedCall>,
+    /// The step whose `harness::ask` was accepted: the turn ends on the question, and a
+    /// redelivered step still does (and still refuses a second ask).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ask_step: Option<u64>,
     /// Repairs already noted this turn (the same repair is noted once).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub noted_repairs: Vec<String>,

@@ -491,3 +491,42 @@ pub struct SpawnResponse {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reused: Option<bool>,
 }
+
+/// `harness::ask`: questions with discrete options, shown to the user as a card; the answer is
+/// the user's next message.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AskRequest {
+    /// 1 to 4 questions.
+    pub questions: Vec<AskQuestion>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AskQuestion {
+    /// 1 to 16 characters, one line.
+    pub header: String,
+    /// Not empty.
+    pub question: String,
+    /// Default false.
+    #[serde(default)]
+    pub multi_select: Option<bool>,
+    /// 2 to 4 options; the UI adds a free-text "Other", so do not include one.
+    pub options: Vec<AskOption>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AskOption {
+    /// 1 to 80 characters, one line, unique within its question.
+    pub label: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+}
+
+/// Never produced: `harness::ask` is answered by the turn loop itself.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct AskResponse {
+    pub status: String,
+    pub question_id: String,
+}

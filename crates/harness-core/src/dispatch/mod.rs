@@ -165,6 +165,8 @@ pub enum Refusal {
     HookDenied,
     /// A stop landed while the target ran.
     Cancelled,
+    /// `harness::ask` refused (no human, a second ask, bad arguments).
+    AskRefused,
     /// The control-plane wall: no model may call it, whatever its policy says.
     ControlPlane,
     /// A pending call waited past its timeout.
@@ -183,6 +185,7 @@ impl Refusal {
             Refusal::RepeatedFailure => "repeated_failure",
             Refusal::HookDenied => "hook_denied",
             Refusal::Cancelled => "cancelled",
+            Refusal::AskRefused => "ask_refused",
             Refusal::ControlPlane => "control_plane",
             Refusal::PendingTimeout => "pending_timeout",
             Refusal::ChildLost => "child_lost",
@@ -558,6 +561,11 @@ impl Harness {
                 continue;
             }
             let (arguments, changes) = self.reconcile(call).await;
+            if call.function_id == crate::ask::ASK {
+                // Answered here: never dispatched, and no hook is consulted.
+                self.answer_ask(rec, call, &arguments, &key).await?;
+                continue;
+            }
             let run = Run {
                 arguments,
                 changes,
@@ -781,6 +789,51 @@ impl Harness {
 }
 
 impl Harness {
+    /// `harness::ask`: refused without a human to answer, twice in a step, or with arguments
+    /// that break its limits; accepted, its card is the result and the turn ends on it.
+    async fn answer_ask(
+        &self,
+        rec: &mut TurnRecord,
+        call: &PlannedCall,
+        arguments: &Value,
+        breaker_key: &str,
+    ) -> Result<()> {
+        let turn_id = rec.turn_id.clone();
+        let no_human = rec.depth > 0
+            || matches!(
+                rec.options.output,
+                harness_types::api::OutputContract::Json { .. }
+            );
+        let checked = if no_human {
+            Err(crate::ask::NO_HUMAN.to_string())
+        } else if rec.ask_step == Some(rec.step) {
+            Err(crate::ask::ONE_PER_STEP.to_string())
+        } else {
+            crate::ask::parse(arguments)
+        };
+        let closing = match checked {
+            Err(text) => {
+                breaker::record(&mut rec.failed_calls, breaker_key, true, &text);
+                Closing::refusal(call, &turn_id, Refusal::AskRefused, text)
+            }
+            Ok(req) => {
+                rec.ask_step = Some(rec.step);
+                let question_id = format!(
+                    "q_{}_{}",
+                    harness_types::ids::san(&turn_id),
+                    harness_types::ids::san(&call.id)
+                );
+                Closing {
+                    content: vec![ContentBlock::text(crate::ask::SHOWN)],
+                    details: crate::ask::card(&req, &question_id, &rec.session_id, &turn_id),
+                    is_error: false,
+                    origin: json!({"turn_id": turn_id}),
+                }
+            }
+        };
+        self.close_call(rec, call, closing).await
+    }
+
     /// The wall's refusal of a model's call, if it stops it (see `wall.rs`).
     pub(crate) async fn walled(
         &self,
@@ -980,6 +1033,7 @@ mod tests {
             Refusal::RepeatedFailure,
             Refusal::HookDenied,
             Refusal::Cancelled,
+            Refusal::AskRefused,
             Refusal::ControlPlane,
             Refusal::PendingTimeout,
             Refusal::ChildLost,

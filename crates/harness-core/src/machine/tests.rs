@@ -625,6 +625,35 @@ fn closed_calls_cancel_park_or_advance() {
 }
 
 #[test]
+fn an_accepted_ask_ends_the_step_like_a_text_answer() {
+    let mut asked = record(At::Generated).unwrap();
+    asked.ask_step = Some(1);
+    let t = next(
+        Some(asked.clone()),
+        Input::CallsClosed {
+            stopped: false,
+            unreached: vec![],
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        (phase_of(&t), t.effects),
+        (Some(Phase::Generated), vec![Effect::CheckSteering])
+    );
+    // An ask of an earlier step does not end this one.
+    asked.ask_step = Some(0);
+    let t = next(
+        Some(asked),
+        Input::CallsClosed {
+            stopped: false,
+            unreached: vec![],
+        },
+    )
+    .unwrap();
+    assert_eq!(t.effects, [Effect::SaveRecord, Effect::EnqueueStep]);
+}
+
+#[test]
 fn a_settled_call_resumes_a_parked_turn_only_when_nothing_is_pending() {
     use Effect::*;
     row(At::Parked, Input::CallSettled, Some(Phase::Parked), &[]);
