@@ -374,3 +374,49 @@ async fn a_registry_change_is_announced_once_to_a_session_that_may_call_function
         "never persisted"
     );
 }
+
+#[tokio::test]
+async fn arguments_repair_could_not_fix_get_one_diagnosis_naming_fields_and_types() {
+    let script = json!({"generations": [
+        call_gen("store", "c1", "db::put", json!({"count": "many", "note": "private text"})),
+        {"match": {"last_user_text": "store"}, "content": [{"type": "function_call", "id": "c2", "function_id": "db::put", "arguments": {"count": "lots", "note": "private text"}}]},
+        text_gen("done")
+    ]});
+    let rt = runtime(script, config()).await;
+    let schema = json!({"type": "object", "required": ["count"],
+        "properties": {"count": {"type": "integer"}}, "additionalProperties": false});
+    rt.register(
+        "db::put",
+        Some(schema),
+        |_| json!({"content": [{"type": "text", "text": "bad request"}], "is_error": true}),
+    );
+    let r = rt
+        .harness
+        .send(allowing("store it", &["db::*"], ExposeMode::Native))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let results = rt.results(&r.session_id);
+    assert_eq!(results.len(), 2);
+    let texts: Vec<String> = results
+        .iter()
+        .map(|m| harness_types::message::joined_text(&m.content))
+        .collect();
+    assert!(
+        texts[0].contains("[harness] The arguments of db::put do not match its schema")
+            && texts[0].contains("`/count` expects integer")
+            && texts[0].contains("`note` not accepted"),
+        "{}",
+        texts[0]
+    );
+    assert!(
+        !texts[0].contains("many") && !texts[0].contains("private text"),
+        "no value preview: {}",
+        texts[0]
+    );
+    assert!(
+        !texts[1].contains("[harness]"),
+        "once per turn and call pattern: {}",
+        texts[1]
+    );
+}

@@ -761,6 +761,11 @@ impl Harness {
                 rec.noted_repairs.extend(fresh);
             }
         }
+        if is_error {
+            if let Some(note) = self.diagnosis(rec, &call.function_id, &arguments).await {
+                content.push(ContentBlock::text(note));
+            }
+        }
         if let Some((c, d)) = cap::cap(self.config().max_result_bytes, &content, &details) {
             content = c;
             details = d;
@@ -789,6 +794,30 @@ impl Harness {
 }
 
 impl Harness {
+    /// For a failed call whose arguments still break the target's schema (repair could not fix
+    /// them): one note naming the fields and what they expect, once per turn and call pattern.
+    async fn diagnosis(
+        &self,
+        rec: &mut TurnRecord,
+        function_id: &str,
+        arguments: &Value,
+    ) -> Option<String> {
+        let schema = self.request_schema(function_id).await?;
+        let lines = reconcile::diagnose(&schema, arguments);
+        if lines.is_empty() {
+            return None;
+        }
+        let key = format!("diagnosis:{function_id}:{}", lines.join("|"));
+        if rec.noted_repairs.contains(&key) {
+            return None;
+        }
+        rec.noted_repairs.push(key);
+        Some(format!(
+            "[harness] The arguments of {function_id} do not match its schema: {}. Fix these fields before calling it again.",
+            lines.join("; ")
+        ))
+    }
+
     /// `harness::ask`: refused without a human to answer, twice in a step, or with arguments
     /// that break its limits; accepted, its card is the result and the turn ends on it.
     async fn answer_ask(

@@ -48,6 +48,74 @@ pub(crate) fn violations(schema: &Value, args: &Value) -> Option<Vec<(String, Va
     )
 }
 
+/// What a field at `pointer` (a JSON pointer into the arguments) expects, read from the schema.
+fn expected(schema: &Value, pointer: &str) -> String {
+    let mut at = schema;
+    for seg in pointer.split('/').filter(|s| !s.is_empty()) {
+        let next = at
+            .get("properties")
+            .and_then(|p| p.get(seg))
+            .or_else(|| at.get("items").filter(|_| seg.parse::<usize>().is_ok()));
+        match next {
+            Some(n) => at = n,
+            None => return "a value its schema accepts".into(),
+        }
+    }
+    if let Some(options) = at.get("enum").and_then(Value::as_array) {
+        let names: Vec<String> = options.iter().map(Value::to_string).collect();
+        return format!("one of {}", names.join(", "));
+    }
+    match at.get("type") {
+        Some(Value::String(t)) => t.clone(),
+        Some(Value::Array(ts)) => ts
+            .iter()
+            .filter_map(Value::as_str)
+            .collect::<Vec<_>>()
+            .join(" or "),
+        _ => "a value its schema accepts".into(),
+    }
+}
+
+/// Layer C: for arguments still off their schema after repair, one line per field naming what
+/// it expects. Never quotes a value the model sent.
+pub(crate) fn diagnose(schema: &Value, args: &Value) -> Vec<String> {
+    use jsonschema::error::ValidationErrorKind;
+    let Ok(validator) = jsonschema::validator_for(schema) else {
+        return vec![];
+    };
+    let mut out: Vec<String> = Vec::new();
+    for e in validator.iter_errors(args) {
+        let path = e.instance_path().as_str().to_string();
+        let shown = |p: &str| {
+            if p.is_empty() {
+                "/".to_string()
+            } else {
+                p.to_string()
+            }
+        };
+        let line = match e.kind() {
+            ValidationErrorKind::Required { property } => {
+                let field = format!("{path}/{}", property.as_str().unwrap_or_default());
+                format!("`{field}` is required ({})", expected(schema, &field))
+            }
+            ValidationErrorKind::AdditionalProperties { unexpected } => format!(
+                "{} not accepted at `{}`",
+                unexpected
+                    .iter()
+                    .map(|u| format!("`{u}`"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                shown(&path)
+            ),
+            _ => format!("`{}` expects {}", shown(&path), expected(schema, &path)),
+        };
+        if !out.contains(&line) {
+            out.push(line);
+        }
+    }
+    out
+}
+
 /// Layer A. Returns the repaired arguments and what changed (empty when nothing did).
 pub(crate) fn coerce(schema: &Value, args: &Value) -> (Value, Vec<Change>) {
     let mut current = args.clone();
@@ -114,6 +182,36 @@ pub(crate) fn note(changes: &[Change]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_diagnosis_names_fields_and_types_and_never_values() {
+        let schema = serde_json::json!({"type": "object", "required": ["path", "mode"],
+            "properties": {"path": {"type": "string"}, "count": {"type": "integer"},
+                           "mode": {"enum": ["fast", "slow"]}},
+            "additionalProperties": false});
+        let lines = diagnose(
+            &schema,
+            &serde_json::json!({"path": 42, "count": "secret-value", "extra": true}),
+        );
+        assert!(
+            lines.contains(&"`/path` expects string".to_string()),
+            "{lines:?}"
+        );
+        assert!(
+            lines.contains(&"`/count` expects integer".to_string()),
+            "{lines:?}"
+        );
+        assert!(
+            lines.contains(&"`/mode` is required (one of \"fast\", \"slow\")".to_string()),
+            "{lines:?}"
+        );
+        assert!(
+            lines.iter().any(|l| l.contains("`extra` not accepted")),
+            "{lines:?}"
+        );
+        assert!(!lines.concat().contains("secret-value"));
+        assert!(diagnose(&schema, &serde_json::json!({"path": "a", "mode": "fast"})).is_empty());
+    }
     use serde_json::json;
 
     fn schema() -> Value {
