@@ -22,6 +22,7 @@ mod harness;
 mod hooks;
 mod locks;
 mod machine;
+mod output;
 mod prompt;
 mod record;
 mod send;

@@ -43,9 +43,14 @@
 //! | Ready, Generated | `GenerationFinished`, calls | Generated | [`NoteRecovered`], `DispatchCalls` |
 //! | Ready, Generated | `GenerationFinished`, text only | Generated | [`NoteRecovered`], `CheckSteering` |
 //! | Generated | `SteeringChecked` (waiting) | Running (Advance) | Advance |
-//! | Generated | `SteeringChecked` (none) | Completed (the text) | `Finalize` |
+//! | Generated | `SteeringChecked` (none), text contract | Completed (the text) | `Finalize` |
+//! | Generated | `SteeringChecked` (none), JSON contract | Generated | `ValidateOutput` |
+//! | Generated | `OutputChecked`, valid | Completed (the value) | `Finalize` |
+//! | Generated | `OutputChecked`, invalid, retries left | Running (Advance) | `NoteNudge`, Advance |
+//! | Generated | `OutputChecked`, invalid, none left | Failed (`output_contract_invalid`, raw kept) | `Finalize` |
 //! | Generated | `CallsClosed`, stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
 //! | Generated | `CallsClosed`, some pending | Parked | `SaveRecord`, `SetAwaiting` |
+//! | Generated | `CallsClosed`, all closed, a result submitted | Generated | `ValidateOutput` |
 //! | Generated | `CallsClosed`, all closed, an ask accepted | Generated | `CheckSteering` |
 //! | Generated | `CallsClosed`, all closed | Running (Advance) | Advance |
 //! | Parked | `CallSettled`, none pending | Running (Advance) | Advance |
@@ -66,6 +71,7 @@ use harness_types::api::{ParentLink, TurnStatus};
 use harness_types::message::{ContentBlock, ErrorKind};
 use serde_json::{json, Value};
 
+use crate::output;
 use crate::record::{
     CallState, Failure, FailurePhase, GeneratedStep, GenerationError, TurnOptions, TurnRecord,
     TurnStopReason,
@@ -184,6 +190,11 @@ pub(crate) enum Input {
     GenerationFinished(Box<Finished>),
     /// Whether steering messages wait (asked after a text-only answer).
     SteeringChecked { waiting: bool, text: String },
+    /// The step's result checked against the output contract: the value, or why it was not
+    /// accepted and the raw value.
+    OutputChecked {
+        verdict: Result<Value, (String, Value)>,
+    },
     /// Every call of the step was taken as far as it goes; a stop leaves `unreached` the calls
     /// it never got to.
     CallsClosed {
@@ -231,6 +242,10 @@ pub(crate) enum Effect {
     DispatchCalls { cut: Option<&'static str> },
     /// Ask whether steering messages wait.
     CheckSteering,
+    /// Check the step's result against the output contract.
+    ValidateOutput,
+    /// The nudge after a result the contract refused (`attempt` from 1).
+    NoteNudge { attempt: u32, error: String },
     /// The `max_turns` notice in the transcript.
     NoteMaxTurns,
     /// The recovery record and the nudge of a transient resume (`attempt` from 1).
@@ -281,6 +296,7 @@ impl Input {
             Input::StopObserved => "StopObserved",
             Input::GenerationFinished(_) => "GenerationFinished",
             Input::SteeringChecked { .. } => "SteeringChecked",
+            Input::OutputChecked { .. } => "OutputChecked",
             Input::CallsClosed { .. } => "CallsClosed",
             Input::CallSettled => "CallSettled",
             Input::StopRequested { .. } => "StopRequested",
@@ -317,6 +333,9 @@ pub(crate) fn seeded(seed: Seed) -> TurnRecord {
         failed_calls: Default::default(),
         noted_repairs: Vec::new(),
         ask_step: None,
+        output_mode: None,
+        validation_retries: 0,
+        submitted: None,
         created_at: seed.now,
         updated_at: seed.now,
     }
@@ -569,8 +588,40 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
         Input::SteeringChecked { waiting, text } if phase == Phase::Generated => Ok(if waiting {
             // Steering arrived while the model was answering: it gets to react.
             advance(rec, vec![])
+        } else if output::json_contract(&rec.options.output).is_some() {
+            to(rec, vec![Effect::ValidateOutput])
         } else {
             finish(complete(rec, json!(text)))
+        }),
+        Input::OutputChecked { verdict } if phase == Phase::Generated => Ok(match verdict {
+            Ok(value) => finish(complete(rec, value)),
+            Err((error, raw)) => {
+                let max = rec
+                    .options
+                    .max_validation_retries
+                    .unwrap_or(output::DEFAULT_MAX_VALIDATION_RETRIES);
+                if rec.validation_retries < max {
+                    let mut rec = rec;
+                    rec.validation_retries += 1;
+                    let note = Effect::NoteNudge {
+                        attempt: rec.validation_retries,
+                        error,
+                    };
+                    advance(rec, vec![note])
+                } else {
+                    let mut rec = fail(
+                        rec,
+                        failure(
+                            "harness.output_contract_invalid",
+                            FailurePhase::OutputValidation,
+                            "The result did not satisfy the output contract.",
+                            Some(error),
+                        ),
+                    );
+                    rec.result = Some(raw);
+                    finish(rec)
+                }
+            }
         }),
         Input::CallsClosed { stopped, unreached } if phase == Phase::Generated => Ok(if stopped {
             to(
@@ -581,6 +632,9 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
             let mut rec = rec;
             rec.status = TurnStatus::AwaitingFunctions;
             to(rec, vec![Effect::SaveRecord, Effect::SetAwaiting])
+        } else if rec.submitted.as_ref().is_some_and(|s| s.step == rec.step) {
+            // A submitted result is checked first: it ends the turn or earns a nudge.
+            to(rec, vec![Effect::ValidateOutput])
         } else if rec.ask_step == Some(rec.step) {
             // The turn ends on the question, like a text-only answer (steering still advances).
             to(rec, vec![Effect::CheckSteering])

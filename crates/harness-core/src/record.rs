@@ -27,6 +27,9 @@ pub struct TurnOptions {
     pub provider_options: Option<Value>,
     #[serde(default)]
     pub output: OutputContract,
+    /// Nudges an invalid result gets (None: the default, 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_validation_retries: Option<u32>,
     /// None = deny every call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub functions: Option<FunctionPolicy>,
@@ -363,6 +366,8 @@ pub enum FailurePhase {
     ContextAssembly,
     PreGenerate,
     Generation,
+    /// The result did not satisfy the turn's output contract.
+    OutputValidation,
     /// Anything else the loop ran into (an internal error, a lost record).
     Execution,
 }
@@ -375,6 +380,7 @@ impl FailurePhase {
             FailurePhase::ContextAssembly => "context_assembly",
             FailurePhase::PreGenerate => "pre_generate",
             FailurePhase::Generation => "generation",
+            FailurePhase::OutputValidation => "output_validation",
             FailurePhase::Execution => "execution",
         }
     }
@@ -456,6 +462,15 @@ pub struct TurnRecord {
     /// Repeated-failure breaker ledger, reset on each new turn.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub failed_calls: BTreeMap<String, FailedCall>,
+    /// How a JSON output contract reaches the model, chosen at the first generation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_mode: Option<crate::output::OutputMode>,
+    /// Nudges spent on results that did not satisfy the output contract.
+    #[serde(default)]
+    pub validation_retries: u32,
+    /// The latest `submit_result` call, as answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submitted: Option<crate::output::Submitted>,
     /// The step whose `harness::ask` was accepted: the turn ends on the question, and a
     /// redelivered step still does (and still refuses a second ask).
     #[serde(default, skip_serializing_if = "Option::is_none")]

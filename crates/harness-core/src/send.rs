@@ -128,12 +128,6 @@ fn validate_options(o: &SendOptions) -> Result<()> {
             "options.mode",
             o.mode.is_some_and(|m| m != harness_types::api::Mode::Agent),
         ),
-        (
-            "options.output",
-            o.output
-                .as_ref()
-                .is_some_and(|c| *c != harness_types::api::OutputContract::Text),
-        ),
     ];
     if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
         return Err(not_supported(field));
@@ -514,6 +508,7 @@ impl Harness {
             thinking_level,
             provider_options,
             output: o.output.clone().unwrap_or_default(),
+            max_validation_retries: o.max_validation_retries,
             functions: o
                 .functions
                 .clone()

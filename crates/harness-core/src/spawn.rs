@@ -133,12 +133,6 @@ impl Harness {
                 "options.mode",
                 o.mode.is_some_and(|m| m != harness_types::api::Mode::Agent),
             ),
-            (
-                "options.output",
-                o.output
-                    .as_ref()
-                    .is_some_and(|c| *c != harness_types::api::OutputContract::Text),
-            ),
         ];
         if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
             return Err(crate::send::not_supported(field));
@@ -186,6 +180,7 @@ impl Harness {
                 .or(parent_opts.and_then(|p| p.thinking_level)),
             provider_options: None,
             output: o.output.clone().unwrap_or_default(),
+            max_validation_retries: o.max_validation_retries,
             functions: child_policy(
                 parent_opts.and_then(|p| p.functions.as_ref()),
                 o.functions.as_ref(),

@@ -22,6 +22,7 @@ use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::locks::SessionGuard;
 use crate::machine::{self, CallRef, ContextRefusal, Effect, Finished, Input};
+use crate::output;
 use crate::prompt;
 use crate::record::TurnRecord;
 use crate::stream::Generation;
@@ -163,6 +164,16 @@ impl Harness {
                             .collect();
                         input = Some(Input::CallsClosed { stopped, unreached });
                     }
+                    Effect::ValidateOutput => {
+                        let text = ctx
+                            .message
+                            .as_ref()
+                            .map(|m| harness_types::message::joined_text(&m.content))
+                            .unwrap_or_default();
+                        input = Some(Input::OutputChecked {
+                            verdict: output::verdict(r, &text),
+                        });
+                    }
                     Effect::CheckSteering => {
                         let waiting = !self.queued(&sid).await?.is_empty();
                         let text = ctx
@@ -222,6 +233,16 @@ impl Harness {
                     json!({"status": "recovered", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
                     &rec.turn_id,
                 )
+                .await
+                .map(|_| ()),
+            Effect::NoteNudge { attempt, error } => self
+                .append(AppendRequest {
+                    session_id: rec.session_id.clone(),
+                    message: Some(AgentMessage::user_text(output::nudge(&error), now_ms())),
+                    custom: None,
+                    entry_id: Some(ids::nudge_entry(&rec.turn_id, attempt)),
+                    origin: Some(json!({"turn_id": rec.turn_id, "validation": true})),
+                })
                 .await
                 .map(|_| ()),
             Effect::SetAwaiting => {
@@ -366,7 +387,19 @@ impl Harness {
             &sid,
             rec.options.functions.as_ref(),
         );
-        let tools = self.tool_surface(rec).await?;
+        let mut tools = self.tool_surface(rec).await?;
+        let mut response_format = None;
+        if let Some(schema) = output::json_contract(&rec.options.output) {
+            if rec.output_mode.is_none() {
+                rec.output_mode = Some(self.output_mode(rec).await);
+            }
+            match rec.output_mode {
+                Some(output::OutputMode::Native) => {
+                    response_format = Some(output::response_format(schema));
+                }
+                _ => tools.push(output::submit_result_tool(schema)),
+            }
+        }
         let assembled = match self
             .assemble(rec, messages, system_prompt, tools.clone())
             .await
@@ -442,7 +475,7 @@ impl Harness {
             thinking_level: rec.options.thinking_level,
             max_output_tokens: rec.options.max_output_tokens,
             provider_options: rec.options.provider_options.clone(),
-            response_format: None,
+            response_format,
         };
 
         // Generate with the lock released, so `stop` can land mid-stream.
@@ -467,8 +500,12 @@ impl Harness {
         }
         *guard = Some(self.inner.locks.lock(&sid).await);
         let generation = generation?;
-        // The record as it is now: a stop may have finalized it while the model streamed.
-        let now = self.load_record(&sid).await?;
+        // The record as it is now: a stop may have finalized it while the model streamed. The
+        // contract's mode was chosen above and is written with the next record write.
+        let mut now = self.load_record(&sid).await?;
+        if let Some(n) = now.as_mut() {
+            n.output_mode = n.output_mode.or(rec.output_mode);
+        }
         let input = finished(
             rec,
             generation,
@@ -506,6 +543,29 @@ impl Harness {
             None,
             ctx,
         ))
+    }
+
+    /// Provider-native structured output where the catalog says the model has it, else the
+    /// `submit_result` tool.
+    async fn output_mode(&self, rec: &TurnRecord) -> output::OutputMode {
+        let Some(provider) = &rec.options.provider else {
+            return output::OutputMode::SubmitResult;
+        };
+        let asked = self
+            .inner
+            .bus
+            .call(
+                "router::models::supports",
+                json!({"provider": provider, "id": rec.options.model, "capability": "structured_output"}),
+                Some(std::time::Duration::from_millis(
+                    self.config().session_timeout_ms,
+                )),
+            )
+            .await;
+        match asked {
+            Ok(v) if v["supported"] == true => output::OutputMode::Native,
+            _ => output::OutputMode::SubmitResult,
+        }
     }
 
     /// Whether the session has a transcript (a step without a record may be for a session that

@@ -579,15 +579,15 @@ async fn unknown_and_unsupported_fields_are_refused_by_name_never_dropped() {
     );
     let e = call(json!({"message": "hi", "model": "m", "sesion_id": "s"})).await;
     assert!(e.contains("sesion_id"), "{e}");
-    for field in ["max_validation_retries", "agent", "max_cost_usd"] {
+    for field in ["max_total_tokens", "agent", "max_cost_usd"] {
         let e = call(base(json!({ field: 2 }))).await;
         assert!(
             e.contains(&format!("options.{field}: not supported yet")),
             "{field}: {e}"
         );
     }
-    let e = call(base(json!({"output": {"type": "json"}}))).await;
-    assert!(e.contains("options.output: not supported yet"), "{e}");
+    let e = call(base(json!({"mode": "plan"}))).await;
+    assert!(e.contains("options.mode: not supported yet"), "{e}");
     let e = rt
         .bus
         .call(

@@ -137,6 +137,9 @@ pub struct SendOptions {
     pub provider_options: Option<Value>,
     #[serde(default)]
     pub output: Option<OutputContract>,
+    /// Nudges an invalid result gets before the turn fails (default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_validation_retries: Option<u32>,
     /// The fail-closed dispatch policy; omit to deny every call.
     #[serde(default)]
     pub functions: Option<FunctionPolicy>,
@@ -153,8 +156,6 @@ pub struct SendOptions {
     pub agent: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skills: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_validation_retries: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_total_tokens: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -455,8 +456,9 @@ pub struct SpawnOptions {
     pub skills: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filesystem_root: Option<Value>,
+    /// Nudges an invalid result gets before the child's turn fails (default 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_validation_retries: Option<Value>,
+    pub max_validation_retries: Option<u32>,
 }
 
 /// Spawn a sub-agent in a child session.

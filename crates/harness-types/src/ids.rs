@@ -60,6 +60,10 @@ pub fn stopped_entry(turn_id: &str) -> String {
     format!("e_{turn_id}_stopped")
 }
 
+pub fn nudge_entry(turn_id: &str, k: u32) -> String {
+    format!("e_{turn_id}_nudge_{k}")
+}
+
 pub fn max_turns_entry(turn_id: &str) -> String {
     format!("e_{turn_id}_max_turns")
 }

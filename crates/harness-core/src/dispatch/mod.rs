@@ -167,6 +167,8 @@ pub enum Refusal {
     Cancelled,
     /// `harness::ask` refused (no human, a second ask, bad arguments).
     AskRefused,
+    /// A `submit_result` value the output contract refused.
+    InvalidResult,
     /// The control-plane wall: no model may call it, whatever its policy says.
     ControlPlane,
     /// A pending call waited past its timeout.
@@ -186,6 +188,7 @@ impl Refusal {
             Refusal::HookDenied => "hook_denied",
             Refusal::Cancelled => "cancelled",
             Refusal::AskRefused => "ask_refused",
+            Refusal::InvalidResult => "invalid_result",
             Refusal::ControlPlane => "control_plane",
             Refusal::PendingTimeout => "pending_timeout",
             Refusal::ChildLost => "child_lost",
@@ -496,7 +499,13 @@ impl Harness {
     ) -> Result<Dispatched> {
         let policy = Policy::new(rec.options.functions.as_ref());
         let turn_id = rec.turn_id.clone();
-        for call in calls {
+        // A submitted result is taken after the other calls of its message have run.
+        let submits = |c: &&PlannedCall| c.function_id == crate::output::SUBMIT_RESULT;
+        let ordered = calls
+            .iter()
+            .filter(|c| !submits(c))
+            .chain(calls.iter().filter(submits));
+        for call in ordered {
             match rec.calls.get(&call.id).map(CallCheckpoint::state) {
                 Some(CallState::Done) | Some(CallState::Pending) => continue,
                 Some(CallState::Triggered) => {
@@ -507,6 +516,15 @@ impl Harness {
             }
             if cancel.is_cancelled() {
                 return Ok(Dispatched::Cancelled);
+            }
+            if call.function_id == crate::output::SUBMIT_RESULT
+                && crate::output::json_contract(&rec.options.output).is_some()
+                && !degraded(&call.arguments)
+                && cut.is_none()
+            {
+                // The contract's own tool: answered here, never dispatched.
+                self.answer_submit(rec, call).await?;
+                continue;
             }
             if call.function_id == tools::AGENT_TRIGGER {
                 let text = "agent_trigger needs a target: call it as {\"function\": \"<function id>\", \"description\": \"…\", \"payload\": {…}}";
@@ -794,6 +812,33 @@ impl Harness {
 }
 
 impl Harness {
+    /// `submit_result`: validates the value; the result says whether it was recorded, and the
+    /// step's end checks it against the contract (accept, nudge or fail).
+    async fn answer_submit(&self, rec: &mut TurnRecord, call: &PlannedCall) -> Result<()> {
+        let turn_id = rec.turn_id.clone();
+        let schema = crate::output::json_contract(&rec.options.output).flatten();
+        let error = crate::output::validate(schema, &call.arguments).err();
+        rec.submitted = Some(crate::output::Submitted {
+            step: rec.step,
+            value: call.arguments.clone(),
+            error: error.clone(),
+        });
+        let closing = match error {
+            None => Closing {
+                content: vec![ContentBlock::text("result recorded")],
+                details: json!({"recorded": true}),
+                is_error: false,
+                origin: json!({"turn_id": turn_id}),
+            },
+            Some(e) => {
+                let mut c = Closing::refusal(call, &turn_id, Refusal::InvalidResult, e);
+                c.details["recorded"] = json!(false);
+                c
+            }
+        };
+        self.close_call(rec, call, closing).await
+    }
+
     /// For a failed call whose arguments still break the target's schema (repair could not fix
     /// them): one note naming the fields and what they expect, once per turn and call pattern.
     async fn diagnosis(
@@ -1063,6 +1108,7 @@ mod tests {
             Refusal::HookDenied,
             Refusal::Cancelled,
             Refusal::AskRefused,
+            Refusal::InvalidResult,
             Refusal::ControlPlane,
             Refusal::PendingTimeout,
             Refusal::ChildLost,

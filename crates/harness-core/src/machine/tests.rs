@@ -139,6 +139,9 @@ fn inputs() -> Vec<Input> {
             waiting: false,
             text: "hi".into(),
         },
+        Input::OutputChecked {
+            verdict: Ok(json!(1)),
+        },
         Input::CallsClosed {
             stopped: false,
             unreached: vec![],
@@ -156,17 +159,18 @@ fn inputs() -> Vec<Input> {
 
 /// Which (phase, input) pairs are legal, as the module's table says. `x` = legal, `.` = refused.
 /// Columns follow [`inputs`]: Send, EnqueueFailed, RecordMissing, StepDelivered, Prepared,
-/// ContextRefused, StopObserved, GenerationFinished, SteeringChecked, CallsClosed, CallSettled,
+/// ContextRefused, StopObserved, GenerationFinished, SteeringChecked, OutputChecked, CallsClosed,
+/// CallSettled,
 /// StopRequested, Stop, Recover, InternalError.
 const LEGAL: [(At, &str); 8] = [
-    (At::None, "x.x....x..xxx.."),
-    (At::Ready0, "xx.xxxxx..xxxxx"),
-    (At::Ready, "x..xxxxx..xxxxx"),
-    (At::Generated, "x..x...xxxxxxxx"),
-    (At::Parked, "x..x......xxxxx"),
-    (At::Completed, "x..x...x..xxxxx"),
-    (At::Failed, "x..x...x..xxxxx"),
-    (At::Cancelled, "x..x...x..xxxxx"),
+    (At::None, "x.x....x...xxx.."),
+    (At::Ready0, "xx.xxxxx...xxxxx"),
+    (At::Ready, "x..xxxxx...xxxxx"),
+    (At::Generated, "x..x...xxxxxxxxx"),
+    (At::Parked, "x..x.......xxxxx"),
+    (At::Completed, "x..x...x...xxxxx"),
+    (At::Failed, "x..x...x...xxxxx"),
+    (At::Cancelled, "x..x...x...xxxxx"),
 ];
 
 #[test]
@@ -580,6 +584,80 @@ fn after_the_answer_steering_advances_and_silence_completes() {
         &[Finalize],
     );
     assert_eq!(t.record.unwrap().result, Some(json!("hi")));
+}
+
+#[test]
+fn a_json_contract_validates_then_completes_nudges_or_fails_keeping_the_raw_value() {
+    use Effect::*;
+    let contract = |mut r: TurnRecord| {
+        r.options.output = harness_types::api::OutputContract::Json { schema: None };
+        r.options.max_validation_retries = Some(1);
+        r
+    };
+    let generated = contract(record(At::Generated).unwrap());
+    let t = next(
+        Some(generated.clone()),
+        Input::SteeringChecked {
+            waiting: false,
+            text: "{}".into(),
+        },
+    )
+    .unwrap();
+    assert_eq!(t.effects, [ValidateOutput]);
+    let t = next(
+        Some(generated.clone()),
+        Input::OutputChecked {
+            verdict: Ok(json!({"a": 1})),
+        },
+    )
+    .unwrap();
+    assert_eq!(t.effects, [Finalize]);
+    assert_eq!(t.record.unwrap().result, Some(json!({"a": 1})));
+    let refused = || Input::OutputChecked {
+        verdict: Err(("result is not valid JSON".into(), json!("oops"))),
+    };
+    let t = next(Some(generated.clone()), refused()).unwrap();
+    assert_eq!(
+        t.effects,
+        [
+            NoteNudge {
+                attempt: 1,
+                error: "result is not valid JSON".into()
+            },
+            SaveRecord,
+            EnqueueStep
+        ]
+    );
+    let mut spent = generated.clone();
+    spent.validation_retries = 1;
+    let t = next(Some(spent), refused()).unwrap();
+    assert_eq!(t.effects, [Finalize]);
+    let r = t.record.unwrap();
+    let f = r.failure.clone().unwrap();
+    assert_eq!(
+        (f.code.as_str(), f.phase),
+        (
+            "harness.output_contract_invalid",
+            FailurePhase::OutputValidation
+        )
+    );
+    assert_eq!(r.result, Some(json!("oops")), "the raw value is kept");
+    // A result submitted in this step is checked before anything else.
+    let mut submitted = generated;
+    submitted.submitted = Some(crate::output::Submitted {
+        step: 1,
+        value: json!({}),
+        error: None,
+    });
+    let t = next(
+        Some(submitted),
+        Input::CallsClosed {
+            stopped: false,
+            unreached: vec![],
+        },
+    )
+    .unwrap();
+    assert_eq!(t.effects, [ValidateOutput]);
 }
 
 #[test]

@@ -29,6 +29,7 @@
 pub mod anthropic;
 pub mod openai_chat;
 pub mod openai_responses;
+mod structured;
 mod wire;
 
 use std::collections::BTreeMap;

@@ -170,7 +170,7 @@ impl OpenAiChatProvider {
             body["reasoning_effort"] = json!(effort);
         }
         if let Some(rf) = &req.response_format {
-            body["response_format"] = rf.clone();
+            body["response_format"] = super::structured::chat_completions_format(rf);
         }
         let family = if self.openai {
             "openai"

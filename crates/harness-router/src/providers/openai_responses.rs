@@ -178,7 +178,12 @@ impl OpenAiResponsesProvider {
         {
             body["prompt_cache_key"] = json!(d);
         }
-        if let Some(rf) = &req.response_format {
+        if let Some(rf) = req
+            .response_format
+            .as_ref()
+            .map(super::structured::chat_completions_format)
+        {
+            let rf = &rf;
             // Chat Completions' `{"type":"json_schema","json_schema":{name, schema, strict}}`
             // is `text.format` with the schema fields inlined here.
             let format = match rf.get("json_schema") {
