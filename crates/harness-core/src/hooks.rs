@@ -27,15 +27,17 @@ pub enum HookPoint {
     PostGenerate,
     PreTrigger,
     PostTrigger,
+    PostTurn,
 }
 
 impl HookPoint {
-    pub const ALL: [HookPoint; 5] = [
+    pub const ALL: [HookPoint; 6] = [
         HookPoint::PreTurn,
         HookPoint::PreGenerate,
         HookPoint::PostGenerate,
         HookPoint::PreTrigger,
         HookPoint::PostTrigger,
+        HookPoint::PostTurn,
     ];
 
     /// The trigger type id bindings are made for.
@@ -46,6 +48,7 @@ impl HookPoint {
             HookPoint::PostGenerate => "harness::hook::post-generate",
             HookPoint::PreTrigger => "harness::hook::pre-trigger",
             HookPoint::PostTrigger => "harness::hook::post-trigger",
+            HookPoint::PostTurn => "harness::hook::post-turn",
         }
     }
 
@@ -57,6 +60,7 @@ impl HookPoint {
             HookPoint::PostGenerate => "post_generate",
             HookPoint::PreTrigger => "pre_trigger",
             HookPoint::PostTrigger => "post_trigger",
+            HookPoint::PostTurn => "post_turn",
         }
     }
 
@@ -67,6 +71,7 @@ impl HookPoint {
             HookPoint::PostGenerate => "Synchronous hook: after the final assistant message update. Observe only.",
             HookPoint::PreTrigger => "Synchronous hook: after the allow/deny policy passes, before the target is invoked. May deny, hold, or rewrite arguments.",
             HookPoint::PostTrigger => "Synchronous hook: after the target returns, before the result is appended. May rewrite content/details/is_error, or hold.",
+            HookPoint::PostTurn => "Synchronous hook: when a turn would complete, on its (contract-valid) result. A deny re-prompts the model under the validation budget (retry_prompt verbatim when the binding gives one).",
         }
     }
 
@@ -74,9 +79,11 @@ impl HookPoint {
     /// undo it.
     fn default_on_error(self) -> OnError {
         match self {
-            HookPoint::PreTurn | HookPoint::PreGenerate | HookPoint::PreTrigger => {
-                OnError::FailClosed
-            }
+            // A post-turn hook is a gate on the result: broken, it must not wave it through.
+            HookPoint::PreTurn
+            | HookPoint::PreGenerate
+            | HookPoint::PreTrigger
+            | HookPoint::PostTurn => OnError::FailClosed,
             HookPoint::PostGenerate | HookPoint::PostTrigger => OnError::FailOpen,
         }
     }
@@ -88,7 +95,10 @@ impl HookPoint {
     fn may_deny(self) -> bool {
         matches!(
             self,
-            HookPoint::PreTurn | HookPoint::PreGenerate | HookPoint::PreTrigger
+            HookPoint::PreTurn
+                | HookPoint::PreGenerate
+                | HookPoint::PreTrigger
+                | HookPoint::PostTurn
         )
     }
 }
@@ -113,9 +123,13 @@ pub struct HookBindingConfig {
     /// Default 5000.
     #[serde(default)]
     pub timeout_ms: Option<u64>,
-    /// Default: fail_closed for pre-*, fail_open for post-*.
+    /// Default: fail_closed for pre-* and post-turn, fail_open for post-generate and post-trigger.
     #[serde(default)]
     pub on_error: Option<OnError>,
+    /// Post-turn: the re-prompt after this hook denies, verbatim (`{reason}` and `{value}` are
+    /// replaced); default: the validation nudge.
+    #[serde(default)]
+    pub retry_prompt: Option<String>,
 }
 
 pub(crate) fn trigger_types() -> Vec<TriggerTypeDef> {
@@ -147,6 +161,7 @@ pub(crate) struct Hook {
     pub on_error: OnError,
     functions: Option<Vec<String>>,
     pub inject_prompt: Option<String>,
+    pub retry_prompt: Option<String>,
 }
 
 impl Hook {
@@ -158,6 +173,7 @@ impl Hook {
             timeout: Duration::from_millis(c.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)),
             on_error: c.on_error.unwrap_or(point.default_on_error()),
             functions: c.functions.filter(|f| !f.is_empty()),
+            retry_prompt: c.retry_prompt,
             inject_prompt: b
                 .metadata
                 .get("inject_prompt")
@@ -205,6 +221,8 @@ pub(crate) struct ChainOutcome {
     pub annotations: Map<String, Value>,
     /// Static `inject_prompt` texts (pre-generate).
     pub injected: Vec<String>,
+    /// The denying hook's `retry_prompt` (post-turn).
+    pub retry_prompt: Option<String>,
 }
 
 /// What a hook may decide.
@@ -268,7 +286,7 @@ fn apply_mutations(point: HookPoint, payload: &mut Value, mutations: &Value) {
                 }
             }
         }
-        HookPoint::PreTurn | HookPoint::PostGenerate => {}
+        HookPoint::PreTurn | HookPoint::PostGenerate | HookPoint::PostTurn => {}
     }
 }
 
@@ -312,6 +330,7 @@ impl Harness {
             payload,
             annotations: Map::new(),
             injected: vec![],
+            retry_prompt: None,
         };
         for hook in hooks.iter().skip(start) {
             if !hook.applies_to(function_id) {
@@ -350,6 +369,7 @@ impl Harness {
                     OnError::FailClosed => {
                         out.decision =
                             Decision::Deny(format!("hook {} failed: {why}", hook.function_id));
+                        out.retry_prompt = hook.retry_prompt.clone();
                         return Ok(out);
                     }
                 },
@@ -367,6 +387,7 @@ impl Harness {
                 HookDecision::Deny if point.may_deny() => {
                     let reason = answer.reason.unwrap_or_else(|| "denied by hook".into());
                     out.decision = Decision::Deny(reason);
+                    out.retry_prompt = hook.retry_prompt.clone();
                     return Ok(out);
                 }
                 HookDecision::Hold if point.may_hold() => {

@@ -33,7 +33,8 @@
 //! | Ready | `StepDelivered` | Ready | `Prepare` |
 //! | Generated | `StepDelivered` | Generated | `ResumeAtCalls` |
 //! | Ready | `Prepared` (pre-turn denied) | Failed (`pre_turn_denied`) | `Finalize` |
-//! | Ready | `Prepared`, `max_turns` used up | Completed (`max_turns`) | `NoteMaxTurns`, `Finalize` |
+//! | Ready | `Prepared`, `max_turns` used up | Ready | `NoteMaxTurns`, `PostTurn` |
+//! | Ready | `PostTurnChecked` (pass / deny) | Completed (`max_turns`) / Failed | `Finalize` |
 //! | Ready | `Prepared` | Ready | `Generate` |
 //! | Ready | `ContextRefused` | Failed (overflow, empty, pre-generate denied) | `Finalize` |
 //! | Ready | `StopObserved` | Cancelled | `Finalize` |
@@ -43,11 +44,12 @@
 //! | Ready, Generated | `GenerationFinished`, calls | Generated | [`NoteRecovered`], `DispatchCalls` |
 //! | Ready, Generated | `GenerationFinished`, text only | Generated | [`NoteRecovered`], `CheckSteering` |
 //! | Generated | `SteeringChecked` (waiting) | Running (Advance) | Advance |
-//! | Generated | `SteeringChecked` (none), text contract | Completed (the text) | `Finalize` |
+//! | Generated | `SteeringChecked` (none), text contract | Generated | `PostTurn` (the text) |
 //! | Generated | `SteeringChecked` (none), JSON contract | Generated | `ValidateOutput` |
-//! | Generated | `OutputChecked`, valid | Completed (the value) | `Finalize` |
-//! | Generated | `OutputChecked`, invalid, retries left | Running (Advance) | `NoteNudge`, Advance |
-//! | Generated | `OutputChecked`, invalid, none left | Failed (`output_contract_invalid`, raw kept) | `Finalize` |
+//! | Generated | `OutputChecked`, valid | Generated | `PostTurn` (the value) |
+//! | Generated | `OutputChecked` invalid, or `PostTurnChecked` denied, retries left | Running (Advance) | `NoteNudge`, Advance |
+//! | Generated | the same, no retry left | Failed (`output_contract_invalid`, raw kept) | `Finalize` |
+//! | Generated | `PostTurnChecked`, passed | Completed (the result) | `Finalize` |
 //! | Generated | `CallsClosed`, stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
 //! | Generated | `CallsClosed`, some pending | Parked | `SaveRecord`, `SetAwaiting` |
 //! | Generated | `CallsClosed`, all closed, a result submitted | Generated | `ValidateOutput` |
@@ -190,6 +192,12 @@ pub(crate) enum Input {
     GenerationFinished(Box<Finished>),
     /// Whether steering messages wait (asked after a text-only answer).
     SteeringChecked { waiting: bool, text: String },
+    /// The post-turn hooks ran on the result the turn would complete with (`denied`: the
+    /// first deny's reason and the denying binding's `retry_prompt`).
+    PostTurnChecked {
+        result: Value,
+        denied: Option<(String, Option<String>)>,
+    },
     /// The step's result checked against the output contract: the value, or why it was not
     /// accepted and the raw value.
     OutputChecked {
@@ -244,8 +252,10 @@ pub(crate) enum Effect {
     CheckSteering,
     /// Check the step's result against the output contract.
     ValidateOutput,
-    /// The nudge after a result the contract refused (`attempt` from 1).
-    NoteNudge { attempt: u32, error: String },
+    /// The nudge after a result the contract or a post-turn hook refused (`attempt` from 1).
+    NoteNudge { attempt: u32, text: String },
+    /// Run the post-turn hooks on the result the turn would complete with.
+    PostTurn { result: Value },
     /// The `max_turns` notice in the transcript.
     NoteMaxTurns,
     /// The recovery record and the nudge of a transient resume (`attempt` from 1).
@@ -297,6 +307,7 @@ impl Input {
             Input::GenerationFinished(_) => "GenerationFinished",
             Input::SteeringChecked { .. } => "SteeringChecked",
             Input::OutputChecked { .. } => "OutputChecked",
+            Input::PostTurnChecked { .. } => "PostTurnChecked",
             Input::CallsClosed { .. } => "CallsClosed",
             Input::CallSettled => "CallSettled",
             Input::StopRequested { .. } => "StopRequested",
@@ -539,9 +550,12 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
             )),
             None if rec.turn_count >= rec.options.max_turns => {
                 let text = max_turns_text(rec.options.max_turns);
-                let mut rec = complete(rec, json!(text));
+                let mut rec = rec;
                 rec.stop_reason = Some(TurnStopReason::MaxTurns);
-                to(rec, vec![Effect::NoteMaxTurns, Effect::Finalize])
+                let gate = Effect::PostTurn {
+                    result: json!(text),
+                };
+                to(rec, vec![Effect::NoteMaxTurns, gate])
             }
             None => to(rec, vec![Effect::Generate]),
         }),
@@ -591,36 +605,48 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
         } else if output::json_contract(&rec.options.output).is_some() {
             to(rec, vec![Effect::ValidateOutput])
         } else {
-            finish(complete(rec, json!(text)))
+            let gate = Effect::PostTurn {
+                result: json!(text),
+            };
+            to(rec, vec![gate])
         }),
         Input::OutputChecked { verdict } if phase == Phase::Generated => Ok(match verdict {
-            Ok(value) => finish(complete(rec, value)),
+            Ok(result) => to(rec, vec![Effect::PostTurn { result }]),
             Err((error, raw)) => {
-                let max = rec
-                    .options
-                    .max_validation_retries
-                    .unwrap_or(output::DEFAULT_MAX_VALIDATION_RETRIES);
-                if rec.validation_retries < max {
-                    let mut rec = rec;
-                    rec.validation_retries += 1;
-                    let note = Effect::NoteNudge {
-                        attempt: rec.validation_retries,
-                        error,
+                let text = output::nudge(&error);
+                refused(rec, error, text, raw)
+            }
+        }),
+        Input::PostTurnChecked { result, denied } if phase == Phase::Generated => {
+            Ok(match denied {
+                None => finish(complete(rec, result)),
+                Some((reason, retry_prompt)) => {
+                    let text = match retry_prompt {
+                        Some(p) => p
+                            .replace("{reason}", &reason)
+                            .replace("{value}", &compact(&result)),
+                        None => output::nudge(&reason),
                     };
-                    advance(rec, vec![note])
-                } else {
-                    let mut rec = fail(
-                        rec,
-                        failure(
-                            "harness.output_contract_invalid",
-                            FailurePhase::OutputValidation,
-                            "The result did not satisfy the output contract.",
-                            Some(error),
-                        ),
-                    );
-                    rec.result = Some(raw);
-                    finish(rec)
+                    let error = format!("a post_turn hook refused the result: {reason}");
+                    refused(rec, error, text, result)
                 }
+            })
+        }
+        // The max_turns notice at the start of a step: there is no generation left to re-prompt.
+        Input::PostTurnChecked { result, denied } if phase == Phase::Ready => Ok(match denied {
+            None => finish(complete(rec, result)),
+            Some((reason, _)) => {
+                let mut rec = fail(
+                    rec,
+                    failure(
+                        "harness.output_contract_invalid",
+                        FailurePhase::OutputValidation,
+                        "The result did not satisfy the output contract.",
+                        Some(format!("a post_turn hook refused the result: {reason}")),
+                    ),
+                );
+                rec.result = Some(result);
+                finish(rec)
             }
         }),
         Input::CallsClosed { stopped, unreached } if phase == Phase::Generated => Ok(if stopped {
@@ -696,6 +722,42 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
             ))
         }),
         other => Err(illegal(&other)),
+    }
+}
+
+/// A result the contract or a post-turn hook refused: a nudge and another generation while the
+/// validation budget lasts, then a failure that keeps the raw value.
+fn refused(rec: TurnRecord, error: String, nudge: String, raw: Value) -> Transition {
+    let max = rec
+        .options
+        .max_validation_retries
+        .unwrap_or(output::DEFAULT_MAX_VALIDATION_RETRIES);
+    if rec.validation_retries < max {
+        let mut rec = rec;
+        rec.validation_retries += 1;
+        let note = Effect::NoteNudge {
+            attempt: rec.validation_retries,
+            text: nudge,
+        };
+        return advance(rec, vec![note]);
+    }
+    let mut rec = fail(
+        rec,
+        failure(
+            "harness.output_contract_invalid",
+            FailurePhase::OutputValidation,
+            "The result did not satisfy the output contract.",
+            Some(error),
+        ),
+    );
+    rec.result = Some(raw);
+    finish(rec)
+}
+
+fn compact(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
     }
 }
 

@@ -164,6 +164,9 @@ impl Harness {
                             .collect();
                         input = Some(Input::CallsClosed { stopped, unreached });
                     }
+                    Effect::PostTurn { result } => {
+                        input = Some(self.post_turn(r, result).await?);
+                    }
                     Effect::ValidateOutput => {
                         let text = ctx
                             .message
@@ -235,10 +238,10 @@ impl Harness {
                 )
                 .await
                 .map(|_| ()),
-            Effect::NoteNudge { attempt, error } => self
+            Effect::NoteNudge { attempt, text } => self
                 .append(AppendRequest {
                     session_id: rec.session_id.clone(),
-                    message: Some(AgentMessage::user_text(output::nudge(&error), now_ms())),
+                    message: Some(AgentMessage::user_text(text, now_ms())),
                     custom: None,
                     entry_id: Some(ids::nudge_entry(&rec.turn_id, attempt)),
                     origin: Some(json!({"turn_id": rec.turn_id, "validation": true})),
@@ -543,6 +546,32 @@ impl Harness {
             None,
             ctx,
         ))
+    }
+
+    /// The post-turn gate: the hooks see the result the turn would complete with; the first deny
+    /// (or a broken fail-closed hook) refuses it.
+    async fn post_turn(&self, rec: &TurnRecord, result: Value) -> Result<Input> {
+        if self.hooks(HookPoint::PostTurn).await?.is_empty() {
+            return Ok(Input::PostTurnChecked {
+                result,
+                denied: None,
+            });
+        }
+        let mut env = hooks::envelope(
+            HookPoint::PostTurn,
+            &rec.session_id,
+            &rec.turn_id,
+            rec.step,
+            rec.depth,
+            rec.options.metadata.as_ref(),
+        );
+        env["result"] = result.clone();
+        let chain = self.run_hooks(HookPoint::PostTurn, env, None, None).await?;
+        let denied = match chain.decision {
+            Decision::Deny(reason) => Some((reason, chain.retry_prompt)),
+            _ => None,
+        };
+        Ok(Input::PostTurnChecked { result, denied })
     }
 
     /// Provider-native structured output where the catalog says the model has it, else the

@@ -630,3 +630,42 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
     );
     assert_eq!(result.details, json!({"ok": true}));
 }
+
+#[tokio::test]
+async fn a_post_turn_deny_reprompts_with_its_retry_prompt_then_the_result_completes() {
+    let rt = runtime(
+        json!({"generations": [
+            {"match": {"last_user_text": "^summarize"}, "content": [{"type": "text", "text": "short"}]},
+            {"match": {"last_user_text": "^Be longer"}, "content": [{"type": "text", "text": "a longer summary"}]}
+        ]}),
+        config(),
+    )
+    .await;
+    let seen = hook(&rt, "gate::length", |p| {
+        if p["result"].as_str().is_some_and(|r| r.len() < 10) {
+            json!({"decision": "deny", "reason": "too short"})
+        } else {
+            json!({"decision": "continue"})
+        }
+    });
+    bind(
+        &rt,
+        "post-turn",
+        "gate::length",
+        json!({"retry_prompt": "Be longer: {reason} (you wrote '{value}')"}),
+        json!({}),
+    )
+    .await;
+    let r = rt.harness.send(send("summarize this")).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(s.result, Some(json!("a longer summary")));
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0]["point"], "post_turn");
+    assert_eq!(seen[0]["result"], "short");
+    assert!(rt.messages(&r.session_id).contains(&(
+        "user".to_string(),
+        "Be longer: too short (you wrote 'short')".to_string()
+    )));
+}

@@ -142,6 +142,10 @@ fn inputs() -> Vec<Input> {
         Input::OutputChecked {
             verdict: Ok(json!(1)),
         },
+        Input::PostTurnChecked {
+            result: json!("hi"),
+            denied: None,
+        },
         Input::CallsClosed {
             stopped: false,
             unreached: vec![],
@@ -159,18 +163,18 @@ fn inputs() -> Vec<Input> {
 
 /// Which (phase, input) pairs are legal, as the module's table says. `x` = legal, `.` = refused.
 /// Columns follow [`inputs`]: Send, EnqueueFailed, RecordMissing, StepDelivered, Prepared,
-/// ContextRefused, StopObserved, GenerationFinished, SteeringChecked, OutputChecked, CallsClosed,
-/// CallSettled,
+/// ContextRefused, StopObserved, GenerationFinished, SteeringChecked, OutputChecked,
+/// PostTurnChecked, CallsClosed, CallSettled,
 /// StopRequested, Stop, Recover, InternalError.
 const LEGAL: [(At, &str); 8] = [
-    (At::None, "x.x....x...xxx.."),
-    (At::Ready0, "xx.xxxxx...xxxxx"),
-    (At::Ready, "x..xxxxx...xxxxx"),
-    (At::Generated, "x..x...xxxxxxxxx"),
-    (At::Parked, "x..x.......xxxxx"),
-    (At::Completed, "x..x...x...xxxxx"),
-    (At::Failed, "x..x...x...xxxxx"),
-    (At::Cancelled, "x..x...x...xxxxx"),
+    (At::None, "x.x....x....xxx.."),
+    (At::Ready0, "xx.xxxxx..x.xxxxx"),
+    (At::Ready, "x..xxxxx..x.xxxxx"),
+    (At::Generated, "x..x...xxxxxxxxxx"),
+    (At::Parked, "x..x........xxxxx"),
+    (At::Completed, "x..x...x....xxxxx"),
+    (At::Failed, "x..x...x....xxxxx"),
+    (At::Cancelled, "x..x...x....xxxxx"),
 ];
 
 #[test]
@@ -363,14 +367,30 @@ fn preparation_ends_in_a_denial_max_turns_or_a_generation() {
     let mut spent = record(At::Ready).unwrap();
     spent.turn_count = 4;
     let t = next(Some(spent), Input::Prepared { denied: None }).unwrap();
-    assert_eq!(t.effects, [NoteMaxTurns, Finalize]);
-    let r = t.record.unwrap();
+    let text = json!("max_turns (4) reached; ending the turn.");
+    assert_eq!(
+        t.effects,
+        [
+            NoteMaxTurns,
+            PostTurn {
+                result: text.clone()
+            }
+        ]
+    );
+    let gate = |denied| Input::PostTurnChecked {
+        result: text.clone(),
+        denied,
+    };
+    let passed = next(t.record.clone(), gate(None)).unwrap();
+    assert_eq!(passed.effects, [Finalize]);
+    let r = passed.record.unwrap();
     assert_eq!(r.status, TurnStatus::Completed);
     assert_eq!(r.stop_reason, Some(TurnStopReason::MaxTurns));
-    assert_eq!(
-        r.result,
-        Some(json!("max_turns (4) reached; ending the turn."))
-    );
+    assert_eq!(r.result, Some(text.clone()));
+    let denied = next(t.record, gate(Some(("no".into(), None)))).unwrap();
+    assert_eq!(denied.effects, [Finalize]);
+    let f = denied.record.unwrap().failure.unwrap();
+    assert_eq!(f.code, "harness.output_contract_invalid");
 }
 
 #[test]
@@ -580,9 +600,20 @@ fn after_the_answer_steering_advances_and_silence_completes() {
             waiting: false,
             text: "hi".into(),
         },
-        Some(Phase::Completed),
-        &[Finalize],
+        Some(Phase::Generated),
+        &[PostTurn {
+            result: json!("hi"),
+        }],
     );
+    let t = next(
+        t.record,
+        Input::PostTurnChecked {
+            result: json!("hi"),
+            denied: None,
+        },
+    )
+    .unwrap();
+    assert_eq!(t.effects, [Finalize]);
     assert_eq!(t.record.unwrap().result, Some(json!("hi")));
 }
 
@@ -611,8 +642,28 @@ fn a_json_contract_validates_then_completes_nudges_or_fails_keeping_the_raw_valu
         },
     )
     .unwrap();
-    assert_eq!(t.effects, [Finalize]);
-    assert_eq!(t.record.unwrap().result, Some(json!({"a": 1})));
+    assert_eq!(
+        t.effects,
+        [PostTurn {
+            result: json!({"a": 1})
+        }]
+    );
+    // A post-turn hook's deny spends the same budget, with its retry prompt verbatim.
+    let t = next(
+        Some(generated.clone()),
+        Input::PostTurnChecked {
+            result: json!({"a": 1}),
+            denied: Some(("too vague".into(), Some("Redo: {reason} ({value})".into()))),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        t.effects[0],
+        NoteNudge {
+            attempt: 1,
+            text: "Redo: too vague ({\"a\":1})".into()
+        }
+    );
     let refused = || Input::OutputChecked {
         verdict: Err(("result is not valid JSON".into(), json!("oops"))),
     };
@@ -622,7 +673,7 @@ fn a_json_contract_validates_then_completes_nudges_or_fails_keeping_the_raw_valu
         [
             NoteNudge {
                 attempt: 1,
-                error: "result is not valid JSON".into()
+                text: crate::output::nudge("result is not valid JSON")
             },
             SaveRecord,
             EnqueueStep
