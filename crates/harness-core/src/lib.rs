@@ -11,6 +11,7 @@
 //! whether it runs embedded or on an iii engine.
 
 mod ask;
+mod budget;
 mod config;
 mod deferred;
 mod dispatch;

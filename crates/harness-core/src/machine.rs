@@ -131,6 +131,8 @@ pub(crate) enum ContextRefusal {
     Denied(String),
     /// What the pre-generate hooks left no longer fits (the diagnostic).
     OverflowAfterHooks(String),
+    /// The generation's reservation would exceed the turn's budget (the diagnostic).
+    Budget(String),
 }
 
 /// A function call of the model's answer, as the step planned it.
@@ -347,6 +349,7 @@ pub(crate) fn seeded(seed: Seed) -> TurnRecord {
         output_mode: None,
         validation_retries: 0,
         submitted: None,
+        spent: Default::default(),
         created_at: seed.now,
         updated_at: seed.now,
     }
@@ -583,6 +586,12 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
                     "harness.context_overflow",
                     FailurePhase::PreGenerate,
                     "The conversation no longer fits the model's context window.",
+                    Some(detail),
+                ),
+                ContextRefusal::Budget(detail) => failure(
+                    "harness.budget_exceeded",
+                    FailurePhase::BudgetPreflight,
+                    "The turn's budget would be exceeded by its next generation.",
                     Some(detail),
                 ),
             };

@@ -27,6 +27,9 @@ pub struct TurnOptions {
     pub provider_options: Option<Value>,
     #[serde(default)]
     pub output: OutputContract,
+    /// Token and spend limits, shared with sub-agents through one ledger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::budget::Budget>,
     /// Nudges an invalid result gets (None: the default, 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_validation_retries: Option<u32>,
@@ -368,6 +371,8 @@ pub enum FailurePhase {
     Generation,
     /// The result did not satisfy the turn's output contract.
     OutputValidation,
+    /// The next generation would exceed the turn's budget.
+    BudgetPreflight,
     /// Anything else the loop ran into (an internal error, a lost record).
     Execution,
 }
@@ -381,6 +386,7 @@ impl FailurePhase {
             FailurePhase::PreGenerate => "pre_generate",
             FailurePhase::Generation => "generation",
             FailurePhase::OutputValidation => "output_validation",
+            FailurePhase::BudgetPreflight => "budget_preflight",
             FailurePhase::Execution => "execution",
         }
     }
@@ -471,6 +477,10 @@ pub struct TurnRecord {
     /// The latest `submit_result` call, as answered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub submitted: Option<crate::output::Submitted>,
+    /// What this turn's generations used, as the provider reported it (priced from the catalog
+    /// where the provider gave no cost).
+    #[serde(default, skip_serializing_if = "crate::budget::Spend::is_zero")]
+    pub spent: crate::budget::Spend,
     /// The step whose `harness::ask` was accepted: the turn ends on the question, and a
     /// redelivered step still does (and still refuses a second ask).
     #[serde(default, skip_serializing_if = "Option::is_none")]

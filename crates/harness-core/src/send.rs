@@ -120,8 +120,6 @@ fn validate_options(o: &SendOptions) -> Result<()> {
             "options.max_validation_retries",
             o.max_validation_retries.is_some(),
         ),
-        ("options.max_total_tokens", o.max_total_tokens.is_some()),
-        ("options.max_cost_usd", o.max_cost_usd.is_some()),
         ("options.filesystem_root", o.filesystem_root.is_some()),
         // Only the agent mode exists: it is what every turn does.
         (
@@ -131,6 +129,20 @@ fn validate_options(o: &SendOptions) -> Result<()> {
     ];
     if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
         return Err(not_supported(field));
+    }
+    if o.max_total_tokens == Some(0) {
+        return Err(HarnessError::invalid_field(
+            "options.max_total_tokens",
+            "must be at least 1",
+        ));
+    }
+    if let Some(c) = o.max_cost_usd {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(HarnessError::invalid_field(
+                "options.max_cost_usd",
+                format!("must be a positive number of USD (got {c})"),
+            ));
+        }
     }
     if o.max_turns == Some(0) {
         return Err(HarnessError::invalid_field(
@@ -263,6 +275,11 @@ impl Harness {
             functions_generation: prev.as_ref().and_then(|p| p.functions_generation),
             now: now_ms(),
         };
+        let mut seed = seed;
+        if let Some(b) = seed.options.budget.as_mut().filter(|b| b.ledger.is_empty()) {
+            // A root budget's ledger is the turn that set it; its sub-agents share it.
+            b.ledger = seed.turn_id.clone();
+        }
         let new_turn = seed.turn_id.clone();
         let steering = prev
             .as_ref()
@@ -509,6 +526,14 @@ impl Harness {
             provider_options,
             output: o.output.clone().unwrap_or_default(),
             max_validation_retries: o.max_validation_retries,
+            // The ledger is named once the turn id is known (below).
+            budget: (o.max_total_tokens.is_some() || o.max_cost_usd.is_some()).then(|| {
+                crate::budget::Budget {
+                    max_total_tokens: o.max_total_tokens,
+                    max_cost_usd: o.max_cost_usd,
+                    ledger: String::new(),
+                }
+            }),
             functions: o
                 .functions
                 .clone()

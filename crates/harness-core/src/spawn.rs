@@ -181,6 +181,8 @@ impl Harness {
             provider_options: None,
             output: o.output.clone().unwrap_or_default(),
             max_validation_retries: o.max_validation_retries,
+            // A child spends from its parent's budget and can never widen it.
+            budget: parent_opts.and_then(|p| p.budget.clone()),
             functions: child_policy(
                 parent_opts.and_then(|p| p.functions.as_ref()),
                 o.functions.as_ref(),

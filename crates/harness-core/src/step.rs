@@ -419,10 +419,18 @@ impl Harness {
                 Input::ContextRefused(ContextRefusal::Empty),
             ));
         }
+        let context_tokens = assembled.token_count;
         let (system_prompt, messages) = match self.pre_generate(rec, assembled, &tools).await? {
             Ok(prepared) => prepared,
             Err(why) => return Ok((Some(rec.clone()), Input::ContextRefused(why))),
         };
+        // Before the provider is called: what this generation could spend must fit the budget.
+        if let Err(detail) = self.budget_preflight(rec, context_tokens).await? {
+            return Ok((
+                Some(rec.clone()),
+                Input::ContextRefused(ContextRefusal::Budget(detail)),
+            ));
+        }
         let cancel = self.signal(&rec.turn_id);
         if cancel.is_cancelled() {
             return Ok((Some(rec.clone()), Input::StopObserved));
@@ -508,6 +516,9 @@ impl Harness {
         let mut now = self.load_record(&sid).await?;
         if let Some(n) = now.as_mut() {
             n.output_mode = n.output_mode.or(rec.output_mode);
+            if let Some(usage) = &generation.message.usage {
+                self.record_spend(n, usage).await?;
+            }
         }
         let input = finished(
             rec,

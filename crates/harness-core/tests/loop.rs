@@ -579,7 +579,7 @@ async fn unknown_and_unsupported_fields_are_refused_by_name_never_dropped() {
     );
     let e = call(json!({"message": "hi", "model": "m", "sesion_id": "s"})).await;
     assert!(e.contains("sesion_id"), "{e}");
-    for field in ["max_total_tokens", "agent", "max_cost_usd"] {
+    for field in ["skills", "agent", "filesystem_root"] {
         let e = call(base(json!({ field: 2 }))).await;
         assert!(
             e.contains(&format!("options.{field}: not supported yet")),
@@ -605,5 +605,47 @@ async fn unknown_and_unsupported_fields_are_refused_by_name_never_dropped() {
         listed["sessions"].as_array().map(Vec::len),
         Some(0),
         "{listed}"
+    );
+}
+
+#[tokio::test]
+async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provider_is_called() {
+    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    let mut req = send("hello");
+    req.options = Some(SendOptions {
+        max_total_tokens: Some(100),
+        max_output_tokens: Some(500),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Failed);
+    assert!(
+        rt.recorder.seen.lock().unwrap().is_empty(),
+        "no provider call"
+    );
+    let error = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
+        .unwrap();
+    assert_eq!(error.data["code"], "harness.budget_exceeded");
+    assert_eq!(error.data["phase"], "budget_preflight");
+    assert!(error.data["detail"]
+        .as_str()
+        .unwrap()
+        .starts_with("max_total_tokens:"));
+
+    // A budget that fits lets the turn run.
+    let mut req = send("hello");
+    req.options = Some(SendOptions {
+        max_total_tokens: Some(100_000),
+        max_output_tokens: Some(500),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    assert_eq!(
+        rt.wait_terminal(&r.session_id, &r.turn_id).await.status,
+        TurnStatus::Completed
     );
 }

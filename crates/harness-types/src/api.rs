@@ -156,10 +156,12 @@ pub struct SendOptions {
     pub agent: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skills: Option<Value>,
+    /// This turn's token budget, shared with its sub-agents (input + output, every generation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_total_tokens: Option<Value>,
+    pub max_total_tokens: Option<u64>,
+    /// This turn's spend limit in USD, shared with its sub-agents, priced from the catalog.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_cost_usd: Option<Value>,
+    pub max_cost_usd: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filesystem_root: Option<Value>,
 }
