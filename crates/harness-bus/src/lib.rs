@@ -20,4 +20,4 @@ pub use bus::{
     StreamingCall, TriggerTypeDef,
 };
 pub use embedded::EmbeddedBus;
-pub use error::BusError;
+pub use error::{BusCode, BusError};

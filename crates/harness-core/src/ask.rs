@@ -12,7 +12,7 @@ pub(crate) const ONE_PER_STEP: &str =
     "only one harness::ask per step; put all your questions (up to 4) in one call";
 pub(crate) const OUTSIDE_A_TURN: &str =
     "harness::ask only works inside an agent turn: call it from a model turn, not directly";
-pub(crate) const SHOWN: &str = "Your questions are shown to the user as a card. Their answer arrives as the user's next message; do not repeat the questions in your reply.";
+pub(crate) const SHOWN: &str = "The questions are now shown to the user as a card of options. Their answer arrives as their next message. Do not repeat the questions in text. End your turn now.";
 
 /// Whitespace-only counts as empty; limits count characters, not bytes.
 fn length(field: &str, value: &str, min: usize, max: Option<usize>) -> Result<(), String> {

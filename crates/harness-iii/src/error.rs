@@ -29,7 +29,7 @@ pub(crate) fn from_sdk(function_id: &str, timeout_ms: u64, e: iii_sdk::Error) ->
 /// A bus error as the error a handler answers with: the code is kept on the wire.
 pub(crate) fn to_sdk(e: BusError) -> iii_sdk::Error {
     iii_sdk::Error::Remote {
-        code: e.code,
+        code: e.code.to_string(),
         message: e.message,
         stacktrace: None,
     }

@@ -165,8 +165,6 @@ pub enum Refusal {
     HookDenied,
     /// A stop landed while the target ran.
     Cancelled,
-    /// `harness::ask` refused (no human, a second ask, bad arguments).
-    AskRefused,
     /// A `submit_result` value the output contract refused.
     InvalidResult,
     /// The control-plane wall: no model may call it, whatever its policy says.
@@ -187,7 +185,6 @@ impl Refusal {
             Refusal::RepeatedFailure => "repeated_failure",
             Refusal::HookDenied => "hook_denied",
             Refusal::Cancelled => "cancelled",
-            Refusal::AskRefused => "ask_refused",
             Refusal::InvalidResult => "invalid_result",
             Refusal::ControlPlane => "control_plane",
             Refusal::PendingTimeout => "pending_timeout",
@@ -469,7 +466,9 @@ impl Harness {
         .await
         {
             Ok(Ok(r)) if r["status"] == "ok" => r,
-            Ok(Err(e)) if e.is_not_found() || e.code.contains("invalid_request") => return None,
+            Ok(Err(e)) if e.is_not_found() || e.code.as_str().contains("invalid_request") => {
+                return None
+            }
             Ok(Ok(r))
                 if r["code"]
                     .as_str()
@@ -888,15 +887,17 @@ impl Harness {
         let closing = match checked {
             Err(text) => {
                 breaker::record(&mut rec.failed_calls, breaker_key, true, &text);
-                Closing::refusal(call, &turn_id, Refusal::AskRefused, text)
+                // The seed's shape: an error result with null details.
+                Closing {
+                    content: vec![ContentBlock::text(text)],
+                    details: Value::Null,
+                    is_error: true,
+                    origin: json!({"turn_id": turn_id}),
+                }
             }
             Ok(req) => {
                 rec.ask_step = Some(rec.step);
-                let question_id = format!(
-                    "q_{}_{}",
-                    harness_types::ids::san(&turn_id),
-                    harness_types::ids::san(&call.id)
-                );
+                let question_id = call.id.clone();
                 Closing {
                     content: vec![ContentBlock::text(crate::ask::SHOWN)],
                     details: crate::ask::card(&req, &question_id, &rec.session_id, &turn_id),
@@ -1107,7 +1108,6 @@ mod tests {
             Refusal::RepeatedFailure,
             Refusal::HookDenied,
             Refusal::Cancelled,
-            Refusal::AskRefused,
             Refusal::InvalidResult,
             Refusal::ControlPlane,
             Refusal::PendingTimeout,
