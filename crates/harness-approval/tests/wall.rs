@@ -174,9 +174,11 @@ engine::unregister_trigger wall wall wall run
 harness::ask run run run run
 harness::function::resolve wall wall wall run
 harness::function::trigger wall wall wall run
+harness::metrics wall wall wall run
 harness::on-config-change wall wall wall run
 harness::on-functions-change wall wall wall run
 harness::send wall wall wall run
+harness::session-tree wall wall wall run
 harness::spawn run policy run run
 harness::status args args args run
 harness::stop wall wall wall run

@@ -116,6 +116,22 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::session-tree",
+            "A session and its sub-agents' sessions, recursively, with each one's current turn and status.",
+        ),
+        |h, req: SessionTreeRequest| async move { h.session_tree(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::metrics",
+            "Counters over a session tree: sessions, turns, function calls and errors, tokens and cost (a sum only when every message reported it); complete once every turn of the tree has ended.",
+        ),
+        |h, req: MetricsRequest| async move { h.metrics(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::stop",
             "Request cancellation of an in-flight turn.",
         ),

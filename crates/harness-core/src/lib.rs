@@ -33,6 +33,7 @@ mod steering;
 mod step;
 mod stop;
 mod stream;
+mod tree;
 
 pub use config::{CallReconciliation, HarnessConfig};
 pub use dispatch::{model_verdict, wall};

@@ -459,3 +459,64 @@ async fn a_turn_may_reuse_only_its_own_tree() {
         ]
     );
 }
+
+#[tokio::test]
+async fn the_session_tree_and_its_metrics_follow_the_parent_links() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
+            text(Some("^find flights"), "Flight AB123 at 9:00", 0),
+            text(None, "Booked: AB123", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt
+        .harness
+        .send(orchestrating("plan the trip"))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let tree = rt
+        .harness
+        .session_tree(harness_types::api::SessionTreeRequest {
+            session_id: r.session_id.clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(tree.session_id, r.session_id);
+    assert_eq!(tree.turn_status, Some(TurnStatus::Completed));
+    assert_eq!(tree.children.len(), 1);
+    let child = &tree.children[0];
+    assert_eq!(child.depth, 1);
+    assert_eq!(
+        child.parent_session_id.as_deref(),
+        Some(r.session_id.as_str())
+    );
+    assert!(child.children.is_empty());
+
+    let m = rt
+        .harness
+        .metrics(harness_types::api::MetricsRequest {
+            root_session_id: r.session_id.clone(),
+        })
+        .await
+        .unwrap();
+    assert!(m.complete);
+    assert_eq!(m.totals.sessions, 2);
+    // The parent: the spawn call and the final answer; the child: one answer.
+    assert_eq!(m.totals.counters.turns, 3);
+    assert_eq!(m.totals.counters.function_calls, 1);
+    assert_eq!(m.totals.counters.function_call_errors, 0);
+    assert_eq!(m.by_session.len(), 2);
+    assert_eq!(m.by_session[1].depth, 1);
+
+    let e = rt
+        .harness
+        .metrics(harness_types::api::MetricsRequest {
+            root_session_id: "nobody".into(),
+        })
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("session_id: unknown session"), "{e}");
+}

@@ -534,3 +534,81 @@ pub struct AskResponse {
     pub status: String,
     pub question_id: String,
 }
+
+/// `harness::session-tree` and `harness::metrics` name the tree by its root.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionTreeRequest {
+    pub session_id: String,
+}
+
+/// One session of a tree and its sub-agents' sessions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SessionTreeNode {
+    pub session_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
+    pub depth: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    /// The session's current (or last) turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_status: Option<TurnStatus>,
+    pub children: Vec<SessionTreeNode>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsRequest {
+    pub root_session_id: String,
+}
+
+/// Counters over a session or a tree. A token or cost sum is present only when every assistant
+/// message counted reported that field.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MetricsCounters {
+    pub turns: u64,
+    pub function_calls: u64,
+    pub function_call_errors: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_read_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct SessionMetrics {
+    pub session_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
+    pub depth: u32,
+    #[serde(flatten)]
+    pub counters: MetricsCounters,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct MetricsTotals {
+    pub sessions: u64,
+    #[serde(flatten)]
+    pub counters: MetricsCounters,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct MetricsResponse {
+    pub root_session_id: String,
+    /// True only when every session of the tree exists and its turn has ended; totals are zero
+    /// otherwise.
+    pub complete: bool,
+    pub totals: MetricsTotals,
+    pub by_session: Vec<SessionMetrics>,
+}
