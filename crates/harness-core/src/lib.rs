@@ -34,7 +34,7 @@ mod step;
 mod stop;
 mod stream;
 
-pub use config::{CallReconciliation, HarnessConfig};
+pub use config::{CallReconciliation, ConfigError, HarnessConfig};
 pub use dispatch::{model_verdict, wall};
 pub use functions::register;
 pub use harness::Harness;
