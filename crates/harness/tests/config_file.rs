@@ -239,3 +239,58 @@ async fn editing_the_file_changes_the_next_turn_without_a_restart() {
         Some("max_turns (2)")
     );
 }
+
+#[tokio::test]
+async fn idempotency_keys_expire_after_idem_ttl_secs_and_the_sweep_prunes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("harness.yaml");
+    std::fs::write(&file, "idem_ttl_secs: 1\n").unwrap();
+    let model = script(vec![common::text_gen(None, "ok", 0, true)]);
+    let server = Server::start(&model, &["--config", path_str(&file)]).await;
+    let api = server.api();
+    let send = |key: &'static str| {
+        let api = api.clone();
+        async move {
+            api.ok(
+                "harness::send",
+                json!({"message": "hi", "model": "m", "provider": "scripted", "idempotency_key": key}),
+            )
+            .await
+        }
+    };
+    let first = send("k1").await;
+    let again = send("k1").await;
+    assert_eq!(again["deduplicated"], true, "{again}");
+    assert_eq!(again["session_id"], first["session_id"]);
+    // Once the TTL has passed the key is fresh again: a new send, not the old answer.
+    let fresh = common::wait_for("k1 to expire", WAIT, || {
+        let send = send("k1");
+        async move {
+            let r = send.await;
+            (r["deduplicated"] != true).then_some(r)
+        }
+    })
+    .await;
+    assert_ne!(fresh["session_id"], first["session_id"]);
+    // And the sweep deletes expired rows.
+    send("k2").await;
+    let row = api
+        .ok("state::get", json!({"scope": "harness_idem", "key": "k2"}))
+        .await;
+    assert!(
+        !row.is_null() && !row.get("value").is_some_and(Value::is_null),
+        "{row}"
+    );
+    common::wait_for("k2 to be pruned", WAIT, || {
+        let api = api.clone();
+        async move {
+            api.ok("harness::sweep-pending", json!({})).await;
+            let row = api
+                .ok("state::get", json!({"scope": "harness_idem", "key": "k2"}))
+                .await;
+            let gone = row.is_null() || row.get("value").is_some_and(Value::is_null);
+            gone.then_some(())
+        }
+    })
+    .await;
+}
