@@ -294,3 +294,36 @@ async fn idempotency_keys_expire_after_idem_ttl_secs_and_the_sweep_prunes_them()
     })
     .await;
 }
+
+/// The README's configuration block lists every key with its real default.
+#[test]
+fn the_readme_block_is_every_key_at_its_default() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let block = readme
+        .split("```yaml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("a yaml block in README.md");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("readme.yaml");
+    std::fs::write(&file, block).unwrap();
+    let (rc, _, err) = cli_env(&["config", "validate", path_str(&file)], &[]);
+    assert_eq!(rc, 0, "{err}");
+    let (_, shown, _) = cli_env(
+        &["config", "show", "--json", "--config", path_str(&file)],
+        &[],
+    );
+    let (_, defaults, _) = cli_env(&["config", "show", "--json"], &[]);
+    let shown: Value = serde_json::from_str(&shown).unwrap();
+    let defaults: Value = serde_json::from_str(&defaults).unwrap();
+    let shown = shown.as_object().unwrap();
+    assert_eq!(shown.len(), defaults.as_object().unwrap().len());
+    for (key, d) in defaults.as_object().unwrap() {
+        assert_eq!(shown[key]["value"], d["value"], "README default of {key}");
+        assert!(
+            shown[key]["source"].as_str().unwrap().starts_with("file "),
+            "{key} missing from README"
+        );
+    }
+}
