@@ -89,12 +89,19 @@ impl Guard {
         }
         let hosts = loopback.then(|| {
             let port = listen.port();
-            let mut hosts: Vec<String> = ["localhost", "127.0.0.1", "[::1]"]
-                .iter()
-                .map(|h| format!("{h}:{port}"))
-                .collect();
+            // The bound address itself too (127.0.0.2 is loopback as well).
+            let own = match listen.ip() {
+                IpAddr::V4(ip) => ip.to_string(),
+                IpAddr::V6(ip) => format!("[{ip}]"),
+            };
+            let mut names = vec!["localhost".to_string(), "127.0.0.1".into(), "[::1]".into()];
+            if !names.contains(&own) {
+                names.push(own);
+            }
+            let mut hosts: Vec<String> = names.iter().map(|h| format!("{h}:{port}")).collect();
+            // A client leaves the default port out of Host.
             if port == 80 {
-                hosts.extend(["localhost", "127.0.0.1", "[::1]"].map(String::from));
+                hosts.extend(names);
             }
             hosts
         });
@@ -105,18 +112,6 @@ impl Guard {
             max_streams_per_client,
             streams: Mutex::new(HashMap::new()),
         })
-    }
-
-    /// Everything open, for in-process use where nothing else can reach the router.
-    #[allow(dead_code)]
-    pub fn open() -> Guard {
-        Guard {
-            token_digest: None,
-            hosts: None,
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            max_streams_per_client: DEFAULT_MAX_STREAMS_PER_CLIENT,
-            streams: Mutex::new(HashMap::new()),
-        }
     }
 
     fn token_matches(&self, presented: Option<&str>) -> bool {

@@ -234,13 +234,16 @@ struct ServeArgs {
 
 async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
     let listen = s.listen;
+    let guard = |addr| {
+        http::Guard::new(
+            addr,
+            s.token.as_deref(),
+            s.max_body_bytes,
+            s.max_streams_per_client,
+        )
+    };
     // Refuse an unlocked public bind before anything is opened.
-    let guard = http::Guard::new(
-        listen,
-        s.token.as_deref(),
-        s.max_body_bytes,
-        s.max_streams_per_client,
-    )?;
+    guard(listen)?;
     let opts = args.options()?;
     let data_dir = opts.data_dir.clone();
     let rt = Runtime::open(opts, args.approve.clone()).await?;
@@ -248,14 +251,15 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
         .config
         .clone()
         .map(|file| config::watch(file, args.config_flags(), rt.harness.bus().clone()));
-    let app = http::router(http::AppState {
-        bus: rt.bus.clone(),
-        sessions: rt.sessions.clone(),
-        guard: std::sync::Arc::new(guard),
-    });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
+    // The Host check needs the port actually bound (`--listen 127.0.0.1:0`).
+    let app = http::router(http::AppState {
+        bus: rt.bus.clone(),
+        sessions: rt.sessions.clone(),
+        guard: std::sync::Arc::new(guard(listener.local_addr()?)?),
+    });
     eprintln!(
         "harness serving on http://{} (data dir {})",
         listener.local_addr()?,
