@@ -97,7 +97,11 @@ impl RuntimeArgs {
     }
 
     fn options(&self) -> Result<RuntimeOptions> {
-        let config = config::resolve(self.config.as_deref(), &self.config_flags())?.config;
+        let effective = config::resolve(self.config.as_deref(), &self.config_flags())?;
+        for warning in effective.inert_warnings() {
+            eprintln!("harness: {warning}");
+        }
+        let config = effective.config;
         Ok(RuntimeOptions {
             data_dir: self.data_dir.clone().unwrap_or_else(default_data_dir),
             script: self.script.clone(),

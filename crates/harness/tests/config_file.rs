@@ -112,16 +112,42 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         .filter(|v| v["source"] == json!(file_source))
         .count();
     assert_eq!(from_file, 20);
+    // A runtime started on it says which keys it does not act on yet.
+    let data = dir.path().join("data");
+    let (rc, _, err) = cli_env(
+        &[
+            "chat",
+            "-m",
+            "hello",
+            "--data-dir",
+            path_str(&data),
+            "--config",
+            path_str(&file),
+        ],
+        &[("CONFIG_TEST_HOME", "/srv/h")],
+    );
+    assert_eq!(rc, 0, "{err}");
+    for key in [
+        "max_validation_retries",
+        "default_functions",
+        "default_filesystem_root",
+        "projects_file_path",
+    ] {
+        assert!(
+            err.contains(&format!("config: {key} is accepted but not acted on")),
+            "{key}: {err}"
+        );
+    }
     // Without a file, each key shows its shipped default.
     let (rc, out, _) = cli_env(&["config", "show"], &[]);
     assert_eq!(rc, 0);
     for line in [
         "default_max_turns: 16  # default",
-        "max_validation_retries: 2  # default",
+        "max_validation_retries: 2  # default, not acted on yet",
         "idem_ttl_secs: 86400  # default",
         "context_timeout_ms: 320000  # default",
-        "default_filesystem_root: null  # default",
-        "projects_file_path: \"~/.iii/data/harness/projects.json\"  # default",
+        "default_filesystem_root: null  # default, not acted on yet",
+        "projects_file_path: \"~/.iii/data/harness/projects.json\"  # default, not acted on yet",
         "sweep_expression: \"0 * * * * *\"  # default",
     ] {
         assert!(out.contains(line), "missing {line:?} in\n{out}");
