@@ -556,7 +556,9 @@ impl Harness {
             thinking_level,
             provider_options,
             output: o.output.clone().unwrap_or_default(),
-            max_validation_retries: o.max_validation_retries,
+            max_validation_retries: o
+                .max_validation_retries
+                .or(Some(self.config().max_validation_retries)),
             // The ledger is named once the turn id is known (below).
             budget: (o.max_total_tokens.is_some() || o.max_cost_usd.is_some()).then(|| {
                 crate::budget::Budget {

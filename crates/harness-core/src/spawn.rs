@@ -180,7 +180,9 @@ impl Harness {
                 .or(parent_opts.and_then(|p| p.thinking_level)),
             provider_options: None,
             output: o.output.clone().unwrap_or_default(),
-            max_validation_retries: o.max_validation_retries,
+            max_validation_retries: o
+                .max_validation_retries
+                .or(Some(self.config().max_validation_retries)),
             // A child spends from its parent's budget and can never widen it.
             budget: parent_opts.and_then(|p| p.budget.clone()),
             functions: child_policy(

@@ -127,8 +127,8 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         &[("CONFIG_TEST_HOME", "/srv/h")],
     );
     assert_eq!(rc, 0, "{err}");
+    assert!(!err.contains("max_validation_retries"), "{err}");
     for key in [
-        "max_validation_retries",
         "default_functions",
         "default_filesystem_root",
         "projects_file_path",
@@ -143,7 +143,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
     assert_eq!(rc, 0);
     for line in [
         "default_max_turns: 16  # default",
-        "max_validation_retries: 2  # default, not acted on yet",
+        "max_validation_retries: 2  # default",
         "idem_ttl_secs: 86400  # default",
         "context_timeout_ms: 320000  # default",
         "default_filesystem_root: null  # default, not acted on yet",
@@ -352,4 +352,36 @@ fn the_readme_block_is_every_key_at_its_default() {
             "{key} missing from README"
         );
     }
+}
+
+#[tokio::test]
+async fn max_validation_retries_from_the_file_bounds_the_nudges_of_the_next_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("harness.yaml");
+    std::fs::write(&file, "max_validation_retries: 0\n").unwrap();
+    // A model that never answers with JSON.
+    let model = script(vec![common::text_gen(None, "not json", 0, true)]);
+    let server = Server::start(&model, &["--config", path_str(&file)]).await;
+    let api = server.api();
+    let nudges = |api: common::Api| async move {
+        let sent = api
+            .ok(
+                "harness::send",
+                json!({"message": "go", "model": "m", "provider": "scripted",
+                       "options": {"output": {"type": "json"}}}),
+            )
+            .await;
+        let sid = sent["session_id"].as_str().unwrap().to_string();
+        let status = api.wait_turn(&sid, sent["turn_id"].as_str().unwrap()).await;
+        assert_eq!(status["status"], "failed", "{status}");
+        api.transcript(&sid, true)
+            .await
+            .iter()
+            .filter(|e| e.to_string().contains("previous result was not accepted"))
+            .count()
+    };
+    assert_eq!(nudges(api.clone()).await, 0);
+    std::fs::write(&file, "max_validation_retries: 2\n").unwrap();
+    wait_log(&server, "reloaded", 1).await;
+    assert_eq!(nudges(api).await, 2);
 }
