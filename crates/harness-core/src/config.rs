@@ -1,6 +1,8 @@
 //! Loop configuration, with the README's shipped defaults.
 
+use harness_types::api::FunctionPolicy;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 /// How malformed call arguments are repaired before dispatch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +54,70 @@ pub struct HarnessConfig {
     pub max_depth: u32,
     /// Child sessions one turn may create.
     pub max_children: u32,
+    /// Output-contract nudges (a final answer that fails the turn's JSON contract) before the
+    /// turn fails.
+    pub max_validation_retries: u32,
+    /// How long an idempotency key of `harness::send` dedupes; older rows are pruned.
+    pub idem_ttl_secs: u64,
+    /// Budget of one `context::assemble`.
+    pub context_timeout_ms: u64,
+    /// The dispatch policy of parentless spawns and agent-profile sends that name none;
+    /// `null` denies every call.
+    pub default_functions: Option<FunctionPolicy>,
+    /// Filesystem root stamped on new sessions: `null` = the working directory at boot,
+    /// `"off"` = none, anything else = that path.
+    pub default_filesystem_root: Option<String>,
+    /// The durable operator project catalog.
+    pub projects_file_path: String,
+}
+
+/// A configuration that cannot be applied, naming the key at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("harness/invalid_config: {key}: {message}")]
+pub struct ConfigError {
+    /// The key (or dotted path inside a key) at fault; `config` for the document as a whole.
+    pub key: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl HarnessConfig {
+    /// Every key the configuration knows, in declaration order.
+    pub fn keys() -> Vec<String> {
+        match serde_json::to_value(HarnessConfig::default()) {
+            Ok(Value::Object(map)) => map.keys().cloned().collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// A configuration from a JSON object: missing keys take their defaults, an unknown key is
+    /// refused by name (not serde's "expected one of" list, which buries it).
+    pub fn from_value(value: Value) -> Result<HarnessConfig, ConfigError> {
+        let Value::Object(map) = &value else {
+            return Err(ConfigError::new(
+                "config",
+                "must be a mapping of keys to values",
+            ));
+        };
+        let known = HarnessConfig::keys();
+        if let Some(unknown) = map.keys().find(|k| !known.iter().any(|n| n == *k)) {
+            return Err(ConfigError::new(unknown.clone(), "unknown key"));
+        }
+        serde_path_to_error::deserialize::<_, HarnessConfig>(value).map_err(|err| {
+            let path = err.path().to_string();
+            let inner = err.into_inner().to_string();
+            let inner = inner.split(" at line ").next().unwrap_or("").to_string();
+            ConfigError::new(if path == "." { "config".into() } else { path }, inner)
+        })
+    }
 }
 
 impl Default for HarnessConfig {
@@ -73,6 +139,51 @@ impl Default for HarnessConfig {
             prompt_cache_sections: true,
             max_depth: 3,
             max_children: 8,
+            max_validation_retries: 2,
+            idem_ttl_secs: 86_400,
+            context_timeout_ms: 320_000,
+            default_functions: Some(FunctionPolicy {
+                allow: vec!["*".into()],
+                ..FunctionPolicy::default()
+            }),
+            default_filesystem_root: None,
+            projects_file_path: "~/.iii/data/harness/projects.json".into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_unknown_key_is_named() {
+        let err = HarnessConfig::from_value(json!({"max_depth": 2, "max_dept": 3})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "harness/invalid_config: max_dept: unknown key"
+        );
+    }
+
+    #[test]
+    fn a_wrong_type_names_its_key() {
+        let err = HarnessConfig::from_value(json!({"max_depth": "deep"})).unwrap_err();
+        assert_eq!(err.key, "max_depth");
+    }
+
+    #[test]
+    fn null_default_functions_means_deny_all_and_absent_means_allow_all() {
+        let c = HarnessConfig::from_value(json!({"default_functions": null})).unwrap();
+        assert!(c.default_functions.is_none());
+        let c = HarnessConfig::from_value(json!({})).unwrap();
+        assert_eq!(c.default_functions.unwrap().allow, vec!["*".to_string()]);
+    }
+
+    #[test]
+    fn every_key_round_trips() {
+        let all = serde_json::to_value(HarnessConfig::default()).unwrap();
+        assert_eq!(all.as_object().unwrap().len(), HarnessConfig::keys().len());
+        HarnessConfig::from_value(all).unwrap();
     }
 }

@@ -155,6 +155,10 @@ impl Harness {
 
     /// Settles pending calls past their timeout (hook holds never expire). Returns how many.
     pub async fn sweep_pending(&self, _req: SweepRequest) -> Result<SweepResponse> {
+        // Retention rides on the sweep; a failed prune is retried by the next one.
+        if let Err(e) = self.prune_idempotency().await {
+            tracing::warn!("idempotency prune failed: {e}");
+        }
         let records = self
             .inner
             .bus

@@ -35,7 +35,7 @@ mod stop;
 mod stream;
 mod tree;
 
-pub use config::{CallReconciliation, HarnessConfig};
+pub use config::{CallReconciliation, ConfigError, HarnessConfig};
 pub use dispatch::{model_verdict, wall};
 pub use functions::register;
 pub use harness::Harness;

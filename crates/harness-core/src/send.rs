@@ -116,10 +116,6 @@ fn validate_options(o: &SendOptions) -> Result<()> {
     let unsupported = [
         ("options.agent", o.agent.is_some()),
         ("options.skills", o.skills.is_some()),
-        (
-            "options.max_validation_retries",
-            o.max_validation_retries.is_some(),
-        ),
         ("options.filesystem_root", o.filesystem_root.is_some()),
         // Only the agent mode exists: it is what every turn does.
         (
@@ -429,7 +425,38 @@ impl Harness {
             .state_get(IDEM_SCOPE, key)
             .await
             .map_err(|e| e.into_harness())?;
-        Ok(v.and_then(|v| serde_json::from_value(v).ok()))
+        let ttl_ms = self.config().idem_ttl_secs.saturating_mul(1000) as i64;
+        // An expired row no longer dedupes even before the sweep has pruned it.
+        Ok(v.and_then(|v| serde_json::from_value::<IdemRow>(v).ok())
+            .filter(|row| now_ms().saturating_sub(row.ts) < ttl_ms))
+    }
+
+    /// Deletes idempotency rows older than `idem_ttl_secs` (and rows that no longer parse);
+    /// returns how many went. Run by the sweep.
+    pub(crate) async fn prune_idempotency(&self) -> Result<usize> {
+        let ttl_ms = self.config().idem_ttl_secs.saturating_mul(1000) as i64;
+        let now = now_ms();
+        let rows = self
+            .inner
+            .bus
+            .state_list(IDEM_SCOPE)
+            .await
+            .map_err(|e| e.into_harness())?;
+        let mut pruned = 0;
+        for (key, value) in rows {
+            let expired = serde_json::from_value::<IdemRow>(value)
+                .map(|row| now.saturating_sub(row.ts) >= ttl_ms)
+                .unwrap_or(true);
+            if expired {
+                self.inner
+                    .bus
+                    .state_delete(IDEM_SCOPE, &key)
+                    .await
+                    .map_err(|e| e.into_harness())?;
+                pruned += 1;
+            }
+        }
+        Ok(pruned)
     }
 
     async fn append_user(
@@ -525,7 +552,9 @@ impl Harness {
             thinking_level,
             provider_options,
             output: o.output.clone().unwrap_or_default(),
-            max_validation_retries: o.max_validation_retries,
+            max_validation_retries: o
+                .max_validation_retries
+                .or(Some(self.config().max_validation_retries)),
             // The ledger is named once the turn id is known (below).
             budget: (o.max_total_tokens.is_some() || o.max_cost_usd.is_some()).then(|| {
                 crate::budget::Budget {

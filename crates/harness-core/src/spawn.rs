@@ -124,10 +124,6 @@ impl Harness {
             ("display", req.display.is_some()),
             ("options.skills", o.skills.is_some()),
             ("options.filesystem_root", o.filesystem_root.is_some()),
-            (
-                "options.max_validation_retries",
-                o.max_validation_retries.is_some(),
-            ),
             ("options.max_children", o.max_children.is_some()),
             (
                 "options.mode",
@@ -180,7 +176,9 @@ impl Harness {
                 .or(parent_opts.and_then(|p| p.thinking_level)),
             provider_options: None,
             output: o.output.clone().unwrap_or_default(),
-            max_validation_retries: o.max_validation_retries,
+            max_validation_retries: o
+                .max_validation_retries
+                .or(Some(self.config().max_validation_retries)),
             // A child spends from its parent's budget and can never widen it.
             budget: parent_opts.and_then(|p| p.budget.clone()),
             functions: child_policy(

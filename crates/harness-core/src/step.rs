@@ -736,7 +736,7 @@ impl Harness {
                 "context::assemble",
                 payload,
                 Some(std::time::Duration::from_millis(
-                    self.config().session_timeout_ms,
+                    self.config().context_timeout_ms,
                 )),
             )
             .await

@@ -85,7 +85,7 @@ impl Source {
                     url.trim_end_matches('/'),
                     session_id
                 );
-                let resp = reqwest::get(&endpoint).await?;
+                let resp = crate::client::get(&endpoint).await?;
                 if !resp.status().is_success() {
                     return Err(anyhow!("{endpoint}: HTTP {}", resp.status()));
                 }

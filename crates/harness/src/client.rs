@@ -1,13 +1,35 @@
 //! The HTTP client side: `harness call`, and what `chat --url` uses.
 
+use std::sync::OnceLock;
+
 use anyhow::{anyhow, Context, Result};
 use serde_json::Value;
+
+/// The API token every request to a server carries (`--token` / `HARNESS_TOKEN`). Set once at
+/// startup: one process talks to one server, and a process-wide value spares threading it
+/// through every chat call path.
+static TOKEN: OnceLock<Option<String>> = OnceLock::new();
+
+pub fn set_token(token: Option<String>) {
+    let _ = TOKEN.set(token.filter(|t| !t.is_empty()));
+}
+
+fn authorize(req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+    match TOKEN.get().and_then(Option::as_deref) {
+        Some(token) => req.bearer_auth(token),
+        None => req,
+    }
+}
+
+/// A GET with the token (the event stream).
+pub async fn get(endpoint: &str) -> reqwest::Result<reqwest::Response> {
+    authorize(reqwest::Client::new().get(endpoint)).send().await
+}
 
 /// Calls a function on a server; a `harness/<code>` error comes back as the error.
 pub async fn call_value(url: &str, function_id: &str, payload: &Value) -> Result<Value> {
     let endpoint = format!("{}/v1/functions/{}", url.trim_end_matches('/'), function_id);
-    let resp = reqwest::Client::new()
-        .post(&endpoint)
+    let resp = authorize(reqwest::Client::new().post(&endpoint))
         .json(payload)
         .send()
         .await

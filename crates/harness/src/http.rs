@@ -3,18 +3,30 @@
 //!
 //! Every failure is a JSON error `{"error": {"code": "harness/<code>", "message": ...}}` with a
 //! matching status; nothing drops a connection silently.
+//!
+//! The surface is locked ([`Guard`]): whoever reaches it can drive every session, approve held
+//! calls and rebind hooks, so a request must prove it is the operator. On a loopback bind the
+//! Host header must name the loopback address we serve (a page that rebinds its DNS name to
+//! 127.0.0.1 still sends its own name), a browser `Origin` other than our own is refused, a set
+//! token is required on every request, bodies are capped and event streams per client bounded.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::connect_info::ConnectInfo;
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use futures::Stream;
+use axum::{Extension, Json, Router};
+use futures::{Stream, StreamExt};
 use harness_bus::{Bus, EmbeddedBus};
 use harness_session::SessionStore;
 use harness_store::EventRow;
@@ -26,15 +38,254 @@ use serde_json::{json, Value};
 pub struct AppState {
     pub bus: EmbeddedBus,
     pub sessions: SessionStore,
+    pub guard: Arc<Guard>,
 }
 
+/// Request body cap when none is configured (a send with a large pasted file fits).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+/// Open event streams per client address when none is configured.
+pub const DEFAULT_MAX_STREAMS_PER_CLIENT: usize = 16;
+
+/// What a request must satisfy before it reaches a handler.
+pub struct Guard {
+    /// SHA-256 of the token: comparing fixed-length digests in constant time leaks neither the
+    /// token's bytes nor its length through timing.
+    token_digest: Option<[u8; 32]>,
+    /// The Host values accepted; `None` off loopback, where the token is the lock.
+    hosts: Option<Vec<String>>,
+    max_body_bytes: usize,
+    max_streams_per_client: usize,
+    /// Open event streams by client address. A std Mutex: held only to count.
+    streams: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// Why `serve` will not start with the options given.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    #[error("harness/unauthorized: --listen {0}: not a loopback address; binding it requires a token (--token or HARNESS_TOKEN)")]
+    TokenRequired(SocketAddr),
+    #[error("harness/invalid_request: --token: must not be empty")]
+    EmptyToken,
+    #[error("harness/invalid_request: --max-streams-per-client: must be at least 1")]
+    NoStreams,
+}
+
+impl Guard {
+    pub fn new(
+        listen: SocketAddr,
+        token: Option<&str>,
+        max_body_bytes: usize,
+        max_streams_per_client: usize,
+    ) -> Result<Guard, GuardError> {
+        if token.is_some_and(|t| t.trim().is_empty()) {
+            return Err(GuardError::EmptyToken);
+        }
+        let loopback = listen.ip().is_loopback();
+        if !loopback && token.is_none() {
+            return Err(GuardError::TokenRequired(listen));
+        }
+        if max_streams_per_client == 0 {
+            return Err(GuardError::NoStreams);
+        }
+        let hosts = loopback.then(|| {
+            let port = listen.port();
+            // The bound address itself too (127.0.0.2 is loopback as well).
+            let own = match listen.ip() {
+                IpAddr::V4(ip) => ip.to_string(),
+                IpAddr::V6(ip) => format!("[{ip}]"),
+            };
+            let mut names = vec!["localhost".to_string(), "127.0.0.1".into(), "[::1]".into()];
+            if !names.contains(&own) {
+                names.push(own);
+            }
+            let mut hosts: Vec<String> = names.iter().map(|h| format!("{h}:{port}")).collect();
+            // A client leaves the default port out of Host.
+            if port == 80 {
+                hosts.extend(names);
+            }
+            hosts
+        });
+        Ok(Guard {
+            token_digest: token.map(digest),
+            hosts,
+            max_body_bytes,
+            max_streams_per_client,
+            streams: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn token_matches(&self, presented: Option<&str>) -> bool {
+        use subtle::ConstantTimeEq;
+        match (&self.token_digest, presented) {
+            (None, _) => true,
+            (Some(want), Some(got)) => bool::from(want.ct_eq(&digest(got))),
+            (Some(_), None) => false,
+        }
+    }
+
+    fn acquire_stream(self: &Arc<Self>, client: IpAddr) -> Option<StreamPermit> {
+        let mut streams = self.streams.lock().expect("stream count lock");
+        let open = streams.entry(client).or_insert(0);
+        if *open >= self.max_streams_per_client {
+            return None;
+        }
+        *open += 1;
+        Some(StreamPermit {
+            guard: self.clone(),
+            client,
+        })
+    }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(token.as_bytes()).into()
+}
+
+/// One open event stream; dropping it (the client went away) frees the slot.
+struct StreamPermit {
+    guard: Arc<Guard>,
+    client: IpAddr,
+}
+
+impl Drop for StreamPermit {
+    fn drop(&mut self) {
+        let mut streams = self.guard.streams.lock().expect("stream count lock");
+        if let Some(open) = streams.get_mut(&self.client) {
+            *open = open.saturating_sub(1);
+            if *open == 0 {
+                streams.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// The peer address, as the guard saw it (unspecified when served without connect info).
+#[derive(Clone, Copy)]
+struct Client(IpAddr);
+
 pub fn router(state: AppState) -> Router {
+    let max_body = state.guard.max_body_bytes;
     Router::new()
         .route("/healthz", get(|| async { Json(json!({"ok": true})) }))
         .route("/v1/functions", get(list_functions))
         .route("/v1/functions/{function_id}", post(call_function))
         .route("/v1/sessions/{session_id}/events", get(session_events))
+        .fallback(|req: Request| async move {
+            refusal(
+                StatusCode::NOT_FOUND,
+                "harness/not_found",
+                format!("no route {} {}", req.method(), req.uri().path()),
+            )
+        })
+        .method_not_allowed_fallback(|req: Request| async move {
+            refusal(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "harness/method_not_allowed",
+                format!("{} is not allowed on {}", req.method(), req.uri().path()),
+            )
+        })
+        .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
+}
+
+/// An HTTP-level refusal (no bus code exists for these).
+fn refusal(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    let mut resp = (
+        status,
+        Json(json!({"error": {"code": code, "message": message.into()}})),
+    )
+        .into_response();
+    if status == StatusCode::UNAUTHORIZED {
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    resp
+}
+
+async fn guard(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let g = &state.guard;
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| req.uri().authority().map(|a| a.to_string()));
+    if let Some(hosts) = &g.hosts {
+        let ok = host
+            .as_deref()
+            .is_some_and(|h| hosts.iter().any(|a| a.eq_ignore_ascii_case(h)));
+        if !ok {
+            return refusal(
+                StatusCode::FORBIDDEN,
+                "harness/forbidden_host",
+                format!(
+                    "Host: '{}' is not this loopback server (expected one of {})",
+                    host.as_deref().unwrap_or(""),
+                    hosts.join(", ")
+                ),
+            );
+        }
+    }
+    // A browser page of another origin can send a request without reading the answer (no CORS
+    // headers are ever sent); refusing it keeps it from acting at all.
+    if let Some(origin) = req.headers().get(header::ORIGIN) {
+        let same = host.as_deref().is_some_and(|h| {
+            origin
+                .as_bytes()
+                .eq_ignore_ascii_case(format!("http://{h}").as_bytes())
+        });
+        if !same {
+            return refusal(
+                StatusCode::FORBIDDEN,
+                "harness/forbidden_origin",
+                format!(
+                    "Origin: '{}' may not call this server",
+                    String::from_utf8_lossy(origin.as_bytes())
+                ),
+            );
+        }
+    }
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    if !g.token_matches(presented) {
+        return refusal(
+            StatusCode::UNAUTHORIZED,
+            "harness/unauthorized",
+            "Authorization: a valid 'Bearer <token>' is required",
+        );
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > g.max_body_bytes as u64) {
+        return too_large(g.max_body_bytes);
+    }
+    let client = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    req.extensions_mut().insert(Client(client));
+    next.run(req).await
+}
+
+fn too_large(limit: usize) -> Response {
+    refusal(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "harness/too_large",
+        format!("body: larger than the {limit}-byte limit"),
+    )
 }
 
 fn error_response(e: HarnessError) -> Response {
@@ -63,9 +314,20 @@ async fn list_functions(State(state): State<AppState>) -> Json<Value> {
 
 async fn call_function(
     State(state): State<AppState>,
-    Path(function_id): Path<String>,
-    body: Bytes,
+    function_id: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let function_id = match function_id {
+        Ok(Path(id)) => id,
+        Err(e) => return error_response(HarnessError::invalid_field("function_id", e.body_text())),
+    };
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return too_large(state.guard.max_body_bytes)
+        }
+        Err(e) => return error_response(HarnessError::invalid_field("body", e.body_text())),
+    };
     let payload: Value = if body.iter().all(u8::is_ascii_whitespace) {
         json!({})
     } else {
@@ -126,10 +388,19 @@ pub fn event_json(sessions: &SessionStore, row: &EventRow) -> Value {
 
 async fn session_events(
     State(state): State<AppState>,
-    Path(session_id): Path<String>,
-    Query(q): Query<EventsQuery>,
+    session_id: Result<Path<String>, PathRejection>,
+    q: Result<Query<EventsQuery>, QueryRejection>,
+    client: Option<Extension<Client>>,
     headers: HeaderMap,
 ) -> Response {
+    let session_id = match session_id {
+        Ok(Path(id)) => id,
+        Err(e) => return error_response(HarnessError::invalid_field("session_id", e.body_text())),
+    };
+    let q = match q {
+        Ok(Query(q)) => q,
+        Err(e) => return error_response(HarnessError::invalid_field("after", e.body_text())),
+    };
     match state.sessions.get(&session_id) {
         Ok(Some(_)) => {}
         Ok(None) => {
@@ -154,7 +425,23 @@ async fn session_events(
         (None, Some(n)) => n,
         (None, None) => 0,
     };
-    Sse::new(event_stream(state, session_id, after))
+    let client = client.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |c| c.0 .0);
+    let Some(permit) = state.guard.acquire_stream(client) else {
+        return refusal(
+            StatusCode::TOO_MANY_REQUESTS,
+            "harness/too_many_streams",
+            format!(
+                "{client} already has {} open event streams; close one first",
+                state.guard.max_streams_per_client
+            ),
+        );
+    };
+    // The permit lives as long as the response body: a client that goes away frees it.
+    let stream = event_stream(state, session_id, after).map(move |e| {
+        let _held = &permit;
+        e
+    });
+    Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
 }
@@ -184,8 +471,10 @@ fn event_stream(
             if full_page {
                 continue;
             }
-            if changes.changed().await.is_err() {
-                return;
+            // Also wake when the client is gone, so an idle stream does not outlive it.
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return },
+                _ = tx.closed() => return,
             }
         }
     })

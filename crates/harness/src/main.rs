@@ -6,6 +6,7 @@
 mod bench;
 mod chat;
 mod client;
+mod config;
 mod fixtures;
 mod http;
 mod runtime;
@@ -17,7 +18,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use harness_core::HarnessConfig;
 use harness_store::Durability;
 
 use crate::runtime::{default_data_dir, Runtime, RuntimeOptions};
@@ -27,6 +27,10 @@ use crate::runtime::{default_data_dir, Runtime, RuntimeOptions};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// API token: `serve` requires it on every request (and cannot bind a non-loopback address
+    /// without one); `call` and `chat --url` send it as `Authorization: Bearer`.
+    #[arg(long, global = true, env = "HARNESS_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -62,8 +66,9 @@ struct RuntimeArgs {
     /// Context window assumed for models with no catalog entry, in tokens.
     #[arg(long)]
     context_window: Option<u64>,
-    /// Loop configuration, a JSON object (`default_max_turns`, `max_result_bytes`,
-    /// `call_reconciliation`, ...); flags given explicitly win.
+    /// Loop configuration file, YAML or JSON (`default_max_turns`, `max_result_bytes`, ...;
+    /// `${ENV}` expanded). `serve` reloads it when it changes. `HARNESS_<KEY>` variables and
+    /// flags win over it; `harness config show` tells where each value came from.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Register fixture functions from this JSON file (tests and demos).
@@ -79,24 +84,24 @@ struct RuntimeArgs {
 }
 
 impl RuntimeArgs {
-    fn options(&self) -> Result<RuntimeOptions> {
-        let mut config = match &self.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read config {}", path.display()))?;
-                let value: serde_json::Value = serde_json::from_str(&text)
-                    .with_context(|| format!("config {}: not JSON", path.display()))?;
-                harness_types::parse::parse_payload::<HarnessConfig>(value)
-                    .map_err(|e| anyhow::anyhow!("config {}: {}", path.display(), e.message))?
-            }
-            None => HarnessConfig::default(),
-        };
+    /// The configuration keys set by flags.
+    fn config_flags(&self) -> config::Flags {
+        let mut flags = config::Flags::new();
         if let Some(ms) = self.stream_coalesce_ms {
-            config.stream_coalesce_ms = ms;
+            flags.push(("stream_coalesce_ms", "stream-coalesce-ms", ms.into()));
         }
         if let Some(tokens) = self.context_window {
-            config.default_context_window = tokens;
+            flags.push(("default_context_window", "context-window", tokens.into()));
         }
+        flags
+    }
+
+    fn options(&self) -> Result<RuntimeOptions> {
+        let effective = config::resolve(self.config.as_deref(), &self.config_flags())?;
+        for warning in effective.inert_warnings() {
+            eprintln!("harness: {warning}");
+        }
+        let config = effective.config;
         Ok(RuntimeOptions {
             data_dir: self.data_dir.clone().unwrap_or_else(default_data_dir),
             script: self.script.clone(),
@@ -112,11 +117,21 @@ impl RuntimeArgs {
 enum Command {
     /// Run the embedded runtime and the HTTP API until SIGINT/SIGTERM.
     Serve {
+        /// Any address other than loopback requires `--token`.
         #[arg(long, default_value = "127.0.0.1:3113")]
         listen: SocketAddr,
+        /// Largest request body accepted, in bytes.
+        #[arg(long, default_value_t = http::DEFAULT_MAX_BODY_BYTES)]
+        max_body_bytes: usize,
+        /// Event streams one client address may hold open at once.
+        #[arg(long, default_value_t = http::DEFAULT_MAX_STREAMS_PER_CLIENT)]
+        max_streams_per_client: usize,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
+    /// Show the effective loop configuration, or validate a configuration file.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Call a function on a running server and print its JSON result.
     Call {
         function_id: String,
@@ -159,6 +174,37 @@ enum Command {
     Worker(worker::WorkerArgs),
 }
 
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print every key's effective value and where it came from (default, file, env, flag).
+    Show {
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+        /// JSON: `{key: {value, source}}`.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check a configuration file: unknown keys, types, `${ENV}` references, the cron.
+    Validate { file: PathBuf },
+}
+
+fn config_command(cmd: ConfigCommand) -> Result<()> {
+    match cmd {
+        ConfigCommand::Show { runtime, json } => {
+            let effective = config::resolve(runtime.config.as_deref(), &runtime.config_flags())?;
+            print!("{}", config::show(&effective, json)?);
+            if json {
+                println!();
+            }
+        }
+        ConfigCommand::Validate { file } => {
+            let keys = config::read_file(&file)?;
+            println!("{}: ok ({} keys set)", file.display(), keys.len());
+        }
+    }
+    Ok(())
+}
+
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("HARNESS_LOG")
         .unwrap_or_else(|_| "warn".into());
@@ -183,25 +229,55 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
-async fn serve(listen: SocketAddr, args: RuntimeArgs) -> Result<()> {
+struct ServeArgs {
+    listen: SocketAddr,
+    token: Option<String>,
+    max_body_bytes: usize,
+    max_streams_per_client: usize,
+}
+
+async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
+    let listen = s.listen;
+    let guard = |addr| {
+        http::Guard::new(
+            addr,
+            s.token.as_deref(),
+            s.max_body_bytes,
+            s.max_streams_per_client,
+        )
+    };
+    // Refuse an unlocked public bind before anything is opened.
+    guard(listen)?;
     let opts = args.options()?;
     let data_dir = opts.data_dir.clone();
     let rt = Runtime::open(opts, args.approve.clone()).await?;
-    let app = http::router(http::AppState {
-        bus: rt.bus.clone(),
-        sessions: rt.sessions.clone(),
-    });
+    let watcher = args
+        .config
+        .clone()
+        .map(|file| config::watch(file, args.config_flags(), rt.harness.bus().clone()));
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
+    // The Host check needs the port actually bound (`--listen 127.0.0.1:0`).
+    let app = http::router(http::AppState {
+        bus: rt.bus.clone(),
+        sessions: rt.sessions.clone(),
+        guard: std::sync::Arc::new(guard(listener.local_addr()?)?),
+    });
     eprintln!(
         "harness serving on http://{} (data dir {})",
         listener.local_addr()?,
         data_dir.display()
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown_signal())
+    .await?;
+    if let Some(w) = watcher {
+        w.abort();
+    }
     rt.shutdown().await;
     eprintln!("harness stopped; unfinished steps resume on the next start");
     Ok(())
@@ -210,13 +286,28 @@ async fn serve(listen: SocketAddr, args: RuntimeArgs) -> Result<()> {
 fn main() {
     init_tracing();
     let cli = Cli::parse();
+    client::set_token(cli.token.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
     let result = runtime.block_on(async move {
         match cli.command {
-            Command::Serve { listen, runtime } => serve(listen, runtime).await,
+            Command::Serve {
+                listen,
+                max_body_bytes,
+                max_streams_per_client,
+                runtime,
+            } => {
+                let s = ServeArgs {
+                    listen,
+                    token: cli.token,
+                    max_body_bytes,
+                    max_streams_per_client,
+                };
+                serve(s, runtime).await
+            }
+            Command::Config(cmd) => config_command(cmd),
             Command::Call {
                 function_id,
                 json,
