@@ -70,6 +70,9 @@ pub(crate) fn transport(cfg: &ProviderConfig) -> Transport {
         policy: cfg.http.retry.clone(),
         idle_timeout: cfg.http.idle_timeout,
         secrets: cfg.api_key.iter().map(|k| k.expose().to_string()).collect(),
+        base_url: crate::providers::public_url(&cfg.base_url),
+        url_variable: cfg.url_variable(),
+        compatible: cfg.kind == crate::providers::ProviderKind::OpenaiCompatible,
     }
 }
 
