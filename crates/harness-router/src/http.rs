@@ -242,6 +242,7 @@ async fn attempt<D: Decoder>(
     let mut body = resp.bytes_stream();
     let mut parser = SseParser::new();
     let mut events: Vec<SseEvent> = Vec::new();
+    let mut any_event = false;
     loop {
         let chunk = match tokio::time::timeout(t.idle_timeout, body.next()).await {
             Err(_) => {
@@ -272,6 +273,7 @@ async fn attempt<D: Decoder>(
             ProviderError::new(ErrorKind::Transient, e.to_string()).with_code("malformed_stream")
         })?;
         for ev in events.drain(..) {
+            any_event = true;
             if let Flow::End = decoder.event(&ev, out)? {
                 return Ok(decoder.finish(out));
             }
@@ -279,6 +281,17 @@ async fn attempt<D: Decoder>(
     }
     if !parser.mid_event() && decoder.complete_at_eof() {
         return Ok(decoder.finish(out));
+    }
+    if !any_event && !parser.mid_event() {
+        // A server that fails on a request after it answered 200 (llama-cpp-python raises its
+        // errors inside the stream) closes the body without a single event and without saying
+        // why; the same request would fail the same way, so this is not retried.
+        return Err(ProviderError::new(
+            ErrorKind::Permanent,
+            "the server answered 200 and closed the stream without sending anything: it failed on this request after accepting it (its log says why; a prompt longer than the context window it runs with is the usual cause: see --context-window)",
+        )
+        .with_code("empty_stream")
+        .with_message("The provider failed on this request without saying why."));
     }
     Err(ProviderError::new(
         ErrorKind::Transient,

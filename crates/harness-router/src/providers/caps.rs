@@ -2,8 +2,7 @@
 //!
 //! Servers that all claim "OpenAI-compatible" differ in what they do with the same request: one
 //! rejects `"content": null` on an assistant message that replays a function call, one ignores
-//! `tools` without a `tool_choice`, one answers a streamed request with tools by an empty body,
-//! one never sends usage. So the adapter does not guess per server in code: each preset carries
+//! `tools` unless `tool_choice` names a function, one never sends usage in a stream. So the adapter does not guess per server in code: each preset carries
 //! [`WireCaps`], a provider entry of the router config (`providers.<id>.wire`) and a catalog row
 //! (`"wire"`, for one model) may override any field, and the request builder only reads the
 //! result.
@@ -13,7 +12,7 @@
 //! | `openai` | `omit` | yes | yes | yes | no |
 //! | `openai-compatible` (any server) | `auto` | yes | yes | no | no |
 //! | `ollama` | `omit` | yes | yes | no | no |
-//! | `llamacpp` | `auto` | no | no | no | yes |
+//! | `llamacpp` | `auto` | yes | no | no | yes |
 //! | `vllm` | `auto` | yes | yes | yes | yes |
 //! | `lmstudio` | `auto` | yes | yes | no | no |
 
@@ -93,11 +92,12 @@ impl WireCaps {
                 ..WireCaps::COMPATIBLE
             },
             // Recorded from llama-cpp-python 0.3.36 (tests/fixtures/llama-cpp-python-0.3.36):
-            // a streamed request with tools comes back empty, usage never comes in a stream,
-            // and `content: null` is a validation error.
+            // usage never comes in a stream and `content: null` is a validation error (500).
+            // Tools are only honoured with a `tool_choice` naming a function (streamed or not);
+            // `"auto"` is sent for llama.cpp's own server, which reads it.
             "llamacpp" => WireCaps {
                 tool_choice: ToolChoice::Auto,
-                stream_with_tools: false,
+                stream_with_tools: true,
                 stream_usage: false,
                 content_null: false,
                 window_probe: true,
@@ -131,10 +131,10 @@ mod tests {
     #[test]
     fn a_patch_overrides_only_what_it_names() {
         let caps = WireCaps::of_preset("llamacpp").with(Some(&WirePatch {
-            stream_with_tools: Some(true),
+            stream_with_tools: Some(false),
             ..WirePatch::default()
         }));
-        assert!(caps.stream_with_tools);
+        assert!(!caps.stream_with_tools);
         assert!(!caps.content_null && !caps.stream_usage);
         assert_eq!(WireCaps::of_preset("gpu-box"), WireCaps::COMPATIBLE);
         assert!(WireCaps::of_preset("vllm").content_null);
