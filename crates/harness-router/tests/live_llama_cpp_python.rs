@@ -233,6 +233,17 @@ async fn wait(rt: &Rt, session: &str, turn: &str, limit: Duration) -> StatusRepo
     }
 }
 
+/// The diagnostic of the session's last error record, if any.
+fn error_detail(rt: &Rt, session: &str) -> Option<String> {
+    rt.sessions
+        .all_entries(session, true)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| e.custom.filter(|c| c.custom_type == "error"))
+        .last()
+        .map(|c| format!("{} {}", c.data["summary"], c.data["detail"]))
+}
+
 /// The assistant messages of a session.
 fn replies(rt: &Rt, session: &str) -> Vec<harness_types::message::AssistantMessage> {
     rt.sessions
@@ -412,13 +423,14 @@ async fn a_real_llama_cpp_python_server() {
             "{s:?}"
         );
         say(&format!(
-            "concurrent session {sid}: {:?} after {} resume(s), {cut} cut repl(ies) kept as errors, replies {:?}",
+            "concurrent session {sid}: {:?} after {} resume(s), {cut} cut repl(ies) kept as errors, replies {:?}, error {:?}",
             s.status,
             s.transient_resumes,
             replies(&rt, sid)
                 .iter()
-                .map(|r| (r.stop_reason, r.native_stop_reason.clone()))
-                .collect::<Vec<_>>()
+                .map(|r| (r.stop_reason, r.error_message.clone()))
+                .collect::<Vec<_>>(),
+            error_detail(&rt, sid),
         ));
     }
 
@@ -429,6 +441,20 @@ async fn a_real_llama_cpp_python_server() {
         .last()
         .is_none_or(|r| harness_types::message::joined_text(&r.content).len() < 10)
     {
+        let s = rt
+            .harness
+            .status(StatusRequest {
+                session_id: k.clone(),
+                verbose: None,
+            })
+            .await
+            .unwrap();
+        if let Some(s) = s.filter(|s| s.status.is_terminal()) {
+            panic!(
+                "the turn ended before any output: {s:?} {:?}",
+                error_detail(&rt, &k)
+            );
+        }
         assert!(Instant::now() < deadline, "no output before the kill");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

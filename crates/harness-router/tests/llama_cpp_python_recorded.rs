@@ -297,6 +297,7 @@ async fn a_stream_without_usage_gets_an_estimate_marked_and_priced() {
     let r = llamacpp(&format!("{}/v1", server.url), None);
     let run = chat(&r, ask("Say hello.", 64)).await;
     let done = run.done();
+    assert_eq!(joined(&done), recorded_text(&recorded[0].body));
     let usage = done.usage.clone().expect("usage");
     assert!(usage.estimated);
     assert!(
@@ -523,6 +524,38 @@ fn run_text(text: &str) -> AssistantMessage {
     }
 }
 
+/// The text a recorded stream carried: its `delta.content` pieces in order.
+fn recorded_text(body: &str) -> String {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
+
 fn joined(m: &AssistantMessage) -> String {
     harness_types::message::joined_text(&m.content)
+}
+
+#[tokio::test]
+async fn a_stream_interrupted_before_any_output_is_retried_and_the_retry_is_the_reply() {
+    // The first stream: the role chunk, then `[DONE]`; the second request's stream in full.
+    let recorded = exchanges("interrupted_before_output");
+    assert!(!recorded[0].body.contains("\"content\""));
+    let whole = recorded[1].clone();
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let run = chat(&r, ask("Count from 1 to 200, one number per line.", 300)).await;
+    let done = run.done();
+    assert_eq!(done.native_stop_reason.as_deref(), Some("stop"));
+    assert_eq!(joined(&done), recorded_text(&whole.body));
+    assert_eq!(
+        only_chat_requests(&server),
+        2,
+        "retried once, before any output"
+    );
 }

@@ -247,6 +247,8 @@ struct ChatDecoder {
     calls: u32,
     finish: Option<String>,
     started: bool,
+    /// A text, thinking or call frame was sent.
+    emitted: bool,
     model: String,
     provider: String,
     request_id: String,
@@ -303,13 +305,16 @@ impl Decoder for ChatDecoder {
     fn event(&mut self, ev: &SseEvent, out: &mut FrameWriter) -> Result<Flow, ProviderError> {
         let data = ev.data.trim();
         if data == "[DONE]" {
+            if let Some(e) = self.empty_reply() {
+                return Err(e);
+            }
             if self.finish.is_none() {
                 // A server that stops generating early (interrupted by another request, or
                 // failed) may still close with `[DONE]`: without a finish reason the reply is
                 // cut, never complete, and a function call in it is never run.
                 return Err(ProviderError::new(
                     harness_types::ErrorKind::Transient,
-                    "the server ended the stream ([DONE]) without a finish_reason: the reply was cut short (another request to the same server may have interrupted it)",
+                    "the server ended the stream ([DONE]) without a finish_reason: the reply was cut short (another request to the same server may have interrupted it; llama-cpp-python does that unless started with --interrupt_requests false)",
                 )
                 .with_code("stream_interrupted"));
             }
@@ -338,6 +343,9 @@ impl Decoder for ChatDecoder {
             "usage": v["usage"],
         });
         Some(self.chunk(&chunk, out).and_then(|()| {
+            if let Some(e) = self.empty_reply() {
+                return Err(e);
+            }
             match self.finish {
                 Some(_) => Ok(self.finish(out)),
                 None => Err(ProviderError::new(
@@ -350,7 +358,7 @@ impl Decoder for ChatDecoder {
     }
 
     fn complete_at_eof(&self) -> bool {
-        self.finish.is_some()
+        self.finish.is_some() && self.empty_reply().is_none()
     }
 
     fn finish(&mut self, out: &mut FrameWriter) -> (StopReason, Option<String>) {
@@ -365,6 +373,23 @@ impl Decoder for ChatDecoder {
 }
 
 impl ChatDecoder {
+    /// A reply the server finished as a normal end without a single token of it: never stored
+    /// as a completed reply. Sampling again usually gives one, so it is transient (retried
+    /// while nothing was streamed).
+    fn empty_reply(&self) -> Option<ProviderError> {
+        let normal_end = !matches!(self.finish.as_deref(), None | Some("length"));
+        (normal_end && !self.emitted).then(|| {
+            ProviderError::new(
+                harness_types::ErrorKind::Transient,
+                format!(
+                    "the server finished the reply (finish_reason {}) without a single token of it",
+                    self.finish.as_deref().unwrap_or("?")
+                ),
+            )
+            .with_code("empty_reply")
+        })
+    }
+
     /// Folds one `chat.completion.chunk` into frames.
     fn chunk(&mut self, v: &Value, out: &mut FrameWriter) -> Result<(), ProviderError> {
         if !self.started {
@@ -393,6 +418,7 @@ impl ChatDecoder {
                 self.open = Open::Thinking;
             }
             out.send(Frame::ThinkingDelta { delta: r.into() });
+            self.emitted = true;
         }
         if let Some(text) = delta["content"].as_str().filter(|s| !s.is_empty()) {
             if self.open != Open::Text {
@@ -401,6 +427,7 @@ impl ChatDecoder {
                 self.open = Open::Text;
             }
             out.send(Frame::TextDelta { delta: text.into() });
+            self.emitted = true;
         }
         if let Some(calls) = delta["tool_calls"].as_array() {
             for (i, c) in calls.iter().enumerate() {
@@ -419,6 +446,7 @@ impl ChatDecoder {
                         id,
                         function_id: self.names.id_of(name),
                     });
+                    self.emitted = true;
                     self.open = Open::Call(index);
                 }
                 // Arguments are a JSON text in pieces; a few servers send the object itself.
@@ -483,6 +511,7 @@ impl Provider for OpenAiChatProvider {
                 calls: 0,
                 finish: None,
                 started: false,
+                emitted: false,
                 model: model.clone(),
                 provider: provider.clone(),
                 request_id: request_id.clone(),
