@@ -419,8 +419,11 @@ pub struct Router {
     /// Context windows servers reported, by (provider, model), with when they were asked: a
     /// server is asked once, not at every step (a silent one again after a minute). std Mutex:
     /// never held across the request.
-    windows: Arc<Mutex<HashMap<(String, String), (Option<u64>, std::time::Instant)>>>,
+    windows: Arc<Mutex<HashMap<(String, String), Reported>>>,
 }
+
+/// A context window a server reported (or did not), and when it was asked.
+type Reported = (Option<u64>, std::time::Instant);
 
 /// How long a server that reported no context window is left alone.
 const WINDOW_RETRY: std::time::Duration = std::time::Duration::from_secs(60);

@@ -239,8 +239,8 @@ fn error_detail(rt: &Rt, session: &str) -> Option<String> {
         .all_entries(session, true)
         .unwrap()
         .into_iter()
-        .filter_map(|e| e.custom.filter(|c| c.custom_type == "error"))
-        .last()
+        .rev()
+        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
         .map(|c| format!("{} {}", c.data["summary"], c.data["detail"]))
 }
 
