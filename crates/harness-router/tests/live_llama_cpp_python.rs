@@ -8,7 +8,9 @@
 //!
 //! One test, in phases sharing one server (loading the model is the slow part): a chat, a
 //! multi-turn session, a forced function call and its replay, two sessions streaming at once
-//! (no turn may end `completed` with a reply the server cut), and a server killed mid-stream.
+//! (no turn may end `completed` with a reply the server cut; by default the server interrupts
+//! one stream for the other, so that turn may fail, and with `--interrupt_requests false` both
+//! complete), and a server killed mid-stream.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -91,7 +93,7 @@ impl Drop for Server {
     }
 }
 
-async fn start_server(python: &str, model: &str) -> Server {
+async fn start_server(python: &str, model: &str, extra: &[&str]) -> Server {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -108,6 +110,7 @@ async fn start_server(python: &str, model: &str) -> Server {
         ])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--n_ctx", &N_CTX.to_string(), "--verbose", "false"])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -329,7 +332,7 @@ async fn a_real_llama_cpp_python_server() {
         }
     };
     say(&format!("model {model}"));
-    let mut server = start_server(&python, &model).await;
+    let mut server = start_server(&python, &model, &[]).await;
     let rt = runtime(&server.url).await;
     let long = Duration::from_secs(300);
 
@@ -432,6 +435,27 @@ async fn a_real_llama_cpp_python_server() {
                 .collect::<Vec<_>>(),
             error_detail(&rt, sid),
         ));
+    }
+
+    // 4b. The same two sessions on a server that queues requests instead of interrupting.
+    {
+        let queued = start_server(&python, &model, &["--interrupt_requests", "false"]).await;
+        let rt = runtime(&queued.url).await;
+        let (a, ta) = send(&rt, None, "Count from 1 to 100, one number per line.", 120).await;
+        let (b, tb) = send(&rt, None, "List twenty fruits, one per line.", 120).await;
+        for (sid, tid) in [(&a, &ta), (&b, &tb)] {
+            let s = wait(&rt, sid, tid, long).await;
+            assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+            assert_eq!(assert_no_cut_reply_marked_end(&rt, sid), 0);
+            say(&format!(
+                "concurrent session {sid} on a queueing server: {:?}, replies {:?}",
+                s.status,
+                replies(&rt, sid)
+                    .iter()
+                    .map(|r| r.stop_reason)
+                    .collect::<Vec<_>>()
+            ));
+        }
     }
 
     // 5. The server killed mid-stream: the turn does not complete with the cut reply.
