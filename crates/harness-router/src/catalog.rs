@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::RouterError;
+use crate::providers::caps::WirePatch;
 
 /// The catalog compiled into the binary.
 pub const BUILTIN_CATALOG: &str = include_str!("../catalog.json");
@@ -113,9 +114,18 @@ pub struct ModelEntry {
     pub reasoning_efforts: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pricing: Option<Pricing>,
-    /// Set on a lookup answered by the provider's `*` row.
+    /// Set on a lookup answered by the provider's `*` row as shipped: its limits are a guess,
+    /// and the loop prefers its own default window. A `*` row whose `context_window` an
+    /// override set, or a window the server reported, is not generic.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub generic: bool,
+    /// The context window came from an override of the catalog or from the server itself.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub window_known: bool,
+    /// What the server accepts for this model, over its provider's (see
+    /// [`crate::providers::caps`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wire: Option<WirePatch>,
 }
 
 impl ModelEntry {
@@ -285,12 +295,42 @@ impl Catalog {
                 let (Some(p), Some(id)) = key(m) else {
                     return Err(bad(format!("models[{i}]: provider and id are required")));
                 };
+                let mut m = m.clone();
+                if id == "*" && m.get("context_window").is_some() {
+                    // Someone measured this: a catch-all row with a window set by hand is the
+                    // best answer there is for that server's models.
+                    m["window_known"] = Value::Bool(true);
+                }
                 match models
                     .iter_mut()
                     .find(|x| key(x) == (Some(p.clone()), Some(id.clone())))
                 {
-                    Some(existing) => deep_merge(existing, m),
-                    None => models.push(m.clone()),
+                    Some(existing) => deep_merge(existing, &m),
+                    None => {
+                        // A new row of a provider with a catch-all row (its own or its
+                        // family's) starts from it: `{"provider": "llamacpp", "id": "*",
+                        // "context_window": 2048}` is a whole row.
+                        let family = families.get(&p).cloned().unwrap_or_else(|| p.clone());
+                        let base = [&p, &family].into_iter().find_map(|fp| {
+                            models
+                                .iter()
+                                .find(|x| key(x) == (Some(fp.clone()), Some("*".to_string())))
+                                .cloned()
+                        });
+                        match base {
+                            Some(mut row) => {
+                                if let Some(o) = row.as_object_mut() {
+                                    o.remove("default");
+                                    o.remove("name");
+                                    o.remove("aliases");
+                                    o.remove("window_known");
+                                }
+                                deep_merge(&mut row, &m);
+                                models.push(row);
+                            }
+                            None => models.push(m),
+                        }
+                    }
                 }
             }
         }
@@ -364,7 +404,7 @@ impl Catalog {
             if let Some(m) = self.find(p, "*") {
                 let mut m = m.clone();
                 m.id = id.to_string();
-                m.generic = true;
+                m.generic = !m.window_known;
                 return Some(m);
             }
         }
@@ -460,6 +500,43 @@ mod tests {
         assert!(c.get(Some("anthropic"), "claude-9").is_none());
         assert_eq!(c.get(None, "gpt-4o").unwrap().provider, "openai");
         assert!(c.get(None, "*").is_none());
+    }
+
+    #[test]
+    fn a_catch_all_row_with_a_configured_window_is_not_a_guess() {
+        let c = Catalog::builtin()
+            .merged(
+                &json!({"models": [{"provider": "openai-compatible", "id": "*", "context_window": 2048}]}),
+                "local.json",
+            )
+            .unwrap();
+        let m = c.get(Some("llamacpp"), "gemma-3-270m").unwrap();
+        assert_eq!(m.context_window, 2048);
+        assert!(!m.generic, "{m:?}");
+        assert_eq!(m.max_output_tokens, 4096);
+        let shipped = Catalog::builtin()
+            .get(Some("llamacpp"), "gemma-3-270m")
+            .unwrap();
+        assert!(shipped.generic);
+        let priced = Catalog::builtin()
+            .merged(
+                &json!({"models": [{"provider": "openai-compatible", "id": "*", "pricing": {"input": 1, "output": 2}}]}),
+                "local.json",
+            )
+            .unwrap();
+        assert!(priced.get(Some("llamacpp"), "x").unwrap().generic);
+        let own = Catalog::builtin()
+            .merged(
+                &json!({"models": [{"provider": "llamacpp", "id": "*", "context_window": 512}]}),
+                "local.json",
+            )
+            .unwrap();
+        let m = own.get(Some("llamacpp"), "gemma").unwrap();
+        assert_eq!(
+            (m.context_window, m.max_output_tokens, m.generic),
+            (512, 4096, false)
+        );
+        assert!(own.get(Some("ollama"), "gemma").unwrap().generic);
     }
 
     #[test]

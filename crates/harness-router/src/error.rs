@@ -181,6 +181,12 @@ fn is_quota(body: &ApiErrorBody) -> bool {
         .any(|t| matches!(*t, "insufficient_quota" | "billing_error"))
 }
 
+fn is_validation(body: &ApiErrorBody) -> bool {
+    body.message
+        .as_deref()
+        .is_some_and(|m| m.contains("validation error"))
+}
+
 fn describe(prefix: &str, body: &ApiErrorBody, raw: &str, request_id: Option<&str>) -> String {
     let mut s = prefix.to_string();
     let label = body.error_type.as_deref().or(body.code.as_deref());
@@ -229,6 +235,11 @@ pub fn classify_http(
         404 => ProviderError::new(ErrorKind::Permanent, detail)
             .with_code("not_found")
             .with_message("The provider does not know this model or endpoint."),
+        // Some servers answer a request their schema rejects with a 500; sending it again
+        // cannot help.
+        500 if is_validation(&parsed) => {
+            ProviderError::new(ErrorKind::Permanent, detail).with_code("invalid_request")
+        }
         408 | 409 | 425 | 500..=599 => ProviderError::new(ErrorKind::Transient, detail),
         _ => ProviderError::new(ErrorKind::Permanent, detail),
     };

@@ -35,6 +35,16 @@ pub(crate) trait Decoder: Send {
 
     /// The stop reason (and the API's own word for it) once the message ended.
     fn finish(&mut self, out: &mut FrameWriter) -> (StopReason, Option<String>);
+
+    /// A whole reply as one JSON document (a request sent with `stream: false`), folded into
+    /// the same frames; `None` when the API has no such answer or `v` is not one.
+    fn whole(
+        &mut self,
+        _v: &serde_json::Value,
+        _out: &mut FrameWriter,
+    ) -> Option<Result<(StopReason, Option<String>), ProviderError>> {
+        None
+    }
 }
 
 /// Connection settings shared by a provider's requests.
@@ -45,10 +55,60 @@ pub(crate) struct Transport {
     pub idle_timeout: Duration,
     /// Strings that must never appear in an error (the API key).
     pub secrets: Vec<String>,
+    /// The provider's base URL (credentials stripped), for hints.
+    pub base_url: String,
+    /// The environment variable that sets it, if any (for hints).
+    pub url_variable: Option<String>,
+    /// A Chat Completions server of someone's choice: its base URL usually ends in `/v1`.
+    pub compatible: bool,
+}
+
+impl Transport {
+    /// Adds what a person can do about `err` to its diagnostic, where that is obvious.
+    pub(crate) fn hint(&self, err: &mut ProviderError) {
+        let Some(h) = hint(self, err) else { return };
+        let d = err.diagnostic().to_string();
+        err.detail = Some(format!("{d} (hint: {h})"));
+    }
+}
+
+fn hint(t: &Transport, err: &ProviderError) -> Option<String> {
+    let detail = err.diagnostic().to_ascii_lowercase();
+    let set = |what: &str| match &t.url_variable {
+        Some(var) => format!("{what}, or set {var} to where it listens"),
+        None => what.to_string(),
+    };
+    if err.code == "router/connect_failed" {
+        return Some(set(&format!(
+            "nothing answers at {}: start the server",
+            t.base_url
+        )));
+    }
+    if !detail.starts_with("http 404") && err.code != "router/not_found" {
+        return None;
+    }
+    let model_words = ["model", "not found"];
+    if model_words.iter().all(|w| detail.contains(w)) && !detail.contains("endpoint") {
+        return Some(
+            "the server does not know this model; `harness call router::models::list '{\"provider\": \"<id>\"}'` lists the ones it serves".into(),
+        );
+    }
+    let path = reqwest::Url::parse(&t.base_url)
+        .map(|u| u.path().trim_end_matches('/').to_string())
+        .unwrap_or_default();
+    if t.compatible && !path.ends_with("/v1") {
+        return Some(set(&format!(
+            "OpenAI-compatible servers serve under /v1: try {}/v1 as the base URL",
+            t.base_url
+        )));
+    }
+    None
 }
 
 /// The largest error body read for a diagnostic.
 const MAX_ERROR_BODY: usize = 64 * 1024;
+/// The largest reply read when a request was sent without streaming.
+const MAX_WHOLE_BODY: usize = 16 * 1024 * 1024;
 
 pub(crate) fn client(connect_timeout: Duration) -> reqwest::Client {
     reqwest::Client::builder()
@@ -109,16 +169,16 @@ pub(crate) fn transport_error(e: &reqwest::Error, secrets: &[String]) -> Provide
     })
 }
 
-async fn read_limited(resp: reqwest::Response, idle: Duration) -> String {
+async fn read_limited(resp: reqwest::Response, idle: Duration, limit: usize) -> String {
     let mut body = resp.bytes_stream();
     let mut buf = Vec::new();
-    while buf.len() < MAX_ERROR_BODY {
+    while buf.len() < limit {
         match tokio::time::timeout(idle, body.next()).await {
             Ok(Some(Ok(chunk))) => buf.extend_from_slice(&chunk),
             _ => break,
         }
     }
-    buf.truncate(MAX_ERROR_BODY);
+    buf.truncate(limit);
     String::from_utf8_lossy(&buf).into_owned()
 }
 
@@ -143,7 +203,7 @@ async fn attempt<D: Decoder>(
     if !status.is_success() {
         let wait = retry_after(resp.headers(), SystemTime::now());
         let rid = request_id(resp.headers());
-        let body = read_limited(resp, t.idle_timeout).await;
+        let body = read_limited(resp, t.idle_timeout, MAX_ERROR_BODY).await;
         return Err(classify_http(
             status.as_u16(),
             &body,
@@ -159,9 +219,15 @@ async fn attempt<D: Decoder>(
         .unwrap_or("")
         .to_ascii_lowercase();
     if content_type.starts_with("application/json") {
-        // An error delivered with 200 (some proxies and local servers do this).
-        let body = read_limited(resp, t.idle_timeout).await;
+        // A reply to a request sent without streaming, or an error delivered with 200 (some
+        // proxies and local servers do this).
+        let body = read_limited(resp, t.idle_timeout, MAX_WHOLE_BODY).await;
         let parsed = serde_json::from_str::<serde_json::Value>(&body).ok();
+        if let Some(v) = parsed.as_ref().filter(|v| v.get("error").is_none()) {
+            if let Some(r) = decoder.whole(v, out) {
+                return r;
+            }
+        }
         return Err(match parsed {
             Some(v) if v.get("error").is_some() => {
                 classify_stream(&parse_error_body(&v), &t.secrets)
@@ -176,6 +242,7 @@ async fn attempt<D: Decoder>(
     let mut body = resp.bytes_stream();
     let mut parser = SseParser::new();
     let mut events: Vec<SseEvent> = Vec::new();
+    let mut any_event = false;
     loop {
         let chunk = match tokio::time::timeout(t.idle_timeout, body.next()).await {
             Err(_) => {
@@ -206,6 +273,7 @@ async fn attempt<D: Decoder>(
             ProviderError::new(ErrorKind::Transient, e.to_string()).with_code("malformed_stream")
         })?;
         for ev in events.drain(..) {
+            any_event = true;
             if let Flow::End = decoder.event(&ev, out)? {
                 return Ok(decoder.finish(out));
             }
@@ -213,6 +281,17 @@ async fn attempt<D: Decoder>(
     }
     if !parser.mid_event() && decoder.complete_at_eof() {
         return Ok(decoder.finish(out));
+    }
+    if !any_event && !parser.mid_event() {
+        // A server that fails on a request after it answered 200 (llama-cpp-python raises its
+        // errors inside the stream) closes the body without a single event and without saying
+        // why; the same request would fail the same way, so this is not retried.
+        return Err(ProviderError::new(
+            ErrorKind::Permanent,
+            "the server answered 200 and closed the stream without sending anything: it failed on this request after accepting it (its log says why; a prompt longer than the context window it runs with is the usual cause: see --context-window)",
+        )
+        .with_code("empty_stream")
+        .with_message("The provider failed on this request without saying why."));
     }
     Err(ProviderError::new(
         ErrorKind::Transient,
@@ -251,6 +330,7 @@ pub(crate) async fn run<D: Decoder>(
             let d = err.diagnostic().to_string();
             err.detail = Some(format!("{d} ({why})"));
         };
+        t.hint(&mut err);
         if out.has_output() || !err.kind.retryable() || n >= t.policy.max_attempts.max(1) {
             if n > 1 {
                 note(

@@ -59,6 +59,49 @@ pub struct ChatContext {
     pub extras: ChatExtras,
     /// The provider-native reasoning effort chosen by `reasoning: "lowest"`.
     pub reasoning_effort: Option<String>,
+    /// Characters of everything the request sends the model (system prompt, messages, tools):
+    /// the input side of the usage estimate for servers that report none.
+    pub input_chars: usize,
+}
+
+/// The router's token estimate for a text of `chars` characters (the same ratio the context
+/// manager budgets with).
+pub(crate) fn estimate_tokens(chars: usize) -> u64 {
+    chars.div_ceil(4) as u64
+}
+
+/// Characters of a request's input, for the usage estimate.
+fn request_chars(req: &ChatRequest) -> usize {
+    let blocks = |content: &[ContentBlock]| -> usize { content.iter().map(block_chars).sum() };
+    let messages: usize = req
+        .messages
+        .iter()
+        .map(|m| match m {
+            harness_types::AgentMessage::User(u) => blocks(&u.content),
+            harness_types::AgentMessage::Assistant(a) => blocks(&a.content),
+            harness_types::AgentMessage::FunctionResult(r) => blocks(&r.content),
+            harness_types::AgentMessage::Custom(_) => 0,
+        })
+        .sum();
+    let tools: usize = req
+        .tools
+        .iter()
+        .map(|t| t.name.len() + t.description.len() + t.parameters.to_string().len())
+        .sum();
+    req.system_prompt.as_ref().map_or(0, String::len) + messages + tools
+}
+
+fn block_chars(b: &ContentBlock) -> usize {
+    match b {
+        ContentBlock::Text { text } | ContentBlock::Thinking { text, .. } => text.len(),
+        ContentBlock::FunctionCall {
+            function_id,
+            arguments,
+            ..
+        } => function_id.len() + arguments.to_string().len(),
+        ContentBlock::Image { .. } => 0,
+        other => serde_json::to_string(other).map_or(0, |s| s.len()),
+    }
 }
 
 /// Writes frames to the caller and folds them into the partial message, so a failure always
@@ -232,7 +275,25 @@ impl FrameWriter {
         &self.partial
     }
 
+    /// Usage as the provider reported it, else an estimate marked `estimated` (a local server
+    /// that sends none still gets counts and a cost on every message); then priced.
     fn priced(&self, mut message: AssistantMessage) -> AssistantMessage {
+        if message.usage.is_none() && self.started {
+            let output: usize = message.content.iter().map(block_chars).sum::<usize>()
+                + if message.content.iter().any(|b| {
+                    matches!(b, ContentBlock::FunctionCall { arguments, .. } if arguments.get("_partial").is_some())
+                }) {
+                    self.args_text.len()
+                } else {
+                    0
+                };
+            message.usage = Some(harness_types::message::Usage {
+                input: Some(estimate_tokens(self.chat.input_chars)),
+                output: Some(estimate_tokens(output)),
+                estimated: true,
+                ..Default::default()
+            });
+        }
         if let (Some(u), Some(p)) = (
             message.usage.as_mut(),
             self.chat.model.as_ref().and_then(|m| m.pricing),
@@ -334,6 +395,12 @@ pub trait Provider: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// The context window the provider's server reports for `model`, for servers that say
+    /// (local ones); `None` when it does not or cannot be asked.
+    async fn context_window(&self, _model: &str) -> Option<u64> {
+        None
+    }
+
     /// What `router::models::list` shows about the provider: kind and endpoint, never
     /// credentials.
     fn describe(&self) -> Value {
@@ -349,7 +416,17 @@ pub struct Router {
     // std Mutex: held only to insert/remove/look up a token, never across an await.
     in_flight: Arc<Mutex<HashMap<String, CancellationToken>>>,
     catalog: Arc<RwLock<Arc<Catalog>>>,
+    /// Context windows servers reported, by (provider, model), with when they were asked: a
+    /// server is asked once, not at every step (a silent one again after a minute). std Mutex:
+    /// never held across the request.
+    windows: Arc<Mutex<HashMap<(String, String), Reported>>>,
 }
+
+/// A context window a server reported (or did not), and when it was asked.
+type Reported = (Option<u64>, std::time::Instant);
+
+/// How long a server that reported no context window is left alone.
+const WINDOW_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Router {
     /// A router with the shipped catalog and no providers.
@@ -397,6 +474,45 @@ impl Router {
         self.catalog.read().expect("router lock").clone()
     }
 
+    /// The catalog row of `id` on `provider`; when only a catch-all row answers, the context
+    /// window the server itself reports replaces the row's guess (and bounds the output budget
+    /// to half of it).
+    pub async fn model_entry(&self, provider: Option<&str>, id: &str) -> Option<ModelEntry> {
+        let mut entry = self.catalog().get(provider, id)?;
+        let Some(pid) = provider.filter(|_| entry.generic) else {
+            return Some(entry);
+        };
+        let key = (pid.to_string(), id.to_string());
+        let cached = self
+            .windows
+            .lock()
+            .expect("router lock")
+            .get(&key)
+            .copied()
+            .filter(|(n, at)| n.is_some() || at.elapsed() < WINDOW_RETRY);
+        let window = match cached {
+            Some((n, _)) => n,
+            None => {
+                let n = match self.provider(pid) {
+                    Some(p) => p.context_window(id).await,
+                    None => None,
+                };
+                self.windows
+                    .lock()
+                    .expect("router lock")
+                    .insert(key, (n, std::time::Instant::now()));
+                n
+            }
+        };
+        if let Some(n) = window.filter(|n| *n > 0) {
+            entry.context_window = n;
+            entry.max_output_tokens = entry.max_output_tokens.min((n / 2).max(1));
+            entry.generic = false;
+            entry.window_known = true;
+        }
+        Some(entry)
+    }
+
     pub fn abort(&self, request_id: &str) -> bool {
         match self.in_flight.lock().expect("router lock").get(request_id) {
             Some(token) => {
@@ -424,11 +540,12 @@ impl Router {
             .or_else(|| self.default_provider.lock().expect("router lock").clone())
             .unwrap_or_default();
         let provider = self.provider(&provider_id);
-        let model = self.catalog().get(Some(&provider_id), &req.model);
+        let model = self.model_entry(Some(&provider_id), &req.model).await;
         let mut chat = ChatContext {
             model,
             extras,
             reasoning_effort: None,
+            input_chars: request_chars(&req),
         };
         let out = FrameWriter::new(ctx, &req.model, &provider_id);
         let Some(provider) = provider else {
@@ -649,7 +766,7 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         let r = r.clone();
         async move {
             let req: GetRequest = parse_payload(payload)?;
-            let entry = r.catalog().get(req.provider.as_deref(), &req.id);
+            let entry = r.model_entry(req.provider.as_deref(), &req.id).await;
             to_value(&entry)
         }
     };

@@ -346,3 +346,31 @@ async fn chat_picks_flags_then_keys_then_the_demo_and_names_what_is_missing() {
         ("openai-compatible", "llama3.2:3b")
     );
 }
+
+#[tokio::test]
+async fn a_reply_finished_without_a_token_is_retried_and_never_a_completed_reply() {
+    let empty = || {
+        Reply::Stream(vec![
+            chunk(json!({"role": "assistant"}), Value::Null),
+            chunk(json!({}), json!("stop")),
+            raw("data: [DONE]\n\n"),
+        ])
+    };
+    let mock = Mock::start(vec![empty(), empty(), empty()]).await;
+    let r = router_for(&mock);
+    let run = chat(&r, request("ollama", MODEL, vec![user("hi")])).await;
+    let (_, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Transient);
+    assert!(detail.contains("without a single token"), "{detail}");
+    assert_eq!(run.ack.error.unwrap().code, "router/empty_reply");
+    assert_eq!(
+        mock.requests().len(),
+        3,
+        "retried while nothing was streamed"
+    );
+
+    let mock = Mock::start(vec![empty(), text_reply(&["Hi!"])]).await;
+    let r = router_for(&mock);
+    let run = chat(&r, request("ollama", MODEL, vec![user("hi")])).await;
+    assert_eq!(run.text(), "Hi!");
+}

@@ -106,6 +106,10 @@ pub struct Usage {
     pub reasoning: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_usd: Option<f64>,
+    /// The provider reported no usage: the token counts are the router's estimate from the
+    /// characters sent and received (priced the same way).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub estimated: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

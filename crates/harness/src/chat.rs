@@ -21,6 +21,8 @@ pub struct ChatArgs {
     pub allow: Vec<String>,
     /// Function globs held for approval in the in-process runtime (`--approve`).
     pub approve: Vec<String>,
+    /// The output budget of each reply (`--max-output-tokens`).
+    pub max_output_tokens: Option<u32>,
     pub runtime: RuntimeOptions,
 }
 
@@ -46,16 +48,25 @@ impl Source {
         }
     }
 
-    /// Follows the session's events until the turn ends, printing the reply as it grows.
-    async fn follow(&mut self, session_id: &str, turn_id: &str) -> Result<()> {
+    /// Follows the session's events until the turn ends, printing the reply as it grows; says
+    /// how it ended.
+    async fn follow(&mut self, session_id: &str, turn_id: &str) -> Result<TurnEnd> {
         let mut printer = Printer {
             turn_id: turn_id.to_string(),
             printed: Default::default(),
             parked: false,
+            detail: None,
+            cut: false,
+            end: TurnEnd::Open,
         };
+        let end = self.follow_with(&mut printer, session_id).await?;
+        Ok(end)
+    }
+
+    async fn follow_with(&mut self, printer: &mut Printer, session_id: &str) -> Result<TurnEnd> {
         // The turn may be parked already (the session's earlier events are not replayed here).
         if !answer_approvals(self.caller(), session_id).await? {
-            return Ok(());
+            return Ok(TurnEnd::Open);
         }
         match self {
             Source::Local { rt, after } => {
@@ -65,12 +76,12 @@ impl Source {
                         *after = row.id;
                         let data = crate::http::event_json(&rt.sessions, &row);
                         if printer.on_event(&row.topic, &data) {
-                            return Ok(());
+                            return Ok(printer.end.clone());
                         }
                         if printer.take_parked()
                             && !answer_approvals(Caller::Local(rt), session_id).await?
                         {
-                            return Ok(());
+                            return Ok(TurnEnd::Open);
                         }
                     }
                     changes
@@ -105,12 +116,12 @@ impl Source {
                             let value: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
                             data.clear();
                             if printer.on_event(&topic, &value) {
-                                return Ok(());
+                                return Ok(printer.end.clone());
                             }
                             if printer.take_parked()
                                 && !answer_approvals(Caller::Remote(url), session_id).await?
                             {
-                                return Ok(());
+                                return Ok(TurnEnd::Open);
                             }
                         }
                     }
@@ -121,11 +132,27 @@ impl Source {
     }
 }
 
+/// How a followed turn ended, as `harness chat` reports it.
+#[derive(Clone, Debug, PartialEq)]
+enum TurnEnd {
+    /// Still open: the chat stopped following (stdin ended at an approval).
+    Open,
+    Completed,
+    Cancelled,
+    /// The public sentence, and the diagnostic of the turn's error record when there is one.
+    Failed(String),
+}
+
 struct Printer {
     turn_id: String,
     printed: std::collections::HashMap<String, usize>,
     /// Set when the session parked for function results (approvals may be waiting).
     parked: bool,
+    /// The diagnostic of the turn's error record (written before the turn's terminal event).
+    detail: Option<String>,
+    /// The last reply of the turn stopped at the output limit.
+    cut: bool,
+    end: TurnEnd,
 }
 
 impl Printer {
@@ -145,12 +172,17 @@ impl Printer {
             let Ok(entry) = serde_json::from_value::<Entry>(data["entry"].clone()) else {
                 return false;
             };
-            let Some(harness_types::AgentMessage::Assistant(m)) = &entry.message else {
-                return false;
-            };
             if !entry.entry_id.starts_with(&format!("e_{}_", self.turn_id)) {
                 return false;
             }
+            if let Some(c) = entry.custom.as_ref().filter(|c| c.custom_type == "error") {
+                self.detail = c.data["detail"].as_str().map(str::to_string);
+                return false;
+            }
+            let Some(harness_types::AgentMessage::Assistant(m)) = &entry.message else {
+                return false;
+            };
+            self.cut = m.stop_reason == harness_types::message::StopReason::Length;
             let text = joined_text(&m.content);
             let done = self.printed.entry(entry.entry_id.clone()).or_insert(0);
             if text.len() > *done && text.is_char_boundary(*done) {
@@ -162,14 +194,29 @@ impl Printer {
         }
         if topic == "harness::turn-completed" && data["payload"]["turn_id"] == json!(self.turn_id) {
             let p = &data["payload"];
-            match p["status"].as_str() {
-                Some("failed") => println!(
-                    "\n[turn failed: {}]",
-                    p["result_error"].as_str().unwrap_or("unknown error")
-                ),
-                Some("cancelled") => println!("\n[stopped]"),
-                _ => println!(),
-            }
+            self.end = match p["status"].as_str() {
+                Some("failed") => {
+                    let summary = p["result_error"].as_str().unwrap_or("unknown error");
+                    let why = match &self.detail {
+                        Some(d) => format!("{summary} {d}"),
+                        None => summary.to_string(),
+                    };
+                    println!("\n[turn failed: {why}]");
+                    TurnEnd::Failed(why)
+                }
+                Some("cancelled") => {
+                    println!("\n[stopped]");
+                    TurnEnd::Cancelled
+                }
+                _ if self.cut => {
+                    println!("\n[reply cut: the model reached its output limit (raise it with --max-output-tokens)]");
+                    TurnEnd::Completed
+                }
+                _ => {
+                    println!();
+                    TurnEnd::Completed
+                }
+            };
             return true;
         }
         false
@@ -248,6 +295,9 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         if !args.allow.is_empty() {
             payload["options"] = json!({"functions": {"allow": args.allow}});
         }
+        if let Some(n) = args.max_output_tokens {
+            payload["options"]["max_output_tokens"] = json!(n);
+        }
         let resp = source.send(payload).await?;
         let sid = resp["session_id"].as_str().unwrap_or_default().to_string();
         let tid = resp["turn_id"].as_str().unwrap_or_default().to_string();
@@ -255,9 +305,16 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             eprintln!("(session {sid})");
         }
         session = Some(sid.clone());
-        source.follow(&sid, &tid).await?;
+        let end = source.follow(&sid, &tid).await?;
         if !interactive {
-            break;
+            if let Source::Local { rt, .. } = &source {
+                rt.shutdown().await;
+            }
+            // A one-shot chat is a command: a turn that failed is a failed command.
+            return match end {
+                TurnEnd::Failed(why) => Err(anyhow!("the turn failed: {why}")),
+                _ => Ok(()),
+            };
         }
     }
     if let Source::Local { rt, .. } = &source {

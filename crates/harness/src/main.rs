@@ -63,7 +63,8 @@ struct RuntimeArgs {
     /// Minimum interval between streamed transcript writes, in ms (default 150).
     #[arg(long)]
     stream_coalesce_ms: Option<u64>,
-    /// Context window assumed for models with no catalog entry, in tokens.
+    /// Context window, in tokens, of a model the catalog knows only by a catch-all row (any
+    /// local model) or not at all; a server that reports its window is asked first.
     #[arg(long)]
     context_window: Option<u64>,
     /// Loop configuration file, YAML or JSON (`default_max_turns`, `max_result_bytes`, ...;
@@ -163,6 +164,11 @@ enum Command {
         /// chat).
         #[arg(long = "allow", value_name = "GLOB")]
         allow: Vec<String>,
+        /// The most tokens one reply may take (default: the model's catalog limit, 4096 for a
+        /// local server): lower it for a small model on a slow machine. A reply cut there says
+        /// so.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        max_output_tokens: Option<u32>,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -320,6 +326,7 @@ fn main() {
                 model,
                 url,
                 allow,
+                max_output_tokens,
                 runtime,
             } => {
                 chat::run(chat::ChatArgs {
@@ -330,6 +337,7 @@ fn main() {
                     url,
                     allow,
                     approve: runtime.approve.clone(),
+                    max_output_tokens,
                     runtime: runtime.options()?,
                 })
                 .await

@@ -27,6 +27,7 @@
 //! path so a provider echoing one back is scrubbed.
 
 pub mod anthropic;
+pub mod caps;
 pub mod openai_chat;
 pub mod openai_responses;
 mod structured;
@@ -44,6 +45,8 @@ use crate::catalog::Catalog;
 use crate::error::RouterError;
 use crate::retry::RetryPolicy;
 use crate::router::{Provider, Router};
+
+pub use caps::{ToolChoice, WireCaps, WirePatch};
 
 /// A credential. Never printed, never serialized.
 #[derive(Clone, PartialEq, Eq)]
@@ -117,6 +120,9 @@ pub struct ProviderConfig {
     pub api_key: Option<Secret>,
     pub source: Source,
     pub http: HttpOptions,
+    /// What the server accepts (Chat Completions kinds only): the preset's, with the config
+    /// entry's `wire` laid over.
+    pub wire: WireCaps,
 }
 
 impl ProviderConfig {
@@ -128,6 +134,22 @@ impl ProviderConfig {
             api_key: api_key.map(Secret::new),
             source: Source::Config,
             http: HttpOptions::default(),
+            wire: match kind {
+                ProviderKind::OpenaiCompatible => WireCaps::of_preset(id),
+                _ => WireCaps::OPENAI,
+            },
+        }
+    }
+
+    /// The name of the environment variable that sets this provider's base URL, when there is
+    /// one (said in hints when nothing answers there).
+    pub fn url_variable(&self) -> Option<String> {
+        match self.id.as_str() {
+            "anthropic" => Some("ANTHROPIC_BASE_URL".into()),
+            "openai" => Some("OPENAI_BASE_URL".into()),
+            "openai-compatible" => Some("OPENAI_COMPATIBLE_BASE_URL".into()),
+            id if preset_url(id).is_some() => Some(env_key(id, "BASE_URL")),
+            _ => None,
         }
     }
 
@@ -181,6 +203,9 @@ struct ProviderSection {
     preset: Option<String>,
     #[serde(default)]
     enabled: Option<bool>,
+    /// What the server accepts, over the preset's (see [`caps`]).
+    #[serde(default)]
+    wire: Option<WirePatch>,
 }
 
 /// The router config file.
@@ -327,19 +352,31 @@ impl Setup {
                 .or_else(|| section(id)?.base_url.clone().map(|u| (u, Source::Config)))
         };
         let mut providers = Vec::new();
-        let mut push = |id: &str, kind, url: String, key: Option<String>, source| {
-            let mut p = ProviderConfig::new(id, kind, &url, key.as_deref());
-            p.source = source;
-            p.http = http.clone();
-            providers.push(p);
-        };
+        let mut push =
+            |id: &str, kind, url: String, key: Option<String>, source, preset: Option<&str>| {
+                let mut p = ProviderConfig::new(id, kind, &url, key.as_deref());
+                p.source = source;
+                p.http = http.clone();
+                if let Some(name) = preset {
+                    p.wire = WireCaps::of_preset(name);
+                }
+                p.wire = p.wire.with(section(id).and_then(|s| s.wire.as_ref()));
+                providers.push(p);
+            };
 
         if enabled("anthropic") {
             if let Some((key, source)) = key_of("anthropic", "ANTHROPIC_API_KEY") {
                 let url = url_of("anthropic", "ANTHROPIC_BASE_URL")
                     .map(|u| u.0)
                     .unwrap_or_else(|| DEFAULT_ANTHROPIC_BASE_URL.into());
-                push("anthropic", ProviderKind::Anthropic, url, Some(key), source);
+                push(
+                    "anthropic",
+                    ProviderKind::Anthropic,
+                    url,
+                    Some(key),
+                    source,
+                    None,
+                );
             }
         }
         if let Some((key, source)) = key_of("openai", "OPENAI_API_KEY") {
@@ -353,6 +390,7 @@ impl Setup {
                     url.clone(),
                     Some(key.clone()),
                     source,
+                    None,
                 );
             }
             if enabled("openai-responses") {
@@ -365,6 +403,7 @@ impl Setup {
                     url,
                     Some(key),
                     source,
+                    None,
                 );
             }
         }
@@ -387,6 +426,7 @@ impl Setup {
                     url,
                     key,
                     source,
+                    preset.as_deref(),
                 );
             }
         }
@@ -397,7 +437,7 @@ impl Setup {
             let (url, source) = url_of(name, &env_key(name, "BASE_URL"))
                 .unwrap_or_else(|| (default_url.to_string(), Source::Preset));
             let key = key_of(name, &env_key(name, "API_KEY")).map(|k| k.0);
-            push(name, ProviderKind::OpenaiCompatible, url, key, source);
+            push(name, ProviderKind::OpenaiCompatible, url, key, source, None);
         }
         for (id, s) in &cfg.providers {
             let known = [
@@ -436,7 +476,7 @@ impl Setup {
                 }
             };
             let key = key_of(id, "").map(|k| k.0);
-            push(id, kind, url, key, Source::Config);
+            push(id, kind, url, key, Source::Config, s.preset.as_deref());
         }
         for p in &providers {
             let family = match p.kind {

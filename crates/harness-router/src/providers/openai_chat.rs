@@ -26,7 +26,7 @@ use crate::names::ToolNames;
 use crate::providers::wire::{
     args_object, data_url, max_output, merge_options, namespaced, result_text, transport,
 };
-use crate::providers::{ProviderConfig, ProviderKind, Secret};
+use crate::providers::{ProviderConfig, ProviderKind, Secret, ToolChoice, WireCaps};
 use crate::router::{ChatContext, FrameWriter, Provider};
 use crate::sse::SseEvent;
 
@@ -39,6 +39,8 @@ pub struct OpenAiChatProvider {
     key: Option<Secret>,
     /// OpenAI itself, not a compatible server.
     openai: bool,
+    /// What the server accepts (a catalog row may refine it per model).
+    wire: WireCaps,
     transport: Transport,
 }
 
@@ -49,6 +51,7 @@ impl OpenAiChatProvider {
             base_url: cfg.base_url.trim_end_matches('/').to_string(),
             key: cfg.api_key.clone(),
             openai: cfg.kind == ProviderKind::Openai,
+            wire: cfg.wire,
             transport: transport(cfg),
         }
     }
@@ -61,6 +64,7 @@ impl OpenAiChatProvider {
     ) -> Result<(Value, ToolNames, Vec<String>), ProviderError> {
         let mut names = ToolNames::default();
         let mut warnings = Vec::new();
+        let wire = self.wire(ctx);
         let collision = super::wire::collision;
         let mut tools = Vec::new();
         for (name, schema, description) in super::wire::mapped_tools(req, &mut names)? {
@@ -125,10 +129,12 @@ impl OpenAiChatProvider {
                     if text.is_empty() && calls.is_empty() {
                         continue;
                     }
-                    let mut msg = json!({
-                        "role": "assistant",
-                        "content": if text.is_empty() { Value::Null } else { json!(text) },
-                    });
+                    let content = match text.is_empty() {
+                        false => json!(text),
+                        true if wire.content_null => Value::Null,
+                        true => json!(""),
+                    };
+                    let mut msg = json!({"role": "assistant", "content": content});
                     if !calls.is_empty() {
                         msg["tool_calls"] = Value::Array(calls);
                     }
@@ -142,14 +148,16 @@ impl OpenAiChatProvider {
                 AgentMessage::Custom(_) => {}
             }
         }
-        let mut body = json!({
-            "model": req.model,
-            "messages": messages,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
+        let stream = tools.is_empty() || wire.stream_with_tools;
+        let mut body = json!({"model": req.model, "messages": messages, "stream": stream});
+        if stream && wire.stream_usage {
+            body["stream_options"] = json!({"include_usage": true});
+        }
         if !tools.is_empty() {
             body["tools"] = Value::Array(tools);
+            if wire.tool_choice == ToolChoice::Auto {
+                body["tool_choice"] = json!("auto");
+            }
         }
         if self.openai {
             if req.max_output_tokens.is_some() {
@@ -183,6 +191,12 @@ impl OpenAiChatProvider {
             &["model", "messages", "stream"],
         );
         Ok((body, names, warnings))
+    }
+
+    /// The provider's caps with the model's catalog row laid over.
+    fn wire(&self, ctx: &ChatContext) -> WireCaps {
+        self.wire
+            .with(ctx.model.as_ref().and_then(|m| m.wire.as_ref()))
     }
 
     fn auth(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
@@ -233,6 +247,8 @@ struct ChatDecoder {
     calls: u32,
     finish: Option<String>,
     started: bool,
+    /// A text, thinking or call frame was sent.
+    emitted: bool,
     model: String,
     provider: String,
     request_id: String,
@@ -272,6 +288,7 @@ pub(crate) fn openai_usage(u: &Value, input_key: &str, output_key: &str) -> Usag
         cache_write: None,
         reasoning: n(&out_details["reasoning_tokens"]),
         cost_usd: None,
+        estimated: false,
     }
 }
 
@@ -288,6 +305,19 @@ impl Decoder for ChatDecoder {
     fn event(&mut self, ev: &SseEvent, out: &mut FrameWriter) -> Result<Flow, ProviderError> {
         let data = ev.data.trim();
         if data == "[DONE]" {
+            if let Some(e) = self.empty_reply() {
+                return Err(e);
+            }
+            if self.finish.is_none() {
+                // A server that stops generating early (interrupted by another request, or
+                // failed) may still close with `[DONE]`: without a finish reason the reply is
+                // cut, never complete, and a function call in it is never run.
+                return Err(ProviderError::new(
+                    harness_types::ErrorKind::Transient,
+                    "the server ended the stream ([DONE]) without a finish_reason: the reply was cut short (another request to the same server may have interrupted it; llama-cpp-python does that unless started with --interrupt_requests false)",
+                )
+                .with_code("stream_interrupted"));
+            }
             return Ok(Flow::End);
         }
         if data.is_empty() {
@@ -297,6 +327,71 @@ impl Decoder for ChatDecoder {
         if v.get("error").is_some_and(|e| !e.is_null()) || ev.event == "error" {
             return Err(classify_stream(&parse_error_body(&v), &self.secrets));
         }
+        self.chunk(&v, out)?;
+        Ok(Flow::Continue)
+    }
+
+    fn whole(
+        &mut self,
+        v: &Value,
+        out: &mut FrameWriter,
+    ) -> Option<Result<(StopReason, Option<String>), ProviderError>> {
+        let choice = v["choices"].get(0)?;
+        // One answer is one chunk whose delta is the whole message.
+        let chunk = json!({
+            "choices": [{"index": 0, "delta": choice["message"], "finish_reason": choice["finish_reason"]}],
+            "usage": v["usage"],
+        });
+        Some(self.chunk(&chunk, out).and_then(|()| {
+            if let Some(e) = self.empty_reply() {
+                return Err(e);
+            }
+            match self.finish {
+                Some(_) => Ok(self.finish(out)),
+                None => Err(ProviderError::new(
+                    harness_types::ErrorKind::Transient,
+                    "the server answered without a finish_reason: the reply was cut short",
+                )
+                .with_code("stream_interrupted")),
+            }
+        }))
+    }
+
+    fn complete_at_eof(&self) -> bool {
+        self.finish.is_some() && self.empty_reply().is_none()
+    }
+
+    fn finish(&mut self, out: &mut FrameWriter) -> (StopReason, Option<String>) {
+        self.close(out);
+        let stop = match self.finish.as_deref() {
+            Some("length") => StopReason::Length,
+            _ if self.calls > 0 => StopReason::FunctionCall,
+            _ => StopReason::End,
+        };
+        (stop, self.finish.clone())
+    }
+}
+
+impl ChatDecoder {
+    /// A reply the server finished as a normal end without a single token of it: never stored
+    /// as a completed reply. Sampling again usually gives one, so it is transient (retried
+    /// while nothing was streamed).
+    fn empty_reply(&self) -> Option<ProviderError> {
+        let normal_end = !matches!(self.finish.as_deref(), None | Some("length"));
+        (normal_end && !self.emitted).then(|| {
+            ProviderError::new(
+                harness_types::ErrorKind::Transient,
+                format!(
+                    "the server finished the reply (finish_reason {}) without a single token of it",
+                    self.finish.as_deref().unwrap_or("?")
+                ),
+            )
+            .with_code("empty_reply")
+        })
+    }
+
+    /// Folds one `chat.completion.chunk` into frames.
+    fn chunk(&mut self, v: &Value, out: &mut FrameWriter) -> Result<(), ProviderError> {
         if !self.started {
             self.started = true;
             out.send(Frame::Start {
@@ -309,7 +404,7 @@ impl Decoder for ChatDecoder {
             out.send(Frame::Usage { usage });
         }
         let Some(choice) = v["choices"].get(0) else {
-            return Ok(Flow::Continue);
+            return Ok(());
         };
         let delta = &choice["delta"];
         let reasoning = delta["reasoning_content"]
@@ -323,6 +418,7 @@ impl Decoder for ChatDecoder {
                 self.open = Open::Thinking;
             }
             out.send(Frame::ThinkingDelta { delta: r.into() });
+            self.emitted = true;
         }
         if let Some(text) = delta["content"].as_str().filter(|s| !s.is_empty()) {
             if self.open != Open::Text {
@@ -331,6 +427,7 @@ impl Decoder for ChatDecoder {
                 self.open = Open::Text;
             }
             out.send(Frame::TextDelta { delta: text.into() });
+            self.emitted = true;
         }
         if let Some(calls) = delta["tool_calls"].as_array() {
             for (i, c) in calls.iter().enumerate() {
@@ -349,6 +446,7 @@ impl Decoder for ChatDecoder {
                         id,
                         function_id: self.names.id_of(name),
                     });
+                    self.emitted = true;
                     self.open = Open::Call(index);
                 }
                 // Arguments are a JSON text in pieces; a few servers send the object itself.
@@ -366,21 +464,7 @@ impl Decoder for ChatDecoder {
             self.close(out);
             self.finish = Some(reason.to_string());
         }
-        Ok(Flow::Continue)
-    }
-
-    fn complete_at_eof(&self) -> bool {
-        self.finish.is_some()
-    }
-
-    fn finish(&mut self, out: &mut FrameWriter) -> (StopReason, Option<String>) {
-        self.close(out);
-        let stop = match self.finish.as_deref() {
-            Some("length") => StopReason::Length,
-            _ if self.calls > 0 => StopReason::FunctionCall,
-            _ => StopReason::End,
-        };
-        (stop, self.finish.clone())
+        Ok(())
     }
 }
 
@@ -427,6 +511,7 @@ impl Provider for OpenAiChatProvider {
                 calls: 0,
                 finish: None,
                 started: false,
+                emitted: false,
                 model: model.clone(),
                 provider: provider.clone(),
                 request_id: request_id.clone(),
@@ -443,19 +528,23 @@ impl Provider for OpenAiChatProvider {
             return Ok(None);
         }
         let t = &self.transport;
+        let hinted = |mut e: ProviderError| {
+            t.hint(&mut e);
+            e
+        };
         let resp = self
             .auth(t.client.get(format!("{}/models", self.base_url)))
             .timeout(std::time::Duration::from_secs(10))
             .send()
             .await
-            .map_err(|e| transport_error(&e, &t.secrets))?;
+            .map_err(|e| hinted(transport_error(&e, &t.secrets)))?;
         let status = resp.status().as_u16();
         let text = resp
             .text()
             .await
-            .map_err(|e| transport_error(&e, &t.secrets))?;
+            .map_err(|e| hinted(transport_error(&e, &t.secrets)))?;
         if !(200..300).contains(&status) {
-            return Err(classify_http(status, &text, None, None, &t.secrets));
+            return Err(hinted(classify_http(status, &text, None, None, &t.secrets)));
         }
         let v: Value = serde_json::from_str(&text).map_err(|_| malformed(&text))?;
         let ids = v["data"]
@@ -469,6 +558,53 @@ impl Provider for OpenAiChatProvider {
             })
             .unwrap_or_default();
         Ok(Some(ids))
+    }
+
+    /// Where compatible servers say it: the model's row of `GET {base}/models`
+    /// (`max_model_len`, `context_length`, `loaded_context_length`), else `GET {root}/props`
+    /// (`default_generation_settings.n_ctx`), else the row's training context
+    /// (`meta.n_ctx_train`). A short timeout: this runs before a generation.
+    async fn context_window(&self, model: &str) -> Option<u64> {
+        if self.openai || !self.wire.window_probe {
+            return None;
+        }
+        let get = |url: String| async move {
+            let resp = self
+                .auth(self.transport.client.get(url))
+                .timeout(std::time::Duration::from_secs(3))
+                .send()
+                .await
+                .ok()
+                .filter(|r| r.status().is_success())?;
+            resp.json::<Value>().await.ok()
+        };
+        let listed = get(format!("{}/models", self.base_url)).await;
+        let row = listed.as_ref().and_then(|v| {
+            v["data"]
+                .as_array()?
+                .iter()
+                .find(|m| m["id"] == model)
+                .or_else(|| v["data"].as_array().filter(|d| d.len() == 1)?.first())
+                .cloned()
+        });
+        let n = |v: &Value| v.as_u64().filter(|n| *n > 0);
+        if let Some(row) = &row {
+            let said = ["max_model_len", "context_length", "loaded_context_length"]
+                .iter()
+                .find_map(|k| n(&row[*k]));
+            if said.is_some() {
+                return said;
+            }
+        }
+        let root = self.base_url.trim_end_matches("/v1");
+        if let Some(props) = get(format!("{root}/props")).await {
+            if let Some(w) =
+                n(&props["default_generation_settings"]["n_ctx"]).or_else(|| n(&props["n_ctx"]))
+            {
+                return Some(w);
+            }
+        }
+        row.and_then(|r| n(&r["meta"]["n_ctx_train"]))
     }
 
     fn describe(&self) -> Value {

@@ -70,6 +70,9 @@ pub(crate) fn transport(cfg: &ProviderConfig) -> Transport {
         policy: cfg.http.retry.clone(),
         idle_timeout: cfg.http.idle_timeout,
         secrets: cfg.api_key.iter().map(|k| k.expose().to_string()).collect(),
+        base_url: crate::providers::public_url(&cfg.base_url),
+        url_variable: cfg.url_variable(),
+        compatible: cfg.kind == crate::providers::ProviderKind::OpenaiCompatible,
     }
 }
 
@@ -119,9 +122,13 @@ pub(crate) fn args_object(v: &Value) -> Value {
 }
 
 /// The output budget: the caller's, clamped to the model's limit; else `fallback` clamped the
-/// same way.
+/// same way. Never more than the whole context window (a local model's window may be smaller
+/// than the catch-all row's output limit).
 pub(crate) fn max_output(req: &ChatRequest, ctx: &ChatContext, fallback: u64) -> u64 {
-    let limit = ctx.model.as_ref().map(|m| m.max_output_tokens);
+    let limit = ctx.model.as_ref().map(|m| match m.context_window {
+        0 => m.max_output_tokens,
+        w => m.max_output_tokens.min(w),
+    });
     let wanted = req.max_output_tokens.map(u64::from).unwrap_or(fallback);
     match limit {
         Some(l) if l > 0 => wanted.min(l),

@@ -7,6 +7,8 @@
 
 #![allow(dead_code)]
 
+pub mod recorded;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,0 +1,203 @@
+//! Replays exchanges recorded from a real server (`tests/fixtures/<server>-<version>/*.json`,
+//! written by `tests/fixtures/record.py`): a local server answers each request with the bytes
+//! the real one sent for the same method and path, and keeps what it was asked.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// One recorded case: where it came from and its exchanges.
+#[derive(Clone, Debug)]
+pub struct Fixture {
+    pub server: String,
+    pub model: String,
+    pub exchanges: Vec<Exchange>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Exchange {
+    pub method: String,
+    pub path: String,
+    /// The request the recorder sent.
+    pub request: Value,
+    pub status: u16,
+    pub content_type: String,
+    /// The body as received (HTTP chunking removed).
+    pub body: String,
+    /// The server ended the body properly (else it dropped the connection mid-body).
+    pub clean: bool,
+}
+
+pub const LLAMA_CPP_PYTHON: &str = "llama-cpp-python-0.3.36";
+
+/// Loads `tests/fixtures/<dir>/<case>.json`.
+pub fn fixture(dir: &str, case: &str) -> Fixture {
+    // Through the crate directory's parent, so the binary's tests can load them too.
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../harness-router/tests/fixtures")
+        .join(dir)
+        .join(format!("{case}.json"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()));
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let exchanges = v["exchanges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| Exchange {
+            method: e["request"]["method"].as_str().unwrap().to_string(),
+            path: e["request"]["path"].as_str().unwrap().to_string(),
+            request: e["request"]["body"].clone(),
+            status: e["response"]["status"].as_u64().unwrap() as u16,
+            content_type: e["response"]["content_type"]
+                .as_str()
+                .unwrap_or("application/json")
+                .to_string(),
+            body: e["response"]["body"].as_str().unwrap().to_string(),
+            clean: e["response"]["ended"].as_str().unwrap_or("clean") == "clean",
+        })
+        .collect();
+    Fixture {
+        server: v["server"].as_str().unwrap().to_string(),
+        model: v["model"].as_str().unwrap().to_string(),
+        exchanges,
+    }
+}
+
+/// What the replay server was asked.
+#[derive(Clone, Debug)]
+pub struct Asked {
+    pub method: String,
+    pub path: String,
+    pub body: Value,
+}
+
+/// A local server answering with recorded exchanges. Each request takes the first unused
+/// exchange of its method and path; a GET may be answered again (a server's model list does
+/// not change). A request nothing was recorded for gets a 404 like the real server's.
+pub struct Replay {
+    /// The base URL, without `/v1`.
+    pub url: String,
+    asked: Arc<Mutex<Vec<Asked>>>,
+}
+
+impl Replay {
+    pub async fn start(exchanges: Vec<Exchange>) -> Replay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let pool: Arc<Mutex<Vec<(Exchange, bool)>>> = Arc::new(Mutex::new(
+            exchanges.into_iter().map(|e| (e, false)).collect(),
+        ));
+        let a = asked.clone();
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                let (a, pool) = (a.clone(), pool.clone());
+                tokio::spawn(async move {
+                    let _ = serve(sock, a, pool).await;
+                });
+            }
+        });
+        Replay { url, asked }
+    }
+
+    pub fn asked(&self) -> Vec<Asked> {
+        self.asked.lock().unwrap().clone()
+    }
+
+    /// The JSON bodies of the chat requests, in order.
+    pub fn chat_bodies(&self) -> Vec<Value> {
+        self.asked()
+            .into_iter()
+            .filter(|a| a.path.ends_with("/chat/completions"))
+            .map(|a| a.body)
+            .collect()
+    }
+}
+
+async fn serve(
+    mut sock: TcpStream,
+    asked: Arc<Mutex<Vec<Asked>>>,
+    pool: Arc<Mutex<Vec<(Exchange, bool)>>>,
+) -> std::io::Result<()> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let end = loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end;
+        }
+        let n = sock.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+    let mut first = head.split("\r\n").next().unwrap_or_default().split(' ');
+    let method = first.next().unwrap_or_default().to_string();
+    let path = first.next().unwrap_or_default().to_string();
+    let headers: HashMap<String, String> = head
+        .split("\r\n")
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let len: usize = headers
+        .get("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[end + 4..].to_vec();
+    while body.len() < len {
+        let n = sock.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    asked.lock().unwrap().push(Asked {
+        method: method.clone(),
+        path: path.clone(),
+        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+    });
+    let reply = {
+        let mut pool = pool.lock().unwrap();
+        let found = pool
+            .iter_mut()
+            .find(|(e, used)| !*used && e.method == method && e.path == path)
+            .map(|(e, used)| {
+                *used = e.method != "GET";
+                e.clone()
+            });
+        found
+    };
+    let Some(e) = reply else {
+        let body = r#"{"detail":"Not Found"}"#;
+        let resp = format!(
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        sock.write_all(resp.as_bytes()).await?;
+        return Ok(());
+    };
+    let head = format!(
+        "HTTP/1.1 {} X\r\ncontent-type: {}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n",
+        e.status, e.content_type
+    );
+    sock.write_all(head.as_bytes()).await?;
+    // The body in the pieces a server flushes: one SSE event (or the whole document) at a time.
+    for piece in e.body.split_inclusive("\n\n") {
+        if !piece.is_empty() {
+            sock.write_all(format!("{:x}\r\n{piece}\r\n", piece.len()).as_bytes())
+                .await?;
+        }
+    }
+    if e.clean {
+        sock.write_all(b"0\r\n\r\n").await?;
+    }
+    sock.flush().await?;
+    Ok(())
+}

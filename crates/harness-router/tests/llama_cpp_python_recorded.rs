@@ -1,0 +1,561 @@
+//! The `llamacpp` provider against what llama-cpp-python 0.3.36 serving Gemma 3 270M Q4_K_M
+//! really sent, recorded into `tests/fixtures/llama-cpp-python-0.3.36/` by
+//! `tests/fixtures/record.py` (each file names the server, its arguments and the model). One
+//! test (or more) per defect found running harness against that server.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
+use common::{chat, http, request, user, Run};
+use harness_bus::{Bus, EmbeddedBus};
+use harness_core::{Harness, HarnessConfig};
+use harness_router::providers::{ProviderConfig, ProviderKind, WirePatch};
+use harness_router::Router;
+use harness_session::SessionStore;
+use harness_store::{Durability, Store};
+use harness_types::api::{SendOptions, SendRequest, StatusRequest, TurnStatus};
+use harness_types::message::{
+    AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason,
+};
+use harness_types::router::{ChatRequest, ToolSpec};
+use harness_types::ErrorKind;
+use serde_json::{json, Value};
+
+const MODEL: &str = "gemma-3-270m";
+
+fn exchanges(case: &str) -> Vec<Exchange> {
+    let f = fixture(LLAMA_CPP_PYTHON, case);
+    assert_eq!(f.server, "llama-cpp-python 0.3.36");
+    assert!(f.model.contains("Gemma 3 270M Q4_K_M"));
+    f.exchanges
+}
+
+fn llamacpp(url: &str, wire: Option<WirePatch>) -> Router {
+    let router = Router::new();
+    let mut cfg = ProviderConfig::new("llamacpp", ProviderKind::OpenaiCompatible, url, None)
+        .with_http(http());
+    cfg.wire = cfg.wire.with(wire.as_ref());
+    router.add_provider(cfg.build());
+    router
+}
+
+fn add_tool() -> ToolSpec {
+    ToolSpec {
+        name: "math::add".into(),
+        description: "Add two numbers.".into(),
+        parameters: json!({"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}),
+    }
+}
+
+fn ask(text: &str, max_output: u32) -> ChatRequest {
+    let mut r = request("llamacpp", MODEL, vec![user(text)]);
+    r.max_output_tokens = Some(max_output);
+    r
+}
+
+/// The conversation the recorder replayed: a call of `math__add` and its result.
+fn call_replay() -> ChatRequest {
+    let call = AssistantMessage {
+        content: vec![ContentBlock::FunctionCall {
+            id: "call_1".into(),
+            function_id: "math::add".into(),
+            arguments: json!({"a": 2, "b": 3}),
+        }],
+        model: MODEL.into(),
+        provider: "llamacpp".into(),
+        stop_reason: StopReason::FunctionCall,
+        usage: None,
+        error_kind: None,
+        error_message: None,
+        native_stop_reason: Some("tool_calls".into()),
+        warnings: None,
+        timestamp: 1,
+    };
+    let mut r = ask("What is 2 + 3? Use the tool.", 64);
+    r.messages.push(AgentMessage::Assistant(call));
+    r.messages
+        .push(AgentMessage::FunctionResult(FunctionResultMessage {
+            function_call_id: "call_1".into(),
+            function_id: "math::add".into(),
+            content: vec![ContentBlock::text("5")],
+            details: Value::Null,
+            is_error: false,
+            timestamp: 2,
+        }));
+    r.tools = vec![add_tool()];
+    r
+}
+
+fn only_chat_requests(server: &Replay) -> usize {
+    server.chat_bodies().len()
+}
+
+// --- 1. a replayed function call: `content: ""`, never `null` -------------------------------
+
+#[tokio::test]
+async fn a_replayed_function_call_is_sent_as_the_server_accepts_it() {
+    // Recorded with `stream: false`, which a config can ask for (`wire.stream_with_tools`).
+    let recorded = exchanges("replay_content_empty");
+    let sent_then = recorded[0].request.clone();
+    let server = Replay::start(recorded).await;
+    let no_stream = WirePatch {
+        stream_with_tools: Some(false),
+        ..WirePatch::default()
+    };
+    let r = llamacpp(&format!("{}/v1", server.url), Some(no_stream));
+    let run = chat(&r, call_replay()).await;
+    let done = run.done();
+    assert!(!joined(&done).is_empty());
+    assert_eq!(done.native_stop_reason.as_deref(), Some("length"));
+    let body = &server.chat_bodies()[0];
+    // Exactly the messages, tools and choices the server accepted.
+    assert_eq!(body["messages"], sent_then["messages"]);
+    assert_eq!(body["messages"][2]["content"], json!(""));
+    assert_eq!(body["tools"], sent_then["tools"]);
+    assert_eq!(body["tool_choice"], sent_then["tool_choice"]);
+    assert_eq!(body["stream"], json!(false));
+    // The non-streamed answer carries usage: it is the server's, not an estimate.
+    let usage = done.usage.unwrap();
+    assert_eq!(
+        (usage.input, usage.output, usage.estimated),
+        (Some(35), Some(64), false)
+    );
+}
+
+#[tokio::test]
+async fn content_null_is_what_the_server_rejected_and_that_rejection_is_not_retried() {
+    let recorded = exchanges("replay_content_null");
+    assert_eq!(recorded[0].request["messages"][2]["content"], Value::Null);
+    let server = Replay::start(recorded).await;
+    // A config claiming the server takes `null` (as OpenAI does) gets the recorded 500.
+    let claims_null = WirePatch {
+        content_null: Some(true),
+        ..WirePatch::default()
+    };
+    let r = llamacpp(&format!("{}/v1", server.url), Some(claims_null));
+    let run = chat(&r, call_replay()).await;
+    let (_, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Permanent, "{detail}");
+    assert!(detail.starts_with("HTTP 500"), "{detail}");
+    assert!(
+        detail.contains("Input should be a valid string"),
+        "{detail}"
+    );
+    assert_eq!(
+        run.ack.error.as_ref().unwrap().code,
+        "router/invalid_request"
+    );
+    assert_eq!(
+        only_chat_requests(&server),
+        1,
+        "a validation error is not retried"
+    );
+    assert_eq!(
+        server.chat_bodies()[0]["messages"][2]["content"],
+        Value::Null
+    );
+}
+
+// --- 2. `[DONE]` without a finish reason is an interrupted stream ------------------------------
+
+#[tokio::test]
+async fn a_stream_the_server_interrupted_is_never_a_completed_reply() {
+    let recorded = exchanges("interrupted_by_second_request");
+    // The first stream: text, then `data: [DONE]` with no finish_reason, then a dropped body.
+    assert!(recorded[0].body.trim_end().ends_with("data: [DONE]"));
+    assert!(!recorded[0].body.contains("\"finish_reason\": \"") && !recorded[0].clean);
+    let server = Replay::start(vec![recorded[0].clone()]).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let run = chat(&r, ask("Count from 1 to 200, one number per line.", 300)).await;
+    let (partial, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Transient);
+    assert!(detail.contains("without a finish_reason"), "{detail}");
+    assert!(!joined(&partial).is_empty(), "the partial text is kept");
+    assert_eq!(
+        run.ack.error.as_ref().unwrap().code,
+        "router/stream_interrupted"
+    );
+    assert!(!run.kinds().contains(&"done".to_string()));
+}
+
+#[tokio::test]
+async fn an_interrupted_function_call_is_never_complete() {
+    // The recorded forced-call stream, cut where the server cuts an interrupted stream: after
+    // an event it had sent, with its `[DONE]` and no finish reason.
+    let mut e = exchanges("tools_forced_stream").remove(0);
+    let events: Vec<&str> = e.body.split_inclusive("\n\n").collect();
+    e.body = events[..4].concat() + "data: [DONE]\n\n";
+    let server = Replay::start(vec![e]).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let mut req = ask("What is 2 + 3? Use the tool.", 64);
+    req.tools = vec![add_tool()];
+    let run = chat(&r, req).await;
+    let (partial, kind, _) = run.error();
+    assert_eq!(kind, ErrorKind::Transient);
+    assert!(!run.kinds().contains(&"functioncall_end".to_string()));
+    let Some(ContentBlock::FunctionCall { arguments, .. }) = partial.content.last() else {
+        panic!("{partial:?}")
+    };
+    assert_eq!(
+        arguments["_partial"], true,
+        "the cut call stays marked unrunnable"
+    );
+}
+
+/// A loop with the `llamacpp` provider at `url` and a function `math::add`.
+async fn runtime(url: &str) -> (Harness, SessionStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
+    let bus = EmbeddedBus::new(store.clone()).unwrap();
+    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
+    let sessions = SessionStore::open(store.clone()).await.unwrap();
+    harness_session::register(shared.as_ref(), &sessions);
+    harness_router::register(shared.as_ref(), &llamacpp(url, None));
+    let harness = Harness::new(
+        shared,
+        HarnessConfig {
+            stream_coalesce_ms: 0,
+            default_context_window: 4096,
+            ..HarnessConfig::default()
+        },
+    );
+    harness_core::register(&harness);
+    harness.start().await.unwrap();
+    (harness, sessions, dir)
+}
+
+#[tokio::test]
+async fn a_turn_whose_stream_was_interrupted_resumes_and_ends_with_a_reply_the_server_finished() {
+    // Session A's stream interrupted by session B's request, then A's resume answered in full
+    // (the second recorded stream, which ran to its finish reason).
+    let recorded = exchanges("interrupted_by_second_request");
+    let server = Replay::start(recorded).await;
+    let (harness, sessions, _dir) = runtime(&format!("{}/v1", server.url)).await;
+    let r = harness
+        .send(SendRequest {
+            message: json!("Count from 1 to 200, one number per line."),
+            model: Some(MODEL.into()),
+            provider: Some("llamacpp".into()),
+            options: Some(SendOptions {
+                max_output_tokens: Some(300),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        let s = harness
+            .status(StatusRequest {
+                session_id: r.session_id.clone(),
+                verbose: None,
+            })
+            .await
+            .unwrap();
+        if let Some(s) = s.filter(|s| s.status.is_terminal()) {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the turn did not end");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(status.status, TurnStatus::Completed, "{status:?}");
+    let replies: Vec<AssistantMessage> = sessions
+        .all_entries(&r.session_id, false)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.message {
+            Some(AgentMessage::Assistant(a)) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies.len(), 2, "{replies:?}");
+    // The cut reply is kept as what it is; the resumed one ended with the server's `length`.
+    assert_eq!(replies[0].stop_reason, StopReason::Error, "{replies:?}");
+    assert_eq!(replies[0].error_kind, Some(ErrorKind::Transient));
+    assert_eq!(replies[1].stop_reason, StopReason::Length, "{replies:?}");
+    assert_eq!(status.transient_resumes, 1);
+    for a in &replies {
+        assert!(a.usage.as_ref().is_some_and(|u| u.estimated));
+    }
+    assert_eq!(only_chat_requests(&server), 2);
+}
+
+// --- 3. usage when the stream carries none -----------------------------------------------------
+
+#[tokio::test]
+async fn a_stream_without_usage_gets_an_estimate_marked_and_priced() {
+    let recorded = exchanges("plain_stream");
+    assert!(
+        !recorded[0].body.contains("\"usage\""),
+        "the server sent no usage"
+    );
+    let server = Replay::start(recorded.clone()).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let run = chat(&r, ask("Say hello.", 64)).await;
+    let done = run.done();
+    assert_eq!(joined(&done), recorded_text(&recorded[0].body));
+    let usage = done.usage.clone().expect("usage");
+    assert!(usage.estimated);
+    assert!(
+        usage.input.unwrap() > 0 && usage.output.unwrap() > 0,
+        "{usage:?}"
+    );
+    assert_eq!(
+        usage.output.unwrap(),
+        (joined(&done).len() as u64).div_ceil(4)
+    );
+    assert_eq!(usage.cost_usd, Some(0.0));
+    assert_eq!(run.ack.usage.as_ref().unwrap(), &usage);
+    // The server ignores `stream_options`: the preset does not send it.
+    assert!(server.chat_bodies()[0].get("stream_options").is_none());
+
+    // A priced catch-all row prices the estimate like any usage.
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    r.set_catalog(
+        harness_router::Catalog::builtin()
+            .merged(
+                &json!({"models": [{"provider": "openai-compatible", "id": "*", "pricing": {"input": 1.0, "output": 2.0}}]}),
+                "test",
+            )
+            .unwrap(),
+    );
+    let usage = chat(&r, ask("Say hello.", 64)).await.done().usage.unwrap();
+    let want = (usage.input.unwrap() as f64 * 1.0 + usage.output.unwrap() as f64 * 2.0) / 1e6;
+    assert!((usage.cost_usd.unwrap() - want).abs() < 1e-8, "{usage:?}");
+}
+
+// --- 4. errors a person can act on ---------------------------------------------------------------
+
+#[tokio::test]
+async fn a_base_url_without_v1_says_the_status_the_servers_words_and_where_to_look() {
+    let server = Replay::start(exchanges("not_found_without_v1")).await;
+    let r = llamacpp(&server.url, None);
+    let run = chat(&r, ask("Say hello.", 64)).await;
+    let (_, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Permanent);
+    assert!(detail.starts_with("HTTP 404: Not Found"), "{detail}");
+    assert!(
+        detail.contains(&format!("try {}/v1 as the base URL", server.url)),
+        "{detail}"
+    );
+    assert!(detail.contains("LLAMACPP_BASE_URL"), "{detail}");
+    assert_eq!(only_chat_requests(&server), 1, "a 404 is not retried");
+}
+
+#[tokio::test]
+async fn nothing_listening_says_so() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}/v1");
+    let r = llamacpp(&url, None);
+    let run = chat(&r, ask("Say hello.", 64)).await;
+    let (_, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Transient);
+    assert!(
+        detail.contains(&format!("nothing answers at {url}: start the server")),
+        "{detail}"
+    );
+}
+
+// --- 5. function calling on this server -------------------------------------------------------
+
+#[tokio::test]
+async fn tools_are_offered_with_tool_choice_and_a_forced_call_streams_back_as_a_call() {
+    // Offered with `tool_choice: "auto"`, the server answers text (it ignores the tools).
+    let server = Replay::start(exchanges("tools_auto_stream")).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let mut req = ask("What is 2 + 3? Use the tool.", 64);
+    req.tools = vec![add_tool()];
+    let run = chat(&r, req.clone()).await;
+    assert!(!joined(&run.done()).is_empty());
+    let body = &server.chat_bodies()[0];
+    assert_eq!(body["tool_choice"], "auto");
+    assert_eq!(body["tools"][0]["function"]["name"], "math__add");
+    assert_eq!(body["stream"], true);
+
+    // Forced through provider options, streamed: a call of `math::add` with its arguments.
+    let recorded = exchanges("tools_forced_stream");
+    let forced = recorded[0].request["tool_choice"].clone();
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    req.provider_options = Some(json!({"llamacpp": {"tool_choice": forced.clone()}}));
+    let run = chat(&r, req.clone()).await;
+    assert_call(&run);
+    assert_eq!(server.chat_bodies()[0]["tool_choice"], forced);
+
+    // The same, not streamed (`wire.stream_with_tools: false`).
+    let server = Replay::start(exchanges("tools_forced_whole")).await;
+    let no_stream = WirePatch {
+        stream_with_tools: Some(false),
+        ..WirePatch::default()
+    };
+    let r = llamacpp(&format!("{}/v1", server.url), Some(no_stream));
+    let run = chat(&r, req).await;
+    assert_call(&run);
+    assert_eq!(server.chat_bodies()[0]["stream"], false);
+    assert_eq!(run.done().usage.unwrap().output, Some(17));
+}
+
+fn assert_call(run: &Run) {
+    let done = run.done();
+    assert_eq!(done.stop_reason, StopReason::FunctionCall);
+    assert_eq!(done.native_stop_reason.as_deref(), Some("tool_calls"));
+    let calls: Vec<_> = done
+        .content
+        .iter()
+        .filter_map(|b| match b {
+            ContentBlock::FunctionCall {
+                function_id,
+                arguments,
+                ..
+            } => Some((function_id.clone(), arguments.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls.len(), 1, "{done:?}");
+    assert_eq!(calls[0].0, "math::add");
+    assert!(
+        calls[0].1["a"].is_number() && calls[0].1["b"].is_number(),
+        "{calls:?}"
+    );
+}
+
+// --- 6. an error raised after the response started ---------------------------------------------
+
+#[tokio::test]
+async fn an_error_after_the_200_is_not_retried_and_not_called_temporary() {
+    let recorded = exchanges("context_exceeded_stream");
+    assert_eq!((recorded[0].status, recorded[0].body.as_str()), (200, ""));
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let long = format!(
+        "Repeat: {}",
+        "the quick brown fox jumps over the lazy dog ".repeat(80)
+    );
+    let run = chat(&r, ask(&long, 64)).await;
+    let (_, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Permanent);
+    assert!(
+        detail.contains("closed the stream without sending anything"),
+        "{detail}"
+    );
+    assert!(!detail.contains("ended before the provider finished"));
+    assert_eq!(run.ack.error.as_ref().unwrap().code, "router/empty_stream");
+    assert_eq!(only_chat_requests(&server), 1, "not retried");
+}
+
+// --- 7. a local model's limits -----------------------------------------------------------------
+
+#[tokio::test]
+async fn a_length_stop_is_a_length_stop_and_the_output_budget_is_the_callers() {
+    let server = Replay::start(exchanges("length_stop")).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let run = chat(&r, ask("Write a long story about the sea.", 8)).await;
+    let done = run.done();
+    assert_eq!(done.stop_reason, StopReason::Length);
+    assert_eq!(done.native_stop_reason.as_deref(), Some("length"));
+    assert_eq!(server.chat_bodies()[0]["max_tokens"], 8);
+}
+
+#[tokio::test]
+async fn the_window_probe_asks_the_server_once_and_keeps_the_catch_all_row_when_it_says_nothing() {
+    let mut recorded = exchanges("models");
+    recorded.extend(exchanges("props"));
+    recorded.extend(exchanges("plain_stream"));
+    recorded.extend(exchanges("multi_turn_stream"));
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    chat(&r, ask("Say hello.", 64)).await.done();
+    let entry = r.model_entry(Some("llamacpp"), MODEL).await.unwrap();
+    assert!(
+        entry.generic,
+        "llama-cpp-python reports no window: {entry:?}"
+    );
+    let mut second = request(
+        "llamacpp",
+        MODEL,
+        vec![
+            user("My name is Ada."),
+            AgentMessage::Assistant(run_text("Hello Ada.")),
+            user("What is my name?"),
+        ],
+    );
+    second.max_output_tokens = Some(64);
+    let done = chat(&r, second).await.done();
+    assert!(joined(&done).contains("Ada"), "{done:?}");
+    let paths: Vec<String> = server.asked().into_iter().map(|a| a.path).collect();
+    assert_eq!(
+        paths,
+        [
+            "/v1/models",
+            "/props",
+            "/v1/chat/completions",
+            "/v1/chat/completions"
+        ]
+    );
+    // The multi-turn request replays the history as the recorder sent it.
+    let recorded = exchanges("multi_turn_stream");
+    assert_eq!(
+        server.chat_bodies()[1]["messages"],
+        recorded[0].request["messages"]
+    );
+}
+
+fn run_text(text: &str) -> AssistantMessage {
+    AssistantMessage {
+        content: vec![ContentBlock::text(text)],
+        model: MODEL.into(),
+        provider: "llamacpp".into(),
+        stop_reason: StopReason::End,
+        usage: None,
+        error_kind: None,
+        error_message: None,
+        native_stop_reason: None,
+        warnings: None,
+        timestamp: 1,
+    }
+}
+
+/// The text a recorded stream carried: its `delta.content` pieces in order.
+fn recorded_text(body: &str) -> String {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+fn joined(m: &AssistantMessage) -> String {
+    harness_types::message::joined_text(&m.content)
+}
+
+#[tokio::test]
+async fn a_stream_interrupted_before_any_output_is_retried_and_the_retry_is_the_reply() {
+    // The first stream: the role chunk, then `[DONE]`; the second request's stream in full.
+    let recorded = exchanges("interrupted_before_output");
+    assert!(!recorded[0].body.contains("\"content\""));
+    let whole = recorded[1].clone();
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let run = chat(&r, ask("Count from 1 to 200, one number per line.", 300)).await;
+    let done = run.done();
+    assert_eq!(done.native_stop_reason.as_deref(), Some("stop"));
+    assert_eq!(joined(&done), recorded_text(&whole.body));
+    assert_eq!(
+        only_chat_requests(&server),
+        2,
+        "retried once, before any output"
+    );
+}
