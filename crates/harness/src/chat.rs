@@ -50,17 +50,23 @@ impl Source {
 
     /// Follows the session's events until the turn ends, printing the reply as it grows; says
     /// how it ended.
-    async fn follow(&mut self, session_id: &str, turn_id: &str) -> Result<TurnEnd> {
+    /// Follows a turn to its end; also answers the `harness::ask` card the turn ended on.
+    async fn follow(
+        &mut self,
+        session_id: &str,
+        turn_id: &str,
+    ) -> Result<(TurnEnd, Option<Value>)> {
         let mut printer = Printer {
             turn_id: turn_id.to_string(),
             printed: Default::default(),
             parked: false,
             detail: None,
             cut: false,
+            card: None,
             end: TurnEnd::Open,
         };
         let end = self.follow_with(&mut printer, session_id).await?;
-        Ok(end)
+        Ok((end, printer.card))
     }
 
     async fn follow_with(&mut self, printer: &mut Printer, session_id: &str) -> Result<TurnEnd> {
@@ -152,6 +158,8 @@ struct Printer {
     detail: Option<String>,
     /// The last reply of the turn stopped at the output limit.
     cut: bool,
+    /// The `harness::ask` card the turn ended on.
+    card: Option<Value>,
     end: TurnEnd,
 }
 
@@ -177,6 +185,13 @@ impl Printer {
             }
             if let Some(c) = entry.custom.as_ref().filter(|c| c.custom_type == "error") {
                 self.detail = c.data["detail"].as_str().map(str::to_string);
+                return false;
+            }
+            if let Some(harness_types::AgentMessage::FunctionResult(r)) = &entry.message {
+                if r.details["status"] == "awaiting_answer" && self.card.is_none() {
+                    print!("{}", render_card(&r.details));
+                    self.card = Some(r.details.clone());
+                }
                 return false;
             }
             let Some(harness_types::AgentMessage::Assistant(m)) = &entry.message else {
@@ -213,7 +228,13 @@ impl Printer {
                     TurnEnd::Completed
                 }
                 _ => {
-                    println!();
+                    // A JSON result (an output contract) is shown as the value it is.
+                    match &p["result"] {
+                        v @ (Value::Object(_) | Value::Array(_)) => {
+                            println!("\n{}", serde_json::to_string_pretty(v).unwrap_or_default())
+                        }
+                        _ => println!(),
+                    }
                     TurnEnd::Completed
                 }
             };
@@ -305,7 +326,15 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             eprintln!("(session {sid})");
         }
         session = Some(sid.clone());
-        let end = source.follow(&sid, &tid).await?;
+        let (end, card) = source.follow(&sid, &tid).await?;
+        if let (Some(card), true) = (card, interactive) {
+            // The answer to the card is the next message, one line per question.
+            match ask_card(&card)? {
+                Some(answer) => pending = Some(answer),
+                None => break,
+            }
+            continue;
+        }
         if !interactive {
             if let Source::Local { rt, .. } = &source {
                 rt.shutdown().await;
@@ -415,4 +444,110 @@ async fn answer_approvals(caller: Caller<'_>, session_id: &str) -> Result<bool> 
         }
     }
     Ok(true)
+}
+
+// --- harness::ask: the card a turn ended on, answered on stdin --------------------------------
+
+/// The card as numbered options per question; the UI's own "Other" is the last number.
+fn render_card(card: &Value) -> String {
+    let mut out = String::from("\n");
+    for q in card["questions"].as_array().into_iter().flatten() {
+        let multi = q["multi_select"] == json!(true);
+        out.push_str(&format!(
+            "\n[{}] {}{}\n",
+            q["header"].as_str().unwrap_or_default(),
+            q["question"].as_str().unwrap_or_default(),
+            if multi {
+                " (one or more, e.g. 1,3)"
+            } else {
+                ""
+            }
+        ));
+        let options = q["options"].as_array().cloned().unwrap_or_default();
+        for (i, o) in options.iter().enumerate() {
+            out.push_str(&format!(
+                "  {}. {}",
+                i + 1,
+                o["label"].as_str().unwrap_or_default()
+            ));
+            if let Some(d) = o["description"].as_str() {
+                out.push_str(&format!(" — {d}"));
+            }
+            out.push('\n');
+        }
+        out.push_str(&format!(
+            "  {}. Other (type your answer)\n",
+            options.len() + 1
+        ));
+    }
+    out
+}
+
+/// One question's answer line from what the user typed: option numbers (several when the
+/// question allows it), or free text for "Other".
+fn answer_line(question: &Value, typed: &str) -> String {
+    let header = question["header"].as_str().unwrap_or_default();
+    let options: Vec<&str> = question["options"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o["label"].as_str())
+        .collect();
+    let multi = question["multi_select"] == json!(true);
+    let picks: Option<Vec<&str>> = typed
+        .split(',')
+        .map(|t| {
+            let n: usize = t.trim().parse().ok()?;
+            options.get(n.checked_sub(1)?).copied()
+        })
+        .collect();
+    let value = match picks {
+        Some(p) if !p.is_empty() && (multi || p.len() == 1) => p.join(", "),
+        _ => typed.trim().to_string(),
+    };
+    format!("{header}: {value}")
+}
+
+/// Asks each question of the card on stdin; `None` when stdin ended.
+fn ask_card(card: &Value) -> Result<Option<String>> {
+    let mut lines = Vec::new();
+    for q in card["questions"].as_array().into_iter().flatten() {
+        eprint!("{} > ", q["header"].as_str().unwrap_or_default());
+        let mut line = String::new();
+        if std::io::stdin().lock().read_line(&mut line)? == 0 {
+            return Ok(None);
+        }
+        lines.push(answer_line(q, &line));
+    }
+    Ok(Some(lines.join("\n")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn question(multi: bool) -> Value {
+        json!({"header": "Channels", "question": "Where?", "multi_select": multi,
+               "options": [{"label": "Console"}, {"label": "Slack", "description": "team"}, {"label": "Mail"}]})
+    }
+
+    #[test]
+    fn an_answer_is_one_line_per_question_as_the_seed_describes() {
+        assert_eq!(answer_line(&question(false), "2\n"), "Channels: Slack");
+        assert_eq!(
+            answer_line(&question(true), "1, 2"),
+            "Channels: Console, Slack"
+        );
+        // Several picks on a single-choice question, an "Other" number or words: the text as typed.
+        assert_eq!(answer_line(&question(false), "1,2"), "Channels: 1,2");
+        assert_eq!(
+            answer_line(&question(false), "by pigeon"),
+            "Channels: by pigeon"
+        );
+        assert_eq!(answer_line(&question(false), "4"), "Channels: 4");
+        let shown = render_card(&json!({"questions": [question(true)]}));
+        assert!(shown.contains("[Channels] Where? (one or more"), "{shown}");
+        assert!(shown.contains("  2. Slack — team"), "{shown}");
+        assert!(shown.contains("  4. Other (type your answer)"), "{shown}");
+    }
 }
