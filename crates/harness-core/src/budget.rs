@@ -10,7 +10,7 @@
 
 use harness_types::message::Usage;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::harness::{Harness, Result};
 use crate::record::TurnRecord;
@@ -100,22 +100,10 @@ fn scope(ledger: &str) -> String {
 
 impl Harness {
     async fn prices(&self, rec: &TurnRecord) -> Prices {
-        let req = json!({"provider": rec.options.provider, "id": rec.options.model});
-        match self
-            .inner
-            .bus
-            .call(
-                "router::models::get",
-                req,
-                Some(std::time::Duration::from_millis(
-                    self.config().session_timeout_ms,
-                )),
-            )
+        self.catalog_entry(rec)
             .await
-        {
-            Ok(entry) => Prices::of(&entry),
-            Err(_) => Prices::default(),
-        }
+            .map(|entry| Prices::of(&entry))
+            .unwrap_or_default()
     }
 
     /// The preflight before a generation that sends `context_tokens`: `Err` is the refusal.

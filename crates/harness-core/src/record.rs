@@ -44,6 +44,16 @@ pub struct TurnOptions {
     pub reasoning: Option<Reasoning>,
 }
 
+impl TurnOptions {
+    /// How allowed functions reach the model (the policy's, or the default).
+    pub fn expose(&self) -> harness_types::api::ExposeMode {
+        self.functions
+            .as_ref()
+            .map(|p| p.expose)
+            .unwrap_or_default()
+    }
+}
+
 /// How much reasoning to ask of the model, beyond its thinking level.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

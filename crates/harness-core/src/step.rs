@@ -144,12 +144,7 @@ impl Harness {
                         let message = ctx.message.as_ref().ok_or_else(|| {
                             HarnessError::internal("dispatch without a generation")
                         })?;
-                        let expose = r
-                            .options
-                            .functions
-                            .as_ref()
-                            .map(|p| p.expose)
-                            .unwrap_or_default();
+                        let expose = r.options.expose();
                         let calls = plan_calls(&message.content, expose);
                         let cancel = self.signal(&r.turn_id);
                         let stopped = self.dispatch_calls(r, &calls, cut, &cancel).await?
@@ -628,12 +623,7 @@ impl Harness {
         if self.hooks(HookPoint::PreGenerate).await?.is_empty() {
             return Ok(Ok((assembled.system_prompt, assembled.messages)));
         }
-        let expose = rec
-            .options
-            .functions
-            .as_ref()
-            .map(|p| p.expose)
-            .unwrap_or_default();
+        let expose = rec.options.expose();
         let mut env = hooks::envelope(
             HookPoint::PreGenerate,
             &rec.session_id,
@@ -748,28 +738,26 @@ impl Harness {
         }
     }
 
+    /// The turn's model as the router's catalog describes it (`None` when it cannot say).
+    pub(crate) async fn catalog_entry(&self, rec: &TurnRecord) -> Option<Value> {
+        let req = json!({"provider": rec.options.provider, "id": rec.options.model});
+        let timeout = std::time::Duration::from_millis(self.config().session_timeout_ms);
+        self.inner
+            .bus
+            .call("router::models::get", req, Some(timeout))
+            .await
+            .ok()
+    }
+
     /// The model's context window from the router's catalog; for models it does not know (or
     /// only by a catch-all row), the configured default.
     async fn context_window(&self, rec: &TurnRecord) -> u64 {
-        let req = json!({"provider": rec.options.provider, "id": rec.options.model});
-        match self
-            .inner
-            .bus
-            .call(
-                "router::models::get",
-                req,
-                Some(std::time::Duration::from_millis(
-                    self.config().session_timeout_ms,
-                )),
-            )
-            .await
-        {
+        match self.catalog_entry(rec).await {
             // A provider's catch-all row is a guess; the configured default is the better one.
-            Ok(entry) if entry["generic"] != true => entry["context_window"]
+            Some(entry) if entry["generic"] != true => entry["context_window"]
                 .as_u64()
                 .unwrap_or(self.config().default_context_window),
-            Ok(_) => self.config().default_context_window,
-            Err(_) => self.config().default_context_window,
+            _ => self.config().default_context_window,
         }
     }
 
@@ -816,12 +804,7 @@ fn finished(
 ) -> Input {
     let partial = generation.error.is_some() && generation.has_partial();
     let message = generation.message;
-    let expose = rec
-        .options
-        .functions
-        .as_ref()
-        .map(|p| p.expose)
-        .unwrap_or_default();
+    let expose = rec.options.expose();
     let calls = plan_calls(&message.content, expose)
         .into_iter()
         .map(|c| CallRef {

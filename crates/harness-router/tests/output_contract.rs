@@ -39,7 +39,8 @@ fn answer(text: &str) -> Reply {
     ])
 }
 
-async fn run(mock: &Mock, schema: Value) -> (StatusReport, tempfile::TempDir) {
+/// The loop with the OpenAI adapter pointed at `mock`.
+async fn harness_for(mock: &Mock) -> (Harness, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
     let bus = EmbeddedBus::new(store.clone()).unwrap();
@@ -67,17 +68,17 @@ async fn run(mock: &Mock, schema: Value) -> (StatusReport, tempfile::TempDir) {
     );
     harness_core::register(&harness);
     harness.start().await.unwrap();
+    (harness, dir)
+}
+
+/// Sends `options` and waits for the turn to end.
+async fn end_of(harness: &Harness, options: SendOptions) -> StatusReport {
     let r = harness
         .send(SendRequest {
             message: json!("plan a trip"),
             model: Some("gpt-4o".into()),
             provider: Some("openai".into()),
-            options: Some(SendOptions {
-                output: Some(OutputContract::Json {
-                    schema: Some(schema),
-                }),
-                ..Default::default()
-            }),
+            options: Some(options),
             ..Default::default()
         })
         .await
@@ -92,11 +93,22 @@ async fn run(mock: &Mock, schema: Value) -> (StatusReport, tempfile::TempDir) {
             .await
             .unwrap();
         if let Some(s) = s.filter(|s| s.status.is_terminal()) {
-            return (s, dir);
+            return s;
         }
         assert!(Instant::now() < deadline, "the turn did not end");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+async fn run(mock: &Mock, schema: Value) -> (StatusReport, tempfile::TempDir) {
+    let (harness, dir) = harness_for(mock).await;
+    let options = SendOptions {
+        output: Some(OutputContract::Json {
+            schema: Some(schema),
+        }),
+        ..Default::default()
+    };
+    (end_of(&harness, options).await, dir)
 }
 
 fn schema() -> Value {
@@ -158,56 +170,13 @@ async fn three_answers_that_break_the_schema_fail_the_turn() {
 async fn a_turn_whose_next_generation_would_exceed_max_cost_usd_fails_before_the_provider_is_called(
 ) {
     let mock = Mock::start(vec![answer("{\"city\": \"Oslo\"}")]).await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus);
-    let sessions = SessionStore::open(store).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
-    let router = Router::new();
-    router.add_provider(
-        ProviderConfig::new(
-            "openai",
-            ProviderKind::Openai,
-            &format!("{}/v1", mock.url),
-            Some(KEY),
-        )
-        .with_http(http())
-        .build(),
-    );
-    harness_router::register(shared.as_ref(), &router);
-    let harness = Harness::new(shared, HarnessConfig::default());
-    harness_core::register(&harness);
-    harness.start().await.unwrap();
+    let (harness, _dir) = harness_for(&mock).await;
     // gpt-4o's catalog price makes 4096 reserved output tokens cost about $0.04.
-    let r = harness
-        .send(SendRequest {
-            message: json!("plan a trip"),
-            model: Some("gpt-4o".into()),
-            provider: Some("openai".into()),
-            options: Some(SendOptions {
-                max_cost_usd: Some(0.001),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        let s = harness
-            .status(StatusRequest {
-                session_id: r.session_id.clone(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
-        if let Some(s) = s.filter(|s| s.status.is_terminal()) {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the turn did not end");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    let options = SendOptions {
+        max_cost_usd: Some(0.001),
+        ..Default::default()
     };
+    let status = end_of(&harness, options).await;
     assert_eq!(status.status, TurnStatus::Failed);
     assert!(status.result_error.unwrap().contains("budget"));
     assert!(mock.bodies().is_empty(), "the provider was never called");

@@ -39,12 +39,7 @@ impl Harness {
         if !policy.any() {
             return Ok(vec![]);
         }
-        let expose = rec
-            .options
-            .functions
-            .as_ref()
-            .map(|p| p.expose)
-            .unwrap_or_default();
+        let expose = rec.options.expose();
         if expose == ExposeMode::AgentTrigger {
             return Ok(vec![agent_trigger_tool()]);
         }
