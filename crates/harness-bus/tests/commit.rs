@@ -122,7 +122,7 @@ async fn a_failing_write_rolls_the_whole_batch_back() {
         .await
         .unwrap_err();
     assert_eq!(
-        err.code, "invalid_request",
+        err.code, "harness/invalid_request",
         "the typed code survives: {err:?}"
     );
     assert_eq!(

@@ -402,14 +402,16 @@ impl SessionStore {
                 }
                 let sql = if req.include_custom {
                     "SELECT seq, entry_id, kind, body, origin, revision FROM entries
-                     WHERE session_id = ?1 AND seq > ?2 ORDER BY seq"
+                     WHERE session_id = +?1 AND seq > ?2 ORDER BY seq"
                 } else {
                     "SELECT seq, entry_id, kind, body, origin, revision FROM entries
-                     WHERE session_id = ?1 AND seq > ?2 AND kind = 'message' ORDER BY seq"
+                     WHERE session_id = +?1 AND seq > ?2 AND kind = 'message' ORDER BY seq"
                 };
                 // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT changes (and
                 // every reuse from the statement cache rebinds it), so the page is cut here; the
-                // rows stream in index order, so nothing past the page is read.
+                // rows stream in index order, so nothing past the page is read. `+?1` for the
+                // same reason: a bare parameter compared with the leading column of the index
+                // the rows are ordered by re-prepares on every bind (harness_store::events).
                 let mut stmt = conn.prepare_cached(sql)?;
                 let rows = stmt.query_map(params![req.session_id, floor], |r| {
                     Ok((
@@ -461,7 +463,7 @@ impl SessionStore {
                 require_session(conn, &req.session_id)?;
                 let mut stmt = conn.prepare_cached(
                     "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
-                     WHERE session_id = ?1 AND chg > ?2 ORDER BY chg",
+                     WHERE session_id = +?1 AND chg > ?2 ORDER BY chg",
                 )?;
                 // The page is cut here, not by a bound LIMIT (see `messages`).
                 let rows = stmt.query_map(params![req.session_id, after], |r| {
@@ -639,7 +641,7 @@ impl PreparedAppend {
             ));
         }
         let seq: i64 = conn
-            .prepare_cached("SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE session_id = ?1")?
+            .prepare_cached("SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE session_id = +?1")?
             .query_row(params![session_id], |r| r.get(0))?;
         let chg = change_event(
             conn,

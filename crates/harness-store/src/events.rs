@@ -43,8 +43,13 @@ pub fn insert_event_in(
     Ok((changed > 0).then(|| conn.last_insert_rowid()))
 }
 
+/// `+?1`, not `?1`: SQLite (3.54) re-prepares a statement that orders by an index whose
+/// leading column is compared with a bare bound parameter every time that parameter is bound
+/// again, and the statement cache rebinds on every use. The unary plus keeps the index (same
+/// plan, no sort) without the re-preparation. The same holds for every `col = +?N … ORDER BY`
+/// of the store and the transcript.
 const EVENTS_AFTER: &str = "SELECT id, session_id, topic, payload, at_ms FROM events
-                 WHERE session_id = ?1 AND id > ?2 ORDER BY id";
+                 WHERE session_id = +?1 AND id > ?2 ORDER BY id";
 
 pub(crate) fn max_event_id(conn: &Connection) -> Result<i64, StoreError> {
     Ok(conn
@@ -114,6 +119,7 @@ impl Store {
             // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT value changes, and
             // the statement cache clears bindings between uses, so a bound LIMIT would re-prepare
             // on every call. Rows stream in index order; stopping early reads nothing more.
+            // (And `+?1` in EVENTS_AFTER, for the same reason.)
             let rows = stmt.query_map((session_id, after_id), |r| {
                 Ok((
                     r.get::<_, i64>(0)?,
@@ -174,8 +180,8 @@ mod tests {
                 .await
                 .unwrap();
         }
-        for (after, limit) in [(0, 2), (2, 10), (0, 1), (1, 3)] {
-            let page = store.events_after("s", after, limit).unwrap();
+        for (session, after, limit) in [("s", 0, 2), ("s", 2, 10), ("x", 0, 1), ("s", 300, 3)] {
+            let page = store.events_after(session, after, limit).unwrap();
             assert!(page.len() <= limit);
         }
         assert_eq!(store.events_after("s", 0, 2).unwrap().len(), 2);

@@ -85,10 +85,11 @@ impl Store {
     }
 
     /// Every `(key, value)` of a scope, ordered by key (the primary key order: no sort needed).
+    /// `+?1`: see `events::EVENTS_AFTER` (a bare parameter here re-prepares on every call).
     pub fn kv_list(&self, scope: &str) -> Result<Vec<(String, Value)>, StoreError> {
         self.read(|c| {
             let mut stmt =
-                c.prepare_cached("SELECT key, value FROM kv WHERE scope = ?1 ORDER BY key")?;
+                c.prepare_cached("SELECT key, value FROM kv WHERE scope = +?1 ORDER BY key")?;
             let rows = stmt.query_map([scope], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
             })?;
