@@ -250,7 +250,7 @@ fn require_session(conn: &Connection, session_id: &str) -> std::result::Result<(
 impl SessionStore {
     /// Creates the tables if needed.
     pub async fn open(store: Store) -> Result<SessionStore> {
-        store.write(|conn| migrate(conn)).await?;
+        store.write(migrate).await?;
         Ok(SessionStore { store })
     }
 
