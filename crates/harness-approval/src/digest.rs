@@ -1,5 +1,6 @@
 //! The digest an approval is bound to, and the deterministic approval id.
 
+use harness_types::digest::sha256_hex;
 use harness_types::ids::san;
 use serde_json::{Map, Value};
 
@@ -45,11 +46,6 @@ pub fn canonical(value: &Value) -> Value {
         Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
         other => other.clone(),
     }
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    let d = ring::digest::digest(&ring::digest::SHA256, bytes);
-    d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -137,6 +137,35 @@ pub struct StreamingCall {
     pub result: HandlerFuture,
 }
 
+/// One write of a [`Bus::commit`] batch.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BusWrite {
+    /// A call of a function that only writes (a `session::*` write); its answer is returned.
+    Call {
+        function_id: String,
+        payload: Value,
+    },
+    StateSet {
+        scope: String,
+        key: String,
+        value: Value,
+    },
+    StateDelete {
+        scope: String,
+        key: String,
+    },
+    Enqueue {
+        queue: String,
+        function_id: String,
+        payload: Value,
+    },
+    Publish {
+        topic: String,
+        payload: Value,
+        dedupe_key: Option<String>,
+    },
+}
+
 /// Everything the loop needs from the world outside itself.
 #[async_trait]
 pub trait Bus: Send + Sync + 'static {
@@ -200,6 +229,16 @@ pub trait Bus: Send + Sync + 'static {
     /// backing store gives no such promise this is a no-op (documented per implementation).
     async fn barrier(&self) -> Result<(), BusError>;
 
+    /// Applies `writes` in order and returns one answer per write (a call's answer, `null` for
+    /// the others). A bus whose store has transactions applies the whole batch as one, all or
+    /// nothing (the embedded bus: one commit, then one shared fsync at the next `barrier`). This
+    /// default applies them one by one and stops at the first failure, leaving the earlier ones
+    /// applied: exactly what the same calls made separately would do, so a caller's writes must
+    /// stay idempotent either way.
+    async fn commit(&self, writes: Vec<BusWrite>) -> Result<Vec<Value>, BusError> {
+        commit_one_by_one(self, writes).await
+    }
+
     // --- state, as the `state::*` functions -------------------------------------------------
 
     async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>, BusError> {
@@ -243,4 +282,46 @@ pub trait Bus: Send + Sync + 'static {
             })
             .collect())
     }
+}
+
+/// [`Bus::commit`]'s default: each write through its own bus method, in order, stopping at the
+/// first failure.
+pub async fn commit_one_by_one<B: Bus + ?Sized>(
+    bus: &B,
+    writes: Vec<BusWrite>,
+) -> Result<Vec<Value>, BusError> {
+    let mut out = Vec::with_capacity(writes.len());
+    for w in writes {
+        out.push(match w {
+            BusWrite::Call {
+                function_id,
+                payload,
+            } => bus.call(&function_id, payload, None).await?,
+            BusWrite::StateSet { scope, key, value } => {
+                bus.state_set(&scope, &key, value).await?;
+                Value::Null
+            }
+            BusWrite::StateDelete { scope, key } => {
+                bus.state_delete(&scope, &key).await?;
+                Value::Null
+            }
+            BusWrite::Enqueue {
+                queue,
+                function_id,
+                payload,
+            } => {
+                bus.enqueue(&queue, &function_id, payload).await?;
+                Value::Null
+            }
+            BusWrite::Publish {
+                topic,
+                payload,
+                dedupe_key,
+            } => {
+                bus.publish(&topic, payload, dedupe_key).await?;
+                Value::Null
+            }
+        });
+    }
+    Ok(out)
 }

@@ -12,12 +12,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use harness_store::{QueueConfig, QueueHandler, QueueMessage, Queues, Store};
+use harness_store::{
+    enqueue_in, insert_event_in, kv_delete_in, kv_put_in, Connection, QueueConfig, QueueHandler,
+    QueueMessage, Queues, Store, StoreError,
+};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::bus::{
-    Binding, Bus, CallContext, FunctionDef, Handler, QueueDef, StreamingCall, TriggerTypeDef,
+    Binding, Bus, BusWrite, CallContext, FunctionDef, Handler, QueueDef, StreamingCall,
+    TriggerTypeDef,
 };
 use crate::engine_functions;
 use crate::error::BusError;
@@ -26,6 +30,10 @@ use crate::error::BusError;
 pub(crate) const BINDINGS_SCOPE: &str = "engine_bindings";
 
 const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The in-transaction form of a write function (see [`EmbeddedBus::register_transactional`]):
+/// runs on the batch's connection; an `Err` rolls the whole batch back.
+pub type TxHandler = Arc<dyn Fn(&Connection, Value) -> Result<Value, StoreError> + Send + Sync>;
 
 struct Registered {
     def: FunctionDef,
@@ -37,6 +45,9 @@ pub(crate) struct Inner {
     pub(crate) trigger_types: RwLock<HashMap<String, TriggerTypeDef>>,
     pub(crate) bindings: RwLock<HashMap<String, Binding>>,
     queue_groups: RwLock<HashMap<String, String>>,
+    /// In-transaction forms of write functions, for [`Bus::commit`]. Same locking as
+    /// `functions`: written at registration, read per batch, never held across an await.
+    tx_functions: RwLock<HashMap<String, TxHandler>>,
     pub(crate) store: Store,
     queues: Queues,
     /// Running `cron` schedules by binding id. A std Mutex: held only to insert or take.
@@ -60,6 +71,7 @@ impl EmbeddedBus {
                 trigger_types: RwLock::new(HashMap::new()),
                 bindings: RwLock::new(HashMap::new()),
                 queue_groups: RwLock::new(HashMap::new()),
+                tx_functions: RwLock::new(HashMap::new()),
                 store,
                 queues,
                 schedules: std::sync::Mutex::new(HashMap::new()),
@@ -165,6 +177,32 @@ impl EmbeddedBus {
         {
             handle.abort();
         }
+    }
+
+    /// Registers the in-transaction form of a write function already registered with
+    /// `register_function`, so a [`Bus::commit`] batch that calls it stays one transaction. It
+    /// must do exactly what the plain function does, minus what only runs after a commit (the
+    /// batch wakes event subscribers itself).
+    pub fn register_transactional(&self, function_id: &str, handler: TxHandler) {
+        self.inner
+            .tx_functions
+            .write()
+            .expect("tx functions lock")
+            .insert(function_id.to_string(), handler);
+    }
+
+    /// The message group of a payload on `queue` (the queue's group field), or why not.
+    fn queue_group(&self, queue: &str, payload: &Value) -> Result<String, BusError> {
+        let group_field = {
+            let groups = self.inner.queue_groups.read().expect("queue groups lock");
+            groups.get(queue).cloned()
+        }
+        .ok_or_else(|| BusError::internal(format!("queue '{queue}' is not defined")))?;
+        Ok(match payload.get(&group_field) {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => String::new(),
+        })
     }
 
     /// Stops consuming queues; in-flight steps are left to redelivery.
@@ -336,16 +374,7 @@ impl Bus for EmbeddedBus {
         function_id: &str,
         payload: Value,
     ) -> Result<(), BusError> {
-        let group_field = {
-            let groups = self.inner.queue_groups.read().expect("queue groups lock");
-            groups.get(queue).cloned()
-        }
-        .ok_or_else(|| BusError::internal(format!("queue '{queue}' is not defined")))?;
-        let group = match payload.get(&group_field) {
-            Some(Value::String(s)) => s.clone(),
-            Some(other) => other.to_string(),
-            None => String::new(),
-        };
+        let group = self.queue_group(queue, &payload)?;
         self.inner
             .queues
             .enqueue(queue, &group, function_id, &payload)
@@ -378,5 +407,148 @@ impl Bus for EmbeddedBus {
     async fn barrier(&self) -> Result<(), BusError> {
         self.inner.store.barrier().await?;
         Ok(())
+    }
+
+    /// One store transaction for the whole batch (one savepoint: all or nothing), then the
+    /// wake-ups that must follow a commit. A call without an in-transaction form makes the
+    /// batch fall back to one write after another (the trait's default).
+    async fn commit(&self, writes: Vec<BusWrite>) -> Result<Vec<Value>, BusError> {
+        let mut ops = Vec::with_capacity(writes.len());
+        {
+            let tx = self.inner.tx_functions.read().expect("tx functions lock");
+            for w in &writes {
+                ops.push(match w {
+                    BusWrite::Call { function_id, .. } => match tx.get(function_id) {
+                        Some(h) => TxOp::Call(h.clone()),
+                        None => TxOp::Unbatchable,
+                    },
+                    BusWrite::Enqueue { queue, payload, .. } => {
+                        TxOp::Enqueue(self.queue_group(queue, payload)?)
+                    }
+                    _ => TxOp::Plain,
+                });
+            }
+        }
+        if ops.iter().any(|op| matches!(op, TxOp::Unbatchable)) {
+            return crate::bus::commit_one_by_one(self, writes).await;
+        }
+        let queues: Vec<String> = writes
+            .iter()
+            .filter_map(|w| match w {
+                BusWrite::Enqueue { queue, .. } => Some(queue.clone()),
+                _ => None,
+            })
+            .collect();
+        let events = writes
+            .iter()
+            .any(|w| matches!(w, BusWrite::Call { .. } | BusWrite::Publish { .. }));
+        let out = self
+            .inner
+            .store
+            .write(move |conn| {
+                let mut out = Vec::with_capacity(writes.len());
+                for (w, op) in writes.into_iter().zip(ops) {
+                    out.push(match (w, op) {
+                        (BusWrite::Call { payload, .. }, TxOp::Call(h)) => h(conn, payload)?,
+                        (BusWrite::StateSet { scope, key, value }, _) => {
+                            kv_put_in(conn, &scope, &key, &value)?;
+                            Value::Null
+                        }
+                        (BusWrite::StateDelete { scope, key }, _) => {
+                            kv_delete_in(conn, &scope, &key)?;
+                            Value::Null
+                        }
+                        (
+                            BusWrite::Enqueue {
+                                queue,
+                                function_id,
+                                payload,
+                            },
+                            TxOp::Enqueue(group),
+                        ) => {
+                            enqueue_in(conn, &queue, &group, &function_id, &payload)?;
+                            Value::Null
+                        }
+                        (
+                            BusWrite::Publish {
+                                topic,
+                                payload,
+                                dedupe_key,
+                            },
+                            _,
+                        ) => {
+                            let session_id = payload.get("session_id").and_then(Value::as_str);
+                            insert_event_in(
+                                conn,
+                                session_id,
+                                &topic,
+                                &payload,
+                                dedupe_key.as_deref(),
+                            )?;
+                            Value::Null
+                        }
+                        _ => {
+                            return Err(StoreError::Invalid("commit: a write lost its plan".into()))
+                        }
+                    });
+                }
+                Ok(out)
+            })
+            .await
+            .map_err(tx_error)?;
+        // The rows are committed: a failed pickup is only logged, as in `Queues::enqueue` (the
+        // next enqueue or restart rescans from the same watermark and finds them).
+        for queue in queues {
+            if let Err(e) = self.inner.queues.wake(&queue) {
+                tracing::error!(queue = %queue, error = %e, "harness-bus: queue rescan failed after a batch");
+            }
+        }
+        if events {
+            self.inner.store.notify_events();
+        }
+        Ok(out)
+    }
+
+    // State goes straight to the store: the `state::*` functions stay registered for callers
+    // by id, but the loop's own reads and writes skip the registry and the request envelope.
+
+    async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>, BusError> {
+        Ok(self.inner.store.kv_get(scope, key)?)
+    }
+
+    async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
+        let (scope, key) = (scope.to_string(), key.to_string());
+        self.inner
+            .store
+            .write(move |c| kv_put_in(c, &scope, &key, &value))
+            .await?;
+        Ok(())
+    }
+
+    async fn state_delete(&self, scope: &str, key: &str) -> Result<(), BusError> {
+        self.inner.store.kv_delete(scope, key).await?;
+        Ok(())
+    }
+
+    async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>, BusError> {
+        Ok(self.inner.store.kv_list(scope)?)
+    }
+}
+
+/// How [`Bus::commit`] runs each write inside the transaction (planned before it starts, so
+/// no lock is taken on the writer thread).
+enum TxOp {
+    Call(TxHandler),
+    Enqueue(String),
+    Plain,
+    Unbatchable,
+}
+
+/// A transaction handler rejects with a typed `harness/<code>: …` text in
+/// `StoreError::Invalid`; it keeps its code on the way out.
+fn tx_error(e: StoreError) -> BusError {
+    match e {
+        StoreError::Invalid(text) => harness_types::HarnessError::from_wire(&text).into(),
+        other => other.into(),
     }
 }

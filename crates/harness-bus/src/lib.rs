@@ -16,8 +16,8 @@ mod engine_functions;
 pub mod error;
 
 pub use bus::{
-    Binding, Bus, CallContext, FrameSink, FunctionDef, Handler, HandlerFuture, QueueDef,
-    StreamingCall, TriggerTypeDef,
+    commit_one_by_one, Binding, Bus, BusWrite, CallContext, FrameSink, FunctionDef, Handler,
+    HandlerFuture, QueueDef, StreamingCall, TriggerTypeDef,
 };
-pub use embedded::EmbeddedBus;
+pub use embedded::{EmbeddedBus, TxHandler};
 pub use error::{BusCode, BusError};

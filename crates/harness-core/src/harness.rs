@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harness_bus::{Bus, BusError, QueueDef};
+use harness_bus::{Bus, BusError, BusWrite, QueueDef};
 use harness_types::api::TurnStepPayload;
 use harness_types::session::*;
 use harness_types::HarnessError;
@@ -37,6 +37,193 @@ pub(crate) struct Inner {
     pub(crate) functions_generation: std::sync::atomic::AtomicU64,
     /// Until when the judge is skipped after a failure (process-wide).
     pub(crate) judge_paused_until: Mutex<Option<std::time::Instant>>,
+    /// Transcripts of recently stepped sessions, so a step reads only what changed since the
+    /// last one. A std Mutex: held only to take or put an entry, never across an await.
+    pub(crate) transcripts: Mutex<TranscriptCache>,
+}
+
+/// Sessions whose transcript stays in memory; the least recently read goes first. Enough for
+/// every session a busy process steps at once, small enough that idle sessions cost nothing.
+const TRANSCRIPT_CACHE_SESSIONS: usize = 256;
+
+/// Per-session copies of the transcript with the change mark they are current to (see
+/// `session::changes`). A copy is only ever a speed-up: a reader that misses it reads the
+/// whole transcript, and every reader asks the store what changed, so a copy is never served
+/// stale, even when another process or a direct `session::*` call wrote the session.
+#[derive(Default)]
+pub(crate) struct TranscriptCache {
+    sessions: HashMap<String, CachedTranscript>,
+    clock: u64,
+}
+
+struct CachedTranscript {
+    mark: i64,
+    entries: Arc<Vec<Entry>>,
+    used: u64,
+}
+
+impl TranscriptCache {
+    /// Takes the session's copy out, so the reader extends it in place (no copy of the history)
+    /// while a concurrent reader of the same session, rare under the session lock, reads afresh.
+    fn take(&mut self, session_id: &str) -> Option<(i64, Arc<Vec<Entry>>)> {
+        self.sessions
+            .remove(session_id)
+            .map(|c| (c.mark, c.entries))
+    }
+
+    fn put(&mut self, session_id: &str, mark: i64, entries: Arc<Vec<Entry>>) {
+        self.clock += 1;
+        if let Some(old) = self.sessions.get(session_id) {
+            if old.mark >= mark {
+                return;
+            }
+        } else if self.sessions.len() >= TRANSCRIPT_CACHE_SESSIONS {
+            if let Some(oldest) = self
+                .sessions
+                .iter()
+                .min_by_key(|(_, c)| c.used)
+                .map(|(k, _)| k.clone())
+            {
+                self.sessions.remove(&oldest);
+            }
+        }
+        self.sessions.insert(
+            session_id.to_string(),
+            CachedTranscript {
+                mark,
+                entries,
+                used: self.clock,
+            },
+        );
+    }
+}
+
+/// A step's writes, collected in order and applied by [`Harness::commit`] as one batch. Each
+/// builder mirrors the one-shot helper of the same name, with the same ids and payloads, so a
+/// replayed step writes the same thing either way.
+#[derive(Default)]
+pub(crate) struct StepWrites {
+    writes: Vec<BusWrite>,
+}
+
+#[allow(dead_code)] // The step shell adopts these as it moves to one batch per step.
+impl StepWrites {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    fn call<Req: Serialize>(&mut self, function_id: &str, req: &Req) -> Result<()> {
+        let payload =
+            serde_json::to_value(req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        self.writes.push(BusWrite::Call {
+            function_id: function_id.to_string(),
+            payload,
+        });
+        Ok(())
+    }
+
+    /// As [`Harness::append`].
+    pub(crate) fn append(&mut self, req: &AppendRequest) -> Result<()> {
+        self.call("session::append", req)
+    }
+
+    /// As [`Harness::append_custom`].
+    pub(crate) fn append_custom(
+        &mut self,
+        session_id: &str,
+        entry_id: String,
+        custom_type: &str,
+        data: Value,
+        turn_id: &str,
+    ) -> Result<()> {
+        self.append(&AppendRequest {
+            session_id: session_id.to_string(),
+            message: None,
+            custom: Some(CustomEntry {
+                custom_type: custom_type.to_string(),
+                data,
+            }),
+            entry_id: Some(entry_id),
+            origin: Some(serde_json::json!({ "turn_id": turn_id })),
+        })
+    }
+
+    /// As the `session::update-message` call of the stream's last write.
+    pub(crate) fn update_message(&mut self, req: &UpdateMessageRequest) -> Result<()> {
+        self.call("session::update-message", req)
+    }
+
+    /// As [`Harness::set_status`].
+    pub(crate) fn set_status(
+        &mut self,
+        session_id: &str,
+        status: SessionStatus,
+        reason: Option<&str>,
+    ) -> Result<()> {
+        self.call(
+            "session::set-status",
+            &SetStatusRequest {
+                session_id: session_id.to_string(),
+                status,
+                reason: reason.map(str::to_string),
+            },
+        )
+    }
+
+    /// As [`Harness::save_record`] (stamps `updated_at` the same way).
+    pub(crate) fn save_record(&mut self, rec: &mut TurnRecord) -> Result<()> {
+        rec.updated_at = harness_types::now_ms();
+        let value =
+            serde_json::to_value(&*rec).map_err(|e| HarnessError::internal(e.to_string()))?;
+        self.writes.push(BusWrite::StateSet {
+            scope: TURN_SCOPE.to_string(),
+            key: rec.session_id.clone(),
+            value,
+        });
+        Ok(())
+    }
+
+    /// As [`Harness::enqueue_step`] (without its retries: a failed batch fails as a whole).
+    pub(crate) fn enqueue_step(&mut self, rec: &TurnRecord) -> Result<()> {
+        let payload = serde_json::to_value(step_payload(rec))
+            .map_err(|e| HarnessError::internal(e.to_string()))?;
+        self.writes.push(BusWrite::Enqueue {
+            queue: TURN_QUEUE.to_string(),
+            function_id: "harness::turn".to_string(),
+            payload,
+        });
+        Ok(())
+    }
+
+    /// As `Bus::publish`: an event, deduplicated by `dedupe_key`.
+    pub(crate) fn publish(&mut self, topic: &str, payload: Value, dedupe_key: Option<String>) {
+        self.writes.push(BusWrite::Publish {
+            topic: topic.to_string(),
+            payload,
+            dedupe_key,
+        });
+    }
+}
+
+fn step_payload(rec: &TurnRecord) -> TurnStepPayload {
+    TurnStepPayload {
+        session_id: rec.session_id.clone(),
+        turn_id: rec.turn_id.clone(),
+        step: rec.step,
+        message_preview: rec.message_preview.clone(),
+        depth: rec.depth,
+    }
+}
+
+/// Folds changed entries into a transcript kept in `seq` order: an entry already there is
+/// replaced (an update), a new one is inserted at its place (almost always the end).
+fn merge_changes(entries: &mut Vec<Entry>, changed: Vec<Entry>) {
+    for e in changed {
+        match entries.binary_search_by_key(&e.seq, |x| x.seq) {
+            Ok(at) => entries[at] = e,
+            Err(at) => entries.insert(at, e),
+        }
+    }
 }
 
 pub(crate) type Result<T> = std::result::Result<T, HarnessError>;
@@ -55,6 +242,7 @@ impl Harness {
                 signals: Mutex::new(HashMap::new()),
                 judge_paused_until: Mutex::new(None),
                 functions_generation: std::sync::atomic::AtomicU64::new(1),
+                transcripts: Mutex::new(TranscriptCache::default()),
             }),
         }
     }
@@ -292,15 +480,8 @@ impl Harness {
     }
 
     pub(crate) async fn enqueue_step(&self, rec: &TurnRecord) -> Result<()> {
-        let payload = TurnStepPayload {
-            session_id: rec.session_id.clone(),
-            turn_id: rec.turn_id.clone(),
-            step: rec.step,
-            message_preview: rec.message_preview.clone(),
-            depth: rec.depth,
-        };
-        let payload =
-            serde_json::to_value(payload).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let payload = serde_json::to_value(step_payload(rec))
+            .map_err(|e| HarnessError::internal(e.to_string()))?;
         let mut attempt = 0;
         loop {
             match self
@@ -318,6 +499,17 @@ impl Harness {
                 Err(e) => return Err(bus_err(e)),
             }
         }
+    }
+
+    /// Applies a step's writes as one batch: on the embedded bus one transaction (all or
+    /// nothing), elsewhere one write after another in order (see `Bus::commit`). Not durable
+    /// on its own: the queue's ack barrier (or an explicit [`Harness::barrier`]) is the fsync.
+    #[allow(dead_code)] // The step shell adopts it as it moves to one batch per step.
+    pub(crate) async fn commit(&self, writes: StepWrites) -> Result<Vec<Value>> {
+        if writes.writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.inner.bus.commit(writes.writes).await.map_err(bus_err)
     }
 
     pub(crate) async fn barrier(&self) -> Result<()> {
@@ -368,8 +560,70 @@ impl Harness {
         Ok(())
     }
 
-    /// Every entry of the session (custom records included), paging through `session::messages`.
+    /// Every entry of the session (custom records included), in `seq` order. Reads only what
+    /// changed since this process last read the session (see [`Harness::transcript_shared`]).
     pub(crate) async fn transcript(&self, session_id: &str) -> Result<Vec<Entry>> {
+        Ok(self.transcript_shared(session_id).await?.as_ref().clone())
+    }
+
+    /// [`Harness::transcript`] without the copy: the returned list is shared with the
+    /// per-session cache, so a step on a long session costs its new entries, not its history.
+    /// Asks `session::changes` for the entries appended or updated since the cached mark (one
+    /// indexed read when nothing changed); without that function (another transcript store),
+    /// reads the whole transcript every time.
+    pub(crate) async fn transcript_shared(&self, session_id: &str) -> Result<Arc<Vec<Entry>>> {
+        let cached = self
+            .inner
+            .transcripts
+            .lock()
+            .expect("transcripts lock")
+            .take(session_id);
+        let (mut mark, mut entries) = match cached {
+            Some((mark, entries)) => (Some(mark), entries),
+            None => (None, Arc::new(Vec::new())),
+        };
+        loop {
+            let req = ChangesRequest {
+                session_id: session_id.to_string(),
+                after: mark,
+                limit: Some(500),
+            };
+            let payload =
+                serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
+            let page: ChangesResponse = match self
+                .inner
+                .bus
+                .call("session::changes", payload, self.session_timeout())
+                .await
+            {
+                Ok(v) => serde_json::from_value(v).map_err(|e| {
+                    HarnessError::dependency(format!(
+                        "session::changes answered an unexpected shape: {e}"
+                    ))
+                })?,
+                Err(e) if e.is_not_found() => {
+                    return self.transcript_paged(session_id).await.map(Arc::new)
+                }
+                Err(e) => return Err(bus_err(e)),
+            };
+            merge_changes(Arc::make_mut(&mut entries), page.entries);
+            mark = Some(page.mark);
+            if !page.more {
+                break;
+            }
+        }
+        if let Some(mark) = mark {
+            self.inner
+                .transcripts
+                .lock()
+                .expect("transcripts lock")
+                .put(session_id, mark, entries.clone());
+        }
+        Ok(entries)
+    }
+
+    /// Every entry, paging through `session::messages` (the whole history, every time).
+    async fn transcript_paged(&self, session_id: &str) -> Result<Vec<Entry>> {
         let mut out = Vec::new();
         let mut cursor = None;
         loop {
@@ -430,5 +684,54 @@ impl Harness {
             .lock()
             .expect("signals lock")
             .remove(turn_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(seq: i64, revision: i64) -> Entry {
+        Entry {
+            entry_id: format!("e{seq}"),
+            seq,
+            message: None,
+            custom: Some(CustomEntry {
+                custom_type: "t".into(),
+                data: serde_json::json!(revision),
+            }),
+            origin: None,
+            revision,
+        }
+    }
+
+    #[test]
+    fn changes_merge_in_seq_order_and_replace_updates() {
+        let mut entries = vec![entry(1, 0), entry(2, 0)];
+        merge_changes(&mut entries, vec![entry(4, 0), entry(2, 1), entry(3, 0)]);
+        let got: Vec<(i64, i64)> = entries.iter().map(|e| (e.seq, e.revision)).collect();
+        assert_eq!(got, [(1, 0), (2, 1), (3, 0), (4, 0)]);
+    }
+
+    #[test]
+    fn the_cache_keeps_the_newest_copy_and_drops_the_least_recently_read() {
+        let mut cache = TranscriptCache::default();
+        cache.put("a", 5, Arc::new(vec![entry(1, 0)]));
+        // An older read finishing late never replaces a newer copy.
+        cache.put("a", 3, Arc::new(Vec::new()));
+        let (mark, entries) = cache.take("a").unwrap();
+        assert_eq!((mark, entries.len()), (5, 1));
+        assert!(cache.take("a").is_none(), "taken out while being extended");
+        for i in 0..TRANSCRIPT_CACHE_SESSIONS + 1 {
+            cache.put(&format!("s{i}"), 1, Arc::new(Vec::new()));
+        }
+        assert_eq!(cache.sessions.len(), TRANSCRIPT_CACHE_SESSIONS);
+        assert!(
+            cache.take("s0").is_none(),
+            "the least recently read went first"
+        );
+        assert!(cache
+            .take(&format!("s{TRANSCRIPT_CACHE_SESSIONS}"))
+            .is_some());
     }
 }

@@ -78,11 +78,9 @@ pub(crate) fn cache_sections(
     frozen: Option<&str>,
     prompt: Option<&str>,
 ) -> Option<serde_json::Value> {
-    use sha2::Digest;
     let (stable, prompt) = (frozen?, prompt?);
     let rest = prompt.strip_prefix(stable)?.strip_prefix("\n\n")?;
-    let digest = sha2::Sha256::digest(stable.as_bytes());
-    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = harness_types::digest::sha256_hex(stable.as_bytes());
     Some(serde_json::json!({
         "system_sections": [{"text": stable, "cache_boundary": true}, {"text": rest, "cache_boundary": false}],
         "cache_intent": {"surface_digest": format!("sha256:{hex}")}

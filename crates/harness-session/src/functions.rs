@@ -3,7 +3,8 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
+use harness_bus::{Bus, BusError, CallContext, EmbeddedBus, FunctionDef, Handler};
+use harness_store::{Connection, StoreError};
 use harness_types::parse::parse_payload;
 use harness_types::session::*;
 use harness_types::HarnessError;
@@ -12,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::store::SessionStore;
+use crate::store::{set_status_in, update_message_in, PreparedAppend, SessionStore};
 
 fn schema<T: JsonSchema>() -> Value {
     serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
@@ -48,7 +49,7 @@ fn register_one<Req, Resp, F, Fut>(
 }
 
 /// Registers `session::create`, `ensure`, `get`, `append`, `update-message`, `messages`,
-/// `set-status` and `list` on `bus`.
+/// `changes`, `set-status` and `list` on `bus`.
 pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
     register_one(
         bus,
@@ -95,6 +96,13 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
     register_one(
         bus,
         sessions,
+        "session::changes",
+        "Entries appended or updated after a change mark (for readers that cache the transcript).",
+        |s, req: ChangesRequest| async move { Ok(s.changes(&req)?) },
+    );
+    register_one(
+        bus,
+        sessions,
         "session::set-status",
         "Set the coarse session status (idle|working|done|error).",
         |s, req: SetStatusRequest| async move { Ok(s.set_status(req).await?) },
@@ -106,4 +114,44 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
         "List sessions.",
         |s, req: ListRequest| async move { Ok(s.list(&req)?) },
     );
+}
+
+fn register_tx<Req, Resp, F>(bus: &EmbeddedBus, id: &str, f: F)
+where
+    Req: DeserializeOwned + 'static,
+    Resp: Serialize + 'static,
+    F: Fn(&Connection, Req) -> Result<Resp, StoreError> + Send + Sync + 'static,
+{
+    bus.register_transactional(
+        id,
+        Arc::new(move |conn: &Connection, payload: Value| {
+            let req: Req =
+                parse_payload(payload).map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let resp = f(conn, req)?;
+            Ok(serde_json::to_value(resp)?)
+        }),
+    );
+}
+
+/// Registers the in-transaction forms of the transcript writes (`session::append`,
+/// `update-message`, `set-status`) on the embedded bus, so a `Bus::commit` batch that writes
+/// the transcript together with the turn record, events and the next step is one transaction.
+/// Only when `sessions` lives in the bus's own store (the batch runs on that store's writer).
+pub fn register_transactional(bus: &EmbeddedBus, sessions: &SessionStore) {
+    if bus.store().path() != sessions.store().path() {
+        tracing::debug!("harness-session: transcript in another store; batches fall back to one write at a time");
+        return;
+    }
+    register_tx(bus, "session::append", |conn, req: AppendRequest| {
+        PreparedAppend::new(req)
+            .map_err(|e| StoreError::Invalid(e.to_string()))?
+            .run(conn)
+            .map(|(resp, _)| resp)
+    });
+    register_tx(bus, "session::update-message", |conn, req| {
+        update_message_in(conn, req).map(|(resp, _)| resp)
+    });
+    register_tx(bus, "session::set-status", |conn, req| {
+        set_status_in(conn, req).map(|(resp, _)| resp)
+    });
 }

@@ -11,7 +11,7 @@
 mod functions;
 mod store;
 
-pub use functions::register;
+pub use functions::{register, register_transactional};
 pub use store::{SessionError, SessionStore};
 
 /// Topics this crate publishes on the event log.

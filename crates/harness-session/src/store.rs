@@ -68,10 +68,35 @@ CREATE TABLE IF NOT EXISTS entries (
     body TEXT NOT NULL,
     origin TEXT,
     revision INTEGER NOT NULL DEFAULT 0,
+    chg INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
 CREATE UNIQUE INDEX IF NOT EXISTS entries_by_id ON entries (session_id, entry_id);
 ";
+
+/// Created after the migration below, which may have to add `chg` first.
+const CHANGE_INDEX: &str =
+    "CREATE INDEX IF NOT EXISTS entries_by_change ON entries (session_id, chg);";
+
+/// Where entries written before `chg` existed are placed: below every real mark (event ids are
+/// positive) and still ordered by `seq`, so a reader starting from the beginning sees them once.
+const LEGACY_CHANGE_BASE: i64 = -(1 << 62);
+
+/// `chg` is an entry's change mark: the id of the event its latest append or update inserted in
+/// the same transaction. Event ids are AUTOINCREMENT (never reused) and the single writer commits
+/// them in order, so "entries with `chg` > m" is exactly what changed after a reader saw mark m.
+fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
+    conn.execute_batch(SCHEMA)?;
+    let has_chg = conn
+        .prepare("SELECT 1 FROM pragma_table_info('entries') WHERE name = 'chg'")?
+        .exists([])?;
+    if !has_chg {
+        conn.execute_batch("ALTER TABLE entries ADD COLUMN chg INTEGER NOT NULL DEFAULT 0")?;
+        conn.execute("UPDATE entries SET chg = ?1 + seq", [LEGACY_CHANGE_BASE])?;
+    }
+    conn.execute_batch(CHANGE_INDEX)?;
+    Ok(())
+}
 
 /// The transcript store. Cheap to clone.
 #[derive(Clone)]
@@ -198,6 +223,17 @@ fn entry_in(
     .transpose()
 }
 
+/// Inserts the event announcing an entry change and returns its id, the entry's new change mark.
+fn change_event(
+    conn: &Connection,
+    session_id: &str,
+    topic: &str,
+    payload: &Value,
+) -> std::result::Result<i64, StoreError> {
+    insert_event_in(conn, Some(session_id), topic, payload, None)?
+        .ok_or_else(|| StoreError::Invalid("an event without a dedupe key was not inserted".into()))
+}
+
 fn require_session(conn: &Connection, session_id: &str) -> std::result::Result<(), StoreError> {
     let exists: bool = conn
         .prepare_cached("SELECT 1 FROM sessions WHERE session_id = ?1")?
@@ -214,17 +250,21 @@ fn require_session(conn: &Connection, session_id: &str) -> std::result::Result<(
 impl SessionStore {
     /// Creates the tables if needed.
     pub async fn open(store: Store) -> Result<SessionStore> {
-        store
-            .write(|conn| {
-                conn.execute_batch(SCHEMA)?;
-                Ok(())
-            })
-            .await?;
+        store.write(migrate).await?;
         Ok(SessionStore { store })
     }
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Wakes event subscribers for the event a committed change inserted (none: nothing
+    /// changed, nobody to wake) and returns the answer.
+    fn notified<R>(&self, (response, event): (R, Option<i64>)) -> R {
+        if let Some(id) = event {
+            self.store.notify_event(id);
+        }
+        response
     }
 
     pub async fn create(&self, req: CreateRequest) -> Result<CreateResponse> {
@@ -302,147 +342,23 @@ impl SessionStore {
 
     /// Appends an entry; an existing `entry_id` is a no-op that returns the original.
     pub async fn append(&self, req: AppendRequest) -> Result<AppendResponse> {
-        let (kind, body) = match (&req.message, &req.custom) {
-            (Some(m), None) => (
-                "message",
-                serde_json::to_string(m).map_err(StoreError::from)?,
-            ),
-            (None, Some(c)) => (
-                "custom",
-                serde_json::to_string(c).map_err(StoreError::from)?,
-            ),
-            (Some(_), Some(_)) => {
-                return Err(HarnessError::invalid_field(
-                    "message",
-                    "give either message or custom, not both",
-                )
-                .into())
-            }
-            (None, None) => {
-                return Err(HarnessError::invalid_field("message", "required (or custom)").into())
-            }
-        };
-        let entry_id = req
-            .entry_id
-            .clone()
-            .unwrap_or_else(harness_types::ids::new_entry_id);
-        if entry_id.is_empty() {
-            return Err(HarnessError::invalid_field("entry_id", "must not be empty").into());
-        }
-        let origin = req.origin.as_ref().map(|o| o.to_string());
-        let session_id = req.session_id.clone();
+        let prepared = PreparedAppend::new(req)?;
         let response = self
             .store
-            .write(move |conn| {
-                require_session(conn, &session_id)?;
-                if let Some(seq) = conn
-                    .prepare_cached(
-                        "SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2",
-                    )?
-                    .query_row(params![session_id, entry_id], |r| r.get::<_, i64>(0))
-                    .optional()?
-                {
-                    return Ok(AppendResponse {
-                        entry_id,
-                        seq,
-                        appended: false,
-                    });
-                }
-                let seq: i64 = conn
-                    .prepare_cached(
-                        "SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE session_id = ?1",
-                    )?
-                    .query_row(params![session_id], |r| r.get(0))?;
-                conn.prepare_cached(
-                    "INSERT INTO entries (session_id, seq, entry_id, kind, body, origin, revision)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, 0)",
-                )?
-                .execute(params![session_id, seq, entry_id, kind, body, origin])?;
-                insert_event_in(
-                    conn,
-                    Some(&session_id),
-                    topics::MESSAGE_ADDED,
-                    &json!({"session_id": session_id, "entry_id": entry_id, "seq": seq}),
-                    None,
-                )?;
-                Ok(AppendResponse {
-                    entry_id,
-                    seq,
-                    appended: true,
-                })
-            })
+            .write(move |conn| prepared.run(conn))
             .await
             .map_err(lower)?;
-        if response.appended {
-            self.store.notify_events();
-        }
-        Ok(response)
+        Ok(self.notified(response))
     }
 
     /// Replaces a message's content wholesale (and usage/stop reason when given).
     pub async fn update_message(&self, req: UpdateMessageRequest) -> Result<UpdateMessageResponse> {
         let response = self
             .store
-            .write(move |conn| {
-                require_session(conn, &req.session_id)?;
-                let entry = entry_in(conn, &req.session_id, &req.entry_id)?.ok_or_else(|| {
-                    reject(HarnessError::not_found(format!(
-                        "entry_id: no entry '{}' in session '{}'",
-                        req.entry_id, req.session_id
-                    )))
-                })?;
-                if let Some(expected) = req.expected_revision {
-                    if expected != entry.revision {
-                        return Ok(UpdateMessageResponse {
-                            updated: false,
-                            revision: entry.revision,
-                        });
-                    }
-                }
-                let mut message = entry.message.ok_or_else(|| {
-                    reject(HarnessError::invalid_field(
-                        "entry_id",
-                        format!("entry '{}' is a custom record, not a message", req.entry_id),
-                    ))
-                })?;
-                apply_update(&mut message, &req).map_err(reject)?;
-                let revision = entry.revision + 1;
-                let origin = match (entry.origin, req.origin) {
-                    (Some(Value::Object(mut old)), Some(Value::Object(new))) => {
-                        old.extend(new);
-                        Some(Value::Object(old))
-                    }
-                    (old, new) => new.or(old),
-                };
-                conn.prepare_cached(
-                    "UPDATE entries SET body = ?3, origin = ?4, revision = ?5
-                     WHERE session_id = ?1 AND entry_id = ?2",
-                )?
-                .execute(params![
-                    req.session_id,
-                    req.entry_id,
-                    serde_json::to_string(&message)?,
-                    origin.map(|o| o.to_string()),
-                    revision
-                ])?;
-                insert_event_in(
-                    conn,
-                    Some(&req.session_id),
-                    topics::MESSAGE_UPDATED,
-                    &json!({"session_id": req.session_id, "entry_id": req.entry_id, "revision": revision}),
-                    None,
-                )?;
-                Ok(UpdateMessageResponse {
-                    updated: true,
-                    revision,
-                })
-            })
+            .write(move |conn| update_message_in(conn, req))
             .await
             .map_err(lower)?;
-        if response.updated {
-            self.store.notify_events();
-        }
-        Ok(response)
+        Ok(self.notified(response))
     }
 
     /// One page of the transcript, oldest first.
@@ -486,13 +402,18 @@ impl SessionStore {
                 }
                 let sql = if req.include_custom {
                     "SELECT seq, entry_id, kind, body, origin, revision FROM entries
-                     WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+                     WHERE session_id = +?1 AND seq > ?2 ORDER BY seq"
                 } else {
                     "SELECT seq, entry_id, kind, body, origin, revision FROM entries
-                     WHERE session_id = ?1 AND seq > ?2 AND kind = 'message' ORDER BY seq LIMIT ?3"
+                     WHERE session_id = +?1 AND seq > ?2 AND kind = 'message' ORDER BY seq"
                 };
+                // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT changes (and
+                // every reuse from the statement cache rebinds it), so the page is cut here; the
+                // rows stream in index order, so nothing past the page is read. `+?1` for the
+                // same reason: a bare parameter compared with the leading column of the index
+                // the rows are ordered by re-prepares on every bind (harness_store::events).
                 let mut stmt = conn.prepare_cached(sql)?;
-                let rows = stmt.query_map(params![req.session_id, floor, limit + 1], |r| {
+                let rows = stmt.query_map(params![req.session_id, floor], |r| {
                     Ok((
                         r.get::<_, i64>(0)?,
                         r.get::<_, String>(1)?,
@@ -503,7 +424,7 @@ impl SessionStore {
                     ))
                 })?;
                 let mut out = Vec::new();
-                for row in rows {
+                for row in rows.take(limit as usize + 1) {
                     let (seq, entry_id, kind, body, origin, revision) = row?;
                     out.push(entry_from_row(
                         entry_id, seq, &kind, &body, origin, revision,
@@ -522,6 +443,58 @@ impl SessionStore {
         Ok(MessagesResponse {
             messages,
             next_cursor,
+        })
+    }
+
+    /// The entries appended or updated after change mark `after` (see [`ChangesRequest`]).
+    pub fn changes(&self, req: &ChangesRequest) -> Result<ChangesResponse> {
+        let limit = req.limit.unwrap_or(MAX_PAGE);
+        if limit == 0 || limit > MAX_PAGE {
+            return Err(HarnessError::invalid_field(
+                "limit",
+                format!("must be between 1 and {MAX_PAGE} (got {limit})"),
+            )
+            .into());
+        }
+        let after = req.after.unwrap_or(i64::MIN);
+        let mut rows = self
+            .store
+            .read(|conn| {
+                require_session(conn, &req.session_id)?;
+                let mut stmt = conn.prepare_cached(
+                    "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
+                     WHERE session_id = +?1 AND chg > ?2 ORDER BY chg",
+                )?;
+                // The page is cut here, not by a bound LIMIT (see `messages`).
+                let rows = stmt.query_map(params![req.session_id, after], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                        r.get::<_, Option<String>>(4)?,
+                        r.get::<_, i64>(5)?,
+                        r.get::<_, i64>(6)?,
+                    ))
+                })?;
+                let mut out = Vec::new();
+                for row in rows.take(limit as usize + 1) {
+                    let (seq, entry_id, kind, body, origin, revision, chg) = row?;
+                    out.push((
+                        chg,
+                        entry_from_row(entry_id, seq, &kind, &body, origin, revision)?,
+                    ));
+                }
+                Ok(out)
+            })
+            .map_err(lower)?;
+        let more = rows.len() > limit as usize;
+        rows.truncate(limit as usize);
+        let mark = rows.last().map_or(after, |(chg, _)| *chg);
+        Ok(ChangesResponse {
+            entries: rows.into_iter().map(|(_, e)| e).collect(),
+            mark,
+            more,
         })
     }
 
@@ -555,41 +528,10 @@ impl SessionStore {
         }
         let response = self
             .store
-            .write(move |conn| {
-                let meta = meta_in(conn, &req.session_id)?.ok_or_else(|| {
-                    reject(HarnessError::not_found(format!(
-                        "session_id: no session '{}'",
-                        req.session_id
-                    )))
-                })?;
-                if meta.status == req.status && meta.status_reason == req.reason {
-                    return Ok(SetStatusResponse { changed: false });
-                }
-                conn.prepare_cached(
-                    "UPDATE sessions SET status = ?2, status_reason = ?3, updated_at = ?4
-                     WHERE session_id = ?1",
-                )?
-                .execute(params![
-                    req.session_id,
-                    status_str(req.status),
-                    req.reason,
-                    now_ms()
-                ])?;
-                insert_event_in(
-                    conn,
-                    Some(&req.session_id),
-                    topics::STATUS_CHANGED,
-                    &json!({"session_id": req.session_id, "status": req.status, "reason": req.reason}),
-                    None,
-                )?;
-                Ok(SetStatusResponse { changed: true })
-            })
+            .write(move |conn| set_status_in(conn, req))
             .await
             .map_err(lower)?;
-        if response.changed {
-            self.store.notify_events();
-        }
-        Ok(response)
+        Ok(self.notified(response))
     }
 
     pub fn list(&self, req: &ListRequest) -> Result<ListResponse> {
@@ -597,10 +539,13 @@ impl SessionStore {
         let after = req.cursor.clone().unwrap_or_default();
         let ids: Vec<String> = self.store.read(|conn| {
             let mut stmt = conn.prepare_cached(
-                "SELECT session_id FROM sessions WHERE session_id > ?1 ORDER BY session_id LIMIT ?2",
+                "SELECT session_id FROM sessions WHERE session_id > ?1 ORDER BY session_id",
             )?;
-            let rows = stmt.query_map(params![after, limit + 1], |r| r.get::<_, String>(0))?;
-            Ok(rows.collect::<std::result::Result<Vec<_>, _>>()?)
+            // The page is cut here, not by a bound LIMIT (see `messages`).
+            let rows = stmt.query_map(params![after], |r| r.get::<_, String>(0))?;
+            Ok(rows
+                .take(limit as usize + 1)
+                .collect::<std::result::Result<Vec<_>, _>>()?)
         })?;
         let mut sessions = Vec::new();
         for id in ids.iter().take(limit as usize) {
@@ -616,6 +561,207 @@ impl SessionStore {
             next_cursor,
         })
     }
+}
+
+/// A validated `append`, ready to run inside a write.
+pub(crate) struct PreparedAppend {
+    session_id: String,
+    entry_id: String,
+    kind: &'static str,
+    body: String,
+    origin: Option<String>,
+}
+
+impl PreparedAppend {
+    pub(crate) fn new(req: AppendRequest) -> std::result::Result<PreparedAppend, HarnessError> {
+        let (kind, body) = match (&req.message, &req.custom) {
+            (Some(m), None) => (
+                "message",
+                serde_json::to_string(m).map_err(|e| HarnessError::internal(e.to_string()))?,
+            ),
+            (None, Some(c)) => (
+                "custom",
+                serde_json::to_string(c).map_err(|e| HarnessError::internal(e.to_string()))?,
+            ),
+            (Some(_), Some(_)) => {
+                return Err(HarnessError::invalid_field(
+                    "message",
+                    "give either message or custom, not both",
+                ))
+            }
+            (None, None) => {
+                return Err(HarnessError::invalid_field(
+                    "message",
+                    "required (or custom)",
+                ))
+            }
+        };
+        let entry_id = req
+            .entry_id
+            .clone()
+            .unwrap_or_else(harness_types::ids::new_entry_id);
+        if entry_id.is_empty() {
+            return Err(HarnessError::invalid_field("entry_id", "must not be empty"));
+        }
+        Ok(PreparedAppend {
+            origin: req.origin.as_ref().map(|o| o.to_string()),
+            session_id: req.session_id,
+            entry_id,
+            kind,
+            body,
+        })
+    }
+
+    /// Inside a caller's write (events are inserted, subscribers not woken).
+    /// Returns the answer and the id of the event it inserted (None: the entry existed).
+    pub(crate) fn run(
+        self,
+        conn: &Connection,
+    ) -> std::result::Result<(AppendResponse, Option<i64>), StoreError> {
+        let PreparedAppend {
+            session_id,
+            entry_id,
+            kind,
+            body,
+            origin,
+        } = self;
+        require_session(conn, &session_id)?;
+        if let Some(seq) = conn
+            .prepare_cached("SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2")?
+            .query_row(params![session_id, entry_id], |r| r.get::<_, i64>(0))
+            .optional()?
+        {
+            return Ok((
+                AppendResponse {
+                    entry_id,
+                    seq,
+                    appended: false,
+                },
+                None,
+            ));
+        }
+        let seq: i64 = conn
+            .prepare_cached("SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE session_id = +?1")?
+            .query_row(params![session_id], |r| r.get(0))?;
+        let chg = change_event(
+            conn,
+            &session_id,
+            topics::MESSAGE_ADDED,
+            &json!({"session_id": session_id, "entry_id": entry_id, "seq": seq}),
+        )?;
+        conn.prepare_cached(
+            "INSERT INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 0, ?7)",
+        )?
+        .execute(params![session_id, seq, entry_id, kind, body, origin, chg])?;
+        Ok((
+            AppendResponse {
+                entry_id,
+                seq,
+                appended: true,
+            },
+            Some(chg),
+        ))
+    }
+}
+
+/// `update-message` inside a caller's write (events are inserted, subscribers not woken).
+pub(crate) fn update_message_in(
+    conn: &Connection,
+    req: UpdateMessageRequest,
+) -> std::result::Result<(UpdateMessageResponse, Option<i64>), StoreError> {
+    require_session(conn, &req.session_id)?;
+    let entry = entry_in(conn, &req.session_id, &req.entry_id)?.ok_or_else(|| {
+        reject(HarnessError::not_found(format!(
+            "entry_id: no entry '{}' in session '{}'",
+            req.entry_id, req.session_id
+        )))
+    })?;
+    if let Some(expected) = req.expected_revision {
+        if expected != entry.revision {
+            return Ok((
+                UpdateMessageResponse {
+                    updated: false,
+                    revision: entry.revision,
+                },
+                None,
+            ));
+        }
+    }
+    let mut message = entry.message.ok_or_else(|| {
+        reject(HarnessError::invalid_field(
+            "entry_id",
+            format!("entry '{}' is a custom record, not a message", req.entry_id),
+        ))
+    })?;
+    apply_update(&mut message, &req).map_err(reject)?;
+    let revision = entry.revision + 1;
+    let origin = match (entry.origin, req.origin) {
+        (Some(Value::Object(mut old)), Some(Value::Object(new))) => {
+            old.extend(new);
+            Some(Value::Object(old))
+        }
+        (old, new) => new.or(old),
+    };
+    let chg = change_event(
+        conn,
+        &req.session_id,
+        topics::MESSAGE_UPDATED,
+        &json!({"session_id": req.session_id, "entry_id": req.entry_id, "revision": revision}),
+    )?;
+    conn.prepare_cached(
+        "UPDATE entries SET body = ?3, origin = ?4, revision = ?5, chg = ?6
+             WHERE session_id = ?1 AND entry_id = ?2",
+    )?
+    .execute(params![
+        req.session_id,
+        req.entry_id,
+        serde_json::to_string(&message)?,
+        origin.map(|o| o.to_string()),
+        revision,
+        chg
+    ])?;
+    Ok((
+        UpdateMessageResponse {
+            updated: true,
+            revision,
+        },
+        Some(chg),
+    ))
+}
+
+/// `set-status` inside a caller's write (events are inserted, subscribers not woken).
+pub(crate) fn set_status_in(
+    conn: &Connection,
+    req: SetStatusRequest,
+) -> std::result::Result<(SetStatusResponse, Option<i64>), StoreError> {
+    let meta = meta_in(conn, &req.session_id)?.ok_or_else(|| {
+        reject(HarnessError::not_found(format!(
+            "session_id: no session '{}'",
+            req.session_id
+        )))
+    })?;
+    if meta.status == req.status && meta.status_reason == req.reason {
+        return Ok((SetStatusResponse { changed: false }, None));
+    }
+    conn.prepare_cached(
+        "UPDATE sessions SET status = ?2, status_reason = ?3, updated_at = ?4
+             WHERE session_id = ?1",
+    )?
+    .execute(params![
+        req.session_id,
+        status_str(req.status),
+        req.reason,
+        now_ms()
+    ])?;
+    let event = insert_event_in(
+        conn,
+        Some(&req.session_id),
+        topics::STATUS_CHANGED,
+        &json!({"session_id": req.session_id, "status": req.status, "reason": req.reason}),
+        None,
+    )?;
+    Ok((SetStatusResponse { changed: true }, event))
 }
 
 fn validate_session_id(id: &str) -> std::result::Result<(), HarnessError> {

@@ -43,6 +43,14 @@ pub fn insert_event_in(
     Ok((changed > 0).then(|| conn.last_insert_rowid()))
 }
 
+/// `+?1`, not `?1`: SQLite (3.54) re-prepares a statement that orders by an index whose
+/// leading column is compared with a bare bound parameter every time that parameter is bound
+/// again, and the statement cache rebinds on every use. The unary plus keeps the index (same
+/// plan, no sort) without the re-preparation. The same holds for every `col = +?N … ORDER BY`
+/// of the store and the transcript.
+const EVENTS_AFTER: &str = "SELECT id, session_id, topic, payload, at_ms FROM events
+                 WHERE session_id = +?1 AND id > ?2 ORDER BY id";
+
 pub(crate) fn max_event_id(conn: &Connection) -> Result<i64, StoreError> {
     Ok(conn
         .prepare_cached("SELECT COALESCE(MAX(id), 0) FROM events")?
@@ -88,6 +96,12 @@ impl Store {
         }
     }
 
+    /// Wakes subscribers after a caller's write that inserted event `id` with
+    /// [`insert_event_in`] has resolved: [`Store::notify_events`] without reading the log.
+    pub fn notify_event(&self, id: i64) {
+        self.publish_event_id(id);
+    }
+
     /// A receiver whose value is the latest committed event id; `changed()` fires on new events.
     pub fn subscribe_events(&self) -> tokio::sync::watch::Receiver<i64> {
         self.events_sender().subscribe()
@@ -101,12 +115,12 @@ impl Store {
         limit: usize,
     ) -> Result<Vec<EventRow>, StoreError> {
         self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT id, session_id, topic, payload, at_ms FROM events
-                 WHERE session_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
-            )?;
-            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-            let rows = stmt.query_map((session_id, after_id, limit), |r| {
+            let mut stmt = c.prepare_cached(EVENTS_AFTER)?;
+            // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT value changes, and
+            // the statement cache clears bindings between uses, so a bound LIMIT would re-prepare
+            // on every call. Rows stream in index order; stopping early reads nothing more.
+            // (And `+?1` in EVENTS_AFTER, for the same reason.)
+            let rows = stmt.query_map((session_id, after_id), |r| {
                 Ok((
                     r.get::<_, i64>(0)?,
                     r.get::<_, Option<String>>(1)?,
@@ -116,7 +130,7 @@ impl Store {
                 ))
             })?;
             let mut out = Vec::new();
-            for row in rows {
+            for row in rows.take(limit) {
                 let (id, session_id, topic, payload, at_ms) = row?;
                 out.push(EventRow {
                     id,
@@ -145,5 +159,38 @@ impl Store {
                 false
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Durability;
+    use rusqlite::StatementStatus;
+
+    /// Paging with changing page sizes reuses the cached statement as prepared: nothing in it
+    /// (a bound LIMIT, say) makes SQLite compile it again on every call.
+    #[tokio::test]
+    async fn paging_never_reprepares() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("e.db"), Durability::Normal).unwrap();
+        for i in 0..5 {
+            store
+                .append_event(Some("s"), "t", &serde_json::json!({ "i": i }), None)
+                .await
+                .unwrap();
+        }
+        for (session, after, limit) in [("s", 0, 2), ("s", 2, 10), ("x", 0, 1), ("s", 300, 3)] {
+            let page = store.events_after(session, after, limit).unwrap();
+            assert!(page.len() <= limit);
+        }
+        assert_eq!(store.events_after("s", 0, 2).unwrap().len(), 2);
+        let reprepared = store
+            .read(|c| {
+                Ok(c.prepare_cached(EVENTS_AFTER)?
+                    .get_status(StatementStatus::RePrepare))
+            })
+            .unwrap();
+        assert_eq!(reprepared, 0);
     }
 }

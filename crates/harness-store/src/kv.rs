@@ -27,13 +27,24 @@ pub fn kv_set_in(
     value: &Value,
 ) -> Result<Option<Value>, StoreError> {
     let old = kv_get_in(conn, scope, key)?;
+    kv_put_in(conn, scope, key, value)?;
+    Ok(old)
+}
+
+/// Upserts one value without reading the previous one (one statement instead of two).
+pub fn kv_put_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    value: &Value,
+) -> Result<(), StoreError> {
     let text = serde_json::to_string(value)?;
     conn.prepare_cached(
         "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
     )?
     .execute((scope, key, text, crate::now_ms()))?;
-    Ok(old)
+    Ok(())
 }
 
 /// Deletes one value; returns it if it existed.
@@ -74,10 +85,11 @@ impl Store {
     }
 
     /// Every `(key, value)` of a scope, ordered by key (the primary key order: no sort needed).
+    /// `+?1`: see `events::EVENTS_AFTER` (a bare parameter here re-prepares on every call).
     pub fn kv_list(&self, scope: &str) -> Result<Vec<(String, Value)>, StoreError> {
         self.read(|c| {
             let mut stmt =
-                c.prepare_cached("SELECT key, value FROM kv WHERE scope = ?1 ORDER BY key")?;
+                c.prepare_cached("SELECT key, value FROM kv WHERE scope = +?1 ORDER BY key")?;
             let rows = stmt.query_map([scope], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
             })?;

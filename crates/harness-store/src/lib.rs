@@ -21,9 +21,12 @@ pub mod store;
 
 pub use error::StoreError;
 pub use events::{insert_event_in, EventRow};
-pub use kv::{kv_delete_in, kv_get_in, kv_set_in};
+pub use kv::{kv_delete_in, kv_get_in, kv_put_in, kv_set_in};
 pub use queue::{enqueue_in, QueueConfig, QueueHandler, QueueMessage, Queues};
 pub use store::{Durability, Store, StoreStats};
+
+/// The connection a [`Store::write`] closure runs on, for crates that build such closures.
+pub use rusqlite::Connection;
 
 /// Wall-clock milliseconds since the Unix epoch (timestamps stored in rows).
 pub(crate) fn now_ms() -> i64 {

@@ -235,13 +235,14 @@ impl QueueState {
     }
 
     /// Merges ready rows with id > last scanned into the index and wakes the dispatcher.
+    /// (`+?1`: see `events::EVENTS_AFTER`; a bare parameter re-prepares on every scan.)
     fn scan(&self, store: &Store) -> Result<usize, StoreError> {
         let mut scanned = lock(&self.scanned);
         let after = *scanned;
         let rows = store.read(|c| {
             let mut stmt = c.prepare_cached(
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
-                 WHERE queue = ?1 AND status = 'ready' AND id > ?2 ORDER BY id",
+                 WHERE queue = +?1 AND status = 'ready' AND id > ?2 ORDER BY id",
             )?;
             let rows = stmt.query_map((&self.name, after), |r| {
                 Ok((
@@ -386,7 +387,7 @@ impl Queues {
         self.inner.store.read(|c| {
             let mut stmt = c.prepare_cached(
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
-                 WHERE queue = ?1 AND status = 'dead' ORDER BY id",
+                 WHERE queue = +?1 AND status = 'dead' ORDER BY id",
             )?;
             let rows = stmt.query_map([queue], |r| {
                 Ok((

@@ -9,6 +9,7 @@
 //! Architecture invariant: this crate does no I/O and knows nothing about buses, stores or the loop.
 
 pub mod api;
+pub mod digest;
 pub mod error;
 pub mod ids;
 pub mod message;

@@ -169,6 +169,33 @@ pub struct MessagesResponse {
     pub next_cursor: Option<String>,
 }
 
+/// `session::changes`: the entries appended or updated after a change mark, oldest change first.
+/// A reader that keeps the transcript in memory asks only for what changed since it last looked,
+/// so its cost follows the new entries, not the session's length.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ChangesRequest {
+    pub session_id: String,
+    /// The `mark` of a previous answer; absent = from the beginning (every entry).
+    #[serde(default)]
+    pub after: Option<i64>,
+    /// Page size, 1..=500 (default 500).
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ChangesResponse {
+    /// Each entry as it is now, in the order of its latest change (not `seq` order). An entry
+    /// updated twice since `after` appears once.
+    pub entries: Vec<Entry>,
+    /// Pass as `after` next time: every change up to it is in this answer or an earlier one.
+    /// Marks only grow, and are never reused (not even across sessions).
+    pub mark: i64,
+    /// More changes than `limit`: ask again from `mark`.
+    #[serde(default)]
+    pub more: bool,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct SetStatusRequest {
     pub session_id: String,

@@ -138,8 +138,7 @@ impl Guard {
 }
 
 fn digest(token: &str) -> [u8; 32] {
-    use sha2::Digest;
-    sha2::Sha256::digest(token.as_bytes()).into()
+    harness_types::digest::sha256(token.as_bytes())
 }
 
 /// One open event stream; dropping it (the client went away) frees the slot.

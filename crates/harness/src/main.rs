@@ -3,7 +3,7 @@
 //! `serve` runs the embedded runtime and its HTTP API, `chat` is a terminal chat (in-process or
 //! against a server), `call` calls any function on a running server, `bench` measures the loop.
 
-mod bench;
+mod bench_host;
 mod chat;
 mod client;
 mod config;
@@ -173,7 +173,7 @@ enum Command {
         runtime: RuntimeArgs,
     },
     /// Measure loop overhead, handoff latency, durable throughput and memory per idle session.
-    Bench(bench::BenchArgs),
+    Bench(harness_bench::BenchArgs),
     /// Run the loop as a worker of an iii engine: register `harness::*` (and the `--with`
     /// siblings) there and use the engine's calls, state and queue (feature `iii`).
     #[cfg(feature = "iii")]
@@ -342,7 +342,7 @@ fn main() {
                 })
                 .await
             }
-            Command::Bench(args) => bench::run(args).await,
+            Command::Bench(args) => harness_bench::run(args, &bench_host::BinaryHost).await,
             #[cfg(feature = "iii")]
             Command::Worker(args) => worker::run(args).await,
         }

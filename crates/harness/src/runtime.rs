@@ -81,6 +81,8 @@ impl Runtime {
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         harness_session::register(shared.as_ref(), &sessions);
+        // So a step's batched writes (`Bus::commit`) that touch the transcript stay one commit.
+        harness_session::register_transactional(&bus, &sessions);
         harness_context::register(shared.as_ref());
         let router = Router::new();
         router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));

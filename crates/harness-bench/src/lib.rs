@@ -1,10 +1,14 @@
 //! `harness bench`: measures the embedded loop in-process, with the scripted provider at zero
 //! latency, and prints a table (or, with `--json`, one JSON object on stdout; progress goes to
-//! stderr).
+//! stderr). Every figure is printed beside the same run's physical reference (`reference.rs`:
+//! one fsync and one bare SQLite commit in the bench directory), so each reads as a ratio that
+//! means the same on any machine.
 //!
-//! Every phase opens a fresh runtime in its own temporary directory (under `--dir`, default the
-//! system temp dir; fsync numbers are only meaningful on a real disk) through
-//! [`Runtime::open_layered`], which wraps the bus in a [`ProbeBus`]: a pass-through that
+//! The binary stays the owner of the wiring: it passes a [`Host`] that opens each phase's
+//! runtime exactly as `harness serve` (or `harness worker`, with `--iii`) would. Every phase
+//! opens a fresh runtime in its own temporary directory (under `--dir`, default the system temp
+//! dir; fsync numbers are only meaningful on a real disk), with the bus wrapped in a
+//! [`ProbeBus`]: a pass-through that
 //!
 //! * times every `harness::turn` delivery (one step) from handler start to handler end;
 //! * inside a step, adds up the time spent awaiting the store: `session::*` and `state::*` calls,
@@ -71,8 +75,13 @@
 //!   the difference of the medians (`router_frame_added_us_p50`). Per request
 //!   (`router_request_us_*`): `Router::chat` → the server has read the request, plus the
 //!   server's last byte → the ack.
-//! * **iii mode** (`--iii URL`, feature `iii`): every phase opens its runtime with
-//!   [`Runtime::open_on_bus`] on an `IiiBus` connected to URL (worker name `harness-bench`), with
+//! * **Long sessions** (`long_session_step_ratio`): concurrency 1, fsync off; text steps
+//!   alternating between sessions of ~10 entries and of ~1,000 (filled with `session::append`,
+//!   each stepped once before measuring, as a live conversation is); p50 of the whole step on
+//!   the long sessions over p50 on the short ones (`long_session_overhead_ratio`: the same with
+//!   the store's time taken out).
+//! * **iii mode** (`--iii URL`, feature `iii` of the binary): the host opens every phase's
+//!   runtime with the binary's `Runtime::open_on_bus` on an `IiiBus` connected to URL (worker name `harness-bench`), with
 //!   every sibling registered (as `harness worker --with all`; their SQLite in the phase's
 //!   temporary directory) and the same probe wrapped around the bus; `bench::noop` is registered
 //!   on the engine too, so call steps go through it. The queue's drain is seen as steps enqueued
@@ -94,7 +103,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use async_trait::async_trait;
 use harness_bus::{
-    Binding, Bus, BusError, CallContext, FunctionDef, Handler, HandlerFuture, QueueDef,
+    Binding, Bus, BusError, BusWrite, CallContext, FunctionDef, Handler, HandlerFuture, QueueDef,
     StreamingCall, TriggerTypeDef,
 };
 use harness_core::{topics, Harness, HarnessConfig, TURN_QUEUE};
@@ -104,7 +113,10 @@ use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, SendRequest};
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
-use crate::runtime::{Runtime, RuntimeOptions};
+pub use host::{Host, Opened, RigSpec};
+
+mod host;
+mod reference;
 
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {
@@ -142,6 +154,11 @@ const HANDOFF_MAX_TURNS: u32 = 8;
 /// Sends in flight while filling the idle sessions.
 const IDLE_FILL_CONCURRENCY: usize = 64;
 const CONCURRENCIES: [usize; 3] = [1, 10, 200];
+/// Entries of the short and the long sessions of the long-session phase (before its turns).
+const SHORT_ENTRIES: usize = 10;
+const LONG_ENTRIES: usize = 1_000;
+/// Sessions of each length the long-session phase alternates over.
+const LONG_PHASE_SESSIONS: usize = 4;
 
 const TEXT_SCRIPT: &str =
     r#"{"generations": [{"repeat": true, "content": [{"type": "text", "text": "ok"}]}]}"#;
@@ -182,6 +199,9 @@ struct Plan {
     router: FrameLatencyOptions,
     cell_warmup: Duration,
     cell: Duration,
+    /// Measured turns on each of the short and the long sessions, and the time cap.
+    long_turns: usize,
+    long_cap: Duration,
 }
 
 impl Plan {
@@ -208,6 +228,8 @@ impl Plan {
                 },
                 cell_warmup: Duration::from_millis(200),
                 cell: Duration::from_millis(1200),
+                long_turns: 40,
+                long_cap: Duration::from_secs(4),
             }
         } else {
             Plan {
@@ -227,6 +249,8 @@ impl Plan {
                 router: FrameLatencyOptions::default(),
                 cell_warmup: Duration::from_millis(500),
                 cell: Duration::from_secs(5),
+                long_turns: 300,
+                long_cap: Duration::from_secs(20),
             }
         };
         if let Some(n) = args.idle_sessions {
@@ -421,7 +445,13 @@ fn is_store_op(op: &str) -> bool {
     is_store_function(op)
         || matches!(
             op,
-            "enqueue" | "publish" | "barrier" | "state_get" | "state_set" | "state_delete"
+            "enqueue"
+                | "publish"
+                | "barrier"
+                | "commit"
+                | "state_get"
+                | "state_set"
+                | "state_delete"
         )
         || op.starts_with("state_list")
 }
@@ -622,6 +652,43 @@ impl Bus for ProbeBus {
         store_op("barrier", self.inner.barrier()).await
     }
 
+    async fn commit(&self, writes: Vec<BusWrite>) -> Result<Vec<Value>, BusError> {
+        // A batch is one store operation; its step enqueues and completions are seen as the
+        // one-by-one `enqueue` and `publish` above see theirs.
+        let steps: Vec<Value> = writes
+            .iter()
+            .filter_map(|w| match w {
+                BusWrite::Enqueue { queue, payload, .. } if queue == TURN_QUEUE => {
+                    Some(payload.clone())
+                }
+                _ => None,
+            })
+            .collect();
+        let completed: Vec<Value> = writes
+            .iter()
+            .filter_map(|w| match w {
+                BusWrite::Publish { topic, payload, .. } if topic == topics::TURN_COMPLETED => {
+                    Some(payload.clone())
+                }
+                _ => None,
+            })
+            .collect();
+        let n = steps.len() as u64;
+        self.probe.steps_enqueued.fetch_add(n, Ordering::SeqCst);
+        let out = store_op("commit", self.inner.commit(writes)).await;
+        if out.is_err() {
+            self.probe.steps_enqueued.fetch_sub(n, Ordering::SeqCst);
+        }
+        let out = out?;
+        for p in &steps {
+            self.probe.enqueued(p);
+        }
+        for p in &completed {
+            self.probe.completed(p);
+        }
+        Ok(out)
+    }
+
     async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>, BusError> {
         store_op("state_get", self.inner.state_get(scope, key)).await
     }
@@ -684,7 +751,6 @@ enum ScriptKind {
 enum Mode<'a> {
     Embedded,
     /// The engine's worker URL (`--iii`).
-    #[cfg_attr(not(feature = "iii"), allow(dead_code))]
     Iii(&'a str),
 }
 
@@ -699,23 +765,13 @@ impl Mode<'_> {
 struct At<'a> {
     mode: Mode<'a>,
     base: &'a Path,
-}
-
-/// The runtime under a [`Rig`].
-enum Backend {
-    Embedded(Runtime),
-    /// The loop and every sibling (`harness worker --with all`) on an [`harness_iii::IiiBus`];
-    /// the siblings' SQLite (transcripts) in the rig's temporary directory.
-    #[cfg(feature = "iii")]
-    Iii {
-        rt: crate::runtime::BusRuntime,
-        bus: harness_iii::IiiBus,
-    },
+    /// Opens the runtimes (the binary's wiring, embedded or on iii).
+    host: &'a dyn Host,
 }
 
 struct Rig {
     harness: Harness,
-    backend: Backend,
+    opened: Opened,
     probe: Arc<Probe>,
     _dir: TempDir,
 }
@@ -743,62 +799,28 @@ impl Rig {
             .with_context(|| format!("cannot write {}", script_path.display()))?;
         let probe = Arc::new(Probe::default());
         let layer_probe = probe.clone();
-        let layer = move |inner| {
-            Arc::new(ProbeBus {
-                inner,
-                probe: layer_probe,
-            }) as Arc<dyn Bus>
-        };
-        let opts = RuntimeOptions {
+        let spec = RigSpec {
             data_dir: dir.0.join("data"),
-            script: Some(script_path),
+            script: script_path,
             durability,
             config: HarnessConfig::default(),
-            fixtures: None,
-            fixture_log: None,
+            register: matches!(script, ScriptKind::Calls)
+                .then(|| Box::new(|bus: &dyn Bus| register_noop(bus)) as host::Register),
+            layer: Box::new(move |inner| {
+                Arc::new(ProbeBus {
+                    inner,
+                    probe: layer_probe,
+                }) as Arc<dyn Bus>
+            }),
         };
-        let backend = match at.mode {
-            Mode::Embedded => {
-                let rt = Runtime::open_layered(opts, layer).await?;
-                if matches!(script, ScriptKind::Calls) {
-                    register_noop(&rt.bus);
-                }
-                Backend::Embedded(rt)
-            }
-            #[cfg(feature = "iii")]
-            Mode::Iii(url) => {
-                use crate::runtime::Siblings;
-                let mut iii = harness_iii::IiiOptions::new(url);
-                // Not `harness`: the engine leases a worker name to one live connection, and a
-                // deployment's own `harness worker` may hold that one.
-                iii.worker_name = "harness-bench".into();
-                let bus = harness_iii::IiiBus::connect(iii)
-                    .await
-                    .with_context(|| format!("--iii {url}"))?;
-                if matches!(script, ScriptKind::Calls) {
-                    // Before the loop starts, so the engine lists it from the first turn on.
-                    register_noop(&bus);
-                }
-                let shared = layer(Arc::new(bus.clone()));
-                match Runtime::open_on_bus(opts, shared, Siblings::ALL, Vec::new()).await {
-                    Ok(rt) => Backend::Iii { rt, bus },
-                    Err(e) => {
-                        bus.shutdown().await;
-                        return Err(e);
-                    }
-                }
-            }
-            #[cfg(not(feature = "iii"))]
-            Mode::Iii(url) => bail!("{}", iii_not_built(url)),
+        let iii = match at.mode {
+            Mode::Embedded => None,
+            Mode::Iii(url) => Some(url),
         };
-        let harness = match &backend {
-            Backend::Embedded(rt) => rt.harness.clone(),
-            #[cfg(feature = "iii")]
-            Backend::Iii { rt, .. } => rt.harness.clone(),
-        };
+        let opened = at.host.open(iii, spec).await?;
         Ok(Rig {
-            harness,
-            backend,
+            harness: opened.harness.clone(),
+            opened,
             probe,
             _dir: dir,
         })
@@ -814,20 +836,12 @@ impl Rig {
     /// The store's fsync counter; None on iii (the engine holds the loop's state and queue and
     /// gives no durability point, so there is nothing comparable to count).
     fn fsyncs(&self) -> Option<u64> {
-        match &self.backend {
-            Backend::Embedded(rt) => Some(rt.store.stats().fsyncs),
-            #[cfg(feature = "iii")]
-            Backend::Iii { .. } => None,
-        }
+        self.store().map(|s| s.stats().fsyncs)
     }
 
     /// The embedded store (None on iii).
     fn store(&self) -> Option<&harness_store::Store> {
-        match &self.backend {
-            Backend::Embedded(rt) => Some(&rt.store),
-            #[cfg(feature = "iii")]
-            Backend::Iii { .. } => None,
-        }
+        self.opened.store.as_ref()
     }
 
     /// Waits until every step message is acked (its fsync included). On iii: until every step
@@ -835,10 +849,9 @@ impl Rig {
     async fn queue_idle(&self) -> Result<()> {
         let deadline = Instant::now() + TURN_TIMEOUT;
         loop {
-            let busy = match &self.backend {
-                Backend::Embedded(rt) => rt.bus.queues().depth(TURN_QUEUE) > 0,
-                #[cfg(feature = "iii")]
-                Backend::Iii { .. } => {
+            let busy = match &self.opened.queue_depth {
+                Some(depth) => depth() > 0,
+                None => {
                     self.probe.steps_handled.load(Ordering::SeqCst)
                         < self.probe.steps_enqueued.load(Ordering::SeqCst)
                 }
@@ -871,28 +884,8 @@ impl Rig {
     }
 
     async fn close(self) {
-        match self.backend {
-            Backend::Embedded(rt) => {
-                rt.shutdown().await;
-                rt.store.close();
-            }
-            #[cfg(feature = "iii")]
-            Backend::Iii { rt, bus } => {
-                bus.shutdown().await;
-                if let Some(store) = &rt.store {
-                    store.close();
-                }
-            }
-        }
+        (self.opened.close)().await;
     }
-}
-
-/// The error of `--iii` in a build without the `iii` feature.
-#[cfg_attr(feature = "iii", allow(dead_code))]
-fn iii_not_built(url: &str) -> String {
-    format!(
-        "--iii {url}: this harness was built without iii support; rebuild with `cargo build --features iii` (or run `harness bench` without --iii to measure in-process)"
-    )
 }
 
 /// What a worker task needs to run turns.
@@ -1588,6 +1581,132 @@ async fn function_calls(at: At<'_>, plan: &Plan) -> Result<Calls> {
     Ok(out)
 }
 
+struct LongSession {
+    samples: usize,
+    short_step_p50: f64,
+    long_step_p50: f64,
+    short_overhead_p50: f64,
+    long_overhead_p50: f64,
+}
+
+impl LongSession {
+    /// Whole step on a 1,000-entry session over the same on a 10-entry one (p50s).
+    fn step_ratio(&self) -> f64 {
+        if self.short_step_p50 > 0.0 {
+            self.long_step_p50 / self.short_step_p50
+        } else {
+            0.0
+        }
+    }
+
+    fn overhead_ratio(&self) -> f64 {
+        if self.short_overhead_p50 > 0.0 {
+            self.long_overhead_p50 / self.short_overhead_p50
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Appends user messages until the session has `entries` entries.
+async fn fill_transcript(d: &Driver, session_id: &str, from: usize, entries: usize) -> Result<()> {
+    for i in from..entries {
+        d.harness
+            .bus()
+            .call(
+                "session::append",
+                json!({"session_id": session_id, "message": {"role": "user", "content": [{"type": "text", "text": format!("earlier message {i}")}], "timestamp": 1}}),
+                None,
+            )
+            .await
+            .map_err(|e| anyhow!("session::append: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Text steps on sessions of [`SHORT_ENTRIES`] and of [`LONG_ENTRIES`] entries, alternating
+/// (concurrency 1, fsync off, each session already stepped once, as in a live conversation).
+async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
+    progress(&format!(
+        "long sessions ({} steps on {SHORT_ENTRIES}-entry and on {LONG_ENTRIES}-entry sessions, fsync off)",
+        plan.long_turns
+    ));
+    let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
+    let d = rig.driver();
+    let (mut short, mut long) = (Vec::new(), Vec::new());
+    for i in 0..2 * LONG_PHASE_SESSIONS {
+        let sid = d.turn(None, None).await?;
+        // A turn leaves 2 entries (the message and the answer); the next one adds 2 more.
+        let target = if i % 2 == 0 {
+            SHORT_ENTRIES
+        } else {
+            LONG_ENTRIES
+        } - 2;
+        fill_transcript(&d, &sid, 2, target).await?;
+        d.turn(Some(sid.clone()), None).await?;
+        if i % 2 == 0 {
+            short.push(sid);
+        } else {
+            long.push(sid);
+        }
+    }
+    rig.queue_idle().await?;
+    let mut long_turns = HashSet::new();
+    rig.probe.sample_steps.store(true, Ordering::Relaxed);
+    let deadline = Instant::now() + plan.long_cap;
+    let mut done = 0;
+    while done < plan.long_turns && Instant::now() < deadline {
+        let i = done % LONG_PHASE_SESSIONS;
+        // Short sessions are swapped for fresh ones as they grow, so they stay near 10 entries.
+        if done > 0 && i == 0 && done % (4 * LONG_PHASE_SESSIONS) == 0 {
+            rig.probe.sample_steps.store(false, Ordering::Relaxed);
+            for sid in short.iter_mut() {
+                let fresh = d.turn(None, None).await?;
+                fill_transcript(&d, &fresh, 2, SHORT_ENTRIES - 2).await?;
+                d.turn(Some(fresh.clone()), None).await?;
+                *sid = fresh;
+            }
+            rig.queue_idle().await?;
+            rig.probe.sample_steps.store(true, Ordering::Relaxed);
+        }
+        d.turn(Some(short[i].clone()), None).await?;
+        let (_, turn_id) = d.send(Some(long[i].clone()), None).await?;
+        d.probe.wait(&turn_id).await?;
+        long_turns.insert(turn_id);
+        done += 1;
+    }
+    rig.queue_idle().await?;
+    rig.probe.sample_steps.store(false, Ordering::Relaxed);
+    let samples = std::mem::take(&mut *lock(&rig.probe.steps));
+    rig.close().await;
+    let (long_s, short_s): (Vec<&StepSample>, Vec<&StepSample>) = samples
+        .iter()
+        .filter(|s| !s.turn_id.is_empty())
+        .partition(|s| long_turns.contains(&s.turn_id));
+    if long_s.is_empty() || short_s.is_empty() {
+        bail!("the long-session phase measured no step");
+    }
+    let wall =
+        |v: &[&StepSample]| percentile_us(&sorted(v.iter().map(|s| s.wall_ns).collect()), 0.5);
+    let over = |v: &[&StepSample]| {
+        percentile_us(
+            &sorted(
+                v.iter()
+                    .map(|s| s.wall_ns.saturating_sub(s.store_ns))
+                    .collect(),
+            ),
+            0.5,
+        )
+    };
+    Ok(LongSession {
+        samples: long_s.len(),
+        short_step_p50: wall(&short_s),
+        long_step_p50: wall(&long_s),
+        short_overhead_p50: over(&short_s),
+        long_overhead_p50: over(&long_s),
+    })
+}
+
 async fn router_latency(plan: &Plan) -> Result<FrameLatencyReport> {
     progress(&format!(
         "router latency ({} frames, {} requests over a local SSE server)",
@@ -1724,10 +1843,10 @@ const III_NOTES: &[&str] = &[
     "router_* does not involve the bus: the same measurement as in-process",
 ];
 
-pub async fn run(args: BenchArgs) -> Result<()> {
-    #[cfg(not(feature = "iii"))]
+/// Runs the bench; `host` opens each phase's runtime (the binary's own wiring).
+pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
     if let Some(url) = &args.iii {
-        bail!("{}", iii_not_built(url));
+        host.check_iii(url)?;
     }
     let mode = match &args.iii {
         Some(url) => Mode::Iii(url),
@@ -1746,9 +1865,15 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     if let Mode::Iii(url) = mode {
         progress(&format!("iii mode: every phase connects to {url}"));
     }
-    let at = At { mode, base: &base };
+    let at = At {
+        mode,
+        base: &base,
+        host,
+    };
     let started = Instant::now();
 
+    progress("physical reference (fsync and bare SQLite commits in the bench directory)");
+    let reference = reference::measure(&base)?;
     let ram = idle_ram(at, &plan).await?;
     let over = overhead(at, &plan).await?;
     let hand = handoff(at, &plan, Durability::Full).await?;
@@ -1759,6 +1884,7 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         Mode::Iii(_) => None,
     };
     let calls = function_calls(at, &plan).await?;
+    let long = long_session(at, &plan).await?;
     let router = router_latency(&plan).await?;
     let mut cells = Vec::new();
     for c in CONCURRENCIES {
@@ -1856,6 +1982,14 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             |v| v <= 50.0,
         ),
         Target::new(
+            "long_session_step_ratio",
+            "step on a 1,000-entry session vs a 10-entry one, p50",
+            Some(long.step_ratio()),
+            "×",
+            "≤ 1.5 ×",
+            |v| v <= 1.5,
+        ),
+        Target::new(
             "idle_session_bytes",
             "RAM per idle session",
             Some(ram.bytes_per_session),
@@ -1945,7 +2079,75 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         "router_requests": router.per_request_us.samples,
         "router_latency": serde_json::to_value(&router)?,
     });
+    // Every time against what SQLite alone needs for one commit without its fsync (CPU), or
+    // against one fsync (disk); rates against one fsync after another. Same run, same directory.
+    let per = |x: f64, reference: f64| if reference > 0.0 { x / reference } else { 0.0 };
+    let commit = reference.commit_nosync_us;
+    let fsync_us = reference.fsync_us;
+    let rate_vs_fsync = |r: f64| r * fsync_us / 1e6;
+    let ratios: Vec<(&str, f64)> = vec![
+        (
+            "overhead_us_p50_per_sqlite_commit",
+            per(over.overhead_p50, commit),
+        ),
+        ("step_us_p50_per_sqlite_commit", per(over.step_p50, commit)),
+        (
+            "store_us_p50_per_sqlite_commit",
+            per(over.store_p50, commit),
+        ),
+        (
+            "store_write_us_p50_per_sqlite_commit",
+            per(over.store_write_p50.unwrap_or(0.0), commit),
+        ),
+        (
+            "turn_cpu_us_c1_per_sqlite_commit",
+            per(over.cpu_per_turn_us, commit),
+        ),
+        ("handoff_us_p50_per_fsync", per(hand.p50, fsync_us)),
+        (
+            "handoff_nofsync_us_p50_per_sqlite_commit",
+            per(hand_nofsync.p50, commit),
+        ),
+        (
+            "call_step_us_p50_per_sqlite_commit",
+            per(calls.step_p50, commit),
+        ),
+        (
+            "call_step_fsync_us_p50_per_fsync",
+            per(calls.fsync_step_p50, fsync_us),
+        ),
+        (
+            "steps_per_sec_1_fsync_per_fsync_rate",
+            rate_vs_fsync(rate(1, true)),
+        ),
+        (
+            "steps_per_sec_10_fsync_per_fsync_rate",
+            rate_vs_fsync(rate(10, true)),
+        ),
+        (
+            "steps_per_sec_200_fsync_per_fsync_rate",
+            rate_vs_fsync(rate(200, true)),
+        ),
+        (
+            "long_session_step_us_p50_per_sqlite_commit",
+            per(long.long_step_p50, commit),
+        ),
+    ];
     let more = json!({
+        "long_session_step_ratio": round3(long.step_ratio()),
+        "long_session_overhead_ratio": round3(long.overhead_ratio()),
+        "long_session_step_us_p50": round1(long.long_step_p50),
+        "short_session_step_us_p50": round1(long.short_step_p50),
+        "long_session_overhead_us_p50": round1(long.long_overhead_p50),
+        "short_session_overhead_us_p50": round1(long.short_overhead_p50),
+        "long_session_samples": long.samples,
+        "reference": {
+            "fsync_us_p50": round1(reference.fsync_us),
+            "sqlite_commit_us_p50": round1(reference.commit_us),
+            "sqlite_commit_nosync_us_p50": round1(reference.commit_nosync_us),
+            "serial_fsyncs_per_sec": reference.serial_fsyncs_per_sec().round(),
+        },
+        "ratios": ratios.iter().map(|(k, v)| (k.to_string(), json!(round3(*v)))).collect::<Map<String, Value>>(),
         "idle_session_bytes": ram.bytes_per_session.round(),
         "idle_session_marginal_bytes": ram.marginal_bytes.round(),
         "idle_sessions": ram.sessions,
@@ -1962,6 +2164,8 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             "fsyncs_per_function_step": "fresh runtime, fsync on: turns of 8 and of 2 call steps alternate; fsyncs from send returning to the queue idle and the WAL synced, per turn; (mean 8-call turn - mean 2-call turn) / 6, so the final max_turns step and per-turn costs cancel; fsyncs_per_function_turn is the 8-call turn's total",
             "router": "harness_router::bench::frame_latency: local Anthropic-format SSE server; per frame: server writes an event's bytes -> parsed frame out of the router's frame channel, one event in flight (target on its p50, socket included); router_socket_*: the same on a raw TcpStream; router_frame_added_us_p50 = difference of medians; per request: Router::chat -> request read by the server, plus the server's last byte -> the ack",
             "idle_session_bytes": "fsync off: (VmRSS after - before, after malloc_trim) / sessions with one completed turn each",
+            "long_session_step_ratio": "concurrency 1, fsync off: text steps alternating between sessions of ~10 entries and of ~1,000 (user messages appended through session::append, each session stepped before measuring); p50 whole step on the long sessions / p50 on the short ones; long_session_overhead_ratio the same with store time taken out",
+            "reference": "same run, bench directory: fsync_us_p50 = fdatasync after a 4 KiB append; sqlite_commit_us_p50 = one small INSERT committed by bare SQLite (WAL, synchronous=FULL: it fsyncs); sqlite_commit_nosync_us_p50 = the same with synchronous=OFF (its CPU cost); ratios: times per bare commit (CPU) or per fsync (disk), steps/s times the fsync time (steps per fsync's worth of time)",
         },
     });
     let mut report = report;
@@ -1985,6 +2189,7 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             (Some(v), "µs") => us(v),
             (Some(v), "/s") => format!("{v:.0} /s"),
             (Some(v), "B") => format!("{v:.0} B"),
+            (Some(v), "×") => format!("{v:.2} ×"),
             (Some(v), _) => format!("{v:.3}"),
         };
         rows.push((
@@ -2169,6 +2374,87 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         ),
         format!("{:.0} B", ram.marginal_bytes),
     );
+    // The reference column: what each figure is worth in this run's physical units.
+    let times = |x: f64, unit: &str, reference: f64| {
+        if reference > 0.0 {
+            format!("{:.1} × {unit}", x / reference)
+        } else {
+            na()
+        }
+    };
+    let mut vs: HashMap<String, String> = HashMap::new();
+    vs.insert(
+        "loop overhead per step, p50".into(),
+        times(over.overhead_p50, "commit", commit),
+    );
+    vs.insert(
+        "loop overhead per step, p99".into(),
+        times(over.overhead_p99, "commit", commit),
+    );
+    vs.insert(
+        "step→step handoff, p50 (fsync on)".into(),
+        times(hand.p50, "fsync", fsync_us),
+    );
+    vs.insert(
+        "step→step handoff, p99 (fsync on)".into(),
+        times(hand.p99, "fsync", fsync_us),
+    );
+    vs.insert(
+        "durable steps/s, 200 sessions, fsync on".into(),
+        format!("{:.1} per fsync time", rate_vs_fsync(rate(200, true))),
+    );
+    vs.insert(
+        "whole step (store included), p50 / p99".into(),
+        times(over.step_p50, "commit", commit),
+    );
+    vs.insert(
+        "store time per step, p50 (ops per step)".into(),
+        times(over.store_p50, "commit", commit),
+    );
+    vs.insert(
+        "one empty store commit, p50 (back to back / after 1 ms idle)".into(),
+        times(over.store_write_p50.unwrap_or(0.0), "commit", commit),
+    );
+    vs.insert(
+        "step→step handoff, p50 / p99 (fsync off)".into(),
+        times(hand_nofsync.p50, "commit", commit),
+    );
+    vs.insert(
+        "one turn at concurrency 1: wall / process CPU (fsync off)".into(),
+        times(over.cpu_per_turn_us, "commit (CPU)", commit),
+    );
+    for c in CONCURRENCIES {
+        vs.insert(
+            format!("durable steps/s, {c} sessions (fsync on / off)"),
+            format!("{:.1} per fsync time", rate_vs_fsync(rate(c, true))),
+        );
+    }
+    vs.insert(
+        format!(
+            "function-call step, whole, p50 / p99 (fsync off, {FUNCTION_MAX_TURNS} calls a turn)"
+        ),
+        times(calls.step_p50, "commit", commit),
+    );
+    vs.insert(
+        "function-call step, whole, p50 (fsync on)".into(),
+        times(calls.fsync_step_p50, "fsync", fsync_us),
+    );
+    vs.insert(
+        "step on a 1,000-entry session vs a 10-entry one, p50".into(),
+        format!("{} / {}", us(long.long_step_p50), us(long.short_step_p50)),
+    );
+    info(
+        &mut rows,
+        "  the same, store time taken out".into(),
+        format!("{:.2} ×", long.overhead_ratio()),
+    );
+    let rows: Vec<(String, String, String, String, String)> = rows
+        .into_iter()
+        .map(|(label, value, target, met)| {
+            let r = vs.get(&label).cloned().unwrap_or_default();
+            (label, value, target, met, r)
+        })
+        .collect();
     let widths = rows.iter().fold((6, 5, 6), |(a, b, c), r| {
         (
             a.max(r.0.chars().count()),
@@ -2195,18 +2481,27 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     }
     println!();
     println!(
-        "{}  {}  {}  met",
+        "physical reference (this run, {}): fsync {} p50; bare SQLite commit {} with its fsync, {} without (the \"commit\" below)",
+        base.display(),
+        us(reference.fsync_us),
+        us(reference.commit_us),
+        us(reference.commit_nosync_us)
+    );
+    println!();
+    println!(
+        "{}  {}  {}  met  vs reference",
         pad("metric", widths.0),
         pad("value", widths.1),
         pad("target", widths.2)
     );
-    println!("{}", "-".repeat(widths.0 + widths.1 + widths.2 + 9));
-    for (label, value, target, met) in &rows {
+    println!("{}", "-".repeat(widths.0 + widths.1 + widths.2 + 24));
+    for (label, value, target, met, r) in &rows {
         println!(
-            "{}  {}  {}  {met}",
+            "{}  {}  {}  {}  {r}",
             pad(label, widths.0),
             pad(value, widths.1),
-            pad(target, widths.2)
+            pad(target, widths.2),
+            pad(met, 3)
         );
     }
     println!();
