@@ -772,6 +772,10 @@ impl Rig {
                 // Not `harness`: the engine leases a worker name to one live connection, and a
                 // deployment's own `harness worker` may hold that one.
                 iii.worker_name = "harness-bench".into();
+                // The route of the turn queue to measure (auto, shards, topic, fifo, enqueue).
+                if let Ok(mode) = std::env::var("HARNESS_III_QUEUE_MODE") {
+                    iii.queue_mode = mode.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
                 let bus = harness_iii::IiiBus::connect(iii)
                     .await
                     .with_context(|| format!("--iii {url}"))?;
@@ -781,7 +785,10 @@ impl Rig {
                 }
                 let shared = layer(Arc::new(bus.clone()));
                 match Runtime::open_on_bus(opts, shared, Siblings::ALL, Vec::new()).await {
-                    Ok(rt) => Backend::Iii { rt, bus },
+                    Ok(rt) => {
+                        bus.open().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                        Backend::Iii { rt, bus }
+                    }
                     Err(e) => {
                         bus.shutdown().await;
                         return Err(e);
