@@ -36,7 +36,7 @@ const FRAME_BATCH: usize = 256;
 /// How the `harness-turn` queue is realised on the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QueueMode {
-    /// `engine::queue::enqueue` when a queue provider is registered, else FIFO shards.
+    /// `engine::queue::enqueue` when a queue provider is registered, else a standard topic.
     Auto,
     /// `TriggerAction::Enqueue` (the queue must be declared in the queue worker's config as
     /// `fifo` with `message_group_field` set to the queue's group field).
@@ -163,6 +163,8 @@ struct Inner {
     /// The functions of others, as of the last registry-change notice let through (see
     /// `own_registry_change`).
     foreign: Mutex<Option<std::collections::BTreeSet<String>>>,
+    /// Set by `shutdown`: the link goes away on purpose.
+    closing: AtomicBool,
 }
 
 /// How long a write stays in the write-ahead copy: the engine's flush interval (5 s) with a
@@ -231,6 +233,7 @@ impl IiiBus {
                 settled: watch::channel(true).0,
                 journal: Mutex::new(HashMap::new()),
                 foreign: Mutex::new(None),
+                closing: AtomicBool::new(false),
                 opts,
             }),
         };
@@ -298,6 +301,9 @@ impl IiiBus {
 
     /// Closes the worker connection (registrations vanish from the engine).
     pub async fn shutdown(&self) {
+        // Closing the link on purpose is not losing it: the watcher stops before the state
+        // changes (it used to log "lost the link" for every bus the bench closed).
+        self.inner.closing.store(true, Ordering::SeqCst);
         self.inner.client.shutdown_async().await;
     }
 
@@ -322,6 +328,9 @@ impl IiiBus {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let Some(inner) = weak.upgrade() else { return };
+                if inner.closing.load(Ordering::SeqCst) {
+                    return;
+                }
                 let connected =
                     inner.client.get_connection_state() == IIIConnectionState::Connected;
                 if connected && !was_connected {
@@ -638,11 +647,16 @@ impl IiiBus {
             .ok_or_else(|| BusError::new("harness/invalid_request", "function_id: required"))?
             .to_string();
         let payload = envelope.get("payload").cloned().unwrap_or(Value::Null);
-        let (group_field, visibility) = {
+        let again = payload.clone();
+        let (group_field, visibility, shard) = {
             let queues = self.inner.queues.read().expect("queues lock");
             match queues.get(&queue) {
-                Some(q) => (q.group_field.clone(), q.visibility),
-                None => (String::new(), DEFAULT_CALL_TIMEOUT),
+                Some(q) => (
+                    q.group_field.clone(),
+                    q.visibility,
+                    matches!(q.route, Route::Shards(_)),
+                ),
+                None => (String::new(), DEFAULT_CALL_TIMEOUT, false),
             }
         };
         let group = match payload.get(&group_field) {
@@ -684,32 +698,43 @@ impl IiiBus {
                 format!("{function_id}: the link to the iii engine dropped; the step resumes after the reconnect"),
             )
         };
-        tokio::select! {
+        let outcome = tokio::select! {
             r = &mut task => match r {
-                Ok(Ok(_)) => Ok(json!({"ok": true})),
-                // Only a transient failure goes back to the engine for a retry. On a FIFO shard a
-                // retried message holds every session behind it through its backoff, and a
-                // permanent one (a step of a session this worker's store does not know) would
-                // fail again each time: it is acknowledged, and the loop's redrive (at start and
-                // after every reconnect) is what picks a running turn up again.
-                Ok(Err(e)) if e.is_transient_dependency() => Err(e),
-                Ok(Err(e)) => {
-                    tracing::warn!(function = %function_id, "queued call failed, not retried: {e}");
-                    Ok(json!({"ok": false, "error": {"code": e.code, "message": e.message}}))
-                }
-                Err(_) => Err(BusError::internal(format!("{function_id} panicked while handling the call"))),
+                Ok(r) => r,
+                Err(_) => return Err(BusError::internal(format!("{function_id} panicked while handling the call"))),
             },
             _ = lost.changed() => {
                 task.abort();
-                Err(link_lost())
+                return Err(link_lost());
             }
-            _ = lost_here.wait_for(|l| *l) => {
+            _ = async { let _ = lost_here.wait_for(|l| *l).await; } => {
                 task.abort();
-                Err(link_lost())
+                return Err(link_lost());
             }
             _ = tokio::time::sleep(visibility) => {
                 task.abort();
-                Err(BusError::timeout(&function_id, visibility.as_millis() as u64))
+                return Err(BusError::timeout(&function_id, visibility.as_millis() as u64));
+            }
+        };
+        match outcome {
+            Ok(_) => Ok(json!({"ok": true})),
+            // A retry by the engine would hold a FIFO shard through its backoff: the call is
+            // queued again at the back of its shard instead (the loop keeps one live step per
+            // session, so this cannot overtake another step of the session).
+            Err(e) if e.is_transient_dependency() && e.code != "not_connected" && shard => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                tracing::warn!(function = %function_id, "queued call failed transiently, queued again: {e}");
+                self.enqueue(&queue, &function_id, again)
+                    .await
+                    .map(|_| json!({"ok": false, "requeued": true}))
+            }
+            Err(e) if e.is_transient_dependency() => Err(e),
+            // A permanent failure (a step of a session this worker's store does not know) would
+            // fail again on every retry: it is acknowledged, and the loop's redrive (at start and
+            // after every reconnect) is what picks a running turn up again.
+            Err(e) => {
+                tracing::warn!(function = %function_id, "queued call failed, not retried: {e}");
+                Ok(json!({"ok": false, "error": {"code": e.code, "message": e.message}}))
             }
         }
     }
@@ -1193,10 +1218,13 @@ impl Bus for IiiBus {
             QueueMode::TopicFifo => Route::Shards(1),
             QueueMode::Shards => Route::Shards(shards),
             QueueMode::Auto => {
+                // Not the shards by default: their handoff is the adapter's poll interval, but
+                // only `shards` sessions run a step at once, and at 200 busy sessions on two
+                // cores the bench saw a turn wait over 60 s behind the others of its shard.
                 if self.engine_has_function("engine::queue::enqueue").await? {
                     Route::Enqueue
                 } else {
-                    Route::Shards(shards)
+                    Route::Topic
                 }
             }
         };

@@ -12,7 +12,7 @@
 //! | `register_function` | `registerfunction` with the request/response JSON Schemas; a repeated id replaces the handler locally (the SDK would panic) |
 //! | `register_trigger_type` | `registertriggertype` (the harness owns the hook points and the turn events); the engine forwards every binding of those types to this worker (`registertrigger`), also the ones made with `engine::register_trigger`, and replays them when the type is registered again after a reconnect or a restart |
 //! | `bindings(type)` | the forwarded bindings for harness-owned types; `engine::registered-triggers::list` for the engine's (`cron`, …) |
-//! | `define_queue`, `enqueue` | `TriggerAction::Enqueue{queue}` when a queue provider (`engine::queue::enqueue`) is registered; otherwise the engine's topic queues: `iii::durable::publish {topic, data}` to FIFO shards `<queue>.<i>`, each with a `durable:subscriber` binding owned by this worker |
+//! | `define_queue`, `enqueue` | `TriggerAction::Enqueue{queue}` when a queue provider (`engine::queue::enqueue`) is registered; otherwise the engine's topic queues: `iii::durable::publish {topic, data}` to `<queue>` (or to FIFO shards `<queue>.<i>`), with `durable:subscriber` bindings owned by this worker |
 //! | `publish` | `iii::durable::publish {topic, data}`, deduplicated through `state::set` on `harness_published` (its `old_value` tells a repeat) |
 //! | `barrier` | nothing: the engine gives no durability point (see below) |
 //! | `state_*` | `state::get/set/delete/list`; `state::list` answers values without keys, so every value is stored with its key inside (`_harness_key`) and read back without it |
@@ -41,15 +41,19 @@
 //! - **Enqueue** (`TriggerAction::Enqueue`) when a queue provider (`engine::queue::enqueue`)
 //!   is registered: the queue must be declared by the operator in that provider's config as
 //!   `fifo` with `message_group_field: session_id`.
-//! - **FIFO shards** (the default without a provider): `concurrency` topics `harness-turn.<i>`,
+//! - **Topic** (the default without a provider): one `standard` `durable:subscriber` with the
+//!   queue's concurrency; the engine polls it every 100 ms whatever the config says, so a
+//!   handoff costs ~50-100 ms. Sessions run in parallel; the per-group lock orders a session.
+//! - **FIFO shards** (`--queue-mode shards`): `--queue-shards` topics `harness-turn.<i>`,
 //!   each with a `fifo` `durable:subscriber`; a session always publishes to the same shard
 //!   (FNV-1a of its id), so its steps are ordered by the engine and shards run in parallel. The
 //!   engine's topic queues have no message groups (a `fifo` subscriber is one line), so this is
 //!   the closest to "FIFO grouped by session" the engine offers; two sessions on one shard wait
 //!   for each other. A `fifo` consumer polls at the queue adapter's `poll_interval_ms` (default
 //!   100): set it to 1-2 ms for a handoff of a few ms (see README, `harness worker`).
-//! - **Topic** (`--queue-mode topic`): one `standard` subscriber; the engine polls it every
-//!   100 ms whatever the config says, so a handoff costs ~50-100 ms.
+//!   Only that many sessions run a step at once: on two loaded cores, 200 busy sessions on 8
+//!   shards left a turn waiting over 60 s behind the others of its shard, which is why this is
+//!   not the default.
 //!
 //! A duplicate (a redelivery, a redrive) waits for the group lock and is then dropped by the
 //! exact `(turn_id, step)` stale guard.

@@ -17,7 +17,7 @@ use crate::runtime::{Runtime, Siblings};
 #[derive(Clone, Copy, ValueEnum)]
 pub enum QueueModeArg {
     /// The engine's queue (`engine::queue::enqueue`) when a queue provider is registered, else
-    /// FIFO topic shards (`harness-turn.<i>`, one per unit of queue concurrency).
+    /// a standard topic queue with per-session serialisation in the worker.
     Auto,
     /// Always `TriggerAction::Enqueue` (declare `harness-turn` in the queue worker's config).
     Enqueue,

@@ -1,6 +1,9 @@
 //! A minimal in-test double of an iii engine's worker protocol (a test fixture, never a product
-//! mode), faithful to what was observed on a real engine (shared/spec/iii-engine-facts.md) and
-//! to the engine's source for the parts the harness uses:
+//! mode). Its answers to engine functions, and the frames it sends, are checked against what a
+//! real engine answered (`recorded.json`, written by tests/iii_record.rs with the engine's
+//! version): an engine function with no recorded shape is refused (`double/unrecorded`), an
+//! answer or frame that differs from the engine's is refused or noted (`violations`). With
+//! `III_BIN` set, [`Engine::start`] runs that engine binary instead (`real.rs`). What it models:
 //!
 //! - JSON text frames over a WebSocket, `type` tag: `workerregistered` on accept; from workers
 //!   `registerfunction`, `unregisterfunction`, `registertriggertype`, `registertrigger`,
@@ -24,9 +27,13 @@
 //!   with exponential backoff up to `maxRetries`, then dead-letter it. A job in flight when its
 //!   worker dies fails (`invocation_stopped`) and is retried like any failure; nothing returns
 //!   it to the queue otherwise. `cron` bindings are accepted and never fire.
+//! - Every 5 s, like the engine: the state is flushed (what [`Engine::crash`] keeps; a test can
+//!   hold the flush) and a changed registry is announced to `engine::functions-available`
+//!   bindings. `crash` also forgets every binding (the engine keeps them in memory) and drops
+//!   every connection.
 //!
-//! Not modelled: namespaces, RBAC, observe, channels, the 5 s state flush (state lives in memory
-//! and survives worker restarts, which is the point), the queue worker (`engine::queue::enqueue`).
+//! Not modelled: namespaces, RBAC, observe, channels, the worker-name lease, the queue worker
+//! (`engine::queue::enqueue`).
 
 #![allow(dead_code)]
 
