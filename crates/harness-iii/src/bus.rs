@@ -707,7 +707,8 @@ impl IiiBus {
                 task.abort();
                 return Err(link_lost());
             }
-            _ = async { let _ = lost_here.wait_for(|l| *l).await; } => {
+            // Only a loss counts: the sender is dropped (closed) when the task ends normally.
+            Ok(_) = lost_here.wait_for(|l| *l) => {
                 task.abort();
                 return Err(link_lost());
             }
