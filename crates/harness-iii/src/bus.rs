@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
@@ -44,6 +45,27 @@ pub enum QueueMode {
     Topic,
     /// Topic queue, `fifo` subscriber: one global line (prefetch 1).
     TopicFifo,
+    /// `concurrency` FIFO topics, each session always on the same one (see the crate docs).
+    Shards,
+}
+
+impl std::str::FromStr for QueueMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<QueueMode, String> {
+        Ok(match s {
+            "auto" => QueueMode::Auto,
+            "enqueue" => QueueMode::Enqueue,
+            "topic" => QueueMode::Topic,
+            "fifo" => QueueMode::TopicFifo,
+            "shards" => QueueMode::Shards,
+            other => {
+                return Err(format!(
+                    "harness/invalid_request: queue mode: '{other}' is not one of auto, enqueue, topic, fifo, shards"
+                ))
+            }
+        })
+    }
 }
 
 /// Where and how to connect.
@@ -56,6 +78,9 @@ pub struct IiiOptions {
     /// become visible before the queue is bound.
     pub connect_timeout: Duration,
     pub queue_mode: QueueMode,
+    /// How many FIFO topics carry a queue on the shards route: the steps of that many sessions
+    /// can run at once. Each is a consumer the engine polls at its adapter's interval.
+    pub shards: u32,
 }
 
 impl IiiOptions {
@@ -65,6 +90,7 @@ impl IiiOptions {
             worker_name: "harness".into(),
             connect_timeout: Duration::from_secs(30),
             queue_mode: QueueMode::Auto,
+            shards: 8,
         }
     }
 }
@@ -77,7 +103,10 @@ struct Local {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Route {
     Enqueue,
+    /// One topic, `standard`: the engine's consumer polls every 100 ms (fixed).
     Topic,
+    /// `n` FIFO topics (`<queue>.<i>`), a group always on the same one.
+    Shards(u32),
 }
 
 struct QueueRoute {
@@ -116,7 +145,31 @@ struct Inner {
     /// barrier may drain a newer write of a key from `written` before this one reads the key
     /// back; this log still tells the newer write from a loss.
     recent: Mutex<Recent>,
+    /// Set by [`IiiBus::open`]: public functions are announced to the engine from then on.
+    opened: AtomicBool,
+    /// Public functions registered before `open`, announced by it.
+    held: Mutex<Vec<String>>,
+    /// False while the worker cannot serve its public functions (before `open`, and from a
+    /// lost link until [`IiiBus::set_ready`] after the reconnect was reconciled): they answer
+    /// `harness/starting` instead of accepting work that could not run yet.
+    ready: AtomicBool,
+    /// False from a lost link until the reconnect was reconciled (`reconcile`); deliveries
+    /// wait for it.
+    settled: watch::Sender<bool>,
+    /// The write-ahead copy: the last value of every key this worker wrote within
+    /// [`JOURNAL_WINDOW`], as the engine acknowledged it. The engine's file store flushes every
+    /// 5 s, so an engine that died may come back without them; `reconcile` writes them again.
+    journal: Mutex<HashMap<(String, String), (std::time::Instant, Value)>>,
+    /// The functions of others, as of the last registry-change notice let through (see
+    /// `own_registry_change`).
+    foreign: Mutex<Option<std::collections::BTreeSet<String>>>,
+    /// Set by `shutdown`: the link goes away on purpose.
+    closing: AtomicBool,
 }
+
+/// How long a write stays in the write-ahead copy: the engine's flush interval (5 s) with a
+/// wide margin for a flush that ran late on a loaded machine.
+const JOURNAL_WINDOW: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
 struct Recent {
@@ -174,6 +227,13 @@ impl IiiBus {
                 write_seq: std::sync::atomic::AtomicU64::new(0),
                 writing: Mutex::new(HashMap::new()),
                 recent: Mutex::new(Recent::default()),
+                opened: AtomicBool::new(false),
+                held: Mutex::new(Vec::new()),
+                ready: AtomicBool::new(false),
+                settled: watch::channel(true).0,
+                journal: Mutex::new(HashMap::new()),
+                foreign: Mutex::new(None),
+                closing: AtomicBool::new(false),
                 opts,
             }),
         };
@@ -188,6 +248,50 @@ impl IiiBus {
         &self.inner.opts.url
     }
 
+    /// Announces the public functions held back since `connect` (the `harness::*` surface), once
+    /// the caller can serve them (queue ensured, siblings registered, redrive done), and waits
+    /// until the engine lists every function of this worker.
+    pub async fn open(&self) -> Result<(), BusError> {
+        self.inner.opened.store(true, Ordering::SeqCst);
+        let held: Vec<String> = std::mem::take(&mut *self.inner.held.lock().expect("held lock"));
+        for id in held {
+            let def = self
+                .inner
+                .local
+                .read()
+                .expect("local lock")
+                .get(&id)
+                .map(|l| l.def.clone());
+            if let Some(def) = def {
+                self.announce(&id, &def);
+            }
+        }
+        self.inner.ready.store(true, Ordering::SeqCst);
+        self.wait_registered().await?;
+        self.remember_foreign().await
+    }
+
+    /// Takes the registry as it is now as the baseline of registry-change notices.
+    async fn remember_foreign(&self) -> Result<(), BusError> {
+        let listed = self
+            .invoke(
+                "engine::functions::list",
+                json!({"include_internal": true}),
+                Some(Duration::from_secs(10)),
+                None,
+                None,
+            )
+            .await?;
+        let notice = json!({"event": "functions_changed", "functions": listed["functions"]});
+        own_registry_change(&self.inner, &notice);
+        Ok(())
+    }
+
+    /// Marks the worker able (or unable) to serve its public functions; see `Inner::ready`.
+    pub fn set_ready(&self, ready: bool) {
+        self.inner.ready.store(ready, Ordering::SeqCst);
+    }
+
     /// Counts the reconnects of the worker connection. After one, the engine has failed the
     /// invocations that were in flight (`invocation_stopped`); the caller should redrive
     /// (`Harness::start` is idempotent and re-enqueues the current step of running turns).
@@ -197,6 +301,9 @@ impl IiiBus {
 
     /// Closes the worker connection (registrations vanish from the engine).
     pub async fn shutdown(&self) {
+        // Closing the link on purpose is not losing it: the watcher stops before the state
+        // changes (it used to log "lost the link" for every bus the bench closed).
+        self.inner.closing.store(true, Ordering::SeqCst);
         self.inner.client.shutdown_async().await;
     }
 
@@ -221,19 +328,126 @@ impl IiiBus {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let Some(inner) = weak.upgrade() else { return };
+                if inner.closing.load(Ordering::SeqCst) {
+                    return;
+                }
                 let connected =
                     inner.client.get_connection_state() == IIIConnectionState::Connected;
                 if connected && !was_connected {
-                    tracing::warn!(url = %inner.opts.url, "reconnected to the iii engine; registrations were replayed");
-                    inner.reconnects.send_modify(|n| *n += 1);
+                    tracing::warn!(url = %inner.opts.url, "reconnected to the iii engine; registrations were replayed, reconciling");
+                    let bus = IiiBus { inner: inner.clone() };
+                    drop(inner);
+                    if let Err(e) = bus.reconcile().await {
+                        tracing::error!("reconciling with the iii engine failed: {e}");
+                    }
+                    bus.inner.settled.send_replace(true);
+                    bus.inner.reconnects.send_modify(|n| *n += 1);
+                    was_connected = true;
+                    continue;
                 }
                 if !connected && was_connected {
+                    inner.ready.store(false, Ordering::SeqCst);
+                    inner.settled.send_replace(false);
                     tracing::warn!(url = %inner.opts.url, "lost the link to the iii engine; failing the calls in flight");
                     inner.disconnects.send_modify(|n| *n += 1);
                 }
                 was_connected = connected;
             }
         });
+    }
+
+    /// Waits until a reconnect was reconciled (at once when the link never dropped).
+    async fn settled(&self) {
+        let mut settled = self.inner.settled.subscribe();
+        let _ = settled.wait_for(|s| *s).await;
+    }
+
+    /// After a reconnect: gives the engine back the writes it lost (the write-ahead copy),
+    /// and makes the bindings this worker acts on exactly the ones the engine still has (an
+    /// engine restart forgets every binding; the ones it still has are forwarded again).
+    pub async fn reconcile(&self) -> Result<(), BusError> {
+        let writes: Vec<((String, String), Value)> = {
+            let mut journal = self.inner.journal.lock().expect("journal lock");
+            journal.retain(|_, (at, _)| at.elapsed() < JOURNAL_WINDOW);
+            let mut w: Vec<_> = journal
+                .iter()
+                .map(|(k, (at, v))| (*at, k.clone(), v.clone()))
+                .collect();
+            w.sort_by_key(|(at, _, _)| *at);
+            w.into_iter().map(|(_, k, v)| (k, v)).collect()
+        };
+        let mut restored = 0;
+        for ((scope, key), value) in writes {
+            let held = self
+                .invoke(
+                    "state::get",
+                    json!({"scope": scope, "key": key}),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await?;
+            if strip_decoration(held) == value {
+                continue;
+            }
+            if value.is_null() {
+                self.invoke(
+                    "state::delete",
+                    json!({"scope": scope, "key": key}),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await?;
+            } else {
+                self.invoke(
+                    "state::set",
+                    json!({"scope": scope, "key": key, "value": value}),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await?;
+            }
+            restored += 1;
+        }
+        if restored > 0 {
+            tracing::warn!(restored, "the iii engine had lost state this worker wrote; written again from the write-ahead copy");
+        }
+        let owned: Vec<String> = self
+            .inner
+            .trigger_types
+            .read()
+            .expect("trigger types lock")
+            .keys()
+            .cloned()
+            .collect();
+        for trigger_type in owned {
+            let listed = self
+                .invoke(
+                    "engine::registered-triggers::list",
+                    json!({"trigger_type": trigger_type, "include_internal": true}),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await?;
+            let present: std::collections::HashSet<String> = listed["registered_triggers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|t| t["trigger_type"] == json!(trigger_type))
+                .filter_map(|t| t["id"].as_str().map(str::to_string))
+                .collect();
+            let mut bindings = self.inner.bindings.write().expect("bindings lock");
+            let before = bindings.len();
+            bindings.retain(|id, b| b.trigger_type != trigger_type || present.contains(id));
+            let forgotten = before - bindings.len();
+            if forgotten > 0 {
+                tracing::warn!(%trigger_type, forgotten, "the iii engine no longer has some bindings; forgotten here too");
+            }
+        }
+        Ok(())
     }
 
     // --- calls ------------------------------------------------------------------------------
@@ -256,12 +470,28 @@ impl IiiBus {
         };
         let mut lost = self.inner.disconnects.subscribe();
         lost.borrow_and_update();
+        let delivery = DELIVERY.try_with(Arc::clone).ok();
         let call = async {
             match metadata {
                 Some(m) => self.inner.client.trigger(req.metadata(m)).await,
                 None => self.inner.client.trigger(req).await,
             }
         };
+        if let Some(lose) = delivery {
+            // Never hand the step an error it would act on (close the call as timed out, fail
+            // the generation): the delivery is ended where it stands (see `deliver`).
+            let result = tokio::select! {
+                r = call => r,
+                _ = lost.changed() => Err(iii_sdk::Error::NotConnected),
+            };
+            return match result {
+                Err(iii_sdk::Error::NotConnected) => {
+                    let _ = lose.send(true);
+                    std::future::pending().await
+                }
+                r => r.map_err(|e| from_sdk(function_id, ms, e)),
+            };
+        }
         tokio::select! {
             result = call => result.map_err(|e| from_sdk(function_id, ms, e)),
             // The answer is lost with the link: the outcome is unknown, as after a timeout (which
@@ -417,11 +647,16 @@ impl IiiBus {
             .ok_or_else(|| BusError::new("harness/invalid_request", "function_id: required"))?
             .to_string();
         let payload = envelope.get("payload").cloned().unwrap_or(Value::Null);
-        let (group_field, visibility) = {
+        let again = payload.clone();
+        let (group_field, visibility, shard) = {
             let queues = self.inner.queues.read().expect("queues lock");
             match queues.get(&queue) {
-                Some(q) => (q.group_field.clone(), q.visibility),
-                None => (String::new(), DEFAULT_CALL_TIMEOUT),
+                Some(q) => (
+                    q.group_field.clone(),
+                    q.visibility,
+                    matches!(q.route, Route::Shards(_)),
+                ),
+                None => (String::new(), DEFAULT_CALL_TIMEOUT, false),
             }
         };
         let group = match payload.get(&group_field) {
@@ -429,28 +664,79 @@ impl IiiBus {
             Some(other) => other.to_string(),
             None => String::new(),
         };
+        // After a reconnect nothing runs until the engine was given back what it lost: a step
+        // reading a turn record the engine rolled back could replay an older step.
+        self.settled().await;
         let lock = self.group_lock(&format!("{queue}\u{0}{group}"));
         let _held = lock.lock().await;
-        let is_local = self
+        let local = self
             .inner
             .local
             .read()
             .expect("local lock")
-            .contains_key(&function_id);
-        let run = async {
-            if is_local {
-                Self::run_local(&self.inner, &function_id, payload, CallContext::default()).await
-            } else {
-                self.invoke(&function_id, payload, Some(visibility), None, None)
-                    .await
+            .get(&function_id)
+            .cloned();
+        let mut lost = self.inner.disconnects.subscribe();
+        lost.borrow_and_update();
+        let (lose, mut lost_here) = watch::channel(false);
+        let me = self.clone();
+        let fid = function_id.clone();
+        let run = DELIVERY.scope(Arc::new(lose), async move {
+            match local {
+                Some(local) => local.handler.call(payload, CallContext::default()).await,
+                None => me.invoke(&fid, payload, Some(visibility), None, None).await,
+            }
+        });
+        // The step runs as its own task so a lost link can end it where it stands, exactly as
+        // a crash of this worker would: nothing it has not written yet gets written, and the
+        // redriven step finds what it checkpointed (a `triggered` call is closed as
+        // interrupted, a generation without its `generated` mark is asked again).
+        let mut task = self.inner.rt.spawn(run);
+        let link_lost = || {
+            BusError::new(
+                "not_connected",
+                format!("{function_id}: the link to the iii engine dropped; the step resumes after the reconnect"),
+            )
+        };
+        let outcome = tokio::select! {
+            r = &mut task => match r {
+                Ok(r) => r,
+                Err(_) => return Err(BusError::internal(format!("{function_id} panicked while handling the call"))),
+            },
+            _ = lost.changed() => {
+                task.abort();
+                return Err(link_lost());
+            }
+            // Only a loss counts: the sender is dropped (closed) when the task ends normally.
+            Ok(_) = lost_here.wait_for(|l| *l) => {
+                task.abort();
+                return Err(link_lost());
+            }
+            _ = tokio::time::sleep(visibility) => {
+                task.abort();
+                return Err(BusError::timeout(&function_id, visibility.as_millis() as u64));
             }
         };
-        match tokio::time::timeout(visibility, run).await {
-            Ok(r) => r.map(|_| json!({"ok": true})),
-            Err(_) => Err(BusError::timeout(
-                &function_id,
-                visibility.as_millis() as u64,
-            )),
+        match outcome {
+            Ok(_) => Ok(json!({"ok": true})),
+            // A retry by the engine would hold a FIFO shard through its backoff: the call is
+            // queued again at the back of its shard instead (the loop keeps one live step per
+            // session, so this cannot overtake another step of the session).
+            Err(e) if e.is_transient_dependency() && e.code != "not_connected" && shard => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                tracing::warn!(function = %function_id, "queued call failed transiently, queued again: {e}");
+                self.enqueue(&queue, &function_id, again)
+                    .await
+                    .map(|_| json!({"ok": false, "requeued": true}))
+            }
+            Err(e) if e.is_transient_dependency() => Err(e),
+            // A permanent failure (a step of a session this worker's store does not know) would
+            // fail again on every retry: it is acknowledged, and the loop's redrive (at start and
+            // after every reconnect) is what picks a running turn up again.
+            Err(e) => {
+                tracing::warn!(function = %function_id, "queued call failed, not retried: {e}");
+                Ok(json!({"ok": false, "error": {"code": e.code, "message": e.message}}))
+            }
         }
     }
 
@@ -462,7 +748,9 @@ impl IiiBus {
             let listed = self
                 .invoke(
                     "engine::functions::list",
-                    json!({}),
+                    // The engine hides functions registered with `metadata.internal` unless
+                    // asked; most of ours are internal.
+                    json!({"include_internal": true}),
                     Some(Duration::from_secs(10)),
                     None,
                     None,
@@ -474,10 +762,11 @@ impl IiiBus {
                 .flatten()
                 .filter_map(|f| f["function_id"].as_str().map(str::to_string))
                 .collect();
+            let held = self.inner.held.lock().expect("held lock").clone();
             let missing: Vec<String> = self
                 .local_function_ids()
                 .into_iter()
-                .filter(|id| !present.contains(id))
+                .filter(|id| !present.contains(id) && !held.contains(id))
                 .collect();
             if missing.is_empty() {
                 return Ok(());
@@ -517,7 +806,14 @@ impl IiiBus {
             .any(|f| f["function_id"] == json!(function_id)))
     }
 
-    async fn bind_topic(&self, def: &QueueDef, fifo: bool) -> Result<(), BusError> {
+    /// Binds `harness::queue::deliver` to each of `topics` as a `durable:subscriber`, and waits
+    /// until the engine lists every binding.
+    async fn bind_topics(
+        &self,
+        def: &QueueDef,
+        topics: &[String],
+        fifo: bool,
+    ) -> Result<(), BusError> {
         let types = self
             .invoke(
                 "engine::triggers::list",
@@ -527,7 +823,7 @@ impl IiiBus {
                 None,
             )
             .await?;
-        let has_subscriber = types["trigger_types"]
+        let has_subscriber = types["triggers"]
             .as_array()
             .into_iter()
             .flatten()
@@ -546,15 +842,17 @@ impl IiiBus {
             "backoffType": "exponential",
             "backoffDelayMs": def.backoff_ms,
         });
-        #[allow(deprecated)]
-        self.inner
-            .client
-            .register_trigger(RegisterTriggerInput::new(
-                "durable:subscriber",
-                DELIVER_FUNCTION,
-                json!({"topic": def.queue, "queue_config": queue_config}),
-            ))
-            .map_err(|e| from_sdk("durable:subscriber", 0, e))?;
+        for topic in topics {
+            #[allow(deprecated)]
+            self.inner
+                .client
+                .register_trigger(RegisterTriggerInput::new(
+                    "durable:subscriber",
+                    DELIVER_FUNCTION,
+                    json!({"topic": topic, "queue_config": queue_config}),
+                ))
+                .map_err(|e| from_sdk("durable:subscriber", 0, e))?;
+        }
         // Registration is fire-and-forget: confirm the engine holds the binding.
         let deadline = tokio::time::Instant::now() + self.inner.opts.connect_timeout;
         loop {
@@ -567,22 +865,21 @@ impl IiiBus {
                     None,
                 )
                 .await?;
-            let bound = listed["registered_triggers"]
+            let bound: std::collections::HashSet<&str> = listed["registered_triggers"]
                 .as_array()
                 .into_iter()
                 .flatten()
-                .any(|t| {
-                    t["function_id"] == json!(DELIVER_FUNCTION)
-                        && t["config"]["topic"] == json!(def.queue)
-                });
-            if bound {
+                .filter(|t| t["function_id"] == json!(DELIVER_FUNCTION))
+                .filter_map(|t| t["config"]["topic"].as_str())
+                .collect();
+            if topics.iter().all(|t| bound.contains(t.as_str())) {
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(BusError::new(
                     "harness/dependency",
                     format!(
-                        "the durable:subscriber binding of topic '{}' did not appear on the engine",
+                        "the durable:subscriber bindings of queue '{}' did not appear on the engine",
                         def.queue
                     ),
                 ));
@@ -686,6 +983,61 @@ impl TriggerHandler for BindingSink {
 
 // --- the Bus -------------------------------------------------------------------------------
 
+impl IiiBus {
+    /// Registers one local function with the engine (`registerfunction`).
+    fn announce(&self, id: &str, def: &FunctionDef) {
+        let id = id.to_string();
+        let weak = Arc::downgrade(&self.inner);
+        let fid = id.clone();
+        let gated = held(def);
+        let handler = move |payload: Value, metadata: Option<Value>| {
+            let weak = weak.clone();
+            let fid = fid.clone();
+            async move {
+                let inner = weak.upgrade().ok_or(iii_sdk::Error::NotConnected)?;
+                if gated && !inner.ready.load(Ordering::SeqCst) {
+                    return Err(to_sdk(starting()));
+                }
+                let payload = strip_decoration(payload);
+                if own_registry_change(&inner, &payload) {
+                    return Ok(json!({"ok": true}));
+                }
+                let mut metadata = metadata.map(strip_decoration).unwrap_or(Value::Null);
+                let stream = metadata.as_object_mut().and_then(|m| m.remove(STREAM_KEY));
+                let (frames, forwarder) = match stream {
+                    Some(s) => match (s["function_id"].as_str(), s["stream_id"].as_str()) {
+                        (Some(f), Some(id)) => {
+                            let (sink, task) =
+                                IiiBus::frame_forwarder(&inner, f.to_string(), id.to_string());
+                            (Some(sink), Some(task))
+                        }
+                        _ => (None, None),
+                    },
+                    None => (None, None),
+                };
+                let ctx = CallContext { frames, metadata };
+                let result = IiiBus::run_local(&inner, &fid, payload, ctx).await;
+                // Every frame reaches the caller before the answer does.
+                if let Some(task) = forwarder {
+                    let _ = task.await;
+                }
+                result.map_err(to_sdk)
+            }
+        };
+        let mut reg = RegisterFunction::new_async(handler).description(def.description.clone());
+        if let Some(s) = def.request_schema.clone() {
+            reg = reg.request_format(s);
+        }
+        if let Some(s) = def.response_schema.clone() {
+            reg = reg.response_format(s);
+        }
+        if !def.metadata.is_null() {
+            reg = reg.metadata(def.metadata.clone());
+        }
+        self.inner.client.register_function(id, reg);
+    }
+}
+
 #[async_trait]
 impl Bus for IiiBus {
     async fn call(
@@ -770,49 +1122,13 @@ impl Bus for IiiBus {
             // The engine already routes this id here; the new handler is picked up per call.
             return;
         }
-        let weak = Arc::downgrade(&self.inner);
-        let fid = id.clone();
-        let handler = move |payload: Value, metadata: Option<Value>| {
-            let weak = weak.clone();
-            let fid = fid.clone();
-            async move {
-                let inner = weak.upgrade().ok_or(iii_sdk::Error::NotConnected)?;
-                let payload = strip_decoration(payload);
-                let mut metadata = metadata.map(strip_decoration).unwrap_or(Value::Null);
-                let stream = metadata.as_object_mut().and_then(|m| m.remove(STREAM_KEY));
-                let (frames, forwarder) = match stream {
-                    Some(s) => match (s["function_id"].as_str(), s["stream_id"].as_str()) {
-                        (Some(f), Some(id)) => {
-                            let (sink, task) =
-                                IiiBus::frame_forwarder(&inner, f.to_string(), id.to_string());
-                            (Some(sink), Some(task))
-                        }
-                        _ => (None, None),
-                    },
-                    None => (None, None),
-                };
-                let ctx = CallContext { frames, metadata };
-                let result = IiiBus::run_local(&inner, &fid, payload, ctx).await;
-                // Every frame reaches the caller before the answer does.
-                if let Some(task) = forwarder {
-                    let _ = task.await;
-                }
-                result.map_err(to_sdk)
-            }
-        };
-        let mut reg = RegisterFunction::new_async(handler).description(def.description.clone());
-        if let Some(s) = def.request_schema.clone() {
-            reg = reg.request_format(s);
+        if held(&def) && !self.inner.opened.load(Ordering::SeqCst) {
+            // Public until the worker can serve it: announced by `open`.
+            self.inner.held.lock().expect("held lock").push(id);
+            return;
         }
-        if let Some(s) = def.response_schema.clone() {
-            reg = reg.response_format(s);
-        }
-        if !def.metadata.is_null() {
-            reg = reg.metadata(def.metadata.clone());
-        }
-        self.inner.client.register_function(id, reg);
+        self.announce(&id, &def);
     }
-
     fn register_trigger_type(&self, def: TriggerTypeDef) {
         let id = def.id.clone();
         let fresh = self
@@ -892,10 +1208,20 @@ impl Bus for IiiBus {
         // Consumers first: the engine must route to every function of this worker before a step
         // can be delivered.
         self.wait_registered().await?;
+        let shards = self
+            .inner
+            .opts
+            .shards
+            .clamp(1, def.concurrency.max(1) as u32);
         let route = match self.inner.opts.queue_mode {
             QueueMode::Enqueue => Route::Enqueue,
-            QueueMode::Topic | QueueMode::TopicFifo => Route::Topic,
+            QueueMode::Topic => Route::Topic,
+            QueueMode::TopicFifo => Route::Shards(1),
+            QueueMode::Shards => Route::Shards(shards),
             QueueMode::Auto => {
+                // Not the shards by default: their handoff is the adapter's poll interval, but
+                // only `shards` sessions run a step at once, and at 200 busy sessions on two
+                // cores the bench saw a turn wait over 60 s behind the others of its shard.
                 if self.engine_has_function("engine::queue::enqueue").await? {
                     Route::Enqueue
                 } else {
@@ -903,9 +1229,16 @@ impl Bus for IiiBus {
                 }
             }
         };
-        if route == Route::Topic {
-            self.bind_topic(&def, self.inner.opts.queue_mode == QueueMode::TopicFifo)
-                .await?;
+        match route {
+            Route::Enqueue => {}
+            Route::Topic => {
+                self.bind_topics(&def, std::slice::from_ref(&def.queue), false)
+                    .await?
+            }
+            Route::Shards(n) => {
+                let topics: Vec<String> = (0..n).map(|i| shard_topic(&def.queue, i)).collect();
+                self.bind_topics(&def, &topics, true).await?
+            }
         }
         tracing::info!(queue = %def.queue, ?route, "queue ensured on the iii engine");
         self.inner.queues.write().expect("queues lock").insert(
@@ -932,16 +1265,30 @@ impl Bus for IiiBus {
                 .ok_or_else(|| BusError::internal(format!("queue '{queue}' is not defined")))?;
             (q.route, q.group_field.clone())
         };
+        let topic = match route {
+            Route::Shards(n) => {
+                let group = match payload.get(&group_field) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(other) => other.to_string(),
+                    None => String::new(),
+                };
+                shard_topic(
+                    queue,
+                    (fnv1a(group.as_bytes()) % u64::from(n.max(1))) as u32,
+                )
+            }
+            _ => queue.to_string(),
+        };
         let mut envelope = json!({"queue": queue, "function_id": function_id});
         if let Some(g) = payload.get(&group_field) {
             envelope[group_field.as_str()] = g.clone();
         }
         envelope["payload"] = payload;
         match route {
-            Route::Topic => self
+            Route::Topic | Route::Shards(_) => self
                 .invoke(
                     "iii::durable::publish",
-                    json!({"topic": queue, "data": envelope}),
+                    json!({"topic": topic, "data": envelope}),
                     Some(Duration::from_secs(30)),
                     None,
                     None,
@@ -1136,6 +1483,72 @@ impl Bus for IiiBus {
     }
 }
 
+tokio::task_local! {
+    /// Set while a queued call runs in `deliver`: lets `invoke` end the whole delivery on a
+    /// lost link instead of failing one call of it.
+    static DELIVERY: Arc<watch::Sender<bool>>;
+}
+
+/// True for an `engine::functions-available` notice (`{event: "functions_changed", functions:
+/// [{function_id, ..}]}`) whose only changes are this worker's own registrations or another
+/// harness worker's frame sink: the engine polls its registry every 5 s and announces whatever
+/// changed, including what a (re)starting harness worker registered, which is no news to a
+/// running turn. Every other notice passes and becomes the new baseline.
+fn own_registry_change(inner: &Inner, payload: &Value) -> bool {
+    let local = inner.local.read().expect("local lock");
+    let mut last = inner.foreign.lock().expect("foreign lock");
+    no_news(|id| local.contains_key(id), &mut last, payload)
+}
+
+/// The decision of [`own_registry_change`]: `is_own` tells this worker's functions.
+fn no_news(
+    is_own: impl Fn(&str) -> bool,
+    last: &mut Option<std::collections::BTreeSet<String>>,
+    payload: &Value,
+) -> bool {
+    if payload["event"] != json!("functions_changed") {
+        return false;
+    }
+    let Some(functions) = payload["functions"].as_array() else {
+        return false;
+    };
+    let foreign: std::collections::BTreeSet<String> = functions
+        .iter()
+        .filter_map(|f| f["function_id"].as_str())
+        .filter(|id| !is_own(id) && !id.starts_with(FRAMES_PREFIX))
+        .map(str::to_string)
+        .collect();
+    let same = last.as_ref() == Some(&foreign);
+    *last = Some(foreign);
+    same
+}
+
+/// The topic of shard `i` of a queue.
+fn shard_topic(queue: &str, i: u32) -> String {
+    format!("{queue}.{i}")
+}
+
+/// FNV-1a: the shard of a group must be the same in every worker process and every build.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Public functions of the harness surface wait for [`IiiBus::open`]; internal ones (the queue's
+/// delivery target, the frame sink, hook and cron targets) and siblings are needed to get there.
+fn held(def: &FunctionDef) -> bool {
+    def.function_id.starts_with("harness::") && !def.is_internal()
+}
+
+/// The answer of a public function while the worker cannot serve it yet.
+fn starting() -> BusError {
+    BusError::new(
+        "harness/starting",
+        "the harness worker is starting (ensuring its queue, siblings and bindings on the engine); retry shortly",
+    )
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1198,6 +1611,16 @@ impl IiiBus {
     }
 
     fn record_write(&self, scope: &str, key: &str, stored: Value) {
+        {
+            let mut journal = self.inner.journal.lock().expect("journal lock");
+            if journal.len() >= 4096 && journal.len().is_power_of_two() {
+                journal.retain(|_, (at, _)| at.elapsed() < JOURNAL_WINDOW);
+            }
+            journal.insert(
+                (scope.to_string(), key.to_string()),
+                (std::time::Instant::now(), stored.clone()),
+            );
+        }
         let seq = self
             .inner
             .write_seq
@@ -1220,5 +1643,49 @@ impl IiiBus {
         let mut defs: Vec<FunctionDef> = local.values().map(|l| l.def.clone()).collect();
         defs.sort_by(|a, b| a.function_id.cmp(&b.function_id));
         defs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn notice(ids: &[&str]) -> Value {
+        json!({"event": "functions_changed", "functions": ids.iter().map(|id| json!({"function_id": id, "namespace": "default"})).collect::<Vec<_>>()})
+    }
+
+    #[test]
+    fn a_registry_change_made_only_of_harness_registrations_is_no_news() {
+        let own = |id: &str| id.starts_with("harness::") || id.starts_with("session::");
+        let mut last = None;
+        // The baseline taken at open.
+        assert!(!no_news(own, &mut last, &notice(&["state::get", "f::a"])));
+        // The worker (re)registered its own functions, another worker its frame sink.
+        assert!(no_news(
+            own,
+            &mut last,
+            &notice(&[
+                "state::get",
+                "f::a",
+                "harness::send",
+                "session::append",
+                "harness::frames::0af3"
+            ])
+        ));
+        // Someone else's function appeared: news, and the new baseline.
+        assert!(!no_news(
+            own,
+            &mut last,
+            &notice(&["state::get", "f::a", "f::b", "harness::send"])
+        ));
+        assert!(no_news(
+            own,
+            &mut last,
+            &notice(&["state::get", "f::a", "f::b"])
+        ));
+        // One went away: news too.
+        assert!(!no_news(own, &mut last, &notice(&["state::get", "f::b"])));
+        // Anything that is not the engine's notice passes untouched.
+        assert!(!no_news(own, &mut last, &json!({"session_id": "s"})));
     }
 }

@@ -12,7 +12,7 @@
 //! | `register_function` | `registerfunction` with the request/response JSON Schemas; a repeated id replaces the handler locally (the SDK would panic) |
 //! | `register_trigger_type` | `registertriggertype` (the harness owns the hook points and the turn events); the engine forwards every binding of those types to this worker (`registertrigger`), also the ones made with `engine::register_trigger`, and replays them when the type is registered again after a reconnect or a restart |
 //! | `bindings(type)` | the forwarded bindings for harness-owned types; `engine::registered-triggers::list` for the engine's (`cron`, …) |
-//! | `define_queue`, `enqueue` | `TriggerAction::Enqueue{queue}` when a queue provider (`engine::queue::enqueue`) is registered; otherwise the engine's topic queue: `iii::durable::publish {topic, data}` and a `durable:subscriber` binding owned by this worker |
+//! | `define_queue`, `enqueue` | `TriggerAction::Enqueue{queue}` when a queue provider (`engine::queue::enqueue`) is registered; otherwise the engine's topic queues: `iii::durable::publish {topic, data}` to `<queue>` (or to FIFO shards `<queue>.<i>`), with `durable:subscriber` bindings owned by this worker |
 //! | `publish` | `iii::durable::publish {topic, data}`, deduplicated through `state::set` on `harness_published` (its `old_value` tells a repeat) |
 //! | `barrier` | nothing: the engine gives no durability point (see below) |
 //! | `state_*` | `state::get/set/delete/list`; `state::list` answers values without keys, so every value is stored with its key inside (`_harness_key`) and read back without it |
@@ -21,17 +21,42 @@
 //! sees the payload, so strict request parsing (`harness/invalid_request` naming the field) keeps
 //! working.
 //!
+//! # Start-up
+//!
+//! [`IiiBus::connect`] registers the internal functions (the queue's delivery target, the frame
+//! sink) at once; the siblings and the loop register theirs; the loop ensures the turn queue.
+//! The public `harness::*` functions are held back until [`IiiBus::open`]: a function is
+//! callable on the engine as soon as it is registered, and a `harness::send` accepted before the
+//! queue exists would fail its turn. Until then (and from a lost link until the reconnect is
+//! reconciled) a public function that is reached anyway answers `harness/starting`. Waiting
+//! for the engine to list the worker's own functions asks with `include_internal: true`: the
+//! engine hides functions registered with `metadata.internal` otherwise.
+//!
 //! # Queue ordering
 //!
 //! Steps are queued wrapped in an envelope `{<group field>: …, queue, function_id, payload}` and
 //! delivered to the internal function `harness::queue::deliver`, which runs them under an
-//! in-process per-group lock (the group is `session_id` on `harness-turn`). The engine's topic
-//! queue has no message groups: `fifo` there is one global line (prefetch 1), so one slow step would
-//! hold every other session. The default is therefore a `standard` subscriber with the configured
-//! concurrency, and the per-group lock gives what the loop needs: one step of a session at a time,
-//! sessions in parallel. The loop keeps at most one live step per session; a duplicate (a
-//! redelivery, a redrive) waits for the lock and is then dropped by the exact `(turn_id, step)`
-//! stale guard. `--queue-mode fifo` selects the global FIFO for deployments that want it.
+//! in-process per-group lock (the group is `session_id` on `harness-turn`). Routes:
+//!
+//! - **Enqueue** (`TriggerAction::Enqueue`) when a queue provider (`engine::queue::enqueue`)
+//!   is registered: the queue must be declared by the operator in that provider's config as
+//!   `fifo` with `message_group_field: session_id`.
+//! - **Topic** (the default without a provider): one `standard` `durable:subscriber` with the
+//!   queue's concurrency; the engine polls it every 100 ms whatever the config says, so a
+//!   handoff costs ~50-100 ms. Sessions run in parallel; the per-group lock orders a session.
+//! - **FIFO shards** (`--queue-mode shards`): `--queue-shards` topics `harness-turn.<i>`,
+//!   each with a `fifo` `durable:subscriber`; a session always publishes to the same shard
+//!   (FNV-1a of its id), so its steps are ordered by the engine and shards run in parallel. The
+//!   engine's topic queues have no message groups (a `fifo` subscriber is one line), so this is
+//!   the closest to "FIFO grouped by session" the engine offers; two sessions on one shard wait
+//!   for each other. A `fifo` consumer polls at the queue adapter's `poll_interval_ms` (default
+//!   100): set it to 1-2 ms for a handoff of a few ms (see README, `harness worker`).
+//!   Only that many sessions run a step at once: on two loaded cores, 200 busy sessions on 8
+//!   shards left a turn waiting over 60 s behind the others of its shard, which is why this is
+//!   not the default.
+//!
+//! A duplicate (a redelivery, a redrive) waits for the group lock and is then dropped by the
+//! exact `(turn_id, step)` stale guard.
 //!
 //! # What holds on iii, and what a lost write costs
 //!
@@ -40,34 +65,47 @@
 //!
 //! - **One harness worker per session set.** Turn records are read-modify-written under the
 //!   session's in-process lock; two harness workers serving the same sessions would race (no
-//!   CAS). The worker registers under one worker name (`harness`), which the engine leases to one
-//!   live connection per namespace.
+//!   CAS). The worker registers under one worker name (`harness`).
 //! - **A harness worker crash** (the engine keeps running): nothing is lost. The queue
 //!   invocation fails (`invocation_stopped`), the restarted worker redrives every `running` turn,
 //!   a redelivered step that finds its call `triggered` records "interrupted" and never runs the
 //!   target again (tested with SIGKILL mid-call, `tests/iii_e2e.rs`).
+//! - **A lost link** (the engine died or the network dropped) ends every step this worker is
+//!   running where it stands, as a crash of the worker would: the step's task is aborted, so
+//!   nothing it had not written yet gets written (no generation is failed, no call is closed as
+//!   timed out). After the reconnect the step is redriven: a `triggered` call is closed as
+//!   interrupted (it ran at most once), a generation without its `generated` mark is asked again.
+//! - **An engine crash inside its flush window: the write-ahead copy.** Every state write this
+//!   worker made in the last 30 s is kept (the last value per key, as the engine acknowledged
+//!   it). After a reconnect, before any step runs again, [`IiiBus::reconcile`] reads each of
+//!   them back and writes again what the engine lost; then the loop redrives. So a turn record
+//!   and its call checkpoints survive an engine SIGKILL (tested with the engine's flush held
+//!   back, `an_engine_crash_inside_its_flush_window_…`). The copy is in memory: if the engine
+//!   and the worker die together within 5 s, those writes are lost; a lost turn record then
+//!   costs the turn, never a side effect (next point).
 //! - **The checkpoint is read back before dispatch.** [`IiiBus::barrier`] cannot make anything
 //!   durable; it reads back every value written since the last barrier and fails with
 //!   `harness/state` when the engine no longer holds it, so a `triggered` checkpoint lost before
-//!   the target runs (an engine restart in between) stops the dispatch instead of running a call
-//!   nobody recorded.
-//! - **An engine crash within ~5 s after a dispatch** is the one window this cannot close: the
-//!   `triggered` checkpoint may vanish after the target ran, and a replay of that step (the
-//!   transcript, in the harness's own store with `--with session`, still holds the model's
-//!   request) could dispatch the call again. Every dispatch carries `function_call_id` in its
-//!   metadata so a target can deduplicate; a deployment that needs strict at-most-once across
-//!   engine crashes needs a state adapter that persists each write before it answers.
+//!   the target runs stops the dispatch instead of running a call nobody recorded.
 //! - **A lost turn record costs the turn, never a side effect.** A step or a release that finds
 //!   no record is stale and does nothing (a held call is not run); the session takes the next
-//!   message as a new turn (tested: `a_lost_turn_record_never_runs_a_held_call...`). The turn
-//!   then has no terminal record; `harness::status` shows no turn for it.
-//! - Published events are at least once across an engine crash (their dedupe rows are state too).
+//!   message as a new turn (tested: `a_lost_turn_record_never_runs_a_held_call...`).
+//! - **Bindings.** The engine keeps `engine::register_trigger` bindings in memory only. The
+//!   worker acts on the bindings the engine forwards for its trigger types; after every
+//!   reconnect it drops those the engine no longer lists (so a hook never runs twice and a
+//!   forgotten deny hook stops denying), and the loop re-binds what it owns (the sweep cron,
+//!   the registry-change notice) when it redrives.
+//! - **Registry-change notices.** The engine polls its registry every 5 s and announces any
+//!   change to `engine::functions-available` bindings, with the whole list. A notice whose only
+//!   change is this worker's own registrations (or another harness worker's frame sink) is
+//!   answered without reaching the loop, so a (re)starting worker never tells running turns
+//!   that the functions changed.
+//! - Published events are at least once across an engine crash (their dedupe rows are state
+//!   too).
 //! - **Redelivery.** The engine does not return in-flight jobs to a topic queue when a worker
 //!   dies; the failed invocation is retried with backoff and may reach the dead-letter queue
 //!   while no worker is up. The loop does not depend on it: at start and after every reconnect
-//!   (see [`IiiBus::reconnects`]) it re-enqueues the current step of every `running` turn. Calls
-//!   this worker had in flight when the link dropped fail at once with `timeout` (outcome
-//!   unknown) instead of waiting for an answer the engine will never route back.
+//!   (see [`IiiBus::reconnects`]) it re-enqueues the current step of every `running` turn.
 
 mod bus;
 mod codec;

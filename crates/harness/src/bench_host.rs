@@ -55,6 +55,10 @@ impl Host for BinaryHost {
                 // Not `harness`: the engine leases a worker name to one live connection, and a
                 // deployment's own `harness worker` may hold that one.
                 iii.worker_name = "harness-bench".into();
+                // The route of the turn queue to measure (auto, shards, topic, fifo, enqueue).
+                if let Ok(mode) = std::env::var("HARNESS_III_QUEUE_MODE") {
+                    iii.queue_mode = mode.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
                 let bus = harness_iii::IiiBus::connect(iii)
                     .await
                     .with_context(|| format!("--iii {url}"))?;
@@ -70,6 +74,11 @@ impl Host for BinaryHost {
                         return Err(e);
                     }
                 };
+                // The public functions go up only once the loop can serve them.
+                if let Err(e) = bus.open().await {
+                    bus.shutdown().await;
+                    return Err(anyhow::anyhow!("{e}"));
+                }
                 Ok(Opened {
                     harness: rt.harness.clone(),
                     store: None,

@@ -25,6 +25,8 @@ pub enum QueueModeArg {
     Topic,
     /// A FIFO topic queue: one global line, no parallelism across sessions.
     Fifo,
+    /// FIFO topic shards: a session always on the same FIFO topic, shards in parallel.
+    Shards,
 }
 
 #[derive(clap::Args)]
@@ -38,6 +40,10 @@ pub struct WorkerArgs {
     with: Vec<String>,
     #[arg(long, value_enum, default_value = "auto")]
     queue_mode: QueueModeArg,
+    /// FIFO topics of the turn queue on the shards route: how many sessions can run a step at
+    /// once on this engine.
+    #[arg(long, default_value = "8")]
+    queue_shards: u32,
     /// The worker name (the engine leases it to one live connection per namespace: run one
     /// harness worker per session set).
     #[arg(long, default_value = "harness")]
@@ -56,21 +62,30 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
     let mut iii = IiiOptions::new(args.engine.clone());
     iii.worker_name = args.worker_name.clone();
     iii.connect_timeout = Duration::from_secs(args.connect_timeout.max(1));
+    iii.shards = args.queue_shards.max(1);
     iii.queue_mode = match args.queue_mode {
         QueueModeArg::Auto => QueueMode::Auto,
         QueueModeArg::Enqueue => QueueMode::Enqueue,
         QueueModeArg::Topic => QueueMode::Topic,
         QueueModeArg::Fifo => QueueMode::TopicFifo,
+        QueueModeArg::Shards => QueueMode::Shards,
     };
     let bus = IiiBus::connect(iii).await?;
     let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let rt = match Runtime::open_on_bus(opts, shared, with, args.runtime.approve.clone()).await {
+    let approve = args.runtime.approve.clone();
+    let rt = match Runtime::open_on_bus(opts, shared.clone(), with, approve.clone()).await {
         Ok(rt) => rt,
         Err(e) => {
             bus.shutdown().await;
             return Err(e);
         }
     };
+    // Only now can the worker serve harness::send: the queue is ensured and the siblings and
+    // internal functions are registered.
+    if let Err(e) = bus.open().await {
+        bus.shutdown().await;
+        return Err(anyhow::anyhow!("{e}"));
+    }
     eprintln!(
         "harness worker registered on {} (with {:?}; data dir {})",
         args.engine,
@@ -85,10 +100,21 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
                 if changed.is_err() {
                     break;
                 }
-                // The engine failed what was in flight on the old connection: redrive.
+                // The bus has reconciled with the engine (given back the state it lost,
+                // dropped the bindings it forgot); the steps that were in flight were ended
+                // with the link: redrive them (and re-bind the sweep and the registry
+                // notice), and only then accept new work again.
+                // The approval gate's binding is ours too: an engine restart forgot it, and
+                // `--approve` must keep holding calls.
+                if with.approval && !approve.is_empty() {
+                    if let Err(e) = harness_approval::install(shared.clone(), approve.clone()).await {
+                        tracing::error!("re-binding the approval gate after a reconnect failed: {e}");
+                    }
+                }
                 if let Err(e) = rt.harness.start().await {
                     tracing::error!("redrive after a reconnect failed: {e}");
                 }
+                bus.set_ready(true);
             }
         }
     }

@@ -1,6 +1,8 @@
 //! The end-to-end scenarios of the embedded mode, in iii mode: a real `harness worker --with all`
-//! process against the in-test engine double (tests/iii_engine). Every call the test makes goes
-//! through the engine, decorated with `_caller_worker_id` like any routed payload.
+//! process against the in-test engine double (tests/iii_engine), which answers with the shapes
+//! recorded from a real engine, or against a real engine binary when `III_BIN=/path/to/iii` is
+//! set (then the engine crash is a real SIGKILL of it). Every call the test makes goes through
+//! the engine, decorated with `_caller_worker_id` like any routed payload.
 #![cfg(feature = "iii")]
 
 mod iii_engine;
@@ -43,34 +45,38 @@ async fn a_text_turn_streams_through_the_engine() {
         (role_of(&entries[1]), text_of(&entries[1]).as_str()),
         (Some("assistant"), "Hello from the iii side.")
     );
-    // The frames went caller ← callee through the engine, to the worker's frame sink.
-    let frames: Vec<Value> = engine
-        .received()
-        .into_iter()
-        .filter(|m| {
-            m["type"] == "invokefunction"
-                && m["function_id"]
-                    .as_str()
-                    .is_some_and(|f| f.starts_with("harness::frames::"))
-        })
-        .collect();
-    assert!(
-        !frames.is_empty(),
-        "router::chat frames travel through the engine"
-    );
-    let kinds: Vec<String> = frames
-        .iter()
-        .flat_map(|m| m["data"]["frames"].as_array().cloned().unwrap_or_default())
-        .filter_map(|f| f["type"].as_str().map(str::to_string))
-        .collect();
-    assert_eq!(kinds.last().map(String::as_str), Some("done"), "{kinds:?}");
-    // The step ran on the engine's topic queue, through the delivery function.
-    assert!(engine
-        .received()
-        .iter()
-        .any(|m| m["type"] == "registertrigger"
-            && m["trigger_type"] == "durable:subscriber"
-            && m["config"]["topic"] == "harness-turn"));
+    // The frames went caller ← callee through the engine, to the worker's frame sink (only
+    // visible inside the double).
+    if !engine.is_real() {
+        // The frames went caller ← callee through the engine, to the worker's frame sink.
+        let frames: Vec<Value> = engine
+            .received()
+            .into_iter()
+            .filter(|m| {
+                m["type"] == "invokefunction"
+                    && m["function_id"]
+                        .as_str()
+                        .is_some_and(|f| f.starts_with("harness::frames::"))
+            })
+            .collect();
+        assert!(
+            !frames.is_empty(),
+            "router::chat frames travel through the engine"
+        );
+        let kinds: Vec<String> = frames
+            .iter()
+            .flat_map(|m| m["data"]["frames"].as_array().cloned().unwrap_or_default())
+            .filter_map(|f| f["type"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(kinds.last().map(String::as_str), Some("done"), "{kinds:?}");
+        // The step ran on the engine's topic queue, through the delivery function.
+        assert!(engine
+            .received()
+            .iter()
+            .any(|m| m["type"] == "registertrigger"
+                && m["trigger_type"] == "durable:subscriber"
+                && m["config"]["topic"] == "harness-turn"));
+    }
     // Bad input still names the field, through the engine's decoration.
     let err = engine
         .call(
@@ -262,8 +268,8 @@ async fn a_dropped_connection_replays_registrations_and_the_turn_completes_once(
         &engine,
         &script(vec![
             text_gen(Some("^marker$"), "marker reply", 0, true),
-            // `repeat`: the generation cut by the dropped link is a transient failure, and the
-            // resume asks again with a new request.
+            // `repeat`: the generation cut by the dropped link is asked again when the step
+            // resumes.
             text_gen(None, STORY, 60, true),
         ]),
         &["--stream-coalesce-ms", "0"],
@@ -286,15 +292,29 @@ async fn a_dropped_connection_replays_registrations_and_the_turn_completes_once(
         assert!(Instant::now() < deadline, "no partial reply");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(engine.drop_workers("harness"), 1, "one harness connection");
+    if engine.is_real() {
+        // A real engine cannot drop one connection on request: it dies and comes back.
+        engine.crash().await;
+    } else {
+        assert_eq!(engine.drop_workers("harness"), 1, "one harness connection");
+    }
     // The SDK reconnects and replays its registrations; the engine failed the in-flight step
     // (invocation_stopped) and retries it; the worker redrives after the reconnect.
     engine.wait_function("harness::send", WAIT).await;
     let status = engine.wait_turn("s_drop", &turn_id).await;
     assert_eq!(status["status"], "completed", "{status}");
     assert_eq!(status["result"], json!(STORY));
-    // The cut generation was closed as a transient failure and resumed once (the loop adds its
-    // resume note); the user's message is there once, and the turn ends with the whole story.
+    // The cut generation resumed as after a crash of the worker (asked again, never failed):
+    // no assistant entry ended in an error, the user's message is there once, and the turn
+    // ends with the whole story.
+    assert!(
+        !engine
+            .transcript("s_drop", false)
+            .await
+            .iter()
+            .any(|e| e["message"]["stop_reason"] == "error"),
+        "a lost link never fails a generation"
+    );
     let entries = engine.transcript("s_drop", false).await;
     let asked = entries
         .iter()
@@ -311,7 +331,9 @@ async fn a_dropped_connection_replays_registrations_and_the_turn_completes_once(
     let marker = engine.send("s_drop", "marker", &[]).await;
     let mt = marker["turn_id"].as_str().unwrap().to_string();
     assert_eq!(engine.wait_turn("s_drop", &mt).await["status"], "completed");
-    assert_eq!(engine.connected_workers("harness"), 1);
+    if !engine.is_real() {
+        assert_eq!(engine.connected_workers("harness"), 1);
+    }
 }
 
 /// The engine's state is not durable for its last seconds (5 s flush): here the turn record of a
@@ -347,10 +369,10 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     let sent = engine.send("s_lost", "write it", &["fs::*"]).await;
     let turn_id = sent["turn_id"].as_str().unwrap().to_string();
     engine.wait_status("s_lost", "awaiting_functions").await;
-    assert!(engine.state("harness_turn", "s_lost").is_some());
+    assert!(engine.state("harness_turn", "s_lost").await.is_some());
 
     // The engine dies before flushing: the record is gone; the worker restarts too.
-    engine.set_state("harness_turn", "s_lost", None);
+    engine.set_state("harness_turn", "s_lost", None).await;
     worker.restart().await;
     let out = engine
         .call(
@@ -379,4 +401,212 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     let s = engine.wait_turn("s_lost", &t2).await;
     assert_eq!(s["status"], "completed", "{s}");
     assert!(invocations(&fx.log()).is_empty(), "no target ran at all");
+}
+
+/// The engine dies (SIGKILL) while a call runs, inside its 5 s flush window: the turn record
+/// and the call's checkpoint it wrote last are gone from the restarted engine, and so is the
+/// hook binding (the engine keeps bindings in memory). The worker gives the engine back what
+/// it lost from its write-ahead copy, forgets the binding, and resumes the step as a crash
+/// would: the turn completes, the call ran once and is closed once (as interrupted), the hook
+/// ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_crash_inside_its_flush_window_loses_no_turn_and_runs_nothing_twice() {
+    let engine = Engine::start().await;
+    engine.hold_flush();
+    let fx = Fixtures::new(
+        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 4000}]),
+    );
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
+            text_gen(
+                None,
+                "The job was interrupted; I will check first.",
+                0,
+                true,
+            ),
+        ]),
+        &extra,
+    )
+    .await;
+    let hooked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h = hooked.clone();
+    engine.register_local("guard::count", move |_| {
+        h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(json!({"decision": "continue"}))
+    });
+    let bound = engine
+        .ok(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::count", "config": {"functions": ["slow::*"]}}),
+        )
+        .await;
+    engine
+        .wait_trigger_result(bound["id"].as_str().unwrap(), WAIT)
+        .await;
+    // What a crash keeps: everything up to here, nothing of the turn.
+    engine.flush();
+    let sent = engine.send("s_crash", "do the work", &["slow::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let log = fx.log();
+    wait_until("the call to start", || {
+        invocations(&log).get("c1") == Some(&1)
+    })
+    .await;
+    let killed_at = Instant::now();
+    engine.crash().await;
+    eprintln!("engine killed and restarted in {:?}", killed_at.elapsed());
+    let status = engine.wait_turn("s_crash", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    assert_eq!(
+        hooked.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the hook ran once (and its binding is gone with the engine's memory)"
+    );
+    let entries = engine.transcript("s_crash", false).await;
+    assert_every_call_closed(&entries);
+    let results: Vec<&Value> = entries
+        .iter()
+        .filter(|e| role_of(e) == Some("function_result"))
+        .collect();
+    assert_eq!(results.len(), 1, "{}", render(&entries));
+    assert_eq!(results[0]["message"]["details"]["error"], "interrupted");
+    eprintln!(
+        "write-ahead copy used after the engine crash: {}",
+        worker
+            .log()
+            .contains("written again from the write-ahead copy")
+    );
+    if !engine.is_real() {
+        // The double's flush was held: the turn survived through the write-ahead copy.
+        let log = worker.log();
+        assert!(
+            log.contains("written again from the write-ahead copy"),
+            "{log}"
+        );
+        assert!(log.contains("no longer has some bindings"), "{log}");
+    }
+}
+
+/// The public surface appears on the engine only once the worker can serve it: after the
+/// turn queue's subscribers are bound and the siblings and internal functions are registered
+/// (and listed: the worker asks with `include_internal`, as the engine hides internal ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_public_functions_are_registered_only_once_the_worker_can_serve_them() {
+    let engine = Engine::start().await;
+    let _worker = WorkerProc::start(
+        &engine,
+        &script(vec![text_gen(None, "ready", 0, true)]),
+        &[],
+    )
+    .await;
+    let sent = engine.send("s_ready", "hi", &[]).await;
+    let status = engine
+        .wait_turn("s_ready", sent["turn_id"].as_str().unwrap())
+        .await;
+    assert_eq!(status["status"], "completed", "{status}");
+    if engine.is_real() {
+        return; // the frames below are only visible inside the double
+    }
+    let frames = engine.received();
+    let at = |f: &dyn Fn(&Value) -> bool| frames.iter().position(f);
+    let public = at(&|m| m["type"] == "registerfunction" && m["id"] == "harness::send")
+        .expect("harness::send registered");
+    let last_subscriber = frames
+        .iter()
+        .rposition(|m| m["type"] == "registertrigger" && m["trigger_type"] == "durable:subscriber")
+        .expect("the turn queue is bound");
+    let internal = at(&|m| m["type"] == "registerfunction" && m["id"] == "harness::turn").unwrap();
+    let sibling = at(&|m| m["type"] == "registerfunction" && m["id"] == "session::append").unwrap();
+    assert!(
+        last_subscriber < public && internal < public && sibling < public,
+        "harness::send at frame {public}, queue bound at {last_subscriber}, harness::turn at {internal}, session::append at {sibling}"
+    );
+    assert!(
+        engine.violations().is_empty(),
+        "engine functions used without a recorded shape: {:?}",
+        engine.violations()
+    );
+}
+
+/// The double answers engine functions only with shapes recorded from a real engine: one
+/// that was never recorded is refused (so an adapter relying on it fails its tests), and
+/// every recorded answer of the double matches the engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_double_refuses_engine_functions_without_a_recorded_shape() {
+    let engine = Engine::start_double().await;
+    assert!(
+        iii_engine::recorded()["engine_version"]
+            .as_str()
+            .is_some_and(|v| !v.is_empty()),
+        "the recording names the engine version"
+    );
+    let err = engine
+        .call("engine::workers::list", json!({}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, "double/unrecorded", "{err:?}");
+    assert_eq!(engine.violations().len(), 1, "{:?}", engine.violations());
+    // Every recorded request, asked of the double, gets an answer of the engine's shape.
+    let functions = iii_engine::recorded()["functions"].as_object().unwrap();
+    for (function_id, examples) in functions {
+        if !iii_engine::is_engine_function(function_id)
+            || function_id == "engine::workers::register"
+        {
+            continue;
+        }
+        for ex in examples.as_array().unwrap() {
+            let _ = engine.call(function_id, ex["request"].clone()).await;
+        }
+    }
+    let violations: Vec<String> = engine.violations().into_iter().skip(1).collect();
+    assert!(violations.is_empty(), "{violations:#?}");
+}
+
+/// `--queue-mode shards`: the turn queue is `concurrency` FIFO topics, a session always on the
+/// same one, and turns still complete (several sessions at once, sharing shards).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_fifo_shards_every_session_keeps_one_shard_and_its_turns_complete() {
+    let engine = Engine::start().await;
+    let _worker = WorkerProc::start(
+        &engine,
+        &script(vec![text_gen(None, "sharded", 0, true)]),
+        &["--queue-mode", "shards", "--queue-shards", "2"],
+    )
+    .await;
+    let mut turns = Vec::new();
+    for i in 0..5 {
+        let sid = format!("s_shard_{i}");
+        let sent = engine.send(&sid, "hi", &[]).await;
+        turns.push((sid, sent["turn_id"].as_str().unwrap().to_string()));
+    }
+    for (sid, turn) in &turns {
+        let s = engine.wait_turn(sid, turn).await;
+        assert_eq!(s["status"], "completed", "{s}");
+    }
+    if !engine.is_real() {
+        let topics: std::collections::BTreeSet<String> = engine
+            .received()
+            .iter()
+            .filter(|m| m["type"] == "registertrigger" && m["trigger_type"] == "durable:subscriber")
+            .map(|m| {
+                assert_eq!(m["config"]["queue_config"]["type"], "fifo", "{m}");
+                m["config"]["topic"].as_str().unwrap().to_string()
+            })
+            .collect();
+        assert_eq!(
+            topics,
+            ["harness-turn.0", "harness-turn.1"]
+                .map(String::from)
+                .into(),
+        );
+    }
 }

@@ -310,7 +310,7 @@ async fn the_registered_surface_is_a_compatible_superset_of_v1_0_6() {
         &std::fs::read_to_string(REFERENCE).expect("read the v1.0.6 API reference"),
     )
     .expect("the reference is JSON");
-    let engine = Engine::start().await;
+    let engine = Engine::start_double().await;
     let _worker = WorkerProc::start(&engine, &json!({"generations": []}), &[]).await;
     // Registration is fire-and-forget: wait for every function the reference names (those not
     // expected yet excepted) before taking the snapshot.

@@ -1,6 +1,9 @@
 //! A minimal in-test double of an iii engine's worker protocol (a test fixture, never a product
-//! mode), faithful to what was observed on a real engine (shared/spec/iii-engine-facts.md) and
-//! to the engine's source for the parts the harness uses:
+//! mode). Its answers to engine functions, and the frames it sends, are checked against what a
+//! real engine answered (`recorded.json`, written by tests/iii_record.rs with the engine's
+//! version): an engine function with no recorded shape is refused (`double/unrecorded`), an
+//! answer or frame that differs from the engine's is refused or noted (`violations`). With
+//! `III_BIN` set, [`Engine::start`] runs that engine binary instead (`real.rs`). What it models:
 //!
 //! - JSON text frames over a WebSocket, `type` tag: `workerregistered` on accept; from workers
 //!   `registerfunction`, `unregisterfunction`, `registertriggertype`, `registertrigger`,
@@ -24,12 +27,17 @@
 //!   with exponential backoff up to `maxRetries`, then dead-letter it. A job in flight when its
 //!   worker dies fails (`invocation_stopped`) and is retried like any failure; nothing returns
 //!   it to the queue otherwise. `cron` bindings are accepted and never fire.
+//! - Every 5 s, like the engine: the state is flushed (what [`Engine::crash`] keeps; a test can
+//!   hold the flush) and a changed registry is announced to `engine::functions-available`
+//!   bindings. `crash` also forgets every binding (the engine keeps them in memory) and drops
+//!   every connection.
 //!
-//! Not modelled: namespaces, RBAC, observe, channels, the 5 s state flush (state lives in memory
-//! and survives worker restarts, which is the point), the queue worker (`engine::queue::enqueue`).
+//! Not modelled: namespaces, RBAC, observe, channels, the worker-name lease, the queue worker
+//! (`engine::queue::enqueue`).
 
 #![allow(dead_code)]
 
+pub mod real;
 pub mod worker;
 
 use std::collections::{HashMap, VecDeque};
@@ -117,6 +125,11 @@ struct State {
     /// Every frame received from workers, in order (for assertions).
     received: Vec<Value>,
     trigger_results: Vec<Value>,
+    /// Engine functions answered without (or against) a recorded shape.
+    violations: Vec<String>,
+    /// The state as last flushed: what survives `crash`.
+    flushed: HashMap<String, HashMap<String, Value>>,
+    flush_held: bool,
 }
 
 struct Inner {
@@ -130,6 +143,15 @@ struct Inner {
 pub struct Engine {
     inner: Arc<Inner>,
     pub url: String,
+    /// Set when the tests run against a real engine (`III_BIN`): every call goes to it.
+    real: Option<Arc<Real>>,
+}
+
+pub struct Real {
+    pub engine: real::RealEngine,
+    pub client: tokio::sync::RwLock<real::Client>,
+    /// Test-side functions, offered again after an engine restart.
+    locals: Mutex<Vec<(String, LocalFn)>>,
 }
 
 const BUILTIN_TRIGGER_TYPES: &[&str] = &[
@@ -142,7 +164,37 @@ const BUILTIN_TRIGGER_TYPES: &[&str] = &[
 ];
 
 impl Engine {
+    /// The real engine named by `III_BIN` if there is one, else the double.
     pub async fn start() -> Engine {
+        match real::engine_bin() {
+            Some(bin) => {
+                let engine = real::RealEngine::start(&bin).await;
+                let client = real::Client::connect(&engine.url()).await.expect("connect");
+                Engine {
+                    inner: Arc::new(Inner {
+                        state: Mutex::new(State::default()),
+                        changed: Notify::new(),
+                        ids: AtomicU64::new(0),
+                    }),
+                    url: engine.url(),
+                    real: Some(Arc::new(Real {
+                        engine,
+                        client: tokio::sync::RwLock::new(client),
+                        locals: Mutex::new(Vec::new()),
+                    })),
+                }
+            }
+            None => Engine::start_double().await,
+        }
+    }
+
+    /// True when the tests run against a real engine.
+    pub fn is_real(&self) -> bool {
+        self.real.is_some()
+    }
+
+    /// The double, whatever the environment says (tests of the double itself).
+    pub async fn start_double() -> Engine {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind engine");
         let url = format!("ws://{}", listener.local_addr().unwrap());
         let engine = Engine {
@@ -152,6 +204,7 @@ impl Engine {
                 ids: AtomicU64::new(0),
             }),
             url,
+            real: None,
         };
         let e = engine.clone();
         tokio::spawn(async move {
@@ -170,6 +223,8 @@ impl Engine {
         });
         let e = engine.clone();
         tokio::spawn(async move { e.run_queues().await });
+        let e = engine.clone();
+        tokio::spawn(async move { e.run_registry().await });
         engine
     }
 
@@ -185,6 +240,9 @@ impl Engine {
     }
 
     fn send_frame(&self, worker: &str, frame: Value) -> bool {
+        if let Err(why) = message_matches_recorded(&frame) {
+            self.lock().violations.push(why);
+        }
         let st = self.lock();
         match st.workers.get(worker) {
             Some(w) => w.tx.send(Ws::Text(frame.to_string().into())).is_ok(),
@@ -416,7 +474,19 @@ impl Engine {
         metadata: Option<Value>,
     ) -> Result<Value, CallError> {
         if let Some(r) = self.builtin(function_id, &data) {
-            return r;
+            return self.conform(function_id, &data, r);
+        }
+        if is_engine_function(function_id) {
+            // An engine function the double has no recorded shape for: the adapter must not
+            // rely on it until it was recorded from a real engine (tests/iii_record.rs).
+            let e = CallError::new(
+                "double/unrecorded",
+                format!("{function_id}: no shape recorded from a real engine (tests/iii_engine/recorded.json)"),
+            );
+            self.lock()
+                .violations
+                .push(format!("{function_id}: unrecorded"));
+            return Err(e);
         }
         let local = self.lock().local.get(function_id).cloned();
         if let Some(f) = local {
@@ -434,11 +504,10 @@ impl Engine {
             ));
         };
         let mut data = data;
-        if let Value::Object(map) = &mut data {
-            map.insert(
-                "_caller_worker_id".into(),
-                json!(caller.unwrap_or("00000000-0000-0000-0000-000000000000")),
-            );
+        // A worker's call is decorated with its id; the engine's own deliveries (topic jobs,
+        // notices) are not.
+        if let (Value::Object(map), Some(caller)) = (&mut data, caller) {
+            map.insert("_caller_worker_id".into(), json!(caller));
         }
         let invocation_id = self.fresh_id();
         let (tx, rx) = oneshot::channel();
@@ -461,14 +530,17 @@ impl Engine {
         let bad = |why: &str| Err(CallError::new("deserialization_error", why.to_string()));
         let s = |v: &Value, k: &str| v[k].as_str().map(str::to_string);
         Some(match function_id {
-            "engine::workers::register" => Ok(json!({"success": true})),
+            // Fire-and-forget: the engine never answers it.
+            "engine::workers::register" => Ok(Value::Null),
             "engine::functions::list" => {
                 let st = self.lock();
                 let prefix = s(data, "prefix").unwrap_or_default();
+                let internal = data["include_internal"] == json!(true);
                 let mut fns: Vec<Value> = st
                     .functions
                     .iter()
                     .filter(|(id, _)| id.starts_with(&prefix))
+                    .filter(|(_, f)| internal || f.def["metadata"]["internal"] != json!(true))
                     .map(|(id, f)| {
                         json!({"function_id": id, "description": f.def["description"], "namespace": "default",
                                "worker_name": st.workers.get(&f.worker).and_then(|w| w.name.clone())})
@@ -481,10 +553,15 @@ impl Engine {
                 let st = self.lock();
                 let detail = |id: &str| {
                     st.functions.get(id).map(|f| {
-                        json!({"function_id": id, "namespace": "default", "worker_name": "",
-                            "description": f.def["description"], "request_schema": f.def["request_format"],
-                            "response_schema": f.def["response_format"], "metadata": f.def["metadata"],
-                            "registered_triggers": []})
+                        // As the engine: the schemas and metadata only when registered.
+                        let mut d = json!({"function_id": id, "namespace": "default", "worker_name": "",
+                            "description": f.def["description"], "registered_triggers": []});
+                        for (from, to) in [("request_format", "request_schema"), ("response_format", "response_schema"), ("metadata", "metadata")] {
+                            if let Some(v) = f.def.get(from).filter(|v| !v.is_null()) {
+                                d[to] = v.clone();
+                            }
+                        }
+                        d
                     })
                 };
                 match (s(data, "function_id"), data["function_ids"].as_array()) {
@@ -511,13 +588,18 @@ impl Engine {
                 let st = self.lock();
                 let mut types: Vec<Value> = BUILTIN_TRIGGER_TYPES
                     .iter()
-                    .map(|t| json!({"id": t, "description": "built-in"}))
+                    .map(|t| json!({"id": t, "description": "built-in", "namespace": "default", "worker_name": "engine"}))
                     .collect();
                 for (id, t) in &st.trigger_types {
-                    types.push(json!({"id": id, "description": t.def["description"],
-                        "trigger_request_format": t.def["trigger_request_format"]}));
+                    let worker = t
+                        .worker
+                        .as_ref()
+                        .and_then(|w| st.workers.get(w))
+                        .and_then(|w| w.name.clone());
+                    types.push(json!({"id": id, "description": t.def["description"], "namespace": "default",
+                        "worker_name": worker.unwrap_or_default()}));
                 }
-                Ok(json!({ "trigger_types": types }))
+                Ok(json!({ "triggers": types }))
             }
             "engine::register_trigger" => {
                 let (Some(tt), Some(f)) = (s(data, "trigger_type"), s(data, "function_id")) else {
@@ -579,9 +661,18 @@ impl Engine {
                         let old = table.insert(key, value.clone());
                         Ok(json!({"old_value": old, "new_value": value}))
                     }
-                    _ => Ok(json!({"old_value": table.remove(&key)})),
+                    // The engine answers the removed value itself (null when there was none).
+                    _ => Ok(table.remove(&key).unwrap_or(Value::Null)),
                 }
             }
+            // No configuration is stored in the double.
+            "configuration::get" => Err(CallError::new(
+                "NOT_FOUND",
+                format!(
+                    "configuration '{}' not found",
+                    s(data, "id").unwrap_or_default()
+                ),
+            )),
             "iii::durable::publish" => {
                 let Some(topic) = s(data, "topic") else {
                     return Some(bad("missing field `topic`"));
@@ -611,7 +702,7 @@ impl Engine {
                 }
                 drop(st);
                 self.inner.changed.notify_waiters();
-                Ok(json!({"ok": true}))
+                Ok(Value::Null)
             }
             _ => return None,
         })
@@ -745,6 +836,10 @@ impl Engine {
 
     /// Calls a function as a client of the engine would (payload decorated like any routed one).
     pub async fn call(&self, function_id: &str, payload: Value) -> Result<Value, CallError> {
+        if let Some(r) = &self.real {
+            let client = r.client.read().await.clone();
+            return client.call(function_id, payload).await;
+        }
         let d = self.dispatch(function_id, payload, Some("test-client"), None);
         match tokio::time::timeout(Duration::from_secs(60), d).await {
             Ok(r) => r,
@@ -768,6 +863,18 @@ impl Engine {
         function_id: &str,
         f: impl Fn(Value) -> Result<Value, CallError> + Send + Sync + 'static,
     ) {
+        if let Some(r) = &self.real {
+            let f: LocalFn = Arc::new(f);
+            r.locals
+                .lock()
+                .unwrap()
+                .push((function_id.to_string(), f.clone()));
+            r.client
+                .try_read()
+                .expect("client")
+                .register(function_id, move |v| f(v));
+            return;
+        }
         self.lock()
             .local
             .insert(function_id.to_string(), Arc::new(f));
@@ -776,6 +883,27 @@ impl Engine {
     /// Waits until a function is registered by a worker.
     pub async fn wait_function(&self, function_id: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
+        if self.real.is_some() {
+            loop {
+                let listed = self
+                    .call("engine::functions::list", json!({"include_internal": true}))
+                    .await
+                    .unwrap_or(Value::Null);
+                if listed["functions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|f| f["function_id"] == json!(function_id))
+                {
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{function_id} was not registered within {timeout:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
         loop {
             let notified = self.inner.changed.notified();
             if self.lock().functions.contains_key(function_id) {
@@ -827,6 +955,101 @@ impl Engine {
         ids.len()
     }
 
+    /// The engine dies (SIGKILL) and comes back on its stores: the state written since its
+    /// last flush is gone, and so is every binding made through `engine::register_trigger`
+    /// (kept in memory only); every worker's link drops and reconnects. The double keeps what
+    /// it last flushed (`flush`, every 5 s, like the engine's file store).
+    pub async fn crash(&self) {
+        if let Some(r) = &self.real {
+            r.engine.restart().await;
+            let client = real::Client::connect(&r.engine.url())
+                .await
+                .expect("reconnect");
+            for (id, f) in r.locals.lock().unwrap().iter() {
+                let f = f.clone();
+                client.register(id, move |v| f(v));
+            }
+            *r.client.write().await = client;
+            return;
+        }
+        let ids: Vec<String> = {
+            let mut st = self.lock();
+            st.kv = st.flushed.clone();
+            st.triggers.clear();
+            st.workers.keys().cloned().collect()
+        };
+        for id in &ids {
+            let tx = self.lock().workers.get(id).map(|w| w.tx.clone());
+            if let Some(tx) = tx {
+                let _ = tx.send(Ws::Close(None));
+            }
+            self.disconnected(id);
+        }
+    }
+
+    /// Makes the state durable now (the double's file-store flush).
+    pub fn flush(&self) {
+        let mut st = self.lock();
+        st.flushed = st.kv.clone();
+    }
+
+    /// Stops the periodic flush, so a test controls what a crash keeps.
+    pub fn hold_flush(&self) {
+        self.lock().flush_held = true;
+    }
+
+    /// Every 5 s, as the engine: flushes the state, and announces a changed function registry
+    /// to the bindings of `engine::functions-available` (`{event, functions}`).
+    async fn run_registry(&self) {
+        let mut last: Option<Vec<String>> = None;
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            let (ids, notice, targets) = {
+                let mut st = self.lock();
+                if !st.flush_held {
+                    st.flushed = st.kv.clone();
+                }
+                let mut ids: Vec<String> = st.functions.keys().cloned().collect();
+                ids.sort();
+                let functions: Vec<Value> = ids
+                    .iter()
+                    .map(|id| {
+                        let f = &st.functions[id];
+                        json!({"function_id": id, "namespace": "default", "description": f.def["description"],
+                            "metadata": f.def.get("metadata").cloned().unwrap_or(Value::Null),
+                            "worker_name": st.workers.get(&f.worker).and_then(|w| w.name.clone())})
+                    })
+                    .collect();
+                let targets: Vec<String> = st
+                    .triggers
+                    .values()
+                    .filter(|t| t.trigger_type == "engine::functions-available")
+                    .map(|t| t.function_id.clone())
+                    .collect();
+                (
+                    ids,
+                    json!({"event": "functions_changed", "functions": functions}),
+                    targets,
+                )
+            };
+            if last.as_ref() == Some(&ids) {
+                continue;
+            }
+            let first = last.is_none();
+            last = Some(ids);
+            if first {
+                continue;
+            }
+            for f in targets {
+                let e = self.clone();
+                let notice = notice.clone();
+                tokio::spawn(async move {
+                    let _ = e.dispatch(&f, notice, None, None).await;
+                });
+            }
+        }
+    }
+
     pub fn connected_workers(&self, name: &str) -> usize {
         self.lock()
             .workers
@@ -838,6 +1061,30 @@ impl Engine {
     /// Waits for the provider's `triggerregistrationresult` of binding `id`; returns it.
     pub async fn wait_trigger_result(&self, id: &str, timeout: Duration) -> Value {
         let deadline = Instant::now() + timeout;
+        if self.real.is_some() {
+            // The provider's answer is not visible to a client of a real engine; the binding
+            // being listed is.
+            loop {
+                let listed = self
+                    .call(
+                        "engine::registered-triggers::list",
+                        json!({"include_internal": true}),
+                    )
+                    .await
+                    .unwrap_or(Value::Null);
+                if listed["registered_triggers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|t| t["id"] == json!(id))
+                {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    return json!({"id": id, "error": null});
+                }
+                assert!(Instant::now() < deadline, "binding {id} not listed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
         loop {
             let notified = self.inner.changed.notified();
             let found = self
@@ -867,12 +1114,36 @@ impl Engine {
     }
 
     /// A state value as stored.
-    pub fn state(&self, scope: &str, key: &str) -> Option<Value> {
+    pub async fn state(&self, scope: &str, key: &str) -> Option<Value> {
+        if self.real.is_some() {
+            let v = self
+                .call("state::get", json!({"scope": scope, "key": key}))
+                .await
+                .expect("state::get");
+            return (!v.is_null()).then_some(v);
+        }
         self.lock().kv.get(scope).and_then(|t| t.get(key)).cloned()
     }
 
     /// Overwrites (or removes) a state value, as a lost write would leave it.
-    pub fn set_state(&self, scope: &str, key: &str, value: Option<Value>) {
+    pub async fn set_state(&self, scope: &str, key: &str, value: Option<Value>) {
+        if self.real.is_some() {
+            let r = match value {
+                Some(v) => {
+                    self.call(
+                        "state::set",
+                        json!({"scope": scope, "key": key, "value": v}),
+                    )
+                    .await
+                }
+                None => {
+                    self.call("state::delete", json!({"scope": scope, "key": key}))
+                        .await
+                }
+            };
+            r.expect("state write");
+            return;
+        }
         let mut st = self.lock();
         let t = st.kv.entry(scope.to_string()).or_default();
         match value {
@@ -887,5 +1158,235 @@ impl Engine {
 
     pub fn next_seq(&self) -> u64 {
         self.inner.ids.fetch_add(1, Ordering::SeqCst)
+    }
+}
+
+// --- recorded shapes --------------------------------------------------------------------------
+
+/// What a real engine answered (tests/iii_record.rs wrote it): the double's answers to engine
+/// functions must have exactly these shapes.
+pub fn recorded() -> &'static Value {
+    static RECORDED: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    RECORDED.get_or_init(|| {
+        serde_json::from_str(include_str!("recorded.json")).expect("recorded.json is JSON")
+    })
+}
+
+/// Functions the engine itself provides (the double answers them, never a worker).
+pub fn is_engine_function(function_id: &str) -> bool {
+    ["engine::", "state::", "iii::", "configuration::"]
+        .iter()
+        .any(|p| function_id.starts_with(p))
+}
+
+/// Keys whose values are the caller's data (or schemas), not the engine's structure.
+const DATA_KEYS: &[&str] = &[
+    "value",
+    "old_value",
+    "new_value",
+    "config",
+    "metadata",
+    "data",
+    "request_schema",
+    "response_schema",
+    "request_format",
+    "response_format",
+    "trigger_request_format",
+    "description",
+    "config_summary",
+    "worker_name",
+];
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "bool",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+/// Differences between an answer of the double and one recorded from the engine: the same
+/// keys with the same kinds of values, recursively (array items against the recorded first
+/// item); the caller's own data is compared by kind only.
+pub fn shape_diff(at: &str, ours: &Value, theirs: &Value, out: &mut Vec<String>) {
+    if kind(ours) != kind(theirs) {
+        out.push(format!(
+            "{at}: {} where the engine has {}",
+            kind(ours),
+            kind(theirs)
+        ));
+        return;
+    }
+    match (ours, theirs) {
+        (Value::Object(a), Value::Object(b)) => {
+            for k in a.keys().filter(|k| !b.contains_key(*k)) {
+                out.push(format!("{at}.{k}: not in the engine's answer"));
+            }
+            for k in b.keys().filter(|k| !a.contains_key(*k)) {
+                out.push(format!("{at}.{k}: missing"));
+            }
+            for (k, v) in a {
+                if let Some(w) = b.get(k) {
+                    if DATA_KEYS.contains(&k.as_str()) {
+                        continue;
+                    }
+                    shape_diff(&format!("{at}.{k}"), v, w, out);
+                }
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if !b.is_empty() => {
+            // Items may differ among themselves (a found and a missing function): each of ours
+            // must match one of the engine's.
+            for (i, v) in a.iter().enumerate() {
+                let mut closest: Option<Vec<String>> = None;
+                for w in b {
+                    let mut d = Vec::new();
+                    shape_diff(&format!("{at}[{i}]"), v, w, &mut d);
+                    if closest.as_ref().is_none_or(|c| d.len() < c.len()) {
+                        closest = Some(d);
+                    }
+                }
+                out.extend(closest.unwrap_or_default());
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Whether an answer of the double matches one of the engine's recorded answers of that
+/// function (`Err` when it matches none, with the closest differences).
+pub fn matches_recorded(
+    function_id: &str,
+    answer: &Result<Value, CallError>,
+) -> Result<(), String> {
+    let Some(examples) = recorded()["functions"][function_id].as_array() else {
+        return Err("unrecorded".into());
+    };
+    let mut best: Option<Vec<String>> = None;
+    for ex in examples {
+        let mut diff = Vec::new();
+        match (answer, ex.get("response"), ex.get("error")) {
+            (Ok(v), Some(r), _) => {
+                // The caller's data answered as is (state::get): by kind only.
+                if function_id == "state::get" && !r.is_null() {
+                    if kind(v) != "null" && kind(v) != kind(r) {
+                        diff.push(format!("{} where the engine has {}", kind(v), kind(r)));
+                    }
+                } else if function_id == "state::list" || function_id == "state::delete" {
+                    // Stored values, as the caller wrote them: an array of them, or one (null
+                    // when there was none).
+                    let item = |x: &Value| x.as_array().and_then(|a| a.first()).map(kind);
+                    let ok = match function_id {
+                        "state::list" => {
+                            kind(v) == "array"
+                                && v.as_array()
+                                    .unwrap()
+                                    .iter()
+                                    .all(|x| Some(kind(x)) == item(r))
+                        }
+                        _ => v.is_null() || kind(v) == kind(r) || r.is_null(),
+                    };
+                    if !ok {
+                        diff.push(format!("{} where the engine has {}", kind(v), kind(r)));
+                    }
+                } else {
+                    shape_diff("", v, r, &mut diff);
+                }
+            }
+            (Err(e), _, Some(err)) => {
+                if err["code"] != json!(e.code) {
+                    diff.push(format!(
+                        "error code {} where the engine has {}",
+                        e.code, err["code"]
+                    ));
+                }
+            }
+            _ => diff.push("answer kind (result/error) differs".into()),
+        }
+        if diff.is_empty() {
+            return Ok(());
+        }
+        if best.as_ref().is_none_or(|b| diff.len() < b.len()) {
+            best = Some(diff);
+        }
+    }
+    // An error with no recorded error of this function: the code cannot be checked.
+    if answer.is_err() && !examples.iter().any(|e| e.get("error").is_some()) {
+        return Ok(());
+    }
+    Err(best.unwrap_or_default().join("; "))
+}
+
+/// Whether a frame the double sends has the keys the engine's frame of that type has (the
+/// recorded example's, plus the optional sidecars of the protocol: `metadata`, `traceparent`,
+/// `baggage`, and `error` for `result`).
+pub fn message_matches_recorded(frame: &Value) -> Result<(), String> {
+    let kind = frame["type"].as_str().unwrap_or_default();
+    let examples: Vec<&Value> = recorded()["messages"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, v)| k.as_str() == kind || v["type"] == json!(kind))
+        .map(|(_, v)| v)
+        .collect();
+    if examples.is_empty() {
+        return match kind {
+            "pong" => Ok(()),
+            _ => Err(format!("message {kind}: unrecorded")),
+        };
+    }
+    let known: std::collections::BTreeSet<&str> = examples
+        .iter()
+        .filter_map(|e| e.as_object())
+        .flat_map(|o| o.keys().map(String::as_str))
+        .chain(["metadata", "traceparent", "baggage", "error", "result"])
+        .collect();
+    let extra: Vec<&String> = frame
+        .as_object()
+        .into_iter()
+        .flat_map(|o| o.keys())
+        .filter(|k| !known.contains(k.as_str()))
+        .collect();
+    if extra.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "message {kind}: keys {extra:?} are not in the engine's"
+        ))
+    }
+}
+
+impl Engine {
+    /// Passes a built-in's answer only if it has a recorded engine shape.
+    fn conform(
+        &self,
+        function_id: &str,
+        _request: &Value,
+        answer: Result<Value, CallError>,
+    ) -> Result<Value, CallError> {
+        if !is_engine_function(function_id) {
+            return answer;
+        }
+        match matches_recorded(function_id, &answer) {
+            Ok(()) => answer,
+            Err(why) => {
+                self.lock().violations.push(format!("{function_id}: {why}"));
+                Err(CallError::new(
+                    "double/unrecorded",
+                    format!(
+                        "{function_id}: the double's answer has no recorded engine shape: {why}"
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Engine functions the double was asked for without a recorded shape, or answered
+    /// differently from the engine.
+    pub fn violations(&self) -> Vec<String> {
+        self.lock().violations.clone()
     }
 }

@@ -230,7 +230,7 @@ impl Engine {
 pub fn transient(e: &CallError) -> bool {
     matches!(
         e.code.as_str(),
-        "function_not_found" | "invocation_stopped" | "timeout"
+        "function_not_found" | "invocation_stopped" | "timeout" | "harness/starting"
     )
 }
 

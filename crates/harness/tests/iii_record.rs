@@ -1,0 +1,269 @@
+//! Records the real engine's wire shapes for the engine double: every engine function and
+//! message the iii adapter uses, request and answer, as the engine given in `III_BIN` sends
+//! them. Writes `tests/iii_engine/recorded.json`; the double (tests/iii_engine) answers with
+//! exactly these shapes and refuses any engine function recorded here not.
+//!
+//! `III_BIN=/path/to/iii cargo test -p harness --features iii --test iii_record -- --ignored`
+#![cfg(feature = "iii")]
+
+mod iii_engine;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use iii_engine::real::{engine_bin, Client, RealEngine};
+use serde_json::{json, Value};
+
+struct Recorder {
+    functions: BTreeMap<String, Vec<Value>>,
+    messages: BTreeMap<String, Value>,
+}
+
+impl Recorder {
+    async fn call(&mut self, c: &Client, function_id: &str, request: Value) -> Value {
+        let frame = c
+            .invoke_raw(function_id, request.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{function_id}: {e:?}; received {:?}", c.received()));
+        let mut example = json!({"request": request});
+        match frame.get("error").filter(|e| !e.is_null()) {
+            Some(e) => example["error"] = e.clone(),
+            None => example["response"] = frame.get("result").cloned().unwrap_or(Value::Null),
+        }
+        self.functions
+            .entry(function_id.to_string())
+            .or_default()
+            .push(example.clone());
+        self.message("invocationresult", frame);
+        example
+    }
+
+    fn message(&mut self, kind: &str, frame: Value) {
+        self.messages.entry(kind.to_string()).or_insert(frame);
+    }
+}
+
+async fn wait_frame(c: &Client, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(m) = c.received().into_iter().find(|m| f(m)) {
+            return m;
+        }
+        assert!(Instant::now() < deadline, "no {what} from the engine");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real engine: III_BIN=/path/to/iii"]
+async fn record_the_engine_shapes() {
+    let Some(bin) = engine_bin() else {
+        panic!("set III_BIN to an iii engine binary");
+    };
+    let version = std::process::Command::new(&bin)
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let engine = RealEngine::start(&bin).await;
+    let a = Client::connect(&engine.url()).await.unwrap();
+    let mut r = Recorder {
+        functions: BTreeMap::new(),
+        messages: BTreeMap::new(),
+    };
+    let registered = wait_frame(&a, "workerregistered", |m| m["type"] == "workerregistered").await;
+    r.message("workerregistered", registered);
+    // Sent fire-and-forget, as the SDK does (Client::connect): the engine does not answer it
+    // even when asked with an invocation id.
+    r.functions.insert(
+        "engine::workers::register".into(),
+        vec![json!({"request": {"name": "harness-tests", "description": "the end-to-end tests' client"},
+            "action": {"type": "void"}, "response": null})],
+    );
+
+    // A function of this connection, internal, and one public.
+    a.send(json!({"type": "registerfunction", "id": "rec::internal", "description": "internal", "metadata": {"internal": true},
+        "request_format": {"type": "object"}, "response_format": {"type": "object"}}));
+    a.register("rec::echo", |v| Ok(json!({"echo": v})));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    r.call(&a, "engine::functions::list", json!({})).await;
+    r.call(
+        &a,
+        "engine::functions::list",
+        json!({"include_internal": true}),
+    )
+    .await;
+    r.call(
+        &a,
+        "engine::functions::list",
+        json!({"prefix": "engine::queue::", "include_internal": true}),
+    )
+    .await;
+    r.call(
+        &a,
+        "engine::functions::info",
+        json!({"function_id": "rec::internal"}),
+    )
+    .await;
+    r.call(
+        &a,
+        "engine::functions::info",
+        json!({"function_id": "rec::echo"}),
+    )
+    .await;
+    r.call(
+        &a,
+        "engine::functions::info",
+        json!({"function_ids": ["rec::internal", "rec::echo", "rec::nothing"]}),
+    )
+    .await;
+    r.call(
+        &a,
+        "engine::functions::info",
+        json!({"function_id": "rec::nothing"}),
+    )
+    .await;
+    r.call(
+        &a,
+        "engine::triggers::list",
+        json!({"include_internal": true}),
+    )
+    .await;
+
+    // State, as the adapter stores it (the key inside the value).
+    r.call(&a, "state::get", json!({"scope": "rec", "key": "k"}))
+        .await;
+    r.call(
+        &a,
+        "state::set",
+        json!({"scope": "rec", "key": "k", "value": {"_harness_key": "k", "v": 1}}),
+    )
+    .await;
+    r.call(
+        &a,
+        "state::set",
+        json!({"scope": "rec", "key": "k", "value": {"_harness_key": "k", "v": 2}}),
+    )
+    .await;
+    r.call(&a, "state::get", json!({"scope": "rec", "key": "k"}))
+        .await;
+    r.call(&a, "state::list", json!({"scope": "rec"})).await;
+    r.call(&a, "state::delete", json!({"scope": "rec", "key": "k"}))
+        .await;
+    r.call(&a, "state::delete", json!({"scope": "rec", "key": "k"}))
+        .await;
+    r.call(&a, "state::get", json!({"scope": 5})).await;
+
+    // A worker-owned trigger type: bindings made through the engine are forwarded to it.
+    a.send(
+        json!({"type": "registertriggertype", "id": "rec::point", "description": "a hook point",
+        "trigger_request_format": {"type": "object"}}),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let bound = r
+        .call(&a, "engine::register_trigger", json!({"trigger_type": "rec::point", "function_id": "rec::echo", "config": {"priority": 1}, "metadata": {"m": 1}}))
+        .await;
+    let forwarded = wait_frame(&a, "registertrigger", |m| m["type"] == "registertrigger").await;
+    r.message("registertrigger", forwarded.clone());
+    a.send(json!({"type": "triggerregistrationresult", "id": forwarded["id"], "trigger_type": "rec::point", "function_id": "rec::echo"}));
+    r.call(
+        &a,
+        "engine::registered-triggers::list",
+        json!({"trigger_type": "rec::point", "include_internal": true}),
+    )
+    .await;
+    let id = bound["response"]["id"].clone();
+    r.call(&a, "engine::unregister_trigger", json!({"id": id}))
+        .await;
+    let unbound = wait_frame(&a, "unregistertrigger", |m| {
+        m["type"] == "unregistertrigger"
+    })
+    .await;
+    r.message("unregistertrigger", unbound);
+    r.call(&a, "engine::unregister_trigger", json!({"id": id}))
+        .await;
+
+    // The topic queue: a subscriber bound by this connection, a publish, the delivery.
+    a.register("rec::consume", |_| Ok(json!({"ok": true})));
+    a.send(json!({"type": "registertrigger", "id": "rec-sub", "trigger_type": "durable:subscriber", "function_id": "rec::consume",
+        "config": {"topic": "rec-topic", "queue_config": {"type": "standard", "maxRetries": 3, "concurrency": 4, "visibilityTimeout": 30000, "backoffType": "exponential", "backoffDelayMs": 1000}}}));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    r.call(
+        &a,
+        "engine::registered-triggers::list",
+        json!({"trigger_type": "durable:subscriber", "function_id": "rec::consume"}),
+    )
+    .await;
+    r.call(
+        &a,
+        "iii::durable::publish",
+        json!({"topic": "rec-topic", "data": {"session_id": "s1", "n": 1}}),
+    )
+    .await;
+    let delivered = wait_frame(&a, "a topic delivery", |m| {
+        m["type"] == "invokefunction" && m["function_id"] == "rec::consume"
+    })
+    .await;
+    r.message("invokefunction", delivered);
+    r.call(&a, "iii::durable::publish", json!({"data": {}}))
+        .await;
+
+    // Cron and the registry-change notice (the engine polls its registry every 5 s).
+    r.call(&a, "engine::register_trigger", json!({"trigger_type": "cron", "function_id": "rec::echo", "config": {"expression": "0 * * * * *"}}))
+        .await;
+    r.call(
+        &a,
+        "engine::registered-triggers::list",
+        json!({"trigger_type": "cron", "include_internal": true}),
+    )
+    .await;
+    a.register("rec::changes", |_| Ok(json!({"ok": true})));
+    r.call(&a, "engine::register_trigger", json!({"trigger_type": "engine::functions-available", "function_id": "rec::changes", "config": {}}))
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.register("rec::late", |_| Ok(json!({})));
+    let notice = wait_frame(&a, "a functions-available notice", |m| {
+        m["type"] == "invokefunction" && m["function_id"] == "rec::changes"
+    })
+    .await;
+    r.message("functions-available", notice);
+
+    // Configuration (the harness reads its own entry), missing here.
+    r.call(&a, "configuration::get", json!({"id": "harness"}))
+        .await;
+
+    // Errors: an unknown function; a call whose worker disconnects mid-call.
+    r.call(&a, "rec::nothing", json!({})).await;
+    let b = Client::connect(&engine.url()).await.unwrap();
+    b.send(json!({"type": "registerfunction", "id": "rec::hang", "description": "never answers"}));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let a2 = a.clone();
+    let stopped = tokio::spawn(async move { a2.invoke_raw("rec::hang", json!({})).await });
+    let asked = wait_frame(&b, "the routed call", |m| {
+        m["type"] == "invokefunction" && m["function_id"] == "rec::hang"
+    })
+    .await;
+    r.message("invokefunction(routed)", asked);
+    b.close();
+    let frame = stopped.await.unwrap().unwrap();
+    r.functions
+        .entry("(a worker that disconnects mid-call)".into())
+        .or_default()
+        .push(json!({"request": {}, "error": frame["error"]}));
+
+    let out = json!({
+        "engine_version": version,
+        "recorded_with": "tests/iii_record.rs against the engine binary in III_BIN",
+        "functions": r.functions,
+        "messages": r.messages,
+    });
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/iii_engine/recorded.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap() + "\n").unwrap();
+    eprintln!(
+        "recorded {} functions from {version} into {}",
+        out["functions"].as_object().unwrap().len(),
+        path.display()
+    );
+}
