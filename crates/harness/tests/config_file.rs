@@ -326,11 +326,13 @@ async fn idempotency_keys_expire_after_idem_ttl_secs_and_the_sweep_prunes_them()
 fn the_readme_block_is_every_key_at_its_default() {
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    // The configuration block, among the README's YAML blocks (the worker's engine config is one).
     let block = readme
         .split("```yaml\n")
-        .nth(1)
-        .and_then(|rest| rest.split("```").next())
-        .expect("a yaml block in README.md");
+        .skip(1)
+        .filter_map(|rest| rest.split("```").next())
+        .find(|b| b.contains("default_max_turns:"))
+        .expect("the configuration's yaml block in README.md");
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("readme.yaml");
     std::fs::write(&file, block).unwrap();
