@@ -190,6 +190,7 @@ router::models::get run run run run
 router::models::list run run run run
 router::models::supports run run run run
 session::append args args args run
+session::changes args args args run
 session::create wall wall wall run
 session::ensure args args args run
 session::get args args args run
