@@ -64,8 +64,14 @@ impl Harness {
         Ok((all, children))
     }
 
-    /// The tree rooted at a session, depth first (the root first).
-    async fn tree_ids(&self, root: &str) -> Result<Vec<(String, Option<String>, u32)>> {
+    /// The tree rooted at a session, depth first (the root first), and every session by id.
+    async fn tree_ids(
+        &self,
+        root: &str,
+    ) -> Result<(
+        Vec<(String, Option<String>, u32)>,
+        HashMap<String, SessionMeta>,
+    )> {
         let (all, children) = self.sessions_by_parent().await?;
         if !all.contains_key(root) {
             return Err(HarnessError::not_found(format!(
@@ -84,12 +90,11 @@ impl Harness {
             }
             out.push((id, parent, depth));
         }
-        Ok(out)
+        Ok((out, all))
     }
 
     pub async fn session_tree(&self, req: SessionTreeRequest) -> Result<SessionTreeNode> {
-        let ids = self.tree_ids(&req.session_id).await?;
-        let (all, _) = self.sessions_by_parent().await?;
+        let (ids, all) = self.tree_ids(&req.session_id).await?;
         let mut nodes: Vec<SessionTreeNode> = Vec::with_capacity(ids.len());
         for (id, parent, depth) in &ids {
             let rec = self.load_record(id).await?;
@@ -122,7 +127,7 @@ impl Harness {
     }
 
     pub async fn metrics(&self, req: MetricsRequest) -> Result<MetricsResponse> {
-        let ids = self.tree_ids(&req.root_session_id).await?;
+        let (ids, _) = self.tree_ids(&req.root_session_id).await?;
         let mut complete = true;
         let mut by_session = Vec::with_capacity(ids.len());
         let mut totals = MetricsCounters::default();

@@ -675,12 +675,16 @@ impl Harness {
             return self.spawn_from_call(rec, call, arguments, origin).await;
         }
 
-        // Reconciliation and hooks may have changed the arguments since the first check.
-        if let Some(text) = self.walled(rec, &call.function_id, &arguments).await? {
-            let mut c = Closing::refusal(call, &turn_id, Refusal::ControlPlane, text);
-            c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
-            self.close_call(rec, call, c).await?;
-            return Ok(CallEnd::Closed);
+        // Reconciliation and hooks may have changed the arguments since the check at dispatch (a
+        // released hold was never checked with its final arguments): check what will run.
+        let unchanged = after.is_none() && arguments == call.arguments;
+        if !unchanged {
+            if let Some(text) = self.walled(rec, &call.function_id, &arguments).await? {
+                let mut c = Closing::refusal(call, &turn_id, Refusal::ControlPlane, text);
+                c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
+                self.close_call(rec, call, c).await?;
+                return Ok(CallEnd::Closed);
+            }
         }
 
         // Checkpoint before the side effect, durably: after a crash this call never runs again.
