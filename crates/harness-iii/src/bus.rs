@@ -274,13 +274,7 @@ impl IiiBus {
     /// Takes the registry as it is now as the baseline of registry-change notices.
     async fn remember_foreign(&self) -> Result<(), BusError> {
         let listed = self
-            .invoke(
-                "engine::functions::list",
-                json!({"include_internal": true}),
-                Some(Duration::from_secs(10)),
-                None,
-                None,
-            )
+            .list_functions(json!({"include_internal": true}))
             .await?;
         let notice = json!({"event": "functions_changed", "functions": listed["functions"]});
         own_registry_change(&self.inner, &notice);
@@ -746,15 +740,7 @@ impl IiiBus {
         let deadline = tokio::time::Instant::now() + self.inner.opts.connect_timeout;
         loop {
             let listed = self
-                .invoke(
-                    "engine::functions::list",
-                    // The engine hides functions registered with `metadata.internal` unless
-                    // asked; most of ours are internal.
-                    json!({"include_internal": true}),
-                    Some(Duration::from_secs(10)),
-                    None,
-                    None,
-                )
+                .list_functions(json!({"include_internal": true}))
                 .await?;
             let present: std::collections::HashSet<String> = listed["functions"]
                 .as_array()
@@ -785,19 +771,27 @@ impl IiiBus {
         }
     }
 
+    /// `engine::functions::list`. Always with `include_internal: true` at the call sites: the
+    /// engine hides functions registered with `metadata.internal` unless asked, and most of ours
+    /// are internal.
+    async fn list_functions(&self, request: Value) -> Result<Value, BusError> {
+        self.invoke(
+            "engine::functions::list",
+            request,
+            Some(Duration::from_secs(10)),
+            None,
+            None,
+        )
+        .await
+    }
+
     async fn engine_has_function(&self, function_id: &str) -> Result<bool, BusError> {
         let prefix = function_id
             .rsplit_once("::")
             .map(|(p, _)| format!("{p}::"))
             .unwrap_or_default();
         let listed = self
-            .invoke(
-                "engine::functions::list",
-                json!({"prefix": prefix, "include_internal": true}),
-                Some(Duration::from_secs(10)),
-                None,
-                None,
-            )
+            .list_functions(json!({"prefix": prefix, "include_internal": true}))
             .await?;
         Ok(listed["functions"]
             .as_array()
