@@ -32,6 +32,19 @@ impl Harness {
         parent: Option<&str>,
         payload: Value,
     ) -> Result<()> {
+        let filter = |config: &Value| admits(config, session_id, parent);
+        self.emit_filtered(topic, dedupe_key, payload, &filter)
+            .await
+    }
+
+    /// Records an event and delivers it to the bindings of `topic` whose config `admits` it.
+    pub(crate) async fn emit_filtered(
+        &self,
+        topic: &str,
+        dedupe_key: String,
+        payload: Value,
+        admits: &(dyn Fn(&Value) -> bool + Sync),
+    ) -> Result<()> {
         self.inner
             .bus
             .publish(topic, payload.clone(), Some(dedupe_key.clone()))
@@ -44,10 +57,7 @@ impl Harness {
                 return Ok(());
             }
         };
-        let admitted: Vec<_> = bindings
-            .into_iter()
-            .filter(|b| admits(&b.config, session_id, parent))
-            .collect();
+        let admitted: Vec<_> = bindings.into_iter().filter(|b| admits(&b.config)).collect();
         if admitted.is_empty() {
             return Ok(());
         }

@@ -202,6 +202,13 @@ impl Harness {
                 });
             }
         }
+        // A fresh id cannot be a deleted one; a named session or a spawn's parent may be.
+        if let Some(id) = &req.session_id {
+            self.refuse_tombstoned("session_id", id).await?;
+        }
+        if let Some(parent) = lineage.as_ref().and_then(|l| l.parent.as_ref()) {
+            self.refuse_tombstoned("parent", &parent.session_id).await?;
+        }
         let session_id = req.session_id.clone().unwrap_or_else(ids::new_session_id);
         let entry_id = match &req.idempotency_key {
             Some(key) => ids::idempotent_user_entry(key),
@@ -363,7 +370,12 @@ impl Harness {
     }
 
     /// Parks a message in the mid-turn queue for the next step.
-    async fn park(&self, session_id: &str, message: AgentMessage, entry_id: &str) -> Result<()> {
+    pub(crate) async fn park(
+        &self,
+        session_id: &str,
+        message: AgentMessage,
+        entry_id: &str,
+    ) -> Result<()> {
         self.queue_message(&QueuedMessage {
             id: ids::new_queue_id(),
             session_id: session_id.to_string(),
