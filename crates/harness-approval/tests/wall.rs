@@ -165,6 +165,7 @@ const EXPECTED: &str = "
 approval::decide wall wall wall run
 approval::gate wall wall wall run
 approval::list wall wall wall run
+approval::prune wall wall wall run
 engine::functions::info run run run run
 engine::functions::list run run run run
 engine::register_trigger args args args run

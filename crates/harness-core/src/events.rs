@@ -87,6 +87,30 @@ impl Harness {
         Ok(())
     }
 
+    /// Deletes fan-out marks older than `older_than_ms`: a step redelivered that late is long
+    /// gone, and the event log keeps its own dedupe. Returns how many went.
+    pub(crate) async fn prune_fanout(&self, older_than_ms: i64) -> Result<usize> {
+        let cutoff = harness_types::now_ms().saturating_sub(older_than_ms);
+        let bus = &self.inner.bus;
+        let mut pruned = 0;
+        for (key, v) in bus
+            .state_list(FANOUT_SCOPE)
+            .await
+            .map_err(|e| e.into_harness())?
+        {
+            if v.get("at")
+                .and_then(Value::as_i64)
+                .is_none_or(|at| at <= cutoff)
+            {
+                bus.state_delete(FANOUT_SCOPE, &key)
+                    .await
+                    .map_err(|e| e.into_harness())?;
+                pruned += 1;
+            }
+        }
+        Ok(pruned)
+    }
+
     pub(crate) async fn emit_turn_started(&self, ev: TurnStartedEvent) -> Result<()> {
         let key = format!("{}:{}", topics::TURN_STARTED, ev.turn_id);
         let session_id = ev.session_id.clone();
