@@ -7,37 +7,11 @@ use std::time::{Duration, Instant};
 
 use harness_bus::Bus;
 use harness_types::api::{
-    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionSnapshot, DeletionStatus, ExposeMode,
-    FunctionPolicy, SendOptions, SessionTreeRequest, TurnStatus,
+    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionSnapshot, DeletionStatus,
+    SessionTreeRequest, TurnStatus,
 };
-use serde_json::{json, Value};
+use serde_json::json;
 use support::*;
-
-fn spawn_gen(matcher: &str, arguments: Value) -> Value {
-    json!({"match": {"last_user_text": matcher},
-           "content": [{"type": "function_call", "id": "s1", "function_id": "harness::spawn", "arguments": arguments}]})
-}
-
-fn text(matcher: Option<&str>, text: &str, chunk_delay_ms: u64) -> Value {
-    let mut g = json!({"repeat": true, "chunk_delay_ms": chunk_delay_ms, "content": [{"type": "text", "text": text}]});
-    if let Some(m) = matcher {
-        g["match"] = json!({ "last_user_text": m });
-    }
-    g
-}
-
-fn orchestrating(message: &str) -> harness_types::api::SendRequest {
-    let mut req = send(message);
-    req.options = Some(SendOptions {
-        functions: Some(FunctionPolicy {
-            allow: vec!["harness::spawn".into()],
-            deny: vec![],
-            expose: ExposeMode::Native,
-        }),
-        ..Default::default()
-    });
-    req
-}
 
 fn delete(session_id: &str, attempt: Option<u32>) -> DeleteTreeRequest {
     DeleteTreeRequest {

@@ -5,37 +5,9 @@ mod support;
 use std::time::Duration;
 
 use harness_core::HarnessConfig;
-use harness_types::api::{
-    ExposeMode, FunctionPolicy, SendOptions, SpawnRequest, StopRequest, TurnStatus,
-};
+use harness_types::api::{ExposeMode, FunctionPolicy, SpawnRequest, StopRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
-
-fn spawn_gen(matcher: &str, arguments: Value) -> Value {
-    json!({"match": {"last_user_text": matcher},
-           "content": [{"type": "function_call", "id": "s1", "function_id": "harness::spawn", "arguments": arguments}]})
-}
-
-fn text(matcher: Option<&str>, text: &str, chunk_delay_ms: u64) -> Value {
-    let mut g = json!({"repeat": true, "chunk_delay_ms": chunk_delay_ms, "content": [{"type": "text", "text": text}]});
-    if let Some(m) = matcher {
-        g["match"] = json!({ "last_user_text": m });
-    }
-    g
-}
-
-fn orchestrating(message: &str) -> harness_types::api::SendRequest {
-    let mut req = send(message);
-    req.options = Some(SendOptions {
-        functions: Some(FunctionPolicy {
-            allow: vec!["harness::spawn".into()],
-            deny: vec![],
-            expose: ExposeMode::Native,
-        }),
-        ..Default::default()
-    });
-    req
-}
 
 async fn wait_for_status(rt: &Rt, session_id: &str, want: TurnStatus) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

@@ -103,6 +103,35 @@ pub fn send(message: &str) -> SendRequest {
     }
 }
 
+/// A generation that spawns a sub-agent with `arguments` when the last user text matches.
+pub fn spawn_gen(matcher: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": "s1", "function_id": "harness::spawn", "arguments": arguments}]})
+}
+
+/// A repeating text generation, streamed a chunk every `chunk_delay_ms`.
+pub fn text(matcher: Option<&str>, text: &str, chunk_delay_ms: u64) -> Value {
+    let mut g = json!({"repeat": true, "chunk_delay_ms": chunk_delay_ms, "content": [{"type": "text", "text": text}]});
+    if let Some(m) = matcher {
+        g["match"] = json!({ "last_user_text": m });
+    }
+    g
+}
+
+/// A send whose turn may spawn sub-agents (native tools).
+pub fn orchestrating(message: &str) -> SendRequest {
+    let mut req = send(message);
+    req.options = Some(harness_types::api::SendOptions {
+        functions: Some(harness_types::api::FunctionPolicy {
+            allow: vec!["harness::spawn".into()],
+            deny: vec![],
+            expose: harness_types::api::ExposeMode::Native,
+        }),
+        ..Default::default()
+    });
+    req
+}
+
 impl Rt {
     pub async fn status(&self, session_id: &str) -> Option<StatusReport> {
         self.harness
