@@ -150,6 +150,13 @@ impl Server {
             };
             let running = match attempt {
                 Ok(Ok(running)) => running,
+                Ok(Err(e @ McpError::Refused { .. })) => {
+                    // Permanent: retrying would only start it again.
+                    tracing::error!(server = %self.spec.name, "{e}");
+                    self.state().last_error = Some(e.to_string());
+                    stop.cancelled().await;
+                    break;
+                }
                 Ok(Err(e)) => {
                     self.failed(&e.to_string(), failures);
                     failures += 1;
@@ -176,7 +183,11 @@ impl Server {
             }
             failures = 0;
             delay = self.backoff.first;
+            let pid = running.1;
             let why = self.serve(running, &stop).await;
+            if let Some(pid) = pid {
+                stop_group(pid);
+            }
             {
                 let mut s = self.state();
                 s.peer = None;
@@ -249,6 +260,9 @@ impl Server {
                 if let Some(dir) = cwd {
                     cmd.current_dir(dir);
                 }
+                let mut cmd = process_wrap::tokio::CommandWrap::from(cmd);
+                #[cfg(unix)]
+                cmd.wrap(process_wrap::tokio::ProcessGroup::leader());
                 let (transport, stderr) = TokioChildProcess::builder(cmd)
                     .stderr(Stdio::piped())
                     .spawn()
@@ -290,6 +304,17 @@ impl Server {
                 (running, None)
             }
         };
+        if let Some(info) = running.peer().peer_info() {
+            if info.server_info.as_ref().map(|i| i.name.as_str())
+                == Some(crate::server::SERVER_NAME)
+            {
+                running.cancellation_token().cancel();
+                return Err(McpError::Refused {
+                    server: self.spec.name.clone(),
+                    message: "it is a harness MCP server (`harness mcp`); its tools send messages and decide approvals, which no model may reach".into(),
+                });
+            }
+        }
         {
             let mut s = self.state();
             s.peer = Some(running.peer().clone());
@@ -439,6 +464,25 @@ impl Server {
             )),
         }
     }
+}
+
+/// Stops whatever is left of a stdio server's process group once its connection is over. The
+/// transport closes the server's stdin and lets it exit on its own; what it started (`npx`'s
+/// `node`, a helper) would outlive it. Done right after the end, while the group id still
+/// names that group.
+fn stop_group(pgid: u32) {
+    #[cfg(unix)]
+    {
+        let Ok(pgid) = i32::try_from(pgid) else {
+            return;
+        };
+        // SAFETY: killpg(2) has no memory effects; ESRCH (group already gone) is fine.
+        unsafe {
+            libc::killpg(pgid, libc::SIGKILL);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = pgid;
 }
 
 /// The bus handler of one `mcp::<server>::<tool>`. Holds the server weakly: a server removed

@@ -10,6 +10,9 @@ pub enum McpError {
     /// The server could not be started or did not complete the MCP handshake.
     #[error("mcp server '{server}' did not start: {message}")]
     Start { server: String, message: String },
+    /// The server must not be connected at all (it would hand a model the control plane).
+    #[error("mcp server '{server}' refused: {message}")]
+    Refused { server: String, message: String },
     /// A request to a running server failed (transport closed, protocol error).
     #[error("mcp server '{server}': {message}")]
     Request { server: String, message: String },

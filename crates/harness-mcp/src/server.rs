@@ -32,6 +32,10 @@ use serde_json::{json, Map, Value};
 
 use crate::error::McpError;
 
+/// The name this server gives in its handshake. The MCP client refuses a server of this name,
+/// so configuring `harness mcp` as an MCP server cannot hand a model the operator's tools.
+pub const SERVER_NAME: &str = "harness";
+
 /// Boxed future of a [`Caller`].
 pub type CallFuture<'a> = Pin<Box<dyn Future<Output = Result<Value, String>> + Send + 'a>>;
 
@@ -199,7 +203,7 @@ impl HarnessServer {
 impl ServerHandler for HarnessServer {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
-            .with_server_info(Implementation::new("harness", env!("CARGO_PKG_VERSION")))
+            .with_server_info(Implementation::new(SERVER_NAME, env!("CARGO_PKG_VERSION")))
             .with_instructions(
                 "Drive a harness agent loop: send a message, follow it with status, answer its questions, decide held function calls.",
             )

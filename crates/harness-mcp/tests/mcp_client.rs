@@ -31,6 +31,7 @@ async fn tools_are_registered_with_their_schemas_and_sanitized_names() {
             "mcp::fx::add_tool",
             "mcp::fx::echo",
             "mcp::fx::media",
+            "mcp::fx::spawn_sleeper",
             "mcp::fx::weird_name_tool"
         ]
     );
@@ -265,4 +266,63 @@ async fn a_server_that_cannot_start_is_reported_and_the_harness_runs_on() {
     let (_, s) = rt.run_turn(send("hello", &["mcp::*"])).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("still here")));
+}
+
+/// A process's state letter from /proc (`Z` = exited, not yet reaped); None when gone.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.trim().chars().next()
+}
+
+#[tokio::test]
+async fn stopping_a_server_stops_what_it_started() {
+    let rt = runtime(
+        json!({"generations": [text_gen("hi")]}),
+        vec![fixture("fx", &[])],
+    )
+    .await;
+    rt.connected("fx").await;
+    let r = rt.call("mcp::fx::spawn_sleeper", json!({})).await;
+    let pid: u32 = r["content"][0]["text"].as_str().unwrap().parse().unwrap();
+    assert_eq!(
+        proc_state(pid).map(|c| c != 'Z'),
+        Some(true),
+        "the sleeper runs"
+    );
+    rt.hub.shutdown().await;
+    eventually("the sleeper gone with the server's process group", || {
+        Some(()).filter(|_| matches!(proc_state(pid), None | Some('Z')))
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_harness_mcp_server_is_refused_so_no_model_reaches_its_control_tools() {
+    let rt = runtime(
+        json!({"generations": [text_gen("hi")]}),
+        vec![
+            fixture("self", &[("FIXTURE_NAME", "harness")]),
+            fixture("fx", &[]),
+        ],
+    )
+    .await;
+    rt.connected("fx").await;
+    let s = eventually("the refusal", || {
+        Some(rt.server("self")).filter(|s| s.last_error.is_some())
+    })
+    .await;
+    assert!(!s.connected);
+    assert!(s.functions.is_empty());
+    let e = s.last_error.unwrap();
+    assert!(
+        e.starts_with("mcp server 'self' refused: it is a harness MCP server"),
+        "{e}"
+    );
+    assert!(!rt
+        .function_ids()
+        .iter()
+        .any(|f| f.starts_with("mcp::self::")));
+    // Refused for good: not started again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(rt.server("self").connections, 0);
 }
