@@ -326,3 +326,33 @@ async fn a_harness_mcp_server_is_refused_so_no_model_reaches_its_control_tools()
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(rt.server("self").connections, 0);
 }
+
+/// What a configuration reload does: added servers start, unchanged ones keep their process,
+/// changed ones restart, removed ones stop and their functions go.
+#[tokio::test]
+async fn applying_a_new_server_list_starts_keeps_restarts_and_stops_servers() {
+    let rt = runtime(
+        json!({"generations": [text_gen("hi")]}),
+        vec![fixture("fx", &[])],
+    )
+    .await;
+    let fx = rt.connected("fx").await;
+    rt.hub
+        .apply(vec![fixture("fx", &[]), fixture("fy", &[])])
+        .await;
+    let fy_before = rt.connected("fy").await;
+    assert_eq!(rt.server("fx").pid, fx.pid, "unchanged: not restarted");
+    assert!(rt.function_ids().contains(&"mcp::fy::echo".to_string()));
+
+    rt.hub.apply(vec![fixture("fy", &[("CHANGED", "1")])]).await;
+    let fy = eventually("fy restarted", || {
+        Some(rt.server("fy"))
+            .filter(|s| s.connected && !s.functions.is_empty() && s.pid != fy_before.pid)
+    })
+    .await;
+    assert_eq!(fy.connections, 1, "a changed server is a new one");
+    assert!(rt.hub.status().iter().all(|s| s.name != "fx"));
+    let ids = rt.function_ids();
+    assert!(!ids.iter().any(|f| f.starts_with("mcp::fx::")), "{ids:?}");
+    assert!(ids.contains(&"mcp::fy::echo".to_string()));
+}
