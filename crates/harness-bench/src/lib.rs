@@ -601,6 +601,10 @@ impl Bus for ProbeBus {
         self.inner.register_function(def, handler)
     }
 
+    fn unregister_function(&self, function_id: &str) -> bool {
+        self.inner.unregister_function(function_id)
+    }
+
     fn register_trigger_type(&self, def: TriggerTypeDef) {
         self.inner.register_trigger_type(def)
     }

@@ -204,6 +204,14 @@ pub trait Bus: Send + Sync + 'static {
 
     fn register_function(&self, def: FunctionDef, handler: Arc<dyn Handler>);
 
+    /// Removes a function registered through this bus (a tool an MCP server stopped offering);
+    /// true when it was there. A bus that cannot remove registrations keeps it and answers
+    /// false, so a caller must also make the handler refuse once the function is gone.
+    fn unregister_function(&self, function_id: &str) -> bool {
+        let _ = function_id;
+        false
+    }
+
     fn register_trigger_type(&self, def: TriggerTypeDef);
 
     /// The live bindings of a trigger type (rebuilt by the runtime after a restart).

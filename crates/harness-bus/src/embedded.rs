@@ -311,6 +311,11 @@ impl Bus for EmbeddedBus {
         );
     }
 
+    fn unregister_function(&self, function_id: &str) -> bool {
+        let mut functions = self.inner.functions.write().expect("functions lock");
+        functions.remove(function_id).is_some()
+    }
+
     fn register_trigger_type(&self, def: TriggerTypeDef) {
         let mut types = self
             .inner

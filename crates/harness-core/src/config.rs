@@ -69,6 +69,10 @@ pub struct HarnessConfig {
     pub default_filesystem_root: Option<String>,
     /// The durable operator project catalog.
     pub projects_file_path: String,
+    /// MCP servers whose tools become `mcp::<server>::<tool>` functions, by server name:
+    /// `{command, args, env, cwd}` or `{url, headers}`. The loop does not read it; the binary
+    /// checks it (`harness_mcp::parse_servers`) and runs the servers.
+    pub mcp_servers: serde_json::Map<String, Value>,
 }
 
 /// A configuration that cannot be applied, naming the key at fault.
@@ -146,6 +150,7 @@ impl Default for HarnessConfig {
             default_functions: None,
             default_filesystem_root: None,
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
+            mcp_servers: serde_json::Map::new(),
         }
     }
 }

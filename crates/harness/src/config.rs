@@ -115,7 +115,37 @@ fn check(config: HarnessConfig) -> Result<HarnessConfig, ConfigError> {
     if config.queue_concurrency == 0 {
         return Err(ConfigError::new("queue_concurrency", "must be at least 1"));
     }
+    mcp_servers(&config)?;
     Ok(config)
+}
+
+/// The `mcp_servers` entries, checked (unknown fields, the two transports, names).
+pub fn mcp_servers(config: &HarnessConfig) -> Result<Vec<harness_mcp::ServerSpec>, ConfigError> {
+    harness_mcp::parse_servers(&Value::Object(config.mcp_servers.clone())).map_err(|e| match e {
+        harness_mcp::McpError::Config { key, message } => ConfigError::new(key, message),
+        other => ConfigError::new("mcp_servers", other.to_string()),
+    })
+}
+
+/// `mcp_servers` as `config show` prints it: `env` and `headers` values hidden, since they
+/// usually carry tokens that `${ENV}` expanded.
+fn redacted(key: &str, value: Value) -> Value {
+    let Value::Object(mut servers) = value else {
+        return value;
+    };
+    if key != "mcp_servers" {
+        return Value::Object(servers);
+    }
+    for entry in servers.values_mut() {
+        for field in ["env", "headers"] {
+            if let Some(Value::Object(vars)) = entry.get_mut(field) {
+                for v in vars.values_mut() {
+                    *v = Value::String("<hidden>".into());
+                }
+            }
+        }
+    }
+    Value::Object(servers)
 }
 
 /// `${VAR}` and `${VAR:-fallback}` in every string (`$$` is a literal `$`). A string that is one
@@ -277,6 +307,7 @@ pub fn show(effective: &Effective, json: bool) -> anyhow::Result<String> {
                     .get(&k)
                     .map(ToString::to_string)
                     .unwrap_or_else(|| "default".into());
+                let v = redacted(&k, v);
                 (k, serde_json::json!({"value": v, "source": source}))
             })
             .collect();
@@ -289,6 +320,7 @@ pub fn show(effective: &Effective, json: bool) -> anyhow::Result<String> {
             .get(&key)
             .map(ToString::to_string)
             .unwrap_or_else(|| "default".into());
+        let value = redacted(&key, value);
         let inert = NOT_YET_ACTED_ON.iter().any(|(k, _)| *k == key);
         let note = if inert { ", not acted on yet" } else { "" };
         out.push_str(&format!("{key}: {value}  # {source}{note}\n"));
@@ -303,6 +335,7 @@ pub fn watch(
     file: PathBuf,
     flags: Flags,
     bus: std::sync::Arc<dyn Bus>,
+    mcp: harness_mcp::McpHub,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut last = std::fs::read(&file).ok();
@@ -324,7 +357,14 @@ pub fn watch(
                 continue;
             }
             let config = match resolve(Some(&file), &flags) {
-                Ok(e) => serde_json::to_value(e.config).unwrap_or(Value::Null),
+                Ok(e) => {
+                    // Servers added, removed or changed start and stop now; unchanged ones
+                    // keep running.
+                    if let Ok(specs) = mcp_servers(&e.config) {
+                        mcp.apply(specs).await;
+                    }
+                    serde_json::to_value(e.config).unwrap_or(Value::Null)
+                }
                 Err(e) => {
                     eprintln!(
                         "harness: config {} refused: {e}; keeping the running configuration",
@@ -393,6 +433,41 @@ mod tests {
         let err = parse_text("projects_file_path: ${HARNESS_TEST_UNSET_8}\n").unwrap_err();
         assert_eq!(err.key, "projects_file_path");
         assert!(err.message.contains("HARNESS_TEST_UNSET_8"), "{err}");
+    }
+
+    #[test]
+    fn mcp_servers_are_checked_with_their_field_named_and_shown_without_secrets() {
+        std::env::set_var("HARNESS_TEST_MCP_TOKEN_9", "s3cret");
+        let err = parse_text("mcp_servers:\n  fx:\n    command: srv\n    argz: []\n").unwrap_err();
+        assert!(err.key.starts_with("mcp_servers.fx"), "{err}");
+        assert!(err.message.contains("unknown field `argz`"), "{err}");
+        let err =
+            parse_text("mcp_servers:\n  fx:\n    url: https://h\n    args: []\n").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "harness/invalid_config: mcp_servers.fx.args: only for a command server"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        std::fs::write(
+            &file,
+            "mcp_servers:\n  web:\n    url: https://h/mcp\n    headers: {Authorization: \"Bearer ${HARNESS_TEST_MCP_TOKEN_9}\"}\n",
+        )
+        .unwrap();
+        let effective = resolve(Some(&file), &Flags::new()).unwrap();
+        let specs = mcp_servers(&effective.config).unwrap();
+        assert_eq!(
+            specs[0].transport,
+            harness_mcp::Transport::Http {
+                url: "https://h/mcp".into(),
+                headers: [("Authorization".to_string(), "Bearer s3cret".to_string())].into()
+            }
+        );
+        let shown = show(&effective, false).unwrap();
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("<hidden>"), "{shown}");
+        let shown = show(&effective, true).unwrap();
+        assert!(!shown.contains("s3cret"), "{shown}");
     }
 
     #[test]

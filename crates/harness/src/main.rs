@@ -1,7 +1,8 @@
 //! `harness`: a thin, durable agent turn loop in one binary.
 //!
 //! `serve` runs the embedded runtime and its HTTP API, `chat` is a terminal chat (in-process or
-//! against a server), `call` calls any function on a running server, `bench` measures the loop.
+//! against a server), `call` calls any function on a running server, `mcp` serves the harness as
+//! an MCP server on stdio, `bench` measures the loop.
 
 mod bench_host;
 mod chat;
@@ -9,6 +10,7 @@ mod client;
 mod config;
 mod fixtures;
 mod http;
+mod mcp;
 mod runtime;
 #[cfg(feature = "iii")]
 mod worker;
@@ -172,6 +174,16 @@ enum Command {
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
+    /// Serve the harness as an MCP server on stdin/stdout (tools: send, status, stop, answer,
+    /// approvals_list, approvals_decide), for editors and other agents. In-process, or in front
+    /// of a running server with --url.
+    Mcp {
+        /// Drive a running server instead of an in-process runtime.
+        #[arg(long)]
+        url: Option<String>,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
     /// Measure loop overhead, handoff latency, durable throughput and memory per idle session.
     Bench(harness_bench::BenchArgs),
     /// Run the loop as a worker of an iii engine: register `harness::*` (and the `--with`
@@ -257,10 +269,14 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
     let opts = args.options()?;
     let data_dir = opts.data_dir.clone();
     let rt = Runtime::open(opts, args.approve.clone()).await?;
-    let watcher = args
-        .config
-        .clone()
-        .map(|file| config::watch(file, args.config_flags(), rt.harness.bus().clone()));
+    let watcher = args.config.clone().map(|file| {
+        config::watch(
+            file,
+            args.config_flags(),
+            rt.harness.bus().clone(),
+            rt.mcp.clone(),
+        )
+    });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
@@ -341,6 +357,9 @@ fn main() {
                     runtime: runtime.options()?,
                 })
                 .await
+            }
+            Command::Mcp { url, runtime } => {
+                mcp::run(url, runtime.options()?, runtime.approve.clone()).await
             }
             Command::Bench(args) => harness_bench::run(args, &bench_host::BinaryHost).await,
             #[cfg(feature = "iii")]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use harness_bus::{Bus, EmbeddedBus};
 use harness_core::{Harness, HarnessConfig};
+use harness_mcp::McpHub;
 use harness_router::scripted::{Script, ScriptedProvider};
 use harness_router::Router;
 use harness_session::SessionStore;
@@ -28,6 +29,8 @@ pub struct RuntimeOptions {
 /// A running embedded runtime.
 pub struct Runtime {
     pub bus: EmbeddedBus,
+    /// The configured MCP servers (`mcp_servers`), connecting in the background.
+    pub mcp: McpHub,
     pub harness: Harness,
     pub sessions: SessionStore,
     pub store: Store,
@@ -72,6 +75,7 @@ impl Runtime {
     ) -> Result<Runtime> {
         std::fs::create_dir_all(&opts.data_dir)
             .with_context(|| format!("cannot create data dir {}", opts.data_dir.display()))?;
+        let mcp_servers = crate::config::mcp_servers(&opts.config)?;
         let script = load_script(opts.script.as_deref())?;
         let store = Store::open(&opts.data_dir.join("harness.db"), opts.durability)
             .with_context(|| format!("cannot open the store in {}", opts.data_dir.display()))?;
@@ -100,8 +104,14 @@ impl Runtime {
             .await
             .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
         harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        // After the loop: a tool list that arrives announces itself through
+        // `harness::on-functions-change`. Returns at once; a server that cannot start is
+        // logged and retried, never fatal.
+        let mcp = McpHub::new(harness.bus().clone(), Default::default());
+        mcp.apply(mcp_servers).await;
         Ok(Runtime {
             bus,
+            mcp,
             harness,
             sessions,
             store,
@@ -110,6 +120,7 @@ impl Runtime {
 
     /// Stops taking steps; in-flight ones are left to redelivery on the next start.
     pub async fn shutdown(&self) {
+        self.mcp.shutdown().await;
         self.bus.shutdown().await;
     }
 }
