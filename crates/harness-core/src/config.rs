@@ -67,6 +67,9 @@ pub struct HarnessConfig {
     /// Filesystem root stamped on new sessions: `null` = the working directory at boot,
     /// `"off"` = none, anything else = that path.
     pub default_filesystem_root: Option<String>,
+    /// Let `web::fetch` reach loopback, private and link-local addresses (off: a model reaches
+    /// public addresses only).
+    pub web_fetch_allow_private: bool,
     /// The durable operator project catalog.
     pub projects_file_path: String,
 }
@@ -147,6 +150,7 @@ impl Default for HarnessConfig {
                 ..FunctionPolicy::default()
             }),
             default_filesystem_root: None,
+            web_fetch_allow_private: false,
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
         }
     }

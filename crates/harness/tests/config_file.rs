@@ -36,6 +36,7 @@ default_filesystem_root: "off"
 projects_file_path: ${CONFIG_TEST_HOME}/projects.json
 # Beyond §10: knobs of this implementation.
 default_context_window: 100000
+web_fetch_allow_private: true
 queue_concurrency: 16
 step_visibility_timeout_ms: 600000
 "#;
@@ -96,6 +97,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         json!(["fixture::danger"])
     );
     assert_eq!(shown["default_filesystem_root"]["value"], "off");
+    assert_eq!(shown["web_fetch_allow_private"]["value"], true);
     assert_eq!(
         shown["max_depth"],
         json!({"value": 5, "source": "env HARNESS_MAX_DEPTH"})
@@ -128,11 +130,11 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
     );
     assert_eq!(rc, 0, "{err}");
     assert!(!err.contains("max_validation_retries"), "{err}");
-    for key in [
-        "default_functions",
-        "default_filesystem_root",
-        "projects_file_path",
-    ] {
+    assert!(
+        !err.contains("config: default_filesystem_root is accepted but not acted on"),
+        "{err}"
+    );
+    for key in ["default_functions", "projects_file_path"] {
         assert!(
             err.contains(&format!("config: {key} is accepted but not acted on")),
             "{key}: {err}"
@@ -146,7 +148,8 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         "max_validation_retries: 2  # default",
         "idem_ttl_secs: 86400  # default",
         "context_timeout_ms: 320000  # default",
-        "default_filesystem_root: null  # default, not acted on yet",
+        "default_filesystem_root: null  # default",
+        "web_fetch_allow_private: false  # default",
         "projects_file_path: \"~/.iii/data/harness/projects.json\"  # default, not acted on yet",
         "sweep_expression: \"0 * * * * *\"  # default",
     ] {
