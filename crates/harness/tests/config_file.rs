@@ -63,7 +63,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
     let env = [("CONFIG_TEST_HOME", "/srv/h")];
     let (rc, out, err) = cli_env(&["config", "validate", path_str(&file)], &env);
     assert_eq!(rc, 0, "{err}");
-    assert!(out.contains("ok (22 keys set)"), "{out}");
+    assert!(out.contains("ok (23 keys set)"), "{out}");
     // Without the variable the reference is named.
     let (rc, _, err) = cli_env(&["config", "validate", path_str(&file)], &[]);
     assert_eq!(rc, 1);
@@ -113,7 +113,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         .values()
         .filter(|v| v["source"] == json!(file_source))
         .count();
-    assert_eq!(from_file, 20);
+    assert_eq!(from_file, 21);
     // A runtime started on it says which keys it does not act on yet.
     let data = dir.path().join("data");
     let (rc, _, err) = cli_env(

@@ -45,6 +45,8 @@ pub async fn runtime(script: Value, approve: &[&str]) -> Rt {
         shared.clone(),
         HarnessConfig {
             stream_coalesce_ms: 0,
+            // These tests look at the exact arguments a held call runs with: no root stamped.
+            default_filesystem_root: Some("off".into()),
             ..HarnessConfig::default()
         },
     );
