@@ -67,3 +67,62 @@ async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_n
         }
     }
 }
+
+/// Runs the in-process `harness chat` in `cwd` (its filesystem root by default) with `stdin`.
+fn local_chat(cwd: &std::path::Path, data: &std::path::Path, script: &std::path::Path, message: &str, stdin: &str) -> (i32, String, String) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(BIN)
+        .current_dir(cwd)
+        .args(["chat", "-m", message, "--provider", "scripted", "--model", "m"])
+        .args(["--allow", "fs::*", "--data-dir", path_str(data), "--script", path_str(script)])
+        .env_remove("HARNESS_DATA_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn harness chat");
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A first-time user of `harness chat` is asked before a file changes: fs::write is held for
+/// approval without any `--approve`, while a read runs at once.
+#[test]
+fn harness_chat_asks_before_a_mutating_tool_runs() {
+    let work = tempfile::tempdir().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    std::fs::write(work.path().join("notes.txt"), "old notes\n").unwrap();
+    let script_file = work.path().join("..").join(format!("script-{}.json", std::process::id()));
+    let s = script(vec![
+        json!({"match": {"last_user_text": "^read"}, "content": [
+            {"type": "function_call", "id": "r1", "function_id": "fs::read", "arguments": {"path": "notes.txt"}}]}),
+        json!({"match": {"last_user_text": "^write"}, "content": [
+            {"type": "function_call", "id": "w1", "function_id": "fs::write", "arguments": {"path": "hello.txt", "content": "hi\n"}}]}),
+        json!({"match": {"last_user_text": "^again"}, "content": [
+            {"type": "function_call", "id": "w2", "function_id": "fs::write", "arguments": {"path": "hello.txt", "content": "hi\n"}}]}),
+        text_gen(None, "ok", 0, true),
+    ]);
+    std::fs::write(&script_file, s.to_string()).unwrap();
+
+    let (code, out, err) = local_chat(work.path(), data.path(), &script_file, "read the notes", "");
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(!out.contains("[approval needed]"), "reads are not held: {out}");
+
+    let (code, out, err) = local_chat(work.path(), data.path(), &script_file, "write a file", "n\n");
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("[approval needed] call w1 of fs::write"), "{out}");
+    assert!(out.contains("[denied]"), "{out}");
+    assert!(!work.path().join("hello.txt").exists(), "a denied write changes nothing");
+
+    let (code, out, err) = local_chat(work.path(), data.path(), &script_file, "again, please", "y\n");
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("[approved]"), "{out}");
+    assert_eq!(std::fs::read_to_string(work.path().join("hello.txt")).unwrap(), "hi\n");
+    std::fs::remove_file(&script_file).ok();
+}
