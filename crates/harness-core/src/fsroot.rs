@@ -130,7 +130,10 @@ mod tests {
         let r = explicit("options.filesystem_root", dir.path().to_str().unwrap()).unwrap();
         assert_eq!(
             r.root,
-            std::fs::canonicalize(dir.path()).unwrap().display().to_string()
+            std::fs::canonicalize(dir.path())
+                .unwrap()
+                .display()
+                .to_string()
         );
         let e = explicit("options.filesystem_root", "relative/dir").unwrap_err();
         assert!(

@@ -11,9 +11,9 @@ use harness_types::{ids, now_ms, ErrorCode, HarnessError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::fsroot;
 use crate::harness::{Harness, Result};
 use crate::machine::{self, Effect, Input, Seed};
-use crate::fsroot;
 use crate::prompt;
 use crate::record::{message_preview, Reasoning, TurnOptions, TurnRecord};
 use crate::steering::QueuedMessage;

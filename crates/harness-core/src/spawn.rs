@@ -513,7 +513,8 @@ mod root_tests {
         assert!(got.root.ends_with("/sub"), "{got:?}");
         let e = child_root(Some("/"), Some(&parent)).unwrap_err();
         assert!(
-            e.message.starts_with("options.filesystem_root: '/' is not under the parent's root"),
+            e.message
+                .starts_with("options.filesystem_root: '/' is not under the parent's root"),
             "{e}"
         );
         let rootless = TurnOptions::default();

@@ -32,7 +32,11 @@ fn script() -> Value {
     ]})
 }
 
-fn send_with(text: &str, session: Option<&str>, root: Option<&str>) -> harness_types::api::SendRequest {
+fn send_with(
+    text: &str,
+    session: Option<&str>,
+    root: Option<&str>,
+) -> harness_types::api::SendRequest {
     let mut req = send(text);
     req.session_id = session.map(str::to_string);
     req.options = Some(SendOptions {
@@ -77,13 +81,28 @@ async fn run(rt: &Rt, req: harness_types::api::SendRequest) -> String {
 #[tokio::test]
 async fn a_named_root_is_stamped_kept_for_the_session_and_the_default_applies_to_new_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let real = std::fs::canonicalize(dir.path()).unwrap().display().to_string();
+    let real = std::fs::canonicalize(dir.path())
+        .unwrap()
+        .display()
+        .to_string();
     let rt = runtime(script(), config()).await;
     let seen = targets(&rt);
-    let sid = run(&rt, send_with("read it", None, Some(dir.path().to_str().unwrap()))).await;
+    let sid = run(
+        &rt,
+        send_with("read it", None, Some(dir.path().to_str().unwrap())),
+    )
+    .await;
     let workspace = json!({"root": real, "grants": [], "boundary": "workspace"});
-    assert_eq!(seen.fs.lock().unwrap()[0]["fs_scope"], workspace, "the model's '/' was overwritten");
-    assert_eq!(seen.web.lock().unwrap()[0].get("fs_scope"), None, "only scoped functions are stamped");
+    assert_eq!(
+        seen.fs.lock().unwrap()[0]["fs_scope"],
+        workspace,
+        "the model's '/' was overwritten"
+    );
+    assert_eq!(
+        seen.web.lock().unwrap()[0].get("fs_scope"),
+        None,
+        "only scoped functions are stamped"
+    );
     // The next send names no root: the session keeps its own.
     run(&rt, send_with("again", Some(&sid), None)).await;
     assert_eq!(seen.fs.lock().unwrap()[1]["fs_scope"], workspace);
@@ -124,7 +143,11 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
         ("relative/dir", "is not an absolute path"),
         ("/no/such/directory/anywhere", "No such file"),
     ] {
-        let e = rt.harness.send(send_with("read", None, Some(root))).await.unwrap_err();
+        let e = rt
+            .harness
+            .send(send_with("read", None, Some(root)))
+            .await
+            .unwrap_err();
         assert!(e.message.starts_with("options.filesystem_root:"), "{e}");
         assert!(e.message.contains(why), "{e}");
     }
@@ -153,14 +176,22 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
     // While the call runs, a send naming another root is refused, not merged silently.
     let e = rt
         .harness
-        .send(send_with("more", Some(&r.session_id), Some(other.path().to_str().unwrap())))
+        .send(send_with(
+            "more",
+            Some(&r.session_id),
+            Some(other.path().to_str().unwrap()),
+        ))
         .await
         .unwrap_err();
     assert!(e.message.starts_with("options.filesystem_root:"), "{e}");
     assert!(e.message.contains("live turn"), "{e}");
     // Naming the same root is fine.
     rt.harness
-        .send(send_with("more", Some(&r.session_id), Some(dir.path().to_str().unwrap())))
+        .send(send_with(
+            "more",
+            Some(&r.session_id),
+            Some(dir.path().to_str().unwrap()),
+        ))
         .await
         .unwrap();
     release.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -110,7 +110,8 @@ async fn execute(
 /// the working directory) stamped over whatever the model or a hook wrote.
 fn stamped(mut args: Value) -> Value {
     let cwd = std::fs::canonicalize(std::env::current_dir().unwrap()).unwrap();
-    args["fs_scope"] = json!({"root": cwd.display().to_string(), "grants": [], "boundary": "configured_roots"});
+    args["fs_scope"] =
+        json!({"root": cwd.display().to_string(), "grants": [], "boundary": "configured_roots"});
     args
 }
 
@@ -698,7 +699,14 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
         args["fs_scope"] = json!({"root": "/", "grants": [], "boundary": "workspace"});
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
-    bind(&rt, "pre-trigger", "guard::widen", json!({"functions": ["fs::*"]}), json!({})).await;
+    bind(
+        &rt,
+        "pre-trigger",
+        "guard::widen",
+        json!({"functions": ["fs::*"]}),
+        json!({}),
+    )
+    .await;
     let r = rt.harness.send(allowing("write it")).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);

@@ -4,8 +4,19 @@ use std::ffi::OsString;
 
 /// Name segments (split on `_`) that mark a variable as a credential.
 const SECRET_SEGMENTS: &[&str] = &[
-    "KEY", "APIKEY", "TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS",
-    "CREDENTIAL", "CREDENTIALS", "AUTH", "COOKIE", "SESSION",
+    "KEY",
+    "APIKEY",
+    "TOKEN",
+    "SECRET",
+    "SECRETS",
+    "PASSWORD",
+    "PASSWD",
+    "PASS",
+    "CREDENTIAL",
+    "CREDENTIALS",
+    "AUTH",
+    "COOKIE",
+    "SESSION",
 ];
 
 /// Whole names that carry access without looking like it.
@@ -26,12 +37,17 @@ const SECRET_NAMES: &[&str] = &[
 /// secrets and passwords, and the few names in [`SECRET_NAMES`].
 pub fn is_secret(name: &str) -> bool {
     let upper = name.to_ascii_uppercase();
-    if upper.starts_with("HARNESS_") || upper == "HARNESS" || SECRET_NAMES.contains(&upper.as_str()) {
+    if upper.starts_with("HARNESS_") || upper == "HARNESS" || SECRET_NAMES.contains(&upper.as_str())
+    {
         return true;
     }
-    upper
-        .split(|c: char| c == '_' || c == '-' || c == '.')
-        .any(|seg| SECRET_SEGMENTS.contains(&seg) || seg.ends_with("APIKEY") || seg.ends_with("TOKEN") || seg.ends_with("SECRET") || seg.ends_with("PASSWORD"))
+    upper.split(['_', '-', '.']).any(|seg| {
+        SECRET_SEGMENTS.contains(&seg)
+            || seg.ends_with("APIKEY")
+            || seg.ends_with("TOKEN")
+            || seg.ends_with("SECRET")
+            || seg.ends_with("PASSWORD")
+    })
 }
 
 /// The harness's environment without the variables [`is_secret`] names.
@@ -66,7 +82,18 @@ mod tests {
         ] {
             assert!(is_secret(name), "{name} should be scrubbed");
         }
-        for name in ["PATH", "HOME", "LANG", "TERM", "USER", "SHELL", "TMPDIR", "CARGO_HOME", "RUST_LOG", "KEYBOARD_LAYOUT"] {
+        for name in [
+            "PATH",
+            "HOME",
+            "LANG",
+            "TERM",
+            "USER",
+            "SHELL",
+            "TMPDIR",
+            "CARGO_HOME",
+            "RUST_LOG",
+            "KEYBOARD_LAYOUT",
+        ] {
             assert!(!is_secret(name), "{name} should be kept");
         }
     }

@@ -40,7 +40,10 @@ pub struct ReadRequest {
 pub fn read(jail: &Jail, req: ReadRequest, limits: &Limits) -> Result<Value> {
     let start = req.start_line.unwrap_or(1);
     if start == 0 {
-        return Err(ToolError::invalid("start_line", "lines are numbered from 1"));
+        return Err(ToolError::invalid(
+            "start_line",
+            "lines are numbered from 1",
+        ));
     }
     if let Some(end) = req.end_line {
         if end < start {
@@ -343,7 +346,10 @@ pub fn edit(jail: &Jail, req: EditRequest, limits: &Limits) -> Result<Value> {
         return Err(io(
             "path",
             &req.path,
-            format!("{size} bytes is more than an edit handles ({})", limits.write_max_bytes),
+            format!(
+                "{size} bytes is more than an edit handles ({})",
+                limits.write_max_bytes
+            ),
         ));
     }
     let mut text = String::new();

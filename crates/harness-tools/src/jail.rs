@@ -219,7 +219,11 @@ impl Jail {
         let (fd, real) = self.open_at(field, path, &rel, flags)?;
         let kind = file_type(&fd).map_err(|e| io_err(field, path, e))?;
         if kind != FileType::RegularFile {
-            return Err(io_err(field, path, format!("is not a regular file ({kind:?})")));
+            return Err(io_err(
+                field,
+                path,
+                format!("is not a regular file ({kind:?})"),
+            ));
         }
         clear_nonblock(&fd).map_err(|e| io_err(field, path, e))?;
         Ok((File::from(fd), real))
@@ -249,7 +253,11 @@ impl Jail {
             Ok((fd, real)) => {
                 let kind = file_type(&fd).map_err(|e| io_err(field, path, e))?;
                 if kind != FileType::RegularFile {
-                    return Err(io_err(field, path, format!("is not a regular file ({kind:?})")));
+                    return Err(io_err(
+                        field,
+                        path,
+                        format!("is not a regular file ({kind:?})"),
+                    ));
                 }
                 clear_nonblock(&fd).map_err(|e| io_err(field, path, e))?;
                 return Ok((File::from(fd), real, false));
@@ -279,7 +287,11 @@ impl Jail {
         .map_err(|e| match e {
             // Something appeared at the name since it was found missing (or it is a dangling
             // symlink): never write through it.
-            Errno::EXIST => io_err(field, path, "appeared while it was being created, or is a symlink to a missing file"),
+            Errno::EXIST => io_err(
+                field,
+                path,
+                "appeared while it was being created, or is a symlink to a missing file",
+            ),
             e => io_err(field, path, e),
         })?;
         Ok((File::from(fd), real, true))
@@ -287,12 +299,7 @@ impl Jail {
 
     /// `mkdir -p` of `rel` under the root: every level is opened through [`Jail::open_at`], so a
     /// symlink met on the way is followed only while it stays under the root.
-    fn make_dirs(
-        &self,
-        field: &'static str,
-        path: &str,
-        rel: &Path,
-    ) -> Result<(OwnedFd, PathBuf)> {
+    fn make_dirs(&self, field: &'static str, path: &str, rel: &Path) -> Result<(OwnedFd, PathBuf)> {
         let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY;
         let mut current = self.open_at(field, path, Path::new("."), dir_flags)?;
         let mut prefix = PathBuf::new();

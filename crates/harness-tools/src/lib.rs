@@ -107,7 +107,8 @@ where
     F: Fn(Tools, Option<FsScope>, Req) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Value, ToolError>> + Send + 'static,
 {
-    let def = FunctionDef::new(id, description).schemas(schema::<Req>(), serde_json::json!({"type": "object"}));
+    let def = FunctionDef::new(id, description)
+        .schemas(schema::<Req>(), serde_json::json!({"type": "object"}));
     let tools = tools.clone();
     let f = Arc::new(f);
     let handler = move |payload: Value, _ctx: CallContext| {

@@ -40,10 +40,9 @@ pub struct FsScope {
 pub fn split<T: DeserializeOwned>(mut payload: Value) -> Result<(Option<FsScope>, T)> {
     let scope = match payload.as_object_mut().and_then(|m| m.remove(FIELD)) {
         None | Some(Value::Null) => None,
-        Some(v) => Some(
-            serde_json::from_value::<FsScope>(v)
-                .map_err(|e| ToolError::invalid(FIELD, e))?,
-        ),
+        Some(v) => {
+            Some(serde_json::from_value::<FsScope>(v).map_err(|e| ToolError::invalid(FIELD, e))?)
+        }
     };
     let args = parse_payload(payload)?;
     Ok((scope, args))

@@ -72,9 +72,17 @@ pub async fn exec(jail: Jail, req: ExecRequest, limits: &Limits) -> Result<Value
             _ => return Err(ToolError::invalid("argv", "must name a program")),
         },
         (Some(_), Some(_)) => {
-            return Err(ToolError::invalid("argv", "give either command or argv, not both"))
+            return Err(ToolError::invalid(
+                "argv",
+                "give either command or argv, not both",
+            ))
         }
-        (None, None) => return Err(ToolError::invalid("command", "missing field `command` (or `argv`)")),
+        (None, None) => {
+            return Err(ToolError::invalid(
+                "command",
+                "missing field `command` (or `argv`)",
+            ))
+        }
     };
     for name in req.env.keys() {
         if env::is_secret(name) {
@@ -99,7 +107,11 @@ pub async fn exec(jail: Jail, req: ExecRequest, limits: &Limits) -> Result<Value
         .env_clear()
         .envs(env::scrubbed())
         .envs(&req.env)
-        .stdin(if req.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if req.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         // Its own group, so a timeout or a stop reaches every process it started.
@@ -107,7 +119,11 @@ pub async fn exec(jail: Jail, req: ExecRequest, limits: &Limits) -> Result<Value
     let mut cmd = tokio::process::Command::from(cmd);
     let started = Instant::now();
     let mut child = cmd.spawn().map_err(|e| ToolError::Io {
-        field: if req.command.is_some() { "command" } else { "argv" },
+        field: if req.command.is_some() {
+            "command"
+        } else {
+            "argv"
+        },
         path: program.clone(),
         why: e.to_string(),
     })?;

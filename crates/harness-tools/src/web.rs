@@ -116,7 +116,9 @@ async fn checked_addrs(url: &url::Url, allow_private: bool) -> Result<(String, V
                 .map_err(|e| ToolError::Fetch(format!("url: cannot resolve '{d}': {e}")))?
                 .collect();
             if found.is_empty() {
-                return Err(ToolError::Fetch(format!("url: '{d}' resolves to no address")));
+                return Err(ToolError::Fetch(format!(
+                    "url: '{d}' resolves to no address"
+                )));
             }
             (d.to_string(), found)
         }
@@ -139,7 +141,10 @@ async fn checked_addrs(url: &url::Url, allow_private: bool) -> Result<(String, V
 pub async fn fetch(req: FetchRequest, limits: &Limits) -> Result<Value> {
     let mut url = url::Url::parse(&req.url).map_err(|e| ToolError::invalid("url", e))?;
     if req.body.is_some() && req.method == Method::Get {
-        return Err(ToolError::invalid("body", "a GET carries no body; use method POST"));
+        return Err(ToolError::invalid(
+            "body",
+            "a GET carries no body; use method POST",
+        ));
     }
     let mut headers = reqwest::header::HeaderMap::new();
     for (k, v) in &req.headers {
@@ -162,9 +167,12 @@ pub async fn fetch(req: FetchRequest, limits: &Limits) -> Result<Value> {
             ));
         }
         let (name, addrs) = checked_addrs(&url, (limits.allow_private)()).await?;
-        let left = deadline
-            .checked_sub(started.elapsed())
-            .ok_or_else(|| ToolError::Timeout(format!("web::fetch: no answer within {} ms", limits.fetch_timeout_ms)))?;
+        let left = deadline.checked_sub(started.elapsed()).ok_or_else(|| {
+            ToolError::Timeout(format!(
+                "web::fetch: no answer within {} ms",
+                limits.fetch_timeout_ms
+            ))
+        })?;
         let client = reqwest::Client::builder()
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
@@ -183,7 +191,10 @@ pub async fn fetch(req: FetchRequest, limits: &Limits) -> Result<Value> {
         }
         let resp = rb.send().await.map_err(|e| {
             if e.is_timeout() {
-                ToolError::Timeout(format!("web::fetch: no answer within {} ms", limits.fetch_timeout_ms))
+                ToolError::Timeout(format!(
+                    "web::fetch: no answer within {} ms",
+                    limits.fetch_timeout_ms
+                ))
             } else {
                 ToolError::Fetch(format!("url: {}", error_chain(&e)))
             }
@@ -197,9 +208,9 @@ pub async fn fetch(req: FetchRequest, limits: &Limits) -> Result<Value> {
                         limits.fetch_max_redirects
                     )));
                 }
-                let loc = loc
-                    .to_str()
-                    .map_err(|_| ToolError::Fetch("url: a redirect without a readable location".into()))?;
+                let loc = loc.to_str().map_err(|_| {
+                    ToolError::Fetch("url: a redirect without a readable location".into())
+                })?;
                 url = url
                     .join(loc)
                     .map_err(|e| ToolError::Fetch(format!("url: bad redirect '{loc}': {e}")))?;
@@ -227,13 +238,16 @@ pub async fn fetch(req: FetchRequest, limits: &Limits) -> Result<Value> {
     let mut truncated = false;
     let mut response = response;
     loop {
-        let chunk = tokio::time::timeout(
-            deadline.saturating_sub(started.elapsed()),
-            response.chunk(),
-        )
-        .await
-        .map_err(|_| ToolError::Timeout(format!("web::fetch: body not read within {} ms", limits.fetch_timeout_ms)))?
-        .map_err(|e| ToolError::Fetch(format!("url: {}", error_chain(&e))))?;
+        let chunk =
+            tokio::time::timeout(deadline.saturating_sub(started.elapsed()), response.chunk())
+                .await
+                .map_err(|_| {
+                    ToolError::Timeout(format!(
+                        "web::fetch: body not read within {} ms",
+                        limits.fetch_timeout_ms
+                    ))
+                })?
+                .map_err(|e| ToolError::Fetch(format!("url: {}", error_chain(&e))))?;
         let Some(chunk) = chunk else { break };
         let room = cap.saturating_sub(bytes.len());
         bytes.extend_from_slice(&chunk[..room.min(chunk.len())]);
@@ -242,7 +256,12 @@ pub async fn fetch(req: FetchRequest, limits: &Limits) -> Result<Value> {
             break;
         }
     }
-    let mime = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let mime = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     let is_html = mime == "text/html" || mime == "application/xhtml+xml";
     let is_text = is_html
         || mime.starts_with("text/")
@@ -321,7 +340,12 @@ mod tests {
             let ip: IpAddr = ip.parse().unwrap();
             assert!(refused(ip).is_some(), "{ip} must be refused");
         }
-        for ip in ["93.184.216.34", "1.1.1.1", "2606:4700:4700::1111", "172.32.0.1"] {
+        for ip in [
+            "93.184.216.34",
+            "1.1.1.1",
+            "2606:4700:4700::1111",
+            "172.32.0.1",
+        ] {
             let ip: IpAddr = ip.parse().unwrap();
             assert_eq!(refused(ip), None, "{ip} is public");
         }

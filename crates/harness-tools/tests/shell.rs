@@ -37,7 +37,11 @@ async fn read_pid(path: &Path) -> i32 {
                 return pid;
             }
         }
-        assert!(Instant::now() < deadline, "no pid file at {}", path.display());
+        assert!(
+            Instant::now() < deadline,
+            "no pid file at {}",
+            path.display()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -46,45 +50,87 @@ async fn read_pid(path: &Path) -> i32 {
 async fn runs_in_the_root_with_exit_code_and_output() {
     let rig = Rig::new();
     std::fs::create_dir_all(rig.root().join("sub")).unwrap();
-    let r = rig.ok("shell::exec", json!({"command": "pwd; echo oops >&2; exit 3", "cwd": "sub"})).await;
+    let r = rig
+        .ok(
+            "shell::exec",
+            json!({"command": "pwd; echo oops >&2; exit 3", "cwd": "sub"}),
+        )
+        .await;
     assert_eq!(r["exit_code"], 3);
     assert_eq!(r["is_error"], true);
-    assert_eq!(r["stdout"], format!("{}\n", rig.root().join("sub").display()));
+    assert_eq!(
+        r["stdout"],
+        format!("{}\n", rig.root().join("sub").display())
+    );
     assert_eq!(r["stderr"], "oops\n");
-    let r = rig.ok("shell::exec", json!({"argv": ["printf", "%s-%s", "a b", "c"]})).await;
+    let r = rig
+        .ok(
+            "shell::exec",
+            json!({"argv": ["printf", "%s-%s", "a b", "c"]}),
+        )
+        .await;
     assert_eq!(r["stdout"], "a b-c");
     assert_eq!(r["exit_code"], 0);
     assert_eq!(r["is_error"], false);
-    let r = rig.ok("shell::exec", json!({"command": "cat", "stdin": "fed in"})).await;
+    let r = rig
+        .ok("shell::exec", json!({"command": "cat", "stdin": "fed in"}))
+        .await;
     assert_eq!(r["stdout"], "fed in");
 }
 
 #[tokio::test]
 async fn bad_requests_are_refused_by_field() {
     let rig = Rig::new();
-    let e = rig.err("shell::exec", json!({"command": "pwd", "cwd": "../outside"})).await;
+    let e = rig
+        .err(
+            "shell::exec",
+            json!({"command": "pwd", "cwd": "../outside"}),
+        )
+        .await;
     assert_eq!(e.code, "tools/outside_root", "{e}");
-    let e = rig.err("shell::exec", json!({"command": "pwd", "cwd": "/"})).await;
+    let e = rig
+        .err("shell::exec", json!({"command": "pwd", "cwd": "/"}))
+        .await;
     assert_eq!(e.code, "tools/outside_root", "{e}");
-    let e = rig.err("shell::exec", json!({"command": "env", "env": {"OPENAI_API_KEY": "x"}})).await;
+    let e = rig
+        .err(
+            "shell::exec",
+            json!({"command": "env", "env": {"OPENAI_API_KEY": "x"}}),
+        )
+        .await;
     assert!(e.message.starts_with("env.OPENAI_API_KEY:"), "{e}");
-    let e = rig.err("shell::exec", json!({"command": "a", "argv": ["b"]})).await;
+    let e = rig
+        .err("shell::exec", json!({"command": "a", "argv": ["b"]}))
+        .await;
     assert!(e.message.starts_with("argv:"), "{e}");
     let e = rig.err("shell::exec", json!({})).await;
     assert!(e.message.starts_with("command:"), "{e}");
-    let e = rig.err("shell::exec", json!({"command": "true", "shell": "bash"})).await;
+    let e = rig
+        .err("shell::exec", json!({"command": "true", "shell": "bash"}))
+        .await;
     assert!(e.message.contains("shell"), "{e}");
 }
 
 #[tokio::test]
 async fn output_is_capped() {
-    let mut limits = Limits::default();
-    limits.exec_max_output_bytes = 1000;
+    let limits = Limits {
+        exec_max_output_bytes: 1000,
+        ..Limits::default()
+    };
     let rig = Rig::with_limits(limits, |_| Vec::new());
-    let r = rig.ok("shell::exec", json!({"command": "head -c 50000 /dev/zero | tr '\\0' x"})).await;
+    let r = rig
+        .ok(
+            "shell::exec",
+            json!({"command": "head -c 50000 /dev/zero | tr '\\0' x"}),
+        )
+        .await;
     assert_eq!(r["stdout"].as_str().unwrap().len(), 1000);
     assert_eq!(r["stdout_truncated_bytes"], 49000);
-    assert!(text(&r).contains("49000 more bytes of stdout"), "{}", text(&r));
+    assert!(
+        text(&r).contains("49000 more bytes of stdout"),
+        "{}",
+        text(&r)
+    );
 }
 
 #[tokio::test]
@@ -99,7 +145,10 @@ async fn a_timeout_kills_the_whole_process_group() {
             json!({"command": "sleep 60 & echo $! > grandchild.pid; wait", "timeout_ms": 500}),
         )
         .await;
-    assert!(started.elapsed() < Duration::from_secs(10), "returned at the timeout");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "returned at the timeout"
+    );
     assert_eq!(r["timed_out"], true, "{r}");
     assert_eq!(r["is_error"], true);
     let pid = read_pid(&pidfile).await;
@@ -110,7 +159,10 @@ async fn a_timeout_kills_the_whole_process_group() {
 async fn a_background_process_does_not_outlive_a_finished_command() {
     let rig = Rig::new();
     let r = rig
-        .ok("shell::exec", json!({"command": "sleep 60 >/dev/null 2>&1 & echo $! > bg.pid"}))
+        .ok(
+            "shell::exec",
+            json!({"command": "sleep 60 >/dev/null 2>&1 & echo $! > bg.pid"}),
+        )
         .await;
     assert_eq!(r["exit_code"], 0, "{r}");
     wait_gone(read_pid(&rig.root().join("bg.pid")).await).await;
@@ -160,16 +212,29 @@ async fn no_credential_reaches_the_command() {
     std::env::set_var("HARNESS_TEST_HARMLESS_LOOKING", "canary-11");
     std::env::set_var("TOOLS_TEST_PLAIN", "visible");
     let rig = Rig::new();
-    let r = rig.ok("shell::exec", json!({"command": "env; cat /proc/self/environ | tr '\\0' '\\n'"})).await;
+    let r = rig
+        .ok(
+            "shell::exec",
+            json!({"command": "env; cat /proc/self/environ | tr '\\0' '\\n'"}),
+        )
+        .await;
     let out = r["stdout"].as_str().unwrap();
     for (k, v) in secrets {
         assert!(!out.contains(v), "{k} reached the command");
         assert!(!out.contains(&format!("{k}=")), "{k} reached the command");
     }
     assert!(!out.contains("canary-11"));
-    assert!(out.contains("TOOLS_TEST_PLAIN=visible"), "ordinary variables pass: {out}");
+    assert!(
+        out.contains("TOOLS_TEST_PLAIN=visible"),
+        "ordinary variables pass: {out}"
+    );
     assert!(out.contains("PATH="), "{out}");
     // The command's own extra variables pass too.
-    let r = rig.ok("shell::exec", json!({"command": "echo $GREETING", "env": {"GREETING": "hi"}})).await;
+    let r = rig
+        .ok(
+            "shell::exec",
+            json!({"command": "echo $GREETING", "env": {"GREETING": "hi"}}),
+        )
+        .await;
     assert_eq!(r["stdout"], "hi\n");
 }

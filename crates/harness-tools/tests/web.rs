@@ -71,8 +71,14 @@ async fn loopback_private_link_local_and_names_resolving_to_them_are_refused() {
         let e = rig.err("web::fetch", json!({"url": url})).await;
         assert_eq!(e.code, "tools/address_refused", "{url}: {e}");
     }
-    assert_eq!(hits.load(Ordering::SeqCst), 0, "no request reached the server");
-    let e = rig.err("web::fetch", json!({"url": "file:///etc/passwd"})).await;
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        0,
+        "no request reached the server"
+    );
+    let e = rig
+        .err("web::fetch", json!({"url": "file:///etc/passwd"}))
+        .await;
     assert!(e.message.starts_with("url:"), "{e}");
 }
 
@@ -89,31 +95,61 @@ async fn with_private_addresses_allowed_pages_come_back_as_markdown() {
     let rig = Rig::with_limits(allowing(), |_| Vec::new());
     let (_base, port, hits) = server().await;
     // By name: resolved, checked, connected to the checked address.
-    let r = rig.ok("web::fetch", json!({"url": format!("http://localhost:{port}/page")})).await;
+    let r = rig
+        .ok(
+            "web::fetch",
+            json!({"url": format!("http://localhost:{port}/page")}),
+        )
+        .await;
     assert_eq!(r["status"], 200);
     let t = text(&r);
     assert!(t.contains("# Hello"), "{t}");
     assert!(t.contains("*local*") || t.contains("_local_"), "{t}");
     assert!(!t.contains("track()"), "{t}");
     let r = rig
-        .ok("web::fetch", json!({"url": format!("http://127.0.0.1:{port}/page"), "raw": true}))
+        .ok(
+            "web::fetch",
+            json!({"url": format!("http://127.0.0.1:{port}/page"), "raw": true}),
+        )
         .await;
     assert!(text(&r).contains("<h1>Hello</h1>"));
     let r = rig
         .ok("web::fetch", json!({"url": format!("http://127.0.0.1:{port}/echo"), "method": "POST", "body": "ping"}))
         .await;
     assert!(text(&r).ends_with("got ping"), "{}", text(&r));
-    let r = rig.ok("web::fetch", json!({"url": format!("http://127.0.0.1:{port}/moved")})).await;
-    assert!(text(&r).contains("# Hello"), "redirects are followed: {}", text(&r));
-    let r = rig.ok("web::fetch", json!({"url": format!("http://127.0.0.1:{port}/big")})).await;
+    let r = rig
+        .ok(
+            "web::fetch",
+            json!({"url": format!("http://127.0.0.1:{port}/moved")}),
+        )
+        .await;
+    assert!(
+        text(&r).contains("# Hello"),
+        "redirects are followed: {}",
+        text(&r)
+    );
+    let r = rig
+        .ok(
+            "web::fetch",
+            json!({"url": format!("http://127.0.0.1:{port}/big")}),
+        )
+        .await;
     assert_eq!(r["truncated"], true);
     assert_eq!(r["bytes"], 10_000);
-    let r = rig.ok("web::fetch", json!({"url": format!("http://127.0.0.1:{port}/nothing")})).await;
+    let r = rig
+        .ok(
+            "web::fetch",
+            json!({"url": format!("http://127.0.0.1:{port}/nothing")}),
+        )
+        .await;
     assert_eq!(r["status"], 404);
     assert_eq!(r["is_error"], true);
     assert_eq!(hits.load(Ordering::SeqCst), 5);
     let e = rig
-        .err("web::fetch", json!({"url": format!("http://127.0.0.1:{port}/page"), "body": "x"}))
+        .err(
+            "web::fetch",
+            json!({"url": format!("http://127.0.0.1:{port}/page"), "body": "x"}),
+        )
         .await;
     assert!(e.message.starts_with("body:"), "{e}");
 }

@@ -11,12 +11,18 @@ use serde_json::json;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_never_rerun() {
     let root = tempfile::tempdir().unwrap();
-    let command = "echo started >> marker.txt; echo $$ > shell.pid; sleep 30; echo finished >> marker.txt";
+    let command =
+        "echo started >> marker.txt; echo $$ > shell.pid; sleep 30; echo finished >> marker.txt";
     let script = script(vec![
         json!({"match": {"last_user_text": "run the job"},
                "content": [{"type": "function_call", "id": "c1", "function_id": "shell::exec",
                             "arguments": {"command": command, "timeout_ms": 60000}}]}),
-        text_gen(None, "The command was interrupted; I will check before running it again.", 0, true),
+        text_gen(
+            None,
+            "The command was interrupted; I will check before running it again.",
+            0,
+            true,
+        ),
     ]);
     let mut server = Server::start(&script, &[]).await;
     let sent = server
@@ -50,11 +56,21 @@ async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_n
         .collect();
     assert_eq!(results.len(), 1, "{results:?}");
     assert_eq!(results[0]["message"]["is_error"], true);
-    assert_eq!(results[0]["message"]["details"]["error"], "interrupted", "{}", results[0]);
-    assert!(text_of(results[0]).contains("at most once"), "{}", text_of(results[0]));
+    assert_eq!(
+        results[0]["message"]["details"]["error"], "interrupted",
+        "{}",
+        results[0]
+    );
+    assert!(
+        text_of(results[0]).contains("at most once"),
+        "{}",
+        text_of(results[0])
+    );
     // The model answered after the interrupted call: the turn went on.
-    assert!(entries.iter().any(|e| e["message"]["role"] == "assistant"
-        && text_of(e).contains("interrupted; I will check")));
+    assert!(entries
+        .iter()
+        .any(|e| e["message"]["role"] == "assistant"
+            && text_of(e).contains("interrupted; I will check")));
     // Run once: the restarted harness did not start the command again.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "started\n");
@@ -69,20 +85,46 @@ async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_n
 }
 
 /// Runs the in-process `harness chat` in `cwd` (its filesystem root by default) with `stdin`.
-fn local_chat(cwd: &std::path::Path, data: &std::path::Path, script: &std::path::Path, message: &str, stdin: &str) -> (i32, String, String) {
+fn local_chat(
+    cwd: &std::path::Path,
+    data: &std::path::Path,
+    script: &std::path::Path,
+    message: &str,
+    stdin: &str,
+) -> (i32, String, String) {
     use std::io::Write;
     use std::process::{Command, Stdio};
     let mut child = Command::new(BIN)
         .current_dir(cwd)
-        .args(["chat", "-m", message, "--provider", "scripted", "--model", "m"])
-        .args(["--allow", "fs::*", "--data-dir", path_str(data), "--script", path_str(script)])
+        .args([
+            "chat",
+            "-m",
+            message,
+            "--provider",
+            "scripted",
+            "--model",
+            "m",
+        ])
+        .args([
+            "--allow",
+            "fs::*",
+            "--data-dir",
+            path_str(data),
+            "--script",
+            path_str(script),
+        ])
         .env_remove("HARNESS_DATA_DIR")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn harness chat");
-    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     (
         out.status.code().unwrap_or(-1),
@@ -98,7 +140,10 @@ fn harness_chat_asks_before_a_mutating_tool_runs() {
     let work = tempfile::tempdir().unwrap();
     let data = tempfile::tempdir().unwrap();
     std::fs::write(work.path().join("notes.txt"), "old notes\n").unwrap();
-    let script_file = work.path().join("..").join(format!("script-{}.json", std::process::id()));
+    let script_file = work
+        .path()
+        .join("..")
+        .join(format!("script-{}.json", std::process::id()));
     let s = script(vec![
         json!({"match": {"last_user_text": "^read"}, "content": [
             {"type": "function_call", "id": "r1", "function_id": "fs::read", "arguments": {"path": "notes.txt"}}]}),
@@ -112,17 +157,41 @@ fn harness_chat_asks_before_a_mutating_tool_runs() {
 
     let (code, out, err) = local_chat(work.path(), data.path(), &script_file, "read the notes", "");
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(!out.contains("[approval needed]"), "reads are not held: {out}");
+    assert!(
+        !out.contains("[approval needed]"),
+        "reads are not held: {out}"
+    );
 
-    let (code, out, err) = local_chat(work.path(), data.path(), &script_file, "write a file", "n\n");
+    let (code, out, err) = local_chat(
+        work.path(),
+        data.path(),
+        &script_file,
+        "write a file",
+        "n\n",
+    );
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(out.contains("[approval needed] call w1 of fs::write"), "{out}");
+    assert!(
+        out.contains("[approval needed] call w1 of fs::write"),
+        "{out}"
+    );
     assert!(out.contains("[denied]"), "{out}");
-    assert!(!work.path().join("hello.txt").exists(), "a denied write changes nothing");
+    assert!(
+        !work.path().join("hello.txt").exists(),
+        "a denied write changes nothing"
+    );
 
-    let (code, out, err) = local_chat(work.path(), data.path(), &script_file, "again, please", "y\n");
+    let (code, out, err) = local_chat(
+        work.path(),
+        data.path(),
+        &script_file,
+        "again, please",
+        "y\n",
+    );
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("[approved]"), "{out}");
-    assert_eq!(std::fs::read_to_string(work.path().join("hello.txt")).unwrap(), "hi\n");
+    assert_eq!(
+        std::fs::read_to_string(work.path().join("hello.txt")).unwrap(),
+        "hi\n"
+    );
     std::fs::remove_file(&script_file).ok();
 }

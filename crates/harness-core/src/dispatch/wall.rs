@@ -91,7 +91,9 @@ pub(crate) fn check(function_id: &str, arguments: &Value) -> Result<Reach, Strin
         if crate::fsroot::scoped(target) {
             return Err(refusal(
                 function_id,
-                &format!("a binding may not call '{target}', which works in a turn's filesystem root"),
+                &format!(
+                    "a binding may not call '{target}', which works in a turn's filesystem root"
+                ),
             ));
         }
         return Ok(Reach::Free);

@@ -64,7 +64,10 @@ impl Rig {
 }
 
 pub fn text(v: &Value) -> String {
-    v["content"][0]["text"].as_str().unwrap_or_default().to_string()
+    v["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
 }
 
 pub fn shared_bus(rig: &Rig) -> Arc<dyn Bus> {
