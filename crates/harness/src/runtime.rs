@@ -119,13 +119,14 @@ impl Runtime {
         // Real providers from the environment / router config; the scripted one stays default.
         harness_router::register_from_env(&router).map_err(|e| anyhow::anyhow!("{e}"))?;
         harness_router::register(shared.as_ref(), &router);
-        if let Some(path) = &opts.fixtures {
-            crate::fixtures::register(shared.as_ref(), path, opts.fixture_log.as_ref())?;
-        }
         let config = opts.config.clone();
         let harness = Harness::new(shared.clone(), config);
         harness_core::register(&harness);
         harness_tools::register(shared.as_ref(), &tools(&opts, &harness));
+        // After the tools: a fixture of the same id (tests, demos) takes their place.
+        if let Some(path) = &opts.fixtures {
+            crate::fixtures::register(shared.as_ref(), path, opts.fixture_log.as_ref())?;
+        }
         // approval::* always (approvals left from an earlier run stay decidable); the gate binding
         // only for `approve`. Before `start`: a redelivered step may meet the persisted binding.
         harness_approval::install(harness.bus().clone(), approve)
@@ -241,13 +242,14 @@ impl Runtime {
             harness_router::register_from_env(&router).map_err(|e| anyhow::anyhow!("{e}"))?;
             harness_router::register(bus.as_ref(), &router);
         }
-        if let Some(path) = &opts.fixtures {
-            crate::fixtures::register(bus.as_ref(), path, opts.fixture_log.as_ref())?;
-        }
         let harness = Harness::new(bus.clone(), opts.config.clone());
         harness_core::register(&harness);
         if with.tools {
             harness_tools::register(bus.as_ref(), &tools(&opts, &harness));
+        }
+        // After the tools: a fixture of the same id (tests, demos) takes their place.
+        if let Some(path) = &opts.fixtures {
+            crate::fixtures::register(bus.as_ref(), path, opts.fixture_log.as_ref())?;
         }
         if with.approval {
             harness_approval::install(harness.bus().clone(), approve)
