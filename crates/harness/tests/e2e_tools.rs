@@ -195,3 +195,67 @@ fn harness_chat_asks_before_a_mutating_tool_runs() {
     );
     std::fs::remove_file(&script_file).ok();
 }
+
+/// Whether a process still runs (a zombie has finished running).
+fn running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        Ok(stat) => {
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            !state.starts_with('Z') && !state.starts_with('X')
+        }
+    }
+}
+
+/// `harness::stop` while `shell::exec` runs: the command and everything it started are killed,
+/// and the call is closed as cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_the_turn_kills_the_commands_whole_process_group() {
+    let root = tempfile::tempdir().unwrap();
+    let script = script(vec![
+        json!({"match": {"last_user_text": "run the job"},
+               "content": [{"type": "function_call", "id": "c1", "function_id": "shell::exec",
+                            "arguments": {"command": "sleep 60 & echo $! > grandchild.pid; echo $$ > shell.pid; wait"}}]}),
+        text_gen(None, "stopped", 0, true),
+    ]);
+    let server = Server::start(&script, &[]).await;
+    let sent = server
+        .ok(
+            "harness::send",
+            json!({"session_id": "s_stop", "message": "run the job", "model": "m", "provider": "scripted",
+                   "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
+                               "filesystem_root": root.path()}}),
+        )
+        .await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let pid_of = |name: &str| {
+        let path = root.path().join(name);
+        async move {
+            std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|s| s.trim().parse::<i32>().ok())
+        }
+    };
+    let grandchild = wait_for("the command to start", WAIT, || pid_of("grandchild.pid")).await;
+    let shell = wait_for("the shell's pid", WAIT, || pid_of("shell.pid")).await;
+    assert!(running(grandchild) && running(shell));
+    server
+        .ok("harness::stop", json!({"session_id": "s_stop"}))
+        .await;
+    let status = server.wait_turn("s_stop", &turn_id).await;
+    assert_eq!(status["status"], "cancelled", "{status}");
+    wait_for("the whole group to be killed", WAIT, || async move {
+        (!running(grandchild) && !running(shell)).then_some(())
+    })
+    .await;
+    let entries = server.transcript("s_stop", false).await;
+    assert_every_call_closed(&entries);
+    let result = entries
+        .iter()
+        .find(|e| e["message"]["role"] == "function_result")
+        .unwrap();
+    assert_eq!(
+        result["message"]["details"]["error"], "cancelled",
+        "{result}"
+    );
+}
