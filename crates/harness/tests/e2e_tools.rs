@@ -259,3 +259,73 @@ async fn stopping_the_turn_kills_the_commands_whole_process_group() {
         "{result}"
     );
 }
+
+/// A root that holds the harness's own data directory: the model reads its files but never the
+/// store, and the directory is not even listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_around_the_data_directory_never_reaches_the_store() {
+    let script = script(vec![
+        json!({"match": {"last_user_text": "look around"}, "content": [
+            {"type": "function_call", "id": "l1", "function_id": "fs::list", "arguments": {}},
+            {"type": "function_call", "id": "r1", "function_id": "fs::read", "arguments": {"path": "data/harness.db"}},
+            {"type": "function_call", "id": "r2", "function_id": "fs::read", "arguments": {"path": "script.json"}},
+            {"type": "function_call", "id": "s1", "function_id": "fs::search", "arguments": {"pattern": "SQLite", "hidden": true}}
+        ]}),
+        text_gen(None, "looked", 0, true),
+    ]);
+    let server = Server::start(&script, &[]).await;
+    let root = server.data_dir().parent().unwrap().to_path_buf();
+    // Text under the data directory that the search would find if it looked there (the store
+    // itself is binary, which a search skips anyway).
+    std::fs::write(server.data_dir().join("notes.txt"), "SQLite notes\n").unwrap();
+    let sent = server
+        .ok(
+            "harness::send",
+            json!({"session_id": "s_look", "message": "look around", "model": "m", "provider": "scripted",
+                   "options": {"functions": {"allow": ["fs::*"], "expose": "native"},
+                               "filesystem_root": root}}),
+        )
+        .await;
+    let status = server
+        .wait_turn("s_look", sent["turn_id"].as_str().unwrap())
+        .await;
+    assert_eq!(status["status"], "completed", "{status}");
+    let entries = server.transcript("s_look", false).await;
+    let result = |id: &str| {
+        entries
+            .iter()
+            .find(|e| e["message"]["function_call_id"] == id)
+            .unwrap_or_else(|| panic!("no result for {id}"))
+            .clone()
+    };
+    let listed = result("l1");
+    assert_eq!(listed["message"]["is_error"], false, "{listed}");
+    let names: Vec<&str> = listed["message"]["details"]["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"script.json"), "{names:?}");
+    assert!(
+        !names.contains(&"data"),
+        "the data directory is not listed: {names:?}"
+    );
+    let store = result("r1");
+    assert_eq!(store["message"]["is_error"], true);
+    assert_eq!(
+        store["message"]["details"]["error"]["code"], "tools/protected_path",
+        "{store}"
+    );
+    assert_eq!(result("r2")["message"]["is_error"], false);
+    let searched = result("s1");
+    let matches = searched["message"]["details"]["matches"]
+        .as_array()
+        .unwrap();
+    assert!(
+        matches
+            .iter()
+            .all(|m| !m["path"].as_str().unwrap().starts_with("data")),
+        "the store is never searched: {searched}"
+    );
+}
