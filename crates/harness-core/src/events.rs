@@ -32,11 +32,36 @@ impl Harness {
         parent: Option<&str>,
         payload: Value,
     ) -> Result<()> {
+        let filter = |config: &Value| admits(config, session_id, parent);
+        self.emit_filtered(topic, dedupe_key, payload, &filter)
+            .await
+    }
+
+    /// Records an event and delivers it to the bindings of `topic` whose config `admits` it.
+    pub(crate) async fn emit_filtered(
+        &self,
+        topic: &str,
+        dedupe_key: String,
+        payload: Value,
+        admits: &(dyn Fn(&Value) -> bool + Sync),
+    ) -> Result<()> {
         self.inner
             .bus
             .publish(topic, payload.clone(), Some(dedupe_key.clone()))
             .await
             .map_err(|e| e.into_harness())?;
+        self.fan_out(topic, dedupe_key, payload, admits).await
+    }
+
+    /// The deliveries of an event already recorded (for instance in a step's batch): to the
+    /// bindings of `topic` whose config `admits` it, once per dedupe key.
+    pub(crate) async fn fan_out(
+        &self,
+        topic: &str,
+        dedupe_key: String,
+        payload: Value,
+        admits: &(dyn Fn(&Value) -> bool + Sync),
+    ) -> Result<()> {
         let bindings = match self.inner.bus.bindings(topic).await {
             Ok(b) => b,
             Err(e) => {
@@ -44,10 +69,7 @@ impl Harness {
                 return Ok(());
             }
         };
-        let admitted: Vec<_> = bindings
-            .into_iter()
-            .filter(|b| admits(&b.config, session_id, parent))
-            .collect();
+        let admitted: Vec<_> = bindings.into_iter().filter(|b| admits(&b.config)).collect();
         if admitted.is_empty() {
             return Ok(());
         }
@@ -77,6 +99,30 @@ impl Harness {
         Ok(())
     }
 
+    /// Deletes fan-out marks older than `older_than_ms`: a step redelivered that late is long
+    /// gone, and the event log keeps its own dedupe. Returns how many went.
+    pub(crate) async fn prune_fanout(&self, older_than_ms: i64) -> Result<usize> {
+        let cutoff = harness_types::now_ms().saturating_sub(older_than_ms);
+        let bus = &self.inner.bus;
+        let mut pruned = 0;
+        for (key, v) in bus
+            .state_list(FANOUT_SCOPE)
+            .await
+            .map_err(|e| e.into_harness())?
+        {
+            if v.get("at")
+                .and_then(Value::as_i64)
+                .is_none_or(|at| at <= cutoff)
+            {
+                bus.state_delete(FANOUT_SCOPE, &key)
+                    .await
+                    .map_err(|e| e.into_harness())?;
+                pruned += 1;
+            }
+        }
+        Ok(pruned)
+    }
+
     pub(crate) async fn emit_turn_started(&self, ev: TurnStartedEvent) -> Result<()> {
         let key = format!("{}:{}", topics::TURN_STARTED, ev.turn_id);
         let session_id = ev.session_id.clone();
@@ -92,19 +138,26 @@ impl Harness {
         .await
     }
 
-    pub(crate) async fn emit_turn_completed(&self, ev: TurnCompletedEvent) -> Result<()> {
+    /// `harness::turn-completed` as a write of `batch`; the fan-out runs once the batch is
+    /// committed ([`Harness::fan_out_turn_completed`]).
+    pub(crate) fn record_turn_completed(
+        &self,
+        batch: &mut crate::harness::StepWrites,
+        ev: &TurnCompletedEvent,
+    ) {
+        let key = format!("{}:{}", topics::TURN_COMPLETED, ev.turn_id);
+        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
+        batch.publish(topics::TURN_COMPLETED, payload, Some(key));
+    }
+
+    pub(crate) async fn fan_out_turn_completed(&self, ev: TurnCompletedEvent) -> Result<()> {
         let key = format!("{}:{}", topics::TURN_COMPLETED, ev.turn_id);
         let session_id = ev.session_id.clone();
         let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
         let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        self.emit(
-            topics::TURN_COMPLETED,
-            key,
-            &session_id,
-            parent.as_deref(),
-            payload,
-        )
-        .await
+        let filter = |config: &Value| admits(config, &session_id, parent.as_deref());
+        self.fan_out(topics::TURN_COMPLETED, key, payload, &filter)
+            .await
     }
 }
 
