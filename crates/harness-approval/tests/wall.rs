@@ -172,6 +172,11 @@ engine::register_trigger args args args run
 engine::registered-triggers::list wall wall wall run
 engine::triggers::list run run run run
 engine::unregister_trigger wall wall wall run
+fs::edit run run run run
+fs::list run run run run
+fs::read run run run run
+fs::search run run run run
+fs::write run run run run
 harness::ask run run run run
 harness::delete-session-tree wall wall wall run
 harness::delete-session-tree-status wall wall wall run
@@ -203,8 +208,10 @@ session::list wall wall wall run
 session::messages args args args run
 session::set-status args args args run
 session::update-message args args args run
+shell::exec run run run run
 state::delete args args args run
 state::get args args args run
 state::list args args args run
 state::set args args args run
+web::fetch run run run run
 ";

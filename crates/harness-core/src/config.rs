@@ -67,6 +67,9 @@ pub struct HarnessConfig {
     /// Filesystem root stamped on new sessions: `null` = the working directory at boot,
     /// `"off"` = none, anything else = that path.
     pub default_filesystem_root: Option<String>,
+    /// Let `web::fetch` reach loopback, private and link-local addresses (off: a model reaches
+    /// public addresses only).
+    pub web_fetch_allow_private: bool,
     /// The durable operator project catalog.
     pub projects_file_path: String,
     /// MCP servers whose tools become `mcp::<server>::<tool>` functions, by server name:
@@ -149,6 +152,7 @@ impl Default for HarnessConfig {
             // Deny-by-default holds here too: an operator opts parentless spawns into a policy.
             default_functions: None,
             default_filesystem_root: None,
+            web_fetch_allow_private: false,
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
             mcp_servers: serde_json::Map::new(),
         }

@@ -19,6 +19,7 @@ mod dispatch;
 mod events;
 pub mod failpoint;
 mod finalize;
+mod fsroot;
 mod functions;
 mod harness;
 mod hooks;

@@ -42,6 +42,9 @@ pub struct TurnOptions {
     pub max_transient_resumes: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning: Option<Reasoning>,
+    /// Where the turn's `fs::*` and `shell::*` calls work (None: they are refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem: Option<crate::fsroot::FsRoot>,
 }
 
 impl TurnOptions {

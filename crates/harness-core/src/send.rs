@@ -11,6 +11,7 @@ use harness_types::{ids, now_ms, ErrorCode, HarnessError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::fsroot;
 use crate::harness::{Harness, Result};
 use crate::machine::{self, Effect, Input, Seed};
 use crate::prompt;
@@ -116,7 +117,6 @@ fn validate_options(o: &SendOptions) -> Result<()> {
     let unsupported = [
         ("options.agent", o.agent.is_some()),
         ("options.skills", o.skills.is_some()),
-        ("options.filesystem_root", o.filesystem_root.is_some()),
         // Only the agent mode exists: it is what every turn does.
         (
             "options.mode",
@@ -172,6 +172,10 @@ impl Harness {
         let message = normalize_message(req.message.clone())?;
         let options = req.options.clone().unwrap_or_default();
         validate_options(&options)?;
+        let named_root = match (&options.filesystem_root, &lineage) {
+            (Some(p), None) => Some(fsroot::explicit("options.filesystem_root", p)?),
+            _ => None,
+        };
         // Checked here, not only where options are frozen: a send merged into a running turn
         // never reaches that point and must not swallow a bad field silently.
         if req.model.as_deref() == Some("") {
@@ -224,6 +228,7 @@ impl Harness {
         if req.session_id.is_some() {
             if let Some(rec) = self.load_record(&session_id).await? {
                 if rec.status == TurnStatus::Running {
+                    refuse_root_change(&rec, named_root.as_ref())?;
                     self.park(&session_id, message.clone(), &entry_id).await?;
                     parked = true;
                     if let Some(now) = self
@@ -255,6 +260,9 @@ impl Harness {
             Some(id) => self.load_record(id).await?,
             None => None,
         };
+        if let Some(p) = prev.as_ref().filter(|p| !p.is_terminal()) {
+            refuse_root_change(p, named_root.as_ref())?;
+        }
         let frozen = match &lineage {
             Some(l) => l.options.clone(),
             None => self.freeze_options(&req, &options, prev.as_ref())?,
@@ -635,6 +643,15 @@ impl Harness {
             metadata: o.metadata.clone(),
             max_transient_resumes: self.config().max_transient_resumes,
             reasoning,
+            // Sticky like the policy: a named root wins, else the session keeps its own; only
+            // a session's first turn takes the configured default.
+            filesystem: match &o.filesystem_root {
+                Some(p) => Some(fsroot::explicit("options.filesystem_root", p)?),
+                None => match prev_opts {
+                    Some(p) => p.filesystem.clone(),
+                    None => fsroot::configured(self.config().default_filesystem_root.as_deref()),
+                },
+            },
         })
     }
 }
@@ -645,6 +662,27 @@ pub(crate) struct Lineage {
     pub options: TurnOptions,
     pub depth: u32,
     pub parent: Option<harness_types::api::ParentLink>,
+}
+
+/// A send into a live turn cannot move its root: the turn's calls were stamped with the old
+/// one, and a root changes only with a new turn. Refused by name rather than dropped.
+fn refuse_root_change(live: &TurnRecord, named: Option<&fsroot::FsRoot>) -> Result<()> {
+    match named {
+        Some(root) if live.options.filesystem.as_ref().map(|r| &r.root) != Some(&root.root) => {
+            Err(HarnessError::invalid_field(
+                "options.filesystem_root",
+                format!(
+                    "session '{}' has a live turn working in {}; a root changes only with a new turn (send it after this one ends)",
+                    live.session_id,
+                    live.options
+                        .filesystem
+                        .as_ref()
+                        .map_or("no root".to_string(), |r| format!("'{}'", r.root))
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {

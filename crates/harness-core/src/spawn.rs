@@ -123,7 +123,6 @@ impl Harness {
             ("agent", req.agent.is_some()),
             ("display", req.display.is_some()),
             ("options.skills", o.skills.is_some()),
-            ("options.filesystem_root", o.filesystem_root.is_some()),
             ("options.max_children", o.max_children.is_some()),
             (
                 "options.mode",
@@ -195,6 +194,7 @@ impl Harness {
             metadata: None,
             max_transient_resumes: self.config().max_transient_resumes,
             reasoning: None,
+            filesystem: child_root(o.filesystem_root.as_deref(), parent_opts)?,
         };
         let depth = parent.map_or(0, |(p, _)| p.depth + 1);
         let link = parent.map(|(p, call_id)| ParentLink {
@@ -466,5 +466,65 @@ mod tests {
             (named.allow, named.deny.len()),
             (vec!["a::*".to_string()], 2)
         );
+    }
+}
+
+/// A child's root: the one its spawn names, else its parent's. From a turn the named root must
+/// lie under the parent's, so a model cannot widen its reach by spawning.
+fn child_root(
+    named: Option<&str>,
+    parent: Option<&TurnOptions>,
+) -> Result<Option<crate::fsroot::FsRoot>> {
+    let Some(path) = named else {
+        return Ok(parent.and_then(|p| p.filesystem.clone()));
+    };
+    let root = crate::fsroot::explicit("options.filesystem_root", path)?;
+    if let Some(p) = parent {
+        if !p
+            .filesystem
+            .as_ref()
+            .is_some_and(|pr| crate::fsroot::within(&root, pr))
+        {
+            return Err(HarnessError::invalid_field(
+                "options.filesystem_root",
+                format!(
+                    "'{path}' is not under the parent's root ({}); a sub-agent can only be given part of it",
+                    p.filesystem.as_ref().map_or("none", |r| r.root.as_str())
+                ),
+            ));
+        }
+    }
+    Ok(Some(root))
+}
+
+#[cfg(test)]
+mod root_tests {
+    use super::*;
+
+    #[test]
+    fn a_child_gets_its_parents_root_or_a_part_of_it_never_more() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("sub")).unwrap();
+        let parent_root = crate::fsroot::explicit("r", dir.path().to_str().unwrap()).unwrap();
+        let parent = TurnOptions {
+            filesystem: Some(parent_root.clone()),
+            ..TurnOptions::default()
+        };
+        assert_eq!(child_root(None, Some(&parent)).unwrap(), Some(parent_root));
+        let sub = dir.path().join("sub");
+        let got = child_root(Some(sub.to_str().unwrap()), Some(&parent))
+            .unwrap()
+            .unwrap();
+        assert!(got.root.ends_with("/sub"), "{got:?}");
+        let e = child_root(Some("/"), Some(&parent)).unwrap_err();
+        assert!(
+            e.message
+                .starts_with("options.filesystem_root: '/' is not under the parent's root"),
+            "{e}"
+        );
+        let rootless = TurnOptions::default();
+        assert!(child_root(Some(sub.to_str().unwrap()), Some(&rootless)).is_err());
+        // A direct spawn (the operator) names any existing absolute directory.
+        assert!(child_root(Some("/"), None).unwrap().is_some());
     }
 }

@@ -106,6 +106,15 @@ async fn execute(
         .unwrap()
 }
 
+/// `args` as a scoped target receives them: with the turn's root (here the configured default,
+/// the working directory) stamped over whatever the model or a hook wrote.
+fn stamped(mut args: Value) -> Value {
+    let cwd = std::fs::canonicalize(std::env::current_dir().unwrap()).unwrap();
+    args["fs_scope"] =
+        json!({"root": cwd.display().to_string(), "grants": [], "boundary": "configured_roots"});
+    args
+}
+
 fn script_one_call() -> Value {
     json!({"generations": [call_gen("write", "c1", "fs::write", json!({"path": "/tmp/a", "text": "hi"})), text_gen("written")]})
 }
@@ -144,7 +153,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(
         *target.lock().unwrap(),
-        vec![json!({"path": "/sandbox/a", "text": "hi"})]
+        vec![stamped(json!({"path": "/sandbox/a", "text": "hi"}))]
     );
     assert_eq!(
         holder.lock().unwrap().len(),
@@ -216,7 +225,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(
         *target.lock().unwrap(),
-        vec![json!({"path": "/tmp/a", "text": "HI"})]
+        vec![stamped(json!({"path": "/tmp/a", "text": "HI"}))]
     );
     assert_eq!(holder.lock().unwrap().len(), 1);
     assert_eq!(
@@ -668,4 +677,46 @@ async fn a_post_turn_deny_reprompts_with_its_retry_prompt_then_the_result_comple
         "user".to_string(),
         "Be longer: too short (you wrote 'short')".to_string()
     )));
+}
+
+/// Neither the model nor a pre-trigger hook can widen the root a scoped call runs in: the loop
+/// stamps the turn's own before and after the chain.
+#[tokio::test]
+async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
+    let script = json!({"generations": [
+        call_gen("write", "c1", "fs::write", json!({"path": "a", "text": "hi", "fs_scope": {"root": "/", "grants": ["/etc"], "boundary": "workspace"}})),
+        text_gen("written")
+    ]});
+    let rt = runtime(script, config()).await;
+    let target = Arc::new(Mutex::new(Vec::new()));
+    let got = target.clone();
+    rt.register("fs::write", None, move |p| {
+        got.lock().unwrap().push(p.clone());
+        json!({"ok": true})
+    });
+    let seen = hook(&rt, "guard::widen", |p| {
+        let mut args = p["call"]["arguments"].clone();
+        args["fs_scope"] = json!({"root": "/", "grants": [], "boundary": "workspace"});
+        json!({"decision": "continue", "mutations": {"arguments": args}})
+    });
+    bind(
+        &rt,
+        "pre-trigger",
+        "guard::widen",
+        json!({"functions": ["fs::*"]}),
+        json!({}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    // The hook already saw the turn's root, not the model's.
+    assert_eq!(
+        seen.lock().unwrap()[0]["call"]["arguments"],
+        stamped(json!({"path": "a", "text": "hi"}))
+    );
+    assert_eq!(
+        *target.lock().unwrap(),
+        vec![stamped(json!({"path": "a", "text": "hi"}))]
+    );
 }

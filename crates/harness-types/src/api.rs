@@ -162,8 +162,10 @@ pub struct SendOptions {
     /// This turn's spend limit in USD, shared with its sub-agents, priced from the catalog.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_cost_usd: Option<f64>,
+    /// The directory the turn's `fs::*` and `shell::*` calls work in (absolute, existing).
+    /// Sticky: later turns of the session keep it until a send names another.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub filesystem_root: Option<Value>,
+    pub filesystem_root: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -456,8 +458,10 @@ pub struct SpawnOptions {
     /// Seed fields this version does not implement yet: refused when given, never dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skills: Option<Value>,
+    /// The child's working root (absolute); default: the parent's. From a turn it must lie
+    /// under the parent's root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub filesystem_root: Option<Value>,
+    pub filesystem_root: Option<String>,
     /// Nudges an invalid result gets before the child's turn fails (default 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_validation_retries: Option<u32>,

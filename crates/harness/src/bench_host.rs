@@ -19,6 +19,7 @@ fn options(spec: &RigSpec) -> RuntimeOptions {
         config: spec.config.clone(),
         fixtures: None,
         fixture_log: None,
+        config_file: None,
     }
 }
 

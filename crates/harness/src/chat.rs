@@ -271,12 +271,28 @@ async fn choose(args: &ChatArgs) -> Result<(String, String)> {
     Ok((c.provider, c.model))
 }
 
+/// What the in-process chat holds for a yes/no: every built-in tool that changes something
+/// (`fs::write`, `fs::edit`, `shell::exec`), so a first run asks before anything changes, plus
+/// whatever `--approve` names.
+fn held_for_approval(approve: &[String]) -> Vec<String> {
+    let mut globs: Vec<String> = harness_tools::MUTATING
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    for g in approve {
+        if !globs.contains(g) {
+            globs.push(g.clone());
+        }
+    }
+    globs
+}
+
 pub async fn run(args: ChatArgs) -> Result<()> {
     let (provider, model) = choose(&args).await?;
     let mut source = match &args.url {
         Some(url) => Source::Remote { url: url.clone() },
         None => Source::Local {
-            rt: Runtime::open(args.runtime, args.approve.clone()).await?,
+            rt: Runtime::open(args.runtime, held_for_approval(&args.approve)).await?,
             after: 0,
         },
     };

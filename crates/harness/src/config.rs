@@ -24,16 +24,10 @@ pub const POLL: Duration = Duration::from_millis(500);
 
 /// Keys accepted (so a seed configuration loads) that this version of the loop does not act on
 /// yet, with what is missing; `config show` and `serve` say so instead of implying an effect.
-pub const NOT_YET_ACTED_ON: [(&str, &str); 2] = [
-    (
-        "default_filesystem_root",
-        "filesystem scope stamping is not supported yet",
-    ),
-    (
-        "projects_file_path",
-        "the operator project catalog is not supported yet",
-    ),
-];
+pub const NOT_YET_ACTED_ON: [(&str, &str); 1] = [(
+    "projects_file_path",
+    "the operator project catalog is not supported yet",
+)];
 
 /// Where an effective value came from.
 #[derive(Clone, Debug, PartialEq, Eq)]

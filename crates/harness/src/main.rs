@@ -112,6 +112,7 @@ impl RuntimeArgs {
             config,
             fixtures: self.fixtures.clone(),
             fixture_log: self.fixture_log.clone(),
+            config_file: self.config.clone(),
         })
     }
 }

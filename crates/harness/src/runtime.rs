@@ -24,6 +24,8 @@ pub struct RuntimeOptions {
     /// Fixture functions to register (`--fixtures`), and where to log their invocations.
     pub fixtures: Option<PathBuf>,
     pub fixture_log: Option<PathBuf>,
+    /// The loop configuration file (`--config`), kept out of the built-in tools' reach.
+    pub config_file: Option<PathBuf>,
 }
 
 /// A running embedded runtime.
@@ -44,6 +46,34 @@ pub fn default_data_dir() -> PathBuf {
     dirs::data_local_dir()
         .unwrap_or_else(|| PathBuf::from("."))
         .join("harness")
+}
+
+/// The built-in tools (`fs::*`, `shell::exec`, `web::fetch`) with what they must never reach:
+/// the data directory, every configuration file the harness reads, and the fixture files.
+/// `web_fetch_allow_private` is read from the live configuration on every fetch.
+fn tools(opts: &RuntimeOptions, harness: &Harness) -> harness_tools::Tools {
+    let mut protected = vec![opts.data_dir.clone()];
+    protected.extend(opts.config_file.clone());
+    protected.extend(opts.fixtures.clone());
+    protected.extend(opts.fixture_log.clone());
+    for var in [
+        harness_router::providers::CONFIG_ENV,
+        harness_router::providers::CATALOG_ENV,
+    ] {
+        protected.extend(std::env::var_os(var).map(PathBuf::from));
+    }
+    // The router's default configuration lives here, next to anything else of ours.
+    protected.extend(dirs::config_dir().map(|d| d.join("harness")));
+    let protected = protected
+        .into_iter()
+        .map(|p| std::path::absolute(&p).unwrap_or(p))
+        .collect::<Vec<_>>();
+    let live = harness.clone();
+    let limits = harness_tools::Limits {
+        allow_private: Arc::new(move || live.config().web_fetch_allow_private),
+        ..harness_tools::Limits::default()
+    };
+    harness_tools::Tools::new(protected, limits)
 }
 
 fn load_script(path: Option<&Path>) -> Result<Script> {
@@ -93,11 +123,14 @@ impl Runtime {
         // Real providers from the environment / router config; the scripted one stays default.
         harness_router::register_from_env(&router).map_err(|e| anyhow::anyhow!("{e}"))?;
         harness_router::register(shared.as_ref(), &router);
+        let config = opts.config.clone();
+        let harness = Harness::new(shared.clone(), config);
+        harness_core::register(&harness);
+        harness_tools::register(shared.as_ref(), &tools(&opts, &harness));
+        // After the tools: a fixture of the same id (tests, demos) takes their place.
         if let Some(path) = &opts.fixtures {
             crate::fixtures::register(shared.as_ref(), path, opts.fixture_log.as_ref())?;
         }
-        let harness = Harness::new(shared, opts.config);
-        harness_core::register(&harness);
         // approval::* always (approvals left from an earlier run stay decidable); the gate binding
         // only for `approve`. Before `start`: a redelivered step may meet the persisted binding.
         harness_approval::install(harness.bus().clone(), approve)
@@ -140,6 +173,8 @@ pub struct Siblings {
     pub router: bool,
     /// `approval::*` (and the `--approve` gate binding).
     pub approval: bool,
+    /// The built-in tools: `fs::*`, `shell::exec`, `web::fetch` (run on the worker's machine).
+    pub tools: bool,
 }
 
 #[cfg_attr(not(feature = "iii"), allow(dead_code))]
@@ -149,9 +184,10 @@ impl Siblings {
         context: true,
         router: true,
         approval: true,
+        tools: true,
     };
 
-    /// `session,context,router,approval` or `all` (comma-separated, repeatable).
+    /// `session,context,router,approval,tools` or `all` (comma-separated, repeatable).
     pub fn parse(items: &[String]) -> Result<Siblings> {
         let mut s = Siblings::default();
         for item in items.iter().flat_map(|i| i.split(',')).map(str::trim) {
@@ -162,8 +198,9 @@ impl Siblings {
                 "context" => s.context = true,
                 "router" => s.router = true,
                 "approval" => s.approval = true,
+                "tools" => s.tools = true,
                 other => anyhow::bail!(
-                    "--with: unknown sibling '{other}' (expected session, context, router, approval or all)"
+                    "--with: unknown sibling '{other}' (expected session, context, router, approval, tools or all)"
                 ),
             }
         }
@@ -216,11 +253,15 @@ impl Runtime {
             harness_router::register_from_env(&router).map_err(|e| anyhow::anyhow!("{e}"))?;
             harness_router::register(bus.as_ref(), &router);
         }
+        let harness = Harness::new(bus.clone(), opts.config.clone());
+        harness_core::register(&harness);
+        if with.tools {
+            harness_tools::register(bus.as_ref(), &tools(&opts, &harness));
+        }
+        // After the tools: a fixture of the same id (tests, demos) takes their place.
         if let Some(path) = &opts.fixtures {
             crate::fixtures::register(bus.as_ref(), path, opts.fixture_log.as_ref())?;
         }
-        let harness = Harness::new(bus.clone(), opts.config);
-        harness_core::register(&harness);
         if with.approval {
             harness_approval::install(harness.bus().clone(), approve)
                 .await

@@ -36,6 +36,7 @@ default_filesystem_root: "off"
 projects_file_path: ${CONFIG_TEST_HOME}/projects.json
 # Beyond §10: knobs of this implementation.
 default_context_window: 100000
+web_fetch_allow_private: true
 queue_concurrency: 16
 step_visibility_timeout_ms: 600000
 "#;
@@ -62,7 +63,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
     let env = [("CONFIG_TEST_HOME", "/srv/h")];
     let (rc, out, err) = cli_env(&["config", "validate", path_str(&file)], &env);
     assert_eq!(rc, 0, "{err}");
-    assert!(out.contains("ok (22 keys set)"), "{out}");
+    assert!(out.contains("ok (23 keys set)"), "{out}");
     // Without the variable the reference is named.
     let (rc, _, err) = cli_env(&["config", "validate", path_str(&file)], &[]);
     assert_eq!(rc, 1);
@@ -96,6 +97,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         json!(["fixture::danger"])
     );
     assert_eq!(shown["default_filesystem_root"]["value"], "off");
+    assert_eq!(shown["web_fetch_allow_private"]["value"], true);
     assert_eq!(
         shown["max_depth"],
         json!({"value": 5, "source": "env HARNESS_MAX_DEPTH"})
@@ -111,7 +113,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         .values()
         .filter(|v| v["source"] == json!(file_source))
         .count();
-    assert_eq!(from_file, 20);
+    assert_eq!(from_file, 21);
     // A runtime started on it says which keys it does not act on yet.
     let data = dir.path().join("data");
     let (rc, _, err) = cli_env(
@@ -132,12 +134,14 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         !err.contains("default_functions is accepted but not acted on"),
         "the parentless-spawn baseline is acted on: {err}"
     );
-    for key in ["default_filesystem_root", "projects_file_path"] {
-        assert!(
-            err.contains(&format!("config: {key} is accepted but not acted on")),
-            "{key}: {err}"
-        );
-    }
+    assert!(
+        !err.contains("config: default_filesystem_root is accepted but not acted on"),
+        "{err}"
+    );
+    assert!(
+        err.contains("config: projects_file_path is accepted but not acted on"),
+        "{err}"
+    );
     // Without a file, each key shows its shipped default.
     let (rc, out, _) = cli_env(&["config", "show"], &[]);
     assert_eq!(rc, 0);
@@ -146,7 +150,8 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         "max_validation_retries: 2  # default",
         "idem_ttl_secs: 86400  # default",
         "context_timeout_ms: 320000  # default",
-        "default_filesystem_root: null  # default, not acted on yet",
+        "default_filesystem_root: null  # default",
+        "web_fetch_allow_private: false  # default",
         "projects_file_path: \"~/.iii/data/harness/projects.json\"  # default, not acted on yet",
         "sweep_expression: \"0 * * * * *\"  # default",
     ] {

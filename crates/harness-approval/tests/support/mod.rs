@@ -40,10 +40,13 @@ pub async fn runtime(script: Value, approve: &[&str]) -> Rt {
     let script = Script::from_json(&script.to_string()).unwrap();
     router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
     harness_router::register(shared.as_ref(), &router);
+    harness_tools::register(shared.as_ref(), &harness_tools::Tools::default());
     let harness = Harness::new(
         shared.clone(),
         HarnessConfig {
             stream_coalesce_ms: 0,
+            // These tests look at the exact arguments a held call runs with: no root stamped.
+            default_filesystem_root: Some("off".into()),
             ..HarnessConfig::default()
         },
     );

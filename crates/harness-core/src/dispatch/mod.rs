@@ -616,6 +616,13 @@ impl Harness {
             breaker_key,
             after,
         } = run;
+        // The turn's root, over whatever the model wrote (§4.10); again after the hooks below.
+        let mut arguments = arguments;
+        crate::fsroot::stamp(
+            &call.function_id,
+            &mut arguments,
+            rec.options.filesystem.as_ref(),
+        );
         let mut payload = hooks::envelope(
             HookPoint::PreTrigger,
             &rec.session_id,
@@ -635,7 +642,12 @@ impl Harness {
             )
             .await?;
         annotations.extend(chain.annotations);
-        let arguments = chain.payload["call"]["arguments"].clone();
+        let mut arguments = chain.payload["call"]["arguments"].clone();
+        crate::fsroot::stamp(
+            &call.function_id,
+            &mut arguments,
+            rec.options.filesystem.as_ref(),
+        );
         let reconciled =
             (!changes.is_empty()).then(|| serde_json::to_value(&changes).unwrap_or(Value::Null));
         match chain.decision {

@@ -88,6 +88,16 @@ pub(crate) fn check(function_id: &str, arguments: &Value) -> Result<Reach, Strin
                 &format!("a binding may not call '{target}'"),
             ));
         }
+        // A binding's calls run outside any turn, so no root is stamped on them: a model's
+        // binding to a filesystem or shell function would carry a scope of its own making.
+        if crate::fsroot::scoped(target) {
+            return Err(refusal(
+                function_id,
+                &format!(
+                    "a binding may not call '{target}', which works in a turn's filesystem root"
+                ),
+            ));
+        }
         return Ok(Reach::Free);
     }
     if function_id.starts_with("session::") || function_id == "harness::status" {

@@ -54,6 +54,13 @@ fn arguments_decide_the_rest() {
         json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "x::y"})
     )
     .contains("harness::hook::pre-trigger"));
+    for target in ["fs::write", "shell::exec"] {
+        assert!(refused(
+            "engine::register_trigger",
+            json!({"trigger_type": "cron", "function_id": target, "config": {}})
+        )
+        .contains("filesystem root"));
+    }
     assert!(refused(
         "engine::register_trigger",
         json!({"trigger_type": "cron", "function_id": "harness::sweep-pending"})

@@ -1,0 +1,199 @@
+//! The turn's filesystem root: named by a send (absolute, existing), sticky for the session,
+//! the configured default for a new session, and stamped onto every `fs::*` / `shell::*` call
+//! over whatever the model wrote.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, TurnStatus};
+use serde_json::{json, Value};
+use support::*;
+
+fn script() -> Value {
+    json!({"generations": [
+        {"match": {"last_user_text": "^read"}, "content": [
+            {"type": "function_call", "id": "c1", "function_id": "fs::read",
+             "arguments": {"path": "a", "fs_scope": {"root": "/", "grants": [], "boundary": "workspace"}}},
+            {"type": "function_call", "id": "c2", "function_id": "web::fetch",
+             "arguments": {"url": "http://example.org"}}
+        ]},
+        {"match": {"last_user_text": "^again"}, "content": [
+            {"type": "function_call", "id": "c3", "function_id": "fs::read", "arguments": {"path": "b"}}
+        ]},
+        {"match": {"last_user_text": "^elsewhere"}, "content": [
+            {"type": "function_call", "id": "c4", "function_id": "fs::read", "arguments": {"path": "c"}}
+        ]},
+        {"match": {"last_user_text": "^slow"}, "content": [
+            {"type": "function_call", "id": "s1", "function_id": "slow::wait", "arguments": {}}
+        ]},
+        {"repeat": true, "content": [{"type": "text", "text": "done"}]}
+    ]})
+}
+
+fn send_with(
+    text: &str,
+    session: Option<&str>,
+    root: Option<&str>,
+) -> harness_types::api::SendRequest {
+    let mut req = send(text);
+    req.session_id = session.map(str::to_string);
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: vec!["*".into()],
+            deny: vec![],
+            expose: ExposeMode::Native,
+        }),
+        filesystem_root: root.map(str::to_string),
+        ..Default::default()
+    });
+    req
+}
+
+struct Seen {
+    fs: Arc<Mutex<Vec<Value>>>,
+    web: Arc<Mutex<Vec<Value>>>,
+}
+
+fn targets(rt: &Rt) -> Seen {
+    let fs = Arc::new(Mutex::new(Vec::new()));
+    let web = Arc::new(Mutex::new(Vec::new()));
+    let (f, w) = (fs.clone(), web.clone());
+    rt.register("fs::read", None, move |p| {
+        f.lock().unwrap().push(p);
+        json!({"ok": true})
+    });
+    rt.register("web::fetch", None, move |p| {
+        w.lock().unwrap().push(p);
+        json!({"ok": true})
+    });
+    Seen { fs, web }
+}
+
+async fn run(rt: &Rt, req: harness_types::api::SendRequest) -> String {
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    r.session_id
+}
+
+#[tokio::test]
+async fn a_named_root_is_stamped_kept_for_the_session_and_the_default_applies_to_new_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = std::fs::canonicalize(dir.path())
+        .unwrap()
+        .display()
+        .to_string();
+    let rt = runtime(script(), config()).await;
+    let seen = targets(&rt);
+    let sid = run(
+        &rt,
+        send_with("read it", None, Some(dir.path().to_str().unwrap())),
+    )
+    .await;
+    let workspace = json!({"root": real, "grants": [], "boundary": "workspace"});
+    assert_eq!(
+        seen.fs.lock().unwrap()[0]["fs_scope"],
+        workspace,
+        "the model's '/' was overwritten"
+    );
+    assert_eq!(
+        seen.web.lock().unwrap()[0].get("fs_scope"),
+        None,
+        "only scoped functions are stamped"
+    );
+    // The next send names no root: the session keeps its own.
+    run(&rt, send_with("again", Some(&sid), None)).await;
+    assert_eq!(seen.fs.lock().unwrap()[1]["fs_scope"], workspace);
+    // A new session without a root gets the configured default (null: the working directory).
+    run(&rt, send_with("elsewhere", None, None)).await;
+    let cwd = std::fs::canonicalize(std::env::current_dir().unwrap()).unwrap();
+    assert_eq!(
+        seen.fs.lock().unwrap()[2]["fs_scope"],
+        json!({"root": cwd.display().to_string(), "grants": [], "boundary": "configured_roots"})
+    );
+}
+
+#[tokio::test]
+async fn with_the_default_off_a_rootless_turn_stamps_no_scope_at_all() {
+    let rt = runtime(
+        script(),
+        harness_core::HarnessConfig {
+            default_filesystem_root: Some("off".into()),
+            ..config()
+        },
+    )
+    .await;
+    let seen = targets(&rt);
+    run(&rt, send_with("read it", None, None)).await;
+    assert_eq!(
+        seen.fs.lock().unwrap()[0],
+        json!({"path": "a"}),
+        "the model's own fs_scope is removed, so the function refuses for want of a root"
+    );
+}
+
+#[tokio::test]
+async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
+    let dir = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    let rt = runtime(script(), config()).await;
+    for (root, why) in [
+        ("relative/dir", "is not an absolute path"),
+        ("/no/such/directory/anywhere", "No such file"),
+    ] {
+        let e = rt
+            .harness
+            .send(send_with("read", None, Some(root)))
+            .await
+            .unwrap_err();
+        assert!(e.message.starts_with("options.filesystem_root:"), "{e}");
+        assert!(e.message.contains(why), "{e}");
+    }
+    let file = dir.path().join("f");
+    std::fs::write(&file, "x").unwrap();
+    let e = rt
+        .harness
+        .send(send_with("read", None, Some(file.to_str().unwrap())))
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("not a directory"), "{e}");
+
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r2 = release.clone();
+    rt.register("slow::wait", None, move |_| {
+        while !r2.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        json!({"ok": true})
+    });
+    let r = rt
+        .harness
+        .send(send_with("slow", None, Some(dir.path().to_str().unwrap())))
+        .await
+        .unwrap();
+    // While the call runs, a send naming another root is refused, not merged silently.
+    let e = rt
+        .harness
+        .send(send_with(
+            "more",
+            Some(&r.session_id),
+            Some(other.path().to_str().unwrap()),
+        ))
+        .await
+        .unwrap_err();
+    assert!(e.message.starts_with("options.filesystem_root:"), "{e}");
+    assert!(e.message.contains("live turn"), "{e}");
+    // Naming the same root is fine.
+    rt.harness
+        .send(send_with(
+            "more",
+            Some(&r.session_id),
+            Some(dir.path().to_str().unwrap()),
+        ))
+        .await
+        .unwrap();
+    release.store(true, std::sync::atomic::Ordering::SeqCst);
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+}
