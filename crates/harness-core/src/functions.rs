@@ -132,6 +132,14 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::system-prompt::get",
+            "Preview the layers of a system prompt (identity or agent profile, skills index, caller text, runtime context) without a model call: a session's frozen prompt, the prompt selected fields would freeze, or the built-in default (default_only).",
+        ),
+        |h, req: SystemPromptGetRequest| async move { h.system_prompt_get(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::stop",
             "Request cancellation of an in-flight turn.",
         ),

@@ -21,6 +21,7 @@ mod finalize;
 mod functions;
 mod harness;
 mod hooks;
+mod identity;
 mod locks;
 mod machine;
 mod output;
