@@ -83,10 +83,7 @@ impl Harness {
     /// not make every send fail.
     async fn identity(&self) -> (String, IdentitySource) {
         let got: Result<Option<SystemPrompt>> = self
-            .call_optional(
-                "directory::system-prompts::get",
-                json!({"name": "default"}),
-            )
+            .call_optional("directory::system-prompts::get", json!({"name": "default"}))
             .await;
         match got {
             Ok(Some(p)) if !p.body.trim().is_empty() => (p.body, IdentitySource::Directory),
@@ -306,7 +303,10 @@ impl Harness {
         }
         let rec = match &req.session_id {
             Some(id) if id.is_empty() => {
-                return Err(HarnessError::invalid_field("session_id", "must not be empty"))
+                return Err(HarnessError::invalid_field(
+                    "session_id",
+                    "must not be empty",
+                ))
             }
             Some(id) => self.load_record(id).await?,
             None => None,

@@ -40,6 +40,7 @@ pub use config::{CallReconciliation, ConfigError, HarnessConfig};
 pub use dispatch::{model_verdict, wall};
 pub use functions::register;
 pub use harness::Harness;
+pub use prompt::IDENTITY;
 pub use record::{
     CallCheckpoint, CallState, ChildLink, FailedCall, Failure, FailurePhase, Hold, HoldPoint,
     Reasoning, TurnOptions, TurnRecord, TurnStopReason, Wait,

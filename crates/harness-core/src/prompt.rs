@@ -63,8 +63,16 @@ impl Layers {
         let part = |s: &str| s.strip_prefix("\n\n").map(str::to_string);
         Some(Layers {
             base: base.to_string(),
-            skills_index: if index.is_empty() { None } else { Some(part(index)?) },
-            custom: if custom.is_empty() { None } else { Some(part(custom)?) },
+            skills_index: if index.is_empty() {
+                None
+            } else {
+                Some(part(index)?)
+            },
+            custom: if custom.is_empty() {
+                None
+            } else {
+                Some(part(custom)?)
+            },
         })
     }
 }
@@ -293,10 +301,19 @@ mod tests {
     #[test]
     fn strategies() {
         let base = |c, st| base_layers("ID", c, st).map(|l| l.compose().0);
-        assert_eq!(base(Some("X"), SystemPromptStrategy::Override).as_deref(), Some("X"));
-        assert_eq!(base(Some("X"), SystemPromptStrategy::Enrich).as_deref(), Some("ID\n\nX"));
+        assert_eq!(
+            base(Some("X"), SystemPromptStrategy::Override).as_deref(),
+            Some("X")
+        );
+        assert_eq!(
+            base(Some("X"), SystemPromptStrategy::Enrich).as_deref(),
+            Some("ID\n\nX")
+        );
         assert_eq!(base(Some("X"), SystemPromptStrategy::Disabled), None);
-        assert_eq!(base(Some("  "), SystemPromptStrategy::Override).as_deref(), Some("ID"));
+        assert_eq!(
+            base(Some("  "), SystemPromptStrategy::Override).as_deref(),
+            Some("ID")
+        );
     }
 
     #[test]
@@ -328,7 +345,10 @@ mod tests {
         let f = preloaded_functions(&[
             Contract {
                 id: "a::b".into(),
-                found: Some(("Does b.".into(), serde_json::json!({"$schema": "x", "type": "object"}))),
+                found: Some((
+                    "Does b.".into(),
+                    serde_json::json!({"$schema": "x", "type": "object"}),
+                )),
             },
             Contract {
                 id: "c::d".into(),
@@ -336,8 +356,14 @@ mod tests {
             },
         ])
         .unwrap();
-        assert!(f.contains("<function id=\"a::b\">\nDoes b.\nRequest schema: {\"type\":\"object\"}"), "{f}");
-        assert!(f.contains("Unavailable (not registered when this session started): c::d"), "{f}");
+        assert!(
+            f.contains("<function id=\"a::b\">\nDoes b.\nRequest schema: {\"type\":\"object\"}"),
+            "{f}"
+        );
+        assert!(
+            f.contains("Unavailable (not registered when this session started): c::d"),
+            "{f}"
+        );
         let s = preloaded_skills(&[("x".into(), Some("Body".into())), ("y".into(), None)]).unwrap();
         assert!(s.contains("<skill name=\"x\">\nBody\n</skill>"), "{s}");
         assert!(s.contains("Unavailable skills: y"), "{s}");

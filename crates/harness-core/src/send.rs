@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::harness::{Harness, Result};
-use crate::machine::{self, Effect, Input, Seed};
 use crate::identity::PromptFields;
+use crate::machine::{self, Effect, Input, Seed};
 use crate::record::{message_preview, Reasoning, TurnOptions, TurnRecord};
 use crate::steering::QueuedMessage;
 use crate::IDEM_SCOPE;
@@ -123,7 +123,10 @@ fn validate_options(o: &SendOptions) -> Result<()> {
         return Err(not_supported(field));
     }
     if o.agent.as_deref() == Some("") {
-        return Err(HarnessError::invalid_field("options.agent", "must not be empty"));
+        return Err(HarnessError::invalid_field(
+            "options.agent",
+            "must not be empty",
+        ));
     }
     if o.agent.is_some() && (o.system_prompt.is_some() || o.system_prompt_strategy.is_some()) {
         return Err(crate::identity::agent_with_prompt_fields("options.agent"));
@@ -607,9 +610,9 @@ impl Harness {
             if profile_effort.is_some() {
                 (profile_effort, None, None)
             } else {
-            prev_opts.map_or((None, None, None), |p| {
-                (p.thinking_level, p.provider_options.clone(), p.reasoning)
-            })
+                prev_opts.map_or((None, None, None), |p| {
+                    (p.thinking_level, p.provider_options.clone(), p.reasoning)
+                })
             }
         } else {
             (

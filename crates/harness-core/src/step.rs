@@ -460,10 +460,9 @@ impl Harness {
         rec.stream_request_id = Some(request_id.clone());
         let mut extras = serde_json::Map::new();
         if self.config().prompt_cache_sections {
-            if let Some(Value::Object(sections)) = prompt::cache_sections(
-                rec.options.stable_prefix(),
-                system_prompt.as_deref(),
-            ) {
+            if let Some(Value::Object(sections)) =
+                prompt::cache_sections(rec.options.stable_prefix(), system_prompt.as_deref())
+            {
                 extras.extend(sections);
             }
         }

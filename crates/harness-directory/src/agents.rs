@@ -230,7 +230,10 @@ mod tests {
         let err = d.agent("a").unwrap_err();
         assert_eq!(err.to_string(), "agents/a.md: extends: cycle a → b → c → a");
         let err = d.agent("self").unwrap_err();
-        assert_eq!(err.to_string(), "agents/self.md: extends: cycle self → self");
+        assert_eq!(
+            err.to_string(),
+            "agents/self.md: extends: cycle self → self"
+        );
     }
 
     #[test]
@@ -241,7 +244,10 @@ mod tests {
             err.to_string(),
             "agents/a.md: extends: profile 'ghost' is not in the directory (chain a → ghost)"
         );
-        assert!(matches!(d.agent("nobody"), Err(DirectoryError::NotFound { .. })));
+        assert!(matches!(
+            d.agent("nobody"),
+            Err(DirectoryError::NotFound { .. })
+        ));
     }
 
     #[test]
@@ -252,10 +258,16 @@ mod tests {
             ("agents/i.md", "---\ndisplay: {icon: rocket}\n---\nI"),
         ]);
         let err = d.agent("a").unwrap_err().to_string();
-        assert!(err.starts_with("agents/a.md: reasoning_effort: unknown variant `enormous`"), "{err}");
+        assert!(
+            err.starts_with("agents/a.md: reasoning_effort: unknown variant `enormous`"),
+            "{err}"
+        );
         let err = d.agent("b").unwrap_err().to_string();
         assert!(err.starts_with("agents/b.md: name: 'c' differs"), "{err}");
         let err = d.agent("i").unwrap_err().to_string();
-        assert!(err.starts_with("agents/i.md: display.icon: unknown variant `rocket`"), "{err}");
+        assert!(
+            err.starts_with("agents/i.md: display.icon: unknown variant `rocket`"),
+            "{err}"
+        );
     }
 }

@@ -27,8 +27,8 @@ pub fn parse<T: DeserializeOwned + Default>(
             "missing: the file must start with a '---' line, the YAML fields, and a closing '---' line".into(),
         ));
     };
-    let (yaml, body) = split_closing(rest)
-        .ok_or_else(|| bad("front matter", "no closing '---' line".into()))?;
+    let (yaml, body) =
+        split_closing(rest).ok_or_else(|| bad("front matter", "no closing '---' line".into()))?;
     let yaml = if yaml.trim().is_empty() { "{}" } else { yaml };
     let de = serde_yaml_ng::Deserializer::from_str(yaml);
     let value: T = serde_path_to_error::deserialize(de).map_err(|err| {
@@ -39,7 +39,11 @@ pub fn parse<T: DeserializeOwned + Default>(
             .strip_prefix(&format!("{path}: "))
             .map(str::to_string)
             .unwrap_or(message);
-        let field = if path == "." { "front matter".to_string() } else { path };
+        let field = if path == "." {
+            "front matter".to_string()
+        } else {
+            path
+        };
         bad(&field, message)
     })?;
     Ok((value, body.trim().to_string()))
@@ -47,11 +51,13 @@ pub fn parse<T: DeserializeOwned + Default>(
 
 fn strip_fence(text: &str) -> Option<&str> {
     let first = text.lines().next()?;
-    (first.trim_end() == "---").then(|| &text[first.len()..]).map(|r| {
-        r.strip_prefix("\r\n")
-            .or_else(|| r.strip_prefix('\n'))
-            .unwrap_or(r)
-    })
+    (first.trim_end() == "---")
+        .then(|| &text[first.len()..])
+        .map(|r| {
+            r.strip_prefix("\r\n")
+                .or_else(|| r.strip_prefix('\n'))
+                .unwrap_or(r)
+        })
 }
 
 /// The YAML up to the closing fence line, and everything after it.
@@ -82,7 +88,13 @@ mod tests {
     #[test]
     fn splits_front_matter_and_body() {
         let (fm, body) = parse::<Fm>("x.md", "---\nname: a\nn: 2\n---\n\nHello\n", false).unwrap();
-        assert_eq!(fm, Fm { name: Some("a".into()), n: 2 });
+        assert_eq!(
+            fm,
+            Fm {
+                name: Some("a".into()),
+                n: 2
+            }
+        );
         assert_eq!(body, "Hello");
     }
 
@@ -93,7 +105,10 @@ mod tests {
         assert!(text.starts_with("agents/x.md: n: invalid type"), "{text}");
         let err = parse::<Fm>("agents/x.md", "---\nnmae: a\n---\nbody", false).unwrap_err();
         let text = err.to_string();
-        assert!(text.starts_with("agents/x.md: nmae: unknown field `nmae`"), "{text}");
+        assert!(
+            text.starts_with("agents/x.md: nmae: unknown field `nmae`"),
+            "{text}"
+        );
     }
 
     #[test]

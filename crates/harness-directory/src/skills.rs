@@ -35,7 +35,12 @@ impl Directory {
             message,
         };
         match fm.name.as_deref() {
-            None => return Err(bad("name", "missing (it must equal the folder name)".into())),
+            None => {
+                return Err(bad(
+                    "name",
+                    "missing (it must equal the folder name)".into(),
+                ))
+            }
             Some(n) if n != name => {
                 return Err(bad(
                     "name",
@@ -101,24 +106,42 @@ mod tests {
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
             std::fs::write(p, text).unwrap();
         };
-        write("skills/b/SKILL.md", "---\nname: b\ndescription: >\n  Does b\n  well.\n---\nB body");
-        write("skills/a/SKILL.md", "---\nname: a\ndescription: Does a.\nlicense: MIT\n---\nA body");
+        write(
+            "skills/b/SKILL.md",
+            "---\nname: b\ndescription: >\n  Does b\n  well.\n---\nB body",
+        );
+        write(
+            "skills/a/SKILL.md",
+            "---\nname: a\ndescription: Does a.\nlicense: MIT\n---\nA body",
+        );
         write("skills/empty/README.md", "not a skill");
         let d = Directory::new(t.path());
         let list = d.skills().unwrap();
         assert_eq!(
             list.skills,
             vec![
-                SkillSummary { name: "a".into(), description: "Does a.".into() },
-                SkillSummary { name: "b".into(), description: "Does b well.".into() },
+                SkillSummary {
+                    name: "a".into(),
+                    description: "Does a.".into()
+                },
+                SkillSummary {
+                    name: "b".into(),
+                    description: "Does b well.".into()
+                },
             ]
         );
         assert_eq!(d.skill("a").unwrap().body, "A body");
-        assert!(matches!(d.skill("zzz"), Err(DirectoryError::NotFound { .. })));
+        assert!(matches!(
+            d.skill("zzz"),
+            Err(DirectoryError::NotFound { .. })
+        ));
         assert!(matches!(d.skill("../a"), Err(DirectoryError::BadName(_))));
 
         write("skills/c/SKILL.md", "---\nname: c\n---\nC body");
         let err = d.skills().unwrap_err().to_string();
-        assert!(err.starts_with("skills/c/SKILL.md: description: missing"), "{err}");
+        assert!(
+            err.starts_with("skills/c/SKILL.md: description: missing"),
+            "{err}"
+        );
     }
 }
