@@ -69,6 +69,9 @@ pub struct HarnessConfig {
     pub default_filesystem_root: Option<String>,
     /// The durable operator project catalog.
     pub projects_file_path: String,
+    /// The folder of agent profiles, skills and system prompts (`directory::*`); `null` =
+    /// `directory/` in the data dir. Read at start.
+    pub directory_path: Option<String>,
 }
 
 /// A configuration that cannot be applied, naming the key at fault.
@@ -148,6 +151,7 @@ impl Default for HarnessConfig {
             }),
             default_filesystem_root: None,
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
+            directory_path: None,
         }
     }
 }

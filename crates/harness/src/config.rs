@@ -24,11 +24,7 @@ pub const POLL: Duration = Duration::from_millis(500);
 
 /// Keys accepted (so a seed configuration loads) that this version of the loop does not act on
 /// yet, with what is missing; `config show` and `serve` say so instead of implying an effect.
-pub const NOT_YET_ACTED_ON: [(&str, &str); 3] = [
-    (
-        "default_functions",
-        "agent profiles and a parentless-spawn baseline are not supported yet",
-    ),
+pub const NOT_YET_ACTED_ON: [(&str, &str); 2] = [
     (
         "default_filesystem_root",
         "filesystem scope stamping is not supported yet",

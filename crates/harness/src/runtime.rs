@@ -43,6 +43,17 @@ pub fn default_data_dir() -> PathBuf {
         .join("harness")
 }
 
+/// The directory's folder: `directory_path` (`~` expanded), else `directory/` in the data dir.
+pub fn directory_path(config: &HarnessConfig, data_dir: &Path) -> PathBuf {
+    match config.directory_path.as_deref() {
+        Some(p) => match (p.strip_prefix("~/"), dirs::home_dir()) {
+            (Some(rest), Some(home)) => home.join(rest),
+            _ => PathBuf::from(p),
+        },
+        None => data_dir.join("directory"),
+    }
+}
+
 fn load_script(path: Option<&Path>) -> Result<Script> {
     match path {
         Some(p) => Script::load(p).map_err(|e| anyhow::anyhow!("{e}")),
@@ -84,6 +95,10 @@ impl Runtime {
         // So a step's batched writes (`Bus::commit`) that touch the transcript stay one commit.
         harness_session::register_transactional(&bus, &sessions);
         harness_context::register(shared.as_ref());
+        harness_directory::register(
+            shared.as_ref(),
+            &harness_directory::Directory::new(directory_path(&opts.config, &opts.data_dir)),
+        );
         let router = Router::new();
         router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
         // Real providers from the environment / router config; the scripted one stays default.
@@ -129,6 +144,8 @@ pub struct Siblings {
     pub router: bool,
     /// `approval::*` (and the `--approve` gate binding).
     pub approval: bool,
+    /// `directory::*` (agent profiles, skills, system prompts from `directory_path`).
+    pub directory: bool,
 }
 
 #[cfg_attr(not(feature = "iii"), allow(dead_code))]
@@ -138,9 +155,10 @@ impl Siblings {
         context: true,
         router: true,
         approval: true,
+        directory: true,
     };
 
-    /// `session,context,router,approval` or `all` (comma-separated, repeatable).
+    /// `session,context,router,approval,directory` or `all` (comma-separated, repeatable).
     pub fn parse(items: &[String]) -> Result<Siblings> {
         let mut s = Siblings::default();
         for item in items.iter().flat_map(|i| i.split(',')).map(str::trim) {
@@ -151,8 +169,9 @@ impl Siblings {
                 "context" => s.context = true,
                 "router" => s.router = true,
                 "approval" => s.approval = true,
+                "directory" => s.directory = true,
                 other => anyhow::bail!(
-                    "--with: unknown sibling '{other}' (expected session, context, router, approval or all)"
+                    "--with: unknown sibling '{other}' (expected session, context, router, approval, directory or all)"
                 ),
             }
         }
@@ -197,6 +216,12 @@ impl Runtime {
         };
         if with.context {
             harness_context::register(bus.as_ref());
+        }
+        if with.directory {
+            harness_directory::register(
+                bus.as_ref(),
+                &harness_directory::Directory::new(directory_path(&opts.config, &opts.data_dir)),
+            );
         }
         if with.router {
             let script = load_script(opts.script.as_deref())?;
