@@ -40,6 +40,10 @@ pub async fn runtime(script: Value, approve: &[&str]) -> Rt {
     let script = Script::from_json(&script.to_string()).unwrap();
     router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
     harness_router::register(shared.as_ref(), &router);
+    harness_directory::register(
+        shared.as_ref(),
+        &harness_directory::Directory::new(dir.path().join("directory")),
+    );
     let harness = Harness::new(
         shared.clone(),
         HarnessConfig {
