@@ -370,6 +370,21 @@ mod tests {
     }
 
     #[test]
+    fn the_runtime_aid_names_the_session_and_the_working_directory() {
+        let meta = serde_json::json!({"fs_scope": {"root": "/srv/repo"}});
+        let aid = runtime_aid("s_1", None, fs_root(Some(&meta)));
+        assert!(
+            aid.starts_with("Your session id is s_1.\nWorking directory: /srv/repo\nFunction dispatch is entirely disabled"),
+            "{aid}"
+        );
+        assert_eq!(fs_root(Some(&serde_json::json!({"fs_scope": {}}))), None);
+        assert_eq!(
+            for_step(Some("ID"), "s_1", None, None).unwrap(),
+            format!("ID\n\n{}", runtime_aid("s_1", None, None))
+        );
+    }
+
+    #[test]
     fn the_identity_teaches_list_info_call() {
         let list = IDENTITY.find("engine::functions::list").unwrap();
         let info = IDENTITY.find("engine::functions::info").unwrap();
