@@ -43,6 +43,8 @@ pub(crate) struct PromptFields<'a> {
     pub agent: Option<&'a AgentProfile>,
     /// The skills the index lists (None = all).
     pub skills: Option<&'a [String]>,
+    /// The request field that named `skills`, for errors.
+    pub skills_field: &'a str,
 }
 
 impl Harness {
@@ -113,14 +115,17 @@ impl Harness {
 
     /// The skills index of a new session: every skill, or the ones `filter` names (each must
     /// exist). None when the directory is absent or has no skill.
-    async fn skills_index(&self, filter: Option<&[String]>) -> Result<Option<String>> {
+    async fn skills_index(&self, field: &str, filter: Option<&[String]>) -> Result<Option<String>> {
+        // A malformed skill file is the directory's fault, not the request's: named as such
+        // (with the file and field the directory gives), never skipped silently.
         let list: Option<SkillList> = self
             .call_optional("directory::skills::list", json!({}))
-            .await?;
+            .await
+            .map_err(|e| HarnessError::dependency(format!("the skills index: {}", e.message)))?;
         let Some(list) = list else {
             if filter.is_some_and(|f| !f.is_empty()) {
                 return Err(HarnessError::invalid_field(
-                    "options.skills",
+                    field,
                     "no directory is running (directory::skills::list is not registered)",
                 ));
             }
@@ -130,7 +135,7 @@ impl Harness {
         if let Some(names) = filter.filter(|f| !f.is_empty()) {
             if let Some(unknown) = names.iter().find(|n| !skills.iter().any(|s| &s.name == *n)) {
                 return Err(HarnessError::invalid_field(
-                    "options.skills",
+                    field,
                     format!("skill '{unknown}' is not in the directory"),
                 ));
             }
@@ -239,7 +244,7 @@ impl Harness {
                 (layers, vec![(base_label.0, base_label.1.to_string())])
             }
         };
-        layers.skills_index = self.skills_index(f.skills).await?;
+        layers.skills_index = self.skills_index(f.skills_field, f.skills).await?;
         if layers.skills_index.is_some() {
             labels.push((PromptLayerKind::SkillsIndex, "skills index".into()));
         }
@@ -278,7 +283,7 @@ impl Harness {
         let Some(mut layers) = Layers::split(text, shape) else {
             return Ok(None);
         };
-        layers.skills_index = self.skills_index(filter).await?;
+        layers.skills_index = self.skills_index("options.skills", filter).await?;
         Ok(Some(layers.compose()))
     }
 
@@ -324,6 +329,7 @@ impl Harness {
                         strategy: SystemPromptStrategy::Enrich,
                         agent: None,
                         skills: None,
+                        skills_field: "skills",
                     })
                     .await?;
                 (f.layers, f.stable_layers)
@@ -357,6 +363,7 @@ impl Harness {
             strategy: sel.system_prompt_strategy.unwrap_or_default(),
             agent: profile.as_ref(),
             skills: sel.skills.as_deref(),
+            skills_field: "selected_prompt.skills",
         })
         .await
     }

@@ -192,6 +192,7 @@ impl Harness {
                 strategy: o.system_prompt_strategy.unwrap_or_default(),
                 agent: profile.as_ref(),
                 skills: skills.as_deref(),
+                skills_field: "options.skills",
             })
             .await?;
         let options = TurnOptions {

@@ -387,6 +387,35 @@ async fn the_skills_index_lists_what_the_filter_names_and_stays_sticky() {
         err.contains("name: '../t.db' is not an entry name"),
         "{err}"
     );
+
+    let err = rt
+        .bus
+        .call(
+            "harness::system-prompt::get",
+            json!({"selected_prompt": {"skills": ["nope"]}}),
+            None,
+        )
+        .await
+        .unwrap_err()
+        .into_harness()
+        .to_string();
+    assert!(
+        err.contains("selected_prompt.skills: skill 'nope'"),
+        "{err}"
+    );
+
+    // A malformed skill file stops new sessions with the file and field named, as the
+    // directory's fault.
+    write(
+        dir.path(),
+        "skills/broken/SKILL.md",
+        "---\nname: broken\n---\nno description",
+    );
+    let err = rt.harness.send(send("hi")).await.unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "harness/dependency: the skills index: skills/broken/SKILL.md: description: missing: the skills index shows it"
+    );
 }
 
 #[tokio::test]
