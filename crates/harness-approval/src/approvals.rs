@@ -200,6 +200,36 @@ impl Approvals {
         Ok(ListResponse { approvals: out })
     }
 
+    /// Deletes decided and expired approvals decided at least `older_than_ms` ago (a row that
+    /// no longer parses goes too); pending ones always stay. A redelivered gate call finds its
+    /// decision for as long as the retention lasts, which outlives any step's redelivery.
+    pub async fn prune(&self, req: PruneRequest) -> Result<PruneResponse> {
+        let cutoff = now_ms().saturating_sub(i64::try_from(req.older_than_ms).unwrap_or(i64::MAX));
+        let mut pruned = 0;
+        for (key, v) in self.bus.state_list(SCOPE).await? {
+            let old = match serde_json::from_value::<ApprovalRecord>(v) {
+                Ok(rec) => {
+                    rec.status != ApprovalStatus::Pending
+                        && rec.decided_at.unwrap_or(rec.created_at) <= cutoff
+                }
+                Err(_) => true,
+            };
+            if !old {
+                continue;
+            }
+            let lock = self.lock_for(&key);
+            let out = match lock.try_lock() {
+                Ok(_guard) => self.bus.state_delete(SCOPE, &key).await.map(|_| true),
+                Err(_) => Ok(false), // being decided right now: not old
+            };
+            self.release(&key, lock);
+            if out? {
+                pruned += 1;
+            }
+        }
+        Ok(PruneResponse { pruned })
+    }
+
     /// Marks a pending approval expired (under its lock, re-reading it first).
     async fn expire(&self, id: &str) -> Result<()> {
         let lock = self.lock_for(id);

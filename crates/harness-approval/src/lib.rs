@@ -41,6 +41,7 @@ pub use types::*;
 pub const GATE: &str = "approval::gate";
 pub const LIST: &str = "approval::list";
 pub const DECIDE: &str = "approval::decide";
+pub const PRUNE: &str = "approval::prune";
 /// The hook point the gate is bound to.
 pub const PRE_TRIGGER: &str = "harness::hook::pre-trigger";
 /// State scope of the approval records, keyed by `approval_id`.
@@ -139,6 +140,15 @@ pub async fn install(
             }
             a.decide(req).await
         },
+    );
+    register(
+        bus.as_ref(),
+        FunctionDef::new(
+            PRUNE,
+            "Retention: delete decided and expired approvals decided at least older_than_ms ago (the loop's sweep calls it); pending ones stay.",
+        ),
+        &approvals,
+        |a, req: PruneRequest, _ctx| async move { a.prune(req).await },
     );
     ensure_binding(bus.as_ref(), functions).await?;
     Ok(approvals)

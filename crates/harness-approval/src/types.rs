@@ -130,3 +130,16 @@ pub struct DecideResponse {
     /// From `harness::function::resolve`: true when the parked turn runs again.
     pub turn_resumed: bool,
 }
+
+/// `approval::prune`: forget decided (or expired) approvals decided before a cutoff.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PruneRequest {
+    /// Approvals decided at least this long ago (ms) go; pending ones always stay.
+    pub older_than_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PruneResponse {
+    pub pruned: usize,
+}

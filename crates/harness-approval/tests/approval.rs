@@ -518,3 +518,59 @@ async fn a_binding_left_from_an_earlier_run_is_replaced_without_a_gap() {
     assert!(seen.lock().unwrap().is_empty());
     assert_eq!(rt.pending(&sid).await[0]["function_id"], "net::get");
 }
+
+#[tokio::test]
+async fn the_sweep_prunes_decided_approvals_and_fanout_marks_past_retention_only() {
+    let rt = runtime(
+        json!({"generations": [
+            call_gen("^write it", "c1", "fs::write", args()),
+            call_gen("^write again", "c2", "fs::write", args()),
+            text_gen("written"),
+        ]}),
+        &["fs::*"],
+    )
+    .await;
+    rt.target("fs::write");
+    let (sid, tid) = rt.send(send_allowing("write it", None)).await;
+    rt.wait_status(&sid, TurnStatus::AwaitingFunctions).await;
+    // A binding on turn-completed makes the finalizer write a fan-out mark.
+    rt.target("obs::seen");
+    rt.ok(
+        "engine::register_trigger",
+        json!({"trigger_type": "harness::turn-completed", "function_id": "obs::seen", "config": {}}),
+    )
+    .await;
+    let a = rt.pending(&sid).await.remove(0);
+    rt.ok("approval::decide", decide(&a, "deny", None)).await;
+    rt.wait_terminal(&sid, &tid).await;
+    // A second turn parks on a new approval that nobody decides.
+    let (sid2, _) = rt.send(send_allowing("write again", None)).await;
+    rt.wait_status(&sid2, TurnStatus::AwaitingFunctions).await;
+    let rows = |scope: &'static str| {
+        let shared = rt.shared.clone();
+        async move { shared.state_list(scope).await.unwrap().len() }
+    };
+    assert_eq!(rows("approvals").await, 2);
+    assert_eq!(rows("harness_fanout").await, 1);
+
+    // Within the retention window (the default day) the sweep keeps everything.
+    rt.ok("harness::sweep-pending", json!({})).await;
+    assert_eq!(rows("approvals").await, 2);
+    assert_eq!(rows("harness_fanout").await, 1);
+
+    // Past it, the decided approval and the mark go; the pending approval stays.
+    rt.harness
+        .reconfigure(harness_core::HarnessConfig {
+            idem_ttl_secs: 0,
+            stream_coalesce_ms: 0,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    rt.ok("harness::sweep-pending", json!({})).await;
+    assert_eq!(rows("harness_fanout").await, 0);
+    let left = rt.shared.state_list("approvals").await.unwrap();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].1["status"], "pending");
+    assert_eq!(left[0].1["session_id"], sid2);
+}

@@ -165,6 +165,7 @@ const EXPECTED: &str = "
 approval::decide wall wall wall run
 approval::gate wall wall wall run
 approval::list wall wall wall run
+approval::prune wall wall wall run
 directory::agents::get run run run run
 directory::agents::list run run run run
 directory::skills::get run run run run
@@ -177,12 +178,15 @@ engine::registered-triggers::list wall wall wall run
 engine::triggers::list run run run run
 engine::unregister_trigger wall wall wall run
 harness::ask run run run run
+harness::delete-session-tree wall wall wall run
+harness::delete-session-tree-status wall wall wall run
 harness::function::resolve wall wall wall run
 harness::function::trigger wall wall wall run
 harness::metrics wall wall wall run
 harness::on-config-change wall wall wall run
 harness::on-functions-change wall wall wall run
 harness::send wall wall wall run
+harness::session-deletion-step wall wall wall run
 harness::session-tree wall wall wall run
 harness::spawn run policy run run
 harness::status args args args run
@@ -198,6 +202,7 @@ router::models::supports run run run run
 session::append args args args run
 session::changes args args args run
 session::create wall wall wall run
+session::delete wall wall wall run
 session::ensure args args args run
 session::get args args args run
 session::list wall wall wall run

@@ -94,7 +94,7 @@ pub(crate) fn check(
     Ok(())
 }
 
-fn scope(ledger: &str) -> String {
+pub(crate) fn scope(ledger: &str) -> String {
     format!("harness_budget:{ledger}")
 }
 

@@ -61,8 +61,8 @@ pub struct HarnessConfig {
     pub idem_ttl_secs: u64,
     /// Budget of one `context::assemble`.
     pub context_timeout_ms: u64,
-    /// The dispatch policy of parentless spawns and agent-profile sends that name none;
-    /// `null` denies every call.
+    /// The dispatch policy of parentless spawns (and agent-profile sends) that name none;
+    /// `null`, the default, denies every call.
     pub default_functions: Option<FunctionPolicy>,
     /// Filesystem root stamped on new sessions: `null` = the working directory at boot,
     /// `"off"` = none, anything else = that path.
@@ -145,10 +145,8 @@ impl Default for HarnessConfig {
             max_validation_retries: 2,
             idem_ttl_secs: 86_400,
             context_timeout_ms: 320_000,
-            default_functions: Some(FunctionPolicy {
-                allow: vec!["*".into()],
-                ..FunctionPolicy::default()
-            }),
+            // Deny-by-default holds here too: an operator opts parentless spawns into a policy.
+            default_functions: None,
             default_filesystem_root: None,
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
             directory_path: None,
@@ -177,11 +175,17 @@ mod tests {
     }
 
     #[test]
-    fn null_default_functions_means_deny_all_and_absent_means_allow_all() {
+    fn default_functions_is_deny_all_unless_an_operator_names_a_policy() {
         let c = HarnessConfig::from_value(json!({"default_functions": null})).unwrap();
         assert!(c.default_functions.is_none());
         let c = HarnessConfig::from_value(json!({})).unwrap();
-        assert_eq!(c.default_functions.unwrap().allow, vec!["*".to_string()]);
+        assert!(c.default_functions.is_none());
+        let c =
+            HarnessConfig::from_value(json!({"default_functions": {"allow": ["fs::*"]}})).unwrap();
+        assert_eq!(
+            c.default_functions.unwrap().allow,
+            vec!["fs::*".to_string()]
+        );
     }
 
     #[test]

@@ -159,6 +159,9 @@ impl Harness {
         if let Err(e) = self.prune_idempotency().await {
             tracing::warn!("idempotency prune failed: {e}");
         }
+        if let Err(e) = self.prune_scratch().await {
+            tracing::warn!("scratch prune failed: {e}");
+        }
         let records = self
             .inner
             .bus

@@ -32,6 +32,19 @@ impl Harness {
         parent: Option<&str>,
         payload: Value,
     ) -> Result<()> {
+        let filter = |config: &Value| admits(config, session_id, parent);
+        self.emit_filtered(topic, dedupe_key, payload, &filter)
+            .await
+    }
+
+    /// Records an event and delivers it to the bindings of `topic` whose config `admits` it.
+    pub(crate) async fn emit_filtered(
+        &self,
+        topic: &str,
+        dedupe_key: String,
+        payload: Value,
+        admits: &(dyn Fn(&Value) -> bool + Sync),
+    ) -> Result<()> {
         self.inner
             .bus
             .publish(topic, payload.clone(), Some(dedupe_key.clone()))
@@ -44,10 +57,7 @@ impl Harness {
                 return Ok(());
             }
         };
-        let admitted: Vec<_> = bindings
-            .into_iter()
-            .filter(|b| admits(&b.config, session_id, parent))
-            .collect();
+        let admitted: Vec<_> = bindings.into_iter().filter(|b| admits(&b.config)).collect();
         if admitted.is_empty() {
             return Ok(());
         }
@@ -75,6 +85,30 @@ impl Harness {
             bus.call_void(&b.function_id, payload.clone()).await;
         }
         Ok(())
+    }
+
+    /// Deletes fan-out marks older than `older_than_ms`: a step redelivered that late is long
+    /// gone, and the event log keeps its own dedupe. Returns how many went.
+    pub(crate) async fn prune_fanout(&self, older_than_ms: i64) -> Result<usize> {
+        let cutoff = harness_types::now_ms().saturating_sub(older_than_ms);
+        let bus = &self.inner.bus;
+        let mut pruned = 0;
+        for (key, v) in bus
+            .state_list(FANOUT_SCOPE)
+            .await
+            .map_err(|e| e.into_harness())?
+        {
+            if v.get("at")
+                .and_then(Value::as_i64)
+                .is_none_or(|at| at <= cutoff)
+            {
+                bus.state_delete(FANOUT_SCOPE, &key)
+                    .await
+                    .map_err(|e| e.into_harness())?;
+                pruned += 1;
+            }
+        }
+        Ok(pruned)
     }
 
     pub(crate) async fn emit_turn_started(&self, ev: TurnStartedEvent) -> Result<()> {

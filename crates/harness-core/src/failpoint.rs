@@ -17,6 +17,8 @@ pub const POINTS: &[&str] = &[
     "after_call_done",
     "after_advance_persisted",
     "after_finalize_persisted",
+    // A session tree deletion, after one member is deleted and before its progress is saved.
+    "after_member_deleted",
 ];
 
 struct Armed {

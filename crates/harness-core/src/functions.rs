@@ -140,6 +140,31 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::delete-session-tree",
+            "Delete a session and every sub-agent session under it (its parent and siblings stay): cancels every member, waits for their turns to end, tells the surviving parent once, deletes child-first. Answers at once with the operation; follow harness::session-tree-deletion or poll harness::delete-session-tree-status. A failed attempt n is retried with attempt n+1.",
+        ),
+        |h, req: DeleteTreeRequest| async move { h.delete_session_tree(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::delete-session-tree-status",
+            "The state of a session tree deletion by operation id.",
+        ),
+        |h, req: DeleteTreeStatusRequest| async move { h.delete_session_tree_status(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::session-deletion-step",
+            "Internal durable deletion step (enqueued onto the harness-session-deletion queue); not called directly.",
+        )
+        .internal(),
+        |h, req: crate::deletion::DeletionStep| async move { h.run_deletion(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::stop",
             "Request cancellation of an in-flight turn.",
         ),
@@ -223,6 +248,16 @@ pub fn register(h: &Harness) {
             Ok(OkResponse { ok: true })
         },
     );
+    h.bus().register_trigger_type(TriggerTypeDef {
+        id: topics::SESSION_TREE_DELETION.into(),
+        description: "A session tree deletion changed state (deleting, then completed or failed); correlate by operation_id and attempt.".into(),
+        config_schema: schema::<DeletionEventFilter>(),
+        validate: Some(Arc::new(|config: &Value| {
+            serde_json::from_value::<DeletionEventFilter>(config.clone())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })),
+    });
     for t in crate::hooks::trigger_types() {
         h.bus().register_trigger_type(t);
     }

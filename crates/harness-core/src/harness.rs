@@ -283,9 +283,28 @@ impl Harness {
             .map_err(|e| {
                 HarnessError::dependency(format!("cannot ensure the {TURN_QUEUE} queue: {e}"))
             })?;
+        self.inner
+            .bus
+            .define_queue(QueueDef {
+                queue: crate::DELETION_QUEUE.into(),
+                message_group_field: "operation_id".into(),
+                concurrency: 2,
+                max_retries: 3,
+                backoff_ms: 1000,
+                // A step waits up to its attempt's deadline (120 s) for turns to end.
+                visibility_timeout_ms: 180_000,
+            })
+            .await
+            .map_err(|e| {
+                HarnessError::dependency(format!(
+                    "cannot ensure the {} queue: {e}",
+                    crate::DELETION_QUEUE
+                ))
+            })?;
         self.ensure_sweep().await?;
         self.follow_registry().await;
         self.redrive_running().await?;
+        self.redrive_deletions().await?;
         // Settle what a crash may have left waiting (children that ended, expired calls).
         self.sweep_pending(Default::default()).await.map(|_| ())
     }
@@ -620,6 +639,15 @@ impl Harness {
                 .put(session_id, mark, entries.clone());
         }
         Ok(entries)
+    }
+
+    /// Drops this process's copy of a session's transcript (the session is gone).
+    pub(crate) fn forget_transcript(&self, session_id: &str) {
+        self.inner
+            .transcripts
+            .lock()
+            .expect("transcripts lock")
+            .take(session_id);
     }
 
     /// Every entry, paging through `session::messages` (the whole history, every time).

@@ -14,6 +14,7 @@ mod ask;
 mod budget;
 mod config;
 mod deferred;
+mod deletion;
 mod dispatch;
 mod events;
 pub mod failpoint;
@@ -37,6 +38,7 @@ mod stream;
 mod tree;
 
 pub use config::{CallReconciliation, ConfigError, HarnessConfig};
+pub use deletion::DELETION_QUEUE;
 pub use dispatch::{model_verdict, wall};
 pub use functions::register;
 pub use harness::Harness;
@@ -59,4 +61,5 @@ pub mod topics {
     pub const TURN_STARTED: &str = "harness::turn-started";
     pub const TURN_COMPLETED: &str = "harness::turn-completed";
     pub const MESSAGE_QUEUED: &str = "harness::message-queued";
+    pub const SESSION_TREE_DELETION: &str = "harness::session-tree-deletion";
 }

@@ -177,6 +177,7 @@ impl Harness {
             }
         };
         let default_turns = self.config().default_max_turns;
+        let default_functions = self.config().default_functions.clone();
         let max_turns = match parent {
             Some((p, _)) => o
                 .max_turns
@@ -214,7 +215,11 @@ impl Harness {
             budget: parent_opts.and_then(|p| p.budget.clone()),
             functions: child_policy(
                 parent_opts.and_then(|p| p.functions.as_ref()),
-                o.functions.as_ref(),
+                // A parentless spawn that names no policy gets the operator's baseline.
+                o.functions.as_ref().or(match parent {
+                    None => default_functions.as_ref(),
+                    Some(_) => None,
+                }),
                 o.orchestrator == Some(true),
                 parent.is_none(),
             ),

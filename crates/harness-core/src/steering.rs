@@ -23,7 +23,7 @@ pub(crate) struct QueuedMessage {
     pub queued_at: i64,
 }
 
-fn scope(session_id: &str) -> String {
+pub(crate) fn scope(session_id: &str) -> String {
     format!("harness_queue:{session_id}")
 }
 

@@ -65,7 +65,7 @@ impl Harness {
     }
 
     /// The tree rooted at a session, depth first (the root first), and every session by id.
-    async fn tree_ids(
+    pub(crate) async fn tree_ids(
         &self,
         root: &str,
     ) -> Result<(

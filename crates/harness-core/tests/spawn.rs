@@ -255,6 +255,40 @@ async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
 }
 
 #[tokio::test]
+async fn a_direct_spawn_naming_no_policy_gets_the_configured_baseline_walled() {
+    let rt = runtime(
+        json!({"generations": [text(None, "child says hi", 0)]}),
+        HarnessConfig {
+            default_functions: Some(FunctionPolicy {
+                allow: vec!["math::*".into(), "harness::spawn".into()],
+                deny: vec![],
+                expose: ExposeMode::Native,
+            }),
+            ..config()
+        },
+    )
+    .await;
+    rt.register("math::add", None, |_| json!(3));
+    use harness_bus::Bus;
+    let out = rt
+        .bus
+        .call(
+            "harness::spawn",
+            json!({"task": "hello", "model": "m", "provider": "scripted"}),
+            None,
+        )
+        .await
+        .unwrap();
+    let out: harness_types::api::SpawnResponse = serde_json::from_value(out).unwrap();
+    rt.wait_terminal(&out.child_session_id, &out.child_turn_id)
+        .await;
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let tools: Vec<&str> = seen[0].tools.iter().map(|t| t.name.as_str()).collect();
+    // The baseline's spawn is walled off: a child that is no orchestrator is a leaf.
+    assert_eq!(tools, ["math::add"], "the baseline, walled");
+}
+
+#[tokio::test]
 async fn stop_closes_every_open_call_of_a_turn_parked_on_two_children_and_a_hold() {
     use harness_bus::{Bus, CallContext, FunctionDef};
     use std::sync::Arc;

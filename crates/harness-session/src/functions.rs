@@ -49,7 +49,7 @@ fn register_one<Req, Resp, F, Fut>(
 }
 
 /// Registers `session::create`, `ensure`, `get`, `append`, `update-message`, `messages`,
-/// `changes`, `set-status` and `list` on `bus`.
+/// `changes`, `set-status`, `delete` and `list` on `bus`.
 pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
     register_one(
         bus,
@@ -106,6 +106,13 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
         "session::set-status",
         "Set the coarse session status (idle|working|done|error).",
         |s, req: SetStatusRequest| async move { Ok(s.set_status(req).await?) },
+    );
+    register_one(
+        bus,
+        sessions,
+        "session::delete",
+        "Delete a session and its transcript; deleted=false when there was no such session.",
+        |s, req: DeleteRequest| async move { Ok(s.delete(req).await?) },
     );
     register_one(
         bus,

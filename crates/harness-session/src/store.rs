@@ -534,6 +534,35 @@ impl SessionStore {
         Ok(self.notified(response))
     }
 
+    /// Deletes a session and every entry of it in one transaction; `deleted` is false when
+    /// there was no such session, so a repeated delete (a redelivered deletion step) is a no-op.
+    /// The session's events stay in the log: they are history, and a reader resuming the event
+    /// stream must not find a hole.
+    pub async fn delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
+        let response = self
+            .store
+            .write(move |conn| {
+                if meta_in(conn, &req.session_id)?.is_none() {
+                    return Ok((DeleteResponse { deleted: false }, None));
+                }
+                conn.prepare_cached("DELETE FROM entries WHERE session_id = ?1")?
+                    .execute(params![req.session_id])?;
+                conn.prepare_cached("DELETE FROM sessions WHERE session_id = ?1")?
+                    .execute(params![req.session_id])?;
+                let event = insert_event_in(
+                    conn,
+                    Some(&req.session_id),
+                    topics::DELETED,
+                    &json!({"session_id": req.session_id}),
+                    None,
+                )?;
+                Ok((DeleteResponse { deleted: true }, event))
+            })
+            .await
+            .map_err(lower)?;
+        Ok(self.notified(response))
+    }
+
     pub fn list(&self, req: &ListRequest) -> Result<ListResponse> {
         let limit = req.limit.unwrap_or(100).clamp(1, MAX_PAGE);
         let after = req.cursor.clone().unwrap_or_default();

@@ -688,3 +688,54 @@ pub struct SystemPromptGetResponse {
     #[serde(default)]
     pub surface_digest: Option<String>,
 }
+
+/// `harness::delete-session-tree`: delete a session and every sub-agent session under it.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteTreeRequest {
+    /// The root of the subtree; its parent and siblings stay.
+    pub session_id: String,
+    /// Which attempt this request is: 1 (the default) for the first; after a failed attempt n,
+    /// exactly n + 1 retries it. A repeat of a running or completed deletion returns it as is.
+    #[serde(default)]
+    pub attempt: Option<u32>,
+}
+
+/// `harness::delete-session-tree-status`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteTreeStatusRequest {
+    pub operation_id: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DeletionStatus {
+    Deleting,
+    Completed,
+    Failed,
+}
+
+/// A subtree deletion as its callers see it (the response, the status and the event payload).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DeletionSnapshot {
+    /// `delete_<sha256 hex of the root session id>`: one operation per root, ever.
+    pub operation_id: String,
+    pub attempt: u32,
+    pub session_id: String,
+    pub status: DeletionStatus,
+    /// Sessions deleted so far, children before their parents.
+    pub deleted_session_ids: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Filter of a `harness::session-tree-deletion` binding.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeletionEventFilter {
+    #[serde(default)]
+    pub session_id: Option<String>,
+    #[serde(default)]
+    pub operation_id: Option<String>,
+}

@@ -224,3 +224,16 @@ pub struct ListResponse {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_cursor: Option<String>,
 }
+
+/// `session::delete`: removes a session and its whole transcript.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteRequest {
+    pub session_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct DeleteResponse {
+    /// False when there was no such session (a repeated delete).
+    pub deleted: bool,
+}

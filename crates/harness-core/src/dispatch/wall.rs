@@ -37,6 +37,8 @@ pub fn operator_only(function_id: &str) -> bool {
                 // Sessions are created by spawns; the list is every tree's.
                 | "session::list"
                 | "session::create"
+                // Deleting goes through harness::delete-session-tree (cancel, wait, clean up).
+                | "session::delete"
                 // The loop's own generations: aborting one cuts another session's turn, and a
                 // model calling a model bypasses the turn's budget and record.
                 | "router::chat"

@@ -1,0 +1,302 @@
+//! `harness::delete-session-tree`: cancel, wait, tell the parent, delete child-first; tombstones,
+//! idempotent repeats, failed attempts kept and retried under the next attempt number.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use harness_bus::Bus;
+use harness_types::api::{
+    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionSnapshot, DeletionStatus, ExposeMode,
+    FunctionPolicy, SendOptions, SessionTreeRequest, TurnStatus,
+};
+use serde_json::{json, Value};
+use support::*;
+
+fn spawn_gen(matcher: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": "s1", "function_id": "harness::spawn", "arguments": arguments}]})
+}
+
+fn text(matcher: Option<&str>, text: &str, chunk_delay_ms: u64) -> Value {
+    let mut g = json!({"repeat": true, "chunk_delay_ms": chunk_delay_ms, "content": [{"type": "text", "text": text}]});
+    if let Some(m) = matcher {
+        g["match"] = json!({ "last_user_text": m });
+    }
+    g
+}
+
+fn orchestrating(message: &str) -> harness_types::api::SendRequest {
+    let mut req = send(message);
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: vec!["harness::spawn".into()],
+            deny: vec![],
+            expose: ExposeMode::Native,
+        }),
+        ..Default::default()
+    });
+    req
+}
+
+fn delete(session_id: &str, attempt: Option<u32>) -> DeleteTreeRequest {
+    DeleteTreeRequest {
+        session_id: session_id.into(),
+        attempt,
+    }
+}
+
+async fn children(rt: &Rt, session_id: &str) -> Vec<String> {
+    rt.harness
+        .session_tree(SessionTreeRequest {
+            session_id: session_id.into(),
+        })
+        .await
+        .unwrap()
+        .children
+        .into_iter()
+        .map(|c| c.session_id)
+        .collect()
+}
+
+async fn wait_done(rt: &Rt, operation_id: &str) -> DeletionSnapshot {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = rt
+            .harness
+            .delete_session_tree_status(DeleteTreeStatusRequest {
+                operation_id: operation_id.into(),
+            })
+            .await
+            .unwrap();
+        if s.status != DeletionStatus::Deleting {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "deletion never ended: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn session_exists(rt: &Rt, session_id: &str) -> bool {
+    rt.sessions.get(session_id).unwrap().is_some()
+}
+
+#[tokio::test]
+async fn deleting_a_finished_child_tells_the_parent_once_and_tombstones_the_id() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
+            text(Some("^find flights"), "Flight AB123 at 9:00", 0),
+            text(None, "Booked: AB123", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt
+        .harness
+        .send(orchestrating("plan the trip"))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let kids = children(&rt, &r.session_id).await;
+    assert_eq!(kids.len(), 1);
+    let child = &kids[0];
+
+    let first = rt
+        .harness
+        .delete_session_tree(delete(child, None))
+        .await
+        .unwrap();
+    assert_eq!(first.attempt, 1);
+    assert_eq!(first.session_id, *child);
+    assert!(first.operation_id.starts_with("delete_"));
+    let done = wait_done(&rt, &first.operation_id).await;
+    assert_eq!(done.status, DeletionStatus::Completed, "{done:?}");
+    assert_eq!(done.deleted_session_ids, vec![child.clone()]);
+    assert!(!session_exists(&rt, child));
+    assert!(rt.status(child).await.is_none(), "the turn record went too");
+    assert!(session_exists(&rt, &r.session_id), "the parent stays");
+    assert!(children(&rt, &r.session_id).await.is_empty());
+
+    // The parent reads one message about it, and its turn was not restarted.
+    let notes: Vec<String> = rt
+        .messages(&r.session_id)
+        .into_iter()
+        .filter(|(role, t)| role == "user" && t.contains("deleted sub-agent session"))
+        .map(|(_, t)| t)
+        .collect();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].contains(child.as_str()));
+    assert_eq!(
+        rt.status(&r.session_id).await.unwrap().turn_id.as_deref(),
+        Some(r.turn_id.as_str())
+    );
+
+    // A repeat returns the same operation; a wrong attempt is refused by name.
+    let again = rt
+        .harness
+        .delete_session_tree(delete(child, None))
+        .await
+        .unwrap();
+    assert_eq!(again, done);
+    let e = rt
+        .harness
+        .delete_session_tree(delete(child, Some(2)))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("attempt"), "{e}");
+    let notes_after = rt
+        .messages(&r.session_id)
+        .into_iter()
+        .filter(|(_, t)| t.contains("deleted sub-agent session"))
+        .count();
+    assert_eq!(notes_after, 1, "a repeat tells the parent nothing new");
+
+    // The id is not reusable.
+    let mut reuse = send("hello again");
+    reuse.session_id = Some(child.clone());
+    let e = rt.harness.send(reuse).await.unwrap_err();
+    assert!(e.to_string().contains("session_id: session"), "{e}");
+    assert!(e.to_string().contains("not reusable"), "{e}");
+
+    // The event log has the snapshot, deleting then completed.
+    let statuses: Vec<String> = rt
+        .topics(child)
+        .into_iter()
+        .filter(|(t, _)| t == "harness::session-tree-deletion")
+        .map(|(_, p)| p["status"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(statuses, ["deleting", "completed"]);
+}
+
+#[tokio::test]
+async fn deleting_a_running_tree_cancels_every_member_and_deletes_children_first() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
+            // The child streams slowly: the parent is parked on it when the deletion comes.
+            text(Some("^find flights"), &"slow ".repeat(400), 20),
+            text(None, "Booked", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt
+        .harness
+        .send(orchestrating("plan the trip"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let child = loop {
+        if let Some(c) = children(&rt, &r.session_id).await.into_iter().next() {
+            if rt
+                .status(&c)
+                .await
+                .is_some_and(|s| s.status == TurnStatus::Running)
+            {
+                break c;
+            }
+        }
+        assert!(Instant::now() < deadline, "the child never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let op = rt
+        .harness
+        .delete_session_tree(delete(&r.session_id, None))
+        .await
+        .unwrap();
+    // Admission closed at once: nothing new reaches a member.
+    let mut late = send("one more thing");
+    late.session_id = Some(child.clone());
+    assert!(rt.harness.send(late).await.is_err());
+
+    let done = wait_done(&rt, &op.operation_id).await;
+    assert_eq!(done.status, DeletionStatus::Completed, "{done:?}");
+    assert_eq!(
+        done.deleted_session_ids,
+        vec![child.clone(), r.session_id.clone()],
+        "children before their parents"
+    );
+    assert!(!session_exists(&rt, &child));
+    assert!(!session_exists(&rt, &r.session_id));
+    assert!(rt.status(&r.session_id).await.is_none());
+}
+
+#[tokio::test]
+async fn a_failed_attempt_keeps_the_data_and_is_retried_under_the_next_attempt() {
+    let rt = runtime(json!({"generations": [text(None, "hi", 0)]}), config()).await;
+    let r = rt.harness.send(send("hello")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+
+    // The transcript store refuses to confirm the delete: the attempt fails, data kept.
+    rt.register("session::delete", None, |_| json!({"gone": "maybe"}));
+    let op = rt
+        .harness
+        .delete_session_tree(delete(&r.session_id, None))
+        .await
+        .unwrap();
+    let failed = wait_done(&rt, &op.operation_id).await;
+    assert_eq!(failed.status, DeletionStatus::Failed);
+    assert!(
+        failed
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .contains("did not confirm"),
+        "{failed:?}"
+    );
+    assert!(failed.deleted_session_ids.is_empty());
+    assert!(session_exists(&rt, &r.session_id), "fail closed: data kept");
+
+    // A retry must name the next attempt.
+    let e = rt
+        .harness
+        .delete_session_tree(delete(&r.session_id, None))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("retry with attempt 2"), "{e}");
+    harness_session::register(&rt.bus, &rt.sessions);
+    let retry = rt
+        .harness
+        .delete_session_tree(delete(&r.session_id, Some(2)))
+        .await
+        .unwrap();
+    assert_eq!(retry.attempt, 2);
+    let done = wait_done(&rt, &op.operation_id).await;
+    assert_eq!(done.status, DeletionStatus::Completed, "{done:?}");
+    assert_eq!(done.attempt, 2);
+    assert!(!session_exists(&rt, &r.session_id));
+}
+
+#[tokio::test]
+async fn bad_requests_name_their_field() {
+    let rt = runtime(json!({"generations": [text(None, "hi", 0)]}), config()).await;
+    let e = rt
+        .harness
+        .delete_session_tree(delete("nobody", None))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("session_id: unknown session"), "{e}");
+    let e = rt
+        .harness
+        .delete_session_tree(delete("", None))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("session_id"), "{e}");
+    let e = rt
+        .harness
+        .delete_session_tree(delete("x", Some(0)))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("attempt"), "{e}");
+    let e = rt
+        .bus
+        .call(
+            "harness::delete-session-tree",
+            json!({"session_id": "x", "force": true}),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("force"), "{e}");
+}

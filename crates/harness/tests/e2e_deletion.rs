@@ -1,0 +1,119 @@
+//! A session tree deletion killed half-way (SIGKILL of `harness serve` right after one member was
+//! deleted) resumes on restart: every member deleted once, children first, nothing left behind.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn two_spawns() -> Value {
+    json!({"match": {"last_user_text": "^plan the trip"},
+    "content": [
+        {"type": "function_call", "id": "s1", "function_id": "harness::spawn", "arguments": {"task": "find flights to Oslo"}},
+        {"type": "function_call", "id": "s2", "function_id": "harness::spawn", "arguments": {"task": "find hotels in Oslo"}}
+    ]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_killed_between_two_members_resumes_and_deletes_each_once() {
+    let script = script(vec![
+        two_spawns(),
+        text_gen(Some("^find flights"), "Flight AB123", 0, true),
+        text_gen(Some("^find hotels"), "Hotel Fjord", 0, true),
+        text_gen(None, "Booked", 0, true),
+    ]);
+    let mut server = Server::start(&script, &[]).await;
+    let root = "s_trip";
+    server
+        .ok(
+            "harness::send",
+            json!({"session_id": root, "message": "plan the trip", "model": "m", "provider": "scripted",
+                   "options": {"functions": {"allow": ["harness::spawn"], "expose": "native"}}}),
+        )
+        .await;
+    wait_for("the trip to be planned", WAIT, || async {
+        let s = server.status(root).await;
+        (!s.is_null() && is_terminal(&s)).then_some(s)
+    })
+    .await;
+    let tree = server
+        .ok("harness::session-tree", json!({"session_id": root}))
+        .await;
+    let mut members: Vec<String> = tree["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["session_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(members.len(), 2, "{tree}");
+    members.push(root.to_string());
+
+    // Kill the process right after the second member is deleted, before that is recorded.
+    server.kill();
+    server.set_env("HARNESS_FAILPOINT", Some("after_member_deleted:2"));
+    server.start_again().await;
+    let op = server
+        .ok("harness::delete-session-tree", json!({"session_id": root}))
+        .await;
+    assert_eq!(op["status"], "deleting", "{op}");
+    assert_eq!(op["attempt"], 1);
+    let operation_id = op["operation_id"].as_str().unwrap().to_string();
+    wait_for("the failpoint to kill the server", WAIT, || {
+        let dead = server.exited();
+        async move { dead.then_some(()) }
+    })
+    .await;
+    assert!(
+        server
+            .log()
+            .contains("failpoint after_member_deleted: killing the process"),
+        "the process died at the failpoint:\n{}",
+        server.log()
+    );
+
+    server.set_env("HARNESS_FAILPOINT", None);
+    server.start_again().await;
+    let done = wait_for("the deletion to end", WAIT, || async {
+        let s = server
+            .ok(
+                "harness::delete-session-tree-status",
+                json!({"operation_id": operation_id}),
+            )
+            .await;
+        (s["status"] != "deleting").then_some(s)
+    })
+    .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["attempt"], 1, "a resumed attempt keeps its number");
+    let deleted: Vec<String> = done["deleted_session_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(deleted.len(), 3, "each member once: {deleted:?}");
+    assert_eq!(
+        deleted.last().map(String::as_str),
+        Some(root),
+        "the root last"
+    );
+    for m in &members {
+        assert!(deleted.contains(m), "{m} missing from {deleted:?}");
+        let got = server.ok("session::get", json!({"session_id": m})).await;
+        assert!(got.is_null(), "{m} still there: {got}");
+        assert!(server.status(m).await.is_null(), "{m}'s turn record");
+    }
+    // The ids stay taken.
+    let e = server
+        .err(
+            "harness::send",
+            json!({"session_id": root, "message": "hello", "model": "m", "provider": "scripted"}),
+        )
+        .await;
+    assert!(e.message.contains("not reusable"), "{}", e.message);
+    // A repeat after the restart is the same completed operation.
+    let again = server
+        .ok("harness::delete-session-tree", json!({"session_id": root}))
+        .await;
+    assert_eq!(again, done);
+}
