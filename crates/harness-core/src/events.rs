@@ -50,6 +50,18 @@ impl Harness {
             .publish(topic, payload.clone(), Some(dedupe_key.clone()))
             .await
             .map_err(|e| e.into_harness())?;
+        self.fan_out(topic, dedupe_key, payload, admits).await
+    }
+
+    /// The deliveries of an event already recorded (for instance in a step's batch): to the
+    /// bindings of `topic` whose config `admits` it, once per dedupe key.
+    pub(crate) async fn fan_out(
+        &self,
+        topic: &str,
+        dedupe_key: String,
+        payload: Value,
+        admits: &(dyn Fn(&Value) -> bool + Sync),
+    ) -> Result<()> {
         let bindings = match self.inner.bus.bindings(topic).await {
             Ok(b) => b,
             Err(e) => {
@@ -126,19 +138,26 @@ impl Harness {
         .await
     }
 
-    pub(crate) async fn emit_turn_completed(&self, ev: TurnCompletedEvent) -> Result<()> {
+    /// `harness::turn-completed` as a write of `batch`; the fan-out runs once the batch is
+    /// committed ([`Harness::fan_out_turn_completed`]).
+    pub(crate) fn record_turn_completed(
+        &self,
+        batch: &mut crate::harness::StepWrites,
+        ev: &TurnCompletedEvent,
+    ) {
+        let key = format!("{}:{}", topics::TURN_COMPLETED, ev.turn_id);
+        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
+        batch.publish(topics::TURN_COMPLETED, payload, Some(key));
+    }
+
+    pub(crate) async fn fan_out_turn_completed(&self, ev: TurnCompletedEvent) -> Result<()> {
         let key = format!("{}:{}", topics::TURN_COMPLETED, ev.turn_id);
         let session_id = ev.session_id.clone();
         let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
         let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        self.emit(
-            topics::TURN_COMPLETED,
-            key,
-            &session_id,
-            parent.as_deref(),
-            payload,
-        )
-        .await
+        let filter = |config: &Value| admits(config, &session_id, parent.as_deref());
+        self.fan_out(topics::TURN_COMPLETED, key, payload, &filter)
+            .await
     }
 }
 

@@ -10,7 +10,7 @@ use harness_types::session::SessionStatus;
 use harness_types::{ids, now_ms};
 use serde_json::json;
 
-use crate::harness::{Harness, Result};
+use crate::harness::{Harness, Result, StepWrites};
 use crate::machine::{self, Input, Seed};
 use crate::record::{Failure, FailurePhase, TurnRecord};
 
@@ -19,11 +19,18 @@ impl Harness {
     pub(crate) async fn finalize(&self, rec: &mut TurnRecord) -> Result<()> {
         // Steering rows still parked are delivered to the transcript; never dropped.
         let drained = self.drain_queue(&rec.session_id, &rec.turn_id).await?;
-        self.terminal_records(rec).await?;
-        self.save_record(rec).await?;
+        // The reason, the terminal record, the session status and the event go as one batch:
+        // on the embedded bus one transaction, elsewhere in this order (each idempotent, and a
+        // redelivered step that finds the record terminal repeats what follows it).
+        let mut batch = StepWrites::default();
+        terminal_records(&mut batch, rec)?;
+        batch.save_record(rec)?;
+        let event = after_terminal(&mut batch, rec)?;
+        self.record_turn_completed(&mut batch, &event);
+        self.commit(batch).await?;
         crate::failpoint::hit("after_finalize_persisted");
         self.clear_signal(&rec.turn_id);
-        self.after_terminal(rec).await?;
+        self.fan_out_turn_completed(event).await?;
         self.answer_parent(rec).await;
         // A send that parked its message just before the terminal write saw a running turn and
         // answered `merged`: drain again so it is never stranded.
@@ -35,83 +42,15 @@ impl Harness {
         Ok(())
     }
 
-    /// The durable record of why a turn ended (error record, stop notice). Written before the
-    /// terminal status, so whoever sees the status can read the reason; idempotent.
     /// For a redelivered step that finds its record terminal: a crash may have cut the side
-    /// effects short, so they run again (each is idempotent).
+    /// effects short (on a bus without transactions), so they run again (each is idempotent).
     pub(crate) async fn repeat_terminal_effects(&self, rec: &TurnRecord) -> Result<()> {
-        self.terminal_records(rec).await?;
-        self.after_terminal(rec).await
-    }
-
-    async fn terminal_records(&self, rec: &TurnRecord) -> Result<()> {
-        let sid = &rec.session_id;
-        match rec.status {
-            TurnStatus::Failed => {
-                let f = failure_of(rec);
-                self.append_custom(
-                    sid,
-                    ids::error_entry(&rec.turn_id),
-                    "error",
-                    json!({"status": "error", "summary": f.summary, "code": f.code, "phase": f.phase,
-                           "class": f.kind.map(|k| format!("llm.{}", k.as_str())), "detail": f.detail,
-                           "retryable": f.retryable, "model": rec.options.model, "provider": rec.options.provider,
-                           "partial_result_available": rec.result.is_some(),
-                           "recovery": {"attempted": rec.transient_resumes > 0, "max_attempts": rec.options.max_transient_resumes,
-                                        "outcome": if rec.transient_resumes > 0 { "exhausted" } else { "not_attempted" }},
-                           "artifacts": {"session_id": sid, "turn_id": rec.turn_id}, "timestamp": now_ms()}),
-                    &rec.turn_id,
-                )
-                .await?;
-            }
-            TurnStatus::Cancelled => {
-                self.append_custom(
-                    sid,
-                    ids::stopped_entry(&rec.turn_id),
-                    "notice",
-                    json!({"reason": "stopped", "message": "stopped by user."}),
-                    &rec.turn_id,
-                )
-                .await?;
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// The idempotent side effects after the terminal write: session status and the
-    /// `harness::turn-completed` event (deduplicated by turn).
-    async fn after_terminal(&self, rec: &TurnRecord) -> Result<()> {
-        let sid = &rec.session_id;
-        let reason = match rec.status {
-            TurnStatus::Failed => {
-                let summary = failure_of(rec).summary;
-                self.set_status(sid, SessionStatus::Error, Some(&summary))
-                    .await?;
-                Some(summary)
-            }
-            TurnStatus::Cancelled => {
-                self.set_status(sid, SessionStatus::Done, Some("stopped"))
-                    .await?;
-                Some("stopped by user.".to_string())
-            }
-            _ => {
-                self.set_status(sid, SessionStatus::Done, None).await?;
-                rec.stop_reason.map(|r| r.as_str().to_string())
-            }
-        };
-        self.emit_turn_completed(TurnCompletedEvent {
-            session_id: sid.clone(),
-            turn_id: rec.turn_id.clone(),
-            status: rec.status,
-            terminal: true,
-            timestamp: now_ms(),
-            result: rec.result.clone(),
-            result_error: rec.result_error.clone(),
-            reason,
-            parent: rec.parent.clone(),
-        })
-        .await
+        let mut batch = StepWrites::default();
+        terminal_records(&mut batch, rec)?;
+        let event = after_terminal(&mut batch, rec)?;
+        self.record_turn_completed(&mut batch, &event);
+        self.commit(batch).await?;
+        self.fan_out_turn_completed(event).await
     }
 
     /// A new turn for messages that were drained into the transcript as the last one ended:
@@ -141,6 +80,70 @@ impl Harness {
         }
         Ok(())
     }
+}
+
+/// The durable record of why a turn ended (error record, stop notice), written with the
+/// terminal status so whoever sees the status can read the reason; idempotent by entry id.
+fn terminal_records(batch: &mut StepWrites, rec: &TurnRecord) -> Result<()> {
+    let sid = &rec.session_id;
+    match rec.status {
+        TurnStatus::Failed => {
+            let f = failure_of(rec);
+            batch.append_custom(
+                sid,
+                ids::error_entry(&rec.turn_id),
+                "error",
+                json!({"status": "error", "summary": f.summary, "code": f.code, "phase": f.phase,
+                       "class": f.kind.map(|k| format!("llm.{}", k.as_str())), "detail": f.detail,
+                       "retryable": f.retryable, "model": rec.options.model, "provider": rec.options.provider,
+                       "partial_result_available": rec.result.is_some(),
+                       "recovery": {"attempted": rec.transient_resumes > 0, "max_attempts": rec.options.max_transient_resumes,
+                                    "outcome": if rec.transient_resumes > 0 { "exhausted" } else { "not_attempted" }},
+                       "artifacts": {"session_id": sid, "turn_id": rec.turn_id}, "timestamp": now_ms()}),
+                &rec.turn_id,
+            )
+        }
+        TurnStatus::Cancelled => batch.append_custom(
+            sid,
+            ids::stopped_entry(&rec.turn_id),
+            "notice",
+            json!({"reason": "stopped", "message": "stopped by user."}),
+            &rec.turn_id,
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The session status after the terminal write, and the `harness::turn-completed` event
+/// (deduplicated by turn) the caller records.
+fn after_terminal(batch: &mut StepWrites, rec: &TurnRecord) -> Result<TurnCompletedEvent> {
+    let sid = &rec.session_id;
+    let reason = match rec.status {
+        TurnStatus::Failed => {
+            let summary = failure_of(rec).summary;
+            batch.set_status(sid, SessionStatus::Error, Some(&summary))?;
+            Some(summary)
+        }
+        TurnStatus::Cancelled => {
+            batch.set_status(sid, SessionStatus::Done, Some("stopped"))?;
+            Some("stopped by user.".to_string())
+        }
+        _ => {
+            batch.set_status(sid, SessionStatus::Done, None)?;
+            rec.stop_reason.map(|r| r.as_str().to_string())
+        }
+    };
+    Ok(TurnCompletedEvent {
+        session_id: sid.clone(),
+        turn_id: rec.turn_id.clone(),
+        status: rec.status,
+        terminal: true,
+        timestamp: now_ms(),
+        result: rec.result.clone(),
+        result_error: rec.result_error.clone(),
+        reason,
+        parent: rec.parent.clone(),
+    })
 }
 
 fn failure_of(rec: &TurnRecord) -> Failure {

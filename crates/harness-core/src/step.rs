@@ -308,16 +308,22 @@ impl Harness {
         // the context it had (everything before that entry) and leaves newly queued steering
         // for the next step, which the steering check then schedules.
         let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
-        let mut entries = self.transcript(&sid).await?;
-        match entries.iter().position(|e| e.entry_id == entry_id) {
-            Some(at) => entries.truncate(at),
+        // Shared with the transcript cache, never copied: a step on a long session costs its
+        // new entries, not its history.
+        let mut entries = self.transcript_shared(&sid).await?;
+        let mut upto = entries.len();
+        // The entry is the last one or close to it when it exists: search from the end.
+        match entries.iter().rposition(|e| e.entry_id == entry_id) {
+            Some(at) => upto = at,
             None => {
                 if self.drain_queue(&sid, &rec.turn_id).await? > 0 {
-                    entries = self.transcript(&sid).await?;
+                    entries = self.transcript_shared(&sid).await?;
+                    upto = entries.len();
                 }
             }
         }
         ctx.entries = entries;
+        ctx.upto = upto;
         self.set_status(&sid, SessionStatus::Working, Some("preparing context"))
             .await?;
         if !first_step {
@@ -361,9 +367,10 @@ impl Harness {
         ctx: &mut StepCtx,
     ) -> Result<(Option<TurnRecord>, Input)> {
         let sid = rec.session_id.clone();
-        let entries = std::mem::take(&mut ctx.entries);
+        let shared = std::mem::take(&mut ctx.entries);
+        let entries = &shared[..ctx.upto.min(shared.len())];
         let new_watermark = entries.last().map(|e| e.entry_id.clone());
-        let mut messages = model_messages(&entries);
+        let mut messages = model_messages(entries);
         // The registry changed since this session last looked: contracts it fetched may be stale.
         // An ephemeral tail message, never persisted; the first sighting only stamps.
         let live = self.functions_generation();
@@ -788,8 +795,9 @@ impl Harness {
 /// What a step carries from one stage to the next.
 #[derive(Default)]
 struct StepCtx {
-    /// The transcript the context is built from.
-    entries: Vec<Entry>,
+    /// The transcript the context is built from: its first `upto` entries.
+    entries: std::sync::Arc<Vec<Entry>>,
+    upto: usize,
     /// The model's answer of this step.
     message: Option<AssistantMessage>,
 }

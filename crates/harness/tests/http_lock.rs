@@ -304,21 +304,25 @@ async fn oversized_bodies_are_refused_with_413() {
     assert_eq!(resp.status(), 413);
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "harness/too_large");
-    // Chunked: no length to check up front; the body itself is cut off.
-    let chunks: Vec<Result<String, std::io::Error>> = big
-        .as_bytes()
-        .chunks(100)
-        .map(|c| Ok(String::from_utf8_lossy(c).into_owned()))
-        .collect();
-    let resp = client
-        .post(format!("{}/v1/functions/harness::status", s.url()))
-        .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 413);
-    let body: Value = resp.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "harness/too_large");
+    // Chunked: no length to check up front; the body itself is cut off. Sent over a raw socket:
+    // the server answers and closes as soon as the cap is crossed, and a client still writing
+    // the rest would see a reset instead of the answer waiting in its receive buffer.
+    let mut conn = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    conn.set_read_timeout(Some(WAIT)).unwrap();
+    let head = format!("POST /v1/functions/harness::status HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n", s.port);
+    conn.write_all(head.as_bytes()).unwrap();
+    for c in big.as_bytes().chunks(100) {
+        let chunk = format!("{:x}\r\n{}\r\n", c.len(), String::from_utf8_lossy(c));
+        if conn.write_all(chunk.as_bytes()).is_err() {
+            break; // the server already answered and closed
+        }
+    }
+    let _ = conn.write_all(b"0\r\n\r\n");
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("harness/too_large"), "{answer}");
     // Under the cap, the same call is answered normally.
     let resp = client
         .post(format!("{}/v1/functions/harness::status", s.url()))

@@ -602,11 +602,17 @@ async fn on_fifo_shards_every_session_keeps_one_shard_and_its_turns_complete() {
                 m["config"]["topic"].as_str().unwrap().to_string()
             })
             .collect();
+        // Both durable queues (steps, and session tree deletions) are sharded the same way.
         assert_eq!(
             topics,
-            ["harness-turn.0", "harness-turn.1"]
-                .map(String::from)
-                .into(),
+            [
+                "harness-session-deletion.0",
+                "harness-session-deletion.1",
+                "harness-turn.0",
+                "harness-turn.1"
+            ]
+            .map(String::from)
+            .into(),
         );
     }
 }
