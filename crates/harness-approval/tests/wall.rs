@@ -166,6 +166,11 @@ approval::decide wall wall wall run
 approval::gate wall wall wall run
 approval::list wall wall wall run
 approval::prune wall wall wall run
+directory::agents::get run run run run
+directory::agents::list run run run run
+directory::skills::get run run run run
+directory::skills::list run run run run
+directory::system-prompts::get run run run run
 engine::functions::info run run run run
 engine::functions::list run run run run
 engine::register_trigger args args args run
@@ -192,6 +197,7 @@ harness::spawn run policy run run
 harness::status args args args run
 harness::stop wall wall wall run
 harness::sweep-pending wall wall wall run
+harness::system-prompt::get wall wall wall run
 harness::turn wall wall wall run
 router::abort wall wall wall run
 router::chat wall wall wall run

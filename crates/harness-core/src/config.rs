@@ -76,6 +76,9 @@ pub struct HarnessConfig {
     /// `{command, args, env, cwd}` or `{url, headers}`. The loop does not read it; the binary
     /// checks it (`harness_mcp::parse_servers`) and runs the servers.
     pub mcp_servers: serde_json::Map<String, Value>,
+    /// The folder of agent profiles, skills and system prompts (`directory::*`); `null` =
+    /// `directory/` in the data dir. Read at start.
+    pub directory_path: Option<String>,
 }
 
 /// A configuration that cannot be applied, naming the key at fault.
@@ -155,6 +158,7 @@ impl Default for HarnessConfig {
             web_fetch_allow_private: false,
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
             mcp_servers: serde_json::Map::new(),
+            directory_path: None,
         }
     }
 }

@@ -132,6 +132,14 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::system-prompt::get",
+            "Preview the layers of a system prompt (identity or agent profile, skills index, caller text, runtime context) without a model call: a session's frozen prompt, the prompt selected fields would freeze, or the built-in default (default_only).",
+        ),
+        |h, req: SystemPromptGetRequest| async move { h.system_prompt_get(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::delete-session-tree",
             "Delete a session and every sub-agent session under it (its parent and siblings stay): cancels every member, waits for their turns to end, tells the surviving parent once, deletes child-first. Answers at once with the operation; follow harness::session-tree-deletion or poll harness::delete-session-tree-status. A failed attempt n is retried with attempt n+1.",
         ),

@@ -23,6 +23,7 @@ mod fsroot;
 mod functions;
 mod harness;
 mod hooks;
+mod identity;
 mod locks;
 mod machine;
 mod output;
@@ -42,6 +43,7 @@ pub use deletion::DELETION_QUEUE;
 pub use dispatch::{model_verdict, wall};
 pub use functions::register;
 pub use harness::Harness;
+pub use prompt::IDENTITY;
 pub use record::{
     CallCheckpoint, CallState, ChildLink, FailedCall, Failure, FailurePhase, Hold, HoldPoint,
     Reasoning, TurnOptions, TurnRecord, TurnStopReason, Wait,

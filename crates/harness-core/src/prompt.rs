@@ -1,22 +1,192 @@
-//! System prompt assembly: resolved once at send time and frozen on the record; each step only
-//! appends the runtime aid after it.
+//! System prompt assembly, the pure part: the built-in identity, the blocks a profile and the
+//! skills index add, how the layers compose into the frozen prompt (and where its cacheable
+//! prefix ends), and the runtime aid each step appends. Resolved once at send time and frozen on
+//! the record; the I/O that gathers the layers is in `identity.rs`.
 
 use harness_types::api::{FunctionPolicy, SystemPromptStrategy};
+use harness_types::directory::SkillSummary;
+use serde_json::Value;
 
-/// The built-in identity every agent starts from.
-pub const IDENTITY: &str =
-    "You are a capable assistant working inside harness, a durable agent loop. \
-Answer directly and concisely. When functions are available, call them only when they help, and \
-never call a function the dispatch policy does not allow.";
+use crate::record::PromptShape;
 
-pub(crate) fn resolve(custom: Option<&str>, strategy: SystemPromptStrategy) -> Option<String> {
+/// The built-in identity every agent starts from (a directory `system-prompts/default.md`
+/// replaces it). Tool guidance only: how to find, read and call a function.
+pub const IDENTITY: &str = "You are an agent running inside harness, a durable agent loop. You act by calling functions registered on the engine; the registry is the truth, trust it over memory.
+
+To use a capability: list, info, call.
+1. List: engine::functions::list (narrow it with `prefix`) shows the functions you may call.
+2. Info: engine::functions::info { function_id } returns one function's request schema; read it before the first call.
+3. Call: call the function with a JSON object matching that schema (an object, never a string of JSON).
+
+Only functions your dispatch policy allows will run; when none are allowed, answer directly. Be concise.";
+
+/// The parts a frozen prompt is made of, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Layers {
+    /// The identity: built-in, the directory's default, a profile (with its preloaded blocks),
+    /// or an `override` text.
+    pub base: String,
+    /// The names-and-descriptions skills index.
+    pub skills_index: Option<String>,
+    /// The caller's `enrich` text: per session, so after the cacheable prefix.
+    pub custom: Option<String>,
+}
+
+impl Layers {
+    /// The frozen prompt and where its layers end.
+    pub fn compose(&self) -> (String, PromptShape) {
+        let mut text = self.base.clone();
+        let base_len = text.len();
+        if let Some(index) = &self.skills_index {
+            text.push_str("\n\n");
+            text.push_str(index);
+        }
+        let stable_len = text.len();
+        if let Some(custom) = &self.custom {
+            text.push_str("\n\n");
+            text.push_str(custom);
+        }
+        (
+            text,
+            PromptShape {
+                base_len,
+                stable_len,
+            },
+        )
+    }
+
+    /// The layers of a frozen prompt, back from its shape (None when the shape does not fit).
+    pub fn split(prompt: &str, shape: PromptShape) -> Option<Layers> {
+        let base = prompt.get(..shape.base_len)?;
+        let index = prompt.get(shape.base_len..shape.stable_len)?;
+        let custom = prompt.get(shape.stable_len..)?;
+        let part = |s: &str| s.strip_prefix("\n\n").map(str::to_string);
+        Some(Layers {
+            base: base.to_string(),
+            skills_index: if index.is_empty() {
+                None
+            } else {
+                Some(part(index)?)
+            },
+            custom: if custom.is_empty() {
+                None
+            } else {
+                Some(part(custom)?)
+            },
+        })
+    }
+}
+
+/// The identity and the caller's text per strategy (None: no prompt at all). `identity` is
+/// the built-in one or the directory's replacement.
+pub(crate) fn base_layers(
+    identity: &str,
+    custom: Option<&str>,
+    strategy: SystemPromptStrategy,
+) -> Option<Layers> {
     let custom = custom.map(str::trim).filter(|c| !c.is_empty());
     match (strategy, custom) {
         (SystemPromptStrategy::Disabled, _) => None,
-        (SystemPromptStrategy::Override, Some(c)) => Some(c.to_string()),
-        (SystemPromptStrategy::Enrich, Some(c)) => Some(format!("{IDENTITY}\n\n{c}")),
-        (_, None) => Some(IDENTITY.to_string()),
+        (SystemPromptStrategy::Override, Some(c)) => Some(Layers {
+            base: c.to_string(),
+            ..Layers::default()
+        }),
+        (SystemPromptStrategy::Enrich, Some(c)) => Some(Layers {
+            base: identity.to_string(),
+            custom: Some(c.to_string()),
+            ..Layers::default()
+        }),
+        (_, None) => Some(Layers {
+            base: identity.to_string(),
+            ..Layers::default()
+        }),
     }
+}
+
+/// The skills index frozen into new sessions: names and descriptions only; bodies come from
+/// `directory::skills::get`. None when there is no skill to list.
+pub(crate) fn skills_index(skills: &[SkillSummary]) -> Option<String> {
+    if skills.is_empty() {
+        return None;
+    }
+    let mut out = String::from(
+        "<skills>\nSkills hold instructions for particular kinds of task. When one fits, read it with directory::skills::get {\"name\": \"<name>\"} before you start.\n",
+    );
+    for s in skills {
+        out.push_str(&format!("- {}: {}\n", s.name, s.description));
+    }
+    out.push_str("</skills>");
+    Some(out)
+}
+
+/// One preloaded function: its id and, when the registry knows it, its description and
+/// request schema.
+pub(crate) struct Contract {
+    pub id: String,
+    pub found: Option<(String, Value)>,
+}
+
+/// The `<preloaded_functions>` block: each contract (description and compact request schema),
+/// then the ids the registry did not know.
+pub(crate) fn preloaded_functions(contracts: &[Contract]) -> Option<String> {
+    if contracts.is_empty() {
+        return None;
+    }
+    let mut out = String::from(
+        "<preloaded_functions>\nContracts of functions you use routinely; call them directly, without looking them up.\n",
+    );
+    let mut missing = Vec::new();
+    for c in contracts {
+        match &c.found {
+            Some((description, schema)) => {
+                let mut schema = schema.clone();
+                if let Some(map) = schema.as_object_mut() {
+                    // Noise to a model, and identical for every function.
+                    map.remove("$schema");
+                    map.remove("title");
+                }
+                out.push_str(&format!(
+                    "<function id=\"{}\">\n{}\nRequest schema: {}\n</function>\n",
+                    c.id,
+                    description.trim(),
+                    schema
+                ));
+            }
+            None => missing.push(c.id.as_str()),
+        }
+    }
+    if !missing.is_empty() {
+        out.push_str(&format!(
+            "Unavailable (not registered when this session started): {}\n",
+            missing.join(", ")
+        ));
+    }
+    out.push_str("</preloaded_functions>");
+    Some(out)
+}
+
+/// The `<preloaded_skills>` block: each body the directory served, then the names it could
+/// not serve.
+pub(crate) fn preloaded_skills(skills: &[(String, Option<String>)]) -> Option<String> {
+    if skills.is_empty() {
+        return None;
+    }
+    let mut out = String::from("<preloaded_skills>\n");
+    let mut missing = Vec::new();
+    for (name, body) in skills {
+        match body {
+            Some(body) => out.push_str(&format!(
+                "<skill name=\"{name}\">\n{}\n</skill>\n",
+                body.trim()
+            )),
+            None => missing.push(name.as_str()),
+        }
+    }
+    if !missing.is_empty() {
+        out.push_str(&format!("Unavailable skills: {}\n", missing.join(", ")));
+    }
+    out.push_str("</preloaded_skills>");
+    Some(out)
 }
 
 /// The short policy aid line the prompt carries.
@@ -59,16 +229,36 @@ pub(crate) fn for_step(
     frozen: Option<&str>,
     session_id: &str,
     policy: Option<&FunctionPolicy>,
+    root: Option<&str>,
 ) -> Option<String> {
-    let mut aid = format!("Your session id is {session_id}.");
-    if let Some(line) = policy_aid(policy) {
-        aid.push('\n');
-        aid.push_str(&line);
-    }
+    let aid = runtime_aid(session_id, policy, root);
     Some(match frozen {
         Some(p) => format!("{p}\n\n{aid}"),
         None => aid,
     })
+}
+
+/// The per-step runtime context: session id, working directory (when the session has a
+/// filesystem root) and the policy aid.
+pub(crate) fn runtime_aid(
+    session_id: &str,
+    policy: Option<&FunctionPolicy>,
+    root: Option<&str>,
+) -> String {
+    let mut aid = format!("Your session id is {session_id}.");
+    if let Some(root) = root {
+        aid.push_str(&format!("\nWorking directory: {root}"));
+    }
+    if let Some(line) = policy_aid(policy) {
+        aid.push('\n');
+        aid.push_str(&line);
+    }
+    aid
+}
+
+/// The filesystem root a session's metadata names (`fs_scope.root`), if any.
+pub(crate) fn fs_root(metadata: Option<&Value>) -> Option<&str> {
+    metadata?.get("fs_scope")?.get("root")?.as_str()
 }
 
 /// The cache seam of a step's prompt: when the prompt still starts with the frozen prefix, the
@@ -110,19 +300,95 @@ mod tests {
 
     #[test]
     fn strategies() {
+        let base = |c, st| base_layers("ID", c, st).map(|l| l.compose().0);
         assert_eq!(
-            resolve(Some("X"), SystemPromptStrategy::Override).as_deref(),
+            base(Some("X"), SystemPromptStrategy::Override).as_deref(),
             Some("X")
         );
         assert_eq!(
-            resolve(Some("X"), SystemPromptStrategy::Enrich),
-            Some(format!("{IDENTITY}\n\nX"))
+            base(Some("X"), SystemPromptStrategy::Enrich).as_deref(),
+            Some("ID\n\nX")
         );
-        assert_eq!(resolve(Some("X"), SystemPromptStrategy::Disabled), None);
+        assert_eq!(base(Some("X"), SystemPromptStrategy::Disabled), None);
         assert_eq!(
-            resolve(Some("  "), SystemPromptStrategy::Override).as_deref(),
-            Some(IDENTITY)
+            base(Some("  "), SystemPromptStrategy::Override).as_deref(),
+            Some("ID")
         );
+    }
+
+    #[test]
+    fn layers_compose_with_the_enrich_text_after_the_stable_prefix() {
+        let layers = Layers {
+            base: "ID".into(),
+            skills_index: skills_index(&[SkillSummary {
+                name: "s".into(),
+                description: "does s".into(),
+            }]),
+            custom: Some("mine".into()),
+        };
+        let (text, shape) = layers.compose();
+        assert!(text.starts_with("ID\n\n<skills>\n"), "{text}");
+        assert!(text.contains("- s: does s\n</skills>\n\nmine"), "{text}");
+        assert_eq!(&text[..shape.base_len], "ID");
+        assert!(text[..shape.stable_len].ends_with("</skills>"));
+        assert_eq!(Layers::split(&text, shape), Some(layers));
+        let bare = Layers {
+            base: "ID".into(),
+            ..Layers::default()
+        };
+        let (text, shape) = bare.compose();
+        assert_eq!(Layers::split(&text, shape), Some(bare));
+    }
+
+    #[test]
+    fn preloaded_blocks_name_what_is_missing() {
+        let f = preloaded_functions(&[
+            Contract {
+                id: "a::b".into(),
+                found: Some((
+                    "Does b.".into(),
+                    serde_json::json!({"$schema": "x", "type": "object"}),
+                )),
+            },
+            Contract {
+                id: "c::d".into(),
+                found: None,
+            },
+        ])
+        .unwrap();
+        assert!(
+            f.contains("<function id=\"a::b\">\nDoes b.\nRequest schema: {\"type\":\"object\"}"),
+            "{f}"
+        );
+        assert!(
+            f.contains("Unavailable (not registered when this session started): c::d"),
+            "{f}"
+        );
+        let s = preloaded_skills(&[("x".into(), Some("Body".into())), ("y".into(), None)]).unwrap();
+        assert!(s.contains("<skill name=\"x\">\nBody\n</skill>"), "{s}");
+        assert!(s.contains("Unavailable skills: y"), "{s}");
+    }
+
+    #[test]
+    fn the_runtime_aid_names_the_session_and_the_working_directory() {
+        let meta = serde_json::json!({"fs_scope": {"root": "/srv/repo"}});
+        let aid = runtime_aid("s_1", None, fs_root(Some(&meta)));
+        assert!(
+            aid.starts_with("Your session id is s_1.\nWorking directory: /srv/repo\nFunction dispatch is entirely disabled"),
+            "{aid}"
+        );
+        assert_eq!(fs_root(Some(&serde_json::json!({"fs_scope": {}}))), None);
+        assert_eq!(
+            for_step(Some("ID"), "s_1", None, None).unwrap(),
+            format!("ID\n\n{}", runtime_aid("s_1", None, None))
+        );
+    }
+
+    #[test]
+    fn the_identity_teaches_list_info_call() {
+        let list = IDENTITY.find("engine::functions::list").unwrap();
+        let info = IDENTITY.find("engine::functions::info").unwrap();
+        assert!(list < info && IDENTITY.contains("3. Call"));
     }
 
     #[test]

@@ -45,9 +45,48 @@ pub struct TurnOptions {
     /// Where the turn's `fs::*` and `shell::*` calls work (None: they are refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filesystem: Option<crate::fsroot::FsRoot>,
+    /// The agent profile frozen into `system_prompt` (sticky with the prompt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<FrozenAgent>,
+    /// The skills the index lists (None = all); sticky.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skills: Option<Vec<String>>,
+    /// Where the layers of `system_prompt` end (absent on records written before layers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_shape: Option<PromptShape>,
+}
+
+/// Byte offsets into the frozen prompt: the identity (built-in, directory or profile) ends at
+/// `base_len`; the skills index follows it up to `stable_len`, the cacheable prefix; what
+/// comes after it (the caller's `enrich` text) is per session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptShape {
+    pub base_len: usize,
+    pub stable_len: usize,
+}
+
+/// What a session froze of the agent profile it runs under.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct FrozenAgent {
+    pub name: String,
+    /// The `extends` chain, root first.
+    #[serde(default)]
+    pub chain: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<harness_types::directory::Display>,
 }
 
 impl TurnOptions {
+    /// The cacheable prefix of the frozen prompt: up to the end of the skills index, or the
+    /// whole prompt for a record without layers.
+    pub fn stable_prefix(&self) -> Option<&str> {
+        let prompt = self.system_prompt.as_deref()?;
+        match self.prompt_shape {
+            Some(shape) => prompt.get(..shape.stable_len).or(Some(prompt)),
+            None => Some(prompt),
+        }
+    }
+
     /// How allowed functions reach the model (the policy's, or the default).
     pub fn expose(&self) -> harness_types::api::ExposeMode {
         self.functions

@@ -1,8 +1,6 @@
 //! `harness::send`: persist the message, then seed a turn or merge into the running one.
 
-use harness_types::api::{
-    SendOptions, SendRequest, SendResponse, SystemPromptStrategy, TurnStatus,
-};
+use harness_types::api::{SendOptions, SendRequest, SendResponse, TurnStatus};
 use harness_types::message::AgentMessage;
 use harness_types::session::{
     AppendRequest, CreateRequest, CreateResponse, EnsureRequest, EnsureResponse,
@@ -13,8 +11,8 @@ use serde_json::{json, Value};
 
 use crate::fsroot;
 use crate::harness::{Harness, Result};
+use crate::identity::PromptFields;
 use crate::machine::{self, Effect, Input, Seed};
-use crate::prompt;
 use crate::record::{message_preview, Reasoning, TurnOptions, TurnRecord};
 use crate::steering::QueuedMessage;
 use crate::IDEM_SCOPE;
@@ -115,8 +113,6 @@ pub(crate) fn not_supported(field: &str) -> HarnessError {
 
 fn validate_options(o: &SendOptions) -> Result<()> {
     let unsupported = [
-        ("options.agent", o.agent.is_some()),
-        ("options.skills", o.skills.is_some()),
         // Only the agent mode exists: it is what every turn does.
         (
             "options.mode",
@@ -125,6 +121,21 @@ fn validate_options(o: &SendOptions) -> Result<()> {
     ];
     if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
         return Err(not_supported(field));
+    }
+    if o.agent.as_deref() == Some("") {
+        return Err(HarnessError::invalid_field(
+            "options.agent",
+            "must not be empty",
+        ));
+    }
+    if o.agent.is_some() && (o.system_prompt.is_some() || o.system_prompt_strategy.is_some()) {
+        return Err(crate::identity::agent_with_prompt_fields("options.agent"));
+    }
+    if let Some(i) = o.skills.iter().flatten().position(String::is_empty) {
+        return Err(HarnessError::invalid_field(
+            &format!("options.skills[{i}]"),
+            "must not be empty",
+        ));
     }
     if o.max_total_tokens == Some(0) {
         return Err(HarnessError::invalid_field(
@@ -213,6 +224,9 @@ impl Harness {
         if let Some(parent) = lineage.as_ref().and_then(|l| l.parent.as_ref()) {
             self.refuse_tombstoned("parent", &parent.session_id).await?;
         }
+        if lineage.is_none() && (options.agent.is_some() || options.skills.is_some()) {
+            self.check_identity_change(&req, &options).await?;
+        }
         let session_id = req.session_id.clone().unwrap_or_else(ids::new_session_id);
         let entry_id = match &req.idempotency_key {
             Some(key) => ids::idempotent_user_entry(key),
@@ -265,7 +279,11 @@ impl Harness {
         }
         let frozen = match &lineage {
             Some(l) => l.options.clone(),
-            None => self.freeze_options(&req, &options, prev.as_ref())?,
+            None => self.freeze_options(&req, &options, prev.as_ref()).await?,
+        };
+        let req = match options.agent {
+            Some(_) => with_agent_metadata(req, &frozen),
+            None => req,
         };
         self.ensure_session(&req, &session_id).await?;
 
@@ -348,6 +366,31 @@ impl Harness {
             merged(&session_id, rec.turn_id, steering || parked)
         };
         self.answer_send(&req, response, entry_id).await
+    }
+
+    /// A profile names a session's identity only when the send creates it, and the skills
+    /// filter does not change under a running turn. Checked before the fast path: a send
+    /// merged into a running turn never reaches the point where options are frozen.
+    async fn check_identity_change(&self, req: &SendRequest, o: &SendOptions) -> Result<()> {
+        let Some(id) = &req.session_id else {
+            return Ok(());
+        };
+        let Some(rec) = self.load_record(id).await? else {
+            return Ok(());
+        };
+        if o.agent.is_some() {
+            return Err(HarnessError::invalid_field(
+                "options.agent",
+                format!("only on a session-creating send: session '{id}' already has turns; start a new session to run under a profile"),
+            ));
+        }
+        if o.skills.is_some() && !rec.is_terminal() {
+            return Err(HarnessError::invalid_field(
+                "options.skills",
+                format!("cannot change while session '{id}' has a turn in progress"),
+            ));
+        }
+        Ok(())
     }
 
     /// Writes the idempotency row and makes everything durable before the caller hears back.
@@ -552,13 +595,20 @@ impl Harness {
 
     /// Resolves the options the next turn would run with. Explicit fields win; omitted ones are
     /// inherited from the previous turn (model, provider, policy, prompt, reasoning).
-    fn freeze_options(
+    async fn freeze_options(
         &self,
         req: &SendRequest,
         o: &SendOptions,
         prev: Option<&TurnRecord>,
     ) -> Result<TurnOptions> {
         let prev_opts = prev.map(|p| &p.options);
+        let profile = match &o.agent {
+            Some(name) => Some(self.agent_profile("options.agent", name).await?),
+            None => None,
+        };
+        let profile_model = profile
+            .as_ref()
+            .and_then(|p| p.model.clone().map(|m| (m, p.provider.clone())));
         let (model, provider) = match (&req.model, prev_opts) {
             (Some(m), _) if m.is_empty() => {
                 return Err(HarnessError::invalid_field("model", "must not be empty"))
@@ -569,6 +619,11 @@ impl Harness {
                     .clone()
                     .or_else(|| p.filter(|p| &p.model == m).and_then(|p| p.provider.clone())),
             ),
+            // The profile's model when the send names none; its provider goes with it.
+            (None, _) if profile_model.is_some() => {
+                let (m, p) = profile_model.clone().unwrap_or_default();
+                (m, req.provider.clone().or(p))
+            }
             // A record written after a lost one has no model to inherit.
             (None, Some(p)) if !p.model.is_empty() => (
                 p.model.clone(),
@@ -586,25 +641,53 @@ impl Harness {
                 ))
             }
         };
-        let system_prompt = if o.system_prompt.is_none() && o.system_prompt_strategy.is_none() {
-            match prev_opts {
-                Some(p) => p.system_prompt.clone(),
-                None => prompt::resolve(None, SystemPromptStrategy::Enrich),
-            }
-        } else {
-            prompt::resolve(
-                o.system_prompt.as_deref(),
-                o.system_prompt_strategy.unwrap_or_default(),
-            )
+        // The skills filter is sticky; an explicit empty list resets it to every skill.
+        let skills = match &o.skills {
+            Some(names) if names.is_empty() => None,
+            Some(names) => Some(names.clone()),
+            None => prev_opts.and_then(|p| p.skills.clone()),
         };
-        // Reasoning is sticky as a whole: naming any of its fields resolves it fresh.
+        // The prompt is sticky: omitted prompt fields inherit the prior turn's resolved prompt
+        // (and profile) verbatim; naming one, or a profile, resolves fresh.
+        let named = o.system_prompt.is_some() || o.system_prompt_strategy.is_some();
+        let (system_prompt, prompt_shape, agent) = match prev_opts {
+            Some(p) if !named && profile.is_none() => {
+                let reindexed = match o.skills {
+                    Some(_) => self.reindexed(p, skills.as_deref()).await?,
+                    None => None,
+                };
+                match reindexed {
+                    Some((text, shape)) => (Some(text), Some(shape), p.agent.clone()),
+                    None => (p.system_prompt.clone(), p.prompt_shape, p.agent.clone()),
+                }
+            }
+            _ => {
+                let f = self
+                    .fresh_prompt(PromptFields {
+                        custom: o.system_prompt.as_deref(),
+                        strategy: o.system_prompt_strategy.unwrap_or_default(),
+                        agent: profile.as_ref(),
+                        skills: skills.as_deref(),
+                        skills_field: "options.skills",
+                    })
+                    .await?;
+                (f.system_prompt, f.shape, f.agent)
+            }
+        };
+        let profile_effort = profile.as_ref().and_then(|p| p.reasoning_effort);
+        // Reasoning is sticky as a whole: naming any of its fields resolves it fresh; a
+        // profile's effort applies when the send names none.
         let (thinking_level, provider_options, reasoning) = if o.thinking_level.is_none()
             && o.provider_options.is_none()
             && o.reasoning.is_none()
         {
-            prev_opts.map_or((None, None, None), |p| {
-                (p.thinking_level, p.provider_options.clone(), p.reasoning)
-            })
+            if profile_effort.is_some() {
+                (profile_effort, None, None)
+            } else {
+                prev_opts.map_or((None, None, None), |p| {
+                    (p.thinking_level, p.provider_options.clone(), p.reasoning)
+                })
+            }
         } else {
             (
                 o.thinking_level,
@@ -636,10 +719,17 @@ impl Harness {
                     ledger: String::new(),
                 }
             }),
+            // Explicit, else sticky, else (for an identity picked to do something) the
+            // configured baseline, else deny all.
             functions: o
                 .functions
                 .clone()
-                .or_else(|| prev_opts.and_then(|p| p.functions.clone())),
+                .or_else(|| prev_opts.and_then(|p| p.functions.clone()))
+                .or_else(|| {
+                    profile
+                        .as_ref()
+                        .and_then(|_| self.config().default_functions.clone())
+                }),
             metadata: o.metadata.clone(),
             max_transient_resumes: self.config().max_transient_resumes,
             reasoning,
@@ -652,6 +742,9 @@ impl Harness {
                     None => fsroot::configured(self.config().default_filesystem_root.as_deref()),
                 },
             },
+            agent,
+            skills,
+            prompt_shape,
         })
     }
 }
@@ -683,6 +776,32 @@ fn refuse_root_change(live: &TurnRecord, named: Option<&fsroot::FsRoot>) -> Resu
         }
         _ => Ok(()),
     }
+}
+
+/// A session created under a profile records what it froze of it, for clients that render
+/// established sessions.
+fn with_agent_metadata(mut req: SendRequest, frozen: &TurnOptions) -> SendRequest {
+    let Some(agent) = &frozen.agent else {
+        return req;
+    };
+    let mut init = req.session.take().unwrap_or_default();
+    let mut metadata = match init.metadata.take() {
+        Some(Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    metadata.insert(
+        "agent".into(),
+        json!({
+            "name": agent.name,
+            "chain": agent.chain,
+            "display": agent.display,
+            "model": frozen.model,
+            "thinking_level": frozen.thinking_level,
+        }),
+    );
+    init.metadata = Some(Value::Object(metadata));
+    req.session = Some(init);
+    req
 }
 
 fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {

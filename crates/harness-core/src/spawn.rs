@@ -13,7 +13,6 @@ use serde_json::{json, Value};
 
 use crate::dispatch::{CallEnd, PlannedCall};
 use crate::harness::{Harness, Result};
-use crate::prompt;
 use crate::record::{CallCheckpoint, ChildLink, TurnOptions, TurnRecord, Wait};
 use crate::send::Lineage;
 
@@ -120,9 +119,7 @@ impl Harness {
     ) -> Result<SpawnResponse> {
         let o = req.options.clone().unwrap_or_default();
         let unsupported = [
-            ("agent", req.agent.is_some()),
             ("display", req.display.is_some()),
-            ("options.skills", o.skills.is_some()),
             ("options.max_children", o.max_children.is_some()),
             (
                 "options.mode",
@@ -139,8 +136,34 @@ impl Harness {
             reused = *id == p.session_id || self.owned_child(id, &p.session_id).await?;
         }
         let parent_opts = parent.map(|(p, _)| &p.options);
+        let prompt_named = o.system_prompt.is_some() || o.system_prompt_strategy.is_some();
+        if req.agent.is_some() && prompt_named {
+            return Err(crate::identity::agent_with_prompt_fields("agent"));
+        }
+        if req.agent.as_deref() == Some("") {
+            return Err(HarnessError::invalid_field("agent", "must not be empty"));
+        }
+        // A spawn naming no profile continues the parent turn's (re-resolved, so the child gets
+        // its own preloaded blocks), unless its own prompt fields shed it.
+        let agent_name = req.agent.clone().or_else(|| {
+            (!prompt_named)
+                .then(|| parent_opts.and_then(|p| p.agent.as_ref().map(|a| a.name.clone())))
+                .flatten()
+        });
+        let profile = match &agent_name {
+            Some(name) => Some(self.agent_profile("agent", name).await?),
+            None => None,
+        };
+        let profile_model = profile
+            .as_ref()
+            .and_then(|p| p.model.clone().map(|m| (m, p.provider.clone())));
         let (model, provider) = match (&req.model, parent_opts) {
             (Some(m), _) if !m.is_empty() => (m.clone(), req.provider.clone()),
+            // Never the parent's provider on the profile's (possibly foreign) model.
+            (None, _) if profile_model.is_some() => {
+                let (m, p) = profile_model.clone().unwrap_or_default();
+                (m, req.provider.clone().or(p))
+            }
             (None, Some(p)) => (
                 p.model.clone(),
                 req.provider.clone().or_else(|| p.provider.clone()),
@@ -162,17 +185,25 @@ impl Harness {
                 .max(1),
             None => o.max_turns.unwrap_or(default_turns).max(1),
         };
+        let skills = o.skills.clone().filter(|s| !s.is_empty());
+        let frozen = self
+            .fresh_prompt(crate::identity::PromptFields {
+                custom: o.system_prompt.as_deref(),
+                strategy: o.system_prompt_strategy.unwrap_or_default(),
+                agent: profile.as_ref(),
+                skills: skills.as_deref(),
+                skills_field: "options.skills",
+            })
+            .await?;
         let options = TurnOptions {
             model,
             provider,
-            system_prompt: prompt::resolve(
-                o.system_prompt.as_deref(),
-                o.system_prompt_strategy.unwrap_or_default(),
-            ),
+            system_prompt: frozen.system_prompt,
             max_turns,
             max_output_tokens: parent_opts.and_then(|p| p.max_output_tokens),
             thinking_level: o
                 .thinking_level
+                .or(profile.as_ref().and_then(|p| p.reasoning_effort))
                 .or(parent_opts.and_then(|p| p.thinking_level)),
             provider_options: None,
             output: o.output.clone().unwrap_or_default(),
@@ -195,6 +226,9 @@ impl Harness {
             max_transient_resumes: self.config().max_transient_resumes,
             reasoning: None,
             filesystem: child_root(o.filesystem_root.as_deref(), parent_opts)?,
+            agent: frozen.agent,
+            skills,
+            prompt_shape: frozen.shape,
         };
         let depth = parent.map_or(0, |(p, _)| p.depth + 1);
         let link = parent.map(|(p, call_id)| ParentLink {

@@ -391,6 +391,7 @@ impl Harness {
             rec.options.system_prompt.as_deref(),
             &sid,
             rec.options.functions.as_ref(),
+            prompt::fs_root(rec.options.metadata.as_ref()),
         );
         let mut tools = self.tool_surface(rec).await?;
         let mut response_format = None;
@@ -466,10 +467,9 @@ impl Harness {
         rec.stream_request_id = Some(request_id.clone());
         let mut extras = serde_json::Map::new();
         if self.config().prompt_cache_sections {
-            if let Some(Value::Object(sections)) = prompt::cache_sections(
-                rec.options.system_prompt.as_deref(),
-                system_prompt.as_deref(),
-            ) {
+            if let Some(Value::Object(sections)) =
+                prompt::cache_sections(rec.options.stable_prefix(), system_prompt.as_deref())
+            {
                 extras.extend(sections);
             }
         }

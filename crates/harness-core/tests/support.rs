@@ -28,6 +28,8 @@ pub struct Rt {
 pub struct Recorder {
     inner: ScriptedProvider,
     pub seen: std::sync::Mutex<Vec<harness_types::router::ChatRequest>>,
+    /// The fields beyond `ChatRequest` each request carried (prompt sections, cache intent).
+    pub extras: std::sync::Mutex<Vec<harness_router::ChatExtras>>,
 }
 
 #[async_trait::async_trait]
@@ -43,6 +45,10 @@ impl harness_router::Provider for Recorder {
         cancel: tokio_util::sync::CancellationToken,
     ) -> harness_types::router::ChatAck {
         self.seen.lock().unwrap().push(req.clone());
+        self.extras
+            .lock()
+            .unwrap()
+            .push(out.context().extras.clone());
         self.inner.chat(req, out, cancel).await
     }
 }
@@ -69,6 +75,7 @@ async fn runtime_with(script: Value, config: HarnessConfig, start: bool) -> Rt {
     let recorder = Arc::new(Recorder {
         inner: ScriptedProvider::new(script, shared.clone()),
         seen: Default::default(),
+        extras: Default::default(),
     });
     router.add_provider(recorder.clone());
     harness_router::register(shared.as_ref(), &router);

@@ -151,11 +151,14 @@ pub struct SendOptions {
     /// `"lowest"`: the least reasoning the model allows.
     #[serde(default)]
     pub reasoning: Option<String>,
-    /// Seed fields this version does not implement yet: refused when given, never dropped.
+    /// A directory agent profile (`agents/<name>.md`) as the session's whole identity; only on
+    /// a session-creating send, never with `system_prompt` / `system_prompt_strategy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub agent: Option<Value>,
+    pub agent: Option<String>,
+    /// Exact skill names the session's skills index lists; empty = all. Sticky; refused while
+    /// the session's turn is active.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skills: Option<Value>,
+    pub skills: Option<Vec<String>>,
     /// This turn's token budget, shared with its sub-agents (input + output, every generation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_total_tokens: Option<u64>,
@@ -455,9 +458,9 @@ pub struct SpawnOptions {
     /// Let the child spawn and send on its own (otherwise it is a leaf).
     #[serde(default)]
     pub orchestrator: Option<bool>,
-    /// Seed fields this version does not implement yet: refused when given, never dropped.
+    /// Exact skill names the child's skills index lists; empty or omitted = all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skills: Option<Value>,
+    pub skills: Option<Vec<String>>,
     /// The child's working root (absolute); default: the parent's. From a turn it must lie
     /// under the parent's root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -483,9 +486,11 @@ pub struct SpawnRequest {
     pub session_id: Option<String>,
     #[serde(default)]
     pub options: Option<SpawnOptions>,
-    /// Seed fields this version does not implement yet: refused when given, never dropped.
+    /// A directory agent profile as the child's whole identity (omitted: the parent turn's
+    /// profile, unless `options.system_prompt` sheds it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub agent: Option<Value>,
+    pub agent: Option<String>,
+    /// Seed field this version does not implement yet: refused when given, never dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display: Option<Value>,
 }
@@ -615,6 +620,76 @@ pub struct MetricsResponse {
     pub complete: bool,
     pub totals: MetricsTotals,
     pub by_session: Vec<SessionMetrics>,
+}
+
+/// `harness::system-prompt::get`: preview the layers of a system prompt without a model call.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SystemPromptGetRequest {
+    /// The session whose frozen prompt and runtime context to show.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// Resolve these prompt fields fresh instead of reading the session's frozen prompt.
+    #[serde(default)]
+    pub selected_prompt: Option<SelectedPrompt>,
+    /// Only the embedded default identity, consulting nothing else.
+    #[serde(default)]
+    pub default_only: Option<bool>,
+}
+
+/// The prompt fields of a send, for a preview.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SelectedPrompt {
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub system_prompt_strategy: Option<SystemPromptStrategy>,
+    #[serde(default)]
+    pub agent: Option<String>,
+    #[serde(default)]
+    pub skills: Option<Vec<String>>,
+}
+
+/// Which part of the prompt a layer is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptLayerKind {
+    /// The identity embedded in the binary.
+    BuiltIn,
+    /// The directory's `system-prompts/default.md`, which replaces the built-in identity.
+    DirectoryIdentity,
+    /// An agent profile's resolved prompt (preloaded functions and skills included).
+    Agent,
+    /// The caller's own prompt text (`enrich` or `override`).
+    Selected,
+    /// The session's prompt as frozen at its last send.
+    Frozen,
+    /// The names-and-descriptions skills index.
+    SkillsIndex,
+    /// Session id, working directory and the policy aid, appended at every step.
+    RuntimeContext,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PromptLayer {
+    pub kind: PromptLayerKind,
+    pub label: String,
+    pub text: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SystemPromptGetResponse {
+    pub layers: Vec<PromptLayer>,
+    /// The prompt as a step would send it (None: prompt disabled).
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    /// The cacheable prefix of `system_prompt`.
+    #[serde(default)]
+    pub stable_prefix: Option<String>,
+    /// `sha256:<hex>` of `stable_prefix`.
+    #[serde(default)]
+    pub surface_digest: Option<String>,
 }
 
 /// `harness::delete-session-tree`: delete a session and every sub-agent session under it.

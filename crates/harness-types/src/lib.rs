@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod digest;
+pub mod directory;
 pub mod error;
 pub mod ids;
 pub mod message;

@@ -23,6 +23,8 @@ pub struct ChatArgs {
     pub approve: Vec<String>,
     /// The output budget of each reply (`--max-output-tokens`).
     pub max_output_tokens: Option<u32>,
+    /// The agent profile a new session runs under (`--agent`).
+    pub agent: Option<String>,
     pub runtime: RuntimeOptions,
 }
 
@@ -303,6 +305,23 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             "harness chat — provider {provider} model {model}. Type a message; /quit to leave."
         );
     }
+    // A profile that names its own model runs on it unless `--model` says otherwise: the
+    // sends then leave model and provider out, and the session keeps the profile's.
+    let mut send_model = true;
+    if let (Some(name), None) = (&args.agent, &args.model) {
+        let profile = source
+            .caller()
+            .call("directory::agents::get", json!({ "name": name }))
+            .await
+            .map_err(|e| anyhow!("--agent {name}: {e}"))?;
+        if let Some(m) = profile["model"].as_str() {
+            send_model = false;
+            if interactive {
+                eprintln!("harness chat — agent {name} runs on its own model {m}");
+            }
+        }
+    }
+    let mut agent = args.agent.clone();
     let stdin = std::io::stdin();
     let mut pending = args.message.clone();
     loop {
@@ -325,12 +344,20 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             }
             None => break,
         };
-        let mut payload = json!({"message": text, "model": model, "provider": provider});
+        let mut payload = json!({"message": text});
+        if send_model {
+            payload["model"] = json!(model);
+            payload["provider"] = json!(provider);
+        }
         if let Some(s) = &session {
             payload["session_id"] = json!(s);
         }
         if !args.allow.is_empty() {
             payload["options"] = json!({"functions": {"allow": args.allow}});
+        }
+        // Only the session-creating send names the profile; later ones inherit it.
+        if let Some(name) = agent.take() {
+            payload["options"]["agent"] = json!(name);
         }
         if let Some(n) = args.max_output_tokens {
             payload["options"]["max_output_tokens"] = json!(n);

@@ -172,6 +172,10 @@ enum Command {
         /// so.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         max_output_tokens: Option<u32>,
+        /// Run the new session under this agent profile of the directory (`agents/NAME.md`):
+        /// its prompt, preloaded functions and skills; its model unless --model is given.
+        #[arg(long, value_name = "NAME")]
+        agent: Option<String>,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -344,6 +348,7 @@ fn main() {
                 url,
                 allow,
                 max_output_tokens,
+                agent,
                 runtime,
             } => {
                 chat::run(chat::ChatArgs {
@@ -355,6 +360,7 @@ fn main() {
                     allow,
                     approve: runtime.approve.clone(),
                     max_output_tokens,
+                    agent,
                     runtime: runtime.options()?,
                 })
                 .await

@@ -76,6 +76,17 @@ fn tools(opts: &RuntimeOptions, harness: &Harness) -> harness_tools::Tools {
     harness_tools::Tools::new(protected, limits)
 }
 
+/// The directory's folder: `directory_path` (`~` expanded), else `directory/` in the data dir.
+pub fn directory_path(config: &HarnessConfig, data_dir: &Path) -> PathBuf {
+    match config.directory_path.as_deref() {
+        Some(p) => match (p.strip_prefix("~/"), dirs::home_dir()) {
+            (Some(rest), Some(home)) => home.join(rest),
+            _ => PathBuf::from(p),
+        },
+        None => data_dir.join("directory"),
+    }
+}
+
 fn load_script(path: Option<&Path>) -> Result<Script> {
     match path {
         Some(p) => Script::load(p).map_err(|e| anyhow::anyhow!("{e}")),
@@ -118,6 +129,10 @@ impl Runtime {
         // So a step's batched writes (`Bus::commit`) that touch the transcript stay one commit.
         harness_session::register_transactional(&bus, &sessions);
         harness_context::register(shared.as_ref());
+        harness_directory::register(
+            shared.as_ref(),
+            &harness_directory::Directory::new(directory_path(&opts.config, &opts.data_dir)),
+        );
         let router = Router::new();
         router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
         // Real providers from the environment / router config; the scripted one stays default.
@@ -175,6 +190,8 @@ pub struct Siblings {
     pub approval: bool,
     /// The built-in tools: `fs::*`, `shell::exec`, `web::fetch` (run on the worker's machine).
     pub tools: bool,
+    /// `directory::*` (agent profiles, skills, system prompts from `directory_path`).
+    pub directory: bool,
 }
 
 #[cfg_attr(not(feature = "iii"), allow(dead_code))]
@@ -185,9 +202,10 @@ impl Siblings {
         router: true,
         approval: true,
         tools: true,
+        directory: true,
     };
 
-    /// `session,context,router,approval,tools` or `all` (comma-separated, repeatable).
+    /// `session,context,router,approval,tools,directory` or `all` (comma-separated, repeatable).
     pub fn parse(items: &[String]) -> Result<Siblings> {
         let mut s = Siblings::default();
         for item in items.iter().flat_map(|i| i.split(',')).map(str::trim) {
@@ -199,8 +217,9 @@ impl Siblings {
                 "router" => s.router = true,
                 "approval" => s.approval = true,
                 "tools" => s.tools = true,
+                "directory" => s.directory = true,
                 other => anyhow::bail!(
-                    "--with: unknown sibling '{other}' (expected session, context, router, approval, tools or all)"
+                    "--with: unknown sibling '{other}' (expected session, context, router, approval, tools, directory or all)"
                 ),
             }
         }
@@ -245,6 +264,12 @@ impl Runtime {
         };
         if with.context {
             harness_context::register(bus.as_ref());
+        }
+        if with.directory {
+            harness_directory::register(
+                bus.as_ref(),
+                &harness_directory::Directory::new(directory_path(&opts.config, &opts.data_dir)),
+            );
         }
         if with.router {
             let script = load_script(opts.script.as_deref())?;

@@ -35,7 +35,8 @@ pub struct WorkerArgs {
     #[arg(long, env = "III_URL", default_value = "ws://127.0.0.1:49134")]
     engine: String,
     /// Our own siblings to register on the engine too: session, context, router, approval, tools,
-    /// all (comma-separated or repeated). Without it the deployment's siblings are used.
+    /// directory, all (comma-separated or repeated). Without it the deployment's siblings are
+    /// used.
     #[arg(long, value_name = "LIST")]
     with: Vec<String>,
     #[arg(long, value_enum, default_value = "auto")]

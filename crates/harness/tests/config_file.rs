@@ -34,6 +34,7 @@ default_functions:
   deny: ["fixture::danger"]
 default_filesystem_root: "off"
 projects_file_path: ${CONFIG_TEST_HOME}/projects.json
+directory_path: ${CONFIG_TEST_HOME}/directory
 # Beyond §10: knobs of this implementation.
 default_context_window: 100000
 web_fetch_allow_private: true

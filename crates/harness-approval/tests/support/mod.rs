@@ -41,6 +41,10 @@ pub async fn runtime(script: Value, approve: &[&str]) -> Rt {
     router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
     harness_router::register(shared.as_ref(), &router);
     harness_tools::register(shared.as_ref(), &harness_tools::Tools::default());
+    harness_directory::register(
+        shared.as_ref(),
+        &harness_directory::Directory::new(dir.path().join("directory")),
+    );
     let harness = Harness::new(
         shared.clone(),
         HarnessConfig {

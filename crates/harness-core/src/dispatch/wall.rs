@@ -6,6 +6,12 @@
 //! walls depend only on the function id (and such functions are never offered or listed to a
 //! model); the rest depend on the arguments: a state scope the harness owns, a session outside
 //! the caller's own tree, a binding on one of the harness's own trigger types.
+//!
+//! `directory::*` is not walled: it only reads operator-written profiles, skills and prompts
+//! (entry names are checked never to be paths), and has no function that writes, so a model
+//! can neither rewrite its identity nor reach the data directory through it.
+//! `harness::system-prompt::get` is walled with the rest of `harness::*`: it reads any
+//! session's frozen prompt.
 
 use serde_json::Value;
 

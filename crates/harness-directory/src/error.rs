@@ -1,0 +1,36 @@
+//! What can go wrong reading the directory, each naming the file and field at fault.
+
+use harness_types::{ErrorCode, HarnessError};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DirectoryError {
+    /// A file the directory holds is malformed: `agents/a.md: model: invalid type …`.
+    #[error("{file}: {field}: {message}")]
+    BadFile {
+        file: String,
+        field: String,
+        message: String,
+    },
+    /// An entry that does not exist.
+    #[error("{kind} '{name}' is not in the directory")]
+    NotFound { kind: &'static str, name: String },
+    /// An `extends` chain that comes back to a profile it already passed.
+    #[error("agents/{name}.md: extends: cycle {chain}")]
+    Cycle { name: String, chain: String },
+    /// A name that is not a plain file stem (a path, `..`, empty).
+    #[error("name: '{0}' is not an entry name (letters, digits, '.', '_' and '-', not starting with '.')")]
+    BadName(String),
+    #[error("{file}: cannot be read: {message}")]
+    Io { file: String, message: String },
+}
+
+impl From<DirectoryError> for HarnessError {
+    fn from(e: DirectoryError) -> Self {
+        let code = match &e {
+            DirectoryError::NotFound { .. } => ErrorCode::NotFound,
+            DirectoryError::Io { .. } => ErrorCode::Dependency,
+            _ => ErrorCode::InvalidRequest,
+        };
+        HarnessError::new(code, e.to_string())
+    }
+}
