@@ -172,6 +172,7 @@ engine::registered-triggers::list wall wall wall run
 engine::triggers::list run run run run
 engine::unregister_trigger wall wall wall run
 harness::ask run run run run
+harness::context-policy wall wall wall run
 harness::function::resolve wall wall wall run
 harness::function::trigger wall wall wall run
 harness::metrics wall wall wall run

@@ -83,7 +83,7 @@ impl Runtime {
         harness_session::register(shared.as_ref(), &sessions);
         // So a step's batched writes (`Bus::commit`) that touch the transcript stay one commit.
         harness_session::register_transactional(&bus, &sessions);
-        harness_context::register(shared.as_ref());
+        harness_context::register(shared.clone());
         let router = Router::new();
         router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
         // Real providers from the environment / router config; the scripted one stays default.
@@ -196,7 +196,7 @@ impl Runtime {
             (None, None)
         };
         if with.context {
-            harness_context::register(bus.as_ref());
+            harness_context::register(bus.clone());
         }
         if with.router {
             let script = load_script(opts.script.as_deref())?;
