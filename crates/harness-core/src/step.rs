@@ -732,6 +732,7 @@ impl Harness {
                     // one more summary, never a message; the id makes a redelivery a no-op.
                     let data = serde_json::to_value(&record)
                         .map_err(|e| HarnessError::internal(e.to_string()))?;
+                    failpoint::hit("before_compaction_appended");
                     self.append_custom(
                         &rec.session_id,
                         ids::compaction_entry(&rec.turn_id, rec.step),
