@@ -640,9 +640,18 @@ impl Harness {
         let context_window = self.context_window_of(catalog.as_ref());
         let max_output = rec.options.max_output_tokens.unwrap_or(0) as u64;
         // The policy is read only when the history could overflow at all: no tokenizer yields
-        // more tokens than bytes.
-        let may_overflow = context::byte_bound(&window.messages) + 4 * FRAMING_TOKENS
-            > context_window.saturating_sub(max_output) / 2;
+        // more tokens than bytes, and the usage correction at most doubles a count.
+        let tools_bytes: u64 = tools
+            .iter()
+            .map(|t| (t.name.len() + t.description.len() + t.parameters.to_string().len()) as u64 + 16)
+            .sum();
+        let may_overflow = 2 * (context::byte_bound(&window.messages)
+            + window.previous.as_ref().map_or(0, |p| p.summary.len() as u64 + 256)
+            + system_prompt.as_ref().map_or(0, |p| p.len() as u64 + 8)
+            + tools_bytes
+            + FRAMING_TOKENS
+            + REASSEMBLY_SLACK)
+            > context_window.saturating_sub(max_output);
         let prune = may_overflow && self.prune_allowed(rec, catalog.as_ref()).await?.0;
         let hooked = !self.hooks(HookPoint::PreGenerate).await?.is_empty();
         let registry_changed = {
