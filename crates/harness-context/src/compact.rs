@@ -14,7 +14,8 @@ use crate::count::Counter;
 use crate::error::ContextError;
 
 /// The summary message's first line, so the model (and a reader) can tell it from a user turn.
-pub const SUMMARY_HEADER: &str = "[Summary of the earlier conversation, written when it outgrew the context window. \
+pub const SUMMARY_HEADER: &str =
+    "[Summary of the earlier conversation, written when it outgrew the context window. \
 The opening message above and the messages after this one are verbatim.]";
 
 /// What the summarizer is asked to do.
@@ -46,7 +47,12 @@ pub fn summary_message(summary: &str, timestamp: i64) -> AgentMessage {
 /// (a user or assistant message, never a result cut from its call) such that the tail costs at
 /// most `target` tokens; when even the last exchange costs more, the last exchange. `None` when
 /// there is no such boundary after `first` (nothing could be summarized).
-pub fn tail_start(messages: &[AgentMessage], first: usize, target: u64, counter: &Counter) -> Option<usize> {
+pub fn tail_start(
+    messages: &[AgentMessage],
+    first: usize,
+    target: u64,
+    counter: &Counter,
+) -> Option<usize> {
     let mut suffix = 0u64;
     let mut best = None;
     for i in (first + 1..messages.len()).rev() {
@@ -75,7 +81,10 @@ fn render(message: &AgentMessage) -> String {
     match message {
         AgentMessage::User(u) => {
             out.push_str("[user] ");
-            out.push_str(&cut(&harness_types::message::joined_text(&u.content), TEXT_CHARS));
+            out.push_str(&cut(
+                &harness_types::message::joined_text(&u.content),
+                TEXT_CHARS,
+            ));
         }
         AgentMessage::Assistant(a) => {
             out.push_str("[assistant] ");
@@ -194,7 +203,10 @@ pub async fn summarize(
                     "the model answered the summary request with no text".into(),
                 ));
             }
-            Ok(cut(text.trim(), (max_output_tokens as usize).saturating_mul(4)))
+            Ok(cut(
+                text.trim(),
+                (max_output_tokens as usize).saturating_mul(4),
+            ))
         }
         Some(Frame::Error { error_message, .. }) => Err(ContextError::Summarizer(format!(
             "the model failed to summarize: {error_message}"

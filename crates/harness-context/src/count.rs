@@ -218,19 +218,25 @@ impl Counter {
     /// it, so `reported / counted` is how far off this counter is for this conversation.
     pub fn calibrate(
         &mut self,
-        messages: &[AgentMessage],
+        messages: &[&AgentMessage],
         system_prompt: Option<&str>,
         tools: &[ToolSpec],
         overhead: u64,
     ) {
-        let Some((at, reported)) = messages.iter().enumerate().rev().find_map(|(i, m)| match m {
-            AgentMessage::Assistant(a) => a.usage.as_ref().and_then(|u| {
-                let input =
-                    u.input.unwrap_or(0) + u.cache_read.unwrap_or(0) + u.cache_write.unwrap_or(0);
-                (!u.estimated && input > 0).then_some((i, input))
-            }),
-            _ => None,
-        }) else {
+        let Some((at, reported)) = messages
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(i, m)| match m {
+                AgentMessage::Assistant(a) => a.usage.as_ref().and_then(|u| {
+                    let input = u.input.unwrap_or(0)
+                        + u.cache_read.unwrap_or(0)
+                        + u.cache_write.unwrap_or(0);
+                    (!u.estimated && input > 0).then_some((i, input))
+                }),
+                _ => None,
+            })
+        else {
             return;
         };
         let counted = self.raw_preamble(system_prompt, tools)
@@ -263,8 +269,14 @@ mod tests {
 
     #[test]
     fn openai_models_use_their_bpe() {
-        assert_eq!(method_for(&model("gpt-4o", None)), Method::Bpe("o200k_base"));
-        assert_eq!(method_for(&model("gpt-4", None)), Method::Bpe("cl100k_base"));
+        assert_eq!(
+            method_for(&model("gpt-4o", None)),
+            Method::Bpe("o200k_base")
+        );
+        assert_eq!(
+            method_for(&model("gpt-4", None)),
+            Method::Bpe("cl100k_base")
+        );
         // Unknown to the crate's table but an OpenAI model: the current encoding.
         assert_eq!(
             method_for(&model("gpt-99-preview", Some("openai"))),
@@ -327,18 +339,18 @@ mod tests {
         ];
         let mut c = Counter::new(&model("local", None));
         let before = c.request(&history, None, &[]);
-        c.calibrate(&history, None, &[], 0);
+        c.calibrate(&history.iter().collect::<Vec<_>>(), None, &[], 0);
         // Our count of the first message was 1000 + 4; the provider said 1500.
         let ratio = 1500.0 / 1004.0;
         assert!((c.correction() - ratio).abs() < 1e-9, "{}", c.correction());
         assert!(c.request(&history, None, &[]) > before);
         // An estimated usage (the router's own guess) corrects nothing.
         let mut c = Counter::new(&model("local", None));
-        c.calibrate(&[history[0].clone(), answered(1500, true)], None, &[], 0);
+        c.calibrate(&[&history[0], &answered(1500, true)], None, &[], 0);
         assert_eq!(c.correction(), 1.0);
         // A ratio far outside the plausible range is ignored.
         let mut c = Counter::new(&model("local", None));
-        c.calibrate(&[history[0].clone(), answered(90_000, false)], None, &[], 0);
+        c.calibrate(&[&history[0], &answered(90_000, false)], None, &[], 0);
         assert_eq!(c.correction(), 1.0);
     }
 }

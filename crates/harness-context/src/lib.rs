@@ -25,6 +25,7 @@ use harness_types::context::{
 use harness_types::message::AgentMessage;
 use harness_types::parse::parse_payload;
 use schemars::schema_for;
+use serde::Deserialize;
 use serde_json::Value;
 
 pub mod compact;
@@ -41,7 +42,8 @@ const SUMMARY_TIMEOUT: Duration = Duration::from_secs(300);
 /// `context::count-tokens`.
 pub fn count_tokens(req: &CountTokensRequest) -> CountTokensResponse {
     let mut counter = Counter::new(&req.model);
-    counter.calibrate(&req.messages, req.system_prompt.as_deref(), &req.tools, 0);
+    let messages: Vec<&AgentMessage> = req.messages.iter().collect();
+    counter.calibrate(&messages, req.system_prompt.as_deref(), &req.tools, 0);
     CountTokensResponse {
         tokens: counter.request(&req.messages, req.system_prompt.as_deref(), &req.tools),
         counter: counter.name(),
@@ -94,7 +96,7 @@ pub async fn assemble(
         );
     }
     let mut counter = Counter::new(&model);
-    let working: Vec<AgentMessage> = items.iter().map(|i| i.message.clone()).collect();
+    let working: Vec<&AgentMessage> = items.iter().map(|i| &i.message).collect();
     counter.calibrate(
         &working,
         req.system_prompt.as_deref(),
@@ -111,8 +113,8 @@ pub async fn assemble(
         reused_summary: o.previous_summary.is_some(),
         ..Applied::default()
     };
-    let respond = |items: Vec<Item>, tokens: u64, applied: Applied, counter: &Counter| {
-        AssembleResponse {
+    let respond =
+        |items: Vec<Item>, tokens: u64, applied: Applied, counter: &Counter| AssembleResponse {
             system_prompt: req.system_prompt.clone(),
             messages: items.into_iter().map(|i| i.message).collect(),
             token_count: tokens + preamble,
@@ -121,8 +123,7 @@ pub async fn assemble(
             applied,
             counter: Some(counter.name()),
             correction: Some(counter.correction()),
-        }
-    };
+        };
     if preamble <= usable && initial <= budget {
         return Ok(respond(items, initial, applied, &counter));
     }
@@ -223,9 +224,16 @@ pub fn register(bus: Arc<dyn Bus>) {
     let assemble_handler = move |payload: Value, _ctx: CallContext| {
         let weak = weak.clone();
         async move {
-            let req: AssembleRequest = parse_payload(payload)?;
+            // The strict parser names a bad field; a well-formed request (every step's) skips
+            // its bookkeeping and is read in place.
+            let req = match AssembleRequest::deserialize(&payload) {
+                Ok(req) => req,
+                Err(_) => parse_payload::<AssembleRequest>(payload)?,
+            };
             let bus = weak.upgrade();
-            let resp = assemble(bus.as_deref(), req).await.map_err(BusError::from)?;
+            let resp = assemble(bus.as_deref(), req)
+                .await
+                .map_err(BusError::from)?;
             serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
         }
     };

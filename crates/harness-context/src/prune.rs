@@ -92,23 +92,32 @@ mod tests {
         let mut history = vec![
             AgentMessage::user_text("go", 0),
             call("a"),
-            result("a", big.clone()),       // aged (3 answers after), big: pruned
+            result("a", big.clone()), // aged (3 answers after), big: pruned
             call("b"),
-            result("b", "small".into()),    // aged but small: kept
+            result("b", "small".into()), // aged but small: kept
             call("c"),
-            result("c", big.clone()),       // one answer after: too recent
+            result("c", big.clone()), // one answer after: too recent
             call("d"),
-            result("d", big.clone()),       // the latest: kept
+            result("d", big.clone()), // the latest: kept
         ];
-        let counter = Counter::new(&ModelRef { id: "local".into(), provider: None });
+        let counter = Counter::new(&ModelRef {
+            id: "local".into(),
+            provider: None,
+        });
         assert_eq!(prune(&mut history, &counter), 1);
         let text = |m: &AgentMessage| harness_types::message::joined_text(m.content());
-        assert!(text(&history[2]).starts_with("[pruned from the context"), "{}", text(&history[2]));
+        assert!(
+            text(&history[2]).starts_with("[pruned from the context"),
+            "{}",
+            text(&history[2])
+        );
         assert!(text(&history[2]).len() < 1_000);
         assert_eq!(text(&history[4]), "small");
         assert_eq!(text(&history[6]), big);
         assert_eq!(text(&history[8]), big);
         // The call ids are untouched: every call still has its result.
-        assert!(matches!(&history[2], AgentMessage::FunctionResult(r) if r.function_call_id == "a"));
+        assert!(
+            matches!(&history[2], AgentMessage::FunctionResult(r) if r.function_call_id == "a")
+        );
     }
 }

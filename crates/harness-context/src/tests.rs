@@ -52,9 +52,12 @@ fn result(id: &str, chars: usize) -> AgentMessage {
 
 #[tokio::test]
 async fn fits_and_counts_prompt_and_overhead() {
-    let out = assemble(None, req(vec![AgentMessage::user_text("hello there", 0)], 1000))
-        .await
-        .unwrap();
+    let out = assemble(
+        None,
+        req(vec![AgentMessage::user_text("hello there", 0)], 1000),
+    )
+    .await
+    .unwrap();
     assert_eq!(out.messages.len(), 1);
     // "hello there" = 11 chars / 3.8 → 3, + 4 per message; "be brief" → 3 + 4; + 64.
     assert_eq!(out.token_count, 3 + 4 + 3 + 4 + 64);
@@ -63,9 +66,12 @@ async fn fits_and_counts_prompt_and_overhead() {
 
 #[tokio::test]
 async fn overflow_without_a_summarizer_is_a_clean_error() {
-    let err = assemble(None, req(vec![AgentMessage::user_text("x".repeat(4000), 0)], 500))
-        .await
-        .unwrap_err();
+    let err = assemble(
+        None,
+        req(vec![AgentMessage::user_text("x".repeat(4000), 0)], 500),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(err, ContextError::Overflow(_)));
     assert!(err.to_string().starts_with("context/overflow:"), "{err}");
 }

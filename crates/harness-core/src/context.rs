@@ -287,8 +287,8 @@ pub(crate) fn fallback(req: AssembleRequest) -> Result<AssembleResponse, String>
             ),
         );
     }
-    let token_count = estimate(&messages, req.system_prompt.as_deref(), &req.tools)
-        + o.request_overhead_tokens;
+    let token_count =
+        estimate(&messages, req.system_prompt.as_deref(), &req.tools) + o.request_overhead_tokens;
     if token_count > usable {
         return Err(format!(
             "{OVERFLOW_PREFIX} the conversation needs ~{token_count} tokens but model '{}' has {usable} usable (no context manager is registered to compact it)",

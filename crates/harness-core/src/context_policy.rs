@@ -6,9 +6,7 @@
 //! per session (a row in [`POLICY_SCOPE`]); `null` returns the session to the model's default.
 //! A model never reaches this function (the control-plane wall), nor the state row.
 
-use harness_types::context::{
-    ContextPolicyRequest, ContextPolicyResponse, PolicySource,
-};
+use harness_types::context::{ContextPolicyRequest, ContextPolicyResponse, PolicySource};
 use harness_types::HarnessError;
 use serde_json::{json, Value};
 
@@ -42,7 +40,10 @@ impl Harness {
             .state_get(POLICY_SCOPE, session_id)
             .await
             .map_err(|e| e.into_harness())?;
-        if let Some(allowed) = row.as_ref().and_then(|r| r["prune_function_results"].as_bool()) {
+        if let Some(allowed) = row
+            .as_ref()
+            .and_then(|r| r["prune_function_results"].as_bool())
+        {
             return Ok((
                 allowed,
                 PolicySource::Session,
@@ -79,7 +80,11 @@ impl Harness {
             let bus = &self.inner.bus;
             match set.prune_function_results {
                 Some(allowed) => bus
-                    .state_set(POLICY_SCOPE, sid, json!({"prune_function_results": allowed}))
+                    .state_set(
+                        POLICY_SCOPE,
+                        sid,
+                        json!({"prune_function_results": allowed}),
+                    )
                     .await
                     .map_err(|e| e.into_harness())?,
                 None => bus

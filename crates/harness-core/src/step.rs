@@ -6,11 +6,11 @@
 //! session lock released → post-generate hooks), `ResumeAtCalls` (a redelivered step re-reads
 //! the answer it recorded) and `DispatchCalls`; each ends by feeding the machine its next input.
 
+use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
 use harness_types::context::{
     AssembleOptions, AssembleRequest, AssembleResponse, CountTokensRequest, CountTokensResponse,
     ModelRef, COMPACTION_ENTRY, OVERFLOW_PREFIX,
 };
-use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
 use harness_types::message::{AgentMessage, AssistantMessage, StopReason};
 use harness_types::router::ChatRequest;
 use harness_types::session::{AppendRequest, Entry, SessionStatus};
@@ -643,14 +643,20 @@ impl Harness {
         // more tokens than bytes, and the usage correction at most doubles a count.
         let tools_bytes: u64 = tools
             .iter()
-            .map(|t| (t.name.len() + t.description.len() + t.parameters.to_string().len()) as u64 + 16)
+            .map(|t| {
+                (t.name.len() + t.description.len() + t.parameters.to_string().len()) as u64 + 16
+            })
             .sum();
-        let may_overflow = 2 * (context::byte_bound(&window.messages)
-            + window.previous.as_ref().map_or(0, |p| p.summary.len() as u64 + 256)
-            + system_prompt.as_ref().map_or(0, |p| p.len() as u64 + 8)
-            + tools_bytes
-            + FRAMING_TOKENS
-            + REASSEMBLY_SLACK)
+        let may_overflow = 2
+            * (context::byte_bound(&window.messages)
+                + window
+                    .previous
+                    .as_ref()
+                    .map_or(0, |p| p.summary.len() as u64 + 256)
+                + system_prompt.as_ref().map_or(0, |p| p.len() as u64 + 8)
+                + tools_bytes
+                + FRAMING_TOKENS
+                + REASSEMBLY_SLACK)
             > context_window.saturating_sub(max_output);
         let prune = may_overflow && self.prune_allowed(rec, catalog.as_ref()).await?.0;
         let hooked = !self.hooks(HookPoint::PreGenerate).await?.is_empty();
@@ -665,27 +671,29 @@ impl Harness {
         };
         let mut extra = if hooked { REASSEMBLY_SLACK } else { 0 };
         for pass in 0..2u32 {
-            let req = AssembleRequest {
-                messages: window.messages.clone(),
-                model: ModelRef {
-                    id: rec.options.model.clone(),
-                    provider: rec.options.provider.clone(),
-                },
-                system_prompt: system_prompt.clone(),
-                tools: tools.to_vec(),
-                options: AssembleOptions {
-                    lease_key: Some(rec.session_id.clone()),
-                    request_overhead_tokens: FRAMING_TOKENS + extra,
-                    context_window,
-                    max_output_tokens: max_output,
-                    previous_summary: window.previous.clone(),
-                    prune_function_results: prune,
-                    summary_request_id: Some(format!(
-                        "{}:compaction:{pass}",
-                        ids::request_id(&rec.turn_id, rec.step)
-                    )),
-                    no_compaction: false,
-                },
+            let model = ModelRef {
+                id: rec.options.model.clone(),
+                provider: rec.options.provider.clone(),
+            };
+            let options = AssembleOptions {
+                lease_key: Some(rec.session_id.clone()),
+                request_overhead_tokens: FRAMING_TOKENS + extra,
+                context_window,
+                max_output_tokens: max_output,
+                previous_summary: window.previous.clone(),
+                prune_function_results: prune,
+                summary_request_id: Some(format!(
+                    "{}:compaction:{pass}",
+                    ids::request_id(&rec.turn_id, rec.step)
+                )),
+                no_compaction: false,
+            };
+            let req = AssembleRequestRef {
+                messages: &window.messages,
+                model: &model,
+                system_prompt: system_prompt.as_deref(),
+                tools,
+                options: &options,
             };
             let assembled = match self.call_assemble(req).await? {
                 Ok(a) => a,
@@ -756,7 +764,11 @@ impl Harness {
             }
             let detail = format!(
                 "{OVERFLOW_PREFIX} ~{tokens} tokens after {}, {usable} usable",
-                if hooked { "pre_generate hooks" } else { "final assembly" }
+                if hooked {
+                    "pre_generate hooks"
+                } else {
+                    "final assembly"
+                }
             );
             if pass == 1 {
                 return Ok(Err(if hooked {
@@ -766,7 +778,8 @@ impl Harness {
                 }));
             }
             tracing::debug!(session = %rec.session_id, "{detail}; reassembling once");
-            extra += tokens.saturating_sub(assembled_tokens.saturating_sub(extra)) + REASSEMBLY_SLACK;
+            extra +=
+                tokens.saturating_sub(assembled_tokens.saturating_sub(extra)) + REASSEMBLY_SLACK;
         }
         unreachable!("the assembly loop returns on its second pass")
     }
@@ -775,7 +788,7 @@ impl Harness {
     /// context manager is registered. Transient bus failures are step errors (redelivered).
     async fn call_assemble(
         &self,
-        req: AssembleRequest,
+        req: AssembleRequestRef<'_>,
     ) -> Result<std::result::Result<AssembleResponse, ContextRefusal>> {
         let payload =
             serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
@@ -791,11 +804,15 @@ impl Harness {
                     "context::assemble answered an unexpected shape: {e}"
                 ))
             })),
-            Err(e) if e.is_not_found() => Ok(context::fallback(req).map_err(ContextRefusal::Overflow)),
+            Err(e) if e.is_not_found() => {
+                Ok(context::fallback(req.owned()).map_err(ContextRefusal::Overflow))
+            }
             Err(e) if e.code == "context/overflow" || e.message.contains(OVERFLOW_PREFIX) => {
                 Ok(Err(ContextRefusal::Overflow(e.message)))
             }
-            Err(e) if e.code == "context/summarizer" => Ok(Err(ContextRefusal::Compaction(e.message))),
+            Err(e) if e.code == "context/summarizer" => {
+                Ok(Err(ContextRefusal::Compaction(e.message)))
+            }
             Err(e) if e.is_transient_dependency() => Err(e.into_harness()),
             Err(e) => Ok(Err(ContextRefusal::Manager(e.to_string()))),
         }
@@ -894,6 +911,30 @@ impl Harness {
             }
         }
         Ok(())
+    }
+}
+
+/// An [`AssembleRequest`] serialized from what the step already holds: a long history is not
+/// copied just to be turned into JSON.
+#[derive(serde::Serialize)]
+struct AssembleRequestRef<'a> {
+    messages: &'a [AgentMessage],
+    model: &'a ModelRef,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system_prompt: Option<&'a str>,
+    tools: &'a [harness_types::router::ToolSpec],
+    options: &'a AssembleOptions,
+}
+
+impl AssembleRequestRef<'_> {
+    fn owned(&self) -> AssembleRequest {
+        AssembleRequest {
+            messages: self.messages.to_vec(),
+            model: self.model.clone(),
+            system_prompt: self.system_prompt.map(str::to_string),
+            tools: self.tools.to_vec(),
+            options: self.options.clone(),
+        }
     }
 }
 

@@ -66,9 +66,11 @@ async fn a_long_conversation_is_compacted_and_never_fails() {
     // The context manager on the same bus: it summarizes through router::chat.
     let bus: Arc<dyn Bus> = Arc::new(rt.bus.clone());
     harness_context::register(bus.clone());
-    rt.register("demo::read", None, |args| {
-        json!({"report": args["report"], "body": "x".repeat(RESULT_CHARS)})
-    });
+    rt.register(
+        "demo::read",
+        None,
+        |args| json!({"report": args["report"], "body": "x".repeat(RESULT_CHARS)}),
+    );
     let options = SendOptions {
         functions: Some(FunctionPolicy {
             allow: vec!["demo::*".into()],
@@ -140,7 +142,10 @@ async fn a_long_conversation_is_compacted_and_never_fails() {
         // The opening message is always first.
         assert_eq!(t[0], "turn 0: read report 0", "request {k}");
         // The latest exchanges: this turn's message and the previous turn's, verbatim.
-        assert!(t.contains(&format!("turn {n}: read report {n}")), "request {k}");
+        assert!(
+            t.contains(&format!("turn {n}: read report {n}")),
+            "request {k}"
+        );
         if n > 0 {
             let prev = n - 1;
             assert!(
@@ -162,7 +167,10 @@ async fn a_long_conversation_is_compacted_and_never_fails() {
             if let AgentMessage::Assistant(a) = m {
                 for b in &a.content {
                     if let ContentBlock::FunctionCall { id, .. } = b {
-                        assert!(results.contains(id.as_str()), "request {k}: {id} unanswered");
+                        assert!(
+                            results.contains(id.as_str()),
+                            "request {k}: {id} unanswered"
+                        );
                     }
                 }
             }

@@ -67,7 +67,10 @@ async fn settle(server: &mut Server, turn_id: &str) -> bool {
 async fn a_crash_around_the_compaction_record_loses_and_duplicates_nothing() {
     let fx = Fixtures::new(json!([{"id": "demo::read", "description": "reads a report",
         "response": {"body": "x".repeat(4_000)}}]));
-    for point in ["before_compaction_appended:1", "after_compaction_appended:1"] {
+    for point in [
+        "before_compaction_appended:1",
+        "after_compaction_appended:1",
+    ] {
         std::fs::remove_file(fx.log()).ok();
         let mut extra = fx.args();
         extra.extend(["--context-window".into(), "8000".into()]);

@@ -137,7 +137,10 @@ fn orphans_get_the_text_of_what_happened_to_them() {
     // Each synthetic result sits right after its assistant message.
     assert_eq!(m.len(), 8);
     let (text, is_error, details) = patched_text(&m[2]);
-    assert!(text.starts_with("result elided from the assembled context"), "{text}");
+    assert!(
+        text.starts_with("result elided from the assembled context"),
+        "{text}"
+    );
     assert!(!is_error);
     assert_eq!(details["error"], "elided");
     let (text, is_error, details) = patched_text(&m[5]);
@@ -145,7 +148,10 @@ fn orphans_get_the_text_of_what_happened_to_them() {
     assert!(is_error);
     assert_eq!(details["error"], "interrupted");
     let (text, is_error, details) = patched_text(&m[7]);
-    assert!(text.contains("never ran") && !text.contains("at most once"), "{text}");
+    assert!(
+        text.contains("never ran") && !text.contains("at most once"),
+        "{text}"
+    );
     assert!(is_error);
     assert_eq!(details["error"], "not_dispatched");
     // Nothing left to patch: a second pass changes nothing.
