@@ -176,6 +176,12 @@ async fn a_long_conversation_is_compacted_and_never_fails() {
             }
         }
     }
+    eprintln!(
+        "{} compactions, {} summarizer calls, {with_summary} of {} requests carried a summary",
+        compactions.len(),
+        summaries.len(),
+        turns.len()
+    );
     // Every request fit the window as the provider itself measured it (its reported usage).
     for e in &entries {
         if let Some(AgentMessage::Assistant(a)) = &e.message {
