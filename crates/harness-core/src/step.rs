@@ -697,6 +697,10 @@ impl Harness {
             };
             let assembled = match self.call_assemble(req).await? {
                 Ok(a) => a,
+                // The second pass only exists because the hooks' additions did not fit.
+                Err(ContextRefusal::Overflow(detail)) if pass == 1 && hooked => {
+                    return Ok(Err(ContextRefusal::OverflowAfterHooks(detail)))
+                }
                 Err(why) => return Ok(Err(why)),
             };
             if assembled.token_count > assembled.usable {
