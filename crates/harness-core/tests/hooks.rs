@@ -733,8 +733,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
         .entries(&r.session_id)
         .into_iter()
         .filter_map(|e| e.custom)
-        .filter(|c| c.custom_type == "error")
-        .last()
+        .rfind(|c| c.custom_type == "error")
         .unwrap();
     assert_eq!(
         error.data["code"], "harness.context_overflow",
