@@ -183,6 +183,7 @@ fs::read run run run run
 fs::search run run run run
 fs::write run run run run
 harness::ask run run run run
+harness::context-policy wall wall wall run
 harness::delete-session-tree wall wall wall run
 harness::delete-session-tree-status wall wall wall run
 harness::function::resolve wall wall wall run

@@ -1591,9 +1591,23 @@ struct LongSession {
     long_step_p50: f64,
     short_overhead_p50: f64,
     long_overhead_p50: f64,
+    /// `context::assemble` as the step awaits it, p50 µs: 10-entry, 1,000-entry, and 1,000-entry
+    /// sessions whose history a compaction record already summarizes.
+    short_assemble_p50: f64,
+    long_assemble_p50: f64,
+    summarized_assemble_p50: f64,
 }
 
 impl LongSession {
+    /// Assembly on a summarized 1,000-entry session over assembly on a 10-entry one (p50s).
+    fn summarized_assemble_ratio(&self) -> f64 {
+        if self.short_assemble_p50 > 0.0 {
+            self.summarized_assemble_p50 / self.short_assemble_p50
+        } else {
+            0.0
+        }
+    }
+
     /// Whole step on a 1,000-entry session over the same on a 10-entry one (p50s).
     fn step_ratio(&self) -> f64 {
         if self.short_step_p50 > 0.0 {
@@ -1628,6 +1642,47 @@ async fn fill_transcript(d: &Driver, session_id: &str, from: usize, entries: usi
     Ok(())
 }
 
+/// Writes a compaction record whose tail anchor keeps the last `keep` entries, as the loop does
+/// after summarizing the rest.
+async fn summarize_transcript(d: &Driver, session_id: &str, keep: usize) -> Result<()> {
+    let mut entries: Vec<Value> = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let page = d
+            .harness
+            .bus()
+            .call(
+                "session::messages",
+                json!({"session_id": session_id, "include_custom": false, "limit": 500, "cursor": cursor}),
+                None,
+            )
+            .await
+            .map_err(|e| anyhow!("session::messages: {e}"))?;
+        entries.extend(page["messages"].as_array().cloned().unwrap_or_default());
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    let anchor = match entries.len().checked_sub(keep).and_then(|i| entries.get(i)) {
+        Some(e) => e["entry_id"].as_str().unwrap_or_default().to_string(),
+        None => bail!("the session has fewer than {keep} entries to keep"),
+    };
+    d.harness
+        .bus()
+        .call(
+            "session::append",
+            json!({"session_id": session_id, "entry_id": format!("e_bench_{session_id}_compaction"),
+                   "custom": {"custom_type": "compaction", "data": {
+                       "summary": "The user sent a thousand short numbered messages; nothing else happened.",
+                       "tail_start_entry_id": anchor, "summarized_head_tokens": 6000}}}),
+            None,
+        )
+        .await
+        .map_err(|e| anyhow!("session::append: {e}"))?;
+    Ok(())
+}
+
 /// Text steps on sessions of [`SHORT_ENTRIES`] and of [`LONG_ENTRIES`] entries, alternating
 /// (concurrency 1, fsync off, each session already stepped once, as in a live conversation).
 async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
@@ -1637,7 +1692,14 @@ async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
     ));
     let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     let d = rig.driver();
-    let (mut short, mut long) = (Vec::new(), Vec::new());
+    let (mut short, mut long, mut summarized) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..LONG_PHASE_SESSIONS {
+        let sid = d.turn(None, None).await?;
+        fill_transcript(&d, &sid, 2, LONG_ENTRIES - 2).await?;
+        summarize_transcript(&d, &sid, SHORT_ENTRIES - 2).await?;
+        d.turn(Some(sid.clone()), None).await?;
+        summarized.push(sid);
+    }
     for i in 0..2 * LONG_PHASE_SESSIONS {
         let sid = d.turn(None, None).await?;
         // A turn leaves 2 entries (the message and the answer); the next one adds 2 more.
@@ -1656,6 +1718,7 @@ async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
     }
     rig.queue_idle().await?;
     let mut long_turns = HashSet::new();
+    let mut summarized_turns = HashSet::new();
     rig.probe.sample_steps.store(true, Ordering::Relaxed);
     let deadline = Instant::now() + plan.long_cap;
     let mut done = 0;
@@ -1677,16 +1740,32 @@ async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
         let (_, turn_id) = d.send(Some(long[i].clone()), None).await?;
         d.probe.wait(&turn_id).await?;
         long_turns.insert(turn_id);
+        let (_, turn_id) = d.send(Some(summarized[i].clone()), None).await?;
+        d.probe.wait(&turn_id).await?;
+        summarized_turns.insert(turn_id);
         done += 1;
     }
     rig.queue_idle().await?;
     rig.probe.sample_steps.store(false, Ordering::Relaxed);
     let samples = std::mem::take(&mut *lock(&rig.probe.steps));
     rig.close().await;
-    let (long_s, short_s): (Vec<&StepSample>, Vec<&StepSample>) = samples
+    let (summarized_s, rest): (Vec<&StepSample>, Vec<&StepSample>) = samples
         .iter()
         .filter(|s| !s.turn_id.is_empty())
+        .partition(|s| summarized_turns.contains(&s.turn_id));
+    let (long_s, short_s): (Vec<&StepSample>, Vec<&StepSample>) = rest
+        .into_iter()
         .partition(|s| long_turns.contains(&s.turn_id));
+    let assemble = |v: &[&StepSample]| {
+        percentile_us(
+            &sorted(
+                v.iter()
+                    .filter_map(|s| s.by_op.get("context::assemble").map(|(_, ns)| *ns))
+                    .collect(),
+            ),
+            0.5,
+        )
+    };
     if long_s.is_empty() || short_s.is_empty() {
         bail!("the long-session phase measured no step");
     }
@@ -1708,6 +1787,9 @@ async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
         long_step_p50: wall(&long_s),
         short_overhead_p50: over(&short_s),
         long_overhead_p50: over(&long_s),
+        short_assemble_p50: assemble(&short_s),
+        long_assemble_p50: assemble(&long_s),
+        summarized_assemble_p50: assemble(&summarized_s),
     })
 }
 
@@ -2145,6 +2227,10 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
         "long_session_overhead_us_p50": round1(long.long_overhead_p50),
         "short_session_overhead_us_p50": round1(long.short_overhead_p50),
         "long_session_samples": long.samples,
+        "assemble_us_p50_10": round1(long.short_assemble_p50),
+        "assemble_us_p50_1000": round1(long.long_assemble_p50),
+        "assemble_us_p50_1000_summarized": round1(long.summarized_assemble_p50),
+        "assemble_summarized_ratio": round3(long.summarized_assemble_ratio()),
         "reference": {
             "fsync_us_p50": round1(reference.fsync_us),
             "sqlite_commit_us_p50": round1(reference.commit_us),
@@ -2169,6 +2255,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             "router": "harness_router::bench::frame_latency: local Anthropic-format SSE server; per frame: server writes an event's bytes -> parsed frame out of the router's frame channel, one event in flight (target on its p50, socket included); router_socket_*: the same on a raw TcpStream; router_frame_added_us_p50 = difference of medians; per request: Router::chat -> request read by the server, plus the server's last byte -> the ack",
             "idle_session_bytes": "fsync off: (VmRSS after - before, after malloc_trim) / sessions with one completed turn each",
             "long_session_step_ratio": "concurrency 1, fsync off: text steps alternating between sessions of ~10 entries and of ~1,000 (user messages appended through session::append, each session stepped before measuring); p50 whole step on the long sessions / p50 on the short ones; long_session_overhead_ratio the same with store time taken out",
+            "assemble": "the long-session phase's steps: the context::assemble bus call as the step awaits it (request and answer serialisation included), p50 per step; on sessions of ~10 entries, of ~1,000, and of ~1,000 whose head a compaction record (written through session::append, as the loop writes it) already summarizes, keeping the last 8 entries; assemble_summarized_ratio = summarized / 10-entry",
             "reference": "same run, bench directory: fsync_us_p50 = fdatasync after a 4 KiB append; sqlite_commit_us_p50 = one small INSERT committed by bare SQLite (WAL, synchronous=FULL: it fsyncs); sqlite_commit_nosync_us_p50 = the same with synchronous=OFF (its CPU cost); ratios: times per bare commit (CPU) or per fsync (disk), steps/s times the fsync time (steps per fsync's worth of time)",
         },
     });

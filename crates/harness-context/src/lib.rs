@@ -1,183 +1,272 @@
 //! `context::assemble` and `context::count-tokens`: the model's context within a token budget.
 //!
-//! This is the soft baseline: the raw history, counted with a character-based estimate, and a
-//! clean `context/overflow:` failure when it does not fit. Compaction and pruning slot in behind
-//! the same functions. The loop calls [`assemble`] directly when no `context::assemble` is
-//! registered on the bus, so a bare deployment still works.
+//! * [`count`]: tokens per provider family (a real BPE for OpenAI's, a calibrated estimate for
+//!   the rest), corrected by the usage the provider reported for the previous step.
+//! * [`prune`]: aged, oversized function results shortened, where the context policy allows.
+//! * [`compact`]: the head summarized by the session's own model through `router::chat`.
+//!
+//! Assembly, in order: the history as given (a previous summary back after the opening
+//! message); if it does not fit the usable budget (window − output reservation − prompt, tools
+//! and the caller's overhead), pruning; if it still does not fit, compaction; if even the
+//! compacted context does not fit, a `context/overflow:` error. A compaction is reported in
+//! `applied` and persisted by the caller (the loop writes it as a custom entry with a
+//! deterministic id), so a crash between the summary and its record costs one more summary and
+//! never a message.
+//!
+//! Architecture invariant: the only I/O is the summarizer's `router::chat` call on the bus.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
-use harness_types::message::{AgentMessage, ContentBlock};
+use harness_types::context::{
+    Applied, AssembleRequest, AssembleResponse, CountTokensRequest, CountTokensResponse,
+};
+use harness_types::message::AgentMessage;
 use harness_types::parse::parse_payload;
-use harness_types::router::ToolSpec;
-use schemars::{schema_for, JsonSchema};
-use serde::{Deserialize, Serialize};
+use schemars::schema_for;
+use serde::Deserialize;
 use serde_json::Value;
 
-/// Tokens reserved per message for role and framing.
-const PER_MESSAGE_OVERHEAD: u64 = 4;
+pub mod compact;
+pub mod count;
+mod error;
+pub mod prune;
 
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
-pub struct ModelRef {
-    pub id: String,
-    #[serde(default)]
-    pub provider: Option<String>,
-}
+pub use count::Counter;
+pub use error::ContextError;
 
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
-pub struct AssembleOptions {
-    /// Extra tokens the caller adds to the request (framing, response format).
-    #[serde(default)]
-    pub request_overhead_tokens: u64,
-    /// The model's context window; the loop fills it from the model catalog.
-    pub context_window: u64,
-    /// Tokens kept free for the model's answer.
-    #[serde(default)]
-    pub max_output_tokens: u64,
-}
+/// The summarizer's `router::chat` budget.
+const SUMMARY_TIMEOUT: Duration = Duration::from_secs(300);
 
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
-pub struct AssembleRequest {
-    pub messages: Vec<AgentMessage>,
-    pub model: ModelRef,
-    #[serde(default)]
-    pub system_prompt: Option<String>,
-    #[serde(default)]
-    pub tools: Vec<ToolSpec>,
-    pub options: AssembleOptions,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
-pub struct AssembleResponse {
-    #[serde(default)]
-    pub system_prompt: Option<String>,
-    pub messages: Vec<AgentMessage>,
-    /// Includes the system prompt, tools and request overhead.
-    pub token_count: u64,
-    /// Input tokens available: context window minus the output reservation.
-    pub usable: u64,
-}
-
-fn estimate_chars(chars: usize) -> u64 {
-    chars.div_ceil(4) as u64
-}
-
-fn block_chars(block: &ContentBlock) -> usize {
-    match block {
-        ContentBlock::Text { text } => text.len(),
-        ContentBlock::Thinking { text, .. } => text.len(),
-        ContentBlock::RedactedThinking { data } => data.len() / 2,
-        // Images are billed by size class, not by bytes; a flat estimate is closer than base64.
-        ContentBlock::Image { .. } => 6000,
-        ContentBlock::FunctionCall {
-            function_id,
-            arguments,
-            ..
-        } => function_id.len() + arguments.to_string().len(),
-        ContentBlock::FunctionResult { content, .. } => content.iter().map(block_chars).sum(),
+/// `context::count-tokens`.
+pub fn count_tokens(req: &CountTokensRequest) -> CountTokensResponse {
+    let mut counter = Counter::new(&req.model);
+    let messages: Vec<&AgentMessage> = req.messages.iter().collect();
+    counter.calibrate(&messages, req.system_prompt.as_deref(), &req.tools, 0);
+    CountTokensResponse {
+        tokens: counter.request(&req.messages, req.system_prompt.as_deref(), &req.tools),
+        counter: counter.name(),
+        correction: counter.correction(),
     }
 }
 
-/// Estimated tokens of one message.
-pub fn message_tokens(message: &AgentMessage) -> u64 {
-    PER_MESSAGE_OVERHEAD + estimate_chars(message.content().iter().map(block_chars).sum())
+/// One message of the working list: its index in the request (`None` for a summary).
+struct Item {
+    origin: Option<usize>,
+    message: AgentMessage,
 }
 
-/// Estimated tokens of a whole request.
-pub fn count_tokens(
-    messages: &[AgentMessage],
-    system_prompt: Option<&str>,
-    tools: &[ToolSpec],
-) -> u64 {
-    let tools_chars: usize = tools
-        .iter()
-        .map(|t| t.name.len() + t.description.len() + t.parameters.to_string().len())
-        .sum();
-    messages.iter().map(message_tokens).sum::<u64>()
-        + estimate_chars(system_prompt.map_or(0, str::len))
-        + estimate_chars(tools_chars)
+fn total(items: &[Item], counter: &Counter) -> u64 {
+    items.iter().map(|i| counter.message(&i.message)).sum()
 }
 
-/// Assembles the raw history; fails with `context/overflow: ...` when it does not fit.
-pub fn assemble(req: AssembleRequest) -> Result<AssembleResponse, String> {
-    let usable = req
-        .options
-        .context_window
-        .saturating_sub(req.options.max_output_tokens);
-    let messages: Vec<AgentMessage> = req
+/// `context::assemble`. `bus` is where the summarizer is asked; without one, a history that
+/// does not fit after pruning is an overflow.
+pub async fn assemble(
+    bus: Option<&dyn Bus>,
+    req: AssembleRequest,
+) -> Result<AssembleResponse, ContextError> {
+    let o = req.options;
+    let usable = o.context_window.saturating_sub(o.max_output_tokens);
+    let model = req.model;
+    let mut items: Vec<Item> = req
         .messages
         .into_iter()
-        .filter(AgentMessage::is_model_visible)
+        .enumerate()
+        .filter(|(_, m)| m.is_model_visible())
+        .map(|(i, message)| Item {
+            origin: Some(i),
+            message,
+        })
         .collect();
-    let token_count = count_tokens(&messages, req.system_prompt.as_deref(), &req.tools)
-        + req.options.request_overhead_tokens;
-    if token_count > usable {
-        return Err(format!(
-            "context/overflow: the conversation needs ~{token_count} tokens but model '{}' has {usable} usable",
-            req.model.id
-        ));
+    // The opening message is always kept; a previous summary goes right after it.
+    let pinned = usize::from(matches!(
+        items.first().map(|i| &i.message),
+        Some(AgentMessage::User(_))
+    ));
+    let now = harness_types::now_ms();
+    if let Some(prev) = &o.previous_summary {
+        items.insert(
+            pinned,
+            Item {
+                origin: None,
+                message: compact::summary_message(&prev.summary, now),
+            },
+        );
     }
-    Ok(AssembleResponse {
-        system_prompt: req.system_prompt,
-        messages,
-        token_count,
-        usable,
-    })
+    let mut counter = Counter::new(&model);
+    let working: Vec<&AgentMessage> = items.iter().map(|i| &i.message).collect();
+    counter.calibrate(
+        &working,
+        req.system_prompt.as_deref(),
+        &req.tools,
+        o.request_overhead_tokens,
+    );
+    drop(working);
+    let preamble =
+        counter.preamble(req.system_prompt.as_deref(), &req.tools) + o.request_overhead_tokens;
+    let budget = usable.saturating_sub(preamble);
+    let initial = total(&items, &counter);
+    let mut applied = Applied {
+        initial_token_count: initial + preamble,
+        reused_summary: o.previous_summary.is_some(),
+        ..Applied::default()
+    };
+    let respond =
+        |items: Vec<Item>, tokens: u64, applied: Applied, counter: &Counter| AssembleResponse {
+            system_prompt: req.system_prompt.clone(),
+            messages: items.into_iter().map(|i| i.message).collect(),
+            token_count: tokens + preamble,
+            usable,
+            effective_max_output_tokens: o.max_output_tokens,
+            applied,
+            counter: Some(counter.name()),
+            correction: Some(counter.correction()),
+        };
+    if preamble <= usable && initial <= budget {
+        return Ok(respond(items, initial, applied, &counter));
+    }
+    let mut tokens = initial;
+    if o.prune_function_results {
+        let mut messages: Vec<AgentMessage> = items.iter().map(|i| i.message.clone()).collect();
+        applied.pruned_results = prune::prune(&mut messages, &counter);
+        for (item, m) in items.iter_mut().zip(messages) {
+            item.message = m;
+        }
+        tokens = total(&items, &counter);
+        if preamble <= usable && tokens <= budget {
+            return Ok(respond(items, tokens, applied, &counter));
+        }
+    }
+    let overflow = |needs: u64| {
+        ContextError::Overflow(format!(
+            "the conversation needs ~{needs} tokens but model '{}' has {usable} usable",
+            model.id
+        ))
+    };
+    if preamble > usable {
+        return Err(ContextError::Overflow(format!(
+            "the system prompt, tools and request framing alone need ~{preamble} tokens but model '{}' has {usable} usable",
+            model.id
+        )));
+    }
+    let Some(bus) = bus.filter(|_| !o.no_compaction) else {
+        return Err(overflow(tokens + preamble));
+    };
+    let reserve = compact::summary_reserve(budget);
+    let pinned_tokens: u64 = items[..pinned]
+        .iter()
+        .map(|i| counter.message(&i.message))
+        .sum();
+    let first = pinned + usize::from(o.previous_summary.is_some());
+    let target = budget.saturating_sub(pinned_tokens + reserve) / 2;
+    let messages: Vec<AgentMessage> = items.iter().map(|i| i.message.clone()).collect();
+    let Some(at) = compact::tail_start(&messages, first, target, &counter) else {
+        return Err(ContextError::Overflow(format!(
+            "nothing is left to summarize and the latest exchange alone needs ~{} tokens; model '{}' has {usable} usable",
+            tokens + preamble,
+            model.id
+        )));
+    };
+    let head = &messages[first..at];
+    let head_tokens: u64 = messages[pinned..at]
+        .iter()
+        .map(|m| counter.message(m))
+        .sum();
+    let input = compact::summarizer_input(
+        o.previous_summary.as_ref().map(|p| p.summary.as_str()),
+        head,
+        budget.saturating_sub(reserve),
+        &counter,
+    );
+    let request_id = o
+        .summary_request_id
+        .clone()
+        .unwrap_or_else(|| format!("context:{}", harness_types::ids::new_turn_id()));
+    let summary = compact::summarize(
+        bus,
+        &model,
+        o.lease_key.clone(),
+        request_id,
+        input,
+        reserve,
+        SUMMARY_TIMEOUT,
+    )
+    .await?;
+    let tail_origin = items[at].origin;
+    let mut kept: Vec<Item> = items.drain(..pinned).collect();
+    kept.push(Item {
+        origin: None,
+        message: compact::summary_message(&summary, now),
+    });
+    kept.extend(items.drain(..).skip(at - pinned));
+    let tokens = total(&kept, &counter);
+    if tokens > budget {
+        return Err(ContextError::Overflow(format!(
+            "even the compacted conversation needs ~{} tokens but model '{}' has {usable} usable",
+            tokens + preamble,
+            model.id
+        )));
+    }
+    applied.compacted = true;
+    applied.summary = Some(summary);
+    applied.tail_start_index = tail_origin;
+    applied.tokens_before = Some(initial + preamble);
+    applied.summarized_head_tokens = Some(head_tokens);
+    Ok(respond(kept, tokens, applied, &counter))
 }
 
-/// Registers `context::assemble` on `bus`.
-pub fn register(bus: &dyn Bus) {
-    let handler = |payload: Value, _ctx: CallContext| async move {
-        let req: AssembleRequest = parse_payload(payload)?;
-        let resp = assemble(req).map_err(|e| BusError::new("context/overflow", e))?;
-        serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
+/// Registers `context::assemble` and `context::count-tokens` on `bus`. The summarizer calls
+/// back into the same bus; the handler holds it weakly so the bus does not own itself.
+pub fn register(bus: Arc<dyn Bus>) {
+    let weak: Weak<dyn Bus> = Arc::downgrade(&bus);
+    let assemble_handler = move |payload: Value, _ctx: CallContext| {
+        let weak = weak.clone();
+        async move {
+            // The strict parser names a bad field; a well-formed request (every step's) skips
+            // its bookkeeping and is read in place.
+            let req = match AssembleRequest::deserialize(&payload) {
+                Ok(req) => req,
+                Err(_) => parse_payload::<AssembleRequest>(payload)?,
+            };
+            let bus = weak.upgrade();
+            let resp = assemble(bus.as_deref(), req)
+                .await
+                .map_err(BusError::from)?;
+            serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
+        }
     };
     bus.register_function(
         FunctionDef::new(
             "context::assemble",
-            "Assemble the model's context within the token budget (raw history, estimated).",
+            "Assemble the model's context within the token budget: counted per provider family, \
+             aged oversized function results pruned where allowed, the head summarized when it does not fit.",
         )
         .schemas(
             serde_json::to_value(schema_for!(AssembleRequest)).unwrap_or(Value::Null),
             serde_json::to_value(schema_for!(AssembleResponse)).unwrap_or(Value::Null),
         )
         .internal(),
-        Arc::new(handler) as Arc<dyn Handler>,
+        Arc::new(assemble_handler) as Arc<dyn Handler>,
+    );
+    let count_handler = |payload: Value, _ctx: CallContext| async move {
+        let req: CountTokensRequest = parse_payload(payload)?;
+        serde_json::to_value(count_tokens(&req)).map_err(|e| BusError::internal(e.to_string()))
+    };
+    bus.register_function(
+        FunctionDef::new(
+            "context::count-tokens",
+            "Count the tokens of a request for a model (its provider family's tokenizer or a calibrated estimate).",
+        )
+        .schemas(
+            serde_json::to_value(schema_for!(CountTokensRequest)).unwrap_or(Value::Null),
+            serde_json::to_value(schema_for!(CountTokensResponse)).unwrap_or(Value::Null),
+        )
+        .internal(),
+        Arc::new(count_handler) as Arc<dyn Handler>,
     );
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(text: &str, window: u64) -> AssembleRequest {
-        AssembleRequest {
-            messages: vec![AgentMessage::user_text(text, 0)],
-            model: ModelRef {
-                id: "m".into(),
-                provider: None,
-            },
-            system_prompt: Some("be brief".into()),
-            tools: vec![],
-            options: AssembleOptions {
-                request_overhead_tokens: 64,
-                context_window: window,
-                max_output_tokens: 0,
-            },
-        }
-    }
-
-    #[test]
-    fn fits_and_counts_prompt_and_overhead() {
-        let out = assemble(req("hello there", 1000)).unwrap();
-        assert_eq!(out.messages.len(), 1);
-        assert_eq!(out.token_count, 4 + 3 + 2 + 64);
-    }
-
-    #[test]
-    fn overflow_is_a_clean_error() {
-        let err = assemble(req(&"x".repeat(4000), 500)).unwrap_err();
-        assert!(err.starts_with("context/overflow:"), "{err}");
-    }
-}
+mod tests;

@@ -10,6 +10,8 @@ use std::sync::OnceLock;
 /// Every failpoint the loop has, in the order a function step reaches them.
 pub const POINTS: &[&str] = &[
     "after_send_persisted",
+    "before_compaction_appended",
+    "after_compaction_appended",
     "after_assistant_appended",
     "after_call_triggered",
     "after_call_target",

@@ -165,6 +165,16 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::context-policy",
+            "Whether the session's (or a model's) context may prune aged, oversized function results; `set` changes it for a session (null returns it to the model's default).",
+        ),
+        |h, req: harness_types::context::ContextPolicyRequest| async move {
+            h.context_policy(req).await
+        },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::stop",
             "Request cancellation of an in-flight turn.",
         ),

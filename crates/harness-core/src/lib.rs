@@ -13,6 +13,8 @@
 mod ask;
 mod budget;
 mod config;
+mod context;
+mod context_policy;
 mod deferred;
 mod deletion;
 mod dispatch;

@@ -36,7 +36,7 @@
 //! | Ready | `Prepared`, `max_turns` used up | Ready | `NoteMaxTurns`, `PostTurn` |
 //! | Ready | `PostTurnChecked` (pass / deny) | Completed (`max_turns`) / Failed | `Finalize` |
 //! | Ready | `Prepared` | Ready | `Generate` |
-//! | Ready | `ContextRefused` | Failed (overflow, empty, pre-generate denied) | `Finalize` |
+//! | Ready | `ContextRefused` | Failed (overflow, empty, pre-generate denied, compaction failed, context manager failed) | `Finalize` |
 //! | Ready | `StopObserved` | Cancelled | `Finalize` |
 //! | Ready, Generated | `GenerationFinished`, aborted or stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
 //! | Ready, Generated | `GenerationFinished`, error after partial output, resumable | Running (Advance) | `NoteResume`, Advance |
@@ -133,6 +133,12 @@ pub(crate) enum ContextRefusal {
     OverflowAfterHooks(String),
     /// The generation's reservation would exceed the turn's budget (the diagnostic).
     Budget(String),
+    /// The history had to be compacted and its summary could not be written (the
+    /// summarizer's error: the provider's, not the conversation's fault).
+    Compaction(String),
+    /// The context manager refused the request or answered something unreadable (a bug or a
+    /// version mismatch, not a long conversation).
+    Manager(String),
 }
 
 /// A function call of the model's answer, as the step planned it.
@@ -592,6 +598,21 @@ pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, 
                     "harness.budget_exceeded",
                     FailurePhase::BudgetPreflight,
                     "The turn's budget would be exceeded by its next generation.",
+                    Some(detail),
+                ),
+                ContextRefusal::Compaction(detail) => Failure {
+                    retryable: true,
+                    ..failure(
+                        "harness.context_compaction_failed",
+                        FailurePhase::ContextAssembly,
+                        "The conversation had to be summarized to fit and the summary could not be written.",
+                        Some(detail),
+                    )
+                },
+                ContextRefusal::Manager(detail) => failure(
+                    "harness.context_manager_failed",
+                    FailurePhase::ContextAssembly,
+                    "The context manager could not assemble this conversation.",
                     Some(detail),
                 ),
             };

@@ -6,16 +6,18 @@
 //! session lock released → post-generate hooks), `ResumeAtCalls` (a redelivered step re-reads
 //! the answer it recorded) and `DispatchCalls`; each ends by feeding the machine its next input.
 
-use harness_context::{AssembleOptions, AssembleRequest, AssembleResponse, ModelRef};
 use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
-use harness_types::message::{
-    AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason,
+use harness_types::context::{
+    AssembleOptions, AssembleRequest, AssembleResponse, CountTokensRequest, CountTokensResponse,
+    ModelRef, COMPACTION_ENTRY, OVERFLOW_PREFIX,
 };
+use harness_types::message::{AgentMessage, AssistantMessage, StopReason};
 use harness_types::router::ChatRequest;
 use harness_types::session::{AppendRequest, Entry, SessionStatus};
 use harness_types::{ids, now_ms, HarnessError};
 use serde_json::{json, Value};
 
+use crate::context::{self, Window};
 use crate::dispatch::{plan_calls, Dispatched};
 use crate::failpoint;
 use crate::harness::{Harness, Result};
@@ -30,6 +32,9 @@ use tokio_util::sync::CancellationToken;
 
 /// Tokens reserved for request framing.
 const FRAMING_TOKENS: u64 = 64;
+/// Reserved up front when `pre_generate` hooks may add to the request, and added to the
+/// overflow of a first pass before the one reassembly.
+const REASSEMBLY_SLACK: u64 = 256;
 
 fn skipped(session_id: &str) -> TurnStepResult {
     TurnStepResult {
@@ -47,45 +52,6 @@ fn done(rec: &TurnRecord) -> TurnStepResult {
         next_step: (rec.status == TurnStatus::Running).then_some(rec.step),
         skipped: false,
     }
-}
-
-/// The model's view of the transcript: messages only, and every function call that has no
-/// result anywhere gets a synthetic one right after its assistant message (context copy only).
-fn model_messages(entries: &[Entry]) -> Vec<AgentMessage> {
-    let messages: Vec<&AgentMessage> = entries.iter().filter_map(|e| e.message.as_ref()).collect();
-    let answered: std::collections::HashSet<&str> = messages
-        .iter()
-        .filter_map(|m| match m {
-            AgentMessage::FunctionResult(r) => Some(r.function_call_id.as_str()),
-            _ => None,
-        })
-        .collect();
-    let mut out = Vec::with_capacity(messages.len());
-    for m in messages {
-        out.push(m.clone());
-        if let AgentMessage::Assistant(a) = m {
-            for b in &a.content {
-                if let ContentBlock::FunctionCall {
-                    id, function_id, ..
-                } = b
-                {
-                    if !answered.contains(id.as_str()) {
-                        out.push(AgentMessage::FunctionResult(FunctionResultMessage {
-                            function_call_id: id.clone(),
-                            function_id: function_id.clone(),
-                            content: vec![ContentBlock::text(
-                                "result unknown: the call was interrupted after dispatch; it ran at most once — verify its effect before repeating it",
-                            )],
-                            details: json!({"error": "interrupted"}),
-                            is_error: true,
-                            timestamp: a.timestamp,
-                        }));
-                    }
-                }
-            }
-        }
-    }
-    out
 }
 
 impl Harness {
@@ -370,23 +336,8 @@ impl Harness {
         let shared = std::mem::take(&mut ctx.entries);
         let entries = &shared[..ctx.upto.min(shared.len())];
         let new_watermark = entries.last().map(|e| e.entry_id.clone());
-        let mut messages = model_messages(entries);
-        // The registry changed since this session last looked: contracts it fetched may be stale.
-        // An ephemeral tail message, never persisted; the first sighting only stamps.
-        let live = self.functions_generation();
-        if rec.functions_generation.is_some_and(|seen| seen != live)
-            && rec
-                .options
-                .functions
-                .as_ref()
-                .is_some_and(|p| !p.allow.is_empty())
-        {
-            messages.push(AgentMessage::user_text(
-                "[harness] The set of registered functions changed since your last step: contracts you fetched earlier may be stale. \
-                 Re-read a function's schema with engine::functions::info before calling it again.",
-                now_ms(),
-            ));
-        }
+        let window = context::window(entries, rec.watermark_entry_id.as_deref());
+        drop(shared);
         let system_prompt = prompt::for_step(
             rec.options.system_prompt.as_deref(),
             &sid,
@@ -406,24 +357,10 @@ impl Harness {
                 _ => tools.push(output::submit_result_tool(schema)),
             }
         }
-        let assembled = match self
-            .assemble(rec, messages, system_prompt, tools.clone())
-            .await
+        let (system_prompt, messages, context_tokens) = match self
+            .assemble_context(rec, &window, system_prompt, &tools)
+            .await?
         {
-            Ok(a) => a,
-            Err(overflow) => {
-                let why = ContextRefusal::Overflow(overflow);
-                return Ok((Some(rec.clone()), Input::ContextRefused(why)));
-            }
-        };
-        if assembled.messages.is_empty() {
-            return Ok((
-                Some(rec.clone()),
-                Input::ContextRefused(ContextRefusal::Empty),
-            ));
-        }
-        let context_tokens = assembled.token_count;
-        let (system_prompt, messages) = match self.pre_generate(rec, assembled, &tools).await? {
             Ok(prepared) => prepared,
             Err(why) => return Ok((Some(rec.clone()), Input::ContextRefused(why))),
         };
@@ -526,7 +463,7 @@ impl Harness {
             rec,
             generation,
             &cancel,
-            Some((new_watermark, Some(live))),
+            Some((new_watermark, Some(self.functions_generation()))),
             ctx,
         );
         Ok((now, input))
@@ -621,15 +558,14 @@ impl Harness {
 
     /// Runs the pre-generate chain: it may replace the system prompt, append messages (never
     /// persisted) or deny the generation; static `inject_prompt` texts are appended to the prompt.
+    /// The final budget check is the caller's.
     async fn pre_generate(
         &self,
         rec: &TurnRecord,
-        assembled: AssembleResponse,
+        system_prompt: Option<String>,
+        messages: Vec<AgentMessage>,
         tools: &[harness_types::router::ToolSpec],
     ) -> Result<std::result::Result<(Option<String>, Vec<AgentMessage>), ContextRefusal>> {
-        if self.hooks(HookPoint::PreGenerate).await?.is_empty() {
-            return Ok(Ok((assembled.system_prompt, assembled.messages)));
-        }
         let expose = rec.options.expose();
         let mut env = hooks::envelope(
             HookPoint::PreGenerate,
@@ -639,7 +575,7 @@ impl Harness {
             rec.depth,
             rec.options.metadata.as_ref(),
         );
-        env["generate"] = json!({"system_prompt": assembled.system_prompt, "messages": assembled.messages,
+        env["generate"] = json!({"system_prompt": system_prompt, "messages": messages,
                                  "model": rec.options.model, "provider": rec.options.provider, "tools": tools, "expose": expose});
         let chain = self
             .run_hooks(HookPoint::PreGenerate, env, None, None)
@@ -660,17 +596,9 @@ impl Harness {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(session = %rec.session_id, "pre_generate hooks left messages that do not parse, ignoring them: {e}");
-                assembled.messages
+                messages
             }
         };
-        let tokens =
-            harness_context::count_tokens(&messages, prompt.as_deref(), tools) + FRAMING_TOKENS;
-        if tokens > assembled.usable {
-            return Ok(Err(ContextRefusal::OverflowAfterHooks(format!(
-                "context/overflow: ~{tokens} tokens after pre_generate hooks, {} usable",
-                assembled.usable
-            ))));
-        }
         Ok(Ok((prompt, messages)))
     }
 
@@ -703,46 +631,251 @@ impl Harness {
         Ok(())
     }
 
-    /// `context::assemble` when a context manager is registered, the raw history otherwise.
-    async fn assemble(
+    /// Spec §3.3 step 13, at most two passes: `context::assemble` → persist a compaction →
+    /// rotate late user messages → registry notice → `pre_generate` hooks → orphan patch →
+    /// final count. A first overflow reassembles once with the difference reserved; a second
+    /// one is a clean `harness.context_overflow`. Answers the prompt, the messages and their
+    /// token count, or why the context was refused.
+    async fn assemble_context(
         &self,
         rec: &TurnRecord,
-        messages: Vec<AgentMessage>,
+        window: &Window,
         system_prompt: Option<String>,
-        tools: Vec<harness_types::router::ToolSpec>,
-    ) -> std::result::Result<AssembleResponse, String> {
-        let req = AssembleRequest {
-            messages,
+        tools: &[harness_types::router::ToolSpec],
+    ) -> Result<std::result::Result<(Option<String>, Vec<AgentMessage>, u64), ContextRefusal>> {
+        let catalog = self.catalog_entry(rec).await;
+        let context_window = self.context_window_of(catalog.as_ref());
+        let max_output = rec.options.max_output_tokens.unwrap_or(0) as u64;
+        // The policy is read only when the history could overflow at all: no tokenizer yields
+        // more tokens than bytes, and the usage correction at most doubles a count.
+        let tools_bytes: u64 = tools
+            .iter()
+            .map(|t| {
+                (t.name.len() + t.description.len() + t.parameters.to_string().len()) as u64 + 16
+            })
+            .sum();
+        let may_overflow = 2
+            * (context::byte_bound(&window.messages)
+                + window
+                    .previous
+                    .as_ref()
+                    .map_or(0, |p| p.summary.len() as u64 + 256)
+                + system_prompt.as_ref().map_or(0, |p| p.len() as u64 + 8)
+                + tools_bytes
+                + FRAMING_TOKENS
+                + REASSEMBLY_SLACK)
+            > context_window.saturating_sub(max_output);
+        let prune = may_overflow && self.prune_allowed(rec, catalog.as_ref()).await?.0;
+        let hooked = !self.hooks(HookPoint::PreGenerate).await?.is_empty();
+        let registry_changed = {
+            let live = self.functions_generation();
+            rec.functions_generation.is_some_and(|seen| seen != live)
+                && rec
+                    .options
+                    .functions
+                    .as_ref()
+                    .is_some_and(|p| !p.allow.is_empty())
+        };
+        let mut extra = if hooked { REASSEMBLY_SLACK } else { 0 };
+        for pass in 0..2u32 {
+            let model = ModelRef {
+                id: rec.options.model.clone(),
+                provider: rec.options.provider.clone(),
+            };
+            let options = AssembleOptions {
+                lease_key: Some(rec.session_id.clone()),
+                request_overhead_tokens: FRAMING_TOKENS + extra,
+                context_window,
+                max_output_tokens: max_output,
+                previous_summary: window.previous.clone(),
+                prune_function_results: prune,
+                summary_request_id: Some(format!(
+                    "{}:compaction:{pass}",
+                    ids::request_id(&rec.turn_id, rec.step)
+                )),
+                no_compaction: false,
+            };
+            let req = AssembleRequestRef {
+                messages: &window.messages,
+                model: &model,
+                system_prompt: system_prompt.as_deref(),
+                tools,
+                options: &options,
+            };
+            let assembled = match self.call_assemble(req).await? {
+                Ok(a) => a,
+                // The second pass only exists because the hooks' additions did not fit.
+                Err(ContextRefusal::Overflow(detail)) if pass == 1 && hooked => {
+                    return Ok(Err(ContextRefusal::OverflowAfterHooks(detail)))
+                }
+                Err(why) => return Ok(Err(why)),
+            };
+            if assembled.token_count > assembled.usable {
+                return Ok(Err(ContextRefusal::Overflow(format!(
+                    "{OVERFLOW_PREFIX} context::assemble answered ~{} tokens for {} usable",
+                    assembled.token_count, assembled.usable
+                ))));
+            }
+            if assembled.messages.is_empty() {
+                return Ok(Err(ContextRefusal::Empty));
+            }
+            let compaction = context::compaction_record(window, &assembled);
+            let assembled_tokens = assembled.token_count;
+            let usable = assembled.usable;
+            let mut changed = false;
+            let mut messages = assembled.messages;
+            let mut prompt = assembled.system_prompt;
+            changed |= context::rotate(&mut messages, &window.late_users);
+            // The registry changed since this session last looked: contracts it fetched may be
+            // stale. An ephemeral tail message, never persisted; the first sighting only stamps.
+            if registry_changed {
+                messages.push(AgentMessage::user_text(
+                    "[harness] The set of registered functions changed since your last step: contracts you fetched earlier may be stale. \
+                     Re-read a function's schema with engine::functions::info before calling it again.",
+                    now_ms(),
+                ));
+                changed = true;
+            }
+            if hooked {
+                match self.pre_generate(rec, prompt, messages, tools).await? {
+                    Ok((p, m)) => (prompt, messages) = (p, m),
+                    Err(why) => return Ok(Err(why)),
+                }
+                changed = true;
+            }
+            changed |= context::patch_orphans(&mut messages, &window.answered);
+            if messages.is_empty() {
+                return Ok(Err(ContextRefusal::Empty));
+            }
+            let tokens = if changed {
+                self.count_tokens(rec, &messages, prompt.as_deref(), tools)
+                    .await?
+                    + FRAMING_TOKENS
+            } else {
+                assembled_tokens - extra
+            };
+            if tokens <= usable {
+                if let Some(record) = compaction {
+                    // Persisted only once the context is final: a crash before this line costs
+                    // one more summary, never a message; the id makes a redelivery a no-op.
+                    let data = serde_json::to_value(&record)
+                        .map_err(|e| HarnessError::internal(e.to_string()))?;
+                    failpoint::hit("before_compaction_appended");
+                    self.append_custom(
+                        &rec.session_id,
+                        ids::compaction_entry(&rec.turn_id, rec.step),
+                        COMPACTION_ENTRY,
+                        data,
+                        &rec.turn_id,
+                    )
+                    .await?;
+                    failpoint::hit("after_compaction_appended");
+                }
+                return Ok(Ok((prompt, messages, tokens)));
+            }
+            let detail = format!(
+                "{OVERFLOW_PREFIX} ~{tokens} tokens after {}, {usable} usable",
+                if hooked {
+                    "pre_generate hooks"
+                } else {
+                    "final assembly"
+                }
+            );
+            if pass == 1 {
+                return Ok(Err(if hooked {
+                    ContextRefusal::OverflowAfterHooks(detail)
+                } else {
+                    ContextRefusal::Overflow(detail)
+                }));
+            }
+            tracing::debug!(session = %rec.session_id, "{detail}; reassembling once");
+            extra +=
+                tokens.saturating_sub(assembled_tokens.saturating_sub(extra)) + REASSEMBLY_SLACK;
+        }
+        unreachable!("the assembly loop returns on its second pass")
+    }
+
+    /// `context::assemble` on the bus, its errors classified; the small fallback when no
+    /// context manager is registered. Transient bus failures are step errors (redelivered).
+    async fn call_assemble(
+        &self,
+        req: AssembleRequestRef<'_>,
+    ) -> Result<std::result::Result<AssembleResponse, ContextRefusal>> {
+        let payload =
+            serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let timeout = std::time::Duration::from_millis(self.config().context_timeout_ms);
+        match self
+            .inner
+            .bus
+            .call("context::assemble", payload, Some(timeout))
+            .await
+        {
+            Ok(v) => Ok(serde_json::from_value(v).map_err(|e| {
+                ContextRefusal::Manager(format!(
+                    "context::assemble answered an unexpected shape: {e}"
+                ))
+            })),
+            Err(e) if e.is_not_found() => {
+                Ok(context::fallback(req.owned()).map_err(ContextRefusal::Overflow))
+            }
+            Err(e) if e.code == "context/overflow" || e.message.contains(OVERFLOW_PREFIX) => {
+                Ok(Err(ContextRefusal::Overflow(e.message)))
+            }
+            Err(e) if e.code == "context/summarizer" => {
+                Ok(Err(ContextRefusal::Compaction(e.message)))
+            }
+            Err(e) if e.is_transient_dependency() => Err(e.into_harness()),
+            Err(e) => Ok(Err(ContextRefusal::Manager(e.to_string()))),
+        }
+    }
+
+    /// `context::count-tokens` on the bus (the fallback's estimate without a context manager).
+    async fn count_tokens(
+        &self,
+        rec: &TurnRecord,
+        messages: &[AgentMessage],
+        system_prompt: Option<&str>,
+        tools: &[harness_types::router::ToolSpec],
+    ) -> Result<u64> {
+        let req = CountTokensRequest {
+            messages: messages.to_vec(),
             model: ModelRef {
                 id: rec.options.model.clone(),
                 provider: rec.options.provider.clone(),
             },
-            system_prompt,
-            tools,
-            options: AssembleOptions {
-                request_overhead_tokens: FRAMING_TOKENS,
-                context_window: self.context_window(rec).await,
-                max_output_tokens: rec.options.max_output_tokens.unwrap_or(0) as u64,
-            },
+            system_prompt: system_prompt.map(str::to_string),
+            tools: tools.to_vec(),
         };
-        let payload = serde_json::to_value(&req).map_err(|e| e.to_string())?;
+        let payload =
+            serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let timeout = std::time::Duration::from_millis(self.config().context_timeout_ms);
         match self
             .inner
             .bus
-            .call(
-                "context::assemble",
-                payload,
-                Some(std::time::Duration::from_millis(
-                    self.config().context_timeout_ms,
-                )),
-            )
+            .call("context::count-tokens", payload, Some(timeout))
             .await
         {
-            Ok(v) => serde_json::from_value(v)
-                .map_err(|e| format!("context::assemble answered an unexpected shape: {e}")),
-            Err(e) if e.is_not_found() => harness_context::assemble(req),
-            Err(e) => Err(e.to_string()),
+            Ok(v) => serde_json::from_value::<CountTokensResponse>(v)
+                .map(|r| r.tokens)
+                .map_err(|e| {
+                    HarnessError::dependency(format!(
+                        "context::count-tokens answered an unexpected shape: {e}"
+                    ))
+                }),
+            Err(e) if e.is_not_found() => Ok(context::estimate(messages, system_prompt, tools)),
+            Err(e) => Err(e.into_harness()),
         }
+    }
+
+    /// Whether the session's context may prune aged function results, and where that came
+    /// from: the session's own setting (`harness::context-policy {set}`) or the model's
+    /// default (see [`context::model_allows_pruning`]).
+    pub(crate) async fn prune_allowed(
+        &self,
+        rec: &TurnRecord,
+        catalog: Option<&Value>,
+    ) -> Result<(bool, harness_types::context::PolicySource, String)> {
+        self.context_policy_of(&rec.session_id, catalog).await
     }
 
     /// The turn's model as the router's catalog describes it (`None` when it cannot say).
@@ -756,10 +889,10 @@ impl Harness {
             .ok()
     }
 
-    /// The model's context window from the router's catalog; for models it does not know (or
-    /// only by a catch-all row), the configured default.
-    async fn context_window(&self, rec: &TurnRecord) -> u64 {
-        match self.catalog_entry(rec).await {
+    /// The model's context window from its catalog row; for models the router does not know
+    /// (or only by a catch-all row), the configured default.
+    fn context_window_of(&self, entry: Option<&Value>) -> u64 {
+        match entry {
             // A provider's catch-all row is a guess; the configured default is the better one.
             Some(entry) if entry["generic"] != true => entry["context_window"]
                 .as_u64()
@@ -789,6 +922,30 @@ impl Harness {
             }
         }
         Ok(())
+    }
+}
+
+/// An [`AssembleRequest`] serialized from what the step already holds: a long history is not
+/// copied just to be turned into JSON.
+#[derive(serde::Serialize)]
+struct AssembleRequestRef<'a> {
+    messages: &'a [AgentMessage],
+    model: &'a ModelRef,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system_prompt: Option<&'a str>,
+    tools: &'a [harness_types::router::ToolSpec],
+    options: &'a AssembleOptions,
+}
+
+impl AssembleRequestRef<'_> {
+    fn owned(&self) -> AssembleRequest {
+        AssembleRequest {
+            messages: self.messages.to_vec(),
+            model: self.model.clone(),
+            system_prompt: self.system_prompt.map(str::to_string),
+            tools: self.tools.to_vec(),
+            options: self.options.clone(),
+        }
     }
 }
 

@@ -720,3 +720,76 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
         vec![stamped(json!({"path": "a", "text": "hi"}))]
     );
 }
+
+/// A pre-generate hook that appends more than the reserved slack: the first final count
+/// overflows, the one reassembly reserves the difference (the context manager compacts to make
+/// room), and the turn goes on; a hook that appends more than the whole window fails cleanly.
+#[tokio::test]
+async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflow() {
+    let rt = runtime(
+        json!({"generations": [
+            {"match": {"last_user_text": "^Summarize the conversation below"}, "repeat": true,
+             "content": [{"type": "text", "text": "SUMMARY: earlier turns sent long notes."}]},
+            {"match": {"last_user_text": "^note"}, "repeat": true, "content": [{"type": "text", "text": "noted"}]}
+        ]}),
+        HarnessConfig {
+            default_context_window: 6_000,
+            ..config()
+        },
+    )
+    .await;
+    let bus: Arc<dyn harness_bus::Bus> = Arc::new(rt.bus.clone());
+    harness_context::register(bus.clone());
+    let mut session = None;
+    for n in 0..4 {
+        let mut req = send(&format!("note {n}: {}", "n".repeat(4_000)));
+        req.session_id = session.clone();
+        let r = rt.harness.send(req).await.unwrap();
+        let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+        assert_eq!(s.status, TurnStatus::Completed, "{:?}", s.result_error);
+        session = Some(r.session_id);
+    }
+    let size = Arc::new(std::sync::atomic::AtomicUsize::new(12_000));
+    let appended = size.clone();
+    hook(&rt, "ctx::big", move |_| {
+        let n = appended.load(std::sync::atomic::Ordering::SeqCst);
+        json!({"mutations": {"append_messages": [{"role": "user", "content": [{"type": "text", "text": format!("note from a hook: {}", "h".repeat(n))}], "timestamp": 1}]}})
+    });
+    bind(&rt, "pre-generate", "ctx::big", json!({}), json!({})).await;
+    let mut req = send("note 4: short");
+    req.session_id = session.clone();
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed, "{:?}", s.result_error);
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    let last = seen.last().unwrap();
+    assert!(last
+        .messages
+        .last()
+        .unwrap()
+        .text()
+        .starts_with("note from a hook"));
+    assert!(
+        last.messages.iter().any(|m| m.text().contains("SUMMARY:")),
+        "the reassembly compacted to make room"
+    );
+    // More than the whole window: the reassembly cannot help, and the turn fails cleanly.
+    size.store(40_000, std::sync::atomic::Ordering::SeqCst);
+    let mut req = send("note 5: short");
+    req.session_id = session;
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Failed);
+    let error = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .filter_map(|e| e.custom)
+        .rfind(|c| c.custom_type == "error")
+        .unwrap();
+    assert_eq!(
+        error.data["code"], "harness.context_overflow",
+        "{}",
+        error.data
+    );
+    assert_eq!(error.data["phase"], "pre_generate", "{}", error.data);
+}

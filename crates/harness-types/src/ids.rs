@@ -48,6 +48,11 @@ pub fn assistant_entry(turn_id: &str, step: u64) -> String {
     format!("e_{turn_id}_{step}_assistant")
 }
 
+/// The compaction record written by step `step` (spec §2.6).
+pub fn compaction_entry(turn_id: &str, step: u64) -> String {
+    format!("e_{turn_id}_{step}_compaction")
+}
+
 pub fn call_result_entry(turn_id: &str, call_id: &str) -> String {
     format!("e_{turn_id}_{}", san(call_id))
 }

@@ -1,7 +1,7 @@
 //! Wire types of harness.
 //!
 //! Everything that crosses the bus is defined here, and only here: transcript messages and content
-//! blocks ([`message`]), the request/response structs of the `harness::*` functions ([`api`]), the
+//! blocks ([`message`]), the `context::*` contract ([`context`]), the request/response structs of the `harness::*` functions ([`api`]), the
 //! `router::chat` request and its frame vocabulary ([`router`]), the stable `harness/<code>` errors
 //! ([`error`]), deterministic entry ids ([`ids`]) and strict payload parsing that names the
 //! offending field ([`parse`]).
@@ -9,6 +9,7 @@
 //! Architecture invariant: this crate does no I/O and knows nothing about buses, stores or the loop.
 
 pub mod api;
+pub mod context;
 pub mod digest;
 pub mod directory;
 pub mod error;

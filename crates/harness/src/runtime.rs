@@ -128,7 +128,7 @@ impl Runtime {
         harness_session::register(shared.as_ref(), &sessions);
         // So a step's batched writes (`Bus::commit`) that touch the transcript stay one commit.
         harness_session::register_transactional(&bus, &sessions);
-        harness_context::register(shared.as_ref());
+        harness_context::register(shared.clone());
         harness_directory::register(
             shared.as_ref(),
             &harness_directory::Directory::new(directory_path(&opts.config, &opts.data_dir)),
@@ -263,7 +263,7 @@ impl Runtime {
             (None, None)
         };
         if with.context {
-            harness_context::register(bus.as_ref());
+            harness_context::register(bus.clone());
         }
         if with.directory {
             harness_directory::register(

@@ -416,8 +416,24 @@ fn a_refused_context_fails_with_the_matching_code_and_phase() {
             "harness.context_overflow",
             FailurePhase::PreGenerate,
         ),
+        (
+            ContextRefusal::Budget("spent".into()),
+            "harness.budget_exceeded",
+            FailurePhase::BudgetPreflight,
+        ),
+        (
+            ContextRefusal::Compaction("rate limited".into()),
+            "harness.context_compaction_failed",
+            FailurePhase::ContextAssembly,
+        ),
+        (
+            ContextRefusal::Manager("bad shape".into()),
+            "harness.context_manager_failed",
+            FailurePhase::ContextAssembly,
+        ),
     ];
     for (why, code, phase) in cases {
+        let retryable = matches!(why, ContextRefusal::Compaction(_));
         let t = row(
             At::Ready,
             Input::ContextRefused(why),
@@ -426,6 +442,7 @@ fn a_refused_context_fails_with_the_matching_code_and_phase() {
         );
         let f = t.record.unwrap().failure.unwrap();
         assert_eq!((f.code.as_str(), f.phase), (code, phase));
+        assert_eq!(f.retryable, retryable, "{code}");
     }
     row(
         At::Ready,

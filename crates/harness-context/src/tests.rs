@@ -1,0 +1,133 @@
+use harness_types::context::{AssembleOptions, ModelRef, PreviousSummary};
+use harness_types::message::{AssistantMessage, ContentBlock, FunctionResultMessage, StopReason};
+
+use super::*;
+
+fn req(messages: Vec<AgentMessage>, window: u64) -> AssembleRequest {
+    AssembleRequest {
+        messages,
+        model: ModelRef {
+            id: "local".into(),
+            provider: None,
+        },
+        system_prompt: Some("be brief".into()),
+        tools: vec![],
+        options: AssembleOptions {
+            request_overhead_tokens: 64,
+            context_window: window,
+            ..AssembleOptions::default()
+        },
+    }
+}
+
+fn call(id: &str) -> AgentMessage {
+    AgentMessage::Assistant(AssistantMessage {
+        content: vec![ContentBlock::FunctionCall {
+            id: id.into(),
+            function_id: "demo::read".into(),
+            arguments: serde_json::json!({}),
+        }],
+        model: "m".into(),
+        provider: "p".into(),
+        stop_reason: StopReason::FunctionCall,
+        usage: None,
+        error_kind: None,
+        error_message: None,
+        native_stop_reason: None,
+        warnings: None,
+        timestamp: 0,
+    })
+}
+
+fn result(id: &str, chars: usize) -> AgentMessage {
+    AgentMessage::FunctionResult(FunctionResultMessage {
+        function_call_id: id.into(),
+        function_id: "demo::read".into(),
+        content: vec![ContentBlock::text("r".repeat(chars))],
+        details: Value::Null,
+        is_error: false,
+        timestamp: 0,
+    })
+}
+
+#[tokio::test]
+async fn fits_and_counts_prompt_and_overhead() {
+    let out = assemble(
+        None,
+        req(vec![AgentMessage::user_text("hello there", 0)], 1000),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.messages.len(), 1);
+    // "hello there" = 11 chars / 3.8 → 3, + 4 per message; "be brief" → 3 + 4; + 64.
+    assert_eq!(out.token_count, 3 + 4 + 3 + 4 + 64);
+    assert!(!out.applied.compacted);
+}
+
+#[tokio::test]
+async fn overflow_without_a_summarizer_is_a_clean_error() {
+    let err = assemble(
+        None,
+        req(vec![AgentMessage::user_text("x".repeat(4000), 0)], 500),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, ContextError::Overflow(_)));
+    assert!(err.to_string().starts_with("context/overflow:"), "{err}");
+}
+
+#[tokio::test]
+async fn pruning_makes_room_before_compaction() {
+    let mut history = vec![AgentMessage::user_text("go", 0)];
+    for i in 0..6 {
+        history.push(call(&format!("c{i}")));
+        history.push(result(&format!("c{i}"), 8_000));
+    }
+    // Six results of ~2,100 tokens each do not fit 8k; pruned, the four aged ones shrink (the two latest stay whole).
+    let mut r = req(history.clone(), 8_000);
+    let err = assemble(None, r.clone()).await.unwrap_err();
+    assert!(matches!(err, ContextError::Overflow(_)));
+    r.options.prune_function_results = true;
+    let out = assemble(None, r).await.unwrap();
+    assert_eq!(out.applied.pruned_results, 4);
+    assert!(!out.applied.compacted);
+    assert!(out.token_count <= out.usable);
+    assert_eq!(out.messages.len(), history.len());
+}
+
+#[tokio::test]
+async fn a_previous_summary_is_reused_after_the_opening_message() {
+    let mut r = req(
+        vec![
+            AgentMessage::user_text("open", 0),
+            AgentMessage::user_text("latest", 0),
+        ],
+        10_000,
+    );
+    r.options.previous_summary = Some(PreviousSummary {
+        summary: "facts so far".into(),
+        summarized_head_tokens: 500,
+    });
+    let out = assemble(None, r).await.unwrap();
+    assert!(out.applied.reused_summary && !out.applied.compacted);
+    let texts: Vec<String> = out.messages.iter().map(|m| m.text()).collect();
+    assert_eq!(texts[0], "open");
+    assert!(texts[1].starts_with(compact::SUMMARY_HEADER) && texts[1].ends_with("facts so far"));
+    assert_eq!(texts[2], "latest");
+}
+
+#[test]
+fn count_tokens_uses_the_family_counter() {
+    let out = count_tokens(&CountTokensRequest {
+        messages: vec![AgentMessage::user_text("hello world", 0)],
+        model: ModelRef {
+            id: "gpt-4o".into(),
+            provider: Some("openai".into()),
+        },
+        system_prompt: None,
+        tools: vec![],
+    });
+    assert_eq!(out.counter, "tiktoken:o200k_base");
+    assert_eq!(out.tokens, 2 + count::PER_MESSAGE_OVERHEAD);
+    assert_eq!(out.correction, 1.0);
+}

@@ -1,0 +1,315 @@
+//! The loop's side of context assembly (spec §3.3 step 13): the window it hands
+//! `context::assemble` (messages from the latest compaction's tail anchor, the opening message
+//! first), the compaction record it persists, the rotation of late user messages, the orphan
+//! patch, and the small fallback used when no context manager is registered.
+//!
+//! The loop reaches the context manager only through the bus. The fallback is deliberately
+//! small (raw history, a character estimate, a clean overflow): a deployment without a context
+//! worker still chats, and nothing here can summarize.
+
+use std::collections::HashSet;
+
+use harness_types::context::{
+    AssembleRequest, AssembleResponse, CompactionRecord, PreviousSummary, COMPACTION_ENTRY,
+    OVERFLOW_PREFIX,
+};
+use harness_types::message::{AgentMessage, ContentBlock, FunctionResultMessage, StopReason};
+use harness_types::session::Entry;
+use serde_json::json;
+
+/// State scope of the per-session context policy (`harness::context-policy {set}`).
+pub(crate) const POLICY_SCOPE: &str = "harness_context_policy";
+
+/// What a step sends to `context::assemble`, and what it needs to read the answer.
+#[derive(Debug, Default)]
+pub(crate) struct Window {
+    pub messages: Vec<AgentMessage>,
+    /// The entry id of each message (a tail anchor is named by its entry id).
+    pub entry_ids: Vec<String>,
+    /// User messages that arrived after the previous step's watermark (rotation candidates).
+    pub late_users: Vec<AgentMessage>,
+    /// The latest compaction's summary.
+    pub previous: Option<PreviousSummary>,
+    /// Every call id with a result anywhere in the transcript.
+    pub answered: HashSet<String>,
+}
+
+/// Builds the window from the transcript (custom entries included).
+pub(crate) fn window(entries: &[Entry], prev_watermark: Option<&str>) -> Window {
+    let latest = entries.iter().rev().find_map(|e| {
+        let c = e.custom.as_ref().filter(|c| c.custom_type == COMPACTION_ENTRY)?;
+        match serde_json::from_value::<CompactionRecord>(c.data.clone()) {
+            Ok(r) => Some(r),
+            Err(err) => {
+                tracing::warn!(entry = %e.entry_id, "ignoring a compaction entry that does not parse: {err}");
+                None
+            }
+        }
+    });
+    let anchored = latest.and_then(|r| {
+        let at = entries
+            .iter()
+            .position(|e| e.entry_id == r.tail_start_entry_id)?;
+        Some((r, at))
+    });
+    let start = anchored.as_ref().map_or(0, |(_, at)| *at);
+    let watermark = prev_watermark.and_then(|w| entries.iter().position(|e| e.entry_id == w));
+    let mut out = Window {
+        previous: anchored.map(|(r, _)| PreviousSummary {
+            summary: r.summary,
+            summarized_head_tokens: r.summarized_head_tokens,
+        }),
+        ..Window::default()
+    };
+    let opening = entries
+        .iter()
+        .position(|e| matches!(e.message, Some(AgentMessage::User(_))));
+    if let Some(at) = opening.filter(|at| *at < start) {
+        if let Some(m) = &entries[at].message {
+            out.messages.push(m.clone());
+            out.entry_ids.push(entries[at].entry_id.clone());
+        }
+    }
+    for (i, e) in entries.iter().enumerate() {
+        let Some(m) = &e.message else { continue };
+        if let AgentMessage::FunctionResult(r) = m {
+            out.answered.insert(r.function_call_id.clone());
+        }
+        if i < start || !m.is_model_visible() {
+            continue;
+        }
+        if matches!(m, AgentMessage::User(_))
+            && watermark.is_some_and(|w| i > w)
+            && Some(i) != opening
+        {
+            out.late_users.push(m.clone());
+        }
+        out.messages.push(m.clone());
+        out.entry_ids.push(e.entry_id.clone());
+    }
+    out
+}
+
+/// The compaction record of an assembly that compacted, anchored to the window's entry ids.
+pub(crate) fn compaction_record(
+    window: &Window,
+    assembled: &AssembleResponse,
+) -> Option<CompactionRecord> {
+    let a = &assembled.applied;
+    if !a.compacted {
+        return None;
+    }
+    let anchor = window.entry_ids.get(a.tail_start_index?)?;
+    Some(CompactionRecord {
+        summary: a.summary.clone()?,
+        tail_start_entry_id: anchor.clone(),
+        tokens_before: a.tokens_before.unwrap_or(0),
+        summarized_head_tokens: a.summarized_head_tokens.unwrap_or(0),
+        initial_token_count: a.initial_token_count,
+        assembled_token_count: assembled.token_count,
+        usable_input_tokens: assembled.usable,
+        effective_max_output_tokens: assembled.effective_max_output_tokens,
+    })
+}
+
+fn calls_of(m: &AgentMessage) -> impl Iterator<Item = (&str, &str)> {
+    let content: &[ContentBlock] = match m {
+        AgentMessage::Assistant(a) => &a.content,
+        _ => &[],
+    };
+    content.iter().filter_map(|b| match b {
+        ContentBlock::FunctionCall {
+            id, function_id, ..
+        } => Some((id.as_str(), function_id.as_str())),
+        _ => None,
+    })
+}
+
+/// When the list ends with an assistant message that calls nothing, user messages that arrived
+/// after the previous step (the model answered without seeing them) move after it, so the
+/// provider is not handed a trailing assistant message to continue. The opening message never
+/// moves. Returns whether anything moved.
+pub(crate) fn rotate(messages: &mut Vec<AgentMessage>, late_users: &[AgentMessage]) -> bool {
+    let Some(last) = messages.last() else {
+        return false;
+    };
+    if !matches!(last, AgentMessage::Assistant(_)) || calls_of(last).next().is_some() {
+        return false;
+    }
+    let end = messages.len() - 1;
+    let late: Vec<usize> = (1..end)
+        .filter(|&i| {
+            matches!(messages[i], AgentMessage::User(_)) && late_users.contains(&messages[i])
+        })
+        .collect();
+    if late.is_empty() {
+        return false;
+    }
+    let mut moved = Vec::with_capacity(late.len());
+    for i in late.into_iter().rev() {
+        moved.push(messages.remove(i));
+    }
+    moved.reverse();
+    messages.extend(moved);
+    true
+}
+
+/// Why a call in the context has no result next to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Orphan {
+    /// The call was dispatched and no result was recorded: it ran at most once.
+    Interrupted,
+    /// Its result is in the transcript but not in the assembled context.
+    Elided,
+    /// The generation that asked for it failed or was stopped: it was never dispatched.
+    NeverDispatched,
+}
+
+impl Orphan {
+    fn text(self) -> &'static str {
+        match self {
+            Orphan::Interrupted => {
+                "result unknown: the call was interrupted after dispatch; it ran at most once — verify its effect before repeating it"
+            }
+            Orphan::Elided => {
+                "result elided from the assembled context (compaction): the call ran and its result is in the transcript; \
+                 the summary above carries what mattered — call it again if you need the details"
+            }
+            Orphan::NeverDispatched => {
+                "not executed: the reply was cut off before this call could be dispatched, so it never ran — issue it again if it is still needed"
+            }
+        }
+    }
+
+    fn error(self) -> &'static str {
+        match self {
+            Orphan::Interrupted => "interrupted",
+            Orphan::Elided => "elided",
+            Orphan::NeverDispatched => "not_dispatched",
+        }
+    }
+}
+
+/// Gives every function call without a result in `messages` a synthetic one right after its
+/// assistant message (the context copy only; the transcript is untouched). `answered` holds the
+/// call ids with a result anywhere in the transcript. Returns whether anything was added.
+pub(crate) fn patch_orphans(messages: &mut Vec<AgentMessage>, answered: &HashSet<String>) -> bool {
+    let present: HashSet<String> = messages
+        .iter()
+        .filter_map(|m| match m {
+            AgentMessage::FunctionResult(r) => Some(r.function_call_id.clone()),
+            _ => None,
+        })
+        .collect();
+    let mut out = Vec::with_capacity(messages.len());
+    let mut patched = false;
+    for m in messages.drain(..) {
+        let mut synthetic = Vec::new();
+        if let AgentMessage::Assistant(a) = &m {
+            let cut = matches!(a.stop_reason, StopReason::Error | StopReason::Aborted);
+            for (id, function_id) in calls_of(&m) {
+                if present.contains(id) {
+                    continue;
+                }
+                let why = if answered.contains(id) {
+                    Orphan::Elided
+                } else if cut {
+                    Orphan::NeverDispatched
+                } else {
+                    Orphan::Interrupted
+                };
+                synthetic.push(AgentMessage::FunctionResult(FunctionResultMessage {
+                    function_call_id: id.to_string(),
+                    function_id: function_id.to_string(),
+                    content: vec![ContentBlock::text(why.text())],
+                    details: json!({"error": why.error()}),
+                    is_error: why != Orphan::Elided,
+                    timestamp: a.timestamp,
+                }));
+            }
+        }
+        out.push(m);
+        patched |= !synthetic.is_empty();
+        out.extend(synthetic);
+    }
+    *messages = out;
+    patched
+}
+
+/// Bytes of a message's text: no tokenizer yields more tokens than bytes, so a history whose
+/// bytes fit the budget cannot overflow it.
+pub(crate) fn byte_bound(messages: &[AgentMessage]) -> u64 {
+    fn block(b: &ContentBlock) -> u64 {
+        match b {
+            ContentBlock::Text { text } | ContentBlock::Thinking { text, .. } => text.len() as u64,
+            ContentBlock::RedactedThinking { data } => data.len() as u64,
+            ContentBlock::Image { .. } => 6_000,
+            ContentBlock::FunctionCall { arguments, .. } => 64 + arguments.to_string().len() as u64,
+            ContentBlock::FunctionResult { content, .. } => content.iter().map(block).sum(),
+        }
+    }
+    messages
+        .iter()
+        .map(|m| 8 + m.content().iter().map(block).sum::<u64>())
+        .sum()
+}
+
+/// The fallback's estimate: four characters a token, four tokens a message.
+pub(crate) fn estimate(
+    messages: &[AgentMessage],
+    system_prompt: Option<&str>,
+    tools: &[harness_types::router::ToolSpec],
+) -> u64 {
+    let tools: u64 = tools
+        .iter()
+        .map(|t| (t.name.len() + t.description.len() + t.parameters.to_string().len()) as u64)
+        .sum();
+    (byte_bound(messages) + system_prompt.map_or(0, |p| p.len() as u64) + tools).div_ceil(4)
+}
+
+/// Without a context manager: the raw history (a previous summary after the opening message),
+/// estimated, or a clean overflow.
+pub(crate) fn fallback(req: AssembleRequest) -> Result<AssembleResponse, String> {
+    let o = req.options;
+    let usable = o.context_window.saturating_sub(o.max_output_tokens);
+    let mut messages: Vec<AgentMessage> = req
+        .messages
+        .into_iter()
+        .filter(AgentMessage::is_model_visible)
+        .collect();
+    if let Some(prev) = &o.previous_summary {
+        let at = usize::from(matches!(messages.first(), Some(AgentMessage::User(_))));
+        messages.insert(
+            at,
+            AgentMessage::user_text(
+                format!("[Summary of the earlier conversation]\n\n{}", prev.summary),
+                harness_types::now_ms(),
+            ),
+        );
+    }
+    let token_count =
+        estimate(&messages, req.system_prompt.as_deref(), &req.tools) + o.request_overhead_tokens;
+    if token_count > usable {
+        return Err(format!(
+            "{OVERFLOW_PREFIX} the conversation needs ~{token_count} tokens but model '{}' has {usable} usable (no context manager is registered to compact it)",
+            req.model.id
+        ));
+    }
+    Ok(AssembleResponse {
+        system_prompt: req.system_prompt,
+        messages,
+        token_count,
+        usable,
+        effective_max_output_tokens: o.max_output_tokens,
+        applied: harness_types::context::Applied {
+            initial_token_count: token_count,
+            reused_summary: o.previous_summary.is_some(),
+            ..Default::default()
+        },
+        counter: Some("estimate:fallback".into()),
+        correction: None,
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,214 @@
+//! The `context::*` contract: what the loop asks the context manager and what it answers.
+//!
+//! The loop reaches the context manager only through the bus, so these shapes are the whole
+//! interface. Overflow errors carry the `context/overflow:` prefix in their message; every other
+//! error is something else (a bad request, a summarizer that failed) and is classified as such.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::message::AgentMessage;
+use crate::router::ToolSpec;
+
+/// The prefix of every overflow error of `context::assemble`.
+pub const OVERFLOW_PREFIX: &str = "context/overflow:";
+
+/// The custom entry type of a persisted compaction (spec §2.7).
+pub const COMPACTION_ENTRY: &str = "compaction";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRef {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+}
+
+/// A summary written by an earlier compaction, reused instead of summarizing again.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PreviousSummary {
+    pub summary: String,
+    /// Tokens the summary replaced (for the diagnostics of a later compaction).
+    #[serde(default)]
+    pub summarized_head_tokens: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AssembleOptions {
+    /// The session the context is for (the summarizer's `router::chat` names it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_key: Option<String>,
+    /// Extra tokens the caller adds to the request (framing, response format, hooks).
+    #[serde(default)]
+    pub request_overhead_tokens: u64,
+    /// The model's context window; the loop fills it from the model catalog.
+    pub context_window: u64,
+    /// Tokens kept free for the model's answer.
+    #[serde(default)]
+    pub max_output_tokens: u64,
+    /// The latest compaction's summary: `messages` then start after its tail anchor (with the
+    /// opening message first), and the summary goes back in after the opening message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_summary: Option<PreviousSummary>,
+    /// Whether aged, oversized function results may be shortened (`harness::context-policy`).
+    #[serde(default)]
+    pub prune_function_results: bool,
+    /// The `router::chat` request id of a summarizer call: deterministic per step, so a
+    /// redelivered step asks the same question under the same id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary_request_id: Option<String>,
+    /// Leave compaction out: the history fits or the call fails with an overflow.
+    #[serde(default)]
+    pub no_compaction: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AssembleRequest {
+    /// Model-visible messages, oldest first. The first one, when it is a user message, is the
+    /// opening message and is always kept.
+    pub messages: Vec<AgentMessage>,
+    pub model: ModelRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub tools: Vec<ToolSpec>,
+    pub options: AssembleOptions,
+}
+
+/// What assembly did beyond passing the history through.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Applied {
+    /// A new summary was written in this call; the caller persists it.
+    pub compacted: bool,
+    /// The new summary (when `compacted`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
+    /// Index into the request's `messages` of the first message kept after the summary (when
+    /// `compacted`): the tail anchor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tail_start_index: Option<usize>,
+    /// Tokens of the history before compaction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_before: Option<u64>,
+    /// Tokens of the part the summary replaced (previous summary included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summarized_head_tokens: Option<u64>,
+    /// Tokens of the request as it came in (previous summary included).
+    pub initial_token_count: u64,
+    /// A previous summary was put back in front of the window.
+    #[serde(default)]
+    pub reused_summary: bool,
+    /// Function results shortened by pruning.
+    #[serde(default)]
+    pub pruned_results: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AssembleResponse {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    pub messages: Vec<AgentMessage>,
+    /// Includes the system prompt, tools and request overhead.
+    pub token_count: u64,
+    /// Input tokens available: context window minus the output reservation.
+    pub usable: u64,
+    pub effective_max_output_tokens: u64,
+    #[serde(default)]
+    pub applied: Applied,
+    /// How the count was made: `tiktoken:<encoding>` or `estimate:<family>`, with the usage
+    /// correction applied (1.0 when none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counter: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correction: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CountTokensRequest {
+    pub messages: Vec<AgentMessage>,
+    pub model: ModelRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub tools: Vec<ToolSpec>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CountTokensResponse {
+    pub tokens: u64,
+    /// `tiktoken:<encoding>` or `estimate:<family>`.
+    pub counter: String,
+    /// The usage correction applied (1.0 when the history reported none).
+    pub correction: f64,
+}
+
+/// The data of a `compaction` custom entry (spec §2.7).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CompactionRecord {
+    pub summary: String,
+    /// The entry id of the first message kept after the summary.
+    pub tail_start_entry_id: String,
+    #[serde(default)]
+    pub tokens_before: u64,
+    #[serde(default)]
+    pub summarized_head_tokens: u64,
+    #[serde(default)]
+    pub initial_token_count: u64,
+    #[serde(default)]
+    pub assembled_token_count: u64,
+    #[serde(default)]
+    pub usable_input_tokens: u64,
+    #[serde(default)]
+    pub effective_max_output_tokens: u64,
+}
+
+/// `harness::context-policy`: what the context manager may do to a session's history.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContextPolicyRequest {
+    /// The session whose policy to read (or set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// The destination model, when asking about a model rather than a session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// Set the session's pruning permission (`null` returns it to the model's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub set: Option<ContextPolicySet>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContextPolicySet {
+    pub prune_function_results: Option<bool>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicySource {
+    /// The model's default.
+    Model,
+    /// Set for the session with `harness::context-policy {set}`.
+    Session,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContextPolicyResponse {
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// Aged, oversized function results may be shortened in the assembled context.
+    pub prune_function_results: bool,
+    pub source: PolicySource,
+    pub reason: String,
+}
