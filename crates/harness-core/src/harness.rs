@@ -523,7 +523,6 @@ impl Harness {
     /// Applies a step's writes as one batch: on the embedded bus one transaction (all or
     /// nothing), elsewhere one write after another in order (see `Bus::commit`). Not durable
     /// on its own: the queue's ack barrier (or an explicit [`Harness::barrier`]) is the fsync.
-    #[allow(dead_code)] // The step shell adopts it as it moves to one batch per step.
     pub(crate) async fn commit(&self, writes: StepWrites) -> Result<Vec<Value>> {
         if writes.writes.is_empty() {
             return Ok(Vec::new());

@@ -35,6 +35,7 @@ default_functions:
 default_filesystem_root: "off"
 projects_file_path: ${CONFIG_TEST_HOME}/projects.json
 directory_path: ${CONFIG_TEST_HOME}/directory
+mcp_servers: {}
 # Beyond §10: knobs of this implementation.
 default_context_window: 100000
 web_fetch_allow_private: true
@@ -64,7 +65,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
     let env = [("CONFIG_TEST_HOME", "/srv/h")];
     let (rc, out, err) = cli_env(&["config", "validate", path_str(&file)], &env);
     assert_eq!(rc, 0, "{err}");
-    assert!(out.contains("ok (23 keys set)"), "{out}");
+    assert!(out.contains("ok (25 keys set)"), "{out}");
     // Without the variable the reference is named.
     let (rc, _, err) = cli_env(&["config", "validate", path_str(&file)], &[]);
     assert_eq!(rc, 1);
@@ -114,7 +115,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         .values()
         .filter(|v| v["source"] == json!(file_source))
         .count();
-    assert_eq!(from_file, 21);
+    assert_eq!(from_file, 23);
     // A runtime started on it says which keys it does not act on yet.
     let data = dir.path().join("data");
     let (rc, _, err) = cli_env(
