@@ -49,9 +49,10 @@ async fn settle(server: &mut Server, turn_id: &str) -> bool {
             restarted = true;
             continue;
         }
-        if let Ok(s) = server
+        // The failpoint may kill the server between the check above and this request.
+        if let Some(s) = server
             .api()
-            .call("harness::status", json!({"session_id": SESSION}))
+            .try_ok("harness::status", json!({"session_id": SESSION}))
             .await
         {
             if s["turn_id"] == turn_id && is_terminal(&s) {
