@@ -70,6 +70,7 @@ pub async fn assemble(
     let o = req.options;
     let usable = o.context_window.saturating_sub(o.max_output_tokens);
     let model = req.model;
+    let sent = req.messages.len();
     let mut items: Vec<Item> = req
         .messages
         .into_iter()
@@ -117,6 +118,7 @@ pub async fn assemble(
         |items: Vec<Item>, tokens: u64, applied: Applied, counter: &Counter| AssembleResponse {
             system_prompt: req.system_prompt.clone(),
             messages: items.into_iter().map(|i| i.message).collect(),
+            unchanged: false,
             token_count: tokens + preamble,
             usable,
             effective_max_output_tokens: o.max_output_tokens,
@@ -125,7 +127,13 @@ pub async fn assemble(
             correction: Some(counter.correction()),
         };
     if preamble <= usable && initial <= budget {
-        return Ok(respond(items, initial, applied, &counter));
+        let untouched = o.previous_summary.is_none() && items.len() == sent;
+        let mut resp = respond(items, initial, applied, &counter);
+        if untouched {
+            resp.messages = Vec::new();
+            resp.unchanged = true;
+        }
+        return Ok(resp);
     }
     let mut tokens = initial;
     if o.prune_function_results {

@@ -58,7 +58,8 @@ async fn fits_and_counts_prompt_and_overhead() {
     )
     .await
     .unwrap();
-    assert_eq!(out.messages.len(), 1);
+    // Nothing changed: the answer says so instead of echoing the history back.
+    assert!(out.unchanged && out.messages.is_empty());
     // "hello there" = 11 chars / 3.8 → 3, + 4 per message; "be brief" → 3 + 4; + 64.
     assert_eq!(out.token_count, 3 + 4 + 3 + 4 + 64);
     assert!(!out.applied.compacted);
@@ -90,7 +91,7 @@ async fn pruning_makes_room_before_compaction() {
     r.options.prune_function_results = true;
     let out = assemble(None, r).await.unwrap();
     assert_eq!(out.applied.pruned_results, 4);
-    assert!(!out.applied.compacted);
+    assert!(!out.applied.compacted && !out.unchanged);
     assert!(out.token_count <= out.usable);
     assert_eq!(out.messages.len(), history.len());
 }
@@ -110,6 +111,7 @@ async fn a_previous_summary_is_reused_after_the_opening_message() {
     });
     let out = assemble(None, r).await.unwrap();
     assert!(out.applied.reused_summary && !out.applied.compacted);
+    assert!(!out.unchanged, "the summary was put back: the list changed");
     let texts: Vec<String> = out.messages.iter().map(|m| m.text()).collect();
     assert_eq!(texts[0], "open");
     assert!(texts[1].starts_with(compact::SUMMARY_HEADER) && texts[1].ends_with("facts so far"));

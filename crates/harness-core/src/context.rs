@@ -298,6 +298,7 @@ pub(crate) fn fallback(req: AssembleRequest) -> Result<AssembleResponse, String>
     Ok(AssembleResponse {
         system_prompt: req.system_prompt,
         messages,
+        unchanged: false,
         token_count,
         usable,
         effective_max_output_tokens: o.max_output_tokens,

@@ -702,7 +702,7 @@ impl Harness {
                 tools,
                 options: &options,
             };
-            let assembled = match self.call_assemble(req).await? {
+            let mut assembled = match self.call_assemble(req).await? {
                 Ok(a) => a,
                 // The second pass only exists because the hooks' additions did not fit.
                 Err(ContextRefusal::Overflow(detail)) if pass == 1 && hooked => {
@@ -715,6 +715,10 @@ impl Harness {
                     "{OVERFLOW_PREFIX} context::assemble answered ~{} tokens for {} usable",
                     assembled.token_count, assembled.usable
                 ))));
+            }
+            if assembled.unchanged {
+                // The context manager kept the window as sent; it did not echo it back.
+                assembled.messages = window.messages.clone();
             }
             if assembled.messages.is_empty() {
                 return Ok(Err(ContextRefusal::Empty));

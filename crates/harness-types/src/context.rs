@@ -112,7 +112,14 @@ pub struct Applied {
 pub struct AssembleResponse {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub system_prompt: Option<String>,
+    /// The context to send; left empty when `unchanged`.
+    #[serde(default)]
     pub messages: Vec<AgentMessage>,
+    /// The request's messages fit exactly as they were (nothing pruned, inserted or dropped): the
+    /// answer leaves them out and the caller sends its own list, so a long history is not
+    /// serialized back on every step.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unchanged: bool,
     /// Includes the system prompt, tools and request overhead.
     pub token_count: u64,
     /// Input tokens available: context window minus the output reservation.
