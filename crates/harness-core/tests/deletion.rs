@@ -57,21 +57,7 @@ fn session_exists(rt: &Rt, session_id: &str) -> bool {
 
 #[tokio::test]
 async fn deleting_a_finished_child_tells_the_parent_once_and_tombstones_the_id() {
-    let rt = runtime(
-        json!({"generations": [
-            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
-            text(Some("^find flights"), "Flight AB123 at 9:00", 0),
-            text(None, "Booked: AB123", 0)
-        ]}),
-        config(),
-    )
-    .await;
-    let r = rt
-        .harness
-        .send(orchestrating("plan the trip"))
-        .await
-        .unwrap();
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (rt, r) = trip_with_one_child().await;
     let kids = children(&rt, &r.session_id).await;
     assert_eq!(kids.len(), 1);
     let child = &kids[0];

@@ -468,21 +468,7 @@ async fn a_turn_may_reuse_only_its_own_tree() {
 
 #[tokio::test]
 async fn the_session_tree_and_its_metrics_follow_the_parent_links() {
-    let rt = runtime(
-        json!({"generations": [
-            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
-            text(Some("^find flights"), "Flight AB123 at 9:00", 0),
-            text(None, "Booked: AB123", 0)
-        ]}),
-        config(),
-    )
-    .await;
-    let r = rt
-        .harness
-        .send(orchestrating("plan the trip"))
-        .await
-        .unwrap();
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (rt, r) = trip_with_one_child().await;
     let tree = rt
         .harness
         .session_tree(harness_types::api::SessionTreeRequest {

@@ -139,6 +139,27 @@ pub fn orchestrating(message: &str) -> SendRequest {
     req
 }
 
+/// A runtime where a turn planned a trip through one sub-agent, both finished: the parent's
+/// send answer (its session has one child).
+pub async fn trip_with_one_child() -> (Rt, harness_types::api::SendResponse) {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
+            text(Some("^find flights"), "Flight AB123 at 9:00", 0),
+            text(None, "Booked: AB123", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt
+        .harness
+        .send(orchestrating("plan the trip"))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    (rt, r)
+}
+
 impl Rt {
     pub async fn status(&self, session_id: &str) -> Option<StatusReport> {
         self.harness
