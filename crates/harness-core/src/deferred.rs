@@ -159,21 +159,22 @@ impl Harness {
         if let Err(e) = self.prune_idempotency().await {
             tracing::warn!("idempotency prune failed: {e}");
         }
-        if let Err(e) = self.prune_scratch().await {
-            tracing::warn!("scratch prune failed: {e}");
-        }
-        let records = self
+        // Every record, read and parsed once for both the prune and the settling below.
+        let records: Vec<(String, TurnRecord)> = self
             .inner
             .bus
             .state_list(TURN_SCOPE)
             .await
-            .map_err(|e| e.into_harness())?;
+            .map_err(|e| e.into_harness())?
+            .into_iter()
+            .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|r| (k, r)))
+            .collect();
+        if let Err(e) = self.prune_scratch(&records).await {
+            tracing::warn!("scratch prune failed: {e}");
+        }
         let now = now_ms();
         let mut resolved = 0;
-        for (session_id, value) in records {
-            let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {
-                continue;
-            };
+        for (session_id, rec) in records {
             if rec.status != TurnStatus::AwaitingFunctions {
                 continue;
             }

@@ -497,25 +497,22 @@ impl Harness {
     /// Retention beyond idempotency keys, on the same window (`idem_ttl_secs`): fan-out marks,
     /// the budget ledgers of turns that ended that long ago, and decided approvals (through
     /// `approval::prune`, when the approval gate is installed).
-    pub(crate) async fn prune_scratch(&self) -> Result<usize> {
+    pub(crate) async fn prune_scratch(
+        &self,
+        records: &[(String, crate::record::TurnRecord)],
+    ) -> Result<usize> {
         let ttl_ms = self.config().idem_ttl_secs.saturating_mul(1000) as i64;
         let cutoff = now_ms().saturating_sub(ttl_ms);
         let mut pruned = self.prune_fanout(ttl_ms).await?;
         let bus = &self.inner.bus;
-        let records: Vec<crate::record::TurnRecord> = bus
-            .state_list(crate::TURN_SCOPE)
-            .await
-            .map_err(|e| e.into_harness())?
-            .into_iter()
-            .filter_map(|(_, v)| serde_json::from_value(v).ok())
-            .collect();
         // A detached sub-agent may still spend from a ledger whose turn ended long ago.
         let live: std::collections::HashSet<&str> = records
             .iter()
+            .map(|(_, r)| r)
             .filter(|r| !r.is_terminal())
             .filter_map(|r| r.options.budget.as_ref().map(|b| b.ledger.as_str()))
             .collect();
-        for rec in &records {
+        for (_, rec) in records {
             // A ledger is named after the turn that opened it; it is done once that turn is.
             let owned = rec
                 .options
