@@ -10,6 +10,7 @@
 //! behind) fails the attempt with the data kept; the operator retries with `attempt + 1`.
 //! Tombstones are never removed: a deleted session's id is not reusable.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use harness_types::api::{
@@ -359,8 +360,10 @@ impl Harness {
         }
         self.wait_ended(op, &pending).await?;
         self.tell_parent(op).await?;
+        // What names a member outside its own scopes, read once for the whole operation.
+        let rows = self.member_rows().await?;
         for m in pending {
-            self.delete_one(&m).await?;
+            self.delete_one(&m, &rows).await?;
             crate::failpoint::hit("after_member_deleted");
             op.snapshot.deleted_session_ids.push(m);
             // Progress is durable per session: a redelivered step skips what is gone.
@@ -452,37 +455,55 @@ impl Harness {
         }
     }
 
-    /// Deletes everything of one session the harness keeps, then the session itself.
-    async fn delete_one(&self, session_id: &str) -> Result<()> {
+    /// The bindings, approvals and idempotency rows that name a session, by session id: shared
+    /// scopes, listed once per operation rather than once per member.
+    async fn member_rows(&self) -> Result<MemberRows> {
         let bus = &self.inner.bus;
-        // Bindings that follow only this session's turns.
+        let mut rows = MemberRows::default();
         for topic in [topics::TURN_STARTED, topics::TURN_COMPLETED] {
             for b in bus.bindings(topic).await.map_err(state_err)? {
-                if b.config.get("session_id").and_then(Value::as_str) == Some(session_id) {
-                    bus.call("engine::unregister_trigger", json!({"id": b.id}), None)
-                        .await
-                        .map_err(state_err)?;
+                if let Some(s) = b.config.get("session_id").and_then(Value::as_str) {
+                    rows.bindings.entry(s.to_string()).or_default().push(b.id);
                 }
             }
+        }
+        for (scope, by_session) in [
+            (APPROVALS_SCOPE, &mut rows.approvals),
+            (crate::IDEM_SCOPE, &mut rows.idem),
+        ] {
+            for (key, v) in bus.state_list(scope).await.map_err(state_err)? {
+                if let Some(s) = v.get("session_id").and_then(Value::as_str) {
+                    by_session.entry(s.to_string()).or_default().push(key);
+                }
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Deletes everything of one session the harness keeps, then the session itself.
+    async fn delete_one(&self, session_id: &str, rows: &MemberRows) -> Result<()> {
+        let bus = &self.inner.bus;
+        let of = |m: &HashMap<String, Vec<String>>| m.get(session_id).cloned().unwrap_or_default();
+        // Bindings that follow only this session's turns.
+        for id in of(&rows.bindings) {
+            bus.call("engine::unregister_trigger", json!({"id": id}), None)
+                .await
+                .map_err(state_err)?;
         }
         // Messages queued for a next step that will never come.
         let queue = crate::steering::scope(session_id);
         for (key, _) in bus.state_list(&queue).await.map_err(state_err)? {
             bus.state_delete(&queue, &key).await.map_err(state_err)?;
         }
-        for (key, v) in bus.state_list(APPROVALS_SCOPE).await.map_err(state_err)? {
-            if v.get("session_id").and_then(Value::as_str) == Some(session_id) {
-                bus.state_delete(APPROVALS_SCOPE, &key)
-                    .await
-                    .map_err(state_err)?;
-            }
+        for key in of(&rows.approvals) {
+            bus.state_delete(APPROVALS_SCOPE, &key)
+                .await
+                .map_err(state_err)?;
         }
-        for (key, v) in bus.state_list(crate::IDEM_SCOPE).await.map_err(state_err)? {
-            if v.get("session_id").and_then(Value::as_str) == Some(session_id) {
-                bus.state_delete(crate::IDEM_SCOPE, &key)
-                    .await
-                    .map_err(state_err)?;
-            }
+        for key in of(&rows.idem) {
+            bus.state_delete(crate::IDEM_SCOPE, &key)
+                .await
+                .map_err(state_err)?;
         }
         if let Some(rec) = self.load_record(session_id).await? {
             // A ledger this session's turn opened goes with it; spend recorded in a surviving
@@ -566,6 +587,14 @@ impl Harness {
             tracing::warn!(operation = %s.operation_id, "cannot publish the deletion event: {e}");
         }
     }
+}
+
+/// Rows in shared scopes that name a member, by session id (see `member_rows`).
+#[derive(Default)]
+struct MemberRows {
+    bindings: HashMap<String, Vec<String>>,
+    approvals: HashMap<String, Vec<String>>,
+    idem: HashMap<String, Vec<String>>,
 }
 
 fn status_word(s: DeletionStatus) -> &'static str {
