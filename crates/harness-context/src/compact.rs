@@ -13,10 +13,7 @@ use serde_json::Value;
 use crate::count::Counter;
 use crate::error::ContextError;
 
-/// The summary message's first line, so the model (and a reader) can tell it from a user turn.
-pub const SUMMARY_HEADER: &str =
-    "[Summary of the earlier conversation, written when it outgrew the context window. \
-The opening message above and the messages after this one are verbatim.]";
+pub use harness_types::context::{summary_message, SUMMARY_HEADER};
 
 /// What the summarizer is asked to do.
 const SUMMARIZER_PROMPT: &str = "You compress a conversation between a user and an assistant that \
@@ -36,11 +33,6 @@ const TEXT_CHARS: usize = 4_000;
 /// The most a summary may take: an eighth of the budget, at most 2,048 tokens.
 pub fn summary_reserve(budget: u64) -> u64 {
     (budget / 8).clamp(64, 2_048)
-}
-
-/// The user message that carries a summary in the assembled context.
-pub fn summary_message(summary: &str, timestamp: i64) -> AgentMessage {
-    AgentMessage::user_text(format!("{SUMMARY_HEADER}\n\n{summary}"), timestamp)
 }
 
 /// Where the kept tail starts: the earliest message at or after `first` that opens an exchange

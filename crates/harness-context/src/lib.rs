@@ -81,6 +81,8 @@ pub async fn assemble(
             message,
         })
         .collect();
+    // Every message as sent is model-visible: a fit can be answered `unchanged`.
+    let as_sent = items.len() == sent;
     // The opening message is always kept; a previous summary goes right after it.
     let pinned = usize::from(matches!(
         items.first().map(|i| &i.message),
@@ -127,9 +129,10 @@ pub async fn assemble(
             correction: Some(counter.correction()),
         };
     if preamble <= usable && initial <= budget {
-        let untouched = o.previous_summary.is_none() && items.len() == sent;
+        // The caller rebuilds this context itself (its list, the summary put back where
+        // `summary_position` says), so a fit is not serialized back.
         let mut resp = respond(items, initial, applied, &counter);
-        if untouched {
+        if as_sent {
             resp.messages = Vec::new();
             resp.unchanged = true;
         }

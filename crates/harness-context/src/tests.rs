@@ -109,10 +109,14 @@ async fn a_previous_summary_is_reused_after_the_opening_message() {
         summary: "facts so far".into(),
         summarized_head_tokens: 500,
     });
-    let out = assemble(None, r).await.unwrap();
+    let prev = r.options.previous_summary.clone();
+    let sent = r.messages.clone();
+    let mut out = assemble(None, r).await.unwrap();
     assert!(out.applied.reused_summary && !out.applied.compacted);
-    assert!(!out.unchanged, "the summary was put back: the list changed");
-    let texts: Vec<String> = out.messages.iter().map(|m| m.text()).collect();
+    // It fit with the summary put back: the caller's own list is used, not echoed.
+    assert!(out.unchanged && out.messages.is_empty());
+    let context = out.context_of(&sent, prev.as_ref(), 0);
+    let texts: Vec<String> = context.iter().map(|m| m.text()).collect();
     assert_eq!(texts[0], "open");
     assert!(texts[1].starts_with(compact::SUMMARY_HEADER) && texts[1].ends_with("facts so far"));
     assert_eq!(texts[2], "latest");

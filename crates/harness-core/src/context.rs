@@ -278,13 +278,10 @@ pub(crate) fn fallback(req: AssembleRequest) -> Result<AssembleResponse, String>
         .filter(AgentMessage::is_model_visible)
         .collect();
     if let Some(prev) = &o.previous_summary {
-        let at = usize::from(matches!(messages.first(), Some(AgentMessage::User(_))));
+        let at = harness_types::context::summary_position(&messages);
         messages.insert(
             at,
-            AgentMessage::user_text(
-                format!("[Summary of the earlier conversation]\n\n{}", prev.summary),
-                harness_types::now_ms(),
-            ),
+            harness_types::context::summary_message(&prev.summary, harness_types::now_ms()),
         );
     }
     let token_count =

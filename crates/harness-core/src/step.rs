@@ -716,18 +716,16 @@ impl Harness {
                     assembled.token_count, assembled.usable
                 ))));
             }
-            if assembled.unchanged {
-                // The context manager kept the window as sent; it did not echo it back.
-                assembled.messages = window.messages.clone();
-            }
-            if assembled.messages.is_empty() {
+            // A window that fit as sent is not echoed back: it is rebuilt here.
+            let mut messages =
+                assembled.context_of(&window.messages, window.previous.as_ref(), now_ms());
+            if messages.is_empty() {
                 return Ok(Err(ContextRefusal::Empty));
             }
             let compaction = context::compaction_record(window, &assembled);
             let assembled_tokens = assembled.token_count;
             let usable = assembled.usable;
             let mut changed = false;
-            let mut messages = assembled.messages;
             let mut prompt = assembled.system_prompt;
             changed |= context::rotate(&mut messages, &window.late_users);
             // The registry changed since this session last looked: contracts it fetched may be

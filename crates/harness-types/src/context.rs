@@ -115,9 +115,10 @@ pub struct AssembleResponse {
     /// The context to send; left empty when `unchanged`.
     #[serde(default)]
     pub messages: Vec<AgentMessage>,
-    /// The request's messages fit exactly as they were (nothing pruned, inserted or dropped): the
-    /// answer leaves them out and the caller sends its own list, so a long history is not
-    /// serialized back on every step.
+    /// The request's messages fit exactly as they were (nothing pruned or dropped): the answer
+    /// leaves them out and the caller sends its own list, so a long history is not serialized
+    /// back on every step. With `applied.reused_summary`, the previous summary goes back in
+    /// after the opening message ([`AssembleResponse::context_of`] does both).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unchanged: bool,
     /// Includes the system prompt, tools and request overhead.
@@ -133,6 +134,49 @@ pub struct AssembleResponse {
     pub counter: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub correction: Option<f64>,
+}
+
+impl AssembleResponse {
+    /// The context to send: `messages`, or, when `unchanged`, the caller's own `sent` list with
+    /// the previous summary put back (when one was reused). `timestamp` stamps that summary
+    /// message, which is never persisted.
+    pub fn context_of(
+        &mut self,
+        sent: &[AgentMessage],
+        previous: Option<&PreviousSummary>,
+        timestamp: i64,
+    ) -> Vec<AgentMessage> {
+        if !self.unchanged {
+            return std::mem::take(&mut self.messages);
+        }
+        let mut out = Vec::with_capacity(sent.len() + 1);
+        match previous.filter(|_| self.applied.reused_summary) {
+            Some(prev) => {
+                let at = summary_position(sent);
+                out.extend_from_slice(&sent[..at]);
+                out.push(summary_message(&prev.summary, timestamp));
+                out.extend_from_slice(&sent[at..]);
+            }
+            None => out.extend_from_slice(sent),
+        }
+        out
+    }
+}
+
+/// The summary message's first line, so the model (and a reader) can tell it from a user turn.
+pub const SUMMARY_HEADER: &str =
+    "[Summary of the earlier conversation, written when it outgrew the context window. \
+The opening message above and the messages after this one are verbatim.]";
+
+/// The user message that carries a summary in the assembled context.
+pub fn summary_message(summary: &str, timestamp: i64) -> AgentMessage {
+    AgentMessage::user_text(format!("{SUMMARY_HEADER}\n\n{summary}"), timestamp)
+}
+
+/// Where a summary goes in a model-visible history: after the opening user message, which is
+/// always kept.
+pub fn summary_position(messages: &[AgentMessage]) -> usize {
+    usize::from(matches!(messages.first(), Some(AgentMessage::User(_))))
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
