@@ -103,8 +103,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use async_trait::async_trait;
 use harness_bus::{
-    Binding, Bus, BusError, BusWrite, CallContext, FunctionDef, Handler, HandlerFuture, QueueDef,
-    StreamingCall, TriggerTypeDef,
+    Binding, Bus, BusError, BusWrite, CallContext, FunctionDef, Handler, HandlerFuture,
+    LocalFuture, LocalHandler, LocalValue, QueueDef, StreamingCall, TriggerTypeDef,
 };
 use harness_core::{topics, Harness, HarnessConfig, TURN_QUEUE};
 use harness_router::bench::{FrameLatencyOptions, FrameLatencyReport};
@@ -431,6 +431,21 @@ async fn timed<T>(op: &str, store: bool, fut: impl Future<Output = T>) -> T {
     out
 }
 
+/// An in-process handler whose calls are timed like [`ProbeBus::call`]'s.
+struct TimedLocal {
+    inner: Arc<dyn LocalHandler>,
+    op: String,
+    store: bool,
+}
+
+impl LocalHandler for TimedLocal {
+    fn call(&self, payload: LocalValue, ctx: CallContext) -> LocalFuture {
+        let fut = self.inner.call(payload, ctx);
+        let (op, store) = (self.op.clone(), self.store);
+        Box::pin(async move { timed(&op, store, fut).await })
+    }
+}
+
 /// Awaits a store operation; inside a step, charges its time to the step's store time.
 async fn store_op<T>(op: &str, fut: impl Future<Output = T>) -> T {
     timed(op, true, fut).await
@@ -603,6 +618,24 @@ impl Bus for ProbeBus {
 
     fn unregister_function(&self, function_id: &str) -> bool {
         self.inner.unregister_function(function_id)
+    }
+
+    fn register_function_with_local(
+        &self,
+        def: FunctionDef,
+        handler: Arc<dyn Handler>,
+        local: Arc<dyn LocalHandler>,
+    ) {
+        self.inner.register_function_with_local(def, handler, local)
+    }
+
+    fn local_handler(&self, function_id: &str) -> Option<Arc<dyn LocalHandler>> {
+        let inner = self.inner.local_handler(function_id)?;
+        Some(Arc::new(TimedLocal {
+            inner,
+            op: function_id.to_string(),
+            store: is_store_function(function_id),
+        }))
     }
 
     fn register_trigger_type(&self, def: TriggerTypeDef) {
@@ -1672,7 +1705,7 @@ async fn summarize_transcript(d: &Driver, session_id: &str, keep: usize) -> Resu
         .bus()
         .call(
             "session::append",
-            json!({"session_id": session_id, "entry_id": format!("e_bench_{session_id}_compaction"),
+            json!({"session_id": session_id, "entry_id": format!("e_bench_{session_id}_compaction_{}", entries.len()),
                    "custom": {"custom_type": "compaction", "data": {
                        "summary": "The user sent a thousand short numbered messages; nothing else happened.",
                        "tail_start_entry_id": anchor, "summarized_head_tokens": 6000}}}),
@@ -1732,6 +1765,12 @@ async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
                 fill_transcript(&d, &fresh, 2, SHORT_ENTRIES - 2).await?;
                 d.turn(Some(fresh.clone()), None).await?;
                 *sid = fresh;
+            }
+            // The summarized sessions are summarized again, so their window stays the last
+            // few entries instead of growing with every measured turn.
+            for sid in &summarized {
+                summarize_transcript(&d, sid, SHORT_ENTRIES - 2).await?;
+                d.turn(Some(sid.clone()), None).await?;
             }
             rig.queue_idle().await?;
             rig.probe.sample_steps.store(true, Ordering::Relaxed);
@@ -2255,7 +2294,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             "router": "harness_router::bench::frame_latency: local Anthropic-format SSE server; per frame: server writes an event's bytes -> parsed frame out of the router's frame channel, one event in flight (target on its p50, socket included); router_socket_*: the same on a raw TcpStream; router_frame_added_us_p50 = difference of medians; per request: Router::chat -> request read by the server, plus the server's last byte -> the ack",
             "idle_session_bytes": "fsync off: (VmRSS after - before, after malloc_trim) / sessions with one completed turn each",
             "long_session_step_ratio": "concurrency 1, fsync off: text steps alternating between sessions of ~10 entries and of ~1,000 (user messages appended through session::append, each session stepped before measuring); p50 whole step on the long sessions / p50 on the short ones; long_session_overhead_ratio the same with store time taken out",
-            "assemble": "the long-session phase's steps: the context::assemble bus call as the step awaits it (request and answer serialisation included), p50 per step; on sessions of ~10 entries, of ~1,000, and of ~1,000 whose head a compaction record (written through session::append, as the loop writes it) already summarizes, keeping the last 8 entries; assemble_summarized_ratio = summarized / 10-entry",
+            "assemble": "the long-session phase's steps: the context::assemble bus call as the step awaits it (in-process: the typed call, nothing serialized; on an engine: request and answer serialisation included), p50 per step; on sessions of ~10 entries, of ~1,000, and of ~1,000 whose head a compaction record (written through session::append, as the loop writes it) already summarizes, keeping the last 8 entries; assemble_summarized_ratio = summarized / 10-entry",
             "reference": "same run, bench directory: fsync_us_p50 = fdatasync after a 4 KiB append; sqlite_commit_us_p50 = one small INSERT committed by bare SQLite (WAL, synchronous=FULL: it fsyncs); sqlite_commit_nosync_us_p50 = the same with synchronous=OFF (its CPU cost); ratios: times per bare commit (CPU) or per fsync (disk), steps/s times the fsync time (steps per fsync's worth of time)",
         },
     });

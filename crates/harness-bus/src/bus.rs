@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::error::BusError;
+use crate::local::LocalHandler;
 
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Value, BusError>> + Send + 'static>>;
 
@@ -210,6 +211,26 @@ pub trait Bus: Send + Sync + 'static {
     fn unregister_function(&self, function_id: &str) -> bool {
         let _ = function_id;
         false
+    }
+
+    /// Registers a function with, beside its JSON handler, an in-process handler taking the
+    /// request's Rust type ([`crate::local`]). A bus that cannot call in-process (an engine)
+    /// registers the JSON handler only.
+    fn register_function_with_local(
+        &self,
+        def: FunctionDef,
+        handler: Arc<dyn Handler>,
+        local: Arc<dyn LocalHandler>,
+    ) {
+        let _ = local;
+        self.register_function(def, handler);
+    }
+
+    /// The in-process handler of `function_id`, when the function registered on this bus has
+    /// one; `None` means "call it with JSON".
+    fn local_handler(&self, function_id: &str) -> Option<Arc<dyn LocalHandler>> {
+        let _ = function_id;
+        None
     }
 
     fn register_trigger_type(&self, def: TriggerTypeDef);

@@ -25,6 +25,7 @@ use crate::bus::{
 };
 use crate::engine_functions;
 use crate::error::BusError;
+use crate::local::LocalHandler;
 
 /// Scope of the persisted bindings in the state store.
 pub(crate) const BINDINGS_SCOPE: &str = "engine_bindings";
@@ -38,6 +39,8 @@ pub type TxHandler = Arc<dyn Fn(&Connection, Value) -> Result<Value, StoreError>
 struct Registered {
     def: FunctionDef,
     handler: Arc<dyn Handler>,
+    /// Registering again without one drops it, so a replacement is never bypassed.
+    local: Option<Arc<dyn LocalHandler>>,
 }
 
 pub(crate) struct Inner {
@@ -213,6 +216,23 @@ impl EmbeddedBus {
         self.inner.queues.shutdown().await;
     }
 
+    fn insert(
+        &self,
+        def: FunctionDef,
+        handler: Arc<dyn Handler>,
+        local: Option<Arc<dyn LocalHandler>>,
+    ) {
+        let mut functions = self.inner.functions.write().expect("functions lock");
+        functions.insert(
+            def.function_id.clone(),
+            Arc::new(Registered {
+                def,
+                handler,
+                local,
+            }),
+        );
+    }
+
     fn lookup(&self, function_id: &str) -> Result<Arc<Registered>, BusError> {
         let functions = self.inner.functions.read().expect("functions lock");
         functions
@@ -304,11 +324,21 @@ impl Bus for EmbeddedBus {
     }
 
     fn register_function(&self, def: FunctionDef, handler: Arc<dyn Handler>) {
-        let mut functions = self.inner.functions.write().expect("functions lock");
-        functions.insert(
-            def.function_id.clone(),
-            Arc::new(Registered { def, handler }),
-        );
+        self.insert(def, handler, None);
+    }
+
+    fn register_function_with_local(
+        &self,
+        def: FunctionDef,
+        handler: Arc<dyn Handler>,
+        local: Arc<dyn LocalHandler>,
+    ) {
+        self.insert(def, handler, Some(local));
+    }
+
+    fn local_handler(&self, function_id: &str) -> Option<Arc<dyn LocalHandler>> {
+        let functions = self.inner.functions.read().expect("functions lock");
+        functions.get(function_id)?.local.clone()
     }
 
     fn unregister_function(&self, function_id: &str) -> bool {

@@ -14,6 +14,7 @@ mod cron;
 pub mod embedded;
 mod engine_functions;
 pub mod error;
+pub mod local;
 
 pub use bus::{
     commit_one_by_one, Binding, Bus, BusWrite, CallContext, FrameSink, FunctionDef, Handler,
@@ -21,3 +22,4 @@ pub use bus::{
 };
 pub use embedded::{EmbeddedBus, TxHandler};
 pub use error::{BusCode, BusError};
+pub use local::{LocalFuture, LocalHandler, LocalValue};

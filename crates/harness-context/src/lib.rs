@@ -15,12 +15,14 @@
 //!
 //! Architecture invariant: the only I/O is the summarizer's `router::chat` call on the bus.
 
+use std::borrow::Cow;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
+use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler, LocalHandler, LocalValue};
 use harness_types::context::{
-    Applied, AssembleRequest, AssembleResponse, CountTokensRequest, CountTokensResponse,
+    Applied, AssembleCall, AssembleRequest, AssembleResponse, CountTokensRequest,
+    CountTokensResponse,
 };
 use harness_types::message::AgentMessage;
 use harness_types::parse::parse_payload;
@@ -51,13 +53,14 @@ pub fn count_tokens(req: &CountTokensRequest) -> CountTokensResponse {
     }
 }
 
-/// One message of the working list: its index in the request (`None` for a summary).
-struct Item {
+/// One message of the working list: its index in the request (`None` for a summary), borrowed
+/// until something changes it.
+struct Item<'a> {
     origin: Option<usize>,
-    message: AgentMessage,
+    message: Cow<'a, AgentMessage>,
 }
 
-fn total(items: &[Item], counter: &Counter) -> u64 {
+fn total(items: &[Item<'_>], counter: &Counter) -> u64 {
     items.iter().map(|i| counter.message(&i.message)).sum()
 }
 
@@ -65,27 +68,37 @@ fn total(items: &[Item], counter: &Counter) -> u64 {
 /// does not fit after pruning is an overflow.
 pub async fn assemble(
     bus: Option<&dyn Bus>,
+    mut req: AssembleRequest,
+) -> Result<AssembleResponse, ContextError> {
+    let messages = std::mem::take(&mut req.messages);
+    assemble_over(bus, &messages, req).await
+}
+
+/// [`assemble`] over a history the caller keeps (`req.messages` is ignored): nothing is copied
+/// unless pruning or compaction changes it.
+pub async fn assemble_over(
+    bus: Option<&dyn Bus>,
+    history: &[AgentMessage],
     req: AssembleRequest,
 ) -> Result<AssembleResponse, ContextError> {
     let o = req.options;
     let usable = o.context_window.saturating_sub(o.max_output_tokens);
     let model = req.model;
-    let sent = req.messages.len();
-    let mut items: Vec<Item> = req
-        .messages
-        .into_iter()
+    let sent = history.len();
+    let mut items: Vec<Item<'_>> = history
+        .iter()
         .enumerate()
         .filter(|(_, m)| m.is_model_visible())
         .map(|(i, message)| Item {
             origin: Some(i),
-            message,
+            message: Cow::Borrowed(message),
         })
         .collect();
     // Every message as sent is model-visible: a fit can be answered `unchanged`.
     let as_sent = items.len() == sent;
     // The opening message is always kept; a previous summary goes right after it.
     let pinned = usize::from(matches!(
-        items.first().map(|i| &i.message),
+        items.first().map(|i| i.message.as_ref()),
         Some(AgentMessage::User(_))
     ));
     let now = harness_types::now_ms();
@@ -94,12 +107,12 @@ pub async fn assemble(
             pinned,
             Item {
                 origin: None,
-                message: compact::summary_message(&prev.summary, now),
+                message: Cow::Owned(compact::summary_message(&prev.summary, now)),
             },
         );
     }
     let mut counter = Counter::new(&model);
-    let working: Vec<&AgentMessage> = items.iter().map(|i| &i.message).collect();
+    let working: Vec<&AgentMessage> = items.iter().map(|i| i.message.as_ref()).collect();
     counter.calibrate(
         &working,
         req.system_prompt.as_deref(),
@@ -117,9 +130,9 @@ pub async fn assemble(
         ..Applied::default()
     };
     let respond =
-        |items: Vec<Item>, tokens: u64, applied: Applied, counter: &Counter| AssembleResponse {
+        |items: Vec<Item<'_>>, tokens: u64, applied: Applied, counter: &Counter| AssembleResponse {
             system_prompt: req.system_prompt.clone(),
-            messages: items.into_iter().map(|i| i.message).collect(),
+            messages: items.into_iter().map(|i| i.message.into_owned()).collect(),
             unchanged: false,
             token_count: tokens + preamble,
             usable,
@@ -131,19 +144,20 @@ pub async fn assemble(
     if preamble <= usable && initial <= budget {
         // The caller rebuilds this context itself (its list, the summary put back where
         // `summary_position` says), so a fit is not serialized back.
-        let mut resp = respond(items, initial, applied, &counter);
         if as_sent {
-            resp.messages = Vec::new();
+            let mut resp = respond(Vec::new(), initial, applied, &counter);
             resp.unchanged = true;
+            return Ok(resp);
         }
-        return Ok(resp);
+        return Ok(respond(items, initial, applied, &counter));
     }
     let mut tokens = initial;
     if o.prune_function_results {
-        let mut messages: Vec<AgentMessage> = items.iter().map(|i| i.message.clone()).collect();
+        let mut messages: Vec<AgentMessage> =
+            items.iter().map(|i| i.message.as_ref().clone()).collect();
         applied.pruned_results = prune::prune(&mut messages, &counter);
         for (item, m) in items.iter_mut().zip(messages) {
-            item.message = m;
+            item.message = Cow::Owned(m);
         }
         tokens = total(&items, &counter);
         if preamble <= usable && tokens <= budget {
@@ -172,7 +186,7 @@ pub async fn assemble(
         .sum();
     let first = pinned + usize::from(o.previous_summary.is_some());
     let target = budget.saturating_sub(pinned_tokens + reserve) / 2;
-    let messages: Vec<AgentMessage> = items.iter().map(|i| i.message.clone()).collect();
+    let messages: Vec<AgentMessage> = items.iter().map(|i| i.message.as_ref().clone()).collect();
     let Some(at) = compact::tail_start(&messages, first, target, &counter) else {
         return Err(ContextError::Overflow(format!(
             "nothing is left to summarize and the latest exchange alone needs ~{} tokens; model '{}' has {usable} usable",
@@ -209,7 +223,7 @@ pub async fn assemble(
     let mut kept: Vec<Item> = items.drain(..pinned).collect();
     kept.push(Item {
         origin: None,
-        message: compact::summary_message(&summary, now),
+        message: Cow::Owned(compact::summary_message(&summary, now)),
     });
     kept.extend(items.drain(..).skip(at - pinned));
     let tokens = total(&kept, &counter);
@@ -248,7 +262,19 @@ pub fn register(bus: Arc<dyn Bus>) {
             serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
         }
     };
-    bus.register_function(
+    let weak: Weak<dyn Bus> = Arc::downgrade(&bus);
+    let local = move |payload: LocalValue, _ctx: CallContext| {
+        let weak = weak.clone();
+        async move {
+            let call: AssembleCall = harness_bus::local::take("context::assemble", payload)?;
+            let bus = weak.upgrade();
+            let resp = assemble_over(bus.as_deref(), &call.messages, call.request)
+                .await
+                .map_err(BusError::from)?;
+            Ok(Box::new(resp) as LocalValue)
+        }
+    };
+    bus.register_function_with_local(
         FunctionDef::new(
             "context::assemble",
             "Assemble the model's context within the token budget: counted per provider family, \
@@ -260,6 +286,7 @@ pub fn register(bus: Arc<dyn Bus>) {
         )
         .internal(),
         Arc::new(assemble_handler) as Arc<dyn Handler>,
+        Arc::new(local) as Arc<dyn LocalHandler>,
     );
     let count_handler = |payload: Value, _ctx: CallContext| async move {
         let req: CountTokensRequest = parse_payload(payload)?;

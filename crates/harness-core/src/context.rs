@@ -23,7 +23,8 @@ pub(crate) const POLICY_SCOPE: &str = "harness_context_policy";
 /// What a step sends to `context::assemble`, and what it needs to read the answer.
 #[derive(Debug, Default)]
 pub(crate) struct Window {
-    pub messages: Vec<AgentMessage>,
+    /// Shared with an in-process `context::assemble`, which reads it without a copy.
+    pub messages: std::sync::Arc<Vec<AgentMessage>>,
     /// The entry id of each message (a tail anchor is named by its entry id).
     pub entry_ids: Vec<String>,
     /// User messages that arrived after the previous step's watermark (rotation candidates).
@@ -64,9 +65,10 @@ pub(crate) fn window(entries: &[Entry], prev_watermark: Option<&str>) -> Window 
     let opening = entries
         .iter()
         .position(|e| matches!(e.message, Some(AgentMessage::User(_))));
+    let mut messages = Vec::with_capacity(entries.len() - start.min(entries.len()) + 1);
     if let Some(at) = opening.filter(|at| *at < start) {
         if let Some(m) = &entries[at].message {
-            out.messages.push(m.clone());
+            messages.push(m.clone());
             out.entry_ids.push(entries[at].entry_id.clone());
         }
     }
@@ -84,9 +86,10 @@ pub(crate) fn window(entries: &[Entry], prev_watermark: Option<&str>) -> Window 
         {
             out.late_users.push(m.clone());
         }
-        out.messages.push(m.clone());
+        messages.push(m.clone());
         out.entry_ids.push(e.entry_id.clone());
     }
+    out.messages = std::sync::Arc::new(messages);
     out
 }
 

@@ -8,8 +8,8 @@
 
 use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
 use harness_types::context::{
-    AssembleOptions, AssembleRequest, AssembleResponse, CountTokensRequest, CountTokensResponse,
-    ModelRef, COMPACTION_ENTRY, OVERFLOW_PREFIX,
+    AssembleCall, AssembleOptions, AssembleRequest, AssembleResponse, CountTokensRequest,
+    CountTokensResponse, ModelRef, COMPACTION_ENTRY, OVERFLOW_PREFIX,
 };
 use harness_types::message::{AgentMessage, AssistantMessage, StopReason};
 use harness_types::router::ChatRequest;
@@ -696,6 +696,7 @@ impl Harness {
                 no_compaction: false,
             };
             let req = AssembleRequestRef {
+                shared: &window.messages,
                 messages: &window.messages,
                 model: &model,
                 system_prompt: system_prompt.as_deref(),
@@ -803,20 +804,36 @@ impl Harness {
         &self,
         req: AssembleRequestRef<'_>,
     ) -> Result<std::result::Result<AssembleResponse, ContextRefusal>> {
-        let payload =
-            serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
         let timeout = std::time::Duration::from_millis(self.config().context_timeout_ms);
-        match self
-            .inner
-            .bus
-            .call("context::assemble", payload, Some(timeout))
+        let answer = match self.inner.bus.local_handler("context::assemble") {
+            // In-process: the history is shared, nothing is serialized.
+            Some(local) => harness_bus::local::invoke::<AssembleResponse>(
+                local.as_ref(),
+                "context::assemble",
+                Box::new(req.local()),
+                harness_bus::CallContext::default(),
+                timeout,
+            )
             .await
-        {
-            Ok(v) => Ok(serde_json::from_value(v).map_err(|e| {
-                ContextRefusal::Manager(format!(
-                    "context::assemble answered an unexpected shape: {e}"
-                ))
-            })),
+            .map(Ok),
+            None => {
+                let payload = serde_json::to_value(&req)
+                    .map_err(|e| HarnessError::internal(e.to_string()))?;
+                self.inner
+                    .bus
+                    .call("context::assemble", payload, Some(timeout))
+                    .await
+                    .map(|v| {
+                        serde_json::from_value(v).map_err(|e| {
+                            ContextRefusal::Manager(format!(
+                                "context::assemble answered an unexpected shape: {e}"
+                            ))
+                        })
+                    })
+            }
+        };
+        match answer {
+            Ok(parsed) => Ok(parsed),
             Err(e) if e.is_not_found() => {
                 Ok(context::fallback(req.owned()).map_err(ContextRefusal::Overflow))
             }
@@ -931,6 +948,8 @@ impl Harness {
 /// copied just to be turned into JSON.
 #[derive(serde::Serialize)]
 struct AssembleRequestRef<'a> {
+    #[serde(skip)]
+    shared: &'a std::sync::Arc<Vec<AgentMessage>>,
     messages: &'a [AgentMessage],
     model: &'a ModelRef,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -940,6 +959,20 @@ struct AssembleRequestRef<'a> {
 }
 
 impl AssembleRequestRef<'_> {
+    /// The in-process form: the history shared, the rest copied (small).
+    fn local(&self) -> AssembleCall {
+        AssembleCall {
+            messages: std::sync::Arc::clone(self.shared),
+            request: AssembleRequest {
+                messages: Vec::new(),
+                model: self.model.clone(),
+                system_prompt: self.system_prompt.map(str::to_string),
+                tools: self.tools.to_vec(),
+                options: self.options.clone(),
+            },
+        }
+    }
+
     fn owned(&self) -> AssembleRequest {
         AssembleRequest {
             messages: self.messages.to_vec(),

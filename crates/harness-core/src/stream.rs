@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
-use harness_types::router::{ChatAck, ChatRequest, Frame};
+use harness_types::router::{ChatAck, ChatCall, ChatRequest, Frame};
 use harness_types::session::{UpdateMessageRequest, UpdateMessageResponse};
 use harness_types::HarnessError;
 use serde_json::{json, Value};
@@ -144,22 +144,50 @@ impl Harness {
         let model = req.model.clone();
         let provider = req.provider.clone().unwrap_or_default();
         let request_id = req.request_id.clone();
-        let mut payload =
-            serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
-        // Fields the router reads beside the request (cache sections, `reasoning`).
-        if let (Value::Object(p), Value::Object(x)) = (&mut payload, extras) {
-            p.extend(x);
-        }
-        let mut call = self
-            .inner
-            .bus
-            .call_streaming(
-                "router::chat",
-                payload,
-                Some(Duration::from_millis(c.router_timeout_ms)),
-            )
-            .await
-            .map_err(|e| e.into_harness())?;
+        let timeout = Duration::from_millis(c.router_timeout_ms);
+        let mut call = match self.inner.bus.local_handler("router::chat") {
+            // In-process: the conversation moves to the router instead of being serialized.
+            Some(local) => {
+                let extras = match extras {
+                    Value::Object(x) => x,
+                    _ => serde_json::Map::new(),
+                };
+                let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
+                let ctx = harness_bus::CallContext {
+                    frames: Some(tx),
+                    metadata: Value::Null,
+                };
+                let result = Box::pin(async move {
+                    let ack = harness_bus::local::invoke::<ChatAck>(
+                        local.as_ref(),
+                        "router::chat",
+                        Box::new(ChatCall {
+                            request: req,
+                            extras,
+                        }),
+                        ctx,
+                        timeout,
+                    )
+                    .await?;
+                    serde_json::to_value(ack)
+                        .map_err(|e| harness_bus::BusError::internal(e.to_string()))
+                });
+                harness_bus::StreamingCall { frames, result }
+            }
+            None => {
+                let mut payload = serde_json::to_value(&req)
+                    .map_err(|e| HarnessError::internal(e.to_string()))?;
+                // Fields the router reads beside the request (cache sections, `reasoning`).
+                if let (Value::Object(p), Value::Object(x)) = (&mut payload, extras) {
+                    p.extend(x);
+                }
+                self.inner
+                    .bus
+                    .call_streaming("router::chat", payload, Some(timeout))
+                    .await
+                    .map_err(|e| e.into_harness())?
+            }
+        };
         let coalesce = Duration::from_millis(c.stream_coalesce_ms);
         let mut acc = Accumulator {
             content: Vec::new(),

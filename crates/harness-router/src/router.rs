@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
-use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
+use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler, LocalHandler, LocalValue};
 use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
 use harness_types::parse::parse_payload;
 use harness_types::router::{
-    AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatRequest, Frame,
+    AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatCall, ChatRequest, Frame,
 };
 use harness_types::{now_ms, HarnessError};
 use schemars::{schema_for, JsonSchema};
@@ -715,13 +715,27 @@ pub fn register(bus: &dyn Bus, router: &Router) {
             to_value(&ack)
         }
     };
-    bus.register_function(
+    let r = router.clone();
+    let local = move |payload: LocalValue, ctx: CallContext| {
+        let r = r.clone();
+        async move {
+            let call: ChatCall = harness_bus::local::take("router::chat", payload)?;
+            let extras: ChatExtras = if call.extras.is_empty() {
+                ChatExtras::default()
+            } else {
+                parse_payload(Value::Object(call.extras))?
+            };
+            Ok(Box::new(r.chat_with(call.request, extras, ctx).await) as LocalValue)
+        }
+    };
+    bus.register_function_with_local(
         FunctionDef::new(
             "router::chat",
             "Stream one generation as frames; answers with the ack when the stream ended.",
         )
         .schemas(schema::<ChatRequest>(), schema::<ChatAck>()),
         Arc::new(chat) as Arc<dyn Handler>,
+        Arc::new(local) as Arc<dyn LocalHandler>,
     );
     let r = router.clone();
     let abort = move |payload: Value, _ctx: CallContext| {

@@ -78,6 +78,14 @@ pub struct AssembleRequest {
     pub options: AssembleOptions,
 }
 
+/// `context::assemble` as an in-process call: the history is shared, not copied, with the rest
+/// of the request (whose own `messages` is left empty).
+#[derive(Clone, Debug)]
+pub struct AssembleCall {
+    pub messages: std::sync::Arc<Vec<AgentMessage>>,
+    pub request: AssembleRequest,
+}
+
 /// What assembly did beyond passing the history through.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

@@ -17,6 +17,15 @@ pub struct ToolSpec {
     pub parameters: Value,
 }
 
+/// `router::chat` as an in-process call: the request moves instead of being serialized, with
+/// the fields the router reads beside it (`system_sections`, `cache_intent`, `reasoning`) as
+/// they would sit in the JSON payload.
+#[derive(Clone, Debug)]
+pub struct ChatCall {
+    pub request: ChatRequest,
+    pub extras: serde_json::Map<String, serde_json::Value>,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ChatRequest {
     /// `<turn_id>:<step>`; the same request id always names the same generation.

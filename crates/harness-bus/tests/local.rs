@@ -1,0 +1,152 @@
+//! In-process calls: a function registered with a typed handler is reached without JSON, and a
+//! plain re-registration (a replacement) is never bypassed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness_bus::{local, Bus, CallContext, EmbeddedBus, FunctionDef, LocalHandler, LocalValue};
+use harness_store::{Durability, Store};
+use serde_json::{json, Value};
+
+fn open(dir: &std::path::Path) -> EmbeddedBus {
+    let store = Store::open(&dir.join("b.db"), Durability::Normal).unwrap();
+    EmbeddedBus::new(store).unwrap()
+}
+
+#[derive(Debug, PartialEq)]
+struct Doubled(Vec<u64>);
+
+fn doubler() -> Arc<dyn LocalHandler> {
+    Arc::new(|payload: LocalValue, _ctx: CallContext| async move {
+        let v: Vec<u64> = local::take("t::double", payload)?;
+        Ok(Box::new(Doubled(v.iter().map(|x| x * 2).collect())) as LocalValue)
+    })
+}
+
+fn json_handler(answer: Value) -> Arc<dyn harness_bus::Handler> {
+    Arc::new(move |_p: Value, _ctx: CallContext| {
+        let answer = answer.clone();
+        async move { Ok(answer) }
+    })
+}
+
+#[tokio::test]
+async fn a_typed_handler_is_called_with_the_value_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = open(dir.path());
+    bus.register_function_with_local(
+        FunctionDef::new("t::double", "doubles"),
+        json_handler(json!("json path")),
+        doubler(),
+    );
+    let h = bus
+        .local_handler("t::double")
+        .expect("registered with a local handler");
+    let out: Doubled = local::invoke(
+        h.as_ref(),
+        "t::double",
+        Box::new(vec![1u64, 2, 3]),
+        CallContext::default(),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out, Doubled(vec![2, 4, 6]));
+    // The JSON handler is still what a JSON call reaches.
+    assert_eq!(
+        bus.call("t::double", json!([1]), None).await.unwrap(),
+        json!("json path")
+    );
+}
+
+#[tokio::test]
+async fn a_replacement_registered_plainly_drops_the_typed_handler() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = open(dir.path());
+    bus.register_function_with_local(
+        FunctionDef::new("t::double", "doubles"),
+        json_handler(json!("original")),
+        doubler(),
+    );
+    bus.register_function(
+        FunctionDef::new("t::double", "a replacement"),
+        json_handler(json!("replacement")),
+    );
+    assert!(bus.local_handler("t::double").is_none());
+    assert_eq!(
+        bus.call("t::double", json!([1]), None).await.unwrap(),
+        json!("replacement")
+    );
+    assert!(bus.local_handler("t::missing").is_none());
+}
+
+#[tokio::test]
+async fn wrong_types_timeouts_and_panics_are_errors_not_crashes() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = open(dir.path());
+    bus.register_function_with_local(
+        FunctionDef::new("t::double", "doubles"),
+        json_handler(Value::Null),
+        doubler(),
+    );
+    let h = bus.local_handler("t::double").unwrap();
+    let ctx = CallContext::default;
+    let wrong_request = local::invoke::<Doubled>(
+        h.as_ref(),
+        "t::double",
+        Box::new("not a list"),
+        ctx(),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        wrong_request.message.contains("in-process request"),
+        "{wrong_request}"
+    );
+    let wrong_answer = local::invoke::<String>(
+        h.as_ref(),
+        "t::double",
+        Box::new(vec![1u64]),
+        ctx(),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        wrong_answer.message.contains("in-process answer"),
+        "{wrong_answer}"
+    );
+
+    let slow: Arc<dyn LocalHandler> = Arc::new(|_p: LocalValue, _c: CallContext| async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        Ok(Box::new(()) as LocalValue)
+    });
+    let err = local::invoke::<()>(
+        slow.as_ref(),
+        "t::slow",
+        Box::new(()),
+        ctx(),
+        Duration::from_millis(20),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code, "timeout");
+
+    let panics: Arc<dyn LocalHandler> = Arc::new(|_p: LocalValue, _c: CallContext| async move {
+        if true {
+            panic!("boom");
+        }
+        Ok(Box::new(()) as LocalValue)
+    });
+    let err = local::invoke::<()>(
+        panics.as_ref(),
+        "t::panics",
+        Box::new(()),
+        ctx(),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.message.contains("panicked"), "{err}");
+}
