@@ -24,19 +24,6 @@ fn admits(config: &Value, session_id: &str, parent_session_id: Option<&str>) -> 
 }
 
 impl Harness {
-    async fn emit(
-        &self,
-        topic: &str,
-        dedupe_key: String,
-        session_id: &str,
-        parent: Option<&str>,
-        payload: Value,
-    ) -> Result<()> {
-        let filter = |config: &Value| admits(config, session_id, parent);
-        self.emit_filtered(topic, dedupe_key, payload, &filter)
-            .await
-    }
-
     /// Records an event and delivers it to the bindings of `topic` whose config `admits` it.
     pub(crate) async fn emit_filtered(
         &self,
@@ -123,19 +110,26 @@ impl Harness {
         Ok(pruned)
     }
 
-    pub(crate) async fn emit_turn_started(&self, ev: TurnStartedEvent) -> Result<()> {
+    /// `harness::turn-started` as a write of `batch`; the fan-out runs once the batch is
+    /// committed ([`Harness::fan_out_turn_started`]).
+    pub(crate) fn record_turn_started(
+        &self,
+        batch: &mut crate::harness::StepWrites,
+        ev: &TurnStartedEvent,
+    ) {
+        let key = format!("{}:{}", topics::TURN_STARTED, ev.turn_id);
+        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
+        batch.publish(topics::TURN_STARTED, payload, Some(key));
+    }
+
+    pub(crate) async fn fan_out_turn_started(&self, ev: TurnStartedEvent) -> Result<()> {
         let key = format!("{}:{}", topics::TURN_STARTED, ev.turn_id);
         let session_id = ev.session_id.clone();
         let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
         let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        self.emit(
-            topics::TURN_STARTED,
-            key,
-            &session_id,
-            parent.as_deref(),
-            payload,
-        )
-        .await
+        let filter = |config: &Value| admits(config, &session_id, parent.as_deref());
+        self.fan_out(topics::TURN_STARTED, key, payload, &filter)
+            .await
     }
 
     /// `harness::turn-completed` as a write of `batch`; the fan-out runs once the batch is

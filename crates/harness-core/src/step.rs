@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use crate::context::{self, Window};
 use crate::dispatch::{plan_calls, Dispatched};
 use crate::failpoint;
-use crate::harness::{Harness, Result};
+use crate::harness::{Harness, Result, StepWrites};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::locks::SessionGuard;
 use crate::machine::{self, CallRef, ContextRefusal, Effect, Finished, Input};
@@ -290,20 +290,25 @@ impl Harness {
         }
         ctx.entries = entries;
         ctx.upto = upto;
-        self.set_status(&sid, SessionStatus::Working, Some("preparing context"))
-            .await?;
-        if !first_step {
-            return Ok(Input::Prepared { denied: None });
-        }
-        self.emit_turn_started(TurnStartedEvent {
+        // The status and, on the first step, the turn-started event: one write.
+        let mut batch = StepWrites::default();
+        batch.set_status(&sid, SessionStatus::Working, Some("preparing context"))?;
+        let started = first_step.then(|| TurnStartedEvent {
             session_id: sid.clone(),
             turn_id: rec.turn_id.clone(),
             timestamp: now_ms(),
             parent: rec.parent.clone(),
             depth: rec.depth,
             message_preview: rec.message_preview.clone(),
-        })
-        .await?;
+        });
+        if let Some(ev) = &started {
+            self.record_turn_started(&mut batch, ev);
+        }
+        self.commit(batch).await?;
+        let Some(ev) = started else {
+            return Ok(Input::Prepared { denied: None });
+        };
+        self.fan_out_turn_started(ev).await?;
         let env = hooks::envelope(
             HookPoint::PreTurn,
             &sid,
