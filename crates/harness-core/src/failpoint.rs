@@ -18,6 +18,8 @@ pub const POINTS: &[&str] = &[
     "after_call_result_appended",
     "after_call_done",
     "after_advance_persisted",
+    // A stop (or a cut) closed the open calls, before the finalizer's batch writes their results.
+    "after_calls_closed",
     "after_finalize_persisted",
     // A session tree deletion, after one member is deleted and before its progress is saved.
     "after_member_deleted",

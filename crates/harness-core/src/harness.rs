@@ -40,6 +40,10 @@ pub(crate) struct Inner {
     /// Transcripts of recently stepped sessions, so a step reads only what changed since the
     /// last one. A std Mutex: held only to take or put an entry, never across an await.
     pub(crate) transcripts: Mutex<TranscriptCache>,
+    /// The results `Effect::CloseOpenCalls` wrote for a turn's open calls, by turn id, waiting
+    /// for the `Effect::Finalize` that always follows it: they are committed in its batch, so
+    /// a crash never leaves closed calls in the transcript beside a record that still waits.
+    pub(crate) closings: Mutex<HashMap<String, Vec<AppendRequest>>>,
 }
 
 /// Sessions whose transcript stays in memory; the least recently read goes first. Enough for
@@ -243,6 +247,7 @@ impl Harness {
                 judge_paused_until: Mutex::new(None),
                 functions_generation: std::sync::atomic::AtomicU64::new(1),
                 transcripts: Mutex::new(TranscriptCache::default()),
+                closings: Mutex::new(HashMap::new()),
             }),
         }
     }

@@ -234,6 +234,74 @@ async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
     check_entries_added_once(&events);
 }
 
+/// A stop writes the results of the calls it closes in the same batch as the cancelled record:
+/// killed after closing them and before that batch, nothing of the stop is on disk (the turn
+/// still waits on its held call, no result without a terminal record); a second stop ends it
+/// with one result per call and one turn-completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_killed_before_its_batch_leaves_nothing_half_written() {
+    let fx = Fixtures::new();
+    let extra = fx.args(&["--approve", "fixture::*"]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut server = Server::start(&the_script(), &extra).await;
+    let (sid, tid) = ids(&server
+        .ok("harness::send", send_body(None, "write it"))
+        .await);
+    wait_parked(&server.api(), &sid, "c1").await;
+
+    server.kill();
+    server.set_env("HARNESS_FAILPOINT", Some("after_calls_closed"));
+    server.start_again().await;
+    wait_parked(&server.api(), &sid, "c1").await;
+    // The answer races the failpoint: it may never arrive.
+    let _ = server
+        .try_ok("harness::stop", json!({ "session_id": sid }))
+        .await;
+    wait_for("the failpoint to kill the server", WAIT, || {
+        let dead = server.exited();
+        async move { dead.then_some(()) }
+    })
+    .await;
+    assert!(
+        server
+            .log()
+            .contains("failpoint after_calls_closed: killing the process"),
+        "the process died at the failpoint:\n{}",
+        server.log()
+    );
+
+    server.set_env("HARNESS_FAILPOINT", None);
+    server.start_again().await;
+    wait_parked(&server.api(), &sid, "c1").await;
+    let entries = server.transcript(&sid, false).await;
+    assert!(
+        !entries
+            .iter()
+            .any(|e| e["message"]["role"] == "function_result"),
+        "no result was written without the cancelled record:\n{}",
+        render(&entries)
+    );
+
+    let out = server
+        .ok("harness::stop", json!({ "session_id": sid }))
+        .await;
+    assert_eq!(out["stopping"], true, "{out}");
+    let status = server.wait_turn(&sid, &tid).await;
+    assert_eq!(status["status"], "cancelled", "{status}");
+    let entries = server.transcript(&sid, false).await;
+    assert_every_call_closed(&entries);
+    let r = result_of(&entries, "c1");
+    assert_eq!(r["message"]["is_error"], true, "{r}");
+    assert!(invocations(&fx.log()).is_empty(), "the held call never ran");
+    let events = server
+        .events(&sid, None)
+        .await
+        .until_turn_completed(&tid)
+        .await;
+    assert_eq!(check_turn_lifecycle(&events), vec![tid.clone()]);
+    check_entries_added_once(&events);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_without_approve_unbinds_the_gate_and_leftover_approvals_stay_decidable() {
     let fx = Fixtures::new();

@@ -351,6 +351,8 @@ impl Harness {
             );
             closing.push((c.id, c.function_id, text));
         }
+        // Written with the finalizer's batch (see `Inner::closings`), marked done here.
+        let mut appends = Vec::with_capacity(closing.len());
         for (id, function_id, text) in closing {
             let call = PlannedCall {
                 id,
@@ -359,8 +361,14 @@ impl Harness {
                 intent: None,
             };
             let c = Closing::refusal(&call, &turn_id, Refusal::Cancelled, text);
-            self.append_closing(rec, &call, c).await?;
+            appends.push(closing_entry(rec, &call, c));
         }
+        self.inner
+            .closings
+            .lock()
+            .expect("closings lock")
+            .insert(turn_id, appends);
+        failpoint::hit("after_calls_closed");
         Ok(())
     }
 
@@ -371,31 +379,9 @@ impl Harness {
         call: &PlannedCall,
         c: Closing,
     ) -> Result<()> {
-        let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
-        self.append(AppendRequest {
-            session_id: rec.session_id.clone(),
-            message: Some(AgentMessage::FunctionResult(FunctionResultMessage {
-                function_call_id: call.id.clone(),
-                function_id: call.function_id.clone(),
-                content: c.content,
-                details: c.details,
-                is_error: c.is_error,
-                timestamp: now_ms(),
-            })),
-            custom: None,
-            entry_id: Some(entry_id.clone()),
-            origin: Some(c.origin),
-        })
-        .await?;
+        let req = closing_entry(rec, call, c);
+        self.append(req).await?;
         failpoint::hit("after_call_result_appended");
-        // A spawn's child stays known (status, the stop cascade, the fan-out count).
-        let child = rec.calls.get(&call.id).and_then(|c| c.child().cloned());
-        let cp = CallCheckpoint::Done {
-            function_id: call.function_id.clone(),
-            entry_id: Some(entry_id),
-            child,
-        };
-        rec.calls.insert(call.id.clone(), cp);
         Ok(())
     }
 
@@ -1150,5 +1136,35 @@ mod tests {
             vec![ContentBlock::text("{\"a\":1}")]
         );
         assert!(normalize(&json!({"a": 1, "is_error": true})).1);
+    }
+}
+
+/// A call's result entry, with its checkpoint marked done in memory (the caller writes the
+/// entry before or with the record).
+fn closing_entry(rec: &mut TurnRecord, call: &PlannedCall, c: Closing) -> AppendRequest {
+    let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
+    // A spawn's child stays known (status, the stop cascade, the fan-out count).
+    let child = rec.calls.get(&call.id).and_then(|c| c.child().cloned());
+    rec.calls.insert(
+        call.id.clone(),
+        CallCheckpoint::Done {
+            function_id: call.function_id.clone(),
+            entry_id: Some(entry_id.clone()),
+            child,
+        },
+    );
+    AppendRequest {
+        session_id: rec.session_id.clone(),
+        message: Some(AgentMessage::FunctionResult(FunctionResultMessage {
+            function_call_id: call.id.clone(),
+            function_id: call.function_id.clone(),
+            content: c.content,
+            details: c.details,
+            is_error: c.is_error,
+            timestamp: now_ms(),
+        })),
+        custom: None,
+        entry_id: Some(entry_id),
+        origin: Some(c.origin),
     }
 }
