@@ -254,6 +254,9 @@ pub struct BusRuntime {
     /// The transcript store, when `session` is one of the siblings.
     pub sessions: Option<SessionStore>,
     pub store: Option<Store>,
+    /// The configured MCP servers (`mcp_servers`): their tools are registered on this bus, so
+    /// on an engine they are functions of this worker.
+    pub mcp: McpHub,
 }
 
 #[cfg_attr(not(feature = "iii"), allow(dead_code))]
@@ -267,6 +270,8 @@ impl Runtime {
         with: Siblings,
         approve: Vec<String>,
     ) -> Result<BusRuntime> {
+        // Checked before anything is registered: a bad entry stops the start, named.
+        let mcp_servers = crate::config::mcp_servers(&opts.config)?;
         let (sessions, store) = if with.session {
             std::fs::create_dir_all(&opts.data_dir)
                 .with_context(|| format!("cannot create data dir {}", opts.data_dir.display()))?;
@@ -311,11 +316,15 @@ impl Runtime {
                 .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
         }
         harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        // As embedded: after the loop, in the background, never fatal.
+        let mcp = McpHub::new(harness.bus().clone(), Default::default());
+        mcp.apply(mcp_servers).await;
         Ok(BusRuntime {
             bus,
             harness,
             sessions,
             store,
+            mcp,
         })
     }
 }
