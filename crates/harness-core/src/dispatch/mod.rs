@@ -863,7 +863,10 @@ impl Harness {
         arguments: &Value,
     ) -> Option<String> {
         let schema = self.request_schema(function_id).await?;
-        let lines = reconcile::diagnose(&schema, arguments);
+        // The stamped `fs_scope` is the loop's, not the model's: it is no field to fix.
+        let mut arguments = arguments.clone();
+        crate::fsroot::stamp(function_id, &mut arguments, None);
+        let lines = reconcile::diagnose(&schema, &arguments);
         if lines.is_empty() {
             return None;
         }
