@@ -25,6 +25,13 @@ pub struct ChatArgs {
     pub max_output_tokens: Option<u32>,
     /// The agent profile a new session runs under (`--agent`).
     pub agent: Option<String>,
+    /// A function every generation must call (`--tool-choice`), for servers that use tools only
+    /// when one is named.
+    pub tool_choice: Option<String>,
+    /// The generate-step cap of each turn (`--max-turns`).
+    pub max_turns: Option<u32>,
+    /// How the allowed functions are offered (`--expose`: `native` or `agent_trigger`).
+    pub expose: Option<String>,
     pub runtime: RuntimeOptions,
 }
 
@@ -354,6 +361,9 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         }
         if !args.allow.is_empty() {
             payload["options"] = json!({"functions": {"allow": args.allow}});
+            if let Some(expose) = &args.expose {
+                payload["options"]["functions"]["expose"] = json!(expose);
+            }
         }
         // Only the session-creating send names the profile; later ones inherit it.
         if let Some(name) = agent.take() {
@@ -361,6 +371,12 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         }
         if let Some(n) = args.max_output_tokens {
             payload["options"]["max_output_tokens"] = json!(n);
+        }
+        if let Some(n) = args.max_turns {
+            payload["options"]["max_turns"] = json!(n);
+        }
+        if let Some(function) = &args.tool_choice {
+            payload["options"]["provider_options"] = forced_tool(&provider, function);
         }
         let resp = source.send(payload).await?;
         let sid = resp["session_id"].as_str().unwrap_or_default().to_string();
@@ -563,6 +579,18 @@ fn ask_card(card: &Value) -> Result<Option<String>> {
         lines.push(answer_line(q, &line));
     }
     Ok(Some(lines.join("\n")))
+}
+
+/// `provider_options` that make every generation call `function` (OpenAI chat-completions
+/// shape, under the provider's id): the only way some local servers use tools at all. `auto`
+/// clears them.
+fn forced_tool(provider: &str, function: &str) -> Value {
+    // Provider options are sticky per session: `auto` clears them, so the model decides again.
+    if function == "auto" {
+        return json!({});
+    }
+    let name = harness_router::names::encode(function);
+    json!({provider: {"tool_choice": {"type": "function", "function": {"name": name}}}})
 }
 
 #[cfg(test)]

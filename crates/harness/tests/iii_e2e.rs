@@ -645,7 +645,12 @@ async fn the_worker_serves_the_configured_mcp_servers_tools_through_the_engine()
     let worker = WorkerProc::start(
         &engine,
         &script(vec![
-            call_gen("echo it", "m1", "mcp::fx::echo", json!({"text": "through the engine"})),
+            call_gen(
+                "echo it",
+                "m1",
+                "mcp::fx::echo",
+                json!({"text": "through the engine"}),
+            ),
             text_gen(None, "echoed", 0, true),
         ]),
         &["--config", config.to_str().unwrap()],
