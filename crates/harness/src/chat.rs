@@ -73,6 +73,7 @@ impl Source {
             cut: false,
             card: None,
             end: TurnEnd::Open,
+            announced: Default::default(),
         };
         let end = self.follow_with(&mut printer, session_id).await?;
         Ok((end, printer.card))
@@ -170,6 +171,8 @@ struct Printer {
     /// The `harness::ask` card the turn ended on.
     card: Option<Value>,
     end: TurnEnd,
+    /// Function calls and results already shown.
+    announced: std::collections::HashSet<String>,
 }
 
 impl Printer {
@@ -200,6 +203,13 @@ impl Printer {
                 if r.details["status"] == "awaiting_answer" && self.card.is_none() {
                     print!("{}", render_card(&r.details));
                     self.card = Some(r.details.clone());
+                } else if self.announced.insert(format!("r:{}", r.function_call_id)) {
+                    let outcome = if r.is_error { "error" } else { "ok" };
+                    eprintln!(
+                        "[{} {outcome}: {}]",
+                        r.function_id,
+                        clip(&joined_text(&r.content), 160)
+                    );
                 }
                 return false;
             }
@@ -213,6 +223,23 @@ impl Printer {
                 print!("{}", &text[*done..]);
                 let _ = std::io::stdout().flush();
                 *done = text.len();
+            }
+            // What the model asks to run, once each, on stderr (the reply stays alone on stdout).
+            for block in &m.content {
+                if let harness_types::message::ContentBlock::FunctionCall {
+                    id,
+                    function_id,
+                    arguments,
+                    ..
+                } = block
+                {
+                    // A call still streaming carries `_partial`: shown once it is whole.
+                    if arguments.get("_partial").is_none()
+                        && self.announced.insert(format!("c:{id}"))
+                    {
+                        eprintln!("[call {function_id} {}]", clip(&arguments.to_string(), 160));
+                    }
+                }
             }
             return false;
         }
@@ -579,6 +606,15 @@ fn ask_card(card: &Value) -> Result<Option<String>> {
         lines.push(answer_line(q, &line));
     }
     Ok(Some(lines.join("\n")))
+}
+
+/// `text` on one line, at most `max` characters.
+fn clip(text: &str, max: usize) -> String {
+    let line = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match line.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &line[..at]),
+        None => line,
+    }
 }
 
 /// `provider_options` that make every generation call `function` (OpenAI chat-completions
