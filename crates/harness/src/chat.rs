@@ -323,14 +323,25 @@ fn held_for_approval(approve: &[String]) -> Vec<String> {
     globs
 }
 
+/// How long an in-process chat waits for the configured MCP servers before the first message.
+const MCP_START_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
 pub async fn run(args: ChatArgs) -> Result<()> {
     let (provider, model) = choose(&args).await?;
     let mut source = match &args.url {
         Some(url) => Source::Remote { url: url.clone() },
-        None => Source::Local {
-            rt: Runtime::open(args.runtime, held_for_approval(&args.approve)).await?,
-            after: 0,
-        },
+        None => {
+            let rt = Runtime::open(args.runtime, held_for_approval(&args.approve)).await?;
+            // The configured MCP servers connect in the background: give them a moment, so the
+            // first message is not sent before their tools exist.
+            if !rt.mcp.settled(MCP_START_WAIT).await {
+                eprintln!(
+                    "harness chat: an MCP server is still starting after {}s; going on without its tools for now",
+                    MCP_START_WAIT.as_secs()
+                );
+            }
+            Source::Local { rt, after: 0 }
+        }
     };
     let mut session = args.session.clone();
     let interactive = args.message.is_none();
