@@ -188,4 +188,12 @@ async fn tool_choice_expose_and_max_turns_reach_the_request() {
         ["fs__read"],
         "native exposure of the allowed function"
     );
+    // The recorded reply calls math__add: shown on stderr with its outcome (refused: not allowed).
+    let err = text(&out.stderr);
+    assert!(err.contains("[call math::add {"), "{err}");
+    assert!(err.contains("[math::add error:"), "{err}");
+    assert!(
+        !text(&out.stdout).contains("[call"),
+        "the reply stays alone on stdout"
+    );
 }
