@@ -262,15 +262,15 @@ impl Rules<'_> {
         if access.contains(AccessFs::ReadDir) {
             self.add(dir.try_clone()?, BitFlags::from(AccessFs::ReadDir))?;
         }
-        let mut entries = rustix::fs::Dir::read_from(&dir)?;
-        while let Some(entry) = entries.next() {
+        let entries = rustix::fs::Dir::read_from(&dir)?;
+        for entry in entries {
             let entry = entry?;
             let name = entry.file_name().to_bytes();
             if name == b"." || name == b".." {
                 continue;
             }
             let child = real.join(OsStr::from_bytes(name));
-            if self.protected.paths().iter().any(|p| *p == child) {
+            if self.protected.paths().contains(&child) {
                 continue;
             }
             // One component, not followed: a symlink here is left without a rule (what it
