@@ -165,6 +165,11 @@ async fn writes_land_only_beneath_the_root() {
         format!("rm '{}/secret.txt'", outside.display()),
         format!("mkdir '{}/made'", outside.display()),
         "echo x > /etc/harness-confine-probe".to_string(),
+        // A link made inside the root leads nowhere the root's rights reach.
+        format!(
+            "ln -s '{}' src/out && echo x > src/out/via-link.txt",
+            outside.display()
+        ),
         format!("echo x > '{}/escape.txt'", dir(&rig).display()),
     ] {
         let r = sh(&rig, &command).await;
@@ -172,6 +177,7 @@ async fn writes_land_only_beneath_the_root() {
     }
     assert!(!outside.join("new.txt").exists());
     assert!(!outside.join("made").exists());
+    assert!(!outside.join("via-link.txt").exists());
     assert!(!Path::new("/etc/harness-confine-probe").exists());
     assert!(!dir(&rig).join("escape.txt").exists());
     assert_eq!(
