@@ -70,6 +70,14 @@ pub struct HarnessConfig {
     /// Let `web::fetch` reach loopback, private and link-local addresses (off: a model reaches
     /// public addresses only).
     pub web_fetch_allow_private: bool,
+    /// Run `shell::exec` commands unconfined when the kernel cannot sandbox them (off: such a
+    /// call is refused with `harness/sandbox_unavailable`).
+    pub shell_exec_unconfined: bool,
+    /// Let `shell::exec` commands open TCP connections and listen (off: the sandbox denies both).
+    pub shell_exec_allow_network: bool,
+    /// Extra trees `shell::exec` commands may read and execute from (toolchains such as
+    /// `~/.cargo`); `~` is expanded. The data directory and configuration stay unreachable.
+    pub shell_exec_read_paths: Vec<String>,
     /// The durable operator project catalog.
     pub projects_file_path: String,
     /// MCP servers whose tools become `mcp::<server>::<tool>` functions, by server name:
@@ -156,6 +164,9 @@ impl Default for HarnessConfig {
             default_functions: None,
             default_filesystem_root: None,
             web_fetch_allow_private: false,
+            shell_exec_unconfined: false,
+            shell_exec_allow_network: false,
+            shell_exec_read_paths: Vec::new(),
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
             mcp_servers: serde_json::Map::new(),
             directory_path: None,

@@ -420,3 +420,32 @@ async fn arguments_repair_could_not_fix_get_one_diagnosis_naming_fields_and_type
         texts[1]
     );
 }
+
+/// A call whose arguments arrived whole but do not parse is told they are malformed; one the
+/// stream cut is told it was cut short. Neither runs.
+#[tokio::test]
+async fn malformed_arguments_are_named_apart_from_cut_ones() {
+    let script = json!({"generations": [
+        {"match": {"last_user_text": "go"}, "content": [
+            {"type": "function_call", "id": "c1", "function_id": "fs::write", "arguments": {"_raw": "{\"path\": \"a\n\"}"}},
+            {"type": "function_call", "id": "c2", "function_id": "fs::write", "arguments": {"_partial": true}}
+        ]},
+        text_gen("ok")
+    ]});
+    let rt = runtime(script, config()).await;
+    let calls = rt.register("fs::write", None, |_| json!({}));
+    let r = rt
+        .harness
+        .send(allowing("go", &["*"], ExposeMode::Native))
+        .await
+        .unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let results = rt.results(&r.session_id);
+    let text = |i: usize| harness_types::message::joined_text(&results[i].content);
+    assert!(text(0).contains("not valid JSON"), "{}", text(0));
+    assert!(!text(0).contains("cut short"), "{}", text(0));
+    assert!(text(1).contains("cut short"), "{}", text(1));
+    assert_eq!(results[0].details["error"], "degraded_arguments");
+    assert_eq!(results[1].details["error"], "degraded_arguments");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}

@@ -197,3 +197,39 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
     release.store(true, std::sync::atomic::Ordering::SeqCst);
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
 }
+
+/// A scoped call that fails with arguments its schema accepts gets no diagnosis: the stamped
+/// `fs_scope` is the loop's, never a field the model is told to fix.
+#[tokio::test]
+async fn a_failed_scoped_call_is_not_told_to_fix_the_stamped_scope() {
+    let script = json!({"generations": [
+        {"match": {"last_user_text": "^read"}, "content": [
+            {"type": "function_call", "id": "c1", "function_id": "fs::read", "arguments": {"path": "missing.txt"}},
+            {"type": "function_call", "id": "c2", "function_id": "fs::read", "arguments": {"path": "x", "lines": 3}}
+        ]},
+        {"repeat": true, "content": [{"type": "text", "text": "done"}]}
+    ]});
+    let rt = runtime(script, config()).await;
+    let schema = json!({"type": "object", "required": ["path"],
+        "properties": {"path": {"type": "string"}}, "additionalProperties": false});
+    rt.register("fs::read", Some(schema), |_| {
+        json!({"content": [{"type": "text", "text": "tools/not_found: path: does not exist"}], "is_error": true})
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::fs::canonicalize(dir.path()).unwrap();
+    let session = run(
+        &rt,
+        send_with("read it", None, Some(root.to_str().unwrap())),
+    )
+    .await;
+    let texts: Vec<String> = rt
+        .results(&session)
+        .iter()
+        .map(|m| harness_types::message::joined_text(&m.content))
+        .collect();
+    assert_eq!(texts.len(), 2, "{texts:?}");
+    assert!(!texts[0].contains("[harness]"), "{}", texts[0]);
+    // A field the model did write wrong is still named, and the scope is not.
+    assert!(texts[1].contains("`lines` not accepted"), "{}", texts[1]);
+    assert!(!texts[1].contains("fs_scope"), "{}", texts[1]);
+}

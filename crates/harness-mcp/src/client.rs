@@ -64,6 +64,9 @@ pub struct ServerStatus {
     pub functions: Vec<String>,
     /// Successful connections so far (a reconnect counts).
     pub connections: u64,
+    /// Whether the tool list of the current connection has been fetched (its functions are
+    /// registered), or the attempt failed.
+    pub listed: bool,
     pub last_error: Option<String>,
 }
 
@@ -74,6 +77,8 @@ struct State {
     /// Function id → tool name as the server spells it.
     tools: BTreeMap<String, String>,
     connections: u64,
+    /// The current connection's tool list was fetched (or failed to be).
+    listed: bool,
     last_error: Option<String>,
 }
 
@@ -134,6 +139,7 @@ impl Server {
             pid: s.pid,
             functions: s.tools.keys().cloned().collect(),
             connections: s.connections,
+            listed: s.listed,
             last_error: s.last_error.clone(),
         }
     }
@@ -320,6 +326,7 @@ impl Server {
             s.peer = Some(running.peer().clone());
             s.pid = pid;
             s.connections += 1;
+            s.listed = false;
             s.last_error = None;
         }
         Ok((running, pid))
@@ -335,6 +342,7 @@ impl Server {
         if let Err(e) = self.refresh_tools(&peer).await {
             tracing::warn!(server = %self.spec.name, "tools/list failed: {e}");
         }
+        self.state().listed = true;
         let cancel = running.cancellation_token();
         let mut ended = Box::pin(running.waiting());
         loop {

@@ -72,6 +72,26 @@ impl McpHub {
         servers.values().map(|r| r.server.status()).collect()
     }
 
+    /// Waits (at most `limit`) until every server has either listed its tools or failed an
+    /// attempt to start, so a first message is not sent before the tools it may need exist.
+    /// Answers whether all had settled.
+    pub async fn settled(&self, limit: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let done = self
+                .status()
+                .iter()
+                .all(|s| (s.connected && s.listed) || s.last_error.is_some());
+            if done {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        }
+    }
+
     /// Stops every server (children closed, tools unregistered).
     pub async fn shutdown(&self) {
         self.apply(Vec::new()).await;

@@ -356,3 +356,30 @@ async fn applying_a_new_server_list_starts_keeps_restarts_and_stops_servers() {
     assert!(!ids.iter().any(|f| f.starts_with("mcp::fx::")), "{ids:?}");
     assert!(ids.contains(&"mcp::fy::echo".to_string()));
 }
+
+/// `settled` returns once each server has listed its tools (they are registered by then) or
+/// failed to start; it never waits out its limit for a server that cannot start.
+#[tokio::test]
+async fn settled_waits_for_tool_lists_or_failures() {
+    let dir = tempfile::tempdir().unwrap();
+    let block = dir.path().join("down");
+    std::fs::write(&block, "").unwrap();
+    let good = fixture("fx", &[]);
+    let bad = fixture(
+        "bad",
+        &[("FIXTURE_FAIL_IF_EXISTS", block.to_str().unwrap())],
+    );
+    let rt = runtime(json!({"generations": [text_gen("hi")]}), vec![good, bad]).await;
+    let started = Instant::now();
+    assert!(rt.hub.settled(Duration::from_secs(30)).await);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let fx = rt.server("fx");
+    assert!(fx.connected && fx.listed, "{fx:?}");
+    assert!(rt.function_ids().contains(&"mcp::fx::echo".to_string()));
+    let bad = rt.server("bad");
+    assert!(!bad.connected && bad.last_error.is_some(), "{bad:?}");
+}

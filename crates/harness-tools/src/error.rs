@@ -36,6 +36,10 @@ pub enum ToolError {
     AddressRefused(String),
     #[error("{0}")]
     Fetch(String),
+    /// `shell::exec` on a kernel that cannot confine it, and the operator has not accepted
+    /// running unconfined.
+    #[error("shell::exec refused: the kernel cannot confine commands ({0}); set shell_exec_unconfined: true in the configuration to run them unconfined")]
+    SandboxUnavailable(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -53,6 +57,7 @@ impl ToolError {
             ToolError::Timeout(_) => "tools/timeout",
             ToolError::AddressRefused(_) => "tools/address_refused",
             ToolError::Fetch(_) => "tools/fetch_failed",
+            ToolError::SandboxUnavailable(_) => "harness/sandbox_unavailable",
             ToolError::Internal(_) => "tools/internal",
         }
     }

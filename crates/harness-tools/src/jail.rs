@@ -114,6 +114,12 @@ impl Jail {
         })
     }
 
+    /// The descriptor of the root (the sandbox of `shell::exec` grants it, not its path, so a
+    /// root swapped after the jail was opened changes nothing).
+    pub fn root_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.root_fd.as_fd()
+    }
+
     pub fn root(&self) -> &Path {
         &self.root
     }

@@ -8,6 +8,7 @@
 //! `web::fetch` refuses loopback, private, link-local and metadata addresses unless the
 //! operator allows private ones.
 
+pub mod confine;
 pub mod env;
 pub mod error;
 pub mod fs;
@@ -25,6 +26,7 @@ use schemars::{schema_for, JsonSchema};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+pub use confine::ShellPolicy;
 pub use error::ToolError;
 pub use jail::{Jail, Protected};
 pub use scope::{Boundary, FsScope};
@@ -59,6 +61,11 @@ pub struct Limits {
     pub fetch_max_bytes: usize,
     pub fetch_max_redirects: u32,
     pub allow_private: Arc<dyn Fn() -> bool + Send + Sync>,
+    /// How `shell::exec` is confined, asked on every call.
+    pub shell_policy: Arc<dyn Fn() -> ShellPolicy + Send + Sync>,
+    /// The highest Landlock ABI `shell::exec` may use (`None`: the kernel's). Below 3 nothing
+    /// can be confined, so tests set 0 to take the path of a kernel without Landlock.
+    pub landlock_ceiling: Option<i32>,
 }
 
 impl Default for Limits {
@@ -76,6 +83,8 @@ impl Default for Limits {
             fetch_max_bytes: 2 * 1024 * 1024,
             fetch_max_redirects: 5,
             allow_private: Arc::new(|| false),
+            shell_policy: Arc::new(ShellPolicy::default),
+            landlock_ceiling: None,
         }
     }
 }

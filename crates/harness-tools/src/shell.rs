@@ -1,9 +1,12 @@
 //! `shell::exec`: one command in the root, in its own process group, with a scrubbed
 //! environment, a timeout and an output cap.
 //!
-//! The command is not sandboxed beyond its working directory: a shell can reach whatever the
-//! harness's user can. That is why it is held for approval by default in `harness chat`, and
-//! why no credential the harness holds is passed to it.
+//! The command runs in a Landlock sandbox ([`crate::confine`]): it writes only beneath the root
+//! and a private temporary directory, reads the system and the root, never the harness's data
+//! directory or configuration, and opens no TCP connection unless the operator allows it. On a
+//! kernel that cannot enforce that, the call is refused unless the operator accepted running
+//! unconfined (`shell_exec_unconfined`). It is still held for approval by default in
+//! `harness chat`, and no credential the harness holds is passed to it.
 
 use std::collections::BTreeMap;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -15,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
+use crate::confine::{self, Unavailable};
 use crate::env;
 use crate::error::{Result, ToolError};
 use crate::jail::Jail;
@@ -101,6 +105,16 @@ pub async fn exec(jail: Jail, req: ExecRequest, limits: &Limits) -> Result<Value
             .clamp(1, limits.exec_max_timeout_ms),
     );
 
+    let policy = (limits.shell_policy)();
+    let sandbox = match confine::prepare(&jail, &policy, limits.landlock_ceiling)? {
+        Ok(sandbox) => Some(sandbox),
+        Err(Unavailable::Kernel(why)) if policy.unconfined => {
+            tracing::warn!("shell::exec runs unconfined (shell_exec_unconfined): {why}");
+            None
+        }
+        Err(Unavailable::Kernel(why)) => return Err(ToolError::SandboxUnavailable(why)),
+    };
+
     let mut cmd = std::process::Command::new(&program);
     cmd.args(&args)
         .current_dir(&cwd)
@@ -116,6 +130,18 @@ pub async fn exec(jail: Jail, req: ExecRequest, limits: &Limits) -> Result<Value
         .stderr(Stdio::piped())
         // Its own group, so a timeout or a stop reaches every process it started.
         .process_group(0);
+    if let Some(sandbox) = &sandbox {
+        // The home and temporary directory it may write to; the user's own home is not.
+        cmd.env("TMPDIR", sandbox.tmp.path())
+            .env("HOME", sandbox.tmp.path());
+        let fd = sandbox.raw_fd();
+        // SAFETY: restrict_child makes system calls only (no allocation, no locks), as the
+        // child of a multi-threaded process must until exec; `fd` stays open in the parent
+        // until spawn returns, so the child inherits it.
+        unsafe {
+            cmd.pre_exec(move || confine::restrict_child(fd));
+        }
+    }
     let mut cmd = tokio::process::Command::from(cmd);
     let started = Instant::now();
     let mut child = cmd.spawn().map_err(|e| ToolError::Io {
@@ -194,6 +220,10 @@ pub async fn exec(jail: Jail, req: ExecRequest, limits: &Limits) -> Result<Value
         "stdout_truncated_bytes": out_dropped,
         "stderr_truncated_bytes": err_dropped,
         "cwd": jail.shown(&cwd),
+        "confinement": match &sandbox {
+            Some(s) => json!({"kind": "landlock", "abi": s.abi, "network": policy.allow_network}),
+            None => json!({"kind": "none"}),
+        },
         "duration_ms": started.elapsed().as_millis() as u64,
     }))
 }

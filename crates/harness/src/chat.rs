@@ -25,6 +25,13 @@ pub struct ChatArgs {
     pub max_output_tokens: Option<u32>,
     /// The agent profile a new session runs under (`--agent`).
     pub agent: Option<String>,
+    /// A function every generation must call (`--tool-choice`), for servers that use tools only
+    /// when one is named.
+    pub tool_choice: Option<String>,
+    /// The generate-step cap of each turn (`--max-turns`).
+    pub max_turns: Option<u32>,
+    /// How the allowed functions are offered (`--expose`: `native` or `agent_trigger`).
+    pub expose: Option<String>,
     pub runtime: RuntimeOptions,
 }
 
@@ -66,6 +73,7 @@ impl Source {
             cut: false,
             card: None,
             end: TurnEnd::Open,
+            announced: Default::default(),
         };
         let end = self.follow_with(&mut printer, session_id).await?;
         Ok((end, printer.card))
@@ -163,6 +171,8 @@ struct Printer {
     /// The `harness::ask` card the turn ended on.
     card: Option<Value>,
     end: TurnEnd,
+    /// Function calls and results already shown.
+    announced: std::collections::HashSet<String>,
 }
 
 impl Printer {
@@ -193,6 +203,13 @@ impl Printer {
                 if r.details["status"] == "awaiting_answer" && self.card.is_none() {
                     print!("{}", render_card(&r.details));
                     self.card = Some(r.details.clone());
+                } else if self.announced.insert(format!("r:{}", r.function_call_id)) {
+                    let outcome = if r.is_error { "error" } else { "ok" };
+                    eprintln!(
+                        "[{} {outcome}: {}]",
+                        r.function_id,
+                        clip(&joined_text(&r.content), 160)
+                    );
                 }
                 return false;
             }
@@ -206,6 +223,23 @@ impl Printer {
                 print!("{}", &text[*done..]);
                 let _ = std::io::stdout().flush();
                 *done = text.len();
+            }
+            // What the model asks to run, once each, on stderr (the reply stays alone on stdout).
+            for block in &m.content {
+                if let harness_types::message::ContentBlock::FunctionCall {
+                    id,
+                    function_id,
+                    arguments,
+                    ..
+                } = block
+                {
+                    // A call still streaming carries `_partial`: shown once it is whole.
+                    if arguments.get("_partial").is_none()
+                        && self.announced.insert(format!("c:{id}"))
+                    {
+                        eprintln!("[call {function_id} {}]", clip(&arguments.to_string(), 160));
+                    }
+                }
             }
             return false;
         }
@@ -289,14 +323,25 @@ fn held_for_approval(approve: &[String]) -> Vec<String> {
     globs
 }
 
+/// How long an in-process chat waits for the configured MCP servers before the first message.
+const MCP_START_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
 pub async fn run(args: ChatArgs) -> Result<()> {
     let (provider, model) = choose(&args).await?;
     let mut source = match &args.url {
         Some(url) => Source::Remote { url: url.clone() },
-        None => Source::Local {
-            rt: Runtime::open(args.runtime, held_for_approval(&args.approve)).await?,
-            after: 0,
-        },
+        None => {
+            let rt = Runtime::open(args.runtime, held_for_approval(&args.approve)).await?;
+            // The configured MCP servers connect in the background: give them a moment, so the
+            // first message is not sent before their tools exist.
+            if !rt.mcp.settled(MCP_START_WAIT).await {
+                eprintln!(
+                    "harness chat: an MCP server is still starting after {}s; going on without its tools for now",
+                    MCP_START_WAIT.as_secs()
+                );
+            }
+            Source::Local { rt, after: 0 }
+        }
     };
     let mut session = args.session.clone();
     let interactive = args.message.is_none();
@@ -354,6 +399,9 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         }
         if !args.allow.is_empty() {
             payload["options"] = json!({"functions": {"allow": args.allow}});
+            if let Some(expose) = &args.expose {
+                payload["options"]["functions"]["expose"] = json!(expose);
+            }
         }
         // Only the session-creating send names the profile; later ones inherit it.
         if let Some(name) = agent.take() {
@@ -361,6 +409,12 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         }
         if let Some(n) = args.max_output_tokens {
             payload["options"]["max_output_tokens"] = json!(n);
+        }
+        if let Some(n) = args.max_turns {
+            payload["options"]["max_turns"] = json!(n);
+        }
+        if let Some(function) = &args.tool_choice {
+            payload["options"]["provider_options"] = forced_tool(&provider, function);
         }
         let resp = source.send(payload).await?;
         let sid = resp["session_id"].as_str().unwrap_or_default().to_string();
@@ -563,6 +617,27 @@ fn ask_card(card: &Value) -> Result<Option<String>> {
         lines.push(answer_line(q, &line));
     }
     Ok(Some(lines.join("\n")))
+}
+
+/// `text` on one line, at most `max` characters.
+fn clip(text: &str, max: usize) -> String {
+    let line = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match line.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &line[..at]),
+        None => line,
+    }
+}
+
+/// `provider_options` that make every generation call `function` (OpenAI chat-completions
+/// shape, under the provider's id): the only way some local servers use tools at all. `auto`
+/// clears them.
+fn forced_tool(provider: &str, function: &str) -> Value {
+    // Provider options are sticky per session: `auto` clears them, so the model decides again.
+    if function == "auto" {
+        return json!({});
+    }
+    let name = harness_router::names::encode(function);
+    json!({provider: {"tool_choice": {"type": "function", "function": {"name": name}}}})
 }
 
 #[cfg(test)]

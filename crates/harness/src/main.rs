@@ -176,6 +176,19 @@ enum Command {
         /// its prompt, preloaded functions and skills; its model unless --model is given.
         #[arg(long, value_name = "NAME")]
         agent: Option<String>,
+        /// Make every generation call this function (sent as the provider's `tool_choice`,
+        /// chat-completions shape): servers such as llama-cpp-python use tools only when one
+        /// is named. Pair it with --max-turns, or the model calls it at every step. The choice
+        /// sticks to the session; `auto` clears it.
+        #[arg(long, value_name = "FUNCTION")]
+        tool_choice: Option<String>,
+        /// How the allowed functions are offered: `native` (one tool per function, needed by
+        /// --tool-choice) or `agent_trigger` (the default: one tool plus discovery).
+        #[arg(long, value_name = "MODE", value_parser = ["native", "agent_trigger"])]
+        expose: Option<String>,
+        /// Generate steps per turn (default: the configuration's default_max_turns).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        max_turns: Option<u32>,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -349,6 +362,9 @@ fn main() {
                 allow,
                 max_output_tokens,
                 agent,
+                tool_choice,
+                max_turns,
+                expose,
                 runtime,
             } => {
                 chat::run(chat::ChatArgs {
@@ -361,6 +377,9 @@ fn main() {
                     approve: runtime.approve.clone(),
                     max_output_tokens,
                     agent,
+                    tool_choice,
+                    max_turns,
+                    expose,
                     runtime: runtime.options()?,
                 })
                 .await

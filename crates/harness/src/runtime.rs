@@ -69,20 +69,38 @@ fn tools(opts: &RuntimeOptions, harness: &Harness) -> harness_tools::Tools {
         .map(|p| std::path::absolute(&p).unwrap_or(p))
         .collect::<Vec<_>>();
     let live = harness.clone();
+    let shell = harness.clone();
     let limits = harness_tools::Limits {
         allow_private: Arc::new(move || live.config().web_fetch_allow_private),
+        shell_policy: Arc::new(move || {
+            let config = shell.config();
+            harness_tools::ShellPolicy {
+                unconfined: config.shell_exec_unconfined,
+                allow_network: config.shell_exec_allow_network,
+                read_paths: config
+                    .shell_exec_read_paths
+                    .iter()
+                    .map(|p| expand_home(p))
+                    .collect(),
+            }
+        }),
         ..harness_tools::Limits::default()
     };
     harness_tools::Tools::new(protected, limits)
 }
 
+/// `~/rest` as a path in the user's home; anything else as written.
+fn expand_home(p: &str) -> PathBuf {
+    match (p.strip_prefix("~/"), dirs::home_dir()) {
+        (Some(rest), Some(home)) => home.join(rest),
+        _ => PathBuf::from(p),
+    }
+}
+
 /// The directory's folder: `directory_path` (`~` expanded), else `directory/` in the data dir.
 pub fn directory_path(config: &HarnessConfig, data_dir: &Path) -> PathBuf {
     match config.directory_path.as_deref() {
-        Some(p) => match (p.strip_prefix("~/"), dirs::home_dir()) {
-            (Some(rest), Some(home)) => home.join(rest),
-            _ => PathBuf::from(p),
-        },
+        Some(p) => expand_home(p),
         None => data_dir.join("directory"),
     }
 }
@@ -236,6 +254,9 @@ pub struct BusRuntime {
     /// The transcript store, when `session` is one of the siblings.
     pub sessions: Option<SessionStore>,
     pub store: Option<Store>,
+    /// The configured MCP servers (`mcp_servers`): their tools are registered on this bus, so
+    /// on an engine they are functions of this worker.
+    pub mcp: McpHub,
 }
 
 #[cfg_attr(not(feature = "iii"), allow(dead_code))]
@@ -249,6 +270,8 @@ impl Runtime {
         with: Siblings,
         approve: Vec<String>,
     ) -> Result<BusRuntime> {
+        // Checked before anything is registered: a bad entry stops the start, named.
+        let mcp_servers = crate::config::mcp_servers(&opts.config)?;
         let (sessions, store) = if with.session {
             std::fs::create_dir_all(&opts.data_dir)
                 .with_context(|| format!("cannot create data dir {}", opts.data_dir.display()))?;
@@ -293,11 +316,15 @@ impl Runtime {
                 .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
         }
         harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        // As embedded: after the loop, in the background, never fatal.
+        let mcp = McpHub::new(harness.bus().clone(), Default::default());
+        mcp.apply(mcp_servers).await;
         Ok(BusRuntime {
             bus,
             harness,
             sessions,
             store,
+            mcp,
         })
     }
 }

@@ -119,6 +119,8 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
             }
         }
     }
+    // Servers stopped (children closed, their functions unregistered) while the link is up.
+    rt.mcp.shutdown().await;
     bus.shutdown().await;
     eprintln!("harness worker stopped; unfinished steps resume on the next start");
     Ok(())

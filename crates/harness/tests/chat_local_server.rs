@@ -142,3 +142,58 @@ async fn the_catch_all_rows_context_window_is_the_one_the_loop_budgets_with() {
         "nothing is sent that cannot fit"
     );
 }
+
+/// `--tool-choice` names the function the server must call (in the chat-completions shape, under
+/// the provider's id), `--expose native` offers it as its own tool, and `--max-turns` caps the
+/// steps, so a forced call is not repeated at every step.
+#[tokio::test]
+async fn tool_choice_expose_and_max_turns_reach_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture(LLAMA_CPP_PYTHON, "tools_forced_stream");
+    let server = Replay::start(f.exchanges).await;
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let out = chat(
+        dir.path(),
+        &[
+            "-m",
+            "What is in notes.txt?",
+            "--allow",
+            "fs::read",
+            "--expose",
+            "native",
+            "--tool-choice",
+            "fs::read",
+            "--max-turns",
+            "1",
+        ],
+        &[("LLAMACPP_BASE_URL", format!("{}/v1", server.url))],
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let bodies = server.chat_bodies();
+    assert_eq!(bodies.len(), 1, "one step only: {bodies:?}");
+    assert_eq!(
+        bodies[0]["tool_choice"],
+        serde_json::json!({"type": "function", "function": {"name": "fs__read"}})
+    );
+    let tools: Vec<&str> = bodies[0]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tools,
+        ["fs__read"],
+        "native exposure of the allowed function"
+    );
+    // The recorded reply calls math__add: shown on stderr with its outcome (refused: not allowed).
+    let err = text(&out.stderr);
+    assert!(err.contains("[call math::add {"), "{err}");
+    assert!(err.contains("[math::add error:"), "{err}");
+    assert!(
+        !text(&out.stdout).contains("[call"),
+        "the reply stays alone on stdout"
+    );
+}

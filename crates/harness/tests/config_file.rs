@@ -394,3 +394,38 @@ async fn max_validation_retries_from_the_file_bounds_the_nudges_of_the_next_turn
     wait_log(&server, "reloaded", 1).await;
     assert_eq!(nudges(api).await, 2);
 }
+
+/// The sandbox keys of `shell::exec` are listed with their defaults and take a file's values.
+#[test]
+fn config_show_lists_the_shell_sandbox_keys() {
+    let (rc, out, _) = cli_env(&["config", "show"], &[]);
+    assert_eq!(rc, 0);
+    for line in [
+        "shell_exec_unconfined: false  # default",
+        "shell_exec_allow_network: false  # default",
+        "shell_exec_read_paths: []  # default",
+    ] {
+        assert!(out.contains(line), "missing {line:?} in\n{out}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("harness.yaml");
+    std::fs::write(
+        &file,
+        "shell_exec_unconfined: true\nshell_exec_allow_network: true\nshell_exec_read_paths: [\"~/.cargo\"]\n",
+    )
+    .unwrap();
+    let (rc, out, err) = cli_env(&["config", "show", "--config", path_str(&file)], &[]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains("shell_exec_unconfined: true  # file"), "{out}");
+    assert!(
+        out.contains("shell_exec_allow_network: true  # file"),
+        "{out}"
+    );
+    assert!(out.contains("~/.cargo"), "{out}");
+    let (rc, _, err) = cli_env(
+        &["config", "show"],
+        &[("HARNESS_SHELL_EXEC_UNCONFINED", "yes")],
+    );
+    assert_ne!(rc, 0);
+    assert!(err.contains("shell_exec_unconfined"), "{err}");
+}

@@ -329,3 +329,58 @@ async fn a_root_around_the_data_directory_never_reaches_the_store() {
         "the store is never searched: {searched}"
     );
 }
+
+/// `shell::exec` in the real binary, with the data directory under the root: the command works
+/// in the root but cannot read the store, write beside it or outside the root (Landlock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shell_command_never_reaches_the_store_even_under_its_root() {
+    let command = "echo edited >> work/notes.txt; cat data/harness.db > work/stolen.bin; \
+                   cp data/harness.db work/copy.bin; echo x > data/planted; \
+                   echo x > ../escaped.txt; cat work/notes.txt";
+    let script = script(vec![
+        json!({"match": {"last_user_text": "run it"}, "content": [
+            {"type": "function_call", "id": "x1", "function_id": "shell::exec", "arguments": {"command": command}}
+        ]}),
+        text_gen(None, "ran", 0, true),
+    ]);
+    let server = Server::start(&script, &[]).await;
+    let root = server.data_dir().parent().unwrap().to_path_buf();
+    std::fs::create_dir_all(root.join("work")).unwrap();
+    std::fs::write(root.join("work/notes.txt"), "notes\n").unwrap();
+    let sent = server
+        .ok(
+            "harness::send",
+            json!({"session_id": "s_sh", "message": "run it", "model": "m", "provider": "scripted",
+                   "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
+                               "filesystem_root": root}}),
+        )
+        .await;
+    let status = server
+        .wait_turn("s_sh", sent["turn_id"].as_str().unwrap())
+        .await;
+    assert_eq!(status["status"], "completed", "{status}");
+    let entries = server.transcript("s_sh", false).await;
+    let result = entries
+        .iter()
+        .find(|e| e["message"]["function_call_id"] == "x1")
+        .expect("a result for the call");
+    let details = &result["message"]["details"];
+    assert_eq!(details["confinement"]["kind"], "landlock", "{result}");
+    assert_eq!(details["stdout"], "notes\nedited\n", "{result}");
+    let stderr = details["stderr"].as_str().unwrap();
+    assert!(stderr.contains("Permission denied"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(root.join("work/notes.txt")).unwrap(),
+        "notes\nedited\n"
+    );
+    for stolen in ["work/stolen.bin", "work/copy.bin"] {
+        let got = std::fs::read(root.join(stolen)).unwrap_or_default();
+        assert!(
+            got.is_empty(),
+            "{stolen} holds {} bytes of the store",
+            got.len()
+        );
+    }
+    assert!(!server.data_dir().join("planted").exists());
+    assert!(!root.parent().unwrap().join("escaped.txt").exists());
+}

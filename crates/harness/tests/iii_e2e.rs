@@ -616,3 +616,64 @@ async fn on_fifo_shards_every_session_keeps_one_shard_and_its_turns_complete() {
         );
     }
 }
+
+/// The real MCP server of the harness-mcp tests (a bin of that package: `cargo build
+/// --workspace --all-targets`, as CI does, builds it next to the harness binary).
+fn mcp_fixture() -> std::path::PathBuf {
+    let bin = std::path::Path::new(iii_engine::worker::BIN);
+    let fixture = bin.with_file_name("harness-mcp-fixture");
+    assert!(
+        fixture.exists(),
+        "{} is missing: build it with `cargo build -p harness-mcp --bins` (the workspace build does)",
+        fixture.display()
+    );
+    fixture
+}
+
+/// `harness worker` starts the configured MCP servers like `serve` does: their tools become
+/// functions of the worker on the engine, with their schemas, and a turn calls one through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_serves_the_configured_mcp_servers_tools_through_the_engine() {
+    let engine = Engine::start().await;
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let config = cfg_dir.path().join("harness.json");
+    std::fs::write(
+        &config,
+        json!({"mcp_servers": {"fx": {"command": mcp_fixture()}}}).to_string(),
+    )
+    .unwrap();
+    let worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen(
+                "echo it",
+                "m1",
+                "mcp::fx::echo",
+                json!({"text": "through the engine"}),
+            ),
+            text_gen(None, "echoed", 0, true),
+        ]),
+        &["--config", config.to_str().unwrap()],
+    )
+    .await;
+    engine.wait_function("mcp::fx::echo", WAIT).await;
+    if !engine.is_real() {
+        let def = &engine.functions()["mcp::fx::echo"];
+        assert_eq!(
+            def["request_format"]["properties"]["text"]["type"], "string",
+            "the tool's input schema is the function's request schema: {def}"
+        );
+    }
+    let sent = engine.send("s_mcp", "echo it", &["mcp::fx::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let status = engine.wait_turn("s_mcp", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}\n{}", worker.log());
+    let entries = engine.transcript("s_mcp", false).await;
+    assert_every_call_closed(&entries);
+    let result = entries
+        .iter()
+        .find(|e| role_of(e) == Some("function_result"))
+        .expect("a function result");
+    assert_eq!(result["message"]["is_error"], false, "{result}");
+    assert_eq!(text_of(result), "echo: through the engine", "{result}");
+}

@@ -522,8 +522,13 @@ impl Harness {
                 continue;
             }
             if degraded(&call.arguments) || cut.is_some() {
-                let why = cut.unwrap_or("the stream broke mid-call");
-                let text = format!("function {} was not run: its arguments were cut short ({why}); send the complete call again", call.function_id);
+                // A call that arrived whole but does not parse is malformed, not cut short.
+                let text = if cut.is_none() && call.arguments.get("_raw").is_some() {
+                    format!("function {} was not run: its arguments are not valid JSON (a string with a raw line break or tab, an unclosed quote, ...); send the call again as one JSON object", call.function_id)
+                } else {
+                    let why = cut.unwrap_or("the stream broke mid-call");
+                    format!("function {} was not run: its arguments were cut short ({why}); send the complete call again", call.function_id)
+                };
                 self.close_call(
                     rec,
                     call,
@@ -849,7 +854,10 @@ impl Harness {
         arguments: &Value,
     ) -> Option<String> {
         let schema = self.request_schema(function_id).await?;
-        let lines = reconcile::diagnose(&schema, arguments);
+        // The stamped `fs_scope` is the loop's, not the model's: it is no field to fix.
+        let mut arguments = arguments.clone();
+        crate::fsroot::stamp(function_id, &mut arguments, None);
+        let lines = reconcile::diagnose(&schema, &arguments);
         if lines.is_empty() {
             return None;
         }
