@@ -110,10 +110,12 @@
 mod bus;
 mod codec;
 mod error;
+mod fence;
 
 pub use bus::{IiiBus, IiiOptions, QueueMode, DELIVER_FUNCTION, FRAMES_PREFIX};
 pub use codec::{strip_decoration, unwrap_state, wrap_state, STATE_KEY_FIELD};
 pub use error::IiiError;
+pub use fence::{FENCED_SCOPE, LEASE_SCOPE};
 
 /// The `iii-sdk` version this crate is built and tested against.
 pub const SDK_VERSION: &str = "0.25.0";
