@@ -36,7 +36,7 @@ impl WorkerProc {
             child: None,
             dir,
             engine_url: engine.url.clone(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
+            extra: named(extra, "harness"),
             env: Vec::new(),
             starts: 0,
             home,
@@ -54,7 +54,7 @@ impl WorkerProc {
             child: None,
             dir: tempfile::tempdir().expect("tempdir"),
             engine_url: engine.url.clone(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
+            extra: named(extra, "harness-standby"),
             env: Vec::new(),
             starts: 0,
             home: serving.home.clone(),
@@ -171,6 +171,16 @@ impl WorkerProc {
         self.kill();
         self.spawn().await;
     }
+}
+
+/// The arguments with `--worker-name NAME` unless they name the worker already (the tests
+/// find a worker's connection on the double by its name).
+fn named(extra: &[&str], name: &str) -> Vec<String> {
+    let mut out: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    if !extra.contains(&"--worker-name") {
+        out.extend(["--worker-name".to_string(), name.to_string()]);
+    }
+    out
 }
 
 impl Drop for WorkerProc {
