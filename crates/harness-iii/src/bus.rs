@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, watch, Mutex as AsyncMutex};
 use crate::codec::{strip_decoration, unwrap_state, wrap_state};
 use crate::error::{from_sdk, to_sdk, IiiError};
 use crate::fence::{self, FENCED_SCOPE};
+use crate::journal::Journal;
 
 /// The internal function every queued call is delivered to (see the crate docs).
 pub const DELIVER_FUNCTION: &str = "harness::queue::deliver";
@@ -82,6 +83,8 @@ pub struct IiiOptions {
     /// How many FIFO topics carry a queue on the shards route: the steps of that many sessions
     /// can run at once. Each is a consumer the engine polls at its adapter's interval.
     pub shards: u32,
+    /// The file of the write-ahead copy (see the crate docs); None keeps it in memory.
+    pub journal: Option<std::path::PathBuf>,
 }
 
 impl IiiOptions {
@@ -92,6 +95,7 @@ impl IiiOptions {
             connect_timeout: Duration::from_secs(30),
             queue_mode: QueueMode::Auto,
             shards: 8,
+            journal: None,
         }
     }
 }
@@ -160,7 +164,7 @@ struct Inner {
     /// The write-ahead copy: the last value of every key this worker wrote within
     /// [`JOURNAL_WINDOW`], as the engine acknowledged it. The engine's file store flushes every
     /// 5 s, so an engine that died may come back without them; `reconcile` writes them again.
-    journal: Mutex<HashMap<(String, String), (std::time::Instant, Value)>>,
+    journal: Journal,
     /// The functions of others, as of the last registry-change notice let through (see
     /// `own_registry_change`).
     foreign: Mutex<Option<std::collections::BTreeSet<String>>>,
@@ -178,6 +182,15 @@ struct Inner {
 /// How long a write stays in the write-ahead copy: the engine's flush interval (5 s) with a
 /// wide margin for a flush that ran late on a loaded machine.
 const JOURNAL_WINDOW: Duration = Duration::from_secs(30);
+
+/// Which writes of the write-ahead copy [`IiiBus::restore`] gives back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Restore {
+    /// Every one the engine does not hold as written (after a reconnect of this process).
+    Everything,
+    /// Only what cannot overwrite another worker's newer write (at start-up).
+    Lost,
+}
 
 /// How often a standing-by worker asks whether the serving one is still there.
 const STANDBY_POLL: Duration = Duration::from_millis(200);
@@ -223,6 +236,13 @@ impl IiiBus {
                 why: e.to_string(),
             });
         }
+        let journal = match Journal::open(opts.journal.as_deref(), JOURNAL_WINDOW) {
+            Ok(j) => j,
+            Err(e) => {
+                client.shutdown_async().await;
+                return Err(e);
+            }
+        };
         let (reconnects, _) = watch::channel(0);
         let (disconnects, _) = watch::channel(0);
         let bus = IiiBus {
@@ -246,7 +266,7 @@ impl IiiBus {
                 held: Mutex::new(Vec::new()),
                 ready: AtomicBool::new(false),
                 settled: watch::channel(true).0,
-                journal: Mutex::new(HashMap::new()),
+                journal,
                 foreign: Mutex::new(None),
                 closing: AtomicBool::new(false),
                 instance: format!("{}#{}", opts.worker_name, uuid::Uuid::new_v4().simple()),
@@ -262,6 +282,12 @@ impl IiiBus {
         if let Err(e) = bus.stand_by().await {
             bus.inner.client.shutdown_async().await;
             return Err(fail(e.to_string()));
+        }
+        // A worker killed together with the engine comes back to an engine that may have lost
+        // its last writes: give them back before anything runs.
+        if let Err(e) = bus.restore(Restore::Lost).await {
+            bus.inner.client.shutdown_async().await;
+            return Err(fail(format!("restoring the write-ahead copy: {e}")));
         }
         bus.register_deliver();
         bus.register_frames_sink();
@@ -478,16 +504,18 @@ impl IiiBus {
     /// and makes the bindings this worker acts on exactly the ones the engine still has (an
     /// engine restart forgets every binding; the ones it still has are forwarded again).
     pub async fn reconcile(&self) -> Result<(), BusError> {
-        let writes: Vec<((String, String), Value)> = {
-            let mut journal = self.inner.journal.lock().expect("journal lock");
-            journal.retain(|_, (at, _)| at.elapsed() < JOURNAL_WINDOW);
-            let mut w: Vec<_> = journal
-                .iter()
-                .map(|(k, (at, v))| (*at, k.clone(), v.clone()))
-                .collect();
-            w.sort_by_key(|(at, _, _)| *at);
-            w.into_iter().map(|(_, k, v)| (k, v)).collect()
-        };
+        self.restore(Restore::Everything).await?;
+        self.reconcile_bindings().await
+    }
+
+    /// Gives the engine back what it lost of the writes in the write-ahead copy. After a
+    /// reconnect of this process everything that differs is written again (this worker was
+    /// serving, nobody else wrote). At start-up the copy may be older than another worker's
+    /// writes (it served the sessions while this one was down): then only a turn-record slot
+    /// (which never hides a newer holder's) and a value the engine no longer has at all are
+    /// written again.
+    async fn restore(&self, what: Restore) -> Result<(), BusError> {
+        let writes = self.inner.journal.recent();
         let mut restored = 0;
         for ((scope, key), value) in writes {
             let held = self
@@ -499,7 +527,11 @@ impl IiiBus {
                     None,
                 )
                 .await?;
-            if comparable(&scope, strip_decoration(held)) == value {
+            let held = strip_decoration(held);
+            if comparable(&scope, held.clone()) == value {
+                continue;
+            }
+            if what == Restore::Lost && scope != FENCED_SCOPE && !(held.is_null() && !value.is_null()) {
                 continue;
             }
             if scope == FENCED_SCOPE && !value.is_null() {
@@ -537,6 +569,11 @@ impl IiiBus {
         if restored > 0 {
             tracing::warn!(restored, "the iii engine had lost state this worker wrote; written again from the write-ahead copy");
         }
+        Ok(())
+    }
+
+    /// Makes the bindings this worker acts on exactly the ones the engine still has.
+    async fn reconcile_bindings(&self) -> Result<(), BusError> {
         let owned: Vec<String> = self
             .inner
             .trigger_types
@@ -1768,16 +1805,7 @@ impl IiiBus {
     }
 
     fn record_write(&self, scope: &str, key: &str, stored: Value) {
-        {
-            let mut journal = self.inner.journal.lock().expect("journal lock");
-            if journal.len() >= 4096 && journal.len().is_power_of_two() {
-                journal.retain(|_, (at, _)| at.elapsed() < JOURNAL_WINDOW);
-            }
-            journal.insert(
-                (scope.to_string(), key.to_string()),
-                (std::time::Instant::now(), stored.clone()),
-            );
-        }
+        self.inner.journal.record(scope, key, &stored);
         let seq = self
             .inner
             .write_seq

@@ -75,6 +75,10 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
     iii.worker_name = args.worker_name.clone().unwrap_or_else(default_worker_name);
     iii.connect_timeout = Duration::from_secs(args.connect_timeout.max(1));
     iii.shards = args.queue_shards.max(1);
+    // The write-ahead copy lives beside the worker's store, so it outlives the process.
+    std::fs::create_dir_all(&data_dir)
+        .map_err(|e| anyhow::anyhow!("cannot create the data dir {}: {e}", data_dir.display()))?;
+    iii.journal = Some(data_dir.join("iii-write-ahead.db"));
     iii.queue_mode = match args.queue_mode {
         QueueModeArg::Auto => QueueMode::Auto,
         QueueModeArg::Enqueue => QueueMode::Enqueue,
