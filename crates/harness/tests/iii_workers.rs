@@ -211,3 +211,39 @@ async fn the_holder_writes_under_one_epoch_and_its_barrier_finds_its_writes() {
     assert_eq!(bus.state_get(FENCED_SCOPE, "s_hold").await.unwrap(), None);
     bus.shutdown().await;
 }
+
+/// The serving worker's link drops (the double closes it) and the standby takes the sessions
+/// over; when the first worker's SDK reconnects it finds its functions held by the other one:
+/// it stops (exits with an error saying so) instead of serving next to it, and the sessions
+/// keep working on the standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_lost_its_link_while_another_took_over_stops_serving() {
+    let engine = Engine::start().await;
+    if engine.is_real() {
+        return; // closing one worker's connection from the engine side is the double's
+    }
+    let script = script(vec![text_gen(None, "Answered.", 0, true)]);
+    let mut first = WorkerProc::start(&engine, &script, &[]).await;
+    let second = WorkerProc::standby(&engine, &first, &[]).await;
+    let sent = engine.send("s_link", "hi", &[]).await;
+    engine
+        .wait_turn("s_link", sent["turn_id"].as_str().unwrap())
+        .await;
+    assert_eq!(engine.drop_workers("harness"), 1);
+    second.wait_serving(Duration::from_secs(10)).await;
+    wait_until("the first worker to stop", || first.exited()).await;
+    assert!(
+        first
+            .log()
+            .contains("took this worker's functions and sessions over"),
+        "{}",
+        first.log()
+    );
+    let again = engine.send("s_link", "again", &[]).await;
+    let status = engine
+        .wait_turn("s_link", again["turn_id"].as_str().unwrap())
+        .await;
+    assert_eq!(status["status"], "completed", "{status}");
+    let lease = engine.state(LEASE_SCOPE, "s_link").await.unwrap();
+    assert_eq!(lease["epoch"], 2, "the standby took the session's lease: {lease}");
+}
