@@ -668,28 +668,38 @@ async fn a_create_that_answered_late_is_not_retried_into_already_exists() {
     let seen = calls.clone();
     rt.bus.register_function(
         harness_bus::FunctionDef::new("session::create", "creates, then answers late once"),
-        std::sync::Arc::new(move |p: serde_json::Value, _ctx: harness_bus::CallContext| {
-            let sessions = sessions.clone();
-            let first = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
-            async move {
-                let req = serde_json::from_value(p).expect("a create request");
-                let created = sessions.create(req).await;
-                if first {
-                    return Err(harness_bus::BusError::timeout("session::create", 10));
+        std::sync::Arc::new(
+            move |p: serde_json::Value, _ctx: harness_bus::CallContext| {
+                let sessions = sessions.clone();
+                let first = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+                async move {
+                    let req = serde_json::from_value(p).expect("a create request");
+                    let created = sessions.create(req).await;
+                    if first {
+                        return Err(harness_bus::BusError::timeout("session::create", 10));
+                    }
+                    created
+                        .map(|r| serde_json::to_value(r).unwrap())
+                        .map_err(|e| match e {
+                            harness_session::SessionError::Harness(h) => {
+                                harness_bus::BusError::new(h.code.as_str(), h.message)
+                            }
+                            other => harness_bus::BusError::internal(other.to_string()),
+                        })
                 }
-                created
-                    .map(|r| serde_json::to_value(r).unwrap())
-                    .map_err(|e| match e {
-                        harness_session::SessionError::Harness(h) => {
-                            harness_bus::BusError::new(h.code.as_str(), h.message)
-                        }
-                        other => harness_bus::BusError::internal(other.to_string()),
-                    })
-            }
-        }),
+            },
+        ),
     );
-    let r = rt.harness.send(send("hello")).await.expect("the send succeeds");
-    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2, "retried once");
+    let r = rt
+        .harness
+        .send(send("hello"))
+        .await
+        .expect("the send succeeds");
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "retried once"
+    );
     let done = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(done.status, TurnStatus::Completed);
     assert_eq!(

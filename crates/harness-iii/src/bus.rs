@@ -343,7 +343,9 @@ impl IiiBus {
                 }
                 _ => {
                     if announced {
-                        tracing::warn!("the serving harness worker is gone; taking its sessions over");
+                        tracing::warn!(
+                            "the serving harness worker is gone; taking its sessions over"
+                        );
                     }
                     return Ok(());
                 }
@@ -531,7 +533,10 @@ impl IiiBus {
             if comparable(&scope, held.clone()) == value {
                 continue;
             }
-            if what == Restore::Lost && scope != FENCED_SCOPE && !(held.is_null() && !value.is_null()) {
+            if what == Restore::Lost
+                && scope != FENCED_SCOPE
+                && !(held.is_null() && !value.is_null())
+            {
                 continue;
             }
             if scope == FENCED_SCOPE && !value.is_null() {
@@ -1650,7 +1655,9 @@ impl Bus for IiiBus {
                 if let Some((key, record)) = fence::read(&item) {
                     match key {
                         Some(k) => out.push((k, record)),
-                        None => tracing::warn!(scope, "skipping a state value stored without its key"),
+                        None => {
+                            tracing::warn!(scope, "skipping a state value stored without its key")
+                        }
                     }
                     continue;
                 }

@@ -117,10 +117,7 @@ mod tests {
         stored[slot(1)] = json!({"step": 9});
         assert_eq!(epochs(&stored), vec![1, 2]);
         assert_eq!(newest(&stored), Some((2, json!({"step": 5}))));
-        assert_eq!(
-            read(&stored),
-            Some((Some("s".into()), json!({"step": 5})))
-        );
+        assert_eq!(read(&stored), Some((Some("s".into()), json!({"step": 5}))));
         assert_eq!(effective(&stored), written(2, &json!({"step": 5})));
         // Epoch 10 sorts after 9 (the slots are zero-padded).
         stored[slot(10)] = json!({"step": 6});
@@ -142,7 +139,10 @@ mod tests {
         assert_eq!(w["ops"][1]["type"], "set");
         assert_eq!(w["ops"][1]["path"], slot(3));
         let l = take_lease_request("s", "w1");
-        assert_eq!(l["ops"][0], json!({"type": "increment", "path": "epoch", "by": 1}));
+        assert_eq!(
+            l["ops"][0],
+            json!({"type": "increment", "path": "epoch", "by": 1})
+        );
         let p = prune_request("harness_turn", "s", &[1, 2]);
         assert_eq!(p["ops"].as_array().unwrap().len(), 2);
         assert_eq!(p["ops"][0]["type"], "remove");

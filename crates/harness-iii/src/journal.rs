@@ -79,7 +79,11 @@ impl Journal {
             "INSERT OR REPLACE INTO write_ahead (scope, key, at_ms, value) VALUES (?1, ?2, ?3, ?4)",
             params![scope, key, now, value.to_string()],
         ) {
-            tracing::error!(scope, key, "the write-ahead copy could not keep a write: {e}");
+            tracing::error!(
+                scope,
+                key,
+                "the write-ahead copy could not keep a write: {e}"
+            );
         }
     }
 
@@ -87,13 +91,10 @@ impl Journal {
     pub(crate) fn recent(&self) -> Vec<Row> {
         let since = now_ms() - self.window.as_millis() as i64;
         let conn = self.conn.lock().expect("journal lock");
-        let _ = conn.execute(
-            "DELETE FROM write_ahead WHERE at_ms < ?1",
-            params![since],
-        );
-        let mut stmt = match conn.prepare(
-            "SELECT scope, key, value FROM write_ahead WHERE at_ms >= ?1 ORDER BY rowid",
-        ) {
+        let _ = conn.execute("DELETE FROM write_ahead WHERE at_ms < ?1", params![since]);
+        let mut stmt = match conn
+            .prepare("SELECT scope, key, value FROM write_ahead WHERE at_ms >= ?1 ORDER BY rowid")
+        {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!("the write-ahead copy cannot be read: {e}");

@@ -514,7 +514,12 @@ async fn a_worker_killed_with_the_engine_gets_the_lost_turn_back_from_its_sqlite
         &engine,
         &script(vec![
             call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
-            text_gen(None, "The job was interrupted; I will check first.", 0, true),
+            text_gen(
+                None,
+                "The job was interrupted; I will check first.",
+                0,
+                true,
+            ),
         ]),
         &extra,
     )

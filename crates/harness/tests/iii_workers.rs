@@ -31,8 +31,7 @@ async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
 /// interrupted), the user's message is there once, and a session the first worker finished
 /// before is still readable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sigkilled_worker_s_turns_are_finished_by_the_standby_within_5s_and_nothing_runs_twice(
-) {
+async fn a_sigkilled_worker_s_turns_are_finished_by_the_standby_within_5s_and_nothing_runs_twice() {
     let engine = Engine::start().await;
     let fx = Fixtures::new(
         json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
@@ -245,5 +244,8 @@ async fn a_worker_that_lost_its_link_while_another_took_over_stops_serving() {
         .await;
     assert_eq!(status["status"], "completed", "{status}");
     let lease = engine.state(LEASE_SCOPE, "s_link").await.unwrap();
-    assert_eq!(lease["epoch"], 2, "the standby took the session's lease: {lease}");
+    assert_eq!(
+        lease["epoch"], 2,
+        "the standby took the session's lease: {lease}"
+    );
 }

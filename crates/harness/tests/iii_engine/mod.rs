@@ -1210,7 +1210,10 @@ fn apply_update_ops(old: Option<Value>, ops: &[Value]) -> Value {
     let mut current = old.unwrap_or_else(|| json!({}));
     for op in ops {
         let path = op["path"].as_str().unwrap_or_default().to_string();
-        match (op["type"].as_str().unwrap_or_default(), current.as_object_mut()) {
+        match (
+            op["type"].as_str().unwrap_or_default(),
+            current.as_object_mut(),
+        ) {
             ("set", _) if path.is_empty() => current = op["value"].clone(),
             ("set", Some(map)) => {
                 map.insert(path, op["value"].clone());
