@@ -533,10 +533,10 @@ impl IiiBus {
             if comparable(&scope, held.clone()) == value {
                 continue;
             }
-            if what == Restore::Lost
-                && scope != FENCED_SCOPE
-                && !(held.is_null() && !value.is_null())
-            {
+            // At start-up, an unfenced value the engine still has may be another worker's
+            // newer write: only a value it lost entirely is given back.
+            let lost_entirely = held.is_null() && !value.is_null();
+            if what == Restore::Lost && scope != FENCED_SCOPE && !lost_entirely {
                 continue;
             }
             if scope == FENCED_SCOPE && !value.is_null() {
