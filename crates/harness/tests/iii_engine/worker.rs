@@ -280,7 +280,12 @@ impl Engine {
 pub fn transient(e: &CallError) -> bool {
     matches!(
         e.code.as_str(),
-        "function_not_found" | "invocation_stopped" | "timeout" | "harness/starting"
+        "function_not_found"
+            | "invocation_stopped"
+            | "timeout"
+            | "harness/starting"
+            // A real engine's answer to a call routed to a worker whose connection just died.
+            | "channel_send_failed"
     )
 }
 
