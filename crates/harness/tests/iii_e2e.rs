@@ -371,8 +371,14 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     engine.wait_status("s_lost", "awaiting_functions").await;
     assert!(engine.state("harness_turn", "s_lost").await.is_some());
 
-    // The engine dies before flushing: the record is gone; the worker restarts too.
+    // The engine dies before flushing: the record is gone; the worker restarts too, without
+    // its write-ahead copy (a new machine, or the file lost with the old one), so nothing
+    // can give the record back.
     engine.set_state("harness_turn", "s_lost", None).await;
+    worker.kill();
+    for file in ["iii-write-ahead.db", "iii-write-ahead.db-wal", "iii-write-ahead.db-shm"] {
+        let _ = std::fs::remove_file(worker.dir().join("data").join(file));
+    }
     worker.restart().await;
     let out = engine
         .call(
