@@ -85,6 +85,9 @@ pub struct IiiOptions {
     pub shards: u32,
     /// The file of the write-ahead copy (see the crate docs); None keeps it in memory.
     pub journal: Option<std::path::PathBuf>,
+    /// Whether to stand by while another harness worker serves the engine (a worker) or to
+    /// refuse to connect (the bench, which must not wait for a deployment's worker to die).
+    pub standby: bool,
 }
 
 impl IiiOptions {
@@ -96,6 +99,7 @@ impl IiiOptions {
             queue_mode: QueueMode::Auto,
             shards: 8,
             journal: None,
+            standby: true,
         }
     }
 }
@@ -334,6 +338,12 @@ impl IiiBus {
         loop {
             match self.owner_of(DELIVER_FUNCTION).await? {
                 Some(owner) if owner != self.inner.opts.worker_name => {
+                    if !self.inner.opts.standby {
+                        return Err(BusError::new(
+                            "harness/dependency",
+                            format!("harness worker '{owner}' serves this engine (the engine gives each function to one worker)"),
+                        ));
+                    }
                     if !announced {
                         tracing::warn!(%owner, "another harness worker serves this engine; standing by to take its sessions over");
                         eprintln!("harness worker standing by: '{owner}' serves this engine");
@@ -353,12 +363,17 @@ impl IiiBus {
         }
     }
 
-    /// Waits until the engine lists `function_id`; answers its owner's worker name.
+    /// Waits until the engine lists `function_id` with its owner's worker name, and answers
+    /// that name. A function whose worker has not named itself yet (its registrations can
+    /// reach the engine before `engine::workers::register`) is listed under an empty name:
+    /// that says nothing about who owns it yet, so the wait goes on.
     async fn wait_owner(&self, function_id: &str) -> Result<Option<String>, BusError> {
         let deadline = tokio::time::Instant::now() + self.inner.opts.connect_timeout;
         loop {
             if let Some(owner) = self.owner_of(function_id).await? {
-                return Ok(Some(owner));
+                if !owner.is_empty() {
+                    return Ok(Some(owner));
+                }
             }
             if tokio::time::Instant::now() >= deadline {
                 return Ok(None);
