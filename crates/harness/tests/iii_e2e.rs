@@ -376,7 +376,11 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     // can give the record back.
     engine.set_state("harness_turn", "s_lost", None).await;
     worker.kill();
-    for file in ["iii-write-ahead.db", "iii-write-ahead.db-wal", "iii-write-ahead.db-shm"] {
+    for file in [
+        "iii-write-ahead.db",
+        "iii-write-ahead.db-wal",
+        "iii-write-ahead.db-shm",
+    ] {
         let _ = std::fs::remove_file(worker.dir().join("data").join(file));
     }
     worker.restart().await;
