@@ -196,6 +196,9 @@ enum Restore {
     Lost,
 }
 
+/// Sessions whose lease epoch a worker keeps in memory (see `IiiBus::lease_epoch`).
+const MAX_CACHED_LEASES: usize = 16_384;
+
 /// How often a standing-by worker asks whether the serving one is still there.
 const STANDBY_POLL: Duration = Duration::from_millis(200);
 
@@ -1901,11 +1904,13 @@ impl IiiBus {
         if !previous.is_empty() && previous != self.inner.instance {
             tracing::info!(session = %session_id, epoch, %previous, "took the session's lease over");
         }
-        self.inner
-            .leases
-            .lock()
-            .expect("leases lock")
-            .insert(session_id.to_string(), epoch);
+        let mut leases = self.inner.leases.lock().expect("leases lock");
+        // Forgetting an epoch costs only a new one on the session's next write (this worker's
+        // older slot is pruned then), so the map is simply emptied when it grows large.
+        if leases.len() >= MAX_CACHED_LEASES {
+            leases.clear();
+        }
+        leases.insert(session_id.to_string(), epoch);
         Ok(epoch)
     }
 
