@@ -127,13 +127,17 @@ impl BusError {
 
     /// Errors worth retrying in place: the callee is (re)starting or the link dropped.
     pub fn is_transient_dependency(&self) -> bool {
-        matches!(
-            self.code,
+        match &self.code {
             BusCode::FunctionNotFound
-                | BusCode::NotConnected
-                | BusCode::Timeout
-                | BusCode::InvocationStopped
-        )
+            | BusCode::NotConnected
+            | BusCode::Timeout
+            | BusCode::InvocationStopped => true,
+            // An iii engine's answer when the callee's connection died before the engine could
+            // hand it the call (it never ran): the function is about to vanish or be taken
+            // over by another worker.
+            BusCode::Other(code) => code == "channel_send_failed",
+            BusCode::Harness(_) => false,
+        }
     }
 
     /// The error as a `harness/<code>` error: harness codes are kept, anything else becomes
@@ -193,5 +197,12 @@ mod tests {
         let e = BusError::new("timeout", "slow");
         assert!(e.is_transient_dependency());
         assert_eq!(e.to_string(), "timeout: slow");
+    }
+
+    #[test]
+    fn a_call_the_engine_could_not_hand_to_a_dying_worker_is_retried() {
+        assert!(BusError::new("channel_send_failed", "channel closed").is_transient_dependency());
+        assert!(!BusError::new("router/x", "no").is_transient_dependency());
+        assert!(!BusError::new("harness/invalid_request", "no").is_transient_dependency());
     }
 }

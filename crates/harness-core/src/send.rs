@@ -465,20 +465,55 @@ impl Harness {
                     .await?;
             }
             None => {
-                let _: CreateResponse = self
-                    .call(
-                        "session::create",
-                        &CreateRequest {
-                            session_id: Some(session_id.to_string()),
-                            title: init.title,
-                            metadata: init.metadata,
-                            kind: init.kind,
-                        },
-                    )
-                    .await?;
+                self.create_session(&CreateRequest {
+                    session_id: Some(session_id.to_string()),
+                    title: init.title,
+                    metadata: init.metadata,
+                    kind: init.kind,
+                })
+                .await?;
             }
         }
         Ok(())
+    }
+
+    /// `session::create` of an id this send generated, retried in place on a transient error
+    /// like any call; but once an attempt may have landed (it timed out, or the link dropped
+    /// before its answer), "already exists" on a later attempt is that attempt's own session,
+    /// not a collision: nobody else knows the fresh id.
+    async fn create_session(&self, req: &CreateRequest) -> Result<()> {
+        let payload =
+            serde_json::to_value(req).map_err(|e| HarnessError::internal(e.to_string()))?;
+        let timeout = Some(std::time::Duration::from_millis(
+            self.config().session_timeout_ms,
+        ));
+        let mut attempt = 0;
+        loop {
+            match self
+                .inner
+                .bus
+                .call("session::create", payload.clone(), timeout)
+                .await
+            {
+                Ok(v) => {
+                    let _: CreateResponse = serde_json::from_value(v).map_err(|e| {
+                        HarnessError::dependency(format!(
+                            "session::create answered an unexpected shape: {e}"
+                        ))
+                    })?;
+                    return Ok(());
+                }
+                Err(e) if attempt > 0 && e.message.contains("already exists") => {
+                    tracing::info!(session = ?req.session_id, "session::create answered late; the retry found the session it had created");
+                    return Ok(());
+                }
+                Err(e) if e.is_transient_dependency() && attempt < 10 => {
+                    attempt += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                }
+                Err(e) => return Err(e.into_harness()),
+            }
+        }
     }
 
     async fn idem_row(&self, key: &str) -> Result<Option<IdemRow>> {

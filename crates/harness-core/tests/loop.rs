@@ -651,3 +651,62 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
         TurnStatus::Completed
     );
 }
+
+/// `session::create` of the id a send generated creates the session and then answers late (a
+/// timeout, as over an engine): the retry is told the session already exists, which is its own
+/// first attempt, so the send succeeds and the turn runs once in one session.
+#[tokio::test]
+async fn a_create_that_answered_late_is_not_retried_into_already_exists() {
+    use harness_bus::Bus;
+    let rt = runtime(
+        json!({"generations": [text(None, "Hello back.", 0)]}),
+        config(),
+    )
+    .await;
+    let sessions = rt.sessions.clone();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = calls.clone();
+    rt.bus.register_function(
+        harness_bus::FunctionDef::new("session::create", "creates, then answers late once"),
+        std::sync::Arc::new(
+            move |p: serde_json::Value, _ctx: harness_bus::CallContext| {
+                let sessions = sessions.clone();
+                let first = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+                async move {
+                    let req = serde_json::from_value(p).expect("a create request");
+                    let created = sessions.create(req).await;
+                    if first {
+                        return Err(harness_bus::BusError::timeout("session::create", 10));
+                    }
+                    created
+                        .map(|r| serde_json::to_value(r).unwrap())
+                        .map_err(|e| match e {
+                            harness_session::SessionError::Harness(h) => {
+                                harness_bus::BusError::new(h.code.as_str(), h.message)
+                            }
+                            other => harness_bus::BusError::internal(other.to_string()),
+                        })
+                }
+            },
+        ),
+    );
+    let r = rt
+        .harness
+        .send(send("hello"))
+        .await
+        .expect("the send succeeds");
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "retried once"
+    );
+    let done = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(done.status, TurnStatus::Completed);
+    assert_eq!(
+        rt.messages(&r.session_id),
+        vec![
+            ("user".to_string(), "hello".to_string()),
+            ("assistant".to_string(), "Hello back.".to_string())
+        ]
+    );
+}

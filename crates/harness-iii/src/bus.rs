@@ -20,6 +20,8 @@ use tokio::sync::{mpsc, watch, Mutex as AsyncMutex};
 
 use crate::codec::{strip_decoration, unwrap_state, wrap_state};
 use crate::error::{from_sdk, to_sdk, IiiError};
+use crate::fence::{self, FENCED_SCOPE};
+use crate::journal::Journal;
 
 /// The internal function every queued call is delivered to (see the crate docs).
 pub const DELIVER_FUNCTION: &str = "harness::queue::deliver";
@@ -81,6 +83,11 @@ pub struct IiiOptions {
     /// How many FIFO topics carry a queue on the shards route: the steps of that many sessions
     /// can run at once. Each is a consumer the engine polls at its adapter's interval.
     pub shards: u32,
+    /// The file of the write-ahead copy (see the crate docs); None keeps it in memory.
+    pub journal: Option<std::path::PathBuf>,
+    /// Whether to stand by while another harness worker serves the engine (a worker) or to
+    /// refuse to connect (the bench, which must not wait for a deployment's worker to die).
+    pub standby: bool,
 }
 
 impl IiiOptions {
@@ -91,6 +98,8 @@ impl IiiOptions {
             connect_timeout: Duration::from_secs(30),
             queue_mode: QueueMode::Auto,
             shards: 8,
+            journal: None,
+            standby: true,
         }
     }
 }
@@ -159,17 +168,39 @@ struct Inner {
     /// The write-ahead copy: the last value of every key this worker wrote within
     /// [`JOURNAL_WINDOW`], as the engine acknowledged it. The engine's file store flushes every
     /// 5 s, so an engine that died may come back without them; `reconcile` writes them again.
-    journal: Mutex<HashMap<(String, String), (std::time::Instant, Value)>>,
+    journal: Journal,
     /// The functions of others, as of the last registry-change notice let through (see
     /// `own_registry_change`).
     foreign: Mutex<Option<std::collections::BTreeSet<String>>>,
     /// Set by `shutdown`: the link goes away on purpose.
     closing: AtomicBool,
+    /// This process's identity as a lease holder (the worker name and a per-process id).
+    instance: String,
+    /// The lease epoch this worker writes each session's turn record under (see `fence`).
+    leases: Mutex<HashMap<String, u64>>,
+    /// Set when another harness worker holds this worker's functions after a reconnect: it
+    /// took the sessions over, so this one must stop serving (see [`IiiBus::deposed`]).
+    deposed: watch::Sender<bool>,
 }
 
 /// How long a write stays in the write-ahead copy: the engine's flush interval (5 s) with a
 /// wide margin for a flush that ran late on a loaded machine.
 const JOURNAL_WINDOW: Duration = Duration::from_secs(30);
+
+/// Which writes of the write-ahead copy [`IiiBus::restore`] gives back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Restore {
+    /// Every one the engine does not hold as written (after a reconnect of this process).
+    Everything,
+    /// Only what cannot overwrite another worker's newer write (at start-up).
+    Lost,
+}
+
+/// Sessions whose lease epoch a worker keeps in memory (see `IiiBus::lease_epoch`).
+const MAX_CACHED_LEASES: usize = 16_384;
+
+/// How often a standing-by worker asks whether the serving one is still there.
+const STANDBY_POLL: Duration = Duration::from_millis(200);
 
 #[derive(Default)]
 struct Recent {
@@ -188,6 +219,10 @@ pub struct IiiBus {
 impl IiiBus {
     /// Connects a worker to the engine and waits until the engine accepted it. Must be called
     /// inside a tokio runtime: handlers run on it.
+    ///
+    /// The engine leases every function id to one live worker per namespace, so while another
+    /// harness worker serves this engine this one stands by (connected, registering nothing)
+    /// and takes over once that worker's functions are gone (see the crate docs).
     pub async fn connect(opts: IiiOptions) -> Result<IiiBus, IiiError> {
         let metadata = WorkerMetadata {
             name: opts.worker_name.clone(),
@@ -208,6 +243,13 @@ impl IiiBus {
                 why: e.to_string(),
             });
         }
+        let journal = match Journal::open(opts.journal.as_deref(), JOURNAL_WINDOW) {
+            Ok(j) => j,
+            Err(e) => {
+                client.shutdown_async().await;
+                return Err(e);
+            }
+        };
         let (reconnects, _) = watch::channel(0);
         let (disconnects, _) = watch::channel(0);
         let bus = IiiBus {
@@ -231,16 +273,128 @@ impl IiiBus {
                 held: Mutex::new(Vec::new()),
                 ready: AtomicBool::new(false),
                 settled: watch::channel(true).0,
-                journal: Mutex::new(HashMap::new()),
+                journal,
                 foreign: Mutex::new(None),
                 closing: AtomicBool::new(false),
+                instance: format!("{}#{}", opts.worker_name, uuid::Uuid::new_v4().simple()),
+                leases: Mutex::new(HashMap::new()),
+                deposed: watch::channel(false).0,
                 opts,
             }),
         };
-        bus.register_frames_sink();
+        let fail = |why: String| IiiError::Connect {
+            url: bus.inner.opts.url.clone(),
+            why,
+        };
+        if let Err(e) = bus.stand_by().await {
+            bus.inner.client.shutdown_async().await;
+            return Err(fail(e.to_string()));
+        }
+        // A worker killed together with the engine comes back to an engine that may have lost
+        // its last writes: give them back before anything runs.
+        if let Err(e) = bus.restore(Restore::Lost).await {
+            bus.inner.client.shutdown_async().await;
+            return Err(fail(format!("restoring the write-ahead copy: {e}")));
+        }
         bus.register_deliver();
+        bus.register_frames_sink();
+        match bus.wait_owner(DELIVER_FUNCTION).await {
+            Ok(Some(owner)) if owner != bus.inner.opts.worker_name => {
+                bus.inner.client.shutdown_async().await;
+                return Err(fail(format!(
+                    "harness worker '{owner}' took this engine's harness functions at the same moment; start this one again to stand by"
+                )));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                bus.inner.client.shutdown_async().await;
+                return Err(fail(e.to_string()));
+            }
+        }
         bus.watch_connection();
         Ok(bus)
+    }
+
+    /// The worker name the engine lists as the owner of `function_id` (None: nobody has it).
+    async fn owner_of(&self, function_id: &str) -> Result<Option<String>, BusError> {
+        match self
+            .invoke(
+                "engine::functions::info",
+                json!({ "function_id": function_id }),
+                Some(Duration::from_secs(10)),
+                None,
+                None,
+            )
+            .await
+        {
+            Ok(info) => Ok(info["worker_name"].as_str().map(str::to_string)),
+            Err(e) if e.code == "NOT_FOUND" => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits while another harness worker serves this engine: the engine would refuse this
+    /// worker's registrations of the same ids (`FUNCTION_NAMESPACE_CONFLICT`). Its functions
+    /// vanish as soon as its connection is gone (a crash closes it at once).
+    async fn stand_by(&self) -> Result<(), BusError> {
+        let mut announced = false;
+        loop {
+            match self.owner_of(DELIVER_FUNCTION).await? {
+                Some(owner) if owner != self.inner.opts.worker_name => {
+                    if !self.inner.opts.standby {
+                        return Err(BusError::new(
+                            "harness/dependency",
+                            format!("harness worker '{owner}' serves this engine (the engine gives each function to one worker)"),
+                        ));
+                    }
+                    if !announced {
+                        tracing::warn!(%owner, "another harness worker serves this engine; standing by to take its sessions over");
+                        eprintln!("harness worker standing by: '{owner}' serves this engine");
+                        announced = true;
+                    }
+                    tokio::time::sleep(STANDBY_POLL).await;
+                }
+                _ => {
+                    if announced {
+                        tracing::warn!(
+                            "the serving harness worker is gone; taking its sessions over"
+                        );
+                    }
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Waits until the engine lists `function_id` with its owner's worker name, and answers
+    /// that name. A function whose worker has not named itself yet (its registrations can
+    /// reach the engine before `engine::workers::register`) is listed under an empty name:
+    /// that says nothing about who owns it yet, so the wait goes on.
+    async fn wait_owner(&self, function_id: &str) -> Result<Option<String>, BusError> {
+        let deadline = tokio::time::Instant::now() + self.inner.opts.connect_timeout;
+        loop {
+            if let Some(owner) = self.owner_of(function_id).await? {
+                if !owner.is_empty() {
+                    return Ok(Some(owner));
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Becomes true when, after a reconnect, another harness worker holds this worker's
+    /// functions: it took the sessions over (and fences this worker's turn-record writes), so
+    /// this worker must stop; started again, it stands by.
+    pub fn deposed(&self) -> watch::Receiver<bool> {
+        self.inner.deposed.subscribe()
+    }
+
+    /// This process's lease-holder identity.
+    pub fn instance(&self) -> &str {
+        &self.inner.instance
     }
 
     /// The engine URL this bus is connected to.
@@ -331,6 +485,16 @@ impl IiiBus {
                     tracing::warn!(url = %inner.opts.url, "reconnected to the iii engine; registrations were replayed, reconciling");
                     let bus = IiiBus { inner: inner.clone() };
                     drop(inner);
+                    // Another harness worker may have taken the functions (and the sessions)
+                    // over while the link was down: then this one must not touch a thing.
+                    if let Ok(Some(owner)) = bus.wait_owner(DELIVER_FUNCTION).await {
+                        if owner != bus.inner.opts.worker_name {
+                            tracing::error!(%owner, "another harness worker took this worker's functions and sessions over while the link was down; stopping");
+                            bus.inner.leases.lock().expect("leases lock").clear();
+                            bus.inner.deposed.send_replace(true);
+                            return;
+                        }
+                    }
                     if let Err(e) = bus.reconcile().await {
                         tracing::error!("reconciling with the iii engine failed: {e}");
                     }
@@ -360,16 +524,18 @@ impl IiiBus {
     /// and makes the bindings this worker acts on exactly the ones the engine still has (an
     /// engine restart forgets every binding; the ones it still has are forwarded again).
     pub async fn reconcile(&self) -> Result<(), BusError> {
-        let writes: Vec<((String, String), Value)> = {
-            let mut journal = self.inner.journal.lock().expect("journal lock");
-            journal.retain(|_, (at, _)| at.elapsed() < JOURNAL_WINDOW);
-            let mut w: Vec<_> = journal
-                .iter()
-                .map(|(k, (at, v))| (*at, k.clone(), v.clone()))
-                .collect();
-            w.sort_by_key(|(at, _, _)| *at);
-            w.into_iter().map(|(_, k, v)| (k, v)).collect()
-        };
+        self.restore(Restore::Everything).await?;
+        self.reconcile_bindings().await
+    }
+
+    /// Gives the engine back what it lost of the writes in the write-ahead copy. After a
+    /// reconnect of this process everything that differs is written again (this worker was
+    /// serving, nobody else wrote). At start-up the copy may be older than another worker's
+    /// writes (it served the sessions while this one was down): then only a turn-record slot
+    /// (which never hides a newer holder's) and a value the engine no longer has at all are
+    /// written again.
+    async fn restore(&self, what: Restore) -> Result<(), BusError> {
+        let writes = self.inner.journal.recent();
         let mut restored = 0;
         for ((scope, key), value) in writes {
             let held = self
@@ -381,10 +547,28 @@ impl IiiBus {
                     None,
                 )
                 .await?;
-            if strip_decoration(held) == value {
+            let held = strip_decoration(held);
+            if comparable(&scope, held.clone()) == value {
                 continue;
             }
-            if value.is_null() {
+            // At start-up, an unfenced value the engine still has may be another worker's
+            // newer write: only a value it lost entirely is given back.
+            let lost_entirely = held.is_null() && !value.is_null();
+            if what == Restore::Lost && scope != FENCED_SCOPE && !lost_entirely {
+                continue;
+            }
+            if scope == FENCED_SCOPE && !value.is_null() {
+                // Only this worker's own slot is written again: a newer holder's stays newest.
+                let epoch = value["epoch"].as_u64().unwrap_or(0);
+                self.invoke(
+                    "state::update",
+                    fence::write_request(&scope, &key, epoch, &value["record"]),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await?;
+            } else if value.is_null() {
                 self.invoke(
                     "state::delete",
                     json!({"scope": scope, "key": key}),
@@ -408,6 +592,11 @@ impl IiiBus {
         if restored > 0 {
             tracing::warn!(restored, "the iii engine had lost state this worker wrote; written again from the write-ahead copy");
         }
+        Ok(())
+    }
+
+    /// Makes the bindings this worker acts on exactly the ones the engine still has.
+    async fn reconcile_bindings(&self) -> Result<(), BusError> {
         let owned: Vec<String> = self
             .inner
             .trigger_types
@@ -1373,7 +1562,7 @@ impl Bus for IiiBus {
                     None,
                 )
                 .await?;
-            if strip_decoration(stored) == value {
+            if comparable(&scope, strip_decoration(stored)) == value {
                 continue;
             }
             // A newer write of the same key (another task), recorded or still in flight, is not
@@ -1423,10 +1612,22 @@ impl Bus for IiiBus {
         if v.is_null() {
             return Ok(None);
         }
+        let v = strip_decoration(v);
+        if scope == FENCED_SCOPE {
+            if let Some((_, record)) = fence::read(&v) {
+                return Ok(Some(record));
+            }
+            if fence::is_empty_slots(&v) {
+                return Ok(None);
+            }
+        }
         Ok(Some(unwrap_state(v).1))
     }
 
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
+        if scope == FENCED_SCOPE {
+            return self.fenced_set(key, value).await;
+        }
         let stored = wrap_state(key, value);
         let _writing = self.writing(scope, key);
         self.invoke(
@@ -1467,6 +1668,21 @@ impl Bus for IiiBus {
             .await?;
         let mut out = Vec::new();
         for item in v.as_array().cloned().unwrap_or_default() {
+            let item = strip_decoration(item);
+            if scope == FENCED_SCOPE {
+                if let Some((key, record)) = fence::read(&item) {
+                    match key {
+                        Some(k) => out.push((k, record)),
+                        None => {
+                            tracing::warn!(scope, "skipping a state value stored without its key")
+                        }
+                    }
+                    continue;
+                }
+                if fence::is_empty_slots(&item) {
+                    continue;
+                }
+            }
             match unwrap_state(item) {
                 (Some(k), v) => out.push((k, v)),
                 (None, _) => tracing::warn!(scope, "skipping a state value stored without its key"),
@@ -1515,6 +1731,15 @@ fn no_news(
     let same = last.as_ref() == Some(&foreign);
     *last = Some(foreign);
     same
+}
+
+/// A stored value as the write-ahead copy and the barrier compare it: a fenced turn record by
+/// its newest slot (pruning older slots changes nothing), anything else as stored.
+fn comparable(scope: &str, stored: Value) -> Value {
+    if scope == FENCED_SCOPE {
+        return fence::effective(&stored);
+    }
+    stored
 }
 
 /// The topic of shard `i` of a queue.
@@ -1605,16 +1830,7 @@ impl IiiBus {
     }
 
     fn record_write(&self, scope: &str, key: &str, stored: Value) {
-        {
-            let mut journal = self.inner.journal.lock().expect("journal lock");
-            if journal.len() >= 4096 && journal.len().is_power_of_two() {
-                journal.retain(|_, (at, _)| at.elapsed() < JOURNAL_WINDOW);
-            }
-            journal.insert(
-                (scope.to_string(), key.to_string()),
-                (std::time::Instant::now(), stored.clone()),
-            );
-        }
+        self.inner.journal.record(scope, key, &stored);
         let seq = self
             .inner
             .write_seq
@@ -1629,6 +1845,123 @@ impl IiiBus {
         if !r.floors.is_empty() {
             r.log.push((seq, id));
         }
+    }
+
+    /// The epoch this worker writes `session_id`'s turn record under: taken once per session
+    /// (an atomic increment of its lease row), above every slot the record already holds (a
+    /// lease row the engine lost in a crash must not hand out an epoch already used).
+    async fn lease_epoch(&self, session_id: &str) -> Result<u64, BusError> {
+        if let Some(e) = self
+            .inner
+            .leases
+            .lock()
+            .expect("leases lock")
+            .get(session_id)
+        {
+            return Ok(*e);
+        }
+        let held = self
+            .invoke(
+                "state::get",
+                json!({"scope": FENCED_SCOPE, "key": session_id}),
+                Some(Duration::from_secs(30)),
+                None,
+                None,
+            )
+            .await?;
+        let floor = fence::epochs(&held).last().copied().unwrap_or(0);
+        let mut taken = self
+            .invoke(
+                "state::update",
+                fence::take_lease_request(session_id, &self.inner.instance),
+                Some(Duration::from_secs(30)),
+                None,
+                None,
+            )
+            .await?;
+        let mut epoch = taken["new_value"]["epoch"].as_u64().unwrap_or(0);
+        if epoch <= floor {
+            let mut req = fence::take_lease_request(session_id, &self.inner.instance);
+            req["ops"][0]["by"] = json!(floor + 1 - epoch);
+            taken = self
+                .invoke(
+                    "state::update",
+                    req,
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await?;
+            epoch = taken["new_value"]["epoch"].as_u64().unwrap_or(0);
+        }
+        if epoch == 0 {
+            return Err(BusError::new(
+                "harness/state",
+                format!("lease of session '{session_id}': the engine answered no epoch: {taken}"),
+            ));
+        }
+        let previous = taken["old_value"]["holder"].as_str().unwrap_or_default();
+        if !previous.is_empty() && previous != self.inner.instance {
+            tracing::info!(session = %session_id, epoch, %previous, "took the session's lease over");
+        }
+        let mut leases = self.inner.leases.lock().expect("leases lock");
+        // Forgetting an epoch costs only a new one on the session's next write (this worker's
+        // older slot is pruned then), so the map is simply emptied when it grows large.
+        if leases.len() >= MAX_CACHED_LEASES {
+            leases.clear();
+        }
+        leases.insert(session_id.to_string(), epoch);
+        Ok(epoch)
+    }
+
+    /// Writes a turn record in this worker's slot; refused (`harness/fenced`) when a newer
+    /// holder's slot is there (see `fence`).
+    async fn fenced_set(&self, key: &str, value: Value) -> Result<(), BusError> {
+        let epoch = self.lease_epoch(key).await?;
+        let _writing = self.writing(FENCED_SCOPE, key);
+        let out = self
+            .invoke(
+                "state::update",
+                fence::write_request(FENCED_SCOPE, key, epoch, &value),
+                Some(Duration::from_secs(30)),
+                None,
+                None,
+            )
+            .await?;
+        let epochs = fence::epochs(&out["new_value"]);
+        let newest = epochs.last().copied().unwrap_or(0);
+        if newest > epoch {
+            self.inner.leases.lock().expect("leases lock").remove(key);
+            // The refused slot is never read; removing it keeps the value small.
+            let _ = self
+                .invoke(
+                    "state::update",
+                    fence::prune_request(FENCED_SCOPE, key, &[epoch]),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await;
+            tracing::warn!(session = %key, epoch, newest, "turn record write refused: another harness worker holds the session");
+            return Err(BusError::new(
+                "harness/fenced",
+                format!("turn record of '{key}': another harness worker took the session over (epoch {newest} > {epoch}); this worker's write was refused"),
+            ));
+        }
+        let older: Vec<u64> = epochs.into_iter().filter(|e| *e < epoch).collect();
+        if !older.is_empty() {
+            let _ = self
+                .invoke(
+                    "state::update",
+                    fence::prune_request(FENCED_SCOPE, key, &older),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await;
+        }
+        self.record_write(FENCED_SCOPE, key, fence::written(epoch, &value));
+        Ok(())
     }
 
     /// Every function registered here, with its schemas (what the engine was told).

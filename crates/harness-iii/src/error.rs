@@ -7,6 +7,8 @@ use harness_bus::BusError;
 pub enum IiiError {
     #[error("cannot register with the iii engine at {url}: {why}")]
     Connect { url: String, why: String },
+    #[error("the write-ahead copy at {path}: {why}")]
+    Journal { path: String, why: String },
     #[error("the iii engine at {url} lacks {what}")]
     Missing { url: String, what: String },
 }

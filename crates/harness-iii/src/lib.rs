@@ -63,9 +63,22 @@
 //! The engine's state has no compare-and-swap and its file store flushes every 5 s: a write made
 //! in the last seconds before the engine dies (SIGKILL or SIGTERM) can vanish. So:
 //!
-//! - **One harness worker per session set.** Turn records are read-modify-written under the
-//!   session's in-process lock; two harness workers serving the same sessions would race (no
-//!   CAS). The worker registers under one worker name (`harness`).
+//! - **Several harness workers, one serving.** The engine leases every function id to one live
+//!   worker per namespace, so the harness surface (and the queue's delivery target) is served
+//!   by one worker at a time. [`IiiBus::connect`] therefore stands by while another harness
+//!   worker owns `harness::queue::deliver` (polling `engine::functions::info` every 200 ms) and
+//!   takes over when that worker's connection is gone: it registers everything, and the loop's
+//!   redrive picks the running turns up (a call in flight is closed as interrupted). Each
+//!   worker needs its own worker name (the engine leases names too).
+//! - **Fenced turn records.** Turn records are read-modify-written under the session's
+//!   in-process lock; across workers they are fenced (see `fence`): each session's record is
+//!   written under a lease epoch, minted by an atomic `state::update` increment of its
+//!   `harness_lease` row when a worker first writes it, one slot per epoch, the newest slot
+//!   read. A worker that lost the session (its link dropped and another took over) writes into
+//!   an older slot nobody reads and gets `harness/fenced`; after such a reconnect it finds its
+//!   functions held by another worker and reports itself deposed ([`IiiBus::deposed`]). Other
+//!   scopes (steering rows, idempotency rows, fan-out marks) are not fenced: they are written
+//!   by the serving worker only.
 //! - **A harness worker crash** (the engine keeps running): nothing is lost. The queue
 //!   invocation fails (`invocation_stopped`), the restarted worker redrives every `running` turn,
 //!   a redelivered step that finds its call `triggered` records "interrupted" and never runs the
@@ -80,9 +93,13 @@
 //!   it). After a reconnect, before any step runs again, [`IiiBus::reconcile`] reads each of
 //!   them back and writes again what the engine lost; then the loop redrives. So a turn record
 //!   and its call checkpoints survive an engine SIGKILL (tested with the engine's flush held
-//!   back, `an_engine_crash_inside_its_flush_window_…`). The copy is in memory: if the engine
-//!   and the worker die together within 5 s, those writes are lost; a lost turn record then
-//!   costs the turn, never a side effect (next point).
+//!   back, `an_engine_crash_inside_its_flush_window_…`). The copy is a SQLite file beside the
+//!   worker (`IiiOptions::journal`; `harness worker` puts it in its data dir), so a worker
+//!   killed together with the engine gives it back when it starts again (tested:
+//!   `a_worker_killed_with_the_engine_…`). At start-up only what cannot overwrite another
+//!   worker's newer write is given back (turn-record slots, and values the engine no longer
+//!   has at all). Without the file (or with it lost too) a lost turn record costs the turn,
+//!   never a side effect (next point).
 //! - **The checkpoint is read back before dispatch.** [`IiiBus::barrier`] cannot make anything
 //!   durable; it reads back every value written since the last barrier and fails with
 //!   `harness/state` when the engine no longer holds it, so a `triggered` checkpoint lost before
@@ -110,10 +127,13 @@
 mod bus;
 mod codec;
 mod error;
+mod fence;
+mod journal;
 
 pub use bus::{IiiBus, IiiOptions, QueueMode, DELIVER_FUNCTION, FRAMES_PREFIX};
 pub use codec::{strip_decoration, unwrap_state, wrap_state, STATE_KEY_FIELD};
 pub use error::IiiError;
+pub use fence::{FENCED_SCOPE, LEASE_SCOPE};
 
 /// The `iii-sdk` version this crate is built and tested against.
 pub const SDK_VERSION: &str = "0.25.0";

@@ -56,6 +56,8 @@ impl Host for BinaryHost {
                 // Not `harness`: the engine leases a worker name to one live connection, and a
                 // deployment's own `harness worker` may hold that one.
                 iii.worker_name = "harness-bench".into();
+                // Measuring must not wait for a deployment's worker to go away.
+                iii.standby = false;
                 // The route of the turn queue to measure (auto, shards, topic, fifo, enqueue).
                 if let Ok(mode) = std::env::var("HARNESS_III_QUEUE_MODE") {
                     iii.queue_mode = mode.parse().map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -45,10 +45,10 @@ pub struct WorkerArgs {
     /// once on this engine.
     #[arg(long, default_value = "8")]
     queue_shards: u32,
-    /// The worker name (the engine leases it to one live connection per namespace: run one
-    /// harness worker per session set).
-    #[arg(long, default_value = "harness")]
-    worker_name: String,
+    /// The worker name: the engine leases it to one live connection per namespace, so every
+    /// harness worker on one engine needs its own (default: `harness-<host>-<pid>`).
+    #[arg(long)]
+    worker_name: Option<String>,
     /// Seconds to wait for the engine to accept the worker and list its functions.
     #[arg(long, default_value = "30")]
     connect_timeout: u64,
@@ -56,14 +56,29 @@ pub struct WorkerArgs {
     runtime: crate::RuntimeArgs,
 }
 
+/// A worker name no other harness worker on the engine has: the host and the process id.
+fn default_worker_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "host".into());
+    format!("harness-{host}-{}", std::process::id())
+}
+
 pub async fn run(args: WorkerArgs) -> Result<()> {
     let with = Siblings::parse(&args.with)?;
     let opts = args.runtime.options()?;
     let data_dir = opts.data_dir.clone();
     let mut iii = IiiOptions::new(args.engine.clone());
-    iii.worker_name = args.worker_name.clone();
+    iii.worker_name = args.worker_name.clone().unwrap_or_else(default_worker_name);
     iii.connect_timeout = Duration::from_secs(args.connect_timeout.max(1));
     iii.shards = args.queue_shards.max(1);
+    // The write-ahead copy lives beside the worker's store, so it outlives the process.
+    std::fs::create_dir_all(&data_dir)
+        .map_err(|e| anyhow::anyhow!("cannot create the data dir {}: {e}", data_dir.display()))?;
+    iii.journal = Some(data_dir.join("iii-write-ahead.db"));
     iii.queue_mode = match args.queue_mode {
         QueueModeArg::Auto => QueueMode::Auto,
         QueueModeArg::Enqueue => QueueMode::Enqueue,
@@ -94,9 +109,16 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
         data_dir.display()
     );
     let mut reconnects = bus.reconnects();
+    let mut deposed = bus.deposed();
     loop {
         tokio::select! {
             _ = crate::shutdown_signal() => break,
+            _ = deposed.wait_for(|d| *d) => {
+                bus.shutdown().await;
+                anyhow::bail!(
+                    "another harness worker took this worker's sessions over while its link to the engine was down; start it again to stand by"
+                );
+            }
             changed = reconnects.changed() => {
                 if changed.is_err() {
                     break;

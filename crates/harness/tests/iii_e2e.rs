@@ -371,8 +371,18 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     engine.wait_status("s_lost", "awaiting_functions").await;
     assert!(engine.state("harness_turn", "s_lost").await.is_some());
 
-    // The engine dies before flushing: the record is gone; the worker restarts too.
+    // The engine dies before flushing: the record is gone; the worker restarts too, without
+    // its write-ahead copy (a new machine, or the file lost with the old one), so nothing
+    // can give the record back.
     engine.set_state("harness_turn", "s_lost", None).await;
+    worker.kill();
+    for file in [
+        "iii-write-ahead.db",
+        "iii-write-ahead.db-wal",
+        "iii-write-ahead.db-shm",
+    ] {
+        let _ = std::fs::remove_file(worker.dir().join("data").join(file));
+    }
     worker.restart().await;
     let out = engine
         .call(
@@ -493,6 +503,81 @@ async fn an_engine_crash_inside_its_flush_window_loses_no_turn_and_runs_nothing_
             "{log}"
         );
         assert!(log.contains("no longer has some bindings"), "{log}");
+    }
+}
+
+/// The worker and the engine die together (SIGKILL both) while a call runs, inside the
+/// engine's flush window: the restarted engine has lost the turn record, and the worker's
+/// memory is gone too. The restarted worker finds the write-ahead copy in its SQLite file
+/// beside its store, gives the engine the turn back before anything runs, and the turn
+/// completes: the call ran once and is closed once, as interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_with_the_engine_gets_the_lost_turn_back_from_its_sqlite_copy() {
+    let engine = Engine::start().await;
+    engine.hold_flush();
+    let fx = Fixtures::new(
+        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 4000}]),
+    );
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
+            text_gen(
+                None,
+                "The job was interrupted; I will check first.",
+                0,
+                true,
+            ),
+        ]),
+        &extra,
+    )
+    .await;
+    // What a crash keeps: everything up to here, nothing of the turn.
+    engine.flush();
+    let sent = engine.send("s_both", "do the work", &["slow::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let log = fx.log();
+    wait_until("the call to start", || {
+        invocations(&log).get("c1") == Some(&1)
+    })
+    .await;
+    worker.kill();
+    engine.crash().await;
+    if !engine.is_real() {
+        assert_eq!(
+            engine.state("harness_turn", "s_both").await,
+            None,
+            "the engine lost the turn record"
+        );
+    }
+    worker.restart().await;
+    let status = engine.wait_turn("s_both", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    let entries = engine.transcript("s_both", false).await;
+    assert_every_call_closed(&entries);
+    let results: Vec<&Value> = entries
+        .iter()
+        .filter(|e| role_of(e) == Some("function_result"))
+        .collect();
+    assert_eq!(results.len(), 1, "{}", render(&entries));
+    assert_eq!(results[0]["message"]["details"]["error"], "interrupted");
+    assert!(
+        worker.dir().join("data/iii-write-ahead.db").exists(),
+        "the copy is a file beside the store"
+    );
+    if !engine.is_real() {
+        let log = worker.log();
+        assert!(
+            log.contains("written again from the write-ahead copy"),
+            "{log}"
+        );
     }
 }
 

@@ -154,6 +154,48 @@ async fn record_the_engine_shapes() {
     r.call(&a, "state::delete", json!({"scope": "rec", "key": "k"}))
         .await;
     r.call(&a, "state::get", json!({"scope": 5})).await;
+    // Atomic updates, as the fenced turn records use them: a lease taken (an increment), a
+    // slot written, one removed.
+    r.call(
+        &a,
+        "state::update",
+        json!({"scope": "rec_lease", "key": "s", "ops": [
+        {"type": "increment", "path": "epoch", "by": 1},
+        {"type": "set", "path": "holder", "value": "w1"},
+        {"type": "set", "path": "_harness_key", "value": "s"}]}),
+    )
+    .await;
+    r.call(
+        &a,
+        "state::update",
+        json!({"scope": "rec_lease", "key": "s", "ops": [
+        {"type": "increment", "path": "epoch", "by": 1},
+        {"type": "set", "path": "holder", "value": "w2"},
+        {"type": "set", "path": "_harness_key", "value": "s"}]}),
+    )
+    .await;
+    r.call(
+        &a,
+        "state::update",
+        json!({"scope": "rec_turn", "key": "s", "ops": [
+        {"type": "set", "path": "_harness_key", "value": "s"},
+        {"type": "set", "path": "_harness_epoch_00000000000000000001", "value": {"step": 1}},
+        {"type": "remove", "path": "_harness_epoch_00000000000000000000"}]}),
+    )
+    .await;
+
+    // A second connection registering an id the first one owns: only that registration is
+    // refused, the connection stays.
+    let other = Client::connect(&engine.url()).await.unwrap();
+    other.send(
+        json!({"type": "registerfunction", "id": "rec::echo", "description": "a second owner"}),
+    );
+    let refused = wait_frame(&other, "registrationrejected", |m| {
+        m["type"] == "registrationrejected"
+    })
+    .await;
+    r.message("registrationrejected", refused);
+    other.close();
 
     // A worker-owned trigger type: bindings made through the engine are forwarded to it.
     a.send(

@@ -346,6 +346,22 @@ impl Engine {
         match kind.as_str() {
             "registerfunction" => {
                 let id = msg["id"].as_str().unwrap_or_default().to_string();
+                // As the engine: a function id is leased to one live worker; another worker's
+                // registration of it is refused (that one function, not the connection).
+                let owner = self
+                    .lock()
+                    .functions
+                    .get(&id)
+                    .map(|f| f.worker.clone())
+                    .filter(|w| w != worker_id);
+                if let Some(owner) = owner {
+                    self.send_frame(
+                        worker_id,
+                        json!({"type": "registrationrejected", "code": "FUNCTION_NAMESPACE_CONFLICT",
+                            "namespace": "default", "function_id": id, "owner_worker_id": owner}),
+                    );
+                    return;
+                }
                 self.lock().functions.insert(
                     id,
                     Function {
@@ -554,7 +570,8 @@ impl Engine {
                 let detail = |id: &str| {
                     st.functions.get(id).map(|f| {
                         // As the engine: the schemas and metadata only when registered.
-                        let mut d = json!({"function_id": id, "namespace": "default", "worker_name": "",
+                        let worker_name = st.workers.get(&f.worker).and_then(|w| w.name.clone()).unwrap_or_default();
+                        let mut d = json!({"function_id": id, "namespace": "default", "worker_name": worker_name,
                             "description": f.def["description"], "registered_triggers": []});
                         for (from, to) in [("request_format", "request_schema"), ("response_format", "response_schema"), ("metadata", "metadata")] {
                             if let Some(v) = f.def.get(from).filter(|v| !v.is_null()) {
@@ -641,6 +658,20 @@ impl Engine {
                     .collect();
                 rows.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
                 Ok(json!({ "registered_triggers": rows }))
+            }
+            "state::update" => {
+                let (Some(scope), Some(key)) = (s(data, "scope"), s(data, "key")) else {
+                    return Some(bad("missing field `scope` or `key`"));
+                };
+                let Some(ops) = data["ops"].as_array() else {
+                    return Some(bad("missing field `ops`"));
+                };
+                let mut st = self.lock();
+                let table = st.kv.entry(scope).or_default();
+                let old = table.get(&key).cloned();
+                let new = apply_update_ops(old.clone(), ops);
+                table.insert(key, new.clone());
+                Ok(json!({"old_value": old, "new_value": new}))
             }
             "state::get" | "state::set" | "state::delete" | "state::list" => {
                 let Some(scope) = s(data, "scope") else {
@@ -1170,6 +1201,35 @@ pub fn recorded() -> &'static Value {
     RECORDED.get_or_init(|| {
         serde_json::from_str(include_str!("recorded.json")).expect("recorded.json is JSON")
     })
+}
+
+/// The engine's `state::update` for the ops the adapter sends (`set`, `increment`, `remove`
+/// at a top-level field, or `set` of the whole value with an empty path), applied in order to
+/// the value or `{}` (as the engine's kv store: all under one lock, so the update is atomic).
+fn apply_update_ops(old: Option<Value>, ops: &[Value]) -> Value {
+    let mut current = old.unwrap_or_else(|| json!({}));
+    for op in ops {
+        let path = op["path"].as_str().unwrap_or_default().to_string();
+        match (
+            op["type"].as_str().unwrap_or_default(),
+            current.as_object_mut(),
+        ) {
+            ("set", _) if path.is_empty() => current = op["value"].clone(),
+            ("set", Some(map)) => {
+                map.insert(path, op["value"].clone());
+            }
+            ("increment", Some(map)) => {
+                let by = op["by"].as_i64().unwrap_or(0);
+                let now = map.get(&path).and_then(Value::as_i64).unwrap_or(0);
+                map.insert(path, json!(now + by));
+            }
+            ("remove", Some(map)) => {
+                map.remove(&path);
+            }
+            _ => {}
+        }
+    }
+    current
 }
 
 /// Functions the engine itself provides (the double answers them, never a worker).

@@ -20,22 +20,62 @@ pub struct WorkerProc {
     extra: Vec<String>,
     env: Vec<(String, String)>,
     starts: u32,
+    /// Where the data dir and the script are (this worker's own dir, or another worker's when
+    /// it shares that one's store: see [`WorkerProc::standby`]).
+    home: PathBuf,
+    /// The log line that tells the worker is up.
+    ready_line: &'static str,
 }
 
 impl WorkerProc {
     pub async fn start(engine: &Engine, script: &Value, extra: &[&str]) -> WorkerProc {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("script.json"), script.to_string()).expect("write script");
+        let home = dir.path().to_path_buf();
         let mut w = WorkerProc {
             child: None,
             dir,
             engine_url: engine.url.clone(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
+            extra: named(extra, "harness"),
             env: Vec::new(),
             starts: 0,
+            home,
+            ready_line: "harness worker registered on",
         };
         w.spawn().await;
         w
+    }
+
+    /// A second `harness worker` on the same engine, data dir and script as `serving`, started
+    /// while `serving` is up: it stands by (returns once it says so) and takes over when
+    /// `serving` is gone.
+    pub async fn standby(engine: &Engine, serving: &WorkerProc, extra: &[&str]) -> WorkerProc {
+        let mut w = WorkerProc {
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            engine_url: engine.url.clone(),
+            extra: named(extra, "harness-standby"),
+            env: Vec::new(),
+            starts: 0,
+            home: serving.home.clone(),
+            ready_line: "harness worker standing by",
+        };
+        w.spawn().await;
+        w.ready_line = "harness worker registered on";
+        w
+    }
+
+    /// Waits until this worker logs that it registered (a standby that took over).
+    pub async fn wait_serving(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.log().contains("harness worker registered on") {
+            assert!(
+                Instant::now() < deadline,
+                "the worker did not take over within {within:?}; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn dir(&self) -> PathBuf {
@@ -73,9 +113,9 @@ impl WorkerProc {
             .arg("--with")
             .arg("all")
             .arg("--data-dir")
-            .arg(self.dir.path().join("data"))
+            .arg(self.home.join("data"))
             .arg("--script")
-            .arg(self.dir.path().join("script.json"))
+            .arg(self.home.join("script.json"))
             .args(&self.extra)
             .env("HARNESS_LOG", "warn,harness_iii=debug")
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -89,7 +129,7 @@ impl WorkerProc {
         loop {
             let log = self.log();
             let fresh = log.get(offset..).unwrap_or("");
-            if fresh.contains("harness worker registered on") {
+            if fresh.contains(self.ready_line) {
                 return;
             }
             if let Some(status) = self.child.as_mut().unwrap().try_wait().expect("try_wait") {
@@ -131,6 +171,16 @@ impl WorkerProc {
         self.kill();
         self.spawn().await;
     }
+}
+
+/// The arguments with `--worker-name NAME` unless they name the worker already (the tests
+/// find a worker's connection on the double by its name).
+fn named(extra: &[&str], name: &str) -> Vec<String> {
+    let mut out: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    if !extra.contains(&"--worker-name") {
+        out.extend(["--worker-name".to_string(), name.to_string()]);
+    }
+    out
 }
 
 impl Drop for WorkerProc {
@@ -230,7 +280,12 @@ impl Engine {
 pub fn transient(e: &CallError) -> bool {
     matches!(
         e.code.as_str(),
-        "function_not_found" | "invocation_stopped" | "timeout" | "harness/starting"
+        "function_not_found"
+            | "invocation_stopped"
+            | "timeout"
+            | "harness/starting"
+            // A real engine's answer to a call routed to a worker whose connection just died.
+            | "channel_send_failed"
     )
 }
 
