@@ -1029,6 +1029,36 @@ pub(crate) fn origin(
     Value::Object(o)
 }
 
+/// A call's result entry, with its checkpoint marked done in memory (the caller writes the
+/// entry before or with the record).
+fn closing_entry(rec: &mut TurnRecord, call: &PlannedCall, c: Closing) -> AppendRequest {
+    let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
+    // A spawn's child stays known (status, the stop cascade, the fan-out count).
+    let child = rec.calls.get(&call.id).and_then(|c| c.child().cloned());
+    rec.calls.insert(
+        call.id.clone(),
+        CallCheckpoint::Done {
+            function_id: call.function_id.clone(),
+            entry_id: Some(entry_id.clone()),
+            child,
+        },
+    );
+    AppendRequest {
+        session_id: rec.session_id.clone(),
+        message: Some(AgentMessage::FunctionResult(FunctionResultMessage {
+            function_call_id: call.id.clone(),
+            function_id: call.function_id.clone(),
+            content: c.content,
+            details: c.details,
+            is_error: c.is_error,
+            timestamp: now_ms(),
+        })),
+        custom: None,
+        entry_id: Some(entry_id),
+        origin: Some(c.origin),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1144,35 +1174,5 @@ mod tests {
             vec![ContentBlock::text("{\"a\":1}")]
         );
         assert!(normalize(&json!({"a": 1, "is_error": true})).1);
-    }
-}
-
-/// A call's result entry, with its checkpoint marked done in memory (the caller writes the
-/// entry before or with the record).
-fn closing_entry(rec: &mut TurnRecord, call: &PlannedCall, c: Closing) -> AppendRequest {
-    let entry_id = ids::call_result_entry(&rec.turn_id, &call.id);
-    // A spawn's child stays known (status, the stop cascade, the fan-out count).
-    let child = rec.calls.get(&call.id).and_then(|c| c.child().cloned());
-    rec.calls.insert(
-        call.id.clone(),
-        CallCheckpoint::Done {
-            function_id: call.function_id.clone(),
-            entry_id: Some(entry_id.clone()),
-            child,
-        },
-    );
-    AppendRequest {
-        session_id: rec.session_id.clone(),
-        message: Some(AgentMessage::FunctionResult(FunctionResultMessage {
-            function_call_id: call.id.clone(),
-            function_id: call.function_id.clone(),
-            content: c.content,
-            details: c.details,
-            is_error: c.is_error,
-            timestamp: now_ms(),
-        })),
-        custom: None,
-        entry_id: Some(entry_id),
-        origin: Some(c.origin),
     }
 }
