@@ -62,22 +62,6 @@ impl Harness {
     /// effects short (on a bus without transactions), so they run again (each is idempotent).
     pub(crate) async fn repeat_terminal_effects(&self, rec: &TurnRecord) -> Result<()> {
         let mut batch = StepWrites::default();
-        let closings = self
-            .inner
-            .closings
-            .lock()
-            .expect("closings lock")
-            .remove(&rec.turn_id);
-        // Only what this record says it closed (a leftover of a failed attempt is not).
-        let closed = |req: &&harness_types::session::AppendRequest| {
-            rec.calls.values().any(|c| {
-                matches!(c, crate::record::CallCheckpoint::Done { entry_id: Some(e), .. }
-                    if Some(e) == req.entry_id.as_ref())
-            })
-        };
-        for req in closings.iter().flatten().filter(closed) {
-            batch.append(req)?;
-        }
         terminal_records(&mut batch, rec)?;
         let event = after_terminal(&mut batch, rec)?;
         self.record_turn_completed(&mut batch, &event);
