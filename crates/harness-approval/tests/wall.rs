@@ -186,6 +186,10 @@ harness::ask run run run run
 harness::context-policy wall wall wall run
 harness::delete-session-tree wall wall wall run
 harness::delete-session-tree-status wall wall wall run
+harness::filesystem::grant wall wall wall run
+harness::filesystem::grants wall wall wall run
+harness::filesystem::info wall wall wall run
+harness::filesystem::revoke wall wall wall run
 harness::function::resolve wall wall wall run
 harness::function::trigger wall wall wall run
 harness::metrics wall wall wall run

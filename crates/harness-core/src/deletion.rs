@@ -524,6 +524,9 @@ impl Harness {
                 .await
                 .map_err(state_err)?;
         }
+        bus.state_delete(crate::grants::SCOPE, session_id)
+            .await
+            .map_err(state_err)?;
         self.forget_transcript(session_id);
         let _: DeleteResponse = self
             .call(

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 pub(crate) const FIELD: &str = "fs_scope";
 
 /// Where a root came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FsBoundary {
     /// Named by the send or spawn that started the work.
@@ -25,7 +25,7 @@ pub enum FsBoundary {
     ConfiguredRoots,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct FsRoot {
     /// Absolute, resolved (no symlinks) when it was frozen.
     pub root: String,
@@ -37,9 +37,14 @@ pub(crate) fn scoped(function_id: &str) -> bool {
     function_id.starts_with("fs::") || function_id.starts_with("shell::")
 }
 
-/// Overwrites `fs_scope` on a scoped call's arguments with the turn's own (or removes it when
-/// the turn has no root). Other calls are left as they are.
-pub(crate) fn stamp(function_id: &str, arguments: &mut Value, root: Option<&FsRoot>) {
+/// Overwrites `fs_scope` on a scoped call's arguments with the turn's own and the session's
+/// grants (or removes it when the turn has no root). Other calls are left as they are.
+pub(crate) fn stamp(
+    function_id: &str,
+    arguments: &mut Value,
+    root: Option<&FsRoot>,
+    grants: &[String],
+) {
     if !scoped(function_id) {
         return;
     }
@@ -50,7 +55,7 @@ pub(crate) fn stamp(function_id: &str, arguments: &mut Value, root: Option<&FsRo
     if let Some(r) = root {
         map.insert(
             FIELD.to_string(),
-            json!({"root": r.root, "grants": [], "boundary": r.boundary}),
+            json!({"root": r.root, "grants": grants, "boundary": r.boundary}),
         );
     }
 }
@@ -111,16 +116,28 @@ mod tests {
             boundary: FsBoundary::Workspace,
         };
         let mut args = json!({"path": "x", "fs_scope": {"root": "/", "grants": ["/etc"], "boundary": "workspace"}});
-        stamp("fs::read", &mut args, Some(&root));
+        stamp("fs::read", &mut args, Some(&root), &[]);
         assert_eq!(
             args,
             json!({"path": "x", "fs_scope": {"root": "/work/a", "grants": [], "boundary": "workspace"}})
         );
+        let mut args = json!({"path": "x", "fs_scope": {"root": "/", "grants": ["/etc"], "boundary": "workspace"}});
+        stamp(
+            "fs::read",
+            &mut args,
+            Some(&root),
+            &["/srv/shared".to_string()],
+        );
+        assert_eq!(
+            args["fs_scope"]["grants"],
+            json!(["/srv/shared"]),
+            "the session's grants, not the model's"
+        );
         let mut args = json!({"command": "ls", "fs_scope": {"root": "/"}});
-        stamp("shell::exec", &mut args, None);
+        stamp("shell::exec", &mut args, None, &["/srv/shared".to_string()]);
         assert_eq!(args, json!({"command": "ls"}), "no root: no scope at all");
         let mut args = json!({"url": "u", "fs_scope": {"root": "/"}});
-        stamp("web::fetch", &mut args, Some(&root));
+        stamp("web::fetch", &mut args, Some(&root), &[]);
         assert_eq!(args["fs_scope"]["root"], "/", "not a scoped function");
     }
 

@@ -175,6 +175,42 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::filesystem::grant",
+            "Grant a session an extra filesystem root beside its turn's root: an absolute, existing path (kept canonical) its fs::* and shell::* calls may reach from the next call on. The harness's data directory and configuration cannot be granted.",
+        )
+        .internal(),
+        |h, req: crate::grants::GrantRequest| async move { h.filesystem_grant(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::filesystem::grants",
+            "The filesystem grants of a session.",
+        )
+        .internal(),
+        |h, req: crate::grants::GrantsRequest| async move { h.filesystem_grants(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::filesystem::revoke",
+            "Revoke a session's filesystem grant; holds from the session's next fs::* or shell::* call.",
+        )
+        .internal(),
+        |h, req: crate::grants::RevokeRequest| async move { h.filesystem_revoke(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
+            "harness::filesystem::info",
+            "The configured default filesystem root; with session_id, the root the session's turn froze and its grants.",
+        )
+        .internal(),
+        |h, req: crate::grants::InfoRequest| async move { h.filesystem_info(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::stop",
             "Request cancellation of an in-flight turn.",
         ),

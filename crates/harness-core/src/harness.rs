@@ -44,6 +44,10 @@ pub(crate) struct Inner {
     /// for the `Effect::Finalize` that always follows it: they are committed in its batch, so
     /// a crash never leaves closed calls in the transcript beside a record that still waits.
     pub(crate) closings: Mutex<HashMap<String, Vec<AppendRequest>>>,
+    /// The data directory and configuration files: never grantable (`harness::filesystem::grant`).
+    pub(crate) protected: std::sync::RwLock<Vec<std::path::PathBuf>>,
+    /// Serializes the read-modify-write of a grants row.
+    pub(crate) grants_lock: tokio::sync::Mutex<()>,
 }
 
 /// Sessions whose transcript stays in memory; the least recently read goes first. Enough for
@@ -248,8 +252,25 @@ impl Harness {
                 functions_generation: std::sync::atomic::AtomicU64::new(1),
                 transcripts: Mutex::new(TranscriptCache::default()),
                 closings: Mutex::new(HashMap::new()),
+                protected: std::sync::RwLock::new(Vec::new()),
+                grants_lock: tokio::sync::Mutex::new(()),
             }),
         }
+    }
+
+    /// Paths no filesystem grant may reach (the data directory, configuration files); kept
+    /// canonical where they exist.
+    pub fn set_protected_paths(&self, paths: impl IntoIterator<Item = std::path::PathBuf>) {
+        let paths = paths
+            .into_iter()
+            .filter(|p| p.is_absolute())
+            .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
+            .collect();
+        *self.inner.protected.write().expect("protected lock") = paths;
+    }
+
+    pub(crate) fn protected_paths(&self) -> Vec<std::path::PathBuf> {
+        self.inner.protected.read().expect("protected lock").clone()
     }
 
     pub fn bus(&self) -> &Arc<dyn Bus> {

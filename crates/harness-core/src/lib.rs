@@ -23,6 +23,7 @@ pub mod failpoint;
 mod finalize;
 mod fsroot;
 mod functions;
+pub mod grants;
 mod harness;
 mod hooks;
 mod identity;

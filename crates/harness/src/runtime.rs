@@ -52,22 +52,9 @@ pub fn default_data_dir() -> PathBuf {
 /// the data directory, every configuration file the harness reads, and the fixture files.
 /// `web_fetch_allow_private` is read from the live configuration on every fetch.
 fn tools(opts: &RuntimeOptions, harness: &Harness) -> harness_tools::Tools {
-    let mut protected = vec![opts.data_dir.clone()];
-    protected.extend(opts.config_file.clone());
-    protected.extend(opts.fixtures.clone());
-    protected.extend(opts.fixture_log.clone());
-    for var in [
-        harness_router::providers::CONFIG_ENV,
-        harness_router::providers::CATALOG_ENV,
-    ] {
-        protected.extend(std::env::var_os(var).map(PathBuf::from));
-    }
-    // The router's default configuration lives here, next to anything else of ours.
-    protected.extend(dirs::config_dir().map(|d| d.join("harness")));
-    let protected = protected
-        .into_iter()
-        .map(|p| std::path::absolute(&p).unwrap_or(p))
-        .collect::<Vec<_>>();
+    let protected = protected_paths(opts);
+    // The same paths can never be granted to a session (harness::filesystem::grant).
+    harness.set_protected_paths(protected.clone());
     let live = harness.clone();
     let shell = harness.clone();
     let limits = harness_tools::Limits {
@@ -87,6 +74,26 @@ fn tools(opts: &RuntimeOptions, harness: &Harness) -> harness_tools::Tools {
         ..harness_tools::Limits::default()
     };
     harness_tools::Tools::new(protected, limits)
+}
+
+/// What no tool call and no filesystem grant may reach.
+fn protected_paths(opts: &RuntimeOptions) -> Vec<PathBuf> {
+    let mut protected = vec![opts.data_dir.clone()];
+    protected.extend(opts.config_file.clone());
+    protected.extend(opts.fixtures.clone());
+    protected.extend(opts.fixture_log.clone());
+    for var in [
+        harness_router::providers::CONFIG_ENV,
+        harness_router::providers::CATALOG_ENV,
+    ] {
+        protected.extend(std::env::var_os(var).map(PathBuf::from));
+    }
+    // The router's default configuration lives here, next to anything else of ours.
+    protected.extend(dirs::config_dir().map(|d| d.join("harness")));
+    protected
+        .into_iter()
+        .map(|p| std::path::absolute(&p).unwrap_or(p))
+        .collect()
 }
 
 /// `~/rest` as a path in the user's home; anything else as written.
@@ -302,6 +309,7 @@ impl Runtime {
             harness_router::register(bus.as_ref(), &router);
         }
         let harness = Harness::new(bus.clone(), opts.config.clone());
+        harness.set_protected_paths(protected_paths(&opts));
         harness_core::register(&harness);
         if with.tools {
             harness_tools::register(bus.as_ref(), &tools(&opts, &harness));

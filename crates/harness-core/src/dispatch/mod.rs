@@ -607,12 +607,20 @@ impl Harness {
             breaker_key,
             after,
         } = run;
-        // The turn's root, over whatever the model wrote (§4.10); again after the hooks below.
+        // The turn's root and the session's grants (read now: a revoke holds from the next
+        // call), over whatever the model wrote (§4.10); again after the hooks below.
+        let grants = if crate::fsroot::scoped(&call.function_id) && rec.options.filesystem.is_some()
+        {
+            self.session_grants(&rec.session_id).await?
+        } else {
+            Vec::new()
+        };
         let mut arguments = arguments;
         crate::fsroot::stamp(
             &call.function_id,
             &mut arguments,
             rec.options.filesystem.as_ref(),
+            &grants,
         );
         let mut payload = hooks::envelope(
             HookPoint::PreTrigger,
@@ -638,6 +646,7 @@ impl Harness {
             &call.function_id,
             &mut arguments,
             rec.options.filesystem.as_ref(),
+            &grants,
         );
         let reconciled =
             (!changes.is_empty()).then(|| serde_json::to_value(&changes).unwrap_or(Value::Null));
@@ -856,7 +865,7 @@ impl Harness {
         let schema = self.request_schema(function_id).await?;
         // The stamped `fs_scope` is the loop's, not the model's: it is no field to fix.
         let mut arguments = arguments.clone();
-        crate::fsroot::stamp(function_id, &mut arguments, None);
+        crate::fsroot::stamp(function_id, &mut arguments, None, &[]);
         let lines = reconcile::diagnose(&schema, &arguments);
         if lines.is_empty() {
             return None;

@@ -1,0 +1,288 @@
+//! Per-session filesystem grants: `harness::filesystem::{grant,grants,revoke,info}` on the bus,
+//! their refusals, the stamping of a session's grants onto its scoped calls (read per call, so a
+//! revoke holds from the next one), and their deletion with the session tree.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use harness_bus::Bus;
+use harness_types::api::{
+    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionStatus, ExposeMode, FunctionPolicy,
+    SendOptions,
+};
+use serde_json::{json, Value};
+use support::*;
+
+fn script() -> Value {
+    json!({"generations": [
+        {"match": {"last_user_text": "^read"}, "content": [
+            {"type": "function_call", "id": "c1", "function_id": "fs::read",
+             "arguments": {"path": "a", "fs_scope": {"root": "/", "grants": ["/"], "boundary": "workspace"}}}
+        ]},
+        {"match": {"last_user_text": "^again"}, "content": [
+            {"type": "function_call", "id": "c2", "function_id": "fs::read", "arguments": {"path": "b"}}
+        ]},
+        {"repeat": true, "content": [{"type": "text", "text": "done"}]}
+    ]})
+}
+
+fn send_in(text: &str, session: &str, root: &str) -> harness_types::api::SendRequest {
+    let mut req = send(text);
+    req.session_id = Some(session.to_string());
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: vec!["*".into()],
+            deny: vec![],
+            expose: ExposeMode::Native,
+        }),
+        filesystem_root: Some(root.to_string()),
+        ..Default::default()
+    });
+    req
+}
+
+async fn call(rt: &Rt, id: &str, payload: Value) -> Result<Value, String> {
+    rt.bus
+        .call(id, payload, Some(Duration::from_secs(10)))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+fn real(p: &std::path::Path) -> String {
+    std::fs::canonicalize(p).unwrap().display().to_string()
+}
+
+#[tokio::test]
+async fn grant_list_revoke_round_trip_and_refusals() {
+    let rt = runtime(script(), config()).await;
+    let base = tempfile::tempdir().unwrap();
+    let data = base.path().join("data");
+    let shared = base.path().join("shared");
+    std::fs::create_dir_all(data.join("sessions")).unwrap();
+    std::fs::create_dir_all(&shared).unwrap();
+    rt.harness.set_protected_paths([data.clone()]);
+
+    let g = call(
+        &rt,
+        "harness::filesystem::grant",
+        json!({"session_id": "s1", "path": shared.join(".").display().to_string()}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(g["path"], real(&shared), "kept canonical");
+    assert_eq!(g["created"], true);
+    let again = call(
+        &rt,
+        "harness::filesystem::grant",
+        json!({"session_id": "s1", "path": real(&shared)}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        again["created"], false,
+        "a second grant of the same path is a no-op"
+    );
+    let list = call(
+        &rt,
+        "harness::filesystem::grants",
+        json!({"session_id": "s1"}),
+    )
+    .await
+    .unwrap();
+    let paths: Vec<&str> = list["grants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(paths, vec![real(&shared).as_str()]);
+    let other = call(
+        &rt,
+        "harness::filesystem::grants",
+        json!({"session_id": "s2"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(other["grants"], json!([]), "grants are per session");
+    let info = call(
+        &rt,
+        "harness::filesystem::info",
+        json!({"session_id": "s1"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(info["grants"][0]["path"], real(&shared));
+    assert!(info["default_root"].is_string(), "{info}");
+    let info = call(&rt, "harness::filesystem::info", json!({}))
+        .await
+        .unwrap();
+    assert_eq!(info["grants"], json!([]));
+
+    // Refusals, each naming its field.
+    let refused = |payload: Value, starts: &'static str| {
+        let rt = &rt;
+        async move {
+            let e = call(rt, "harness::filesystem::grant", payload)
+                .await
+                .unwrap_err();
+            assert!(e.contains(starts), "{e}");
+            e
+        }
+    };
+    refused(
+        json!({"session_id": "s1", "path": "relative/dir"}),
+        "path: 'relative/dir' is not an absolute path",
+    )
+    .await;
+    refused(
+        json!({"session_id": "s1", "path": "/no/such/dir/for/grants"}),
+        "path: '/no/such/dir/for/grants':",
+    )
+    .await;
+    for p in [
+        data.clone(),
+        data.join("sessions"),
+        base.path().to_path_buf(),
+    ] {
+        let e = refused(
+            json!({"session_id": "s1", "path": p.display().to_string()}),
+            "cannot be granted",
+        )
+        .await;
+        assert!(e.starts_with("harness/invalid_request: path:"), "{e}");
+    }
+    refused(
+        json!({"session_id": "s1", "path": real(&shared), "mode": "rw"}),
+        "mode",
+    )
+    .await;
+    let e = call(
+        &rt,
+        "harness::filesystem::revoke",
+        json!({"session_id": "s1", "path": real(&shared), "force": true}),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.contains("force"), "{e}");
+
+    let r = call(
+        &rt,
+        "harness::filesystem::revoke",
+        json!({"session_id": "s1", "path": real(&shared)}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r["revoked"], true);
+    assert_eq!(r["grants"], json!([]));
+    let r = call(
+        &rt,
+        "harness::filesystem::revoke",
+        json!({"session_id": "s1", "path": real(&shared)}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r["revoked"], false);
+    assert_eq!(
+        rt.bus
+            .state_get("harness_filesystem_grants", "s1")
+            .await
+            .unwrap(),
+        None,
+        "an empty row is removed"
+    );
+}
+
+#[tokio::test]
+async fn the_sessions_grants_are_stamped_per_call_and_deleted_with_the_session() {
+    let rt = runtime(script(), config()).await;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    rt.register("fs::read", None, move |p| {
+        s.lock().unwrap().push(p);
+        json!({"ok": true})
+    });
+    let root = tempfile::tempdir().unwrap();
+    let shared = tempfile::tempdir().unwrap();
+    let root_s = root.path().to_str().unwrap();
+
+    let run = |text: &'static str| {
+        let rt = &rt;
+        async move {
+            let r = rt.harness.send(send_in(text, "g1", root_s)).await.unwrap();
+            rt.wait_terminal(&r.session_id, &r.turn_id).await;
+        }
+    };
+    call(
+        &rt,
+        "harness::filesystem::grant",
+        json!({"session_id": "g1", "path": shared.path().display().to_string()}),
+    )
+    .await
+    .unwrap();
+    run("read one").await;
+    assert_eq!(
+        seen.lock().unwrap()[0]["fs_scope"],
+        json!({"root": real(root.path()), "grants": [real(shared.path())], "boundary": "workspace"}),
+        "the session's grants, not the model's '/'"
+    );
+    let info = call(
+        &rt,
+        "harness::filesystem::info",
+        json!({"session_id": "g1"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(info["root"]["root"], real(root.path()));
+
+    call(
+        &rt,
+        "harness::filesystem::revoke",
+        json!({"session_id": "g1", "path": real(shared.path())}),
+    )
+    .await
+    .unwrap();
+    run("again").await;
+    assert_eq!(seen.lock().unwrap()[1]["fs_scope"]["grants"], json!([]));
+
+    call(
+        &rt,
+        "harness::filesystem::grant",
+        json!({"session_id": "g1", "path": shared.path().display().to_string()}),
+    )
+    .await
+    .unwrap();
+    let op = rt
+        .harness
+        .delete_session_tree(DeleteTreeRequest {
+            session_id: "g1".into(),
+            attempt: None,
+        })
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = rt
+            .harness
+            .delete_session_tree_status(DeleteTreeStatusRequest {
+                operation_id: op.operation_id.clone(),
+            })
+            .await
+            .unwrap();
+        if s.status != DeletionStatus::Deleting {
+            assert_eq!(s.status, DeletionStatus::Completed, "{s:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "deletion never ended");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        rt.bus
+            .state_get("harness_filesystem_grants", "g1")
+            .await
+            .unwrap(),
+        None,
+        "the grants row went with the session"
+    );
+}
