@@ -1,6 +1,6 @@
 //! `harness::filesystem::{grant,grants,revoke,info}`: per-session extra filesystem roots.
 //!
-//! A grant is a directory (or file) an operator lets one session's `fs::*` and `shell::*` calls
+//! A grant is a directory an operator lets one session's `fs::*` and `shell::*` calls
 //! reach beside the turn's root. Grants live in [`SCOPE`] keyed by session id, are read each
 //! time a scoped call is stamped (so a revoke holds from the next call on), and are deleted with
 //! the session tree. The harness's data directory and configuration can never be granted, nor a
@@ -23,7 +23,7 @@ pub(crate) const SCOPE: &str = "harness_filesystem_grants";
 #[serde(deny_unknown_fields)]
 pub struct GrantRequest {
     pub session_id: String,
-    /// Absolute path of an existing directory or file; kept canonical (symlinks resolved).
+    /// Absolute path of an existing directory; kept canonical (symlinks resolved).
     pub path: String,
 }
 
@@ -107,7 +107,7 @@ fn need_session(session_id: &str) -> Result<()> {
     Ok(())
 }
 
-/// A grant path: absolute, existing, canonical; never the protected paths nor one holding them.
+/// A grant path: absolute, an existing directory, canonical; never the protected paths nor one holding them.
 pub(crate) fn check_path(field: &str, path: &str, protected: &[PathBuf]) -> Result<PathBuf> {
     let p = Path::new(path);
     if !p.is_absolute() {
@@ -118,6 +118,12 @@ pub(crate) fn check_path(field: &str, path: &str, protected: &[PathBuf]) -> Resu
     }
     let real = std::fs::canonicalize(p)
         .map_err(|e| HarnessError::invalid_field(field, format!("'{path}': {e}")))?;
+    if !real.is_dir() {
+        return Err(HarnessError::invalid_field(
+            field,
+            format!("'{path}' is not a directory"),
+        ));
+    }
     for prot in protected {
         if real.starts_with(prot) || prot.starts_with(&real) {
             return Err(HarnessError::invalid_field(
@@ -272,6 +278,10 @@ mod tests {
             e.message.starts_with("path: 'rel/dir' is not an absolute"),
             "{e}"
         );
+        let file = other.join("f.txt");
+        std::fs::write(&file, "x").unwrap();
+        let e = check_path("path", file.to_str().unwrap(), &prot).unwrap_err();
+        assert!(e.message.ends_with("is not a directory"), "{e}");
         let e = check_path("path", "/no/such/place/here", &prot).unwrap_err();
         assert!(e.message.starts_with("path: '/no/such/place/here':"), "{e}");
         for p in [data.clone(), data.parent().unwrap().to_path_buf()] {
