@@ -173,6 +173,10 @@ fn build(jail: &Jail, policy: &ShellPolicy, abi: ABI, tmp: &Path) -> BuildResult
     rules.grant_path(tmp, all)?;
     let root = jail.root_fd().try_clone_to_owned()?;
     rules.grant_tree(root, jail.root(), all)?;
+    // The session's grants, from the descriptors the jail opened (minus protected paths).
+    for (fd, real) in jail.grants() {
+        rules.grant_tree(fd.try_clone_to_owned()?, real, all)?;
+    }
     for dev in DEVICES {
         let access = AccessFs::ReadFile | AccessFs::WriteFile;
         rules.grant_path(Path::new(dev), access & all)?;

@@ -198,8 +198,8 @@ pub fn search(jail: &Jail, req: SearchRequest, limits: &Limits) -> Result<Value>
         .unwrap_or(limits.search_max_results)
         .clamp(1, limits.search_max_results);
     let (start_fd, start_real) = {
-        let rel = jail.relative("path", &req.path)?;
-        jail.open_at("path", &req.path, &rel, rustix::fs::OFlags::RDONLY)?
+        let (id, rel) = jail.relative("path", &req.path)?;
+        jail.open_at("path", &req.path, (id, &rel), rustix::fs::OFlags::RDONLY)?
     };
     drop(start_fd);
     let mut walker = ignore::WalkBuilder::new(&start_real);

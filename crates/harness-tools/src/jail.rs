@@ -53,15 +53,26 @@ impl Protected {
     }
 }
 
-/// An open root: the descriptor every path is resolved from.
-pub struct Jail {
-    root_fd: OwnedFd,
-    /// The root's real path (what `/proc/self/fd` says of `root_fd`).
-    root: PathBuf,
-    /// The root as the scope spelled it (absolute paths the model copies from it are accepted).
+/// One directory paths are resolved from: the root, or a grant.
+struct Base {
+    fd: OwnedFd,
+    /// Its real path (what `/proc/self/fd` says of `fd`).
+    real: PathBuf,
+    /// As the scope spelled it (absolute paths the model copies from it are accepted).
     given: PathBuf,
+}
+
+/// An open root (and the session's grants): the descriptors every path is resolved from.
+/// Relative paths are resolved from the root; an absolute path from the root or the grant it
+/// names, and each is confined to the base it was resolved from.
+pub struct Jail {
+    /// The root first, then the grants that could be opened.
+    bases: Vec<Base>,
     protected: Protected,
 }
+
+/// Which of a jail's bases a path is resolved from (0: the root).
+pub type BaseId = usize;
 
 /// The real path of an open descriptor, from the kernel.
 pub fn real_path(fd: impl AsFd) -> std::io::Result<PathBuf> {
@@ -106,40 +117,61 @@ impl Jail {
                 path: shown,
             });
         }
-        Ok(Jail {
-            root_fd,
-            root,
+        let mut bases = vec![Base {
+            fd: root_fd,
+            real: root,
             given,
+        }];
+        for grant in &scope.grants {
+            match open_grant(grant, protected) {
+                Ok(base) => bases.push(base),
+                // A grant is extra room: one that is gone (or was never valid) is left out.
+                Err(why) => {
+                    tracing::warn!(grant = %grant.display(), "filesystem grant left out: {why}")
+                }
+            }
+        }
+        Ok(Jail {
+            bases,
             protected: protected.clone(),
         })
+    }
+
+    /// The granted directories that could be opened: descriptor and real path.
+    pub fn grants(&self) -> impl Iterator<Item = (std::os::fd::BorrowedFd<'_>, &Path)> {
+        self.bases[1..]
+            .iter()
+            .map(|b| (b.fd.as_fd(), b.real.as_path()))
     }
 
     /// The descriptor of the root (the sandbox of `shell::exec` grants it, not its path, so a
     /// root swapped after the jail was opened changes nothing).
     pub fn root_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.root_fd.as_fd()
+        self.bases[0].fd.as_fd()
     }
 
     pub fn root(&self) -> &Path {
-        &self.root
+        &self.bases[0].real
     }
 
     pub fn protected(&self) -> &Protected {
         &self.protected
     }
 
-    /// A model's path as a path relative to the root. Absolute paths are accepted only when
-    /// they name something under the root; `..` is left to the kernel, which refuses it only
-    /// when it really leaves the root.
-    pub fn relative(&self, field: &'static str, path: &str) -> Result<PathBuf> {
+    /// A model's path as a base and a path relative to it. Relative paths are relative to the
+    /// root; absolute paths are accepted only when they name something under the root or a
+    /// grant; `..` is left to the kernel, which refuses it only when it really leaves the base.
+    pub fn relative(&self, field: &'static str, path: &str) -> Result<(BaseId, PathBuf)> {
         if path.contains('\0') {
             return Err(ToolError::invalid(field, "contains a NUL byte"));
         }
         let p = Path::new(path);
         if p.is_absolute() {
-            for base in [&self.root, &self.given] {
-                if let Ok(rest) = p.strip_prefix(base) {
-                    return Ok(dot_if_empty(rest));
+            for (id, base) in self.bases.iter().enumerate() {
+                for prefix in [&base.real, &base.given] {
+                    if let Ok(rest) = p.strip_prefix(prefix) {
+                        return Ok((id, dot_if_empty(rest)));
+                    }
                 }
             }
             return Err(ToolError::OutsideRoot {
@@ -147,18 +179,19 @@ impl Jail {
                 path: path.to_string(),
             });
         }
-        Ok(dot_if_empty(p))
+        Ok((0, dot_if_empty(p)))
     }
 
-    /// Opens `path` (relative to the root) with `flags`, confined to the root; refuses the
+    /// Opens `path` (`rel` to the base `id`) with `flags`, confined to that base; refuses the
     /// protected paths. Returns the descriptor and its real path.
     pub fn open_at(
         &self,
         field: &'static str,
         path: &str,
-        rel: &Path,
+        (id, rel): (BaseId, &Path),
         flags: OFlags,
     ) -> Result<(OwnedFd, PathBuf)> {
+        let base = &self.bases[id];
         // NONBLOCK: opening a FIFO must not hang the call (callers refuse anything but a
         // regular file or a directory afterwards).
         let flags = flags | OFlags::CLOEXEC | OFlags::NONBLOCK;
@@ -175,10 +208,10 @@ impl Jail {
             e => io_err(field, path, e),
         };
         let fd = if NO_OPENAT2.load(Ordering::Relaxed) {
-            self.open_fallback(rel, flags).map_err(map)?
+            open_fallback(&base.fd, rel, flags).map_err(map)?
         } else {
             match rustix::fs::openat2(
-                &self.root_fd,
+                &base.fd,
                 rel,
                 flags,
                 Mode::empty(),
@@ -188,14 +221,14 @@ impl Jail {
                 Err(Errno::NOSYS) | Err(Errno::PERM) if !NO_OPENAT2.load(Ordering::Relaxed) => {
                     tracing::warn!("openat2 is not available: paths are confined by re-checking what was opened");
                     NO_OPENAT2.store(true, Ordering::Relaxed);
-                    self.open_fallback(rel, flags).map_err(map)?
+                    open_fallback(&base.fd, rel, flags).map_err(map)?
                 }
                 Err(e) => return Err(map(e)),
             }
         };
         let real = real_path(&fd).map_err(|e| io_err(field, path, e))?;
         // Holds for both ways of opening; for the fallback it is the check itself.
-        if !real.starts_with(&self.root) {
+        if !real.starts_with(&base.real) {
             return Err(outside());
         }
         if self.protected.covers(&real) {
@@ -207,12 +240,6 @@ impl Jail {
         Ok((fd, real))
     }
 
-    /// Without `openat2`: open without following a final symlink; the caller checks the real
-    /// path of what was opened before using it.
-    fn open_fallback(&self, rel: &Path, flags: OFlags) -> rustix::io::Result<OwnedFd> {
-        rustix::fs::openat(&self.root_fd, rel, flags | OFlags::NOFOLLOW, Mode::empty())
-    }
-
     /// Opens an existing regular file.
     pub fn open_file(
         &self,
@@ -220,9 +247,9 @@ impl Jail {
         path: &str,
         write: bool,
     ) -> Result<(File, PathBuf)> {
-        let rel = self.relative(field, path)?;
+        let (id, rel) = self.relative(field, path)?;
         let flags = if write { OFlags::RDWR } else { OFlags::RDONLY };
-        let (fd, real) = self.open_at(field, path, &rel, flags)?;
+        let (fd, real) = self.open_at(field, path, (id, &rel), flags)?;
         let kind = file_type(&fd).map_err(|e| io_err(field, path, e))?;
         if kind != FileType::RegularFile {
             return Err(io_err(
@@ -237,8 +264,8 @@ impl Jail {
 
     /// Opens an existing directory.
     pub fn open_dir(&self, field: &'static str, path: &str) -> Result<(OwnedFd, PathBuf)> {
-        let rel = self.relative(field, path)?;
-        self.open_at(field, path, &rel, OFlags::RDONLY | OFlags::DIRECTORY)
+        let (id, rel) = self.relative(field, path)?;
+        self.open_at(field, path, (id, &rel), OFlags::RDONLY | OFlags::DIRECTORY)
     }
 
     /// Opens `path` for writing: an existing regular file (emptied only after every check
@@ -250,12 +277,12 @@ impl Jail {
         path: &str,
         create_dirs: bool,
     ) -> Result<(File, PathBuf, bool)> {
-        let rel = self.relative(field, path)?;
+        let (id, rel) = self.relative(field, path)?;
         let name = match rel.components().next_back() {
             Some(Component::Normal(name)) => name.to_os_string(),
             _ => return Err(ToolError::invalid(field, "must name a file")),
         };
-        match self.open_at(field, path, &rel, OFlags::WRONLY) {
+        match self.open_at(field, path, (id, &rel), OFlags::WRONLY) {
             Ok((fd, real)) => {
                 let kind = file_type(&fd).map_err(|e| io_err(field, path, e))?;
                 if kind != FileType::RegularFile {
@@ -273,9 +300,14 @@ impl Jail {
         }
         let parent = rel.parent().map(dot_if_empty).unwrap_or_else(|| ".".into());
         let (dir, dir_real) = if create_dirs {
-            self.make_dirs(field, path, &parent)?
+            self.make_dirs(field, path, (id, &parent))?
         } else {
-            self.open_at(field, path, &parent, OFlags::RDONLY | OFlags::DIRECTORY)?
+            self.open_at(
+                field,
+                path,
+                (id, &parent),
+                OFlags::RDONLY | OFlags::DIRECTORY,
+            )?
         };
         let real = dir_real.join(&name);
         if self.protected.covers(&real) {
@@ -303,15 +335,20 @@ impl Jail {
         Ok((File::from(fd), real, true))
     }
 
-    /// `mkdir -p` of `rel` under the root: every level is opened through [`Jail::open_at`], so a
-    /// symlink met on the way is followed only while it stays under the root.
-    fn make_dirs(&self, field: &'static str, path: &str, rel: &Path) -> Result<(OwnedFd, PathBuf)> {
+    /// `mkdir -p` of `rel` under its base: every level is opened through [`Jail::open_at`], so
+    /// a symlink met on the way is followed only while it stays under the base.
+    fn make_dirs(
+        &self,
+        field: &'static str,
+        path: &str,
+        (id, rel): (BaseId, &Path),
+    ) -> Result<(OwnedFd, PathBuf)> {
         let dir_flags = OFlags::RDONLY | OFlags::DIRECTORY;
-        let mut current = self.open_at(field, path, Path::new("."), dir_flags)?;
+        let mut current = self.open_at(field, path, (id, Path::new(".")), dir_flags)?;
         let mut prefix = PathBuf::new();
         for comp in rel.components() {
             prefix.push(comp.as_os_str());
-            current = match self.open_at(field, path, &prefix, dir_flags) {
+            current = match self.open_at(field, path, (id, &prefix), dir_flags) {
                 Ok(next) => next,
                 Err(ToolError::NotFound { .. }) => {
                     let Component::Normal(name) = comp else {
@@ -321,7 +358,7 @@ impl Jail {
                         Ok(()) | Err(Errno::EXIST) => {}
                         Err(e) => return Err(io_err(field, path, e)),
                     }
-                    self.open_at(field, path, &prefix, dir_flags)?
+                    self.open_at(field, path, (id, &prefix), dir_flags)?
                 }
                 Err(e) => return Err(e),
             };
@@ -329,12 +366,42 @@ impl Jail {
         Ok(current)
     }
 
-    /// The path of `real` relative to the root, as the model should write it.
+    /// The path of `real` relative to the root, as the model should write it (absolute when
+    /// it lies in a grant).
     pub fn shown(&self, real: &Path) -> String {
-        real.strip_prefix(&self.root)
+        real.strip_prefix(self.root())
             .map(|p| dot_if_empty(p).display().to_string())
             .unwrap_or_else(|_| real.display().to_string())
     }
+}
+
+/// Without `openat2`: open without following a final symlink; the caller checks the real path
+/// of what was opened before using it.
+fn open_fallback(base: &OwnedFd, rel: &Path, flags: OFlags) -> rustix::io::Result<OwnedFd> {
+    rustix::fs::openat(base, rel, flags | OFlags::NOFOLLOW, Mode::empty())
+}
+
+/// Opens a granted directory: absolute, a directory, not protected (nor the filesystem's root,
+/// which would hold every protected path).
+fn open_grant(given: &Path, protected: &Protected) -> std::result::Result<Base, String> {
+    if !given.is_absolute() {
+        return Err("not an absolute path".into());
+    }
+    let fd = rustix::fs::open(
+        given,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| e.to_string())?;
+    let real = real_path(&fd).map_err(|e| e.to_string())?;
+    if protected.covers(&real) || protected.paths().iter().any(|p| p.starts_with(&real)) {
+        return Err("is or holds a protected path".into());
+    }
+    Ok(Base {
+        fd,
+        real,
+        given: given.to_path_buf(),
+    })
 }
 
 fn dot_if_empty(p: &Path) -> PathBuf {

@@ -29,7 +29,8 @@ pub enum Boundary {
 pub struct FsScope {
     /// Absolute path of the root.
     pub root: PathBuf,
-    /// Extra roots granted to the session (reserved: none are granted yet).
+    /// Extra directories granted to the session (`harness::filesystem::grant`): absolute paths
+    /// under them resolve there, each confined like the root.
     #[serde(default)]
     pub grants: Vec<PathBuf>,
     pub boundary: Boundary,

@@ -360,3 +360,64 @@ async fn extra_read_paths_are_readable_not_writable() {
         "echo tool-ran\n"
     );
 }
+
+/// A session's grant adds read and write beneath it, and nothing beside it.
+#[tokio::test]
+async fn a_grant_is_writable_and_its_neighbours_are_not() {
+    let rig = rig();
+    let outside = rig.outside();
+    let shared = outside.join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    std::fs::write(shared.join("in.txt"), "granted\n").unwrap();
+    let grants = vec![shared.clone()];
+    let run = |command: String| {
+        let rig = &rig;
+        let grants = grants.clone();
+        async move {
+            let r = rig
+                .call_granted("shell::exec", json!({ "command": command }), &grants)
+                .await
+                .unwrap();
+            assert_eq!(r["confinement"]["kind"], "landlock", "{r}");
+            r
+        }
+    };
+    let r = run(format!(
+        "cat '{0}/in.txt' && echo written > '{0}/out.txt' && mkdir '{0}/made'",
+        shared.display()
+    ))
+    .await;
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert!(out(&r).contains("granted"), "{r}");
+    assert_eq!(
+        std::fs::read_to_string(shared.join("out.txt")).unwrap(),
+        "written\n"
+    );
+    assert!(shared.join("made").is_dir());
+    // The cwd may be the grant, by its absolute path.
+    let r = rig
+        .call_granted(
+            "shell::exec",
+            json!({"command": "pwd && echo here > here.txt", "cwd": shared.display().to_string()}),
+            &grants,
+        )
+        .await
+        .unwrap();
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert!(shared.join("here.txt").exists());
+    for command in [
+        format!("echo x > '{}/beside.txt'", outside.display()),
+        format!("cat '{}/secret.txt'", outside.display()),
+        format!("echo x > '{}/../up.txt'", shared.display()),
+    ] {
+        let r = run(command.clone()).await;
+        assert!(failed(&r), "{command} succeeded: {r}");
+        assert!(!out(&r).contains("TOP SECRET"), "{r}");
+    }
+    assert!(!outside.join("beside.txt").exists());
+    assert!(!outside.join("up.txt").exists());
+    // Without the grant the same write is refused.
+    let r = sh(&rig, &format!("echo x > '{}/again.txt'", shared.display())).await;
+    assert!(failed(&r), "{r}");
+    assert!(!shared.join("again.txt").exists());
+}

@@ -48,6 +48,17 @@ impl Rig {
         self.bus.call(function_id, args, None).await
     }
 
+    /// Calls `function_id` as the loop would after stamping the root and `grants`.
+    pub async fn call_granted(
+        &self,
+        function_id: &str,
+        mut args: Value,
+        grants: &[PathBuf],
+    ) -> Result<Value, BusError> {
+        args["fs_scope"] = json!({"root": self.root(), "grants": grants, "boundary": "workspace"});
+        self.bus.call(function_id, args, None).await
+    }
+
     pub async fn ok(&self, function_id: &str, args: Value) -> Value {
         match self.call(function_id, args.clone()).await {
             Ok(v) => v,
