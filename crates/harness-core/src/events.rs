@@ -110,48 +110,64 @@ impl Harness {
         Ok(pruned)
     }
 
-    /// `harness::turn-started` as a write of `batch`; the fan-out runs once the batch is
-    /// committed ([`Harness::fan_out_turn_started`]).
-    pub(crate) fn record_turn_started(
+    /// A turn event as a write of `batch`, deduplicated by topic and turn; the fan-out runs once
+    /// the batch is committed ([`Harness::fan_out_turn_event`]).
+    pub(crate) fn record_turn_event<E: TurnEvent>(
         &self,
         batch: &mut crate::harness::StepWrites,
-        ev: &TurnStartedEvent,
+        ev: &E,
     ) {
-        let key = format!("{}:{}", topics::TURN_STARTED, ev.turn_id);
         let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        batch.publish(topics::TURN_STARTED, payload, Some(key));
+        batch.publish(E::TOPIC, payload, Some(ev.dedupe_key()));
     }
 
-    pub(crate) async fn fan_out_turn_started(&self, ev: TurnStartedEvent) -> Result<()> {
-        let key = format!("{}:{}", topics::TURN_STARTED, ev.turn_id);
-        let session_id = ev.session_id.clone();
-        let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
+    /// The deliveries of a turn event recorded by [`Harness::record_turn_event`].
+    pub(crate) async fn fan_out_turn_event<E: TurnEvent>(&self, ev: E) -> Result<()> {
+        let key = ev.dedupe_key();
+        let session_id = ev.session_id().to_string();
+        let parent = ev.parent_session_id().map(str::to_string);
         let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
         let filter = |config: &Value| admits(config, &session_id, parent.as_deref());
-        self.fan_out(topics::TURN_STARTED, key, payload, &filter)
-            .await
+        self.fan_out(E::TOPIC, key, payload, &filter).await
     }
+}
 
-    /// `harness::turn-completed` as a write of `batch`; the fan-out runs once the batch is
-    /// committed ([`Harness::fan_out_turn_completed`]).
-    pub(crate) fn record_turn_completed(
-        &self,
-        batch: &mut crate::harness::StepWrites,
-        ev: &TurnCompletedEvent,
-    ) {
-        let key = format!("{}:{}", topics::TURN_COMPLETED, ev.turn_id);
-        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        batch.publish(topics::TURN_COMPLETED, payload, Some(key));
+/// `harness::turn-started` and `harness::turn-completed`: one per turn, filtered by session and
+/// parent.
+pub(crate) trait TurnEvent: serde::Serialize {
+    const TOPIC: &'static str;
+    fn turn_id(&self) -> &str;
+    fn session_id(&self) -> &str;
+    fn parent_session_id(&self) -> Option<&str>;
+
+    fn dedupe_key(&self) -> String {
+        format!("{}:{}", Self::TOPIC, self.turn_id())
     }
+}
 
-    pub(crate) async fn fan_out_turn_completed(&self, ev: TurnCompletedEvent) -> Result<()> {
-        let key = format!("{}:{}", topics::TURN_COMPLETED, ev.turn_id);
-        let session_id = ev.session_id.clone();
-        let parent = ev.parent.as_ref().map(|p| p.session_id.clone());
-        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
-        let filter = |config: &Value| admits(config, &session_id, parent.as_deref());
-        self.fan_out(topics::TURN_COMPLETED, key, payload, &filter)
-            .await
+impl TurnEvent for TurnStartedEvent {
+    const TOPIC: &'static str = topics::TURN_STARTED;
+    fn turn_id(&self) -> &str {
+        &self.turn_id
+    }
+    fn session_id(&self) -> &str {
+        &self.session_id
+    }
+    fn parent_session_id(&self) -> Option<&str> {
+        self.parent.as_ref().map(|p| p.session_id.as_str())
+    }
+}
+
+impl TurnEvent for TurnCompletedEvent {
+    const TOPIC: &'static str = topics::TURN_COMPLETED;
+    fn turn_id(&self) -> &str {
+        &self.turn_id
+    }
+    fn session_id(&self) -> &str {
+        &self.session_id
+    }
+    fn parent_session_id(&self) -> Option<&str> {
+        self.parent.as_ref().map(|p| p.session_id.as_str())
     }
 }
 

@@ -42,11 +42,11 @@ impl Harness {
         terminal_records(&mut batch, rec)?;
         batch.save_record(rec)?;
         let event = after_terminal(&mut batch, rec)?;
-        self.record_turn_completed(&mut batch, &event);
+        self.record_turn_event(&mut batch, &event);
         self.commit(batch).await?;
         crate::failpoint::hit("after_finalize_persisted");
         self.clear_signal(&rec.turn_id);
-        self.fan_out_turn_completed(event).await?;
+        self.fan_out_turn_event(event).await?;
         self.answer_parent(rec).await;
         // A send that parked its message just before the terminal write saw a running turn and
         // answered `merged`: drain again so it is never stranded.
@@ -64,9 +64,9 @@ impl Harness {
         let mut batch = StepWrites::default();
         terminal_records(&mut batch, rec)?;
         let event = after_terminal(&mut batch, rec)?;
-        self.record_turn_completed(&mut batch, &event);
+        self.record_turn_event(&mut batch, &event);
         self.commit(batch).await?;
-        self.fan_out_turn_completed(event).await
+        self.fan_out_turn_event(event).await
     }
 
     /// A new turn for messages that were drained into the transcript as the last one ended:

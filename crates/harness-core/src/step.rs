@@ -302,13 +302,13 @@ impl Harness {
             message_preview: rec.message_preview.clone(),
         });
         if let Some(ev) = &started {
-            self.record_turn_started(&mut batch, ev);
+            self.record_turn_event(&mut batch, ev);
         }
         self.commit(batch).await?;
         let Some(ev) = started else {
             return Ok(Input::Prepared { denied: None });
         };
-        self.fan_out_turn_started(ev).await?;
+        self.fan_out_turn_event(ev).await?;
         let env = hooks::envelope(
             HookPoint::PreTurn,
             &sid,
