@@ -212,7 +212,6 @@ pub async fn summarize(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use harness_types::message::{AssistantMessage, FunctionResultMessage, StopReason};
 
     fn counter() -> Counter {
         Counter::new(&ModelRef {
@@ -221,37 +220,10 @@ mod tests {
         })
     }
 
-    fn assistant(call: Option<&str>) -> AgentMessage {
-        AgentMessage::Assistant(AssistantMessage {
-            content: match call {
-                Some(id) => vec![ContentBlock::FunctionCall {
-                    id: id.into(),
-                    function_id: "demo::read".into(),
-                    arguments: serde_json::json!({}),
-                }],
-                None => vec![ContentBlock::text("done")],
-            },
-            model: "m".into(),
-            provider: "p".into(),
-            stop_reason: StopReason::End,
-            usage: None,
-            error_kind: None,
-            error_message: None,
-            native_stop_reason: None,
-            warnings: None,
-            timestamp: 0,
-        })
-    }
+    use crate::fixtures::assistant;
 
     fn result(id: &str, chars: usize) -> AgentMessage {
-        AgentMessage::FunctionResult(FunctionResultMessage {
-            function_call_id: id.into(),
-            function_id: "demo::read".into(),
-            content: vec![ContentBlock::text("r".repeat(chars))],
-            details: Value::Null,
-            is_error: false,
-            timestamp: 0,
-        })
+        crate::fixtures::result(id, "r".repeat(chars))
     }
 
     #[test]

@@ -307,4 +307,6 @@ pub fn register(bus: Arc<dyn Bus>) {
 }
 
 #[cfg(test)]
+mod fixtures;
+#[cfg(test)]
 mod tests;

@@ -54,37 +54,12 @@ pub fn prune(messages: &mut [AgentMessage], counter: &Counter) -> u32 {
 mod tests {
     use super::*;
     use harness_types::context::ModelRef;
-    use harness_types::message::{AssistantMessage, FunctionResultMessage, StopReason};
 
     fn call(id: &str) -> AgentMessage {
-        AgentMessage::Assistant(AssistantMessage {
-            content: vec![ContentBlock::FunctionCall {
-                id: id.into(),
-                function_id: "demo::read".into(),
-                arguments: serde_json::json!({}),
-            }],
-            model: "m".into(),
-            provider: "p".into(),
-            stop_reason: StopReason::FunctionCall,
-            usage: None,
-            error_kind: None,
-            error_message: None,
-            native_stop_reason: None,
-            warnings: None,
-            timestamp: 0,
-        })
+        crate::fixtures::assistant(Some(id))
     }
 
-    fn result(id: &str, text: String) -> AgentMessage {
-        AgentMessage::FunctionResult(FunctionResultMessage {
-            function_call_id: id.into(),
-            function_id: "demo::read".into(),
-            content: vec![ContentBlock::text(text)],
-            details: serde_json::Value::Null,
-            is_error: false,
-            timestamp: 0,
-        })
-    }
+    use crate::fixtures::result;
 
     #[test]
     fn only_aged_oversized_results_are_pruned() {
@@ -94,7 +69,7 @@ mod tests {
             call("a"),
             result("a", big.clone()), // aged (3 answers after), big: pruned
             call("b"),
-            result("b", "small".into()), // aged but small: kept
+            result("b", "small"), // aged but small: kept
             call("c"),
             result("c", big.clone()), // one answer after: too recent
             call("d"),

@@ -1,5 +1,5 @@
 use harness_types::context::{AssembleOptions, ModelRef, PreviousSummary};
-use harness_types::message::{AssistantMessage, ContentBlock, FunctionResultMessage, StopReason};
+use harness_types::message::AgentMessage;
 
 use super::*;
 
@@ -21,33 +21,11 @@ fn req(messages: Vec<AgentMessage>, window: u64) -> AssembleRequest {
 }
 
 fn call(id: &str) -> AgentMessage {
-    AgentMessage::Assistant(AssistantMessage {
-        content: vec![ContentBlock::FunctionCall {
-            id: id.into(),
-            function_id: "demo::read".into(),
-            arguments: serde_json::json!({}),
-        }],
-        model: "m".into(),
-        provider: "p".into(),
-        stop_reason: StopReason::FunctionCall,
-        usage: None,
-        error_kind: None,
-        error_message: None,
-        native_stop_reason: None,
-        warnings: None,
-        timestamp: 0,
-    })
+    crate::fixtures::assistant(Some(id))
 }
 
 fn result(id: &str, chars: usize) -> AgentMessage {
-    AgentMessage::FunctionResult(FunctionResultMessage {
-        function_call_id: id.into(),
-        function_id: "demo::read".into(),
-        content: vec![ContentBlock::text("r".repeat(chars))],
-        details: Value::Null,
-        is_error: false,
-        timestamp: 0,
-    })
+    crate::fixtures::result(id, "r".repeat(chars))
 }
 
 #[tokio::test]
