@@ -22,20 +22,7 @@ async fn wait_for_status(rt: &Rt, session_id: &str, want: TurnStatus) {
 
 #[tokio::test]
 async fn a_spawn_waits_for_the_child_and_gets_its_result() {
-    let rt = runtime(
-        json!({"generations": [
-            spawn_gen("^plan the trip", json!({"task": "find flights to Oslo"})),
-            text(Some("^find flights"), "Flight AB123 at 9:00", 0),
-            text(None, "Booked: AB123", 0)
-        ]}),
-        config(),
-    )
-    .await;
-    let r = rt
-        .harness
-        .send(orchestrating("plan the trip"))
-        .await
-        .unwrap();
+    let (rt, r) = trip_with_one_child().await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Booked: AB123")));
