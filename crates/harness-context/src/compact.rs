@@ -161,7 +161,7 @@ pub async fn summarize(
         model: model.id.clone(),
         provider: model.provider.clone(),
         system_prompt: Some(SUMMARIZER_PROMPT.to_string()),
-        messages: vec![AgentMessage::user_text(input, harness_types::now_ms())],
+        messages: vec![AgentMessage::user_text(input, harness_types::now_ms())].into(),
         tools: vec![],
         thinking_level: None,
         max_output_tokens: Some(max_output_tokens.min(u32::MAX as u64) as u32),

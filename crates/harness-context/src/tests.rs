@@ -88,7 +88,7 @@ async fn a_previous_summary_is_reused_after_the_opening_message() {
         summarized_head_tokens: 500,
     });
     let prev = r.options.previous_summary.clone();
-    let sent = r.messages.clone();
+    let sent = std::sync::Arc::new(r.messages.clone());
     let mut out = assemble(None, r).await.unwrap();
     assert!(out.applied.reused_summary && !out.applied.compacted);
     // It fit with the summary put back: the caller's own list is used, not echoed.

@@ -8,10 +8,13 @@
 //! worker still chats, and nothing here can summarize.
 
 use std::collections::HashSet;
+use std::sync::Arc;
+
+mod window;
+pub(crate) use window::WindowState;
 
 use harness_types::context::{
-    AssembleRequest, AssembleResponse, CompactionRecord, PreviousSummary, COMPACTION_ENTRY,
-    OVERFLOW_PREFIX,
+    AssembleRequest, AssembleResponse, CompactionRecord, PreviousSummary, OVERFLOW_PREFIX,
 };
 use harness_types::message::{AgentMessage, ContentBlock, FunctionResultMessage, StopReason};
 use harness_types::session::Entry;
@@ -20,77 +23,29 @@ use serde_json::json;
 /// State scope of the per-session context policy (`harness::context-policy {set}`).
 pub(crate) const POLICY_SCOPE: &str = "harness_context_policy";
 
-/// What a step sends to `context::assemble`, and what it needs to read the answer.
+/// What a step sends to `context::assemble`, and what it needs to read the answer. Its lists are
+/// shared with the session's [`WindowState`], never copied per step.
 #[derive(Debug, Default)]
 pub(crate) struct Window {
     /// Shared with an in-process `context::assemble`, which reads it without a copy.
-    pub messages: std::sync::Arc<Vec<AgentMessage>>,
+    pub messages: Arc<Vec<AgentMessage>>,
     /// The entry id of each message (a tail anchor is named by its entry id).
-    pub entry_ids: Vec<String>,
+    pub entry_ids: Arc<Vec<String>>,
     /// User messages that arrived after the previous step's watermark (rotation candidates).
     pub late_users: Vec<AgentMessage>,
     /// The latest compaction's summary.
     pub previous: Option<PreviousSummary>,
     /// Every call id with a result anywhere in the transcript.
-    pub answered: HashSet<String>,
+    pub answered: Arc<HashSet<String>>,
+    /// [`byte_bound`] of the messages.
+    pub bytes: u64,
+    /// Whether some call in the window has no result in it (so the orphan patch has work).
+    pub unresolved_calls: bool,
 }
 
-/// Builds the window from the transcript (custom entries included).
+/// Builds the window from the transcript (custom entries included), from scratch.
 pub(crate) fn window(entries: &[Entry], prev_watermark: Option<&str>) -> Window {
-    let latest = entries.iter().rev().find_map(|e| {
-        let c = e.custom.as_ref().filter(|c| c.custom_type == COMPACTION_ENTRY)?;
-        match serde_json::from_value::<CompactionRecord>(c.data.clone()) {
-            Ok(r) => Some(r),
-            Err(err) => {
-                tracing::warn!(entry = %e.entry_id, "ignoring a compaction entry that does not parse: {err}");
-                None
-            }
-        }
-    });
-    let anchored = latest.and_then(|r| {
-        let at = entries
-            .iter()
-            .position(|e| e.entry_id == r.tail_start_entry_id)?;
-        Some((r, at))
-    });
-    let start = anchored.as_ref().map_or(0, |(_, at)| *at);
-    let watermark = prev_watermark.and_then(|w| entries.iter().position(|e| e.entry_id == w));
-    let mut out = Window {
-        previous: anchored.map(|(r, _)| PreviousSummary {
-            summary: r.summary,
-            summarized_head_tokens: r.summarized_head_tokens,
-        }),
-        ..Window::default()
-    };
-    let opening = entries
-        .iter()
-        .position(|e| matches!(e.message, Some(AgentMessage::User(_))));
-    let mut messages = Vec::with_capacity(entries.len() - start.min(entries.len()) + 1);
-    if let Some(at) = opening.filter(|at| *at < start) {
-        if let Some(m) = &entries[at].message {
-            messages.push(m.clone());
-            out.entry_ids.push(entries[at].entry_id.clone());
-        }
-    }
-    for (i, e) in entries.iter().enumerate() {
-        let Some(m) = &e.message else { continue };
-        if let AgentMessage::FunctionResult(r) = m {
-            out.answered.insert(r.function_call_id.clone());
-        }
-        if i < start || !m.is_model_visible() {
-            continue;
-        }
-        if matches!(m, AgentMessage::User(_))
-            && watermark.is_some_and(|w| i > w)
-            && Some(i) != opening
-        {
-            out.late_users.push(m.clone());
-        }
-        messages.push(m.clone());
-        out.entry_ids.push(e.entry_id.clone());
-    }
-    out.messages = std::sync::Arc::new(messages);
-    out
+    WindowState::build(entries).window(entries, prev_watermark)
 }
 
 /// The compaction record of an assembly that compacted, anchored to the window's entry ids.

@@ -14,6 +14,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::HarnessConfig;
+use crate::context::{Window, WindowState};
 use crate::locks::SessionLocks;
 use crate::record::TurnRecord;
 use crate::{TURN_QUEUE, TURN_SCOPE};
@@ -64,25 +65,38 @@ pub(crate) struct TranscriptCache {
     clock: u64,
 }
 
-struct CachedTranscript {
+pub(crate) struct CachedTranscript {
     mark: i64,
     entries: Arc<Vec<Entry>>,
+    /// The window of the last step and the lowest entry index changed since it was built.
+    window: Option<WindowState>,
+    dirty_from: usize,
     used: u64,
+}
+
+impl CachedTranscript {
+    fn new(mark: Option<i64>, entries: Arc<Vec<Entry>>) -> CachedTranscript {
+        CachedTranscript {
+            mark: mark.unwrap_or(i64::MIN),
+            entries,
+            window: None,
+            dirty_from: 0,
+            used: 0,
+        }
+    }
 }
 
 impl TranscriptCache {
     /// Takes the session's copy out, so the reader extends it in place (no copy of the history)
     /// while a concurrent reader of the same session, rare under the session lock, reads afresh.
-    fn take(&mut self, session_id: &str) -> Option<(i64, Arc<Vec<Entry>>)> {
-        self.sessions
-            .remove(session_id)
-            .map(|c| (c.mark, c.entries))
+    fn take(&mut self, session_id: &str) -> Option<CachedTranscript> {
+        self.sessions.remove(session_id)
     }
 
-    fn put(&mut self, session_id: &str, mark: i64, entries: Arc<Vec<Entry>>) {
+    fn put(&mut self, session_id: &str, mut cached: CachedTranscript) {
         self.clock += 1;
         if let Some(old) = self.sessions.get(session_id) {
-            if old.mark >= mark {
+            if old.mark >= cached.mark {
                 return;
             }
         } else if self.sessions.len() >= TRANSCRIPT_CACHE_SESSIONS {
@@ -95,14 +109,31 @@ impl TranscriptCache {
                 self.sessions.remove(&oldest);
             }
         }
-        self.sessions.insert(
-            session_id.to_string(),
-            CachedTranscript {
-                mark,
-                entries,
-                used: self.clock,
-            },
-        );
+        cached.used = self.clock;
+        self.sessions.insert(session_id.to_string(), cached);
+    }
+
+    /// The window over `entries` when they are this cache's current copy of the session (the
+    /// kept window brought up to date), or `None` to build one from scratch.
+    pub(crate) fn window(
+        &mut self,
+        session_id: &str,
+        entries: &Arc<Vec<Entry>>,
+        watermark: Option<&str>,
+    ) -> Option<Window> {
+        let c = self.sessions.get_mut(session_id)?;
+        if !Arc::ptr_eq(&c.entries, entries) {
+            return None;
+        }
+        let state = match c.window.as_mut() {
+            Some(state) => {
+                state.update(entries, c.dirty_from);
+                state
+            }
+            None => c.window.insert(WindowState::build(entries)),
+        };
+        c.dirty_from = entries.len();
+        Some(state.window(entries, watermark))
     }
 }
 
@@ -224,14 +255,24 @@ fn step_payload(rec: &TurnRecord) -> TurnStepPayload {
 }
 
 /// Folds changed entries into a transcript kept in `seq` order: an entry already there is
-/// replaced (an update), a new one is inserted at its place (almost always the end).
-fn merge_changes(entries: &mut Vec<Entry>, changed: Vec<Entry>) {
+/// replaced (an update), a new one is inserted at its place (almost always the end). Answers the
+/// lowest index it touched (`entries.len()` when nothing changed).
+fn merge_changes(entries: &mut Vec<Entry>, changed: Vec<Entry>) -> usize {
+    let mut lowest = usize::MAX;
     for e in changed {
-        match entries.binary_search_by_key(&e.seq, |x| x.seq) {
-            Ok(at) => entries[at] = e,
-            Err(at) => entries.insert(at, e),
-        }
+        let at = match entries.binary_search_by_key(&e.seq, |x| x.seq) {
+            Ok(at) => {
+                entries[at] = e;
+                at
+            }
+            Err(at) => {
+                entries.insert(at, e);
+                at
+            }
+        };
+        lowest = lowest.min(at);
     }
+    lowest.min(entries.len())
 }
 
 pub(crate) type Result<T> = std::result::Result<T, HarnessError>;
@@ -622,10 +663,8 @@ impl Harness {
             .lock()
             .expect("transcripts lock")
             .take(session_id);
-        let (mut mark, mut entries) = match cached {
-            Some((mark, entries)) => (Some(mark), entries),
-            None => (None, Arc::new(Vec::new())),
-        };
+        let mut mark = cached.as_ref().map(|c| c.mark);
+        let mut cached = cached.unwrap_or_else(|| CachedTranscript::new(None, Arc::default()));
         loop {
             let req = ChangesRequest {
                 session_id: session_id.to_string(),
@@ -650,20 +689,48 @@ impl Harness {
                 }
                 Err(e) => return Err(bus_err(e)),
             };
-            merge_changes(Arc::make_mut(&mut entries), page.entries);
+            let touched = merge_changes(Arc::make_mut(&mut cached.entries), page.entries);
+            cached.dirty_from = cached.dirty_from.min(touched);
             mark = Some(page.mark);
             if !page.more {
                 break;
             }
         }
+        let entries = cached.entries.clone();
         if let Some(mark) = mark {
+            cached.mark = mark;
             self.inner
                 .transcripts
                 .lock()
                 .expect("transcripts lock")
-                .put(session_id, mark, entries.clone());
+                .put(session_id, cached);
         }
         Ok(entries)
+    }
+
+    /// The window a step over `entries` (the first `upto` of the session's transcript) hands
+    /// the context manager: the session's kept window brought up to date when `entries` is the
+    /// cached copy, one built from scratch otherwise (a redelivered step that stops short of
+    /// its own assistant entry, a copy another reader replaced).
+    pub(crate) fn window_of(
+        &self,
+        session_id: &str,
+        entries: &Arc<Vec<Entry>>,
+        upto: usize,
+        watermark: Option<&str>,
+    ) -> Window {
+        if upto >= entries.len() {
+            let kept = self
+                .inner
+                .transcripts
+                .lock()
+                .expect("transcripts lock")
+                .window(session_id, entries, watermark);
+            if let Some(w) = kept {
+                return w;
+            }
+        }
+        crate::context::window(&entries[..upto.min(entries.len())], watermark)
     }
 
     /// Drops this process's copy of a session's transcript (the session is gone).
@@ -761,22 +828,28 @@ mod tests {
     #[test]
     fn changes_merge_in_seq_order_and_replace_updates() {
         let mut entries = vec![entry(1, 0), entry(2, 0)];
-        merge_changes(&mut entries, vec![entry(4, 0), entry(2, 1), entry(3, 0)]);
+        let lowest = merge_changes(&mut entries, vec![entry(4, 0), entry(2, 1), entry(3, 0)]);
         let got: Vec<(i64, i64)> = entries.iter().map(|e| (e.seq, e.revision)).collect();
         assert_eq!(got, [(1, 0), (2, 1), (3, 0), (4, 0)]);
+        // The update of seq 2 is the lowest change: a kept window is redone from there.
+        assert_eq!(lowest, 1);
+        assert_eq!(merge_changes(&mut entries, vec![entry(5, 0)]), 4);
+        assert_eq!(merge_changes(&mut entries, Vec::new()), entries.len());
     }
 
     #[test]
     fn the_cache_keeps_the_newest_copy_and_drops_the_least_recently_read() {
         let mut cache = TranscriptCache::default();
-        cache.put("a", 5, Arc::new(vec![entry(1, 0)]));
+        let copy =
+            |mark: i64, entries: Vec<Entry>| CachedTranscript::new(Some(mark), Arc::new(entries));
+        cache.put("a", copy(5, vec![entry(1, 0)]));
         // An older read finishing late never replaces a newer copy.
-        cache.put("a", 3, Arc::new(Vec::new()));
-        let (mark, entries) = cache.take("a").unwrap();
-        assert_eq!((mark, entries.len()), (5, 1));
+        cache.put("a", copy(3, Vec::new()));
+        let c = cache.take("a").unwrap();
+        assert_eq!((c.mark, c.entries.len()), (5, 1));
         assert!(cache.take("a").is_none(), "taken out while being extended");
         for i in 0..TRANSCRIPT_CACHE_SESSIONS + 1 {
-            cache.put(&format!("s{i}"), 1, Arc::new(Vec::new()));
+            cache.put(&format!("s{i}"), copy(1, Vec::new()));
         }
         assert_eq!(cache.sessions.len(), TRANSCRIPT_CACHE_SESSIONS);
         assert!(

@@ -6,6 +6,8 @@
 //! session lock released → post-generate hooks), `ResumeAtCalls` (a redelivered step re-reads
 //! the answer it recorded) and `DispatchCalls`; each ends by feeding the machine its next input.
 
+use std::sync::Arc;
+
 use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
 use harness_types::context::{
     AssembleCall, AssembleOptions, AssembleRequest, AssembleResponse, CountTokensRequest,
@@ -339,9 +341,9 @@ impl Harness {
     ) -> Result<(Option<TurnRecord>, Input)> {
         let sid = rec.session_id.clone();
         let shared = std::mem::take(&mut ctx.entries);
-        let entries = &shared[..ctx.upto.min(shared.len())];
-        let new_watermark = entries.last().map(|e| e.entry_id.clone());
-        let window = context::window(entries, rec.watermark_entry_id.as_deref());
+        let upto = ctx.upto.min(shared.len());
+        let new_watermark = shared[..upto].last().map(|e| e.entry_id.clone());
+        let window = self.window_of(&sid, &shared, upto, rec.watermark_entry_id.as_deref());
         drop(shared);
         let system_prompt = prompt::for_step(
             rec.options.system_prompt.as_deref(),
@@ -647,7 +649,8 @@ impl Harness {
         window: &Window,
         system_prompt: Option<String>,
         tools: &[harness_types::router::ToolSpec],
-    ) -> Result<std::result::Result<(Option<String>, Vec<AgentMessage>, u64), ContextRefusal>> {
+    ) -> Result<std::result::Result<(Option<String>, Arc<Vec<AgentMessage>>, u64), ContextRefusal>>
+    {
         let catalog = self.catalog_entry(rec).await;
         let context_window = self.context_window_of(catalog.as_ref());
         let max_output = rec.options.max_output_tokens.unwrap_or(0) as u64;
@@ -660,7 +663,7 @@ impl Harness {
             })
             .sum();
         let may_overflow = 2
-            * (context::byte_bound(&window.messages)
+            * (window.bytes
                 + window
                     .previous
                     .as_ref()
@@ -733,11 +736,17 @@ impl Harness {
             let usable = assembled.usable;
             let mut changed = false;
             let mut prompt = assembled.system_prompt;
-            changed |= context::rotate(&mut messages, &window.late_users);
+            if !window.late_users.is_empty() {
+                let mut rotated = messages.to_vec();
+                if context::rotate(&mut rotated, &window.late_users) {
+                    messages = Arc::new(rotated);
+                    changed = true;
+                }
+            }
             // The registry changed since this session last looked: contracts it fetched may be
             // stale. An ephemeral tail message, never persisted; the first sighting only stamps.
             if registry_changed {
-                messages.push(AgentMessage::user_text(
+                Arc::make_mut(&mut messages).push(AgentMessage::user_text(
                     "[harness] The set of registered functions changed since your last step: contracts you fetched earlier may be stale. \
                      Re-read a function's schema with engine::functions::info before calling it again.",
                     now_ms(),
@@ -745,13 +754,22 @@ impl Harness {
                 changed = true;
             }
             if hooked {
-                match self.pre_generate(rec, prompt, messages, tools).await? {
-                    Ok((p, m)) => (prompt, messages) = (p, m),
+                let list = Arc::unwrap_or_clone(messages);
+                match self.pre_generate(rec, prompt, list, tools).await? {
+                    Ok((p, m)) => (prompt, messages) = (p, Arc::new(m)),
                     Err(why) => return Ok(Err(why)),
                 }
                 changed = true;
             }
-            changed |= context::patch_orphans(&mut messages, &window.answered);
+            // The window knows when every call it holds has its result; the context manager's
+            // own list (compacted) and the hooks' are checked.
+            if !assembled.unchanged || hooked || window.unresolved_calls {
+                let mut patched = messages.to_vec();
+                if context::patch_orphans(&mut patched, &window.answered) {
+                    messages = Arc::new(patched);
+                    changed = true;
+                }
+            }
             if messages.is_empty() {
                 return Ok(Err(ContextRefusal::Empty));
             }

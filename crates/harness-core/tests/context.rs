@@ -163,7 +163,7 @@ async fn a_long_conversation_is_compacted_and_never_fails() {
                 _ => None,
             })
             .collect();
-        for m in &r.messages {
+        for m in r.messages.iter() {
             if let AgentMessage::Assistant(a) = m {
                 for b in &a.content {
                     if let ContentBlock::FunctionCall { id, .. } = b {

@@ -173,7 +173,7 @@ fn request(model: &str) -> ChatRequest {
         model: model.to_string(),
         provider: Some("anthropic".into()),
         system_prompt: None,
-        messages: vec![AgentMessage::user_text("bench", 0)],
+        messages: vec![AgentMessage::user_text("bench", 0)].into(),
         tools: vec![],
         thinking_level: None,
         max_output_tokens: None,

@@ -266,8 +266,8 @@ async fn thinking_with_signature_and_redacted_thinking_are_replayed_verbatim() {
     );
     assert_eq!(first["max_tokens"], 16384);
 
-    req.messages.push(assistant(&run));
-    req.messages.push(user("and 3+4?"));
+    std::sync::Arc::make_mut(&mut req.messages).push(assistant(&run));
+    std::sync::Arc::make_mut(&mut req.messages).push(user("and 3+4?"));
     chat(&r, req).await;
     let second = &mock.bodies()[1];
     assert_eq!(
@@ -512,8 +512,8 @@ async fn a_full_exchange_round_trips_in_the_messages_format() {
     let mut req = request("anthropic", MODEL, vec![user("add 2 and 3")]);
     req.tools = vec![add_tool()];
     let run = chat(&r, req.clone()).await;
-    req.messages.push(assistant(&run));
-    req.messages.push(result("toolu_01", "{\"sum\":5}"));
+    std::sync::Arc::make_mut(&mut req.messages).push(assistant(&run));
+    std::sync::Arc::make_mut(&mut req.messages).push(result("toolu_01", "{\"sum\":5}"));
     req.request_id = "t_1:1".into();
     let run2 = chat(&r, req).await;
     assert_eq!(run2.done().content, vec![ContentBlock::text("It is 5.")]);

@@ -309,7 +309,7 @@ fn request(messages: Vec<AgentMessage>) -> ChatRequest {
         model: MODEL.into(),
         provider: Some("llamacpp".into()),
         system_prompt: Some("You are terse.".into()),
-        messages,
+        messages: messages.into(),
         tools: vec![ToolSpec {
             name: "math::add".into(),
             description: "Add two numbers.".into(),

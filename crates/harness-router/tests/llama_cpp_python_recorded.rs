@@ -75,16 +75,17 @@ fn call_replay() -> ChatRequest {
         timestamp: 1,
     };
     let mut r = ask("What is 2 + 3? Use the tool.", 64);
-    r.messages.push(AgentMessage::Assistant(call));
-    r.messages
-        .push(AgentMessage::FunctionResult(FunctionResultMessage {
+    std::sync::Arc::make_mut(&mut r.messages).push(AgentMessage::Assistant(call));
+    std::sync::Arc::make_mut(&mut r.messages).push(AgentMessage::FunctionResult(
+        FunctionResultMessage {
             function_call_id: "call_1".into(),
             function_id: "math::add".into(),
             content: vec![ContentBlock::text("5")],
             details: Value::Null,
             is_error: false,
             timestamp: 2,
-        }));
+        },
+    ));
     r.tools = vec![add_tool()];
     r
 }

@@ -265,8 +265,8 @@ async fn a_full_exchange_round_trips_in_the_chat_format() {
     let mut req = request("ollama", MODEL, vec![user("add 2 and 3")]);
     req.tools = vec![add_tool()];
     let run = chat(&r, req.clone()).await;
-    req.messages.push(assistant(&run));
-    req.messages.push(result("call_1", "{\"sum\":5}"));
+    std::sync::Arc::make_mut(&mut req.messages).push(assistant(&run));
+    std::sync::Arc::make_mut(&mut req.messages).push(result("call_1", "{\"sum\":5}"));
     chat(&r, req).await;
     assert_eq!(
         mock.bodies()[1]["messages"],

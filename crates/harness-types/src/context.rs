@@ -4,6 +4,8 @@
 //! interface. Overflow errors carry the `context/overflow:` prefix in their message; every other
 //! error is something else (a bad request, a summarizer that failed) and is classified as such.
 
+use std::sync::Arc;
+
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -145,29 +147,29 @@ pub struct AssembleResponse {
 }
 
 impl AssembleResponse {
-    /// The context to send: `messages`, or, when `unchanged`, the caller's own `sent` list with
-    /// the previous summary put back (when one was reused). `timestamp` stamps that summary
-    /// message, which is never persisted.
+    /// The context to send: `messages`, or, when `unchanged`, the caller's own `sent` list (the
+    /// same allocation, not a copy) with the previous summary put back when one was reused.
+    /// `timestamp` stamps that summary message, which is never persisted.
     pub fn context_of(
         &mut self,
-        sent: &[AgentMessage],
+        sent: &Arc<Vec<AgentMessage>>,
         previous: Option<&PreviousSummary>,
         timestamp: i64,
-    ) -> Vec<AgentMessage> {
+    ) -> Arc<Vec<AgentMessage>> {
         if !self.unchanged {
-            return std::mem::take(&mut self.messages);
+            return Arc::new(std::mem::take(&mut self.messages));
         }
-        let mut out = Vec::with_capacity(sent.len() + 1);
         match previous.filter(|_| self.applied.reused_summary) {
             Some(prev) => {
                 let at = summary_position(sent);
+                let mut out = Vec::with_capacity(sent.len() + 1);
                 out.extend_from_slice(&sent[..at]);
                 out.push(summary_message(&prev.summary, timestamp));
                 out.extend_from_slice(&sent[at..]);
+                Arc::new(out)
             }
-            None => out.extend_from_slice(sent),
+            None => sent.clone(),
         }
-        out
     }
 }
 

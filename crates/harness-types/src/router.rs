@@ -1,5 +1,7 @@
 //! The `router::chat` request, its streamed frames and its acknowledgement.
 
+use std::sync::Arc;
+
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -37,7 +39,9 @@ pub struct ChatRequest {
     pub provider: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub system_prompt: Option<String>,
-    pub messages: Vec<AgentMessage>,
+    /// Shared, not owned: the loop hands an in-process router the very list its session's
+    /// window keeps, so a step on a long conversation does not copy (or free) its history.
+    pub messages: Arc<Vec<AgentMessage>>,
     #[serde(default)]
     pub tools: Vec<ToolSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1,3 +1,4 @@
+use harness_types::context::COMPACTION_ENTRY;
 use harness_types::message::AssistantMessage;
 use harness_types::session::CustomEntry;
 use serde_json::Value;
@@ -78,7 +79,7 @@ fn the_window_starts_at_the_tail_anchor_with_the_opening_message_first() {
     });
     entries.push(entry("e6", user("third")));
     let w = window(&entries, Some("e5"));
-    assert_eq!(w.entry_ids, ["e1", "e4", "e5", "e6"]);
+    assert_eq!(*w.entry_ids, ["e1", "e4", "e5", "e6"]);
     assert_eq!(w.previous.as_ref().unwrap().summary, "what happened");
     assert_eq!(w.previous.as_ref().unwrap().summarized_head_tokens, 99);
     assert_eq!(w.late_users, [user("third")]);
@@ -86,7 +87,7 @@ fn the_window_starts_at_the_tail_anchor_with_the_opening_message_first() {
     assert!(w.answered.contains("a"));
     // Without a compaction the whole history is the window.
     let w = window(&entries[..5], None);
-    assert_eq!(w.entry_ids, ["e1", "e2", "e3", "e4", "e5"]);
+    assert_eq!(*w.entry_ids, ["e1", "e2", "e3", "e4", "e5"]);
     assert!(w.previous.is_none() && w.late_users.is_empty());
 }
 
@@ -179,4 +180,165 @@ fn the_fallback_estimates_and_fails_cleanly() {
     assert_eq!(ok.token_count, (8 + 11u64).div_ceil(4) + 64);
     let err = fallback(req(&"x".repeat(4000), 500)).unwrap_err();
     assert!(err.starts_with(OVERFLOW_PREFIX), "{err}");
+}
+
+/// The kept window, brought up to date after each change, equals one built from scratch: for
+/// appends, updates of the latest entries, updates deep in the history, compactions (and one
+/// that does not read), and results that arrive before or after their calls.
+#[test]
+fn a_kept_window_matches_a_fresh_one_after_every_change() {
+    fn compaction(id: &str, tail: &str, summary: &str) -> Entry {
+        Entry {
+            entry_id: id.into(),
+            seq: 0,
+            message: None,
+            custom: Some(CustomEntry {
+                custom_type: COMPACTION_ENTRY.into(),
+                data: json!({"summary": summary, "tail_start_entry_id": tail, "summarized_head_tokens": 7}),
+            }),
+            origin: None,
+            revision: 0,
+        }
+    }
+    /// The window as a plain scan of the transcript defines it (no state kept).
+    fn scanned(
+        entries: &[Entry],
+        watermark: &str,
+    ) -> (Vec<AgentMessage>, Vec<String>, Vec<AgentMessage>) {
+        let record = entries.iter().rev().find_map(|e| {
+            let c = e
+                .custom
+                .as_ref()
+                .filter(|c| c.custom_type == COMPACTION_ENTRY)?;
+            serde_json::from_value::<CompactionRecord>(c.data.clone()).ok()
+        });
+        let start = record
+            .and_then(|r| {
+                entries
+                    .iter()
+                    .position(|e| e.entry_id == r.tail_start_entry_id)
+            })
+            .unwrap_or(0);
+        let w = entries.iter().position(|e| e.entry_id == watermark);
+        let opening = entries
+            .iter()
+            .position(|e| matches!(e.message, Some(AgentMessage::User(_))));
+        let (mut messages, mut ids, mut late) = (Vec::new(), Vec::new(), Vec::new());
+        if let Some(at) = opening.filter(|at| *at < start) {
+            messages.push(entries[at].message.clone().unwrap());
+            ids.push(entries[at].entry_id.clone());
+        }
+        for (i, e) in entries.iter().enumerate().skip(start) {
+            let Some(m) = &e.message else { continue };
+            if matches!(m, AgentMessage::User(_)) && w.is_some_and(|w| i > w) && Some(i) != opening
+            {
+                late.push(m.clone());
+            }
+            messages.push(m.clone());
+            ids.push(e.entry_id.clone());
+        }
+        (messages, ids, late)
+    }
+    fn same(kept: &Window, fresh: &Window, what: &str) {
+        assert_eq!(kept.messages, fresh.messages, "{what}: messages");
+        assert_eq!(kept.entry_ids, fresh.entry_ids, "{what}: entry ids");
+        assert_eq!(kept.late_users, fresh.late_users, "{what}: late users");
+        assert_eq!(
+            kept.previous.as_ref().map(|p| &p.summary),
+            fresh.previous.as_ref().map(|p| &p.summary),
+            "{what}: summary"
+        );
+        assert_eq!(kept.answered, fresh.answered, "{what}: answered");
+        assert_eq!(kept.bytes, fresh.bytes, "{what}: bytes");
+        assert_eq!(
+            kept.bytes,
+            byte_bound(&fresh.messages),
+            "{what}: bytes bound"
+        );
+        assert_eq!(
+            kept.unresolved_calls, fresh.unresolved_calls,
+            "{what}: unresolved"
+        );
+    }
+    // A fixed pseudo-random walk: the same cases on every run.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |n: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    let mut entries: Vec<Entry> = vec![entry("e0", user("open"))];
+    let mut state = WindowState::build(&entries);
+    let mut open_calls: Vec<String> = Vec::new();
+    for step in 0..600usize {
+        let id = format!("e{}", entries.len());
+        let dirty_from = match next(12) {
+            0..=2 => {
+                entries.push(entry(&id, user(&format!("u{step}"))));
+                entries.len() - 1
+            }
+            3..=4 => {
+                let call = format!("c{step}");
+                open_calls.push(call.clone());
+                entries.push(entry(&id, assistant(&[&call], StopReason::FunctionCall)));
+                entries.len() - 1
+            }
+            5..=6 if !open_calls.is_empty() => {
+                let call = open_calls.remove(next(open_calls.len() as u64) as usize);
+                entries.push(entry(&id, result(&call)));
+                entries.len() - 1
+            }
+            7 => {
+                // The latest assistant entry rewritten (a stream's final content).
+                let at = entries.len() - 1;
+                entries[at].message = Some(assistant(&[], StopReason::End));
+                at
+            }
+            8 if entries.len() > 4 => {
+                // An update deep in the history (a direct session::update-message).
+                let at = 1 + next(entries.len() as u64 - 1) as usize;
+                entries[at].message = Some(user(&format!("edited {step}")));
+                at
+            }
+            9 if entries.len() > 6 => {
+                let tail = &entries[entries.len() - 1 - next(4) as usize]
+                    .entry_id
+                    .clone();
+                entries.push(compaction(&id, tail, &format!("summary {step}")));
+                entries.len() - 1
+            }
+            10 if step % 50 == 0 => {
+                entries.push(Entry {
+                    custom: Some(CustomEntry {
+                        custom_type: COMPACTION_ENTRY.into(),
+                        data: json!({"not": "a record"}),
+                    }),
+                    ..compaction(&id, "e0", "")
+                });
+                entries.len() - 1
+            }
+            _ => {
+                entries.push(entry(&id, assistant(&[], StopReason::End)));
+                entries.len() - 1
+            }
+        };
+        state.update(&entries, dirty_from);
+        let watermark = entries[entries.len().saturating_sub(1 + next(3) as usize)]
+            .entry_id
+            .clone();
+        let kept = state.window(&entries, Some(&watermark));
+        let fresh = window(&entries, Some(&watermark));
+        same(&kept, &fresh, &format!("step {step}"));
+        let (messages, ids, late) = scanned(&entries, &watermark);
+        assert_eq!(*fresh.messages, messages, "step {step}: scanned messages");
+        assert_eq!(*fresh.entry_ids, ids, "step {step}: scanned ids");
+        assert_eq!(fresh.late_users, late, "step {step}: scanned late users");
+    }
+    // Most changes were folded in, not rebuilt (compactions and deep edits rebuild).
+    assert!(
+        state.rebuilds < 200,
+        "{} rebuilds in 600 steps",
+        state.rebuilds
+    );
 }

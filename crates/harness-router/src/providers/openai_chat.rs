@@ -78,7 +78,7 @@ impl OpenAiChatProvider {
         if let Some(s) = req.system_prompt.as_deref().filter(|s| !s.is_empty()) {
             messages.push(json!({"role": "system", "content": s}));
         }
-        for m in &req.messages {
+        for m in req.messages.iter() {
             match m {
                 AgentMessage::User(u) => {
                     let only_text = u

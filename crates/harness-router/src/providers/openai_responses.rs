@@ -75,7 +75,7 @@ impl OpenAiResponsesProvider {
             tools.push(tool);
         }
         let mut input = Vec::new();
-        for m in &req.messages {
+        for m in req.messages.iter() {
             match m {
                 AgentMessage::User(u) => {
                     let content: Vec<Value> = u

@@ -263,7 +263,7 @@ pub fn request(provider: &str, model: &str, messages: Vec<AgentMessage>) -> Chat
         model: model.into(),
         provider: Some(provider.into()),
         system_prompt: Some("You are terse.".into()),
-        messages,
+        messages: messages.into(),
         tools: vec![],
         thinking_level: None,
         max_output_tokens: None,
