@@ -108,6 +108,65 @@ fn bpe_tokens(encoding: &'static str, text: &str) -> u64 {
     n
 }
 
+/// Sessions whose message counts are remembered (see [`raw_counts`]).
+const COUNTED_SESSIONS: usize = 1_024;
+
+/// Per session: the counter's name and, by position, each message's identity and raw count.
+type SessionCounts = (String, Vec<(u64, u64)>);
+
+fn counts_cache() -> &'static Mutex<HashMap<String, SessionCounts>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, SessionCounts>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The raw (uncorrected) count of each message of `history`. With `identities` (one per
+/// message, changed whenever the message changes) and a session, a message found at the same
+/// position with the same identity as in that session's previous call is not counted again: a
+/// step on a long conversation counts its new messages, not its history.
+pub fn raw_counts(
+    counter: &Counter,
+    session: Option<&str>,
+    history: &[AgentMessage],
+    identities: Option<&[u64]>,
+) -> Vec<u64> {
+    let (Some(session), Some(ids)) = (session, identities.filter(|i| i.len() == history.len()))
+    else {
+        return history.iter().map(|m| counter.raw_message(m)).collect();
+    };
+    let name = counter.name();
+    let kept = counts_cache()
+        .lock()
+        .ok()
+        .and_then(|mut c| c.remove(session));
+    let mut known = match kept {
+        Some((n, known)) if n == name => known,
+        _ => Vec::new(),
+    };
+    known.truncate(history.len());
+    let mut out = Vec::with_capacity(history.len());
+    for (i, (m, &id)) in history.iter().zip(ids).enumerate() {
+        match known.get_mut(i) {
+            Some((seen, raw)) if *seen == id => out.push(*raw),
+            Some(slot) => {
+                *slot = (id, counter.raw_message(m));
+                out.push(slot.1);
+            }
+            None => {
+                let raw = counter.raw_message(m);
+                known.push((id, raw));
+                out.push(raw);
+            }
+        }
+    }
+    if let Ok(mut c) = counts_cache().lock() {
+        if c.len() >= COUNTED_SESSIONS {
+            c.clear();
+        }
+        c.insert(session.to_string(), (name, known));
+    }
+    out
+}
+
 /// Counts text, messages and requests for one model.
 #[derive(Clone, Debug)]
 pub struct Counter {
@@ -163,7 +222,7 @@ impl Counter {
         }
     }
 
-    fn raw_message(&self, message: &AgentMessage) -> u64 {
+    pub(crate) fn raw_message(&self, message: &AgentMessage) -> u64 {
         let body: u64 = message.content().iter().map(|b| self.raw_block(b)).sum();
         let id = match message {
             AgentMessage::FunctionResult(r) => self.raw_text(&r.function_id) + 2,
@@ -172,7 +231,8 @@ impl Counter {
         PER_MESSAGE_OVERHEAD + body + id
     }
 
-    fn apply(&self, raw: u64) -> u64 {
+    /// A raw count, corrected.
+    pub fn apply(&self, raw: u64) -> u64 {
         (raw as f64 * self.correction).ceil() as u64
     }
 
@@ -223,6 +283,19 @@ impl Counter {
         tools: &[ToolSpec],
         overhead: u64,
     ) {
+        self.calibrate_counted(messages, &[], system_prompt, tools, overhead)
+    }
+
+    /// [`calibrate`](Counter::calibrate) with the raw counts already known for some messages
+    /// (`known[i]` for `messages[i]`, where present).
+    pub fn calibrate_counted(
+        &mut self,
+        messages: &[&AgentMessage],
+        known: &[Option<u64>],
+        system_prompt: Option<&str>,
+        tools: &[ToolSpec],
+        overhead: u64,
+    ) {
         let Some((at, reported)) = messages
             .iter()
             .enumerate()
@@ -242,7 +315,11 @@ impl Counter {
         let counted = self.raw_preamble(system_prompt, tools)
             + messages[..at]
                 .iter()
-                .map(|m| self.raw_message(m))
+                .enumerate()
+                .map(|(i, m)| match known.get(i) {
+                    Some(Some(raw)) => *raw,
+                    _ => self.raw_message(m),
+                })
                 .sum::<u64>();
         if counted < MIN_CALIBRATION_TOKENS {
             return;

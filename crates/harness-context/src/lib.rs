@@ -58,10 +58,25 @@ pub fn count_tokens(req: &CountTokensRequest) -> CountTokensResponse {
 struct Item<'a> {
     origin: Option<usize>,
     message: Cow<'a, AgentMessage>,
+    /// The raw count of the message as sent (reused while it is borrowed).
+    raw: Option<u64>,
+}
+
+impl Item<'_> {
+    fn known_raw(&self) -> Option<u64> {
+        self.raw
+            .filter(|_| matches!(self.message, Cow::Borrowed(_)))
+    }
 }
 
 fn total(items: &[Item<'_>], counter: &Counter) -> u64 {
-    items.iter().map(|i| counter.message(&i.message)).sum()
+    items
+        .iter()
+        .map(|i| match i.known_raw() {
+            Some(raw) => counter.apply(raw),
+            None => counter.message(&i.message),
+        })
+        .sum()
 }
 
 /// `context::assemble`. `bus` is where the summarizer is asked; without one, a history that
@@ -81,7 +96,20 @@ pub async fn assemble_over(
     history: &[AgentMessage],
     req: AssembleRequest,
 ) -> Result<AssembleResponse, ContextError> {
+    assemble_known(bus, history, None, req).await
+}
+
+/// [`assemble_over`] with an identity per message (see [`AssembleCall::identities`]): the
+/// counts of messages already seen in this session are reused.
+pub async fn assemble_known(
+    bus: Option<&dyn Bus>,
+    history: &[AgentMessage],
+    identities: Option<&[u64]>,
+    req: AssembleRequest,
+) -> Result<AssembleResponse, ContextError> {
     let o = req.options;
+    let mut counter = Counter::new(&req.model);
+    let raws = count::raw_counts(&counter, o.lease_key.as_deref(), history, identities);
     let usable = o.context_window.saturating_sub(o.max_output_tokens);
     let model = req.model;
     let sent = history.len();
@@ -92,6 +120,7 @@ pub async fn assemble_over(
         .map(|(i, message)| Item {
             origin: Some(i),
             message: Cow::Borrowed(message),
+            raw: raws.get(i).copied(),
         })
         .collect();
     // Every message as sent is model-visible: a fit can be answered `unchanged`.
@@ -108,13 +137,15 @@ pub async fn assemble_over(
             Item {
                 origin: None,
                 message: Cow::Owned(compact::summary_message(&prev.summary, now)),
+                raw: None,
             },
         );
     }
-    let mut counter = Counter::new(&model);
     let working: Vec<&AgentMessage> = items.iter().map(|i| i.message.as_ref()).collect();
-    counter.calibrate(
+    let known: Vec<Option<u64>> = items.iter().map(Item::known_raw).collect();
+    counter.calibrate_counted(
         &working,
+        &known,
         req.system_prompt.as_deref(),
         &req.tools,
         o.request_overhead_tokens,
@@ -224,6 +255,7 @@ pub async fn assemble_over(
     kept.push(Item {
         origin: None,
         message: Cow::Owned(compact::summary_message(&summary, now)),
+        raw: None,
     });
     kept.extend(items.drain(..).skip(at - pinned));
     let tokens = total(&kept, &counter);
@@ -268,9 +300,14 @@ pub fn register(bus: Arc<dyn Bus>) {
         async move {
             let call: AssembleCall = harness_bus::local::take("context::assemble", payload)?;
             let bus = weak.upgrade();
-            let resp = assemble_over(bus.as_deref(), &call.messages, call.request)
-                .await
-                .map_err(BusError::from)?;
+            let resp = assemble_known(
+                bus.as_deref(),
+                &call.messages,
+                call.identities.as_deref().map(Vec::as_slice),
+                call.request,
+            )
+            .await
+            .map_err(BusError::from)?;
             Ok(Box::new(resp) as LocalValue)
         }
     };

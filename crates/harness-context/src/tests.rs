@@ -115,3 +115,44 @@ fn count_tokens_uses_the_family_counter() {
     assert_eq!(out.tokens, 2 + count::PER_MESSAGE_OVERHEAD);
     assert_eq!(out.correction, 1.0);
 }
+
+/// With identities, a message seen before at the same place with the same identity is not
+/// counted again; a new identity is counted afresh; sessions do not share counts.
+#[tokio::test]
+async fn counts_are_reused_by_message_identity_within_a_session() {
+    let history = |last: &str| {
+        vec![
+            AgentMessage::user_text("open", 0),
+            AgentMessage::user_text("x".repeat(380), 0),
+            AgentMessage::user_text(last, 0),
+        ]
+    };
+    let run = |messages: Vec<AgentMessage>, ids: Option<Vec<u64>>, session: &str| {
+        let mut r = req(Vec::new(), 100_000);
+        r.options.lease_key = Some(session.into());
+        async move {
+            assemble_known(None, &messages, ids.as_deref(), r)
+                .await
+                .unwrap()
+                .token_count
+        }
+    };
+    let short = run(history("hi"), Some(vec![1, 2, 3]), "s_counts_a").await;
+    assert_eq!(short, run(history("hi"), None, "s_counts_a").await);
+    // The last message grew and has a new identity: counted afresh.
+    let long = "y".repeat(3_800);
+    let grown = run(history(&long), Some(vec![1, 2, 4]), "s_counts_a").await;
+    assert_eq!(grown, run(history(&long), None, "s_counts_a").await);
+    assert!(grown >= short + 900, "{grown} vs {short}");
+    // An identity is the caller's promise that the message is unchanged: the count of the
+    // message it named is what is used (which is how the reuse shows).
+    assert_eq!(
+        run(history("hi"), Some(vec![1, 2, 4]), "s_counts_a").await,
+        grown
+    );
+    // Another session never sees these counts.
+    assert_eq!(
+        run(history("hi"), Some(vec![1, 2, 4]), "s_counts_b").await,
+        short
+    );
+}

@@ -29,6 +29,9 @@ pub(crate) const POLICY_SCOPE: &str = "harness_context_policy";
 pub(crate) struct Window {
     /// Shared with an in-process `context::assemble`, which reads it without a copy.
     pub messages: Arc<Vec<AgentMessage>>,
+    /// One identity per message, new whenever the message changes (for the context manager's
+    /// count reuse).
+    pub identities: Arc<Vec<u64>>,
     /// The entry id of each message (a tail anchor is named by its entry id).
     pub entry_ids: Arc<Vec<String>>,
     /// User messages that arrived after the previous step's watermark (rotation candidates).

@@ -705,6 +705,7 @@ impl Harness {
             };
             let req = AssembleRequestRef {
                 shared: &window.messages,
+                identities: &window.identities,
                 messages: &window.messages,
                 model: &model,
                 system_prompt: system_prompt.as_deref(),
@@ -973,6 +974,8 @@ impl Harness {
 struct AssembleRequestRef<'a> {
     #[serde(skip)]
     shared: &'a std::sync::Arc<Vec<AgentMessage>>,
+    #[serde(skip)]
+    identities: &'a std::sync::Arc<Vec<u64>>,
     messages: &'a [AgentMessage],
     model: &'a ModelRef,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -986,6 +989,7 @@ impl AssembleRequestRef<'_> {
     fn local(&self) -> AssembleCall {
         AssembleCall {
             messages: std::sync::Arc::clone(self.shared),
+            identities: Some(std::sync::Arc::clone(self.identities)),
             request: AssembleRequest {
                 messages: Vec::new(),
                 model: self.model.clone(),

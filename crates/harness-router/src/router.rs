@@ -59,36 +59,54 @@ pub struct ChatContext {
     pub extras: ChatExtras,
     /// The provider-native reasoning effort chosen by `reasoning: "lowest"`.
     pub reasoning_effort: Option<String>,
-    /// Characters of everything the request sends the model (system prompt, messages, tools):
-    /// the input side of the usage estimate for servers that report none.
-    pub input_chars: usize,
+    /// What the request sends the model: the input side of the usage estimate for servers
+    /// that report none.
+    pub input: RequestInput,
+}
+
+/// A request's input, measured only when a usage estimate needs it: a server that reports
+/// usage never pays for a walk over a long history.
+#[derive(Clone, Debug, Default)]
+pub struct RequestInput {
+    messages: std::sync::Arc<Vec<harness_types::AgentMessage>>,
+    /// The system prompt's and the tools' characters.
+    preamble_chars: usize,
+}
+
+impl RequestInput {
+    fn of(req: &ChatRequest) -> RequestInput {
+        let tools: usize = req
+            .tools
+            .iter()
+            .map(|t| t.name.len() + t.description.len() + t.parameters.to_string().len())
+            .sum();
+        RequestInput {
+            messages: req.messages.clone(),
+            preamble_chars: req.system_prompt.as_ref().map_or(0, String::len) + tools,
+        }
+    }
+
+    /// Characters of everything the request sends (system prompt, messages, tools).
+    pub fn chars(&self) -> usize {
+        let blocks = |content: &[ContentBlock]| -> usize { content.iter().map(block_chars).sum() };
+        let messages: usize = self
+            .messages
+            .iter()
+            .map(|m| match m {
+                harness_types::AgentMessage::User(u) => blocks(&u.content),
+                harness_types::AgentMessage::Assistant(a) => blocks(&a.content),
+                harness_types::AgentMessage::FunctionResult(r) => blocks(&r.content),
+                harness_types::AgentMessage::Custom(_) => 0,
+            })
+            .sum();
+        self.preamble_chars + messages
+    }
 }
 
 /// The router's token estimate for a text of `chars` characters (the same ratio the context
 /// manager budgets with).
 pub(crate) fn estimate_tokens(chars: usize) -> u64 {
     chars.div_ceil(4) as u64
-}
-
-/// Characters of a request's input, for the usage estimate.
-fn request_chars(req: &ChatRequest) -> usize {
-    let blocks = |content: &[ContentBlock]| -> usize { content.iter().map(block_chars).sum() };
-    let messages: usize = req
-        .messages
-        .iter()
-        .map(|m| match m {
-            harness_types::AgentMessage::User(u) => blocks(&u.content),
-            harness_types::AgentMessage::Assistant(a) => blocks(&a.content),
-            harness_types::AgentMessage::FunctionResult(r) => blocks(&r.content),
-            harness_types::AgentMessage::Custom(_) => 0,
-        })
-        .sum();
-    let tools: usize = req
-        .tools
-        .iter()
-        .map(|t| t.name.len() + t.description.len() + t.parameters.to_string().len())
-        .sum();
-    req.system_prompt.as_ref().map_or(0, String::len) + messages + tools
 }
 
 fn block_chars(b: &ContentBlock) -> usize {
@@ -288,7 +306,7 @@ impl FrameWriter {
                     0
                 };
             message.usage = Some(harness_types::message::Usage {
-                input: Some(estimate_tokens(self.chat.input_chars)),
+                input: Some(estimate_tokens(self.chat.input.chars())),
                 output: Some(estimate_tokens(output)),
                 estimated: true,
                 ..Default::default()
@@ -545,7 +563,7 @@ impl Router {
             model,
             extras,
             reasoning_effort: None,
-            input_chars: request_chars(&req),
+            input: RequestInput::of(&req),
         };
         let out = FrameWriter::new(ctx, &req.model, &provider_id);
         let Some(provider) = provider else {

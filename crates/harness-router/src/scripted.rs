@@ -413,10 +413,8 @@ impl Provider for ScriptedProvider {
             }
             message.content.push(block.clone());
         }
-        let input_chars: usize = req.messages.iter().map(|m| m.text().len()).sum::<usize>()
-            + req.system_prompt.as_ref().map_or(0, String::len);
-        let usage = g.usage.clone().unwrap_or(Usage {
-            input: Some(estimate_tokens(input_chars)),
+        let usage = g.usage.clone().unwrap_or_else(|| Usage {
+            input: Some(estimate_tokens(text_chars(&req))),
             output: Some(estimate_tokens(
                 harness_types::message::joined_text(&message.content).len(),
             )),
@@ -433,6 +431,18 @@ impl Provider for ScriptedProvider {
         message.usage = Some(usage);
         out.done(message)
     }
+}
+
+/// Characters of the request's text (system prompt and message text), for the usage estimate;
+/// counted in place, nothing joined.
+fn text_chars(req: &ChatRequest) -> usize {
+    req.messages
+        .iter()
+        .flat_map(|m| m.content())
+        .filter_map(ContentBlock::as_text)
+        .map(str::len)
+        .sum::<usize>()
+        + req.system_prompt.as_ref().map_or(0, String::len)
 }
 
 #[cfg(test)]

@@ -85,6 +85,10 @@ pub struct AssembleRequest {
 #[derive(Clone, Debug)]
 pub struct AssembleCall {
     pub messages: std::sync::Arc<Vec<AgentMessage>>,
+    /// One identity per message, unique to that message as the caller holds it (a changed
+    /// message gets a new one): the context manager reuses the counts of messages it has seen,
+    /// so a long history is not recounted at every step. `None`: count everything.
+    pub identities: Option<std::sync::Arc<Vec<u64>>>,
     pub request: AssembleRequest,
 }
 

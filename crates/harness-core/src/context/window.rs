@@ -9,6 +9,7 @@
 //! a fresh one cannot drift apart (the tests compare them).
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use harness_types::context::{CompactionRecord, PreviousSummary, COMPACTION_ENTRY};
@@ -17,6 +18,9 @@ use harness_types::session::Entry;
 use serde::Deserialize as _;
 
 use super::Window;
+
+/// Identities of window messages (see `WindowState::identities`).
+static NEXT_IDENTITY: AtomicU64 = AtomicU64::new(1);
 
 /// One session's window and what the loop derives from it, current to `entries[..covered]`.
 #[derive(Debug, Default)]
@@ -30,6 +34,9 @@ pub(crate) struct WindowState {
     opening: Option<usize>,
     previous: Option<PreviousSummary>,
     messages: Arc<Vec<AgentMessage>>,
+    /// A process-unique identity per message, new whenever a message is (re)placed: the
+    /// context manager reuses its count of a message it has seen with the same identity.
+    identities: Arc<Vec<u64>>,
     entry_ids: Arc<Vec<String>>,
     /// The entry index of each message.
     positions: Vec<usize>,
@@ -99,6 +106,7 @@ impl WindowState {
         }
         Window {
             messages: self.messages.clone(),
+            identities: self.identities.clone(),
             entry_ids: self.entry_ids.clone(),
             late_users,
             previous: self.previous.clone(),
@@ -160,6 +168,7 @@ impl WindowState {
     fn truncate(&mut self, from: usize) {
         while self.positions.last().is_some_and(|&at| at >= from) {
             self.positions.pop();
+            Arc::make_mut(&mut self.identities).pop();
             Arc::make_mut(&mut self.entry_ids).pop();
             self.total_bytes -= self.bytes.pop().unwrap_or(0);
             if let Some(m) = Arc::make_mut(&mut self.messages).pop() {
@@ -193,6 +202,7 @@ impl WindowState {
     fn push(&mut self, at: usize, entry_id: &str, m: &AgentMessage) {
         let bytes = super::byte_bound(std::slice::from_ref(m));
         self.positions.push(at);
+        Arc::make_mut(&mut self.identities).push(NEXT_IDENTITY.fetch_add(1, Ordering::Relaxed));
         Arc::make_mut(&mut self.entry_ids).push(entry_id.to_string());
         self.bytes.push(bytes);
         self.total_bytes += bytes;
