@@ -129,6 +129,7 @@ mod codec;
 mod error;
 mod fence;
 mod journal;
+mod provider;
 
 pub use bus::{IiiBus, IiiOptions, QueueMode, DELIVER_FUNCTION, FRAMES_PREFIX};
 pub use codec::{strip_decoration, unwrap_state, wrap_state, STATE_KEY_FIELD};

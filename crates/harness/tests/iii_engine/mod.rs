@@ -37,6 +37,7 @@
 
 #![allow(dead_code)]
 
+pub mod queue_worker;
 pub mod real;
 pub mod worker;
 
@@ -130,6 +131,8 @@ struct State {
     /// The state as last flushed: what survives `crash`.
     flushed: HashMap<String, HashMap<String, Value>>,
     flush_held: bool,
+    /// The queue worker's model, when the double runs with one (`start_with_queue_worker`).
+    queue_worker: Option<queue_worker::QueueWorker>,
 }
 
 struct Inner {
@@ -185,6 +188,26 @@ impl Engine {
                 }
             }
             None => Engine::start_double().await,
+        }
+    }
+
+    /// An engine with a queue provider: the real engine as [`Engine::start`] runs it (with the
+    /// queue worker next to it when `III_QUEUE_BIN` names one), or the double with its model
+    /// of the queue worker.
+    pub async fn start_with_queue_worker() -> Engine {
+        if real::engine_bin().is_some() {
+            return Engine::start().await;
+        }
+        let e = Engine::start_double().await;
+        e.lock().queue_worker = Some(queue_worker::QueueWorker::default());
+        e
+    }
+
+    /// True when `engine::queue::enqueue` is offered (the queue worker runs).
+    pub fn has_queue_worker(&self) -> bool {
+        match &self.real {
+            Some(r) => r.engine.has_queue_worker(),
+            None => self.lock().queue_worker.is_some(),
         }
     }
 
