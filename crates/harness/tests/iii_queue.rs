@@ -161,6 +161,8 @@ async fn killed_mid_call_on_the_queue_worker_the_call_runs_once_and_is_closed_on
         HashMap::from([("c1".to_string(), 1)]),
         "the target ran exactly once"
     );
+    // What the queue worker did with the delivery in flight (shown with --nocapture).
+    eprintln!("queue worker log:\n{}", engine.queue_worker_log());
     let entries = engine.transcript("s_q_slow", false).await;
     assert_every_call_closed(&entries);
     let result = entries

@@ -260,6 +260,14 @@ impl Engine {
         }
     }
 
+    /// The real queue worker's log (empty on the double).
+    pub fn queue_worker_log(&self) -> String {
+        self.real
+            .as_ref()
+            .map(|r| r.engine.queue_log())
+            .unwrap_or_default()
+    }
+
     /// True when the tests run against a real engine.
     pub fn is_real(&self) -> bool {
         self.real.is_some()
