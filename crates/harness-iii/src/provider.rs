@@ -40,6 +40,12 @@ pub(crate) fn declared(config: &Value, def: &QueueDef) -> Declared {
     else {
         return Declared::Missing;
     };
+    if q.get("redeliver_on_engine_restart") != Some(&Value::Bool(true)) {
+        tracing::warn!(
+            queue = %def.queue,
+            "the queue worker's declaration lacks redeliver_on_engine_restart: true; a step in flight when the engine restarts holds its session until timeout_ms"
+        );
+    }
     let kind = q.get("type").and_then(Value::as_str).unwrap_or("standard");
     let field = q.get("message_group_field").and_then(Value::as_str);
     if kind == "fifo" && field == Some(def.message_group_field.as_str()) {
@@ -64,6 +70,10 @@ pub(crate) fn define_request(def: &QueueDef) -> Value {
             "backoff_ms": def.backoff_ms,
             "timeout_ms": def.visibility_timeout_ms.max(1000),
             "poll_interval_ms": POLL_INTERVAL_MS,
+            // A delivery in flight when the engine restarts never gets its answer: without
+            // this the group (the session) waits out `timeout_ms`. Delivering a step twice
+            // is safe here (the loop's exact (turn_id, step) stale guard drops the repeat).
+            "redeliver_on_engine_restart": true,
         }
     })
 }
@@ -71,7 +81,7 @@ pub(crate) fn define_request(def: &QueueDef) -> Value {
 /// What the operator must add to the queue worker's configuration for `def`.
 pub(crate) fn required_block(def: &QueueDef) -> String {
     format!(
-        "queue_configs:\n  {}:\n    type: fifo\n    message_group_field: {}\n    concurrency: {}",
+        "queue_configs:\n  {}:\n    type: fifo\n    message_group_field: {}\n    concurrency: {}\n    redeliver_on_engine_restart: true",
         def.queue,
         def.message_group_field,
         def.concurrency.max(1)
@@ -128,6 +138,7 @@ mod tests {
         assert_eq!(r["config"]["type"], "fifo");
         assert_eq!(r["config"]["message_group_field"], "session_id");
         assert_eq!(r["config"]["timeout_ms"], 600_000);
+        assert_eq!(r["config"]["redeliver_on_engine_restart"], true);
         assert!(required_block(&def()).contains("message_group_field: session_id"));
     }
 }

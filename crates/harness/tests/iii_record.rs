@@ -434,8 +434,6 @@ async fn record_the_queue_worker_shapes() {
         .entry("(queued delivery that failed once)".into())
         .or_default()
         .push(json!({"request": {}, "response": {"deliveries": seen.load(std::sync::atomic::Ordering::SeqCst), "redelivered_within_ms": retried_after}}));
-    r.call(&a, "engine::queue::topic_stats", json!({"topic": "__fn_queue::rec-fifo"}))
-        .await;
 
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/iii_engine/recorded.json");
