@@ -34,6 +34,8 @@ const STREAM_KEY: &str = "harness_stream";
 const PUBLISHED_SCOPE: &str = "harness_published";
 
 const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+/// A call not answered within this is logged (it is still awaited up to its timeout).
+const SLOW_CALL: Duration = Duration::from_secs(10);
 const FRAME_BATCH: usize = 256;
 
 /// How the `harness-turn` queue is realised on the engine.
@@ -656,9 +658,21 @@ impl IiiBus {
         lost.borrow_and_update();
         let delivery = DELIVERY.try_with(Arc::clone).ok();
         let call = async {
-            match metadata {
-                Some(m) => self.inner.client.trigger(req.metadata(m)).await,
-                None => self.inner.client.trigger(req).await,
+            let call = async {
+                match metadata {
+                    Some(m) => self.inner.client.trigger(req.metadata(m)).await,
+                    None => self.inner.client.trigger(req).await,
+                }
+            };
+            tokio::pin!(call);
+            // An unanswered call is otherwise silent until its timeout (300 s by default):
+            // say which one it is.
+            tokio::select! {
+                r = &mut call => r,
+                _ = tokio::time::sleep(SLOW_CALL) => {
+                    tracing::warn!(function = %function_id, "no answer from the iii engine after {} s; still waiting (timeout {ms} ms)", SLOW_CALL.as_secs());
+                    call.await
+                }
             }
         };
         if let Some(lose) = delivery {
@@ -1055,7 +1069,9 @@ impl IiiBus {
                 }
             }
         }
-        let why = last.map(|e| format!("{}: {}", e.code, e.message)).unwrap_or_default();
+        let why = last
+            .map(|e| format!("{}: {}", e.code, e.message))
+            .unwrap_or_default();
         Err(BusError::new(
             "harness/dependency",
             format!(

@@ -104,7 +104,12 @@ async fn a_conflicting_declaration_stops_the_worker_naming_what_to_set() {
     .unwrap();
     let out = std::process::Command::new(iii_engine::worker::BIN)
         .args(["worker", "--engine", &engine.url, "--with", "all"])
-        .args(["--queue-mode", "enqueue", "--worker-name", "harness-conflict"])
+        .args([
+            "--queue-mode",
+            "enqueue",
+            "--worker-name",
+            "harness-conflict",
+        ])
         .arg("--data-dir")
         .arg(dir.path().join("data"))
         .arg("--script")
@@ -198,7 +203,12 @@ async fn the_steps_of_each_session_run_strictly_in_order_while_sessions_interlea
                 json!({"session": s, "n": n}),
             ));
         }
-        gens.push(text_gen(Some(&format!("^run {s}$")), &format!("{s} done"), 0, false));
+        gens.push(text_gen(
+            Some(&format!("^run {s}$")),
+            &format!("{s} done"),
+            0,
+            false,
+        ));
     }
     let worker = WorkerProc::start(&engine, &script(gens), &extra).await;
     assert_enqueue_route(&worker);
@@ -218,11 +228,19 @@ async fn the_steps_of_each_session_run_strictly_in_order_while_sessions_interlea
         // user, then (call, result) for steps 1..3 in order, then the text.
         let calls: Vec<String> = entries
             .iter()
-            .flat_map(|e| e["message"]["content"].as_array().cloned().unwrap_or_default())
+            .flat_map(|e| {
+                e["message"]["content"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
             .filter(|b| b["type"] == "function_call")
             .map(|b| b["id"].as_str().unwrap().to_string())
             .collect();
-        assert_eq!(calls, vec![format!("{s}1"), format!("{s}2"), format!("{s}3")]);
+        assert_eq!(
+            calls,
+            vec![format!("{s}1"), format!("{s}2"), format!("{s}3")]
+        );
         let roles: Vec<&str> = entries.iter().filter_map(role_of).collect();
         assert_eq!(
             roles,

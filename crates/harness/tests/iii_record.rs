@@ -437,16 +437,20 @@ async fn record_the_queue_worker_shapes() {
 
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/iii_engine/recorded.json");
-    let mut out: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut out: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     out["queue_worker"] = json!(
         "the queue worker (iii-hq/workers queue/, built from its public source) in III_QUEUE_BIN, by record_the_queue_worker_shapes"
     );
     for (k, v) in r.functions {
-        let list = out["functions"][k.as_str()].as_array().cloned().unwrap_or_default();
+        let list = out["functions"][k.as_str()]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         let mut list: Vec<Value> = list
             .into_iter()
-            .filter(|e| !v.contains(e) && !(k == "configuration::get" && e["request"]["id"] == "queue"))
+            .filter(|e| {
+                !v.contains(e) && !(k == "configuration::get" && e["request"]["id"] == "queue")
+            })
             .collect();
         // The SDK's Rust backtrace of a handler error says nothing about the wire.
         list.extend(v.into_iter().map(|mut e| {

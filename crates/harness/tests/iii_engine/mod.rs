@@ -32,8 +32,13 @@
 //!   bindings. `crash` also forgets every binding (the engine keeps them in memory) and drops
 //!   every connection.
 //!
-//! Not modelled: namespaces, RBAC, observe, channels, the worker-name lease, the queue worker
-//! (`engine::queue::enqueue`).
+//! - With [`Engine::start_with_queue_worker`], the separately installed queue worker
+//!   (`queue_worker.rs`): `queue::define`, its configuration entry, the enqueue action and
+//!   grouped-FIFO delivery with in-place retries, in the shapes recorded from the real one.
+//!   A delivery broken by [`Engine::crash`] fails like any other and is retried in place (the
+//!   real one re-delivers it when `redeliver_on_engine_restart` is set).
+//!
+//! Not modelled: namespaces, RBAC, observe, channels, the worker-name lease.
 
 #![allow(dead_code)]
 
@@ -232,7 +237,12 @@ impl Engine {
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
             let r = self
-                .dispatch(&job.function_id, job.data.clone(), Some(queue_worker::QUEUE_WORKER_ID), None)
+                .dispatch(
+                    &job.function_id,
+                    job.data.clone(),
+                    Some(queue_worker::QUEUE_WORKER_ID),
+                    None,
+                )
                 .await;
             if r.is_ok() {
                 break;
@@ -541,7 +551,10 @@ impl Engine {
             }
         }
         let result = if action == "enqueue" {
-            let queue = msg["action"]["queue"].as_str().unwrap_or_default().to_string();
+            let queue = msg["action"]["queue"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
             let r = match self.lock().queue_worker.as_mut() {
                 Some(q) => q.enqueue(&queue, &function_id, data),
                 // No queue provider (as on a default 0.23 engine build).
@@ -554,7 +567,9 @@ impl Engine {
             match matches_recorded("(enqueue action)", &r) {
                 Ok(()) => r,
                 Err(why) => {
-                    self.lock().violations.push(format!("(enqueue action): {why}"));
+                    self.lock()
+                        .violations
+                        .push(format!("(enqueue action): {why}"));
                     r
                 }
             }
@@ -644,7 +659,12 @@ impl Engine {
                     return Some(r);
                 }
                 "configuration::get" if data["id"] == "queue" => {
-                    return Some(Ok(self.lock().queue_worker.as_ref().unwrap().configuration()));
+                    return Some(Ok(self
+                        .lock()
+                        .queue_worker
+                        .as_ref()
+                        .unwrap()
+                        .configuration()));
                 }
                 _ => {}
             }
@@ -668,8 +688,14 @@ impl Engine {
                     .collect();
                 if st.queue_worker.is_some() {
                     for (id, description) in [
-                        ("engine::queue::enqueue", "Internal provider for TriggerAction::Enqueue"),
-                        ("queue::define", "Define and start a durable named function queue"),
+                        (
+                            "engine::queue::enqueue",
+                            "Internal provider for TriggerAction::Enqueue",
+                        ),
+                        (
+                            "queue::define",
+                            "Define and start a durable named function queue",
+                        ),
                     ] {
                         if id.starts_with(&prefix) {
                             fns.push(json!({"function_id": id, "description": description,

@@ -62,7 +62,11 @@ fn handler_error(message: String) -> CallError {
 impl QueueWorker {
     /// `queue::define`.
     pub fn define(&mut self, data: &Value) -> Result<Value, CallError> {
-        let queue = data["queue"].as_str().unwrap_or_default().trim().to_string();
+        let queue = data["queue"]
+            .as_str()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         if queue.is_empty() {
             return Err(handler_error("queue name is required".into()));
         }
@@ -103,7 +107,12 @@ impl QueueWorker {
     }
 
     /// The enqueue action.
-    pub fn enqueue(&mut self, queue: &str, function_id: &str, data: Value) -> Result<Value, CallError> {
+    pub fn enqueue(
+        &mut self,
+        queue: &str,
+        function_id: &str,
+        data: Value,
+    ) -> Result<Value, CallError> {
         let Some(config) = self.configs.get(queue) else {
             return Err(CallError::new(
                 "enqueue_error",
