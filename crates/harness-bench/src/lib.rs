@@ -2009,17 +2009,26 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
     let over = overhead(at, &plan).await?;
     progress(&format!(
         "  = loop overhead p50 {:.2} ms p99 {:.2} ms; whole step p50 {:.2} ms p99 {:.2} ms",
-        over.overhead_p50, over.overhead_p99, over.step_p50, over.step_p99
+        over.overhead_p50 / 1e3,
+        over.overhead_p99 / 1e3,
+        over.step_p50 / 1e3,
+        over.step_p99 / 1e3
     ));
     let hand = handoff(at, &plan, Durability::Full).await?;
     progress(&format!(
         "  = step→step handoff p50 {:.2} ms p99 {:.2} ms; send→step 0 p50 {:.2} ms ({} samples)",
-        hand.p50, hand.p99, hand.send_p50, hand.samples
+        hand.p50 / 1e3,
+        hand.p99 / 1e3,
+        hand.send_p50 / 1e3,
+        hand.samples
     ));
     let hand_nofsync = handoff(at, &plan, Durability::Normal).await?;
     progress(&format!(
         "  = step→step handoff p50 {:.2} ms p99 {:.2} ms; send→step 0 p50 {:.2} ms ({} samples)",
-        hand_nofsync.p50, hand_nofsync.p99, hand_nofsync.send_p50, hand_nofsync.samples
+        hand_nofsync.p50 / 1e3,
+        hand_nofsync.p99 / 1e3,
+        hand_nofsync.send_p50 / 1e3,
+        hand_nofsync.samples
     ));
     // Nothing to count on iii (see `Rig::fsyncs`).
     let fs_steps = match mode {
