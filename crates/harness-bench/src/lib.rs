@@ -1999,10 +1999,37 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
 
     progress("physical reference (fsync and bare SQLite commits in the bench directory)");
     let reference = reference::measure(&base)?;
+    // Each phase's headline as soon as it is measured: on an iii engine a later phase can
+    // fail (an engine call never answered) and the report is printed only at the end.
     let ram = idle_ram(at, &plan).await?;
+    progress(&format!(
+        "  = {:.0} B per idle session ({} sessions)",
+        ram.bytes_per_session, ram.sessions
+    ));
     let over = overhead(at, &plan).await?;
+    progress(&format!(
+        "  = loop overhead p50 {:.2} ms p99 {:.2} ms; whole step p50 {:.2} ms p99 {:.2} ms",
+        over.overhead_p50 / 1e3,
+        over.overhead_p99 / 1e3,
+        over.step_p50 / 1e3,
+        over.step_p99 / 1e3
+    ));
     let hand = handoff(at, &plan, Durability::Full).await?;
+    progress(&format!(
+        "  = step→step handoff p50 {:.2} ms p99 {:.2} ms; send→step 0 p50 {:.2} ms ({} samples)",
+        hand.p50 / 1e3,
+        hand.p99 / 1e3,
+        hand.send_p50 / 1e3,
+        hand.samples
+    ));
     let hand_nofsync = handoff(at, &plan, Durability::Normal).await?;
+    progress(&format!(
+        "  = step→step handoff p50 {:.2} ms p99 {:.2} ms; send→step 0 p50 {:.2} ms ({} samples)",
+        hand_nofsync.p50 / 1e3,
+        hand_nofsync.p99 / 1e3,
+        hand_nofsync.send_p50 / 1e3,
+        hand_nofsync.samples
+    ));
     // Nothing to count on iii (see `Rig::fsyncs`).
     let fs_steps = match mode {
         Mode::Embedded => Some(fsyncs(at, &plan).await?),

@@ -22,6 +22,7 @@ use crate::codec::{strip_decoration, unwrap_state, wrap_state};
 use crate::error::{from_sdk, to_sdk, IiiError};
 use crate::fence::{self, FENCED_SCOPE};
 use crate::journal::Journal;
+use crate::provider;
 
 /// The internal function every queued call is delivered to (see the crate docs).
 pub const DELIVER_FUNCTION: &str = "harness::queue::deliver";
@@ -33,6 +34,8 @@ const STREAM_KEY: &str = "harness_stream";
 const PUBLISHED_SCOPE: &str = "harness_published";
 
 const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+/// A call not answered within this is logged (it is still awaited up to its timeout).
+const SLOW_CALL: Duration = Duration::from_secs(10);
 const FRAME_BATCH: usize = 256;
 
 /// How the `harness-turn` queue is realised on the engine.
@@ -655,9 +658,21 @@ impl IiiBus {
         lost.borrow_and_update();
         let delivery = DELIVERY.try_with(Arc::clone).ok();
         let call = async {
-            match metadata {
-                Some(m) => self.inner.client.trigger(req.metadata(m)).await,
-                None => self.inner.client.trigger(req).await,
+            let call = async {
+                match metadata {
+                    Some(m) => self.inner.client.trigger(req.metadata(m)).await,
+                    None => self.inner.client.trigger(req).await,
+                }
+            };
+            tokio::pin!(call);
+            // An unanswered call is otherwise silent until its timeout (300 s by default):
+            // say which one it is.
+            tokio::select! {
+                r = &mut call => r,
+                _ = tokio::time::sleep(SLOW_CALL) => {
+                    tracing::warn!(function = %function_id, "no answer from the iii engine after {} s; still waiting (timeout {ms} ms)", SLOW_CALL.as_secs());
+                    call.await
+                }
             }
         };
         if let Some(lose) = delivery {
@@ -987,6 +1002,85 @@ impl IiiBus {
             .into_iter()
             .flatten()
             .any(|f| f["function_id"] == json!(function_id)))
+    }
+
+    /// The enqueue route needs `def.queue` defined in the queue worker as FIFO grouped by its
+    /// group field (see `provider`): kept when it is, declared with `queue::define` when it
+    /// is missing, refused when it is declared otherwise or cannot be declared.
+    async fn declare_in_provider(&self, def: &QueueDef) -> Result<(), BusError> {
+        let wanted = provider::required_block(def);
+        let stored = self
+            .invoke(
+                "configuration::get",
+                json!({"id": provider::QUEUE_CONFIG_ID}),
+                Some(Duration::from_secs(10)),
+                None,
+                None,
+            )
+            .await;
+        let declared = match &stored {
+            Ok(config) => provider::declared(config, def),
+            // Nothing stored yet (the queue worker seeds it on its first start).
+            Err(e) if e.code.to_string().eq_ignore_ascii_case("not_found") => {
+                provider::Declared::Missing
+            }
+            Err(e) => return Err(e.clone()),
+        };
+        match declared {
+            provider::Declared::Fits => return Ok(()),
+            provider::Declared::Conflicts(what) => {
+                return Err(BusError::new(
+                    "harness/dependency",
+                    format!(
+                        "the queue worker declares '{}' as {what}; the harness needs it FIFO grouped by {}. Change it in the queue worker's configuration (id '{}') to:\n{wanted}",
+                        def.queue,
+                        def.message_group_field,
+                        provider::QUEUE_CONFIG_ID
+                    ),
+                ))
+            }
+            provider::Declared::Missing => {}
+        }
+        // `queue::define` refuses while the queue worker is applying another change: a few
+        // tries, then the operator is told what to add.
+        let mut last = None;
+        for attempt in 0..5u64 {
+            match self
+                .invoke(
+                    provider::DEFINE_FUNCTION,
+                    provider::define_request(def),
+                    Some(Duration::from_secs(30)),
+                    None,
+                    None,
+                )
+                .await
+            {
+                Ok(answer) => {
+                    tracing::info!(queue = %def.queue, %answer, "queue declared in the queue worker");
+                    return Ok(());
+                }
+                Err(e) if e.is_not_found() => {
+                    last = Some(e);
+                    break;
+                }
+                Err(e) => {
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(200 * (attempt + 1))).await;
+                }
+            }
+        }
+        let why = last
+            .map(|e| format!("{}: {}", e.code, e.message))
+            .unwrap_or_default();
+        Err(BusError::new(
+            "harness/dependency",
+            format!(
+                "cannot declare '{}' in the queue worker ({}: {why}); add to the queue worker's configuration (id '{}'):\n{wanted}",
+                def.queue,
+                provider::DEFINE_FUNCTION,
+                provider::QUEUE_CONFIG_ID
+            ),
+        ))
     }
 
     /// Binds `harness::queue::deliver` to each of `topics` as a `durable:subscriber`, and waits
@@ -1413,7 +1507,7 @@ impl Bus for IiiBus {
             }
         };
         match route {
-            Route::Enqueue => {}
+            Route::Enqueue => self.declare_in_provider(&def).await?,
             Route::Topic => {
                 self.bind_topics(&def, std::slice::from_ref(&def.queue), false)
                     .await?

@@ -38,9 +38,13 @@
 //! delivered to the internal function `harness::queue::deliver`, which runs them under an
 //! in-process per-group lock (the group is `session_id` on `harness-turn`). Routes:
 //!
-//! - **Enqueue** (`TriggerAction::Enqueue`) when a queue provider (`engine::queue::enqueue`)
-//!   is registered: the queue must be declared by the operator in that provider's config as
-//!   `fifo` with `message_group_field: session_id`.
+//! - **Enqueue** (`TriggerAction::Enqueue`) when a queue provider (`engine::queue::enqueue`,
+//!   the separately installed queue worker) is registered. The queue must be defined there as
+//!   `fifo` grouped by the queue's group field: a matching definition in the queue worker's
+//!   configuration (`configuration::get {id: "queue"}`) is kept, a missing one is declared
+//!   with `queue::define`, a conflicting one stops the start naming the block to set
+//!   (`provider`). The queue worker groups the steps of a session itself; the per-group lock
+//!   here then never waits.
 //! - **Topic** (the default without a provider): one `standard` `durable:subscriber` with the
 //!   queue's concurrency; the engine polls it every 100 ms whatever the config says, so a
 //!   handoff costs ~50-100 ms. Sessions run in parallel; the per-group lock orders a session.
@@ -129,6 +133,7 @@ mod codec;
 mod error;
 mod fence;
 mod journal;
+mod provider;
 
 pub use bus::{IiiBus, IiiOptions, QueueMode, DELIVER_FUNCTION, FRAMES_PREFIX};
 pub use codec::{strip_decoration, unwrap_state, wrap_state, STATE_KEY_FIELD};

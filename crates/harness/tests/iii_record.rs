@@ -309,3 +309,162 @@ async fn record_the_engine_shapes() {
         path.display()
     );
 }
+
+/// Records the queue worker's shapes (`III_QUEUE_BIN` next to the engine in `III_BIN`): the
+/// enqueue action's answer and errors, `queue::define`, the queue worker's configuration entry,
+/// and the frame a queued call is delivered with (first delivery and a retry). Merged into
+/// `recorded.json` next to the engine's shapes.
+///
+/// `III_BIN=… III_QUEUE_BIN=… cargo test -p harness --features iii --test iii_record -- --ignored record_the_queue_worker_shapes`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real engine and queue worker: III_BIN=… III_QUEUE_BIN=…"]
+async fn record_the_queue_worker_shapes() {
+    assert!(
+        engine_bin().is_some() && iii_engine::real::queue_bin().is_some(),
+        "set III_BIN and III_QUEUE_BIN"
+    );
+    let engine = RealEngine::start(&engine_bin().unwrap()).await;
+    let a = Client::connect(&engine.url()).await.unwrap();
+    wait_frame(&a, "workerregistered", |m| m["type"] == "workerregistered").await;
+    let mut r = Recorder {
+        functions: BTreeMap::new(),
+        messages: BTreeMap::new(),
+    };
+    r.call(&a, "configuration::get", json!({"id": "queue"}))
+        .await;
+    let def = json!({"queue": "rec-fifo", "config": {"type": "fifo", "message_group_field": "g",
+        "max_retries": 2, "backoff_ms": 50, "poll_interval_ms": 5, "concurrency": 4, "timeout_ms": 5000}});
+    r.call(&a, "queue::define", def.clone()).await;
+    r.call(&a, "queue::define", def).await;
+    r.call(
+        &a,
+        "queue::define",
+        json!({"queue": "rec-bad", "config": {"type": "fifo"}}),
+    )
+    .await;
+    r.call(
+        &a,
+        "queue::define",
+        json!({"queue": "rec-bad", "config": {"type": "fifo", "message_group_field": "g", "wat": 1}}),
+    )
+    .await;
+    r.call(&a, "configuration::get", json!({"id": "queue"}))
+        .await;
+
+    // A target that fails its first delivery, then succeeds.
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let s2 = seen.clone();
+    a.register("rec::queued", move |_| {
+        if s2.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            Err(iii_engine::CallError {
+                code: "rec/flaky".into(),
+                message: "first delivery fails".into(),
+            })
+        } else {
+            Ok(json!({"ok": true}))
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut example = |name: &str, request: Value, frame: &Value| {
+        let mut e = json!({"request": request});
+        match frame.get("error").filter(|e| !e.is_null()) {
+            Some(err) => e["error"] = err.clone(),
+            None => e["response"] = frame.get("result").cloned().unwrap_or(Value::Null),
+        }
+        r.functions.entry(name.into()).or_default().push(e);
+    };
+    let enqueue = json!({"type": "enqueue", "queue": "rec-fifo"});
+    let sent_at = Instant::now();
+    let frame = a
+        .invoke_action("rec::queued", json!({"g": "s1", "n": 1}), enqueue.clone())
+        .await
+        .unwrap();
+    example(
+        "(enqueue action)",
+        json!({"function_id": "rec::queued", "data": {"g": "s1", "n": 1}, "action": enqueue}),
+        &frame,
+    );
+    let frame = a
+        .invoke_action(
+            "rec::queued",
+            json!({"n": 2}),
+            json!({"type": "enqueue", "queue": "rec-fifo"}),
+        )
+        .await
+        .unwrap();
+    example(
+        "(enqueue action)",
+        json!({"function_id": "rec::queued", "data": {"n": 2}, "action": {"type": "enqueue", "queue": "rec-fifo"}}),
+        &frame,
+    );
+    let frame = a
+        .invoke_action(
+            "rec::queued",
+            json!({"g": "s1"}),
+            json!({"type": "enqueue", "queue": "rec-undefined"}),
+        )
+        .await
+        .unwrap();
+    example(
+        "(enqueue action)",
+        json!({"function_id": "rec::queued", "data": {"g": "s1"}, "action": {"type": "enqueue", "queue": "rec-undefined"}}),
+        &frame,
+    );
+    let first = wait_frame(&a, "the queued delivery", |m| {
+        m["type"] == "invokefunction" && m["function_id"] == "rec::queued"
+    })
+    .await;
+    r.message("invokefunction(queued)", first);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let retry = loop {
+        let deliveries: Vec<Value> = a
+            .received()
+            .into_iter()
+            .filter(|m| m["type"] == "invokefunction" && m["function_id"] == "rec::queued")
+            .collect();
+        if deliveries.len() >= 2 {
+            break deliveries[1].clone();
+        }
+        assert!(Instant::now() < deadline, "no redelivery after a failure");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let retried_after = sent_at.elapsed().as_millis() as u64;
+    r.message("invokefunction(queued retry)", retry);
+    r.functions
+        .entry("(queued delivery that failed once)".into())
+        .or_default()
+        .push(json!({"request": {}, "response": {"deliveries": seen.load(std::sync::atomic::Ordering::SeqCst), "redelivered_within_ms": retried_after}}));
+
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/iii_engine/recorded.json");
+    let mut out: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    out["queue_worker"] = json!(
+        "the queue worker (iii-hq/workers queue/, built from its public source) in III_QUEUE_BIN, by record_the_queue_worker_shapes"
+    );
+    for (k, v) in r.functions {
+        let list = out["functions"][k.as_str()]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let mut list: Vec<Value> = list
+            .into_iter()
+            .filter(|e| {
+                !(v.contains(e) || (k == "configuration::get" && e["request"]["id"] == "queue"))
+            })
+            .collect();
+        // The SDK's Rust backtrace of a handler error says nothing about the wire.
+        list.extend(v.into_iter().map(|mut e| {
+            if let Some(err) = e.get_mut("error").and_then(Value::as_object_mut) {
+                err.remove("stacktrace");
+            }
+            e
+        }));
+        out["functions"][k.as_str()] = Value::Array(list);
+    }
+    for (k, v) in r.messages {
+        if k != "invocationresult" {
+            out["messages"][k.as_str()] = v;
+        }
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap() + "\n").unwrap();
+}

@@ -32,11 +32,17 @@
 //!   bindings. `crash` also forgets every binding (the engine keeps them in memory) and drops
 //!   every connection.
 //!
-//! Not modelled: namespaces, RBAC, observe, channels, the worker-name lease, the queue worker
-//! (`engine::queue::enqueue`).
+//! - With [`Engine::start_with_queue_worker`], the separately installed queue worker
+//!   (`queue_worker.rs`): `queue::define`, its configuration entry, the enqueue action and
+//!   grouped-FIFO delivery with in-place retries, in the shapes recorded from the real one.
+//!   A delivery broken by [`Engine::crash`] fails like any other and is retried in place (the
+//!   real one re-delivers it when `redeliver_on_engine_restart` is set).
+//!
+//! Not modelled: namespaces, RBAC, observe, channels, the worker-name lease.
 
 #![allow(dead_code)]
 
+pub mod queue_worker;
 pub mod real;
 pub mod worker;
 
@@ -130,6 +136,8 @@ struct State {
     /// The state as last flushed: what survives `crash`.
     flushed: HashMap<String, HashMap<String, Value>>,
     flush_held: bool,
+    /// The queue worker's model, when the double runs with one (`start_with_queue_worker`).
+    queue_worker: Option<queue_worker::QueueWorker>,
 }
 
 struct Inner {
@@ -186,6 +194,88 @@ impl Engine {
             }
             None => Engine::start_double().await,
         }
+    }
+
+    /// An engine with a queue provider: the real engine as [`Engine::start`] runs it (with the
+    /// queue worker next to it when `III_QUEUE_BIN` names one), or the double with its model
+    /// of the queue worker.
+    pub async fn start_with_queue_worker() -> Engine {
+        if real::engine_bin().is_some() {
+            return Engine::start().await;
+        }
+        let e = Engine::start_double().await;
+        e.lock().queue_worker = Some(queue_worker::QueueWorker::default());
+        let runner = e.clone();
+        tokio::spawn(async move { runner.run_queue_worker().await });
+        e
+    }
+
+    /// The queue worker model's consumer: starts the deliveries `QueueWorker::next` hands out.
+    async fn run_queue_worker(&self) {
+        loop {
+            let notified = self.inner.changed.notified();
+            let starts = match self.lock().queue_worker.as_mut() {
+                Some(q) => q.next(),
+                None => return,
+            };
+            for (key, job, config) in starts {
+                let e = self.clone();
+                tokio::spawn(async move { e.deliver_queued(key, job, config).await });
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+        }
+    }
+
+    /// One queued message: delivered, retried in place on failure, then dead-lettered.
+    async fn deliver_queued(&self, key: (String, String), job: queue_worker::Job, config: Value) {
+        let max_retries = config["max_retries"].as_u64().unwrap_or(3);
+        let backoff = config["backoff_ms"].as_u64().unwrap_or(1000);
+        let mut attempt = 0u64;
+        loop {
+            // Held while the target is not registered (a booting or restarting worker).
+            while !self.lock().functions.contains_key(&job.function_id) {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            let r = self
+                .dispatch(
+                    &job.function_id,
+                    job.data.clone(),
+                    Some(queue_worker::QUEUE_WORKER_ID),
+                    None,
+                )
+                .await;
+            if r.is_ok() {
+                break;
+            }
+            if attempt >= max_retries {
+                if let Some(q) = self.lock().queue_worker.as_mut() {
+                    q.dead_letters.push((key.0.clone(), job.data.clone()));
+                }
+                break;
+            }
+            attempt += 1;
+            tokio::time::sleep(Duration::from_millis(backoff << (attempt - 1).min(16))).await;
+        }
+        if let Some(q) = self.lock().queue_worker.as_mut() {
+            q.busy.remove(&key);
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    /// True when `engine::queue::enqueue` is offered (the queue worker runs).
+    pub fn has_queue_worker(&self) -> bool {
+        match &self.real {
+            Some(r) => r.engine.has_queue_worker(),
+            None => self.lock().queue_worker.is_some(),
+        }
+    }
+
+    /// The real queue worker's log (empty on the double).
+    pub fn queue_worker_log(&self) -> String {
+        self.real
+            .as_ref()
+            .map(|r| r.engine.queue_log())
+            .unwrap_or_default()
     }
 
     /// True when the tests run against a real engine.
@@ -461,11 +551,28 @@ impl Engine {
             }
         }
         let result = if action == "enqueue" {
-            // No queue provider in this double (as on a default 0.23 engine build).
-            Err(CallError::new(
-                "enqueue_error",
-                "engine::queue::enqueue not found: no queue worker is connected",
-            ))
+            let queue = msg["action"]["queue"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let r = match self.lock().queue_worker.as_mut() {
+                Some(q) => q.enqueue(&queue, &function_id, data),
+                // No queue provider (as on a default 0.23 engine build).
+                None => Err(CallError::new(
+                    "enqueue_error",
+                    "engine::queue::enqueue not found: no queue worker is connected",
+                )),
+            };
+            self.inner.changed.notify_waiters();
+            match matches_recorded("(enqueue action)", &r) {
+                Ok(()) => r,
+                Err(why) => {
+                    self.lock()
+                        .violations
+                        .push(format!("(enqueue action): {why}"));
+                    r
+                }
+            }
         } else {
             self.dispatch(&function_id, data, Some(&caller), metadata)
                 .await
@@ -545,6 +652,23 @@ impl Engine {
     fn builtin(&self, function_id: &str, data: &Value) -> Option<Result<Value, CallError>> {
         let bad = |why: &str| Err(CallError::new("deserialization_error", why.to_string()));
         let s = |v: &Value, k: &str| v[k].as_str().map(str::to_string);
+        if self.lock().queue_worker.is_some() {
+            match function_id {
+                "queue::define" => {
+                    let r = self.lock().queue_worker.as_mut().unwrap().define(data);
+                    return Some(r);
+                }
+                "configuration::get" if data["id"] == "queue" => {
+                    return Some(Ok(self
+                        .lock()
+                        .queue_worker
+                        .as_ref()
+                        .unwrap()
+                        .configuration()));
+                }
+                _ => {}
+            }
+        }
         Some(match function_id {
             // Fire-and-forget: the engine never answers it.
             "engine::workers::register" => Ok(Value::Null),
@@ -562,6 +686,23 @@ impl Engine {
                                "worker_name": st.workers.get(&f.worker).and_then(|w| w.name.clone())})
                     })
                     .collect();
+                if st.queue_worker.is_some() {
+                    for (id, description) in [
+                        (
+                            "engine::queue::enqueue",
+                            "Internal provider for TriggerAction::Enqueue",
+                        ),
+                        (
+                            "queue::define",
+                            "Define and start a durable named function queue",
+                        ),
+                    ] {
+                        if id.starts_with(&prefix) {
+                            fns.push(json!({"function_id": id, "description": description,
+                                "namespace": "default", "worker_name": "queue"}));
+                        }
+                    }
+                }
                 fns.sort_by(|a, b| a["function_id"].as_str().cmp(&b["function_id"].as_str()));
                 Ok(json!({ "functions": fns }))
             }
@@ -1427,7 +1568,7 @@ impl Engine {
         _request: &Value,
         answer: Result<Value, CallError>,
     ) -> Result<Value, CallError> {
-        if !is_engine_function(function_id) {
+        if !is_engine_function(function_id) && !function_id.starts_with("queue::") {
             return answer;
         }
         match matches_recorded(function_id, &answer) {

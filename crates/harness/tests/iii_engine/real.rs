@@ -4,6 +4,12 @@
 //! files, the queue, pub/sub, cron, configuration), its worker endpoint on a free loopback
 //! port, telemetry and update checks off. The test talks to it through [`Client`], a plain
 //! worker connection speaking the engine's JSON frames (as the double's clients do).
+//!
+//! With `III_QUEUE_BIN=/path/to/queue` as well, the separately installed queue worker runs next
+//! to the engine (the engine's built-in `iii-queue` is left out of its config: the two cannot
+//! both own `durable:subscriber`), so `engine::queue::enqueue` is registered and the harness
+//! worker takes the enqueue route. It stays up across engine restarts and reconnects by itself,
+//! as it would in a deployment.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -26,9 +32,27 @@ pub fn engine_bin() -> Option<PathBuf> {
         .filter(|p| !p.as_os_str().is_empty())
 }
 
+/// The queue worker binary to run next to the engine, if the environment names one.
+pub fn queue_bin() -> Option<PathBuf> {
+    std::env::var_os("III_QUEUE_BIN")
+        .map(PathBuf::from)
+        .filter(|p| !p.as_os_str().is_empty())
+}
+
 /// The configuration the end-to-end tests run the engine with (also what README documents
-/// for `harness worker`).
-pub fn config(port: u16) -> String {
+/// for `harness worker`). With a separate queue worker the built-in `iii-queue` block is left
+/// out.
+pub fn config(port: u16, separate_queue: bool) -> String {
+    let text = config_text(port);
+    if !separate_queue {
+        return text;
+    }
+    let start = text.find("  - name: iii-queue").expect("iii-queue block");
+    let end = text.find("  - name: iii-pubsub").expect("iii-pubsub block");
+    format!("{}{}", &text[..start], &text[end..])
+}
+
+fn config_text(port: u16) -> String {
     format!(
         r#"workers:
   - name: iii-worker-manager
@@ -80,18 +104,28 @@ pub struct RealEngine {
     dir: tempfile::TempDir,
     pub port: u16,
     child: Mutex<Option<Child>>,
+    /// The separately installed queue worker (`III_QUEUE_BIN`), when given.
+    queue_bin: Option<PathBuf>,
+    queue: Mutex<Option<Child>>,
 }
 
 impl RealEngine {
     pub async fn start(bin: &Path) -> RealEngine {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = free_port();
-        std::fs::write(dir.path().join("config.yaml"), config(port)).expect("write config");
+        let queue_bin = queue_bin();
+        std::fs::write(
+            dir.path().join("config.yaml"),
+            config(port, queue_bin.is_some()),
+        )
+        .expect("write config");
         let e = RealEngine {
             bin: bin.to_path_buf(),
             dir,
             port,
             child: Mutex::new(None),
+            queue_bin,
+            queue: Mutex::new(None),
         };
         e.spawn().await;
         e
@@ -134,6 +168,7 @@ impl RealEngine {
                 let up = c.call("engine::functions::list", json!({})).await.is_ok();
                 c.close();
                 if up {
+                    self.ensure_queue_worker().await;
                     return;
                 }
             }
@@ -144,6 +179,76 @@ impl RealEngine {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// True when the separately installed queue worker runs next to the engine.
+    pub fn has_queue_worker(&self) -> bool {
+        self.queue_bin.is_some()
+    }
+
+    /// Starts the queue worker once (it reconnects to a restarted engine by itself) and waits
+    /// until the engine lists its `engine::queue::enqueue`.
+    async fn ensure_queue_worker(&self) {
+        let Some(bin) = &self.queue_bin else {
+            return;
+        };
+        {
+            let mut q = self.queue.lock().unwrap();
+            if q.is_none() {
+                let log = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.dir.path().join("queue.log"))
+                    .expect("queue log");
+                let child = Command::new(bin)
+                    .arg("--url")
+                    .arg(self.url())
+                    .current_dir(self.dir.path())
+                    .env("III_TELEMETRY_ENABLED", "false")
+                    .env(
+                        "RUST_LOG",
+                        std::env::var("III_LOG").unwrap_or_else(|_| "warn".into()),
+                    )
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::from(log.try_clone().expect("log")))
+                    .stderr(Stdio::from(log))
+                    .spawn()
+                    .expect("spawn the queue worker");
+                *q = Some(child);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(c) = Client::connect(&self.url()).await {
+                let listed = c
+                    .call(
+                        "engine::functions::list",
+                        json!({"prefix": "engine::queue::", "include_internal": true}),
+                    )
+                    .await;
+                c.close();
+                let up = listed.is_ok_and(|l| {
+                    l["functions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|f| f["function_id"] == "engine::queue::enqueue")
+                });
+                if up {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the queue worker did not register engine::queue::enqueue; its log:\n{}",
+                self.queue_log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn queue_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("queue.log")).unwrap_or_default()
     }
 
     pub fn log(&self) -> String {
@@ -168,6 +273,10 @@ impl RealEngine {
 impl Drop for RealEngine {
     fn drop(&mut self) {
         self.kill();
+        if let Some(mut q) = self.queue.lock().unwrap().take() {
+            let _ = q.kill();
+            let _ = q.wait();
+        }
     }
 }
 
@@ -291,6 +400,27 @@ impl Client {
         let (tx, rx) = oneshot::channel();
         self.inner.pending.lock().unwrap().insert(id.clone(), tx);
         self.send(json!({"type": "invokefunction", "invocation_id": id, "function_id": function_id, "data": data}));
+        match tokio::time::timeout(Duration::from_secs(60), rx).await {
+            Ok(Ok(frame)) => Ok(frame),
+            _ => Err(CallError {
+                code: "timeout".into(),
+                message: format!("{function_id}: no answer in 60 s"),
+            }),
+        }
+    }
+
+    /// Invokes a function with an `action` (`{"type": "enqueue", "queue": …}`) and returns the
+    /// engine's `invocationresult` frame as sent.
+    pub async fn invoke_action(
+        &self,
+        function_id: &str,
+        data: Value,
+        action: Value,
+    ) -> Result<Value, CallError> {
+        let id = self.fresh_id();
+        let (tx, rx) = oneshot::channel();
+        self.inner.pending.lock().unwrap().insert(id.clone(), tx);
+        self.send(json!({"type": "invokefunction", "invocation_id": id, "function_id": function_id, "data": data, "action": action}));
         match tokio::time::timeout(Duration::from_secs(60), rx).await {
             Ok(Ok(frame)) => Ok(frame),
             _ => Err(CallError {
