@@ -38,7 +38,17 @@ pub fn kv_put_in(
     key: &str,
     value: &Value,
 ) -> Result<(), StoreError> {
-    let text = serde_json::to_string(value)?;
+    kv_put_text_in(conn, scope, key, &serde_json::to_string(value)?)
+}
+
+/// [`kv_put_in`] with the value already serialised (by the caller, off the writer thread).
+/// `text` must be JSON: readers parse it.
+pub fn kv_put_text_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    text: &str,
+) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
@@ -73,15 +83,36 @@ impl Store {
         key: &str,
         value: &Value,
     ) -> Result<Option<Value>, StoreError> {
-        let (scope, key, value) = (scope.to_string(), key.to_string(), value.clone());
-        self.write(move |c| kv_set_in(c, &scope, &key, &value))
+        let (scope, key, text) = (
+            scope.to_string(),
+            key.to_string(),
+            serde_json::to_string(value)?,
+        );
+        self.write_replayable(move |c| {
+            let old = kv_get_in(c, &scope, &key)?;
+            kv_put_text_in(c, &scope, &key, &text)?;
+            Ok(old)
+        })
+        .await
+    }
+
+    /// Upserts one value (committed, not fsynced, when it resolves) without reading the
+    /// previous one; the value is serialised here, not on the writer thread.
+    pub async fn kv_put(&self, scope: &str, key: &str, value: &Value) -> Result<(), StoreError> {
+        let (scope, key, text) = (
+            scope.to_string(),
+            key.to_string(),
+            serde_json::to_string(value)?,
+        );
+        self.write_replayable(move |c| kv_put_text_in(c, &scope, &key, &text))
             .await
     }
 
     /// Committed (not fsynced) when it resolves; returns the removed value.
     pub async fn kv_delete(&self, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
         let (scope, key) = (scope.to_string(), key.to_string());
-        self.write(move |c| kv_delete_in(c, &scope, &key)).await
+        self.write_replayable(move |c| kv_delete_in(c, &scope, &key))
+            .await
     }
 
     /// Every `(key, value)` of a scope, ordered by key (the primary key order: no sort needed).
