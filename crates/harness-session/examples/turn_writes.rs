@@ -49,6 +49,10 @@ fn assistant_message() -> Value {
 
 type Waiters = Arc<Mutex<HashMap<String, oneshot::Sender<()>>>>;
 
+/// Each session's change mark, as the loop's transcript cache keeps it.
+static MARKS: std::sync::LazyLock<Mutex<HashMap<String, i64>>> =
+    std::sync::LazyLock::new(Mutex::default);
+
 /// Wall time awaited per kind of store call, summed over every session (`TIMES=1` prints it).
 static TIMES: Mutex<Vec<(&'static str, f64, u64)>> = Mutex::new(Vec::new());
 
@@ -79,12 +83,21 @@ async fn step(bus: Arc<EmbeddedBus>, payload: Value) -> Result<(), String> {
         .map_err(e)?;
     let queue_scope = format!("harness_queue:{sid}");
     bus.state_list(&queue_scope).await.map_err(e)?;
-    timed(
+    // As the loop's transcript cache does: only what changed since the step's last read.
+    let after = MARKS.lock().expect("marks").get(&sid).copied();
+    let changes = timed(
         "step changes",
-        bus.call("session::changes", json!({"session_id": sid}), None),
+        bus.call(
+            "session::changes",
+            json!({"session_id": sid, "after": after}),
+            None,
+        ),
     )
     .await
     .map_err(e)?;
+    if let Some(mark) = changes["mark"].as_i64() {
+        MARKS.lock().expect("marks").insert(sid.clone(), mark);
+    }
     timed("step commit1", bus.commit(vec![
         BusWrite::Call {
             function_id: "session::set-status".into(),

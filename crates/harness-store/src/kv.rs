@@ -3,6 +3,8 @@
 //! The `*_in` helpers take a bare connection so callers can combine KV changes with other writes
 //! in one atomic `Store::write` closure; the `Store::kv_*` methods are the one-shot versions.
 
+use std::sync::Arc;
+
 use rusqlite::{Connection, OptionalExtension};
 use serde_json::Value;
 
@@ -72,8 +74,28 @@ pub fn kv_delete_in(
 }
 
 impl Store {
+    /// The latest committed value, from the cache of recent reads when it has it (see
+    /// `cache.rs`: a read after a resolved write always sees that write).
     pub fn kv_get(&self, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
-        self.read(|c| kv_get_in(c, scope, key))
+        let cache = self.kv_cache();
+        if let Some(value) = cache.get(scope, key) {
+            return Ok(Some(Value::clone(&value)));
+        }
+        let generation = cache.generation();
+        let row: Option<(i64, String)> = self.read(|c| {
+            Ok(
+                c.prepare_cached("SELECT rowid, value FROM kv WHERE scope = ?1 AND key = ?2")?
+                    .query_row((scope, key), |r| Ok((r.get(0)?, r.get(1)?)))
+                    .optional()?,
+            )
+        })?;
+        let Some((rowid, text)) = row else {
+            return Ok(None);
+        };
+        let value: Value = serde_json::from_str(&text)?;
+        let shared = Arc::new(value.clone());
+        cache.fill(generation, scope, key, rowid, text.len(), shared);
+        Ok(Some(value))
     }
 
     /// Committed (not fsynced) when it resolves; returns the previous value.

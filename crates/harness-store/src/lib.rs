@@ -12,6 +12,7 @@
 //! step's writes are committed (surviving a process kill) as soon as `write` resolves, and the one
 //! `barrier` at the end of the step makes them survive power loss too.
 
+mod cache;
 pub mod error;
 pub mod events;
 pub mod kv;

@@ -20,6 +20,7 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::{oneshot, watch};
 
+use crate::cache::KvCache;
 use crate::error::StoreError;
 use crate::writer::{writer_loop, Once, Op, Replayable};
 use crate::{events, schema};
@@ -94,6 +95,7 @@ struct Inner {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Latest committed event id (see `events.rs` for why a watch channel).
     events_tx: watch::Sender<i64>,
+    kv_cache: Arc<KvCache>,
 }
 
 /// Handle to the database; cheap to clone, all clones share one writer.
@@ -149,6 +151,18 @@ impl Store {
         counters.commit_seq.store(1, Ordering::SeqCst);
 
         let mut conn = conn;
+        let kv_cache = Arc::new(KvCache::default());
+        let changed = kv_cache.change_log();
+        conn.update_hook(Some(
+            move |_: rusqlite::hooks::Action, _: &str, table: &str, rowid: i64| {
+                if table == "kv" {
+                    changed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(rowid);
+                }
+            },
+        ))?;
         let mut threads = Vec::with_capacity(3);
         match start_checkpointer(path) {
             Ok((requests, thread)) => {
@@ -166,9 +180,10 @@ impl Store {
         let (writer_tx, writer_rx) = mpsc::channel::<Box<dyn Op>>();
         let writer = {
             let counters = counters.clone();
+            let cache = kv_cache.clone();
             std::thread::Builder::new()
                 .name("harness-store-writer".into())
-                .spawn(move || writer_loop(conn, writer_rx, &counters))?
+                .spawn(move || writer_loop(conn, writer_rx, &counters, &cache))?
         };
         // fsync runs on its own thread so the writer keeps committing while the disk syncs; the
         // next fsync then covers everything committed meanwhile (pipelined group commit).
@@ -195,6 +210,7 @@ impl Store {
                     threads
                 }),
                 events_tx: watch::channel(last_event).0,
+                kv_cache,
             }),
         })
     }
@@ -376,6 +392,10 @@ impl Store {
         conn.busy_timeout(BUSY_TIMEOUT)?;
         conn.set_prepared_statement_cache_capacity(64);
         Ok(conn)
+    }
+
+    pub(crate) fn kv_cache(&self) -> &KvCache {
+        &self.inner.kv_cache
     }
 
     pub(crate) fn events_sender(&self) -> &watch::Sender<i64> {

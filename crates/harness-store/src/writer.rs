@@ -23,6 +23,7 @@ use std::sync::mpsc;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
+use crate::cache::KvCache;
 use crate::error::StoreError;
 use crate::panic_message;
 use crate::store::Counters;
@@ -146,7 +147,12 @@ where
 
 /// Blocks for the first op, drains whatever else is already queued (up to [`MAX_BATCH`]) and
 /// runs it all as one transaction. Exits when every sender is gone and the queue is empty.
-pub(crate) fn writer_loop(conn: Connection, rx: mpsc::Receiver<Box<dyn Op>>, counters: &Counters) {
+pub(crate) fn writer_loop(
+    conn: Connection,
+    rx: mpsc::Receiver<Box<dyn Op>>,
+    counters: &Counters,
+    cache: &KvCache,
+) {
     let mut batch: Vec<Box<dyn Op>> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = rx.recv() {
         batch.push(first);
@@ -161,7 +167,7 @@ pub(crate) fn writer_loop(conn: Connection, rx: mpsc::Receiver<Box<dyn Op>>, cou
             counters.writes.fetch_add(1, Ordering::Relaxed);
             txn.run(op);
         }
-        txn.commit(counters);
+        txn.commit(counters, cache);
     }
 }
 
@@ -338,7 +344,7 @@ impl<'c> Batch<'c> {
     }
 
     /// `COMMIT`, then the replies (after the commit, so a resolved write is always committed).
-    fn commit(mut self, counters: &Counters) {
+    fn commit(mut self, counters: &Counters, cache: &KvCache) {
         if !self.in_txn {
             return;
         }
@@ -349,6 +355,8 @@ impl<'c> Batch<'c> {
                     // Bumped before replying: a barrier issued after a resolved write sees it.
                     counters.commit_seq.fetch_add(1, Ordering::SeqCst);
                 }
+                // Before any reply: a read after a resolved write never finds the old value.
+                cache.committed();
                 for op in self.done.drain(..) {
                     op.reply(None);
                 }
