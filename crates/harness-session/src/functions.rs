@@ -125,13 +125,16 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
     );
 }
 
+/// A transcript write run inside a batch: its answer and the event it inserted.
+type TxRun<P, Resp> = fn(&Connection, &P) -> Result<(Resp, Option<i64>), StoreError>;
+
 /// Registers `id`'s prepared in-transaction form: the payload is parsed (and the write
 /// prepared) on the caller's thread; the writer thread only runs `run`.
 fn register_tx<Req, P, Resp>(
     bus: &EmbeddedBus,
     id: &str,
     prepare: fn(Req) -> Result<P, StoreError>,
-    run: fn(&Connection, &P) -> Result<(Resp, Option<i64>), StoreError>,
+    run: TxRun<P, Resp>,
 ) where
     Req: DeserializeOwned + 'static,
     P: Send + 'static,

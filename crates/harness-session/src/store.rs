@@ -654,7 +654,7 @@ impl PreparedAppend {
             body,
             origin,
         } = self;
-        require_session(conn, &session_id)?;
+        require_session(conn, session_id)?;
         if let Some(seq) = conn
             .prepare_cached("SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2")?
             .query_row(params![session_id, entry_id], |r| r.get::<_, i64>(0))
@@ -674,7 +674,7 @@ impl PreparedAppend {
             .query_row(params![session_id], |r| r.get(0))?;
         let chg = change_event(
             conn,
-            &session_id,
+            session_id,
             topics::MESSAGE_ADDED,
             &json!({"session_id": session_id, "entry_id": entry_id, "seq": seq}),
         )?;
