@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use harness_store::{
-    enqueue_in, insert_event_in, kv_delete_in, kv_put_in, Connection, QueueConfig, QueueHandler,
-    QueueMessage, Queues, Store, StoreError,
+    enqueue_text_in, insert_event_text_in, kv_delete_in, kv_put_text_in, Connection, QueueConfig,
+    QueueHandler, QueueMessage, Queues, Store, StoreError,
 };
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -36,6 +36,30 @@ const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
 /// runs on the batch's connection; an `Err` rolls the whole batch back.
 pub type TxHandler = Arc<dyn Fn(&Connection, Value) -> Result<Value, StoreError> + Send + Sync>;
 
+/// What a prepared write answers: the function's answer and the id of the last event it
+/// inserted, if any (so the batch wakes event subscribers without reading the log).
+pub struct TxAnswer {
+    pub answer: Value,
+    pub event: Option<i64>,
+}
+
+/// A write prepared on the caller's thread, to run inside a batch on the writer thread. It may
+/// run more than once (the store replays a batch's writes after another one failed), so it must
+/// only touch the connection.
+pub type TxWrite = Box<dyn FnMut(&Connection) -> Result<TxAnswer, StoreError> + Send>;
+
+/// Turns a call's payload into a [`TxWrite`] (see [`EmbeddedBus::register_prepared`]): parsing,
+/// validation and serialisation happen here, on the caller's thread, so the single writer
+/// thread only runs SQL. An `Err` fails the batch before anything is written.
+pub type TxPrepare = Arc<dyn Fn(Value) -> Result<TxWrite, StoreError> + Send + Sync>;
+
+/// A write function's in-transaction form.
+#[derive(Clone)]
+enum TxForm {
+    InWriter(TxHandler),
+    Prepared(TxPrepare),
+}
+
 struct Registered {
     def: FunctionDef,
     handler: Arc<dyn Handler>,
@@ -50,7 +74,7 @@ pub(crate) struct Inner {
     queue_groups: RwLock<HashMap<String, String>>,
     /// In-transaction forms of write functions, for [`Bus::commit`]. Same locking as
     /// `functions`: written at registration, read per batch, never held across an await.
-    tx_functions: RwLock<HashMap<String, TxHandler>>,
+    tx_functions: RwLock<HashMap<String, TxForm>>,
     pub(crate) store: Store,
     queues: Queues,
     /// Running `cron` schedules by binding id. A std Mutex: held only to insert or take.
@@ -191,7 +215,19 @@ impl EmbeddedBus {
             .tx_functions
             .write()
             .expect("tx functions lock")
-            .insert(function_id.to_string(), handler);
+            .insert(function_id.to_string(), TxForm::InWriter(handler));
+    }
+
+    /// [`EmbeddedBus::register_transactional`] in two halves: `prepare` runs on the caller's
+    /// thread (parse, validate, serialise) and hands back the write the batch runs on the
+    /// writer thread. The hot-path writes of the loop use this form, so the one writer thread
+    /// that every session shares does nothing but SQL.
+    pub fn register_prepared(&self, function_id: &str, prepare: TxPrepare) {
+        self.inner
+            .tx_functions
+            .write()
+            .expect("tx functions lock")
+            .insert(function_id.to_string(), TxForm::Prepared(prepare));
     }
 
     /// The message group of a payload on `queue` (the queue's group field), or why not.
@@ -444,90 +480,96 @@ impl Bus for EmbeddedBus {
         Ok(())
     }
 
-    /// One store transaction for the whole batch (one savepoint: all or nothing), then the
-    /// wake-ups that must follow a commit. A call without an in-transaction form makes the
-    /// batch fall back to one write after another (the trait's default).
+    /// One store transaction for the whole batch (all or nothing), then the wake-ups that must
+    /// follow a commit. A call without an in-transaction form makes the batch fall back to one
+    /// write after another (the trait's default). Everything but the SQL (payload parsing and
+    /// serialisation, queue groups) is done here, before the batch reaches the writer thread.
     async fn commit(&self, writes: Vec<BusWrite>) -> Result<Vec<Value>, BusError> {
-        let mut ops = Vec::with_capacity(writes.len());
-        {
+        let forms: Vec<Option<TxForm>> = {
             let tx = self.inner.tx_functions.read().expect("tx functions lock");
-            for w in &writes {
-                ops.push(match w {
-                    BusWrite::Call { function_id, .. } => match tx.get(function_id) {
-                        Some(h) => TxOp::Call(h.clone()),
-                        None => TxOp::Unbatchable,
-                    },
-                    BusWrite::Enqueue { queue, payload, .. } => {
-                        TxOp::Enqueue(self.queue_group(queue, payload)?)
-                    }
-                    _ => TxOp::Plain,
-                });
-            }
-        }
-        if ops.iter().any(|op| matches!(op, TxOp::Unbatchable)) {
+            writes
+                .iter()
+                .map(|w| match w {
+                    BusWrite::Call { function_id, .. } => tx.get(function_id).cloned(),
+                    _ => None,
+                })
+                .collect()
+        };
+        let unbatchable = writes
+            .iter()
+            .zip(&forms)
+            .any(|(w, f)| matches!(w, BusWrite::Call { .. }) && f.is_none());
+        if unbatchable {
             return crate::bus::commit_one_by_one(self, writes).await;
         }
-        let queues: Vec<String> = writes
-            .iter()
-            .filter_map(|w| match w {
-                BusWrite::Enqueue { queue, .. } => Some(queue.clone()),
-                _ => None,
-            })
-            .collect();
-        let events = writes
-            .iter()
-            .any(|w| matches!(w, BusWrite::Call { .. } | BusWrite::Publish { .. }));
-        let out = self
+        let mut queues: Vec<String> = Vec::new();
+        let mut plan = Vec::with_capacity(writes.len());
+        for (w, form) in writes.into_iter().zip(forms) {
+            plan.push(match (w, form) {
+                (BusWrite::Call { payload, .. }, Some(TxForm::InWriter(h))) => {
+                    Planned::InWriter(h, payload)
+                }
+                (BusWrite::Call { payload, .. }, Some(TxForm::Prepared(prepare))) => {
+                    Planned::Prepared(prepare(payload).map_err(tx_error)?)
+                }
+                (BusWrite::Call { function_id, .. }, None) => {
+                    return Err(BusError::internal(format!(
+                        "commit: {function_id} lost its in-transaction form"
+                    )))
+                }
+                (BusWrite::StateSet { scope, key, value }, _) => Planned::StateSet {
+                    scope,
+                    key,
+                    text: to_text(&value)?,
+                },
+                (BusWrite::StateDelete { scope, key }, _) => Planned::StateDelete { scope, key },
+                (
+                    BusWrite::Enqueue {
+                        queue,
+                        function_id,
+                        payload,
+                    },
+                    _,
+                ) => {
+                    let group = self.queue_group(&queue, &payload)?;
+                    if !queues.contains(&queue) {
+                        queues.push(queue.clone());
+                    }
+                    Planned::Enqueue {
+                        text: to_text(&payload)?,
+                        queue,
+                        group,
+                        function_id,
+                    }
+                }
+                (
+                    BusWrite::Publish {
+                        topic,
+                        payload,
+                        dedupe_key,
+                    },
+                    _,
+                ) => Planned::Publish {
+                    session_id: payload
+                        .get("session_id")
+                        .and_then(Value::as_str)
+                        .map(str::to_string),
+                    text: to_text(&payload)?,
+                    topic,
+                    dedupe_key,
+                },
+            });
+        }
+        let (out, events) = self
             .inner
             .store
-            .write(move |conn| {
-                let mut out = Vec::with_capacity(writes.len());
-                for (w, op) in writes.into_iter().zip(ops) {
-                    out.push(match (w, op) {
-                        (BusWrite::Call { payload, .. }, TxOp::Call(h)) => h(conn, payload)?,
-                        (BusWrite::StateSet { scope, key, value }, _) => {
-                            kv_put_in(conn, &scope, &key, &value)?;
-                            Value::Null
-                        }
-                        (BusWrite::StateDelete { scope, key }, _) => {
-                            kv_delete_in(conn, &scope, &key)?;
-                            Value::Null
-                        }
-                        (
-                            BusWrite::Enqueue {
-                                queue,
-                                function_id,
-                                payload,
-                            },
-                            TxOp::Enqueue(group),
-                        ) => {
-                            enqueue_in(conn, &queue, &group, &function_id, &payload)?;
-                            Value::Null
-                        }
-                        (
-                            BusWrite::Publish {
-                                topic,
-                                payload,
-                                dedupe_key,
-                            },
-                            _,
-                        ) => {
-                            let session_id = payload.get("session_id").and_then(Value::as_str);
-                            insert_event_in(
-                                conn,
-                                session_id,
-                                &topic,
-                                &payload,
-                                dedupe_key.as_deref(),
-                            )?;
-                            Value::Null
-                        }
-                        _ => {
-                            return Err(StoreError::Invalid("commit: a write lost its plan".into()))
-                        }
-                    });
+            .write_replayable(move |conn| {
+                let mut out = Vec::with_capacity(plan.len());
+                let mut events = Events::None;
+                for p in plan.iter_mut() {
+                    out.push(p.run(conn, &mut events)?);
                 }
-                Ok(out)
+                Ok((out, events))
             })
             .await
             .map_err(tx_error)?;
@@ -538,8 +580,10 @@ impl Bus for EmbeddedBus {
                 tracing::error!(queue = %queue, error = %e, "harness-bus: queue rescan failed after a batch");
             }
         }
-        if events {
-            self.inner.store.notify_events();
+        match events {
+            Events::None => {}
+            Events::Last(id) => self.inner.store.notify_event(id),
+            Events::Unknown => self.inner.store.notify_events(),
         }
         Ok(out)
     }
@@ -552,11 +596,7 @@ impl Bus for EmbeddedBus {
     }
 
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
-        let (scope, key) = (scope.to_string(), key.to_string());
-        self.inner
-            .store
-            .write(move |c| kv_put_in(c, &scope, &key, &value))
-            .await?;
+        self.inner.store.kv_put(scope, key, &value).await?;
         Ok(())
     }
 
@@ -570,13 +610,106 @@ impl Bus for EmbeddedBus {
     }
 }
 
-/// How [`Bus::commit`] runs each write inside the transaction (planned before it starts, so
-/// no lock is taken on the writer thread).
-enum TxOp {
-    Call(TxHandler),
-    Enqueue(String),
-    Plain,
-    Unbatchable,
+fn to_text(value: &Value) -> Result<String, BusError> {
+    serde_json::to_string(value).map_err(|e| BusError::internal(e.to_string()))
+}
+
+/// One write of a [`Bus::commit`] batch, planned (and serialised) before the batch reaches the
+/// writer thread, where it may run more than once (see `Store::write_replayable`).
+enum Planned {
+    InWriter(TxHandler, Value),
+    Prepared(TxWrite),
+    StateSet {
+        scope: String,
+        key: String,
+        text: String,
+    },
+    StateDelete {
+        scope: String,
+        key: String,
+    },
+    Enqueue {
+        queue: String,
+        group: String,
+        function_id: String,
+        text: String,
+    },
+    Publish {
+        session_id: Option<String>,
+        topic: String,
+        text: String,
+        dedupe_key: Option<String>,
+    },
+}
+
+/// Which events a batch inserted, so that it wakes subscribers without reading the log.
+#[derive(Clone, Copy)]
+enum Events {
+    None,
+    Last(i64),
+    /// A write that does not say (an in-writer handler may have inserted some).
+    Unknown,
+}
+
+impl Events {
+    fn inserted(&mut self, id: Option<i64>) {
+        if let Some(id) = id {
+            *self = match *self {
+                Events::None => Events::Last(id),
+                Events::Last(last) => Events::Last(last.max(id)),
+                Events::Unknown => Events::Unknown,
+            };
+        }
+    }
+}
+
+impl Planned {
+    fn run(&mut self, conn: &Connection, events: &mut Events) -> Result<Value, StoreError> {
+        Ok(match self {
+            Planned::InWriter(h, payload) => {
+                *events = Events::Unknown;
+                h(conn, payload.clone())?
+            }
+            Planned::Prepared(write) => {
+                let answer = write(conn)?;
+                events.inserted(answer.event);
+                answer.answer
+            }
+            Planned::StateSet { scope, key, text } => {
+                kv_put_text_in(conn, scope, key, text)?;
+                Value::Null
+            }
+            Planned::StateDelete { scope, key } => {
+                kv_delete_in(conn, scope, key)?;
+                Value::Null
+            }
+            Planned::Enqueue {
+                queue,
+                group,
+                function_id,
+                text,
+            } => {
+                enqueue_text_in(conn, queue, group, function_id, text)?;
+                Value::Null
+            }
+            Planned::Publish {
+                session_id,
+                topic,
+                text,
+                dedupe_key,
+            } => {
+                let id = insert_event_text_in(
+                    conn,
+                    session_id.as_deref(),
+                    topic,
+                    text,
+                    dedupe_key.as_deref(),
+                )?;
+                events.inserted(id);
+                Value::Null
+            }
+        })
+    }
 }
 
 /// A transaction handler rejects with a typed `harness/<code>: …` text in

@@ -20,6 +20,6 @@ pub use bus::{
     commit_one_by_one, Binding, Bus, BusWrite, CallContext, FrameSink, FunctionDef, Handler,
     HandlerFuture, QueueDef, StreamingCall, TriggerTypeDef,
 };
-pub use embedded::{EmbeddedBus, TxHandler};
+pub use embedded::{EmbeddedBus, TxAnswer, TxHandler, TxPrepare, TxWrite};
 pub use error::{BusCode, BusError};
 pub use local::{LocalFuture, LocalHandler, LocalValue};

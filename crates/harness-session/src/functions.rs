@@ -3,7 +3,9 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use harness_bus::{Bus, BusError, CallContext, EmbeddedBus, FunctionDef, Handler};
+use harness_bus::{
+    Bus, BusError, CallContext, EmbeddedBus, FunctionDef, Handler, TxAnswer, TxWrite,
+};
 use harness_store::{Connection, StoreError};
 use harness_types::parse::parse_payload;
 use harness_types::session::*;
@@ -123,19 +125,35 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
     );
 }
 
-fn register_tx<Req, Resp, F>(bus: &EmbeddedBus, id: &str, f: F)
-where
+/// A transcript write run inside a batch: its answer and the event it inserted.
+type TxRun<P, Resp> = fn(&Connection, &P) -> Result<(Resp, Option<i64>), StoreError>;
+
+/// Registers `id`'s prepared in-transaction form: the payload is parsed (and the write
+/// prepared) on the caller's thread; the writer thread only runs `run`.
+fn register_tx<Req, P, Resp>(
+    bus: &EmbeddedBus,
+    id: &str,
+    prepare: fn(Req) -> Result<P, StoreError>,
+    run: TxRun<P, Resp>,
+) where
     Req: DeserializeOwned + 'static,
+    P: Send + 'static,
     Resp: Serialize + 'static,
-    F: Fn(&Connection, Req) -> Result<Resp, StoreError> + Send + Sync + 'static,
 {
-    bus.register_transactional(
+    bus.register_prepared(
         id,
-        Arc::new(move |conn: &Connection, payload: Value| {
+        Arc::new(move |payload: Value| {
             let req: Req =
                 parse_payload(payload).map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let resp = f(conn, req)?;
-            Ok(serde_json::to_value(resp)?)
+            let prepared = prepare(req)?;
+            let write: TxWrite = Box::new(move |conn: &Connection| {
+                let (resp, event) = run(conn, &prepared)?;
+                Ok(TxAnswer {
+                    answer: serde_json::to_value(resp)?,
+                    event,
+                })
+            });
+            Ok(write)
         }),
     );
 }
@@ -149,16 +167,24 @@ pub fn register_transactional(bus: &EmbeddedBus, sessions: &SessionStore) {
         tracing::debug!("harness-session: transcript in another store; batches fall back to one write at a time");
         return;
     }
-    register_tx(bus, "session::append", |conn, req: AppendRequest| {
-        PreparedAppend::new(req)
-            .map_err(|e| StoreError::Invalid(e.to_string()))?
-            .run(conn)
-            .map(|(resp, _)| resp)
-    });
-    register_tx(bus, "session::update-message", |conn, req| {
-        update_message_in(conn, req).map(|(resp, _)| resp)
-    });
-    register_tx(bus, "session::set-status", |conn, req| {
-        set_status_in(conn, req).map(|(resp, _)| resp)
-    });
+    register_tx(
+        bus,
+        "session::append",
+        |req: AppendRequest| {
+            PreparedAppend::new(req).map_err(|e| StoreError::Invalid(e.to_string()))
+        },
+        |conn, prepared: &PreparedAppend| prepared.run(conn),
+    );
+    register_tx(
+        bus,
+        "session::update-message",
+        |req: UpdateMessageRequest| Ok(req),
+        update_message_in,
+    );
+    register_tx(
+        bus,
+        "session::set-status",
+        |req: SetStatusRequest| Ok(req),
+        set_status_in,
+    );
 }

@@ -275,7 +275,7 @@ impl SessionStore {
         validate_session_id(&session_id)?;
         let id = session_id.clone();
         self.store
-            .write(move |conn| {
+            .write_replayable(move |conn| {
                 if meta_in(conn, &id)?.is_some() {
                     return Err(reject(HarnessError::invalid_field(
                         "session_id",
@@ -305,7 +305,7 @@ impl SessionStore {
             });
         }
         self.store
-            .write(move |conn| {
+            .write_replayable(move |conn| {
                 if let Some(meta) = meta_in(conn, &req.session_id)? {
                     return Ok(EnsureResponse {
                         meta,
@@ -345,7 +345,7 @@ impl SessionStore {
         let prepared = PreparedAppend::new(req)?;
         let response = self
             .store
-            .write(move |conn| prepared.run(conn))
+            .write_replayable(move |conn| prepared.run(conn))
             .await
             .map_err(lower)?;
         Ok(self.notified(response))
@@ -355,7 +355,7 @@ impl SessionStore {
     pub async fn update_message(&self, req: UpdateMessageRequest) -> Result<UpdateMessageResponse> {
         let response = self
             .store
-            .write(move |conn| update_message_in(conn, req))
+            .write_replayable(move |conn| update_message_in(conn, &req))
             .await
             .map_err(lower)?;
         Ok(self.notified(response))
@@ -528,7 +528,7 @@ impl SessionStore {
         }
         let response = self
             .store
-            .write(move |conn| set_status_in(conn, req))
+            .write_replayable(move |conn| set_status_in(conn, &req))
             .await
             .map_err(lower)?;
         Ok(self.notified(response))
@@ -541,7 +541,7 @@ impl SessionStore {
     pub async fn delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
         let response = self
             .store
-            .write(move |conn| {
+            .write_replayable(move |conn| {
                 if meta_in(conn, &req.session_id)?.is_none() {
                     return Ok((DeleteResponse { deleted: false }, None));
                 }
@@ -644,7 +644,7 @@ impl PreparedAppend {
     /// Inside a caller's write (events are inserted, subscribers not woken).
     /// Returns the answer and the id of the event it inserted (None: the entry existed).
     pub(crate) fn run(
-        self,
+        &self,
         conn: &Connection,
     ) -> std::result::Result<(AppendResponse, Option<i64>), StoreError> {
         let PreparedAppend {
@@ -654,7 +654,7 @@ impl PreparedAppend {
             body,
             origin,
         } = self;
-        require_session(conn, &session_id)?;
+        require_session(conn, session_id)?;
         if let Some(seq) = conn
             .prepare_cached("SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2")?
             .query_row(params![session_id, entry_id], |r| r.get::<_, i64>(0))
@@ -662,7 +662,7 @@ impl PreparedAppend {
         {
             return Ok((
                 AppendResponse {
-                    entry_id,
+                    entry_id: entry_id.clone(),
                     seq,
                     appended: false,
                 },
@@ -674,7 +674,7 @@ impl PreparedAppend {
             .query_row(params![session_id], |r| r.get(0))?;
         let chg = change_event(
             conn,
-            &session_id,
+            session_id,
             topics::MESSAGE_ADDED,
             &json!({"session_id": session_id, "entry_id": entry_id, "seq": seq}),
         )?;
@@ -685,7 +685,7 @@ impl PreparedAppend {
         .execute(params![session_id, seq, entry_id, kind, body, origin, chg])?;
         Ok((
             AppendResponse {
-                entry_id,
+                entry_id: entry_id.clone(),
                 seq,
                 appended: true,
             },
@@ -697,7 +697,7 @@ impl PreparedAppend {
 /// `update-message` inside a caller's write (events are inserted, subscribers not woken).
 pub(crate) fn update_message_in(
     conn: &Connection,
-    req: UpdateMessageRequest,
+    req: &UpdateMessageRequest,
 ) -> std::result::Result<(UpdateMessageResponse, Option<i64>), StoreError> {
     require_session(conn, &req.session_id)?;
     let entry = entry_in(conn, &req.session_id, &req.entry_id)?.ok_or_else(|| {
@@ -723,9 +723,9 @@ pub(crate) fn update_message_in(
             format!("entry '{}' is a custom record, not a message", req.entry_id),
         ))
     })?;
-    apply_update(&mut message, &req).map_err(reject)?;
+    apply_update(&mut message, req).map_err(reject)?;
     let revision = entry.revision + 1;
-    let origin = match (entry.origin, req.origin) {
+    let origin = match (entry.origin, req.origin.clone()) {
         (Some(Value::Object(mut old)), Some(Value::Object(new))) => {
             old.extend(new);
             Some(Value::Object(old))
@@ -762,7 +762,7 @@ pub(crate) fn update_message_in(
 /// `set-status` inside a caller's write (events are inserted, subscribers not woken).
 pub(crate) fn set_status_in(
     conn: &Connection,
-    req: SetStatusRequest,
+    req: &SetStatusRequest,
 ) -> std::result::Result<(SetStatusResponse, Option<i64>), StoreError> {
     let meta = meta_in(conn, &req.session_id)?.ok_or_else(|| {
         reject(HarnessError::not_found(format!(

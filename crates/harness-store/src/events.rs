@@ -32,12 +32,25 @@ pub fn insert_event_in(
     dedupe_key: Option<&str>,
 ) -> Result<Option<i64>, StoreError> {
     let text = serde_json::to_string(payload)?;
+    insert_event_text_in(conn, session_id, topic, &text, dedupe_key)
+}
+
+/// [`insert_event_in`] with the payload already serialised (by the caller, off the writer
+/// thread). `text` must be JSON: readers parse it.
+pub fn insert_event_text_in(
+    conn: &Connection,
+    session_id: Option<&str>,
+    topic: &str,
+    text: &str,
+    dedupe_key: Option<&str>,
+) -> Result<Option<i64>, StoreError> {
     // ON CONFLICT(dedupe_key) rather than INSERT OR IGNORE: only a duplicate key is ignored,
-    // any other constraint failure is still an error.
+    // any other constraint failure is still an error. The WHERE names the partial index.
     let changed = conn
         .prepare_cached(
             "INSERT INTO events(session_id, topic, payload, dedupe_key, at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(dedupe_key) DO NOTHING",
+             VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING",
         )?
         .execute((session_id, topic, text, dedupe_key, crate::now_ms()))?;
     Ok((changed > 0).then(|| conn.last_insert_rowid()))
@@ -68,15 +81,15 @@ impl Store {
     ) -> Result<Option<i64>, StoreError> {
         let session_id = session_id.map(str::to_string);
         let topic = topic.to_string();
-        let payload = payload.clone();
+        let text = serde_json::to_string(payload)?;
         let dedupe_key = dedupe_key.map(str::to_string);
         let id = self
-            .write(move |c| {
-                insert_event_in(
+            .write_replayable(move |c| {
+                insert_event_text_in(
                     c,
                     session_id.as_deref(),
                     &topic,
-                    &payload,
+                    &text,
                     dedupe_key.as_deref(),
                 )
             })

@@ -3,6 +3,8 @@
 //! The `*_in` helpers take a bare connection so callers can combine KV changes with other writes
 //! in one atomic `Store::write` closure; the `Store::kv_*` methods are the one-shot versions.
 
+use std::sync::Arc;
+
 use rusqlite::{Connection, OptionalExtension};
 use serde_json::Value;
 
@@ -38,7 +40,17 @@ pub fn kv_put_in(
     key: &str,
     value: &Value,
 ) -> Result<(), StoreError> {
-    let text = serde_json::to_string(value)?;
+    kv_put_text_in(conn, scope, key, &serde_json::to_string(value)?)
+}
+
+/// [`kv_put_in`] with the value already serialised (by the caller, off the writer thread).
+/// `text` must be JSON: readers parse it.
+pub fn kv_put_text_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    text: &str,
+) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
@@ -62,8 +74,28 @@ pub fn kv_delete_in(
 }
 
 impl Store {
+    /// The latest committed value, from the cache of recent reads when it has it (see
+    /// `cache.rs`: a read after a resolved write always sees that write).
     pub fn kv_get(&self, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
-        self.read(|c| kv_get_in(c, scope, key))
+        let cache = self.kv_cache();
+        if let Some(value) = cache.get(scope, key) {
+            return Ok(Some(Value::clone(&value)));
+        }
+        let generation = cache.generation();
+        let row: Option<(i64, String)> = self.read(|c| {
+            Ok(
+                c.prepare_cached("SELECT rowid, value FROM kv WHERE scope = ?1 AND key = ?2")?
+                    .query_row((scope, key), |r| Ok((r.get(0)?, r.get(1)?)))
+                    .optional()?,
+            )
+        })?;
+        let Some((rowid, text)) = row else {
+            return Ok(None);
+        };
+        let value: Value = serde_json::from_str(&text)?;
+        let shared = Arc::new(value.clone());
+        cache.fill(generation, scope, key, rowid, text.len(), shared);
+        Ok(Some(value))
     }
 
     /// Committed (not fsynced) when it resolves; returns the previous value.
@@ -73,15 +105,36 @@ impl Store {
         key: &str,
         value: &Value,
     ) -> Result<Option<Value>, StoreError> {
-        let (scope, key, value) = (scope.to_string(), key.to_string(), value.clone());
-        self.write(move |c| kv_set_in(c, &scope, &key, &value))
+        let (scope, key, text) = (
+            scope.to_string(),
+            key.to_string(),
+            serde_json::to_string(value)?,
+        );
+        self.write_replayable(move |c| {
+            let old = kv_get_in(c, &scope, &key)?;
+            kv_put_text_in(c, &scope, &key, &text)?;
+            Ok(old)
+        })
+        .await
+    }
+
+    /// Upserts one value (committed, not fsynced, when it resolves) without reading the
+    /// previous one; the value is serialised here, not on the writer thread.
+    pub async fn kv_put(&self, scope: &str, key: &str, value: &Value) -> Result<(), StoreError> {
+        let (scope, key, text) = (
+            scope.to_string(),
+            key.to_string(),
+            serde_json::to_string(value)?,
+        );
+        self.write_replayable(move |c| kv_put_text_in(c, &scope, &key, &text))
             .await
     }
 
     /// Committed (not fsynced) when it resolves; returns the removed value.
     pub async fn kv_delete(&self, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
         let (scope, key) = (scope.to_string(), key.to_string());
-        self.write(move |c| kv_delete_in(c, &scope, &key)).await
+        self.write_replayable(move |c| kv_delete_in(c, &scope, &key))
+            .await
     }
 
     /// Every `(key, value)` of a scope, ordered by key (the primary key order: no sort needed).

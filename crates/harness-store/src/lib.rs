@@ -12,17 +12,19 @@
 //! step's writes are committed (surviving a process kill) as soon as `write` resolves, and the one
 //! `barrier` at the end of the step makes them survive power loss too.
 
+mod cache;
 pub mod error;
 pub mod events;
 pub mod kv;
 pub mod queue;
 mod schema;
 pub mod store;
+mod writer;
 
 pub use error::StoreError;
-pub use events::{insert_event_in, EventRow};
-pub use kv::{kv_delete_in, kv_get_in, kv_put_in, kv_set_in};
-pub use queue::{enqueue_in, QueueConfig, QueueHandler, QueueMessage, Queues};
+pub use events::{insert_event_in, insert_event_text_in, EventRow};
+pub use kv::{kv_delete_in, kv_get_in, kv_put_in, kv_put_text_in, kv_set_in};
+pub use queue::{enqueue_in, enqueue_text_in, QueueConfig, QueueHandler, QueueMessage, Queues};
 pub use store::{Durability, Store, StoreStats};
 
 /// The connection a [`Store::write`] closure runs on, for crates that build such closures.

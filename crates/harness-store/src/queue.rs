@@ -88,7 +88,24 @@ pub fn enqueue_in(
     function_id: &str,
     payload: &Value,
 ) -> Result<i64, StoreError> {
-    let text = serde_json::to_string(payload)?;
+    enqueue_text_in(
+        conn,
+        queue,
+        group,
+        function_id,
+        &serde_json::to_string(payload)?,
+    )
+}
+
+/// [`enqueue_in`] with the payload already serialised (by the caller, off the writer thread).
+/// `text` must be JSON: the dispatcher parses it.
+pub fn enqueue_text_in(
+    conn: &Connection,
+    queue: &str,
+    group: &str,
+    function_id: &str,
+    text: &str,
+) -> Result<i64, StoreError> {
     conn.prepare_cached(
         "INSERT INTO queue_messages(queue, grp, function_id, payload, attempts, status, enqueued_at)
          VALUES (?1, ?2, ?3, ?4, 0, 'ready', ?5)",
@@ -317,12 +334,12 @@ impl Queues {
             queue.to_string(),
             group.to_string(),
             function_id.to_string(),
-            payload.clone(),
+            serde_json::to_string(payload)?,
         );
         let id = self
             .inner
             .store
-            .write(move |c| enqueue_in(c, &q, &g, &f, &p))
+            .write_replayable(move |c| enqueue_text_in(c, &q, &g, &f, &p))
             .await?;
         // The row is committed: report success even if the in-memory pickup fails, so the caller
         // does not enqueue a duplicate. The next enqueue/wake (or restart) rescans from the same
@@ -526,7 +543,7 @@ async fn deliver(state: Arc<QueueState>, store: Store, handler: QueueHandler, ms
         Ok(()) => {
             let id = msg.id;
             let deleted = store
-                .write(move |c| {
+                .write_replayable(move |c| {
                     c.prepare_cached("DELETE FROM queue_messages WHERE id = ?1")?
                         .execute([id])?;
                     Ok(())
@@ -580,14 +597,14 @@ async fn record_failure(
 ) -> Result<Failure, StoreError> {
     let reason = reason.to_string();
     store
-        .write(move |c| {
+        .write_replayable(move |c| {
             let row: Option<(i64, String)> = c
                 .prepare_cached(
                     "UPDATE queue_messages SET attempts = attempts + 1, last_error = ?2,
                          status = CASE WHEN attempts + 1 > ?3 THEN 'dead' ELSE 'ready' END
                      WHERE id = ?1 RETURNING attempts, status",
                 )?
-                .query_row((id, reason, i64::from(max_retries)), |r| {
+                .query_row((id, &reason, i64::from(max_retries)), |r| {
                     Ok((r.get(0)?, r.get(1)?))
                 })
                 .optional()?;

@@ -1,21 +1,34 @@
-//! Table definitions, created idempotently at open.
+//! Table definitions, created idempotently at open, and the migration from older layouts.
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
 /// Bumped when a migration is needed; stored in `PRAGMA user_version`.
-const SCHEMA_VERSION: i64 = 1;
+/// 1: `kv` WITHOUT ROWID, `events` AUTOINCREMENT with a UNIQUE `dedupe_key` column.
+/// 2: `kv` a rowid table, `events` without AUTOINCREMENT and with a partial dedupe index.
+const SCHEMA_VERSION: i64 = 2;
 
-// `queue_messages` and `events` use AUTOINCREMENT on purpose: ids are never reused, even after
-// the highest row is deleted, so the queue's "rows with id > last seen" rescan can never miss a
-// new row, and event cursors (`after_id`) stay valid forever.
+// `kv` is a rowid table with a unique (scope, key) index, not WITHOUT ROWID: its values (turn
+// records are ~1.3 KiB) are larger than the ~1 KiB a WITHOUT ROWID row keeps on a 4 KiB page, so
+// every write of one freed and allocated an overflow page (and touched the free list and page 1)
+// and every read followed it. A rowid table keeps up to ~4 KiB in the leaf, and an update that
+// leaves scope and key alone does not touch the index.
+//
+// `queue_messages` uses AUTOINCREMENT on purpose: acked rows are deleted, the newest included,
+// and ids must never be reused, so the queue's "rows with id > last seen" rescan can never miss a
+// new row.
+//
+// `events` ids are plain rowids (max + 1): the log is append-only (nothing deletes from it), so
+// ids are never reused and event cursors (`after_id`) stay valid forever, without the
+// `sqlite_sequence` update AUTOINCREMENT costs on every insert. Most events carry no dedupe key:
+// the unique index holds only those that do.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS kv(
     scope TEXT NOT NULL,
     key TEXT NOT NULL,
     value TEXT NOT NULL,
     updated_at INTEGER NOT NULL,
-    PRIMARY KEY(scope, key)
-) WITHOUT ROWID;
+    UNIQUE(scope, key)
+);
 
 CREATE TABLE IF NOT EXISTS queue_messages(
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -31,22 +44,66 @@ CREATE TABLE IF NOT EXISTS queue_messages(
 CREATE INDEX IF NOT EXISTS queue_messages_scan ON queue_messages(queue, status, id);
 
 CREATE TABLE IF NOT EXISTS events(
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    id INTEGER PRIMARY KEY,
     session_id TEXT,
     topic TEXT NOT NULL,
     payload TEXT NOT NULL,
-    dedupe_key TEXT UNIQUE,
+    dedupe_key TEXT,
     at_ms INTEGER NOT NULL
 );
+CREATE UNIQUE INDEX IF NOT EXISTS events_dedupe ON events(dedupe_key) WHERE dedupe_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_session ON events(session_id, id);
 ";
 
+/// Version 1 → 2: both tables are rebuilt under their old names moved aside, rows and ids kept.
+/// The old `events_session` index goes first: it keeps its name when its table is renamed, and
+/// `CREATE INDEX IF NOT EXISTS` would then skip creating it on the new table.
+const FROM_V1: &str = "
+DROP INDEX IF EXISTS events_session;
+ALTER TABLE kv RENAME TO kv_v1;
+ALTER TABLE events RENAME TO events_v1;
+";
+const FROM_V1_COPY: &str = "
+INSERT INTO kv(scope, key, value, updated_at) SELECT scope, key, value, updated_at FROM kv_v1;
+DROP TABLE kv_v1;
+INSERT INTO events(id, session_id, topic, payload, dedupe_key, at_ms)
+    SELECT id, session_id, topic, payload, dedupe_key, at_ms FROM events_v1 ORDER BY id;
+DROP TABLE events_v1;
+";
+
+fn table_sql(conn: &Connection, name: &str) -> rusqlite::Result<Option<String>> {
+    conn.query_row(
+        "SELECT sql FROM sqlite_schema WHERE type = 'table' AND name = ?1",
+        [name],
+        |r| r.get(0),
+    )
+    .optional()
+}
+
+/// Whether the tables are in the version 1 layout (a store written before version 2).
+fn is_v1(conn: &Connection) -> rusqlite::Result<bool> {
+    let kv = table_sql(conn, "kv")?.unwrap_or_default();
+    let events = table_sql(conn, "events")?.unwrap_or_default();
+    Ok(kv.to_ascii_uppercase().contains("WITHOUT ROWID")
+        || events.to_ascii_uppercase().contains("AUTOINCREMENT"))
+}
+
+fn create_in(conn: &Connection) -> rusqlite::Result<()> {
+    if is_v1(conn)? {
+        tracing::info!("harness-store: migrating the store to schema version {SCHEMA_VERSION}");
+        conn.execute_batch(FROM_V1)?;
+        conn.execute_batch(SCHEMA)?;
+        conn.execute_batch(FROM_V1_COPY)?;
+    } else {
+        conn.execute_batch(SCHEMA)?;
+    }
+    conn.pragma_update(None, "user_version", SCHEMA_VERSION)
+}
+
+/// Creates the tables, migrating an older layout, in one transaction.
 pub(crate) fn create(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch("BEGIN IMMEDIATE")?;
-    let res = conn
-        .execute_batch(SCHEMA)
-        .and_then(|_| conn.pragma_update(None, "user_version", SCHEMA_VERSION));
-    match res {
+    match create_in(conn) {
         Ok(()) => conn.execute_batch("COMMIT"),
         Err(e) => {
             let _ = conn.execute_batch("ROLLBACK");

@@ -11,7 +11,6 @@
 
 use std::ffi::OsString;
 use std::fs::File;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
@@ -21,15 +20,24 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::{oneshot, watch};
 
+use crate::cache::KvCache;
 use crate::error::StoreError;
-use crate::{events, panic_message, schema};
+use crate::writer::{writer_loop, Once, Op, Replayable};
+use crate::{events, schema};
 
-/// Most ops folded into one transaction; bounds a batch's latency and memory.
-const MAX_BATCH: usize = 1024;
 /// How long a connection waits on a lock held by another connection (e.g. a checkpoint).
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Idle reader connections kept open; more are opened on demand and closed after use.
 const MAX_IDLE_READERS: usize = 16;
+/// WAL frames committed since the last request after which the checkpointer copies them into
+/// the database (SQLite's own automatic checkpoint uses the same 1,000 pages).
+const CHECKPOINT_FRAMES: i32 = 1000;
+/// WAL length at which the writer itself checkpoints after a commit. Under constant writes the
+/// checkpointer, which runs beside the writer, never finds the WAL fully copied at the moment
+/// the writer starts a transaction (which is when the WAL starts over), so it would only grow.
+/// By then the checkpointer has copied almost all of it, and the writer's checkpoint copies
+/// what is left.
+const WRITER_CHECKPOINT_FRAMES: i32 = 4 * CHECKPOINT_FRAMES;
 
 /// What [`Store::barrier`] guarantees.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,12 +61,6 @@ pub struct StoreStats {
     pub fsyncs: u64,
 }
 
-/// A write op as the writer thread sees it: run it with the connection (or with the reason it
-/// cannot run), get back whether it succeeded and how to reply once the batch's fate is known.
-type Job = Box<dyn FnOnce(Result<&Connection, String>) -> (bool, Reply) + Send>;
-/// Sends the op's result; `Some(reason)` means the batch was lost after the op succeeded.
-type Reply = Box<dyn FnOnce(Option<String>) + Send>;
-
 /// A barrier waiting for the syncer: fsync must cover commit sequence number `target`.
 struct SyncRequest {
     target: u64,
@@ -68,13 +70,13 @@ struct SyncRequest {
 /// Shared between handles and the two threads (the threads never hold an `Inner`, so dropping
 /// the last `Store` really drops the channels and lets the threads exit).
 #[derive(Default)]
-struct Counters {
-    commits: AtomicU64,
-    writes: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) commits: AtomicU64,
+    pub(crate) writes: AtomicU64,
     fsyncs: AtomicU64,
     /// Sequence number of the latest commit; starts at 1 so that the first barrier of a process
     /// always fsyncs (it also covers whatever a crashed predecessor left in the page cache).
-    commit_seq: AtomicU64,
+    pub(crate) commit_seq: AtomicU64,
     /// Highest `commit_seq` known to be on stable storage.
     synced_seq: AtomicU64,
 }
@@ -84,7 +86,7 @@ struct Inner {
     durability: Durability,
     // An RwLock so every `write` only takes the shared side to clone-free send (mpsc::Sender is
     // Sync); `close` takes the exclusive side once to drop the sender.
-    writer_tx: RwLock<Option<mpsc::Sender<Job>>>,
+    writer_tx: RwLock<Option<mpsc::Sender<Box<dyn Op>>>>,
     syncer_tx: RwLock<Option<mpsc::Sender<SyncRequest>>>,
     // A std Mutex for the reader pool: it is held only to push/pop a connection (never across
     // a query or an await), so it is uncontended and cheaper than an async lock.
@@ -93,6 +95,7 @@ struct Inner {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Latest committed event id (see `events.rs` for why a watch channel).
     events_tx: watch::Sender<i64>,
+    kv_cache: Arc<KvCache>,
 }
 
 /// Handle to the database; cheap to clone, all clones share one writer.
@@ -135,6 +138,11 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         // Keep the WAL from staying huge after a burst (truncated on reset, same inode).
         conn.pragma_update(None, "journal_size_limit", 64 * 1024 * 1024)?;
+        // Each op's savepoint journals the pages it touches; past 64 KiB in a batch SQLite
+        // spills that journal to a temporary file and every later page costs a pwrite (and
+        // each batch opens the file again). It is never needed after the batch: keep it in
+        // memory.
+        conn.pragma_update(None, "temp_store", "MEMORY")?;
         conn.set_prepared_statement_cache_capacity(64);
         schema::create(&conn)?;
         let last_event = events::max_event_id(&conn)?;
@@ -142,14 +150,40 @@ impl Store {
         let counters = Arc::new(Counters::default());
         counters.commit_seq.store(1, Ordering::SeqCst);
 
+        let mut conn = conn;
+        let kv_cache = Arc::new(KvCache::default());
+        let changed = kv_cache.change_log();
+        conn.update_hook(Some(
+            move |_: rusqlite::hooks::Action, _: &str, table: &str, rowid: i64| {
+                if table == "kv" {
+                    changed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(rowid);
+                }
+            },
+        ))?;
+        let mut threads = Vec::with_capacity(3);
+        match start_checkpointer(path) {
+            Ok((requests, thread)) => {
+                hand_off_checkpoints(&mut conn, requests)?;
+                threads.push(thread);
+            }
+            // Not fatal: the writer keeps SQLite's automatic checkpoint, only slower.
+            Err(e) => {
+                tracing::warn!(error = %e, "harness-store: no checkpoint thread; the writer checkpoints")
+            }
+        }
+
         // The writer is a dedicated OS thread, not a tokio task: SQLite calls block (and a
         // checkpoint can take a while), and a single owner of the write connection needs no lock.
-        let (writer_tx, writer_rx) = mpsc::channel::<Job>();
+        let (writer_tx, writer_rx) = mpsc::channel::<Box<dyn Op>>();
         let writer = {
             let counters = counters.clone();
+            let cache = kv_cache.clone();
             std::thread::Builder::new()
                 .name("harness-store-writer".into())
-                .spawn(move || writer_loop(conn, writer_rx, counters))?
+                .spawn(move || writer_loop(conn, writer_rx, &counters, &cache))?
         };
         // fsync runs on its own thread so the writer keeps committing while the disk syncs; the
         // next fsync then covers everything committed meanwhile (pipelined group commit).
@@ -170,8 +204,13 @@ impl Store {
                 syncer_tx: RwLock::new(Some(syncer_tx)),
                 readers: Mutex::new(Vec::new()),
                 counters,
-                threads: Mutex::new(vec![writer, syncer]),
+                threads: Mutex::new({
+                    threads.push(writer);
+                    threads.push(syncer);
+                    threads
+                }),
                 events_tx: watch::channel(last_event).0,
+                kv_cache,
             }),
         })
     }
@@ -196,28 +235,30 @@ impl Store {
         F: FnOnce(&Connection) -> Result<R, StoreError> + Send + 'static,
         R: Send + 'static,
     {
-        let (tx, rx) = oneshot::channel::<Result<R, StoreError>>();
-        let job: Job = Box::new(move |conn| {
-            let res = match conn {
-                Ok(conn) => match catch_unwind(AssertUnwindSafe(|| f(conn))) {
-                    Ok(res) => res,
-                    Err(payload) => Err(StoreError::Invalid(format!(
-                        "write closure panicked: {}",
-                        panic_message(payload.as_ref())
-                    ))),
-                },
-                Err(reason) => Err(StoreError::Invalid(reason)),
-            };
-            let ok = res.is_ok();
-            let reply: Reply = Box::new(move |lost| {
-                let out = match (res, lost) {
-                    (Ok(_), Some(reason)) => Err(StoreError::Invalid(reason)),
-                    (res, _) => res,
-                };
-                let _ = tx.send(out);
-            });
-            (ok, reply)
-        });
+        let (tx, rx) = oneshot::channel();
+        self.submit(Box::new(Once::new(f, tx)), rx).await
+    }
+
+    /// [`Store::write`] for a closure that only changes the database through the connection it
+    /// is given (no effect elsewhere: no channel, no counter, nothing it consumes), so that it
+    /// can run again: the writer runs such ops without a savepoint each, and if one fails it
+    /// rolls back the ops around it and runs the others again. Same guarantees as `write`
+    /// (a failure or panic undoes only this op; the result is committed when it resolves) at a
+    /// fraction of the writer's cost. Every hot-path write of the loop is one of these.
+    pub async fn write_replayable<R, F>(&self, f: F) -> Result<R, StoreError>
+    where
+        F: FnMut(&Connection) -> Result<R, StoreError> + Send + 'static,
+        R: Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        self.submit(Box::new(Replayable::new(f, tx)), rx).await
+    }
+
+    async fn submit<R>(
+        &self,
+        op: Box<dyn Op>,
+        rx: oneshot::Receiver<Result<R, StoreError>>,
+    ) -> Result<R, StoreError> {
         {
             let guard = self
                 .inner
@@ -225,7 +266,7 @@ impl Store {
                 .read()
                 .unwrap_or_else(|e| e.into_inner());
             let sender = guard.as_ref().ok_or(StoreError::Closed)?;
-            sender.send(job).map_err(|_| StoreError::Closed)?;
+            sender.send(op).map_err(|_| StoreError::Closed)?;
         }
         // A dropped reply sender means the writer thread died: report Closed, never hang.
         rx.await.map_err(|_| StoreError::Closed)?
@@ -353,103 +394,68 @@ impl Store {
         Ok(conn)
     }
 
+    pub(crate) fn kv_cache(&self) -> &KvCache {
+        &self.inner.kv_cache
+    }
+
     pub(crate) fn events_sender(&self) -> &watch::Sender<i64> {
         &self.inner.events_tx
     }
 }
 
-/// Blocks for the first op, drains whatever else is already queued (up to [`MAX_BATCH`]) and
-/// runs it all as one transaction. Exits when every sender is gone and the queue is empty.
-fn writer_loop(conn: Connection, rx: mpsc::Receiver<Job>, counters: Arc<Counters>) {
-    let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
-    while let Ok(first) = rx.recv() {
-        batch.push(first);
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
-        run_batch(&conn, &mut batch, &counters);
-    }
+/// Opens the checkpointer's own connection and starts its thread. Returns where to ask for a
+/// checkpoint.
+fn start_checkpointer(path: &Path) -> Result<(mpsc::SyncSender<()>, JoinHandle<()>), StoreError> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    // A checkpoint fsyncs the WAL before it copies frames out of it and the database after,
+    // so what it copies is on disk before the WAL can start over.
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    let (tx, rx) = mpsc::sync_channel::<()>(1);
+    let thread = std::thread::Builder::new()
+        .name("harness-store-checkpointer".into())
+        .spawn(move || checkpointer_loop(conn, rx))?;
+    Ok((tx, thread))
 }
 
-fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
-    conn.prepare_cached(sql)?.execute([]).map(|_| ())
+/// Replaces the writer's automatic checkpoint (which copies WAL frames into the database, and
+/// fsyncs both, on the writer thread, in the middle of a batch) with a request to the
+/// checkpointer thread every [`CHECKPOINT_FRAMES`] new frames, and a checkpoint of what is left
+/// on the writer itself only once the WAL reaches [`WRITER_CHECKPOINT_FRAMES`].
+fn hand_off_checkpoints(
+    conn: &mut Connection,
+    requests: mpsc::SyncSender<()>,
+) -> Result<(), StoreError> {
+    let mut next_at = CHECKPOINT_FRAMES;
+    conn.wal_hook(Some(move |wal: &mut rusqlite::hooks::Wal, frames: i32| {
+        if frames < next_at - CHECKPOINT_FRAMES {
+            // The WAL started over.
+            next_at = CHECKPOINT_FRAMES;
+        }
+        if frames >= WRITER_CHECKPOINT_FRAMES {
+            // Busy while the checkpointer runs: the next commit tries again.
+            if let Err(e) = wal.checkpoint_v2(rusqlite::wal::CheckpointMode::PASSIVE) {
+                tracing::debug!(error = %e, "harness-store: writer checkpoint deferred");
+            }
+        } else if frames >= next_at {
+            next_at = frames.saturating_add(CHECKPOINT_FRAMES);
+            // Full: a request is already waiting, and it will cover these frames too.
+            let _ = requests.try_send(());
+        }
+        Ok(())
+    }))?;
+    Ok(())
 }
 
-/// `BEGIN IMMEDIATE`, each op in `SAVEPOINT op` … `RELEASE`/`ROLLBACK TO`, one `COMMIT`, then
-/// the replies (after the commit, so a resolved write is always committed).
-fn run_batch(conn: &Connection, batch: &mut Vec<Job>, counters: &Counters) {
-    let mut committed: Vec<Reply> = Vec::with_capacity(batch.len());
-    let mut in_txn = false;
-    let fail_all = |committed: &mut Vec<Reply>, reason: &str| {
-        for reply in committed.drain(..) {
-            reply(Some(reason.to_string()));
-        }
-    };
-    for job in batch.drain(..) {
-        counters.writes.fetch_add(1, Ordering::Relaxed);
-        if !in_txn {
-            if let Err(e) = exec(conn, "BEGIN IMMEDIATE") {
-                let (_, reply) = job(Err(format!("cannot begin the batch transaction: {e}")));
-                reply(None);
-                continue;
-            }
-            in_txn = true;
-        }
-        if let Err(e) = exec(conn, "SAVEPOINT op") {
-            let (_, reply) = job(Err(format!("cannot open a savepoint: {e}")));
-            reply(None);
-            continue;
-        }
-        let (ok, reply) = job(Ok(conn));
-        if conn.is_autocommit() {
-            // The transaction ended under the op (it issued COMMIT/ROLLBACK, or SQLite rolled
-            // back after e.g. SQLITE_FULL): nothing of this batch is known to be committed.
-            in_txn = false;
-            let reason = "the batch transaction was ended inside a write; its writes were lost";
-            fail_all(&mut committed, reason);
-            reply(Some(reason.to_string()));
-            continue;
-        }
-        let closed = if ok {
-            exec(conn, "RELEASE op")
-        } else {
-            exec(conn, "ROLLBACK TO op").and_then(|_| exec(conn, "RELEASE op"))
-        };
-        match closed {
-            Ok(()) if ok => committed.push(reply),
-            Ok(()) => reply(None),
-            Err(e) => {
-                let reason = format!("savepoint bookkeeping failed, batch rolled back: {e}");
-                let _ = conn.execute_batch("ROLLBACK");
-                in_txn = false;
-                fail_all(&mut committed, &reason);
-                reply(Some(reason));
-            }
-        }
-    }
-    if !in_txn {
-        return;
-    }
-    match exec(conn, "COMMIT") {
-        Ok(()) => {
-            if !committed.is_empty() {
-                counters.commits.fetch_add(1, Ordering::Relaxed);
-                // Bumped before replying: a barrier issued after a resolved write sees this seq.
-                counters.commit_seq.fetch_add(1, Ordering::SeqCst);
-            }
-            for reply in committed {
-                reply(None);
-            }
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "harness-store: batch COMMIT failed");
-            if !conn.is_autocommit() {
-                let _ = conn.execute_batch("ROLLBACK");
-            }
-            fail_all(&mut committed, &format!("batch commit failed: {e}"));
+/// Serves checkpoint requests until the writer is gone. A PASSIVE checkpoint runs beside the
+/// writer (it takes no lock the writer needs) and copies every frame committed when it started.
+fn checkpointer_loop(conn: Connection, requests: mpsc::Receiver<()>) {
+    while requests.recv().is_ok() {
+        // (busy, frames in the WAL, frames checkpointed)
+        let copied: rusqlite::Result<i64> =
+            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get(2));
+        if let Err(e) = copied {
+            tracing::warn!(error = %e, "harness-store: checkpoint failed; the next request retries");
         }
     }
 }

@@ -195,3 +195,142 @@ async fn read_closure_leaving_a_transaction_open_does_not_pin_a_snapshot() {
     store.kv_set("s", "k", &json!(2)).await.unwrap();
     assert_eq!(store.kv_get("s", "k").unwrap(), Some(json!(2)));
 }
+
+/// Queues `ops` behind a parked writer so that they all run in one batch, then releases it.
+async fn one_batch<T>(
+    store: &Store,
+    ops: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + '_>>>,
+) -> Vec<T> {
+    let (release, gate) = park_writer(store).await;
+    let before = store.stats().commits;
+    let mut ops = ops;
+    for op in ops.iter_mut() {
+        assert!(poll!(op.as_mut()).is_pending());
+    }
+    release.send(()).unwrap();
+    gate.await.unwrap();
+    let mut out = Vec::new();
+    for op in ops {
+        out.push(op.await);
+    }
+    assert_eq!(
+        store.stats().commits,
+        before + 2,
+        "gate batch + one batch for every op"
+    );
+    out
+}
+
+fn put(c: &harness_store::Connection, key: &str, v: i64) -> Result<(), StoreError> {
+    harness_store::kv_put_in(c, "s", key, &json!(v))
+}
+
+#[tokio::test]
+async fn a_failing_replayable_op_rolls_back_only_itself_and_the_others_run_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir, Durability::Normal);
+    // `a` counts its runs in memory (what a real replayable op must not do, to observe the
+    // mechanism) and in the database: the failures of `b` and `p` each roll `a` back and run
+    // it again, so it ran three times and its row was written once.
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let out = one_batch(
+        &store,
+        vec![
+            Box::pin(store.write_replayable(move |c| {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                c.execute("INSERT INTO kv(scope, key, value, updated_at) VALUES ('runs', 'a', '1', 0) ON CONFLICT(scope, key) DO UPDATE SET value = CAST(value + 1 AS TEXT)", [])?;
+                put(c, "a", 1).map(|_| "a")
+            })),
+            Box::pin(store.write_replayable(|c| {
+                put(c, "b", 2)?;
+                Err::<&str, _>(StoreError::Invalid("b fails after writing".into()))
+            })),
+            Box::pin(store.write_replayable(|c| -> Result<&str, StoreError> {
+                put(c, "p", 3)?;
+                panic!("p panics after writing")
+            })),
+            Box::pin(store.write_replayable(|c| put(c, "d", 4).map(|_| "d"))),
+        ],
+    )
+    .await;
+    assert_eq!(out[0].as_ref().unwrap(), &"a");
+    assert!(matches!(&out[1], Err(StoreError::Invalid(m)) if m.contains("b fails")));
+    assert!(matches!(&out[2], Err(StoreError::Invalid(m)) if m.contains("panicked")));
+    assert_eq!(out[3].as_ref().unwrap(), &"d");
+    let listed: Vec<String> = store
+        .kv_list("s")
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(listed, vec!["a", "d"]);
+    assert_eq!(
+        store.kv_get("runs", "a").unwrap(),
+        Some(json!(1)),
+        "what a's earlier runs wrote was rolled back before it ran again"
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn replayable_ops_after_a_once_op_roll_back_to_their_own_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir, Durability::Normal);
+    let (side_tx, side_rx) = std::sync::mpsc::channel::<&str>();
+    let out = one_batch(
+        &store,
+        vec![
+            Box::pin(store.write_replayable(|c| put(c, "r1", 1))),
+            // A once op may have effects outside the database: it must run exactly once, and
+            // the later failure must not undo it.
+            Box::pin(store.write(move |c| {
+                side_tx.send("once ran").unwrap();
+                put(c, "once", 2)
+            })),
+            Box::pin(store.write_replayable(|c| put(c, "r2", 3))),
+            Box::pin(store.write_replayable(|c| {
+                put(c, "bad", 4)?;
+                Err(StoreError::Invalid("refused".into()))
+            })),
+            Box::pin(store.write_replayable(|c| put(c, "r3", 5))),
+        ],
+    )
+    .await;
+    let failed: Vec<bool> = out.iter().map(|r| r.is_err()).collect();
+    assert_eq!(failed, vec![false, false, false, true, false]);
+    assert_eq!(side_rx.try_iter().count(), 1, "the once op ran once");
+    let listed: Vec<(String, serde_json::Value)> = store.kv_list("s").unwrap();
+    assert_eq!(
+        listed,
+        vec![
+            ("once".to_string(), json!(2)),
+            ("r1".to_string(), json!(1)),
+            ("r2".to_string(), json!(3)),
+            ("r3".to_string(), json!(5)),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_replayable_op_that_ends_the_transaction_loses_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir, Durability::Normal);
+    let out = one_batch(
+        &store,
+        vec![
+            Box::pin(store.write_replayable(|c| put(c, "a", 1))),
+            Box::pin(store.write_replayable(|c| {
+                c.execute_batch("ROLLBACK")?;
+                Ok(())
+            })),
+            Box::pin(store.write_replayable(|c| put(c, "c", 3))),
+        ],
+    )
+    .await;
+    assert!(matches!(&out[0], Err(StoreError::Invalid(m)) if m.contains("lost")));
+    assert!(matches!(&out[1], Err(StoreError::Invalid(m)) if m.contains("lost")));
+    assert!(out[2].is_ok(), "a later op starts a new transaction");
+    assert_eq!(store.kv_get("s", "a").unwrap(), None);
+    assert_eq!(store.kv_get("s", "c").unwrap(), Some(json!(3)));
+}

@@ -1,0 +1,170 @@
+//! A store written with the version 1 layout opens after the upgrade with every row, id and
+//! dedupe key intact, and keeps working.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use harness_store::{Connection, Durability, Queues, Store};
+use serde_json::json;
+
+/// The tables as version 1 of this crate created them, verbatim.
+const V1_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS kv(
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY(scope, key)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS queue_messages(
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue TEXT NOT NULL,
+    grp TEXT NOT NULL,
+    function_id TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    status TEXT NOT NULL DEFAULT 'ready',
+    enqueued_at INTEGER NOT NULL,
+    last_error TEXT
+);
+CREATE INDEX IF NOT EXISTS queue_messages_scan ON queue_messages(queue, status, id);
+
+CREATE TABLE IF NOT EXISTS events(
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_id TEXT,
+    topic TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    dedupe_key TEXT UNIQUE,
+    at_ms INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_session ON events(session_id, id);
+PRAGMA user_version = 1;
+";
+
+/// A version 1 store with a large value (one that overflowed its page), events with and
+/// without dedupe keys, and a queued message.
+fn write_v1(path: &std::path::Path) {
+    let conn = Connection::open(path).unwrap();
+    conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+    conn.execute_batch(V1_SCHEMA).unwrap();
+    let big = json!({"prompt": "x".repeat(3000)}).to_string();
+    conn.execute(
+        "INSERT INTO kv VALUES ('harness_turn', 's1', ?1, 1), ('harness_turn', 's2', '{\"n\":2}', 2)",
+        [&big],
+    )
+    .unwrap();
+    for (i, key) in [
+        None,
+        Some("turn-started:t1"),
+        None,
+        Some("turn-completed:t1"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        conn.execute(
+            "INSERT INTO events(session_id, topic, payload, dedupe_key, at_ms) VALUES ('s1', 't', ?1, ?2, 5)",
+            (json!({"i": i}).to_string(), key),
+        )
+        .unwrap();
+    }
+    conn.execute(
+        "INSERT INTO events(session_id, topic, payload, dedupe_key, at_ms) VALUES (NULL, 'global', 'null', NULL, 6)",
+        [],
+    )
+    .unwrap();
+    conn.execute(
+        "INSERT INTO queue_messages(queue, grp, function_id, payload, enqueued_at) VALUES ('q', 's1', 'f', '{\"step\":1}', 7)",
+        [],
+    )
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_version_1_store_opens_with_everything_in_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    write_v1(&path);
+
+    let store = Store::open(&path, Durability::Full).unwrap();
+    let layout: (String, i64) = store
+        .read(|c| {
+            Ok((
+                c.query_row("SELECT sql FROM sqlite_schema WHERE name = 'kv'", [], |r| {
+                    r.get(0)
+                })?,
+                c.query_row("PRAGMA user_version", [], |r| r.get(0))?,
+            ))
+        })
+        .unwrap();
+    assert!(!layout.0.contains("WITHOUT ROWID"), "{}", layout.0);
+    assert_eq!(layout.1, 2);
+
+    // State.
+    let s1 = store.kv_get("harness_turn", "s1").unwrap().unwrap();
+    assert_eq!(s1["prompt"].as_str().unwrap().len(), 3000);
+    let listed: Vec<String> = store
+        .kv_list("harness_turn")
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(listed, vec!["s1", "s2"]);
+    store
+        .kv_set("harness_turn", "s2", &json!({"n": 3}))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.kv_get("harness_turn", "s2").unwrap(),
+        Some(json!({"n": 3}))
+    );
+
+    // Events: same ids, cursors still valid, dedupe keys still deduplicate, new ids above.
+    let old = store.events_after("s1", 0, 100).unwrap();
+    let ids: Vec<i64> = old.iter().map(|e| e.id).collect();
+    assert_eq!(ids, vec![1, 2, 3, 4]);
+    assert_eq!(store.events_after("s1", 2, 100).unwrap().len(), 2);
+    assert_eq!(store.last_event_id().unwrap(), 5);
+    let dup = store
+        .append_event(Some("s1"), "t", &json!({}), Some("turn-completed:t1"))
+        .await
+        .unwrap();
+    assert_eq!(
+        dup, None,
+        "a dedupe key written before the upgrade still counts"
+    );
+    let new = store
+        .append_event(Some("s1"), "t", &json!({}), None)
+        .await
+        .unwrap();
+    assert_eq!(new, Some(6));
+
+    // The queued message is still delivered.
+    let queues = Queues::new(store.clone());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    queues.start(
+        "q",
+        Arc::new(move |m| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(m.payload);
+                Ok(())
+            }
+            .boxed()
+        }),
+    );
+    let delivered = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(delivered, json!({"step": 1}));
+    queues.shutdown().await;
+    store.close();
+
+    // Opening again is a no-op.
+    let again = Store::open(&path, Durability::Full).unwrap();
+    assert_eq!(again.events_after("s1", 0, 100).unwrap().len(), 5);
+    assert_eq!(again.kv_list("harness_turn").unwrap().len(), 2);
+}
