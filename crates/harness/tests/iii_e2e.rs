@@ -6,6 +6,8 @@
 #![cfg(feature = "iii")]
 
 mod iii_engine;
+#[path = "common/iii_scenarios.rs"]
+mod iii_scenarios;
 #[path = "common/scripts.rs"]
 mod scripts;
 
@@ -14,16 +16,9 @@ use std::time::{Duration, Instant};
 
 use iii_engine::worker::{WorkerProc, WAIT};
 use iii_engine::Engine;
+use iii_scenarios::wait_until;
 use scripts::*;
 use serde_json::{json, Value};
-
-async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_text_turn_streams_through_the_engine() {
@@ -125,57 +120,7 @@ async fn a_function_call_runs_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_call_the_call_runs_once_and_is_closed_as_interrupted() {
     let engine = Engine::start().await;
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
-    );
-    let extra = fx.args();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut worker = WorkerProc::start(
-        &engine,
-        &script(vec![
-            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
-            text_gen(
-                None,
-                "The job was interrupted; I will check before retrying.",
-                0,
-                true,
-            ),
-        ]),
-        &extra,
-    )
-    .await;
-    let sent = engine.send("s_slow", "do the work", &["slow::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let log = fx.log();
-    wait_until("the fixture log to show the call", || {
-        invocations(&log).get("c1") == Some(&1)
-    })
-    .await;
-    worker.kill();
-    worker.restart().await;
-    let status = engine.wait_turn("s_slow", &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    assert_eq!(
-        invocations(&fx.log()),
-        HashMap::from([("c1".to_string(), 1)]),
-        "the target ran exactly once"
-    );
-    let entries = engine.transcript("s_slow", false).await;
-    assert_every_call_closed(&entries);
-    let result = entries
-        .iter()
-        .find(|e| role_of(e) == Some("function_result"))
-        .unwrap();
-    assert_eq!(result["message"]["is_error"], true);
-    assert_eq!(
-        result["message"]["details"]["error"], "interrupted",
-        "{result}"
-    );
-    let users = entries
-        .iter()
-        .filter(|e| role_of(e) == Some("user"))
-        .count();
-    assert_eq!(users, 1, "{}", render(&entries));
+    iii_scenarios::killed_mid_call(&engine, "s_slow", &[], |_| {}).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

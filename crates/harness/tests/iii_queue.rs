@@ -8,13 +8,12 @@
 #![cfg(feature = "iii")]
 
 mod iii_engine;
+#[path = "common/iii_scenarios.rs"]
+mod iii_scenarios;
 #[path = "common/scripts.rs"]
 mod scripts;
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
-
-use iii_engine::worker::{WorkerProc, WAIT};
+use iii_engine::worker::WorkerProc;
 use iii_engine::Engine;
 use scripts::*;
 use serde_json::{json, Value};
@@ -37,14 +36,6 @@ fn assert_enqueue_route(worker: &WorkerProc) {
         .find(|l| l.contains("queue ensured on the iii engine") && l.contains("harness-turn"))
         .unwrap_or_else(|| panic!("no queue line in the worker log:\n{log}"));
     assert!(line.contains("Enqueue"), "{line}");
-}
-
-async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,51 +125,15 @@ async fn killed_mid_call_on_the_queue_worker_the_call_runs_once_and_is_closed_on
     let Some(engine) = engine_with_queue_worker().await else {
         return;
     };
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
-    );
-    let extra = fx.args();
-    let mut extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    extra.extend(["--queue-mode", "enqueue"]);
-    let mut worker = WorkerProc::start(
+    iii_scenarios::killed_mid_call(
         &engine,
-        &script(vec![
-            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
-            text_gen(None, "Interrupted; I will check first.", 0, true),
-        ]),
-        &extra,
+        "s_q_slow",
+        &["--queue-mode", "enqueue"],
+        assert_enqueue_route,
     )
     .await;
-    assert_enqueue_route(&worker);
-    let sent = engine.send("s_q_slow", "do the work", &["slow::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let log = fx.log();
-    wait_until("the fixture log to show the call", || {
-        invocations(&log).get("c1") == Some(&1)
-    })
-    .await;
-    worker.kill();
-    worker.restart().await;
-    let status = engine.wait_turn("s_q_slow", &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    assert_eq!(
-        invocations(&fx.log()),
-        HashMap::from([("c1".to_string(), 1)]),
-        "the target ran exactly once"
-    );
     // What the queue worker did with the delivery in flight (shown with --nocapture).
     eprintln!("queue worker log:\n{}", engine.queue_worker_log());
-    let entries = engine.transcript("s_q_slow", false).await;
-    assert_every_call_closed(&entries);
-    let result = entries
-        .iter()
-        .find(|e| role_of(e) == Some("function_result"))
-        .unwrap();
-    assert_eq!(result["message"]["is_error"], true);
-    assert_eq!(
-        result["message"]["details"]["error"], "interrupted",
-        "{result}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,6 +4,8 @@
 #![cfg(feature = "iii")]
 
 mod iii_engine;
+#[path = "common/iii_scenarios.rs"]
+mod iii_scenarios;
 #[path = "common/scripts.rs"]
 mod scripts;
 
@@ -12,18 +14,11 @@ use std::time::{Duration, Instant};
 
 use harness_bus::Bus;
 use harness_iii::{IiiBus, IiiOptions, FENCED_SCOPE, LEASE_SCOPE};
-use iii_engine::worker::{WorkerProc, WAIT};
+use iii_engine::worker::WorkerProc;
 use iii_engine::Engine;
+use iii_scenarios::wait_until;
 use scripts::*;
 use serde_json::{json, Value};
-
-async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// Two workers on one engine, sharing a data dir: the second stands by while the first
 /// serves. The first is SIGKILLed in the middle of a function call; the second takes the

@@ -1,0 +1,86 @@
+//! Scenarios the iii end-to-end suites run on more than one queue route.
+
+#![allow(dead_code)] // Each suite uses some of these.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::iii_engine::worker::{WorkerProc, WAIT};
+use crate::iii_engine::Engine;
+use crate::scripts::*;
+
+pub async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A worker (started with `args` beside the fixtures') is SIGKILLed while its one call runs and
+/// started again: the turn completes, the call ran exactly once and its result is closed once,
+/// as interrupted, and the user's message is there once. `started` checks the worker before
+/// the send. Answers the transcript.
+pub async fn killed_mid_call(
+    engine: &Engine,
+    session: &str,
+    args: &[&str],
+    started: impl FnOnce(&WorkerProc),
+) -> Vec<Value> {
+    let fx = Fixtures::new(
+        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
+    );
+    let extra = fx.args();
+    let mut extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    extra.extend(args);
+    let mut worker = WorkerProc::start(
+        engine,
+        &script(vec![
+            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
+            text_gen(
+                None,
+                "The job was interrupted; I will check before retrying.",
+                0,
+                true,
+            ),
+        ]),
+        &extra,
+    )
+    .await;
+    started(&worker);
+    let sent = engine.send(session, "do the work", &["slow::*"]).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let log = fx.log();
+    wait_until("the fixture log to show the call", || {
+        invocations(&log).get("c1") == Some(&1)
+    })
+    .await;
+    worker.kill();
+    worker.restart().await;
+    let status = engine.wait_turn(session, &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    let entries = engine.transcript(session, false).await;
+    assert_every_call_closed(&entries);
+    let result = entries
+        .iter()
+        .find(|e| role_of(e) == Some("function_result"))
+        .unwrap();
+    assert_eq!(result["message"]["is_error"], true);
+    assert_eq!(
+        result["message"]["details"]["error"], "interrupted",
+        "{result}"
+    );
+    let users = entries
+        .iter()
+        .filter(|e| role_of(e) == Some("user"))
+        .count();
+    assert_eq!(users, 1, "{}", render(&entries));
+    entries
+}
