@@ -738,11 +738,7 @@ impl Harness {
             let mut changed = false;
             let mut prompt = assembled.system_prompt;
             if !window.late_users.is_empty() {
-                let mut rotated = messages.to_vec();
-                if context::rotate(&mut rotated, &window.late_users) {
-                    messages = Arc::new(rotated);
-                    changed = true;
-                }
+                changed |= context::rotate(Arc::make_mut(&mut messages), &window.late_users);
             }
             // The registry changed since this session last looked: contracts it fetched may be
             // stale. An ephemeral tail message, never persisted; the first sighting only stamps.
@@ -765,11 +761,7 @@ impl Harness {
             // The window knows when every call it holds has its result; the context manager's
             // own list (compacted) and the hooks' are checked.
             if !assembled.unchanged || hooked || window.unresolved_calls {
-                let mut patched = messages.to_vec();
-                if context::patch_orphans(&mut patched, &window.answered) {
-                    messages = Arc::new(patched);
-                    changed = true;
-                }
+                changed |= context::patch_orphans(Arc::make_mut(&mut messages), &window.answered);
             }
             if messages.is_empty() {
                 return Ok(Err(ContextRefusal::Empty));
