@@ -140,26 +140,10 @@ impl RealEngine {
     }
 
     async fn spawn(&self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("engine.log"))
-            .expect("engine log");
-        let child = Command::new(&self.bin)
-            .arg("--config")
-            .arg("config.yaml")
-            .arg("--no-update-check")
-            .current_dir(self.dir.path())
-            .env("III_TELEMETRY_ENABLED", "false")
-            .env(
-                "RUST_LOG",
-                std::env::var("III_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log.try_clone().expect("log")))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("spawn the iii engine");
+        let child = self.spawn_logged(
+            Command::new(&self.bin).args(["--config", "config.yaml", "--no-update-check"]),
+            "engine.log",
+        );
         *self.child.lock().unwrap() = Some(child);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -181,6 +165,26 @@ impl RealEngine {
         }
     }
 
+    /// Starts `cmd` in the engine's directory, its output appended to `log_name` there.
+    fn spawn_logged(&self, cmd: &mut Command, log_name: &str) -> std::process::Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(log_name))
+            .expect("process log");
+        cmd.current_dir(self.dir.path())
+            .env("III_TELEMETRY_ENABLED", "false")
+            .env(
+                "RUST_LOG",
+                std::env::var("III_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone().expect("log")))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {log_name}'s process: {e}"))
+    }
+
     /// True when the separately installed queue worker runs next to the engine.
     pub fn has_queue_worker(&self) -> bool {
         self.queue_bin.is_some()
@@ -195,25 +199,8 @@ impl RealEngine {
         {
             let mut q = self.queue.lock().unwrap();
             if q.is_none() {
-                let log = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(self.dir.path().join("queue.log"))
-                    .expect("queue log");
-                let child = Command::new(bin)
-                    .arg("--url")
-                    .arg(self.url())
-                    .current_dir(self.dir.path())
-                    .env("III_TELEMETRY_ENABLED", "false")
-                    .env(
-                        "RUST_LOG",
-                        std::env::var("III_LOG").unwrap_or_else(|_| "warn".into()),
-                    )
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::from(log.try_clone().expect("log")))
-                    .stderr(Stdio::from(log))
-                    .spawn()
-                    .expect("spawn the queue worker");
+                let child =
+                    self.spawn_logged(Command::new(bin).arg("--url").arg(self.url()), "queue.log");
                 *q = Some(child);
             }
         }
