@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::fsroot;
-use crate::harness::{Harness, Result};
+use crate::harness::{Harness, Result, StepWrites};
 use crate::identity::PromptFields;
 use crate::machine::{self, Effect, Input, Seed};
 use crate::record::{message_preview, Reasoning, TurnOptions, TurnRecord};
@@ -324,6 +324,22 @@ impl Harness {
         let mut effects = t.effects.into_iter().peekable();
         while let Some(effect) = effects.next() {
             match effect {
+                Effect::AppendUser if effects.peek() == Some(&Effect::SaveRecord) => {
+                    // The message and the record that answers it: one batch.
+                    effects.next();
+                    let mut batch = StepWrites::default();
+                    batch.append(&user_append(
+                        &session_id,
+                        message.clone(),
+                        &entry_id,
+                        &rec.turn_id,
+                    ))?;
+                    batch.save_record(&mut rec)?;
+                    self.commit(batch).await?;
+                    if effects.peek() == Some(&Effect::EnqueueStep) {
+                        crate::failpoint::hit("after_send_persisted");
+                    }
+                }
                 Effect::AppendUser => {
                     self.append_user(&session_id, message.clone(), &entry_id, &rec.turn_id)
                         .await?
@@ -614,14 +630,8 @@ impl Harness {
         entry_id: &str,
         turn_id: &str,
     ) -> Result<()> {
-        self.append(AppendRequest {
-            session_id: session_id.to_string(),
-            message: Some(message),
-            custom: None,
-            entry_id: Some(entry_id.to_string()),
-            origin: Some(json!({ "turn_id": turn_id })),
-        })
-        .await?;
+        self.append(user_append(session_id, message, entry_id, turn_id))
+            .await?;
         Ok(())
     }
 
@@ -844,6 +854,22 @@ fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {
         merged: Some(true),
         queued: queued.then_some(true),
         ..SendResponse::default()
+    }
+}
+
+/// The append of a sent message under its entry id.
+fn user_append(
+    session_id: &str,
+    message: AgentMessage,
+    entry_id: &str,
+    turn_id: &str,
+) -> AppendRequest {
+    AppendRequest {
+        session_id: session_id.to_string(),
+        message: Some(message),
+        custom: None,
+        entry_id: Some(entry_id.to_string()),
+        origin: Some(json!({ "turn_id": turn_id })),
     }
 }
 
