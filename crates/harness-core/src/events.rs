@@ -40,6 +40,15 @@ impl Harness {
         self.fan_out(topic, dedupe_key, payload, admits).await
     }
 
+    /// Whether anything is bound to `topic` (an unreadable list counts as bound).
+    pub(crate) async fn has_bindings(&self, topic: &str) -> bool {
+        self.inner
+            .bus
+            .bindings(topic)
+            .await
+            .map_or(true, |b| !b.is_empty())
+    }
+
     /// The deliveries of an event already recorded (for instance in a step's batch): to the
     /// bindings of `topic` whose config `admits` it, once per dedupe key.
     pub(crate) async fn fan_out(

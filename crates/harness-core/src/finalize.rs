@@ -17,12 +17,21 @@ use crate::record::{Failure, FailurePhase, TurnRecord};
 impl Harness {
     /// Carries out `Effect::Finalize` for a record the machine made terminal.
     pub(crate) async fn finalize(&self, rec: &mut TurnRecord) -> Result<()> {
+        self.finalize_after(rec, StepWrites::default()).await
+    }
+
+    /// [`Harness::finalize`] with `held` (writes the step held back) at the head of its batch.
+    pub(crate) async fn finalize_after(
+        &self,
+        rec: &mut TurnRecord,
+        held: StepWrites,
+    ) -> Result<()> {
         // Steering rows still parked are delivered to the transcript; never dropped.
         let drained = self.drain_queue(&rec.session_id, &rec.turn_id).await?;
         // The reason, the terminal record, the session status and the event go as one batch:
         // on the embedded bus one transaction, elsewhere in this order (each idempotent, and a
         // redelivered step that finds the record terminal repeats what follows it).
-        let mut batch = StepWrites::default();
+        let mut batch = held;
         let closings = self
             .inner
             .closings

@@ -151,6 +151,11 @@ impl StepWrites {
         self.writes.is_empty()
     }
 
+    /// Puts `later`'s writes after these.
+    pub(crate) fn extend(&mut self, later: StepWrites) {
+        self.writes.extend(later.writes);
+    }
+
     fn call<Req: Serialize>(&mut self, function_id: &str, req: &Req) -> Result<()> {
         let payload =
             serde_json::to_value(req).map_err(|e| HarnessError::internal(e.to_string()))?;

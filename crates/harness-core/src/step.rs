@@ -95,6 +95,9 @@ impl Harness {
                     skipped_delivery = true;
                     continue;
                 };
+                if !self.may_hold_writes(&effect).await? {
+                    self.flush(&mut ctx).await?;
+                }
                 match effect {
                     Effect::Skip => skipped_delivery = true,
                     Effect::Prepare { first_step } => {
@@ -149,12 +152,21 @@ impl Harness {
                             .unwrap_or_default();
                         input = Some(Input::SteeringChecked { waiting, text });
                     }
-                    other => {
-                        self.apply(r, other).await?;
-                        if advancing {
-                            failpoint::hit("after_advance_persisted");
-                        }
+                    Effect::Finalize => {
+                        let held = std::mem::take(&mut ctx.pending);
+                        self.finalize_after(r, held).await?;
                     }
+                    Effect::SaveRecord if advancing => {
+                        // The record and its next step go as one batch with what the step held
+                        // back (one commit instead of three).
+                        effects.next();
+                        let mut batch = std::mem::take(&mut ctx.pending);
+                        batch.save_record(r)?;
+                        batch.enqueue_step(r)?;
+                        self.commit(batch).await?;
+                        failpoint::hit("after_advance_persisted");
+                    }
+                    other => self.apply(r, other).await?,
                 }
                 if let Some(now) = reloaded.take() {
                     // The machine decides the rest on the record as the stream left it.
@@ -163,10 +175,42 @@ impl Harness {
                 }
             }
         }
+        // A skipped generation (a stop ended the turn while the model streamed) still leaves
+        // its answer in the transcript.
+        self.flush(&mut ctx).await?;
         Ok(match rec {
             Some(r) if !skipped_delivery => done(&r),
             _ => skipped(&sid),
         })
+    }
+
+    /// Whether `effect` may run while the step still holds writes back (`StepCtx::pending`):
+    /// effects that only read the step's own state, and the post-turn gate when no hook sees
+    /// it. Anything that lets another party look at the session (hooks, calls, events), or
+    /// writes on its own, runs after they are committed; `Finalize` and an advance take them
+    /// into their own batch.
+    async fn may_hold_writes(&self, effect: &Effect) -> Result<bool> {
+        Ok(match effect {
+            Effect::Skip
+            | Effect::CheckSteering
+            | Effect::ValidateOutput
+            | Effect::Finalize
+            | Effect::SaveRecord
+            | Effect::Prepare { .. }
+            | Effect::Generate => true,
+            Effect::PostTurn { .. } => self.hooks(HookPoint::PostTurn).await?.is_empty(),
+            _ => false,
+        })
+    }
+
+    /// Commits what the step held back, if anything.
+    async fn flush(&self, ctx: &mut StepCtx) -> Result<()> {
+        if ctx.pending.is_empty() {
+            return Ok(());
+        }
+        self.commit(std::mem::take(&mut ctx.pending))
+            .await
+            .map(|_| ())
     }
 
     /// The effects every shell carries out the same way.
@@ -306,6 +350,20 @@ impl Harness {
         if let Some(ev) = &started {
             self.record_turn_event(&mut batch, ev);
         }
+        // Nobody looks before the assistant entry is written (no pre-turn hook, no binding of
+        // the event): the status and the event go with that entry's batch.
+        let observed = match &started {
+            Some(_) => {
+                !self.hooks(HookPoint::PreTurn).await?.is_empty()
+                    || self.has_bindings(crate::topics::TURN_STARTED).await
+            }
+            None => false,
+        };
+        if !observed {
+            ctx.pending.extend(batch);
+            return Ok(Input::Prepared { denied: None });
+        }
+        self.flush(ctx).await?;
         self.commit(batch).await?;
         let Some(ev) = started else {
             return Ok(Input::Prepared { denied: None });
@@ -385,7 +443,8 @@ impl Harness {
 
         // The assistant entry exists before the first token, so a replay reuses it.
         let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
-        self.append(AppendRequest {
+        let mut batch = std::mem::take(&mut ctx.pending);
+        batch.append(&AppendRequest {
             session_id: sid.clone(),
             message: Some(AgentMessage::Assistant(AssistantMessage {
                 content: vec![],
@@ -402,8 +461,8 @@ impl Harness {
             custom: None,
             entry_id: Some(entry_id.clone()),
             origin: Some(json!({"turn_id": rec.turn_id})),
-        })
-        .await?;
+        })?;
+        self.commit(batch).await?;
         failpoint::hit("after_assistant_appended");
         let request_id = ids::request_id(&rec.turn_id, rec.step);
         // Not persisted here: `stop` derives the request id from `(turn_id, step)`, so the step
@@ -438,9 +497,24 @@ impl Harness {
         // Generate with the lock released, so `stop` can land mid-stream.
         drop(guard.take());
         let generation = self
-            .generate(req, extras, &sid, &entry_id, cancel.clone())
+            .generate(
+                req,
+                extras,
+                &sid,
+                &entry_id,
+                cancel.clone(),
+                &mut ctx.pending,
+            )
             .await;
-        if let Ok(g) = &generation {
+        let observed = match &generation {
+            Ok(_) => !self.hooks(HookPoint::PostGenerate).await?.is_empty(),
+            Err(_) => false,
+        };
+        if observed {
+            // The hooks may read the transcript: the answer is there first.
+            self.flush(ctx).await?;
+        }
+        if let (Ok(g), true) = (&generation, observed) {
             let mut env = hooks::envelope(
                 HookPoint::PostGenerate,
                 &sid,
@@ -1011,6 +1085,10 @@ struct StepCtx {
     upto: usize,
     /// The model's answer of this step.
     message: Option<AssistantMessage>,
+    /// Writes held back to go with the step's next commit: the status of `Prepare` and the
+    /// answer's final content. Nothing outside the step can tell (`may_hold_writes`); a crash
+    /// before they are committed leaves a step that has not generated yet, which is redone.
+    pending: StepWrites,
 }
 
 /// The machine's input for a generation that ended; keeps the answer for the next stages.

@@ -10,7 +10,7 @@ use harness_types::HarnessError;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::harness::{Harness, Result};
+use crate::harness::{Harness, Result, StepWrites};
 
 /// How a generation ended.
 pub(crate) struct Generation {
@@ -131,7 +131,8 @@ impl Harness {
     }
 
     /// Streams one generation into `entry_id`. Bus failures (no router, a dropped link) are step
-    /// errors; provider failures are a `Generation` with `error` set.
+    /// errors; provider failures are a `Generation` with `error` set. The entry's final write is
+    /// added to `last`, not written: the caller commits it with its next batch.
     pub(crate) async fn generate(
         &self,
         req: ChatRequest,
@@ -139,6 +140,7 @@ impl Harness {
         session_id: &str,
         entry_id: &str,
         cancel: CancellationToken,
+        last: &mut StepWrites,
     ) -> Result<Generation> {
         let c = self.config();
         let model = req.model.clone();
@@ -308,8 +310,19 @@ impl Harness {
             .error
             .as_ref()
             .map(|e| json!({"error_kind": e.kind, "error_message": e.message}));
-        self.write_stream(session_id, entry_id, &final_message, details)
-            .await?;
+        // The final content goes with the step's next commit (see `StepCtx::pending`): one
+        // store round trip less per step, and the answer lands atomically with what the step
+        // decides on it.
+        last.update_message(&UpdateMessageRequest {
+            session_id: session_id.to_string(),
+            entry_id: entry_id.to_string(),
+            content: final_message.content.clone(),
+            usage: final_message.usage.clone(),
+            stop_reason: Some(final_message.stop_reason),
+            details,
+            origin: None,
+            expected_revision: None,
+        })?;
         Ok(Generation {
             message: final_message,
             error: gen.error,
