@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use harness_store::{
-    enqueue_text_in, insert_event_text_in, kv_delete_in, kv_put_text_in, Connection, QueueConfig,
+    enqueue_text_in, insert_event_text_in, kv_delete_in, kv_put_cached_in, Connection, QueueConfig,
     QueueHandler, QueueMessage, Queues, Store, StoreError,
 };
 use serde_json::Value;
@@ -521,6 +521,7 @@ impl Bus for EmbeddedBus {
                     scope,
                     key,
                     text: to_text(&value)?,
+                    value: Arc::new(value),
                 },
                 (BusWrite::StateDelete { scope, key }, _) => Planned::StateDelete { scope, key },
                 (
@@ -596,7 +597,7 @@ impl Bus for EmbeddedBus {
     }
 
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
-        self.inner.store.kv_put(scope, key, &value).await?;
+        self.inner.store.kv_put_through(scope, key, value).await?;
         Ok(())
     }
 
@@ -623,6 +624,8 @@ enum Planned {
         scope: String,
         key: String,
         text: String,
+        /// What `text` says, for the store's cache once the batch commits.
+        value: Arc<Value>,
     },
     StateDelete {
         scope: String,
@@ -675,8 +678,13 @@ impl Planned {
                 events.inserted(answer.event);
                 answer.answer
             }
-            Planned::StateSet { scope, key, text } => {
-                kv_put_text_in(conn, scope, key, text)?;
+            Planned::StateSet {
+                scope,
+                key,
+                text,
+                value,
+            } => {
+                kv_put_cached_in(conn, scope, key, text, value)?;
                 Value::Null
             }
             Planned::StateDelete { scope, key } => {

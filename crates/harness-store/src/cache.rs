@@ -15,7 +15,16 @@
 //!
 //! So a read that starts after a write resolved never sees an older value. Absent keys are not
 //! cached (a new key has a rowid nobody knows yet).
+//!
+//! Writes fill it too (write-through), because the loop reads back what it just wrote (the turn
+//! record, at the next step) and a read-filled entry never survives its own row's next write.
+//! A write made with [`kv_put_cached_in`](crate::kv::kv_put_cached_in) on the writer thread
+//! leaves a pending fill (the parsed value it wrote, its rowid, and where the change log stood
+//! after its statement). The writer's batch drops pending fills with whatever it rolls back;
+//! after the COMMIT, a fill whose row no later statement of the batch touched (the change log
+//! says) goes into the cache, in the same step that drops the changed keys.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -29,6 +38,38 @@ pub(crate) struct KvCache {
     inner: Mutex<Inner>,
     /// Rowids of `kv` rows changed by the writer since its last commit (the update hook's log).
     changed: Arc<Mutex<Vec<i64>>>,
+    /// Write-through fills of the batch in progress (writer thread only), in statement order.
+    pending: Mutex<Vec<Fill>>,
+}
+
+/// A value the writer wrote, to be cached if the batch commits with it.
+struct Fill {
+    key: (String, String),
+    rowid: i64,
+    /// Length of the change log right after the write's statement: a later entry with the same
+    /// rowid means the row changed again in this batch.
+    at: usize,
+    text_len: usize,
+    value: Arc<Value>,
+}
+
+thread_local! {
+    /// The cache of the store whose writer runs on this thread (set when the writer starts).
+    static WRITER_CACHE: RefCell<Option<Arc<KvCache>>> = const { RefCell::new(None) };
+}
+
+/// Makes the current thread `cache`'s writer: writes made here may leave pending fills.
+pub(crate) fn install_writer(cache: Arc<KvCache>) {
+    WRITER_CACHE.with(|c| *c.borrow_mut() = Some(cache));
+}
+
+/// Records a write-through fill for the batch in progress; a no-op off a writer thread.
+pub(crate) fn pend_fill(scope: &str, key: &str, rowid: i64, text_len: usize, value: Arc<Value>) {
+    WRITER_CACHE.with(|c| {
+        if let Some(cache) = c.borrow().as_ref() {
+            cache.pend(scope, key, rowid, text_len, value);
+        }
+    });
 }
 
 #[derive(Default)]
@@ -68,6 +109,30 @@ impl KvCache {
         self.changed.clone()
     }
 
+    /// How many fills are pending: a mark to [`KvCache::drop_pending_since`].
+    pub(crate) fn pending_mark(&self) -> usize {
+        lock(&self.pending).len()
+    }
+
+    /// Forgets the fills of writes that were rolled back (those pending since `mark`).
+    pub(crate) fn drop_pending_since(&self, mark: usize) {
+        lock(&self.pending).truncate(mark);
+    }
+
+    fn pend(&self, scope: &str, key: &str, rowid: i64, text_len: usize, value: Arc<Value>) {
+        if cost(scope, key, text_len) > MAX_BYTES / 8 {
+            return;
+        }
+        let at = lock(&self.changed).len();
+        lock(&self.pending).push(Fill {
+            key: (scope.to_string(), key.to_string()),
+            rowid,
+            at,
+            text_len,
+            value,
+        });
+    }
+
     /// Taken before a read that may [`KvCache::fill`] the cache.
     pub(crate) fn generation(&self) -> u64 {
         lock(&self.inner).generation
@@ -105,57 +170,86 @@ impl KvCache {
             return;
         }
         let k = (scope.to_string(), key.to_string());
-        if let Some(old) = inner
-            .entries
-            .insert(k.clone(), Cached { rowid, value, size })
-        {
-            inner.by_rowid.remove(&old.rowid);
-            inner.bytes -= old.size;
-        }
-        inner.by_rowid.insert(rowid, k.clone());
-        inner.order.push_back(k);
-        inner.bytes += size;
-        while inner.bytes > MAX_BYTES {
-            let Some(oldest) = inner.order.pop_front() else {
-                break;
-            };
-            if let Some(gone) = inner.entries.remove(&oldest) {
-                inner.by_rowid.remove(&gone.rowid);
-                inner.bytes -= gone.size;
-            }
-        }
-        let stale_order = inner.order.len() > 4 * inner.entries.len() + 64;
-        if stale_order {
-            // Keys dropped by invalidation pile up in `order`: keep only live ones.
-            let entries = &inner.entries;
-            let live: VecDeque<_> = inner
-                .order
-                .iter()
-                .filter(|k| entries.contains_key(*k))
-                .cloned()
-                .collect();
-            inner.order = live;
-        }
+        let mut evicted = Vec::new();
+        inner.insert(k, Cached { rowid, value, size }, &mut evicted);
         drop(inner);
         drop(dropped);
+        drop(evicted);
     }
 
     /// Called by the writer after a COMMIT, before answering the batch's writes: drops every
     /// key whose row a statement touched since the previous call.
+    /// Then puts in the batch's pending fills that no later statement of the batch overwrote.
     pub(crate) fn committed(&self) {
         let changed = std::mem::take(&mut *lock(&self.changed));
+        let fills = std::mem::take(&mut *lock(&self.pending));
         if changed.is_empty() {
             return;
         }
         let mut inner = lock(&self.inner);
         inner.generation += 1;
-        for rowid in changed {
+        for &rowid in &changed {
             if let Some(k) = inner.by_rowid.remove(&rowid) {
                 if let Some(gone) = inner.entries.remove(&k) {
                     inner.bytes -= gone.size;
                     inner.dropped.push(gone.value);
                 }
             }
+        }
+        let mut evicted = Vec::new();
+        for fill in fills {
+            let later = changed.get(fill.at..).unwrap_or_default();
+            if later.contains(&fill.rowid) {
+                continue;
+            }
+            let size = cost(&fill.key.0, &fill.key.1, fill.text_len);
+            let cached = Cached {
+                rowid: fill.rowid,
+                value: fill.value,
+                size,
+            };
+            inner.insert(fill.key, cached, &mut evicted);
+        }
+        // Freed by the next reader, not by the writer (see `Inner::dropped`).
+        inner.dropped.append(&mut evicted);
+    }
+}
+
+impl Inner {
+    /// Caches `k`, evicting the oldest entries beyond [`MAX_BYTES`] into `evicted`.
+    fn insert(&mut self, k: (String, String), cached: Cached, evicted: &mut Vec<Arc<Value>>) {
+        let (rowid, size) = (cached.rowid, cached.size);
+        if let Some(old) = self.entries.insert(k.clone(), cached) {
+            if old.rowid != rowid {
+                self.by_rowid.remove(&old.rowid);
+            }
+            self.bytes -= old.size;
+            evicted.push(old.value);
+        }
+        self.by_rowid.insert(rowid, k.clone());
+        self.order.push_back(k);
+        self.bytes += size;
+        while self.bytes > MAX_BYTES {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(gone) = self.entries.remove(&oldest) {
+                self.by_rowid.remove(&gone.rowid);
+                self.bytes -= gone.size;
+                evicted.push(gone.value);
+            }
+        }
+        let stale_order = self.order.len() > 4 * self.entries.len() + 64;
+        if stale_order {
+            // Keys dropped by invalidation pile up in `order`: keep only live ones.
+            let entries = &self.entries;
+            let live: VecDeque<_> = self
+                .order
+                .iter()
+                .filter(|k| entries.contains_key(*k))
+                .cloned()
+                .collect();
+            self.order = live;
         }
     }
 }

@@ -59,6 +59,26 @@ pub fn kv_put_text_in(
     Ok(())
 }
 
+/// [`kv_put_text_in`] that also caches `value` (what `text` says) once the writer's batch
+/// commits with this write (see `cache.rs`). Off the writer thread it is `kv_put_text_in`.
+pub fn kv_put_cached_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    text: &str,
+    value: &Arc<Value>,
+) -> Result<(), StoreError> {
+    let rowid: i64 = conn
+        .prepare_cached(
+            "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
+             RETURNING rowid",
+        )?
+        .query_row((scope, key, text, crate::now_ms()), |r| r.get(0))?;
+    crate::cache::pend_fill(scope, key, rowid, text.len(), value.clone());
+    Ok(())
+}
+
 /// Deletes one value; returns it if it existed.
 pub fn kv_delete_in(
     conn: &Connection,
@@ -127,6 +147,24 @@ impl Store {
             serde_json::to_string(value)?,
         );
         self.write_replayable(move |c| kv_put_text_in(c, &scope, &key, &text))
+            .await
+    }
+
+    /// [`Store::kv_put`] for an owned value, which the cache keeps once the write commits (the
+    /// next read of the key skips SQLite and the parse).
+    pub async fn kv_put_through(
+        &self,
+        scope: &str,
+        key: &str,
+        value: Value,
+    ) -> Result<(), StoreError> {
+        let (scope, key, text) = (
+            scope.to_string(),
+            key.to_string(),
+            serde_json::to_string(&value)?,
+        );
+        let value = Arc::new(value);
+        self.write_replayable(move |c| kv_put_cached_in(c, &scope, &key, &text, &value))
             .await
     }
 

@@ -23,7 +23,7 @@ mod writer;
 
 pub use error::StoreError;
 pub use events::{insert_event_in, insert_event_text_in, EventRow};
-pub use kv::{kv_delete_in, kv_get_in, kv_put_in, kv_put_text_in, kv_set_in};
+pub use kv::{kv_delete_in, kv_get_in, kv_put_cached_in, kv_put_in, kv_put_text_in, kv_set_in};
 pub use queue::{enqueue_in, enqueue_text_in, QueueConfig, QueueHandler, QueueMessage, Queues};
 pub use store::{Durability, Store, StoreStats};
 

@@ -183,7 +183,10 @@ impl Store {
             let cache = kv_cache.clone();
             std::thread::Builder::new()
                 .name("harness-store-writer".into())
-                .spawn(move || writer_loop(conn, writer_rx, &counters, &cache))?
+                .spawn(move || {
+                    crate::cache::install_writer(cache.clone());
+                    writer_loop(conn, writer_rx, &counters, &cache)
+                })?
         };
         // fsync runs on its own thread so the writer keeps committing while the disk syncs; the
         // next fsync then covers everything committed meanwhile (pipelined group commit).

@@ -162,12 +162,12 @@ pub(crate) fn writer_loop(
                 Err(_) => break,
             }
         }
-        let mut txn = Batch::new(&conn);
+        let mut txn = Batch::new(&conn, cache);
         for op in batch.drain(..) {
             counters.writes.fetch_add(1, Ordering::Relaxed);
             txn.run(op);
         }
-        txn.commit(counters, cache);
+        txn.commit(counters);
     }
 }
 
@@ -182,11 +182,15 @@ struct Run {
     at: usize,
     /// A `SAVEPOINT run` marks its start; otherwise it started the transaction.
     savepoint: bool,
+    /// The cache's pending fills when the run started (see `KvCache::pending_mark`).
+    fills: usize,
 }
 
 /// One batch transaction on its way to the COMMIT.
 struct Batch<'c> {
     conn: &'c Connection,
+    /// Its pending write-through fills go with whatever the batch rolls back.
+    cache: &'c KvCache,
     in_txn: bool,
     /// Ops that succeeded in this transaction, in order, waiting for the COMMIT.
     done: Vec<Box<dyn Op>>,
@@ -196,9 +200,10 @@ struct Batch<'c> {
 const RUN_LOST: &str = "the batch transaction was ended inside a write; its writes were lost";
 
 impl<'c> Batch<'c> {
-    fn new(conn: &'c Connection) -> Self {
+    fn new(conn: &'c Connection, cache: &'c KvCache) -> Self {
         Batch {
             conn,
+            cache,
             in_txn: false,
             done: Vec::new(),
             run: None,
@@ -237,6 +242,7 @@ impl<'c> Batch<'c> {
             self.run = Some(Run {
                 at: self.done.len(),
                 savepoint,
+                fills: self.cache.pending_mark(),
             });
         }
         let ok = op.run(Ok(self.conn));
@@ -285,6 +291,7 @@ impl<'c> Batch<'c> {
             ));
             return;
         }
+        self.cache.drop_pending_since(run.fills);
         let again = self.done.split_off(run.at);
         for op in again {
             if !self.in_txn {
@@ -302,6 +309,7 @@ impl<'c> Batch<'c> {
             op.reply(None);
             return;
         }
+        let fills = self.cache.pending_mark();
         let ok = op.run(Ok(self.conn));
         if self.conn.is_autocommit() {
             // The transaction ended under the op (it issued COMMIT/ROLLBACK, or SQLite rolled
@@ -317,7 +325,10 @@ impl<'c> Batch<'c> {
         };
         match closed {
             Ok(()) if ok => self.done.push(op),
-            Ok(()) => op.reply(None),
+            Ok(()) => {
+                self.cache.drop_pending_since(fills);
+                op.reply(None)
+            }
             Err(e) => {
                 let reason = format!("savepoint bookkeeping failed, batch rolled back: {e}");
                 self.abort(&reason);
@@ -338,13 +349,14 @@ impl<'c> Batch<'c> {
     fn lost(&mut self, reason: &str) {
         self.in_txn = false;
         self.run = None;
+        self.cache.drop_pending_since(0);
         for op in self.done.drain(..) {
             op.reply(Some(reason.to_string()));
         }
     }
 
     /// `COMMIT`, then the replies (after the commit, so a resolved write is always committed).
-    fn commit(mut self, counters: &Counters, cache: &KvCache) {
+    fn commit(mut self, counters: &Counters) {
         if !self.in_txn {
             return;
         }
@@ -356,7 +368,7 @@ impl<'c> Batch<'c> {
                     counters.commit_seq.fetch_add(1, Ordering::SeqCst);
                 }
                 // Before any reply: a read after a resolved write never finds the old value.
-                cache.committed();
+                self.cache.committed();
                 for op in self.done.drain(..) {
                     op.reply(None);
                 }

@@ -102,3 +102,130 @@ async fn a_read_after_a_resolved_write_sees_it() {
         t.await.unwrap();
     }
 }
+
+/// A row changed behind the store's back (another connection: no writer, no invalidation), so
+/// a read that still answers the old value came from the cache.
+fn change_behind(path: &std::path::Path, key: &str, text: &str) {
+    let c = rusqlite::Connection::open(path).unwrap();
+    c.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    let n = c
+        .execute(
+            "UPDATE kv SET value = ?1 WHERE scope = 's' AND key = ?2",
+            (text, key),
+        )
+        .unwrap();
+    assert_eq!(n, 1, "the row exists");
+}
+
+/// A committed write puts its value in the cache (the next read skips SQLite); a write that was
+/// rolled back, or overwritten later in its own batch, never does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_fill_the_cache_only_with_what_committed() {
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.db");
+    let store = Store::open(&path, Durability::Normal).unwrap();
+    let put = |key: &'static str, v: serde_json::Value| {
+        let text = v.to_string();
+        let value = Arc::new(v);
+        move |c: &harness_store::Connection| {
+            harness_store::kv_put_cached_in(c, "s", key, &text, &value)
+        }
+    };
+
+    // Committed: cached.
+    store
+        .kv_put_through("s", "a", json!({"n": 1}))
+        .await
+        .unwrap();
+    change_behind(&path, "a", "{\"n\": 99}");
+    assert_eq!(
+        store.kv_get("s", "a").unwrap(),
+        Some(json!({"n": 1})),
+        "the write filled the cache"
+    );
+    store.write_replayable(put("a", json!(2))).await.unwrap();
+    change_behind(&path, "a", "98");
+    assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(2)));
+
+    // Rolled back with its op: the committed value, read from SQLite.
+    let failed = store
+        .write_replayable({
+            let p = put("a", json!("rolled back"));
+            move |c| {
+                p(c)?;
+                Err::<(), _>(harness_store::StoreError::Invalid("refused".into()))
+            }
+        })
+        .await;
+    assert!(failed.is_err());
+    assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(98)));
+
+    // Overwritten later in the same batch: by raw SQL, or deleted.
+    store
+        .write_replayable({
+            let p = put("a", json!("stale"));
+            move |c| {
+                p(c)?;
+                c.execute(
+                    "UPDATE kv SET value = '3' WHERE scope = 's' AND key = 'a'",
+                    [],
+                )?;
+                Ok(())
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(3)));
+    store
+        .write_replayable({
+            let p = put("b", json!("gone"));
+            move |c| {
+                p(c)?;
+                kv_delete_in(c, "s", "b")?;
+                Ok(())
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(store.kv_get("s", "b").unwrap(), None);
+
+    // Written twice in one op: the last one.
+    store
+        .write_replayable({
+            let (p, q) = (put("c", json!("first")), put("c", json!("last")));
+            move |c| {
+                p(c)?;
+                q(c)
+            }
+        })
+        .await
+        .unwrap();
+    change_behind(&path, "c", "\"behind\"");
+    assert_eq!(store.kv_get("s", "c").unwrap(), Some(json!("last")));
+
+    // Ops batched together where some fail (their run is rolled back and the others run
+    // again): whatever the batching, only the committed writes are seen.
+    let mut tasks = Vec::new();
+    for i in 0..40i64 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let key: &'static str = Box::leak(format!("k{i}").into_boxed_str());
+            let good = put(key, json!(i));
+            let bad = put(key, json!("never"));
+            let (a, b) = tokio::join!(
+                store.write_replayable(good),
+                store.write_replayable(move |c| {
+                    bad(c)?;
+                    Err::<(), _>(harness_store::StoreError::Invalid("refused".into()))
+                })
+            );
+            a.unwrap();
+            assert!(b.is_err());
+            assert_eq!(store.kv_get("s", key).unwrap(), Some(json!(i)));
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
