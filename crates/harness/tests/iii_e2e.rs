@@ -23,10 +23,12 @@ use serde_json::{json, Value};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_text_turn_streams_through_the_engine() {
     let engine = Engine::start().await;
+    // The worker's calls to its own router go through the engine here (by default they run
+    // in-process: the next test), so the streaming path over the engine is what is tested.
     let _worker = WorkerProc::start(
         &engine,
         &script(vec![text_gen(None, "Hello from the iii side.", 5, true)]),
-        &["--stream-coalesce-ms", "0"],
+        &["--stream-coalesce-ms", "0", "--self-calls", "engine"],
     )
     .await;
     let sent = engine.send("s_text", "hi", &[]).await;
