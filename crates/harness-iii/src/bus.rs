@@ -491,6 +491,9 @@ impl IiiBus {
         // changes (it used to log "lost the link" for every bus the bench closed).
         self.inner.closing.store(true, Ordering::SeqCst);
         self.inner.client.shutdown_async().await;
+        // The SDK answers nothing once shut down (it drops what is sent then without a word,
+        // and leaves the calls in flight waiting): those calls end now, as on a lost link.
+        self.inner.disconnects.send_modify(|n| *n += 1);
     }
 
     /// Ids of the functions registered through this bus, sorted.
@@ -692,6 +695,18 @@ impl IiiBus {
     ) -> Result<Value, BusError> {
         let timeout = timeout.unwrap_or(DEFAULT_CALL_TIMEOUT);
         let ms = timeout.as_millis() as u64;
+        if self.inner.closing.load(Ordering::SeqCst) {
+            // A step still running on a bus that was shut down (the bench closes one per
+            // phase): the SDK would drop the call without a word and wait out its timeout.
+            if let Ok(lose) = DELIVERY.try_with(Arc::clone) {
+                let _ = lose.send(true);
+                return std::future::pending().await;
+            }
+            return Err(BusError::new(
+                "not_connected",
+                format!("{function_id}: this worker's link to the iii engine was shut down"),
+            ));
+        }
         // A plain call to a function this worker serves runs here: the engine would only route
         // it straight back (and now and then never answered such a call; docs/iii-engine.md).
         // Trigger actions (enqueue, void) keep going through the engine.

@@ -117,6 +117,9 @@
 //!   nothing it had not written yet gets written (no generation is failed, no call is closed as
 //!   timed out). After the reconnect the step is redriven: a `triggered` call is closed as
 //!   interrupted (it ran at most once), a generation without its `generated` mark is asked again.
+//!   [`IiiBus::shutdown`] ends the calls in flight the same way, and a call made after it
+//!   fails at once (`not_connected`): the SDK drops what is sent once it is shut down and
+//!   would leave the call waiting out its timeout.
 //! - **An engine crash inside its flush window: the write-ahead copy.** Every state write this
 //!   worker made in the last 30 s is kept (the last value per key, as the engine acknowledged
 //!   it). After a reconnect, before any step runs again, [`IiiBus::reconcile`] reads each of
