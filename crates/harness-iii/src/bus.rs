@@ -37,6 +37,8 @@ const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
 /// A call not answered within this is logged (it is still awaited up to its timeout).
 const SLOW_CALL: Duration = Duration::from_secs(10);
 const FRAME_BATCH: usize = 256;
+/// How long a batch of frames may take to reach the caller's frame sink.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How the `harness-turn` queue is realised on the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +93,33 @@ pub struct IiiOptions {
     /// Whether to stand by while another harness worker serves the engine (a worker) or to
     /// refuse to connect (the bench, which must not wait for a deployment's worker to die).
     pub standby: bool,
+    /// Whether a call this worker makes to a function it serves itself runs in-process (the
+    /// default) or goes out to the engine and back (see the crate docs, *Calls to this
+    /// worker's own functions*).
+    pub self_calls: SelfCalls,
+}
+
+/// Where a call to one of this worker's own functions runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SelfCalls {
+    /// In-process, straight to the handler, while the worker serves the function.
+    InProcess,
+    /// Through the engine, like any other call.
+    Engine,
+}
+
+impl std::str::FromStr for SelfCalls {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<SelfCalls, String> {
+        match s {
+            "in-process" => Ok(SelfCalls::InProcess),
+            "engine" => Ok(SelfCalls::Engine),
+            other => Err(format!(
+                "harness/invalid_request: self calls: '{other}' is not one of in-process, engine"
+            )),
+        }
+    }
 }
 
 impl IiiOptions {
@@ -103,6 +132,7 @@ impl IiiOptions {
             shards: 8,
             journal: None,
             standby: true,
+            self_calls: SelfCalls::InProcess,
         }
     }
 }
@@ -184,6 +214,10 @@ struct Inner {
     /// Set when another harness worker holds this worker's functions after a reconnect: it
     /// took the sessions over, so this one must stop serving (see [`IiiBus::deposed`]).
     deposed: watch::Sender<bool>,
+    /// The functions registered here that the engine lists as this worker's (so it routes
+    /// their calls here): refreshed whenever the worker reads the registry for its own
+    /// functions, emptied when the link drops. See [`IiiBus::serves`].
+    served: RwLock<std::collections::HashSet<String>>,
 }
 
 /// How long a write stays in the write-ahead copy: the engine's flush interval (5 s) with a
@@ -282,6 +316,7 @@ impl IiiBus {
                 instance: format!("{}#{}", opts.worker_name, uuid::Uuid::new_v4().simple()),
                 leases: Mutex::new(HashMap::new()),
                 deposed: watch::channel(false).0,
+                served: RwLock::new(std::collections::HashSet::new()),
                 opts,
             }),
         };
@@ -456,6 +491,9 @@ impl IiiBus {
         // changes (it used to log "lost the link" for every bus the bench closed).
         self.inner.closing.store(true, Ordering::SeqCst);
         self.inner.client.shutdown_async().await;
+        // The SDK answers nothing once shut down (it drops what is sent then without a word,
+        // and leaves the calls in flight waiting): those calls end now, as on a lost link.
+        self.inner.disconnects.send_modify(|n| *n += 1);
     }
 
     /// Ids of the functions registered through this bus, sorted.
@@ -509,6 +547,8 @@ impl IiiBus {
                 if !connected && was_connected {
                     inner.ready.store(false, Ordering::SeqCst);
                     inner.settled.send_replace(false);
+                    // Whatever the engine routes here after the reconnect is read again.
+                    inner.served.write().expect("served lock").clear();
                     tracing::warn!(url = %inner.opts.url, "lost the link to the iii engine; failing the calls in flight");
                     inner.disconnects.send_modify(|n| *n += 1);
                 }
@@ -528,7 +568,14 @@ impl IiiBus {
     /// engine restart forgets every binding; the ones it still has are forwarded again).
     pub async fn reconcile(&self) -> Result<(), BusError> {
         self.restore(Restore::Everything).await?;
-        self.reconcile_bindings().await
+        self.reconcile_bindings().await?;
+        // Which of this worker's functions the engine routes here again (the SDK replayed the
+        // registrations); until then their calls went through the engine.
+        let listed = self
+            .list_functions(json!({"include_internal": true}))
+            .await?;
+        self.note_served(&listed);
+        Ok(())
     }
 
     /// Gives the engine back what it lost of the writes in the write-ahead copy. After a
@@ -648,15 +695,45 @@ impl IiiBus {
     ) -> Result<Value, BusError> {
         let timeout = timeout.unwrap_or(DEFAULT_CALL_TIMEOUT);
         let ms = timeout.as_millis() as u64;
+        if self.inner.closing.load(Ordering::SeqCst) {
+            // A step still running on a bus that was shut down (the bench closes one per
+            // phase): the SDK would drop the call without a word and wait out its timeout.
+            if let Ok(lose) = DELIVERY.try_with(Arc::clone) {
+                let _ = lose.send(true);
+                return std::future::pending().await;
+            }
+            return Err(BusError::new(
+                "not_connected",
+                format!("{function_id}: this worker's link to the iii engine was shut down"),
+            ));
+        }
+        // A plain call to a function this worker serves runs here: the engine would only route
+        // it straight back (and now and then never answered such a call; docs/iii-engine.md).
+        // Trigger actions (enqueue, void) keep going through the engine.
+        if action.is_none() && self.serves(function_id) {
+            return self
+                .in_process(function_id, payload, timeout, metadata, None)
+                .await;
+        }
+        let mut lost = self.inner.disconnects.subscribe();
+        lost.borrow_and_update();
+        let delivery = DELIVERY.try_with(Arc::clone).ok();
+        if action.is_none()
+            && self
+                .inner
+                .local
+                .read()
+                .expect("local lock")
+                .contains_key(function_id)
+        {
+            tracing::debug!(function = %function_id, self_calls = ?self.inner.opts.self_calls, "a call to this worker's own function goes through the engine");
+        }
         let req = TriggerRequest {
             function_id: function_id.to_string(),
             payload,
             action,
             timeout_ms: Some(ms),
         };
-        let mut lost = self.inner.disconnects.subscribe();
-        lost.borrow_and_update();
-        let delivery = DELIVERY.try_with(Arc::clone).ok();
         let call = async {
             let call = async {
                 match metadata {
@@ -725,6 +802,152 @@ impl IiiBus {
         }
     }
 
+    /// Whether a call to `function_id` runs in-process (see the crate docs): this worker
+    /// registered it, the engine lists it as this worker's (so it would route the call right
+    /// back here), and the worker serves right now — link up and reconciled, not deposed, not
+    /// closing, and a public function only once it is open and ready. Otherwise the call goes
+    /// through the engine, which answers exactly as before (`function_not_found` for a function
+    /// still held back, `harness/starting`, the answer of the worker that owns it, ...).
+    fn serves(&self, function_id: &str) -> bool {
+        let inner = &self.inner;
+        if inner.opts.self_calls != SelfCalls::InProcess
+            || inner.closing.load(Ordering::SeqCst)
+            || *inner.deposed.borrow()
+            || !*inner.settled.borrow()
+            || !inner
+                .served
+                .read()
+                .expect("served lock")
+                .contains(function_id)
+        {
+            return false;
+        }
+        let gated = match inner.local.read().expect("local lock").get(function_id) {
+            Some(l) => held(&l.def),
+            None => return false,
+        };
+        if gated && !(inner.opened.load(Ordering::SeqCst) && inner.ready.load(Ordering::SeqCst)) {
+            return false;
+        }
+        inner.client.get_connection_state() == IIIConnectionState::Connected
+    }
+
+    /// Takes an `engine::functions::list` answer as the set of this worker's functions the
+    /// engine routes here (listed under this worker's name).
+    fn note_served(&self, listed: &Value) {
+        let name = self.inner.opts.worker_name.as_str();
+        let ours: std::collections::HashSet<String> = {
+            let local = self.inner.local.read().expect("local lock");
+            listed["functions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|f| f["worker_name"].as_str() == Some(name))
+                .filter_map(|f| f["function_id"].as_str())
+                .filter(|id| local.contains_key(*id))
+                .map(str::to_string)
+                .collect()
+        };
+        *self.inner.served.write().expect("served lock") = ours;
+    }
+
+    /// [`IiiBus::call_in_process`] as the caller sees it: inside a delivery, as for a routed
+    /// call, a lost link ends the delivery where it stands rather than handing the step an
+    /// answer it would act on (see `invoke`).
+    async fn in_process(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Duration,
+        metadata: Option<Value>,
+        frames: Option<FrameSink>,
+    ) -> Result<Value, BusError> {
+        let mut lost = self.inner.disconnects.subscribe();
+        lost.borrow_and_update();
+        let call = self.call_in_process(function_id, payload, timeout, metadata, frames);
+        let Ok(lose) = DELIVERY.try_with(Arc::clone) else {
+            return call.await;
+        };
+        tokio::select! {
+            r = call => r,
+            _ = lost.changed() => {
+                let _ = lose.send(true);
+                std::future::pending().await
+            }
+        }
+    }
+
+    /// A call to a function this worker serves, run in-process: the handler gets what the
+    /// engine would have delivered (`serve`: the same payload without decoration, the same
+    /// metadata, the same gate) and runs as a routed call's handler does, as its own task that
+    /// outlives a caller who stopped waiting. The caller's side is a routed call's: the same
+    /// timeout and error. A streaming call's frames go straight to the caller's channel.
+    async fn call_in_process(
+        &self,
+        function_id: &str,
+        payload: Value,
+        timeout: Duration,
+        metadata: Option<Value>,
+        frames: Option<FrameSink>,
+    ) -> Result<Value, BusError> {
+        let gated = match self
+            .inner
+            .local
+            .read()
+            .expect("local lock")
+            .get(function_id)
+        {
+            Some(l) => held(&l.def),
+            None => return Err(BusError::function_not_found(function_id)),
+        };
+        let serve = IiiBus::serve(&self.inner, function_id, gated, payload, metadata, frames);
+        match tokio::time::timeout(timeout, serve).await {
+            Ok(r) => r,
+            Err(_) => Err(BusError::timeout(function_id, timeout.as_millis() as u64)),
+        }
+    }
+
+    /// Serves one call of a function registered here, as the engine delivers it (payload and
+    /// metadata as routed; a streaming caller's frames are forwarded to its frame sink) or
+    /// in-process (`frames`: the caller's own channel).
+    async fn serve(
+        inner: &Arc<Inner>,
+        function_id: &str,
+        gated: bool,
+        payload: Value,
+        metadata: Option<Value>,
+        frames: Option<FrameSink>,
+    ) -> Result<Value, BusError> {
+        if gated && !inner.ready.load(Ordering::SeqCst) {
+            return Err(starting());
+        }
+        let payload = strip_decoration(payload);
+        if own_registry_change(inner, &payload) {
+            return Ok(json!({"ok": true}));
+        }
+        let mut metadata = metadata.map(strip_decoration).unwrap_or(Value::Null);
+        let stream = metadata.as_object_mut().and_then(|m| m.remove(STREAM_KEY));
+        let (frames, forwarder) = match (frames, stream) {
+            (Some(sink), _) => (Some(sink), None),
+            (None, Some(s)) => match (s["function_id"].as_str(), s["stream_id"].as_str()) {
+                (Some(f), Some(id)) => {
+                    let (sink, task) =
+                        IiiBus::frame_forwarder(inner, f.to_string(), id.to_string());
+                    (Some(sink), Some(task))
+                }
+                _ => (None, None),
+            },
+            (None, None) => (None, None),
+        };
+        let ctx = CallContext { frames, metadata };
+        let result = IiiBus::run_local(inner, function_id, payload, ctx).await;
+        // Every frame reaches the caller before the answer does.
+        if let Some(task) = forwarder {
+            let _ = task.await;
+        }
+        result
+    }
+
     // --- streaming frames -------------------------------------------------------------------
 
     /// The caller's end: frames of every streaming call this process made arrive here.
@@ -768,7 +991,9 @@ impl IiiBus {
         stream_id: String,
     ) -> (FrameSink, tokio::task::JoinHandle<()>) {
         let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
-        let client = inner.client.clone();
+        let bus = IiiBus {
+            inner: inner.clone(),
+        };
         let task = inner.rt.spawn(async move {
             let mut seq: u64 = 0;
             let mut alive = true;
@@ -783,13 +1008,23 @@ impl IiiBus {
                 if !alive {
                     continue;
                 }
-                let req = TriggerRequest {
-                    function_id: target.clone(),
-                    payload: json!({"stream_id": stream_id, "seq": seq, "frames": batch}),
-                    action: None,
-                    timeout_ms: Some(30_000),
+                let payload = json!({"stream_id": stream_id, "seq": seq, "frames": batch});
+                let sent = if bus.serves(&target) {
+                    // This worker's own frame sink (a streaming call it made that went
+                    // through the engine): no need to go out and back for the frames.
+                    bus.call_in_process(&target, payload, FRAME_TIMEOUT, None, None)
+                        .await
+                        .map_err(|e| e.to_string())
+                } else {
+                    let req = TriggerRequest {
+                        function_id: target.clone(),
+                        payload,
+                        action: None,
+                        timeout_ms: Some(FRAME_TIMEOUT.as_millis() as u64),
+                    };
+                    bus.inner.client.trigger(req).await.map_err(|e| e.to_string())
                 };
-                match client.trigger(req).await {
+                match sent {
                     Ok(v) if v["accepted"] == json!(false) => alive = false,
                     Ok(_) => seq += 1,
                     Err(e) => {
@@ -946,6 +1181,7 @@ impl IiiBus {
             let listed = self
                 .list_functions(json!({"include_internal": true}))
                 .await?;
+            self.note_served(&listed);
             let present: std::collections::HashSet<String> = listed["functions"]
                 .as_array()
                 .into_iter()
@@ -1272,33 +1508,9 @@ impl IiiBus {
             let fid = fid.clone();
             async move {
                 let inner = weak.upgrade().ok_or(iii_sdk::Error::NotConnected)?;
-                if gated && !inner.ready.load(Ordering::SeqCst) {
-                    return Err(to_sdk(starting()));
-                }
-                let payload = strip_decoration(payload);
-                if own_registry_change(&inner, &payload) {
-                    return Ok(json!({"ok": true}));
-                }
-                let mut metadata = metadata.map(strip_decoration).unwrap_or(Value::Null);
-                let stream = metadata.as_object_mut().and_then(|m| m.remove(STREAM_KEY));
-                let (frames, forwarder) = match stream {
-                    Some(s) => match (s["function_id"].as_str(), s["stream_id"].as_str()) {
-                        (Some(f), Some(id)) => {
-                            let (sink, task) =
-                                IiiBus::frame_forwarder(&inner, f.to_string(), id.to_string());
-                            (Some(sink), Some(task))
-                        }
-                        _ => (None, None),
-                    },
-                    None => (None, None),
-                };
-                let ctx = CallContext { frames, metadata };
-                let result = IiiBus::run_local(&inner, &fid, payload, ctx).await;
-                // Every frame reaches the caller before the answer does.
-                if let Some(task) = forwarder {
-                    let _ = task.await;
-                }
-                result.map_err(to_sdk)
+                IiiBus::serve(&inner, &fid, gated, payload, metadata, None)
+                    .await
+                    .map_err(to_sdk)
             }
         };
         let mut reg = RegisterFunction::new_async(handler).description(def.description.clone());
@@ -1344,8 +1556,21 @@ impl Bus for IiiBus {
         payload: Value,
         timeout: Option<Duration>,
     ) -> Result<StreamingCall, BusError> {
-        let stream_id = uuid::Uuid::new_v4().simple().to_string();
         let (tx, rx) = mpsc::unbounded_channel();
+        if self.serves(function_id) {
+            // The handler's frames go straight into the caller's channel.
+            let bus = self.clone();
+            let function_id = function_id.to_string();
+            let timeout = timeout.unwrap_or(DEFAULT_CALL_TIMEOUT);
+            let result = Box::pin(async move {
+                // A routed streaming call's metadata, once its frame sink is taken out.
+                let metadata = Some(json!({}));
+                bus.in_process(&function_id, payload, timeout, metadata, Some(tx))
+                    .await
+            });
+            return Ok(StreamingCall { frames: rx, result });
+        }
+        let stream_id = uuid::Uuid::new_v4().simple().to_string();
         self.inner
             .streams
             .lock()

@@ -7,8 +7,8 @@
 //!
 //! | Bus | on iii |
 //! |---|---|
-//! | `call`, `call_with_metadata`, `call_void` | `invokefunction` through the engine (`trigger`, action none / `void`); the metadata rides in the invocation's `metadata` sidecar |
-//! | `call_streaming` (`router::chat`) | a plain invocation whose metadata names a **frame sink**: `harness::frames::<instance>`, an internal function this worker registers. The callee's side of this crate sends its frames there in order (one batch in flight at a time) and finishes sending before it answers, so every frame is in the caller's channel before the result is |
+//! | `call`, `call_with_metadata`, `call_void` | `invokefunction` through the engine (`trigger`, action none / `void`); the metadata rides in the invocation's `metadata` sidecar. A plain call to a function this worker serves runs in-process (below) |
+//! | `call_streaming` (`router::chat`) | a plain invocation whose metadata names a **frame sink**: `harness::frames::<instance>`, an internal function this worker registers. The callee's side of this crate sends its frames there in order (one batch in flight at a time) and finishes sending before it answers, so every frame is in the caller's channel before the result is. In-process (below), the handler's frames go straight into the caller's channel |
 //! | `register_function` | `registerfunction` with the request/response JSON Schemas; a repeated id replaces the handler locally (the SDK would panic) |
 //! | `register_trigger_type` | `registertriggertype` (the harness owns the hook points and the turn events); the engine forwards every binding of those types to this worker (`registertrigger`), also the ones made with `engine::register_trigger`, and replays them when the type is registered again after a reconnect or a restart |
 //! | `bindings(type)` | the forwarded bindings for harness-owned types; `engine::registered-triggers::list` for the engine's (`cron`, …) |
@@ -20,6 +20,31 @@
 //! Every payload the engine routes carries `_caller_worker_id`; it is removed before a handler
 //! sees the payload, so strict request parsing (`harness/invalid_request` naming the field) keeps
 //! working.
+//!
+//! # Calls to this worker's own functions
+//!
+//! A plain call (`call`, `call_with_metadata`, `call_streaming`; no trigger action) to a
+//! function this worker serves runs in-process: with `--with all` that is most of a step's
+//! calls (the transcript store, the context manager, the router, the frame sink, fixtures),
+//! which the engine would only route straight back here, and some of which it now and then
+//! never answered (`docs/iii-engine.md`, *Measured*). The handler gets what the engine would
+//! have delivered: the same payload (the engine's `_caller_worker_id` is stripped before any
+//! handler sees a routed payload, so nothing depends on it), the same metadata (a streaming
+//! call's frame sink taken out), the same `harness/starting` gate; it runs as its own task, as
+//! a routed call's handler does, and the caller gets the same timeout and errors. Fencing is
+//! unchanged: it lives in the state writes (`fence`), which still go to the engine.
+//!
+//! "Serves" means: the engine lists the function under this worker's name (read whenever the
+//! worker waits for its registrations, and again after every reconnect), the link is up and
+//! reconciled, the worker is not deposed and not shutting down, and a public `harness::*`
+//! function only once [`IiiBus::open`] made it callable and the worker is ready. In any other
+//! case the call goes through the engine exactly as before (a function still held back is
+//! `function_not_found` there, another worker's function is its answer). Inside a queued step a
+//! lost link still ends the step where it stands, whichever way its call went. Trigger actions
+//! (enqueue, void) always go through the engine, and so does everything whose meaning is the
+//! engine's (`engine::*`, `state::*`, other workers' functions). `IiiOptions::self_calls`
+//! (`harness worker --self-calls engine`) sends these calls through the engine too. A call to
+//! one of this worker's own functions that goes through the engine is logged at debug level.
 //!
 //! # Start-up
 //!
@@ -92,6 +117,9 @@
 //!   nothing it had not written yet gets written (no generation is failed, no call is closed as
 //!   timed out). After the reconnect the step is redriven: a `triggered` call is closed as
 //!   interrupted (it ran at most once), a generation without its `generated` mark is asked again.
+//!   [`IiiBus::shutdown`] ends the calls in flight the same way, and a call made after it
+//!   fails at once (`not_connected`): the SDK drops what is sent once it is shut down and
+//!   would leave the call waiting out its timeout.
 //! - **An engine crash inside its flush window: the write-ahead copy.** Every state write this
 //!   worker made in the last 30 s is kept (the last value per key, as the engine acknowledged
 //!   it). After a reconnect, before any step runs again, [`IiiBus::reconcile`] reads each of
@@ -135,7 +163,7 @@ mod fence;
 mod journal;
 mod provider;
 
-pub use bus::{IiiBus, IiiOptions, QueueMode, DELIVER_FUNCTION, FRAMES_PREFIX};
+pub use bus::{IiiBus, IiiOptions, QueueMode, SelfCalls, DELIVER_FUNCTION, FRAMES_PREFIX};
 pub use codec::{strip_decoration, unwrap_state, wrap_state, STATE_KEY_FIELD};
 pub use error::IiiError;
 pub use fence::{FENCED_SCOPE, LEASE_SCOPE};

@@ -62,6 +62,10 @@ impl Host for BinaryHost {
                 if let Ok(mode) = std::env::var("HARNESS_III_QUEUE_MODE") {
                     iii.queue_mode = mode.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
                 }
+                // Where calls to the bench's own functions run (in-process, engine).
+                if let Ok(mode) = std::env::var("HARNESS_III_SELF_CALLS") {
+                    iii.self_calls = mode.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
                 let bus = harness_iii::IiiBus::connect(iii)
                     .await
                     .with_context(|| format!("--iii {url}"))?;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::ValueEnum;
 use harness_bus::Bus;
-use harness_iii::{IiiBus, IiiOptions, QueueMode};
+use harness_iii::{IiiBus, IiiOptions, QueueMode, SelfCalls};
 
 use crate::runtime::{Runtime, Siblings};
 
@@ -29,6 +29,14 @@ pub enum QueueModeArg {
     Shards,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+pub enum SelfCallsArg {
+    /// A call to a function this worker serves runs in-process, straight to its handler.
+    InProcess,
+    /// Such calls go out to the engine and back, like any other call.
+    Engine,
+}
+
 #[derive(clap::Args)]
 pub struct WorkerArgs {
     /// The engine's worker endpoint.
@@ -45,6 +53,15 @@ pub struct WorkerArgs {
     /// once on this engine.
     #[arg(long, default_value = "8")]
     queue_shards: u32,
+    /// Where the worker's calls to functions it serves itself (`--with` siblings, its frame
+    /// sink, its fixtures) run. Trigger actions (enqueue, void) always go through the engine.
+    #[arg(
+        long,
+        value_enum,
+        env = "HARNESS_III_SELF_CALLS",
+        default_value = "in-process"
+    )]
+    self_calls: SelfCallsArg,
     /// The worker name: the engine leases it to one live connection per namespace, so every
     /// harness worker on one engine needs its own (default: `harness-<host>-<pid>`).
     #[arg(long)]
@@ -75,6 +92,10 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
     iii.worker_name = args.worker_name.clone().unwrap_or_else(default_worker_name);
     iii.connect_timeout = Duration::from_secs(args.connect_timeout.max(1));
     iii.shards = args.queue_shards.max(1);
+    iii.self_calls = match args.self_calls {
+        SelfCallsArg::InProcess => SelfCalls::InProcess,
+        SelfCallsArg::Engine => SelfCalls::Engine,
+    };
     // The write-ahead copy lives beside the worker's store, so it outlives the process.
     std::fs::create_dir_all(&data_dir)
         .map_err(|e| anyhow::anyhow!("cannot create the data dir {}: {e}", data_dir.display()))?;

@@ -23,10 +23,13 @@ use serde_json::{json, Value};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_text_turn_streams_through_the_engine() {
     let engine = Engine::start().await;
+    // The worker's calls to its own router go through the engine here (by default they run
+    // in-process: `the_workers_calls_to_its_own_functions_run_in_process`), so the streaming
+    // path over the engine is what is tested.
     let _worker = WorkerProc::start(
         &engine,
         &script(vec![text_gen(None, "Hello from the iii side.", 5, true)]),
-        &["--stream-coalesce-ms", "0"],
+        &["--stream-coalesce-ms", "0", "--self-calls", "engine"],
     )
     .await;
     let sent = engine.send("s_text", "hi", &[]).await;
@@ -115,6 +118,122 @@ async fn a_function_call_runs_exactly_once() {
         .unwrap();
     assert_eq!(result["message"]["is_error"], false, "{result}");
     assert_eq!(text_of(entries.last().unwrap()), "a is done");
+}
+
+/// The log line of the worker's adapter for a call to one of its own functions that goes out to
+/// the engine and back (debug level, which the test workers log).
+const SELF_CALL_ROUTED: &str = "a call to this worker's own function goes through the engine";
+
+/// A turn whose steps call the worker's own functions (`--with all`: the transcript store, the
+/// context manager, the router and its frames, a fixture function the model calls): none of
+/// those calls reaches the engine, and the turn completes. The double counts the invocations a
+/// worker sends for its own functions; a real engine cannot, so there the worker's own account
+/// (its log) is what is checked. Then the same worker with `--self-calls engine`: the same
+/// calls do reach the engine (the counts above are not blind).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_calls_to_its_own_functions_run_in_process() {
+    let engine = Engine::start().await;
+    let fx =
+        Fixtures::new(json!([{"id": "f::own", "description": "own", "response": {"ok": "own"}}]));
+    let mut extra = fx.args();
+    extra.extend(["--stream-coalesce-ms".to_string(), "0".to_string()]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut worker = WorkerProc::start(
+        &engine,
+        &script(vec![
+            call_gen("^run own$", "c1", "f::own", json!({"n": 1})),
+            call_gen("^run own again$", "c2", "f::own", json!({"n": 2})),
+            text_gen(None, "own is done", 2, true),
+        ]),
+        &extra,
+    )
+    .await;
+    let own: Vec<String> = {
+        let mut ids: Vec<String> = engine.functions().into_keys().collect();
+        ids.retain(|id| {
+            id.starts_with("session::")
+                || id.starts_with("router::")
+                || id.starts_with("context::")
+                || id.starts_with("harness::frames::")
+                || id == "f::own"
+        });
+        ids
+    };
+    if !engine.is_real() {
+        assert!(own.iter().any(|id| id == "router::chat"), "{own:?}");
+    }
+
+    let turn = |session: &'static str, text: &'static str| {
+        let engine = engine.clone();
+        async move {
+            let sent = engine.send(session, text, &["f::*"]).await;
+            let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+            let status = engine.wait_turn(session, &turn_id).await;
+            assert_eq!(status["status"], "completed", "{status}");
+            assert_eq!(status["result"], "own is done", "{status}");
+            let entries = engine.transcript(session, false).await;
+            assert_every_call_closed(&entries);
+            assert_eq!(
+                text_of(entries.last().unwrap()),
+                "own is done",
+                "{}",
+                render(&entries)
+            );
+        }
+    };
+    let routed_since = |from: usize| -> Vec<String> {
+        engine.self_invocations()[from..]
+            .iter()
+            .filter(|(_, action)| action.is_empty())
+            .map(|(id, _)| id.clone())
+            .collect()
+    };
+
+    let (mark, log_at) = (engine.self_invocations().len(), worker.log().len());
+    turn("s_own", "run own").await;
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)])
+    );
+    let log = worker.log();
+    let routed_log: Vec<&str> = log[log_at..]
+        .lines()
+        .filter(|l| l.contains(SELF_CALL_ROUTED))
+        .collect();
+    assert!(routed_log.is_empty(), "{routed_log:#?}");
+    if !engine.is_real() {
+        let routed = routed_since(mark);
+        assert!(routed.is_empty(), "reached the engine: {routed:?}");
+    }
+
+    // The same calls, made through the engine: the double sees them, the worker says so.
+    worker.set_env("HARNESS_III_SELF_CALLS", Some("engine"));
+    worker.restart().await;
+    let (mark, log_at) = (engine.self_invocations().len(), worker.log().len());
+    turn("s_own_routed", "run own again").await;
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1), ("c2".to_string(), 1)])
+    );
+    let log = worker.log();
+    let routed_log = log[log_at..]
+        .lines()
+        .filter(|l| l.contains(SELF_CALL_ROUTED))
+        .count();
+    assert!(routed_log > 0, "the worker logs its routed own calls");
+    if !engine.is_real() {
+        let routed = routed_since(mark);
+        for id in ["session::append", "router::chat", "f::own"] {
+            assert!(
+                routed.iter().any(|r| r == id),
+                "{id} not routed: {routed:?}"
+            );
+        }
+        assert!(
+            routed.iter().any(|r| r.starts_with("harness::frames::")),
+            "{routed:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

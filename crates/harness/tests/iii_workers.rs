@@ -206,6 +206,22 @@ async fn the_holder_writes_under_one_epoch_and_its_barrier_finds_its_writes() {
     bus.shutdown().await;
 }
 
+/// A call made on a bus that was shut down fails at once (the SDK would drop it without a word
+/// and the call would wait out its timeout, logging "no answer from the iii engine").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_on_a_closed_bus_fails_at_once() {
+    let engine = Engine::start().await;
+    let mut opts = IiiOptions::new(engine.url.clone());
+    opts.worker_name = "closed-bus-test".into();
+    let bus = IiiBus::connect(opts).await.expect("connect");
+    assert_eq!(bus.state_get("closed_bus", "k").await.unwrap(), None);
+    bus.shutdown().await;
+    let started = Instant::now();
+    let err = bus.state_get("closed_bus", "k").await.unwrap_err();
+    assert_eq!(err.code, "not_connected", "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(1), "{err:?}");
+}
+
 /// The serving worker's link drops (the double closes it) and the standby takes the sessions
 /// over; when the first worker's SDK reconnects it finds its functions held by the other one:
 /// it stops (exits with an error saying so) instead of serving next to it, and the sessions

@@ -130,6 +130,9 @@ struct State {
     dead_letters: Vec<(String, Value, CallError)>,
     /// Every frame received from workers, in order (for assertions).
     received: Vec<Value>,
+    /// `(function_id, action type)` of every invocation a worker sent for a function that
+    /// worker itself registered, in order (a call the worker could have made in-process).
+    self_invocations: Vec<(String, String)>,
     trigger_results: Vec<Value>,
     /// Engine functions answered without (or against) a recorded shape.
     violations: Vec<String>,
@@ -548,6 +551,17 @@ impl Engine {
         if function_id == "engine::workers::register" {
             if let Some(w) = self.lock().workers.get_mut(&caller) {
                 w.name = data["name"].as_str().map(str::to_string);
+            }
+        }
+        {
+            let mut st = self.lock();
+            if st
+                .functions
+                .get(&function_id)
+                .is_some_and(|f| f.worker == caller)
+            {
+                st.self_invocations
+                    .push((function_id.clone(), action.clone()));
             }
         }
         let result = if action == "enqueue" {
@@ -1279,6 +1293,12 @@ impl Engine {
 
     pub fn received(&self) -> Vec<Value> {
         self.lock().received.clone()
+    }
+
+    /// `(function_id, action type)` of the invocations workers sent for their own functions,
+    /// in order (action `""` for a plain call). Only the double sees them.
+    pub fn self_invocations(&self) -> Vec<(String, String)> {
+        self.lock().self_invocations.clone()
     }
 
     pub fn dead_letters(&self) -> usize {
