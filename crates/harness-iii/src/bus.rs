@@ -37,6 +37,8 @@ const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
 /// A call not answered within this is logged (it is still awaited up to its timeout).
 const SLOW_CALL: Duration = Duration::from_secs(10);
 const FRAME_BATCH: usize = 256;
+/// How long a registration the engine does not list waits before it is sent again.
+const REANNOUNCE: Duration = Duration::from_secs(1);
 /// How long a batch of frames may take to reach the caller's frame sink.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -376,8 +378,21 @@ impl IiiBus {
     /// vanish as soon as its connection is gone (a crash closes it at once).
     async fn stand_by(&self) -> Result<(), BusError> {
         let mut announced = false;
+        let deadline = tokio::time::Instant::now() + self.inner.opts.connect_timeout;
         loop {
             match self.owner_of(DELIVER_FUNCTION).await? {
+                // A previous connection under this same name (a restart the engine has not
+                // seen close yet, or the bench's previous phase) still holds the functions: the
+                // engine would refuse this connection's registrations, so wait for it to go.
+                Some(owner) if owner == self.inner.opts.worker_name => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(BusError::new(
+                            "harness/dependency",
+                            format!("another connection of harness worker '{owner}' still holds this engine's harness functions"),
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
                 Some(owner) if owner != self.inner.opts.worker_name => {
                     if !self.inner.opts.standby {
                         return Err(BusError::new(
@@ -1177,6 +1192,7 @@ impl IiiBus {
     /// fire-and-forget: a call racing it gets `function_not_found`).
     async fn wait_registered(&self) -> Result<(), BusError> {
         let deadline = tokio::time::Instant::now() + self.inner.opts.connect_timeout;
+        let mut announce_again = tokio::time::Instant::now() + REANNOUNCE;
         loop {
             let listed = self
                 .list_functions(json!({"include_internal": true}))
@@ -1196,6 +1212,26 @@ impl IiiBus {
                 .collect();
             if missing.is_empty() {
                 return Ok(());
+            }
+            if tokio::time::Instant::now() >= announce_again {
+                // The engine refuses a registration while another connection still holds the
+                // id (`FUNCTION_NAMESPACE_CONFLICT`: a previous connection of this same worker
+                // name it has not dropped yet) and nothing sends it again: send it again.
+                let defs: Vec<(String, FunctionDef)> = {
+                    let local = self.inner.local.read().expect("local lock");
+                    missing
+                        .iter()
+                        .filter_map(|id| local.get(id).map(|l| (id.clone(), l.def.clone())))
+                        .collect()
+                };
+                tracing::debug!(
+                    missing = defs.len(),
+                    "registering the functions the engine does not list again"
+                );
+                for (id, def) in defs {
+                    self.announce(&id, &def);
+                }
+                announce_again = tokio::time::Instant::now() + REANNOUNCE;
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(BusError::new(

@@ -206,6 +206,40 @@ async fn the_holder_writes_under_one_epoch_and_its_barrier_finds_its_writes() {
     bus.shutdown().await;
 }
 
+/// A worker that connects while the engine still holds a previous connection of the same
+/// worker name (a restart, or the bench's next phase) would have its registrations refused
+/// (`FUNCTION_NAMESPACE_CONFLICT`) and then find none of them listed: it waits for that
+/// connection to go, then registers and starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_waits_for_a_lingering_connection_of_its_own_name_before_registering() {
+    let engine = Engine::start().await;
+    if engine.is_real() {
+        // A real engine leases the worker name itself to one connection: the second one is
+        // refused as a whole (`WORKER_NAMESPACE_CONFLICT`, docs/iii-engine.md), not per function.
+        return;
+    }
+    let mut opts = IiiOptions::new(engine.url.clone());
+    opts.worker_name = "reannounce-test".into();
+    opts.connect_timeout = Duration::from_secs(10);
+    let old = IiiBus::connect(opts.clone()).await.expect("connect");
+    let next = tokio::spawn(IiiBus::connect(opts));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !next.is_finished(),
+        "the engine still lists the old connection's functions"
+    );
+    old.shutdown().await;
+    let started = Instant::now();
+    let bus = next.await.unwrap().expect("the second connection starts");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "started {:?} after the old connection closed",
+        started.elapsed()
+    );
+    assert_eq!(bus.state_get("reannounce", "k").await.unwrap(), None);
+    bus.shutdown().await;
+}
+
 /// A call made on a bus that was shut down fails at once (the SDK would drop it without a word
 /// and the call would wait out its timeout, logging "no answer from the iii engine").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
