@@ -148,7 +148,10 @@ async fn writes_fill_the_cache_only_with_what_committed() {
     change_behind(&path, "a", "98");
     assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(2)));
 
-    // Rolled back with its op: the committed value, read from SQLite.
+    // Rolled back with its op: never the rolled-back value. (Written through the store, so the
+    // committed value is the same whether the failed batch's rollback invalidated the key or
+    // not: a batch that could not begin again after the rollback does not commit.)
+    store.kv_put("s", "a", &json!(98)).await.unwrap();
     let failed = store
         .write_replayable({
             let p = put("a", json!("rolled back"));
