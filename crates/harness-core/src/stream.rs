@@ -115,16 +115,7 @@ impl Harness {
         let _: UpdateMessageResponse = self
             .call(
                 "session::update-message",
-                &UpdateMessageRequest {
-                    session_id: session_id.to_string(),
-                    entry_id: entry_id.to_string(),
-                    content: message.content.clone(),
-                    usage: message.usage.clone(),
-                    stop_reason: Some(message.stop_reason),
-                    details,
-                    origin: None,
-                    expected_revision: None,
-                },
+                &stream_update(session_id, entry_id, message, details),
             )
             .await?;
         Ok(())
@@ -313,16 +304,12 @@ impl Harness {
         // The final content goes with the step's next commit (see `StepCtx::pending`): one
         // store round trip less per step, and the answer lands atomically with what the step
         // decides on it.
-        last.update_message(&UpdateMessageRequest {
-            session_id: session_id.to_string(),
-            entry_id: entry_id.to_string(),
-            content: final_message.content.clone(),
-            usage: final_message.usage.clone(),
-            stop_reason: Some(final_message.stop_reason),
+        last.update_message(&stream_update(
+            session_id,
+            entry_id,
+            &final_message,
             details,
-            origin: None,
-            expected_revision: None,
-        })?;
+        ))?;
         Ok(Generation {
             message: final_message,
             error: gen.error,
@@ -342,5 +329,24 @@ fn partial_message(acc: &Accumulator, model: &str, provider: &str) -> AssistantM
         native_stop_reason: None,
         warnings: None,
         timestamp: harness_types::now_ms(),
+    }
+}
+
+/// The write of a streamed answer's content (partial or final) into its entry.
+fn stream_update(
+    session_id: &str,
+    entry_id: &str,
+    message: &AssistantMessage,
+    details: Option<Value>,
+) -> UpdateMessageRequest {
+    UpdateMessageRequest {
+        session_id: session_id.to_string(),
+        entry_id: entry_id.to_string(),
+        content: message.content.clone(),
+        usage: message.usage.clone(),
+        stop_reason: Some(message.stop_reason),
+        details,
+        origin: None,
+        expected_revision: None,
     }
 }

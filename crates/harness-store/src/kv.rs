@@ -51,12 +51,7 @@ pub fn kv_put_text_in(
     key: &str,
     text: &str,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached(
-        "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
-         ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
-    )?
-    .execute((scope, key, text, crate::now_ms()))?;
-    Ok(())
+    upsert_in(conn, scope, key, text).map(|_| ())
 }
 
 /// [`kv_put_text_in`] that also caches `value` (what `text` says) once the writer's batch
@@ -68,15 +63,20 @@ pub fn kv_put_cached_in(
     text: &str,
     value: &Arc<Value>,
 ) -> Result<(), StoreError> {
-    let rowid: i64 = conn
+    let rowid = upsert_in(conn, scope, key, text)?;
+    crate::cache::pend_fill(scope, key, rowid, text.len(), value.clone());
+    Ok(())
+}
+
+/// The one upsert of a kv row; answers its rowid (what the cache keys invalidation on).
+fn upsert_in(conn: &Connection, scope: &str, key: &str, text: &str) -> Result<i64, StoreError> {
+    Ok(conn
         .prepare_cached(
             "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
              ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
              RETURNING rowid",
         )?
-        .query_row((scope, key, text, crate::now_ms()), |r| r.get(0))?;
-    crate::cache::pend_fill(scope, key, rowid, text.len(), value.clone());
-    Ok(())
+        .query_row((scope, key, text, crate::now_ms()), |r| r.get(0))?)
 }
 
 /// Deletes one value; returns it if it existed.
@@ -141,13 +141,7 @@ impl Store {
     /// Upserts one value (committed, not fsynced, when it resolves) without reading the
     /// previous one; the value is serialised here, not on the writer thread.
     pub async fn kv_put(&self, scope: &str, key: &str, value: &Value) -> Result<(), StoreError> {
-        let (scope, key, text) = (
-            scope.to_string(),
-            key.to_string(),
-            serde_json::to_string(value)?,
-        );
-        self.write_replayable(move |c| kv_put_text_in(c, &scope, &key, &text))
-            .await
+        self.kv_put_through(scope, key, value.clone()).await
     }
 
     /// [`Store::kv_put`] for an owned value, which the cache keeps once the write commits (the
