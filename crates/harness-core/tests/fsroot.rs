@@ -5,7 +5,6 @@
 mod support;
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, TurnStatus};
 use serde_json::{json, Value};
@@ -160,13 +159,13 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
         .unwrap_err();
     assert!(e.message.contains("not a directory"), "{e}");
 
-    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let r2 = release.clone();
-    rt.register("slow::wait", None, move |_| {
-        while !r2.load(std::sync::atomic::Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(5));
+    let (release, held) = tokio::sync::watch::channel(false);
+    rt.register_async("slow::wait", move |_| {
+        let mut held = held.clone();
+        async move {
+            let _ = held.wait_for(|go| *go).await;
+            json!({"ok": true})
         }
-        json!({"ok": true})
     });
     let r = rt
         .harness
@@ -194,7 +193,7 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
         ))
         .await
         .unwrap();
-    release.store(true, std::sync::atomic::Ordering::SeqCst);
+    release.send_replace(true);
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
 }
 

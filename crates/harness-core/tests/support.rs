@@ -209,6 +209,25 @@ impl Rt {
         }
     }
 
+    /// Registers an in-process function whose answer is awaited: a test that holds a call open
+    /// waits here without blocking a runtime thread (a sync handler that sleeps would stall the
+    /// current-thread runtime the test itself runs on).
+    pub fn register_async<F, Fut>(&self, id: &str, f: F)
+    where
+        F: Fn(Value) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Value> + Send + 'static,
+    {
+        use harness_bus::Bus;
+        let f = Arc::new(f);
+        self.bus.register_function(
+            harness_bus::FunctionDef::new(id, "test function"),
+            Arc::new(move |p: Value, _ctx: harness_bus::CallContext| {
+                let out = f(p);
+                async move { Ok(out.await) }
+            }),
+        );
+    }
+
     /// Registers an in-process function that counts its calls.
     pub fn register<F>(
         &self,
