@@ -2090,8 +2090,8 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             "loop overhead per step, p50",
             Some(over.overhead_p50),
             "µs",
-            "≤ 200 µs",
-            |v| v <= 200.0,
+            "≤ 150 µs",
+            |v| v <= 150.0,
         ),
         Target::new(
             "handoff_us_p50",
