@@ -42,7 +42,9 @@
 //! * **fsyncs per text step** (`fsyncs_per_text_step`): concurrency 1, fsync on; per turn, the
 //!   store's fsync counter between `send` returning and the queue being idle again (the step and
 //!   its ack); the send's own fsyncs are `fsyncs_per_send`. `fsyncs_per_step` gives fsyncs /
-//!   steps of each fsync-on throughput cell, sends included (group commit shares them).
+//!   steps of each fsync-on throughput cell, sends included (group commit shares them), and
+//!   `store_commits_per_step` the store's transactions and write ops per step of the same cells:
+//!   how well the single writer groups the steps' writes (null on iii).
 //! * **Function-call step** (`call_*`, `fsyncs_per_function_step`): an in-process no-op function
 //!   `bench::noop` is registered on the runtime's bus and turns are sent with
 //!   `functions: {allow: ["bench::*"], expose: "native"}, max_turns: 8`, against a script whose
@@ -1858,6 +1860,9 @@ struct Cell {
     secs: f64,
     /// None on iii.
     fsyncs: Option<u64>,
+    /// Store transactions committed and write ops run in them (None on iii): how well the
+    /// writer groups the steps' writes.
+    commits: Option<(u64, u64)>,
     cpu_us: u64,
 }
 
@@ -1887,6 +1892,7 @@ async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) ->
     run_workers(&d, concurrency, Instant::now() + plan.cell_warmup, u64::MAX).await?;
     rig.queue_idle().await?;
     let f0 = rig.fsyncs();
+    let s0 = rig.store().map(|s| s.stats());
     let cpu0 = cpu_time_us();
     let start = Instant::now();
     let steps = run_workers(&d, concurrency, start + plan.cell, u64::MAX).await?;
@@ -1894,6 +1900,11 @@ async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) ->
     let cpu_us = cpu_time_us().saturating_sub(cpu0);
     rig.queue_idle().await?;
     let fsyncs = rig.fsyncs().zip(f0).map(|(f1, f0)| f1 - f0);
+    let commits = rig
+        .store()
+        .map(|s| s.stats())
+        .zip(s0)
+        .map(|(s1, s0)| (s1.commits - s0.commits, s1.writes - s0.writes));
     rig.close().await;
     Ok(Cell {
         concurrency,
@@ -1901,6 +1912,7 @@ async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) ->
         steps,
         secs,
         fsyncs,
+        commits,
         cpu_us,
     })
 }
@@ -1961,7 +1973,7 @@ fn opt(x: Option<f64>, round: fn(f64) -> f64) -> Value {
 /// What the iii mode reports differently, said in the report.
 const III_NOTES: &[&str] = &[
     "iii mode: every phase runs the loop and all its siblings (as `harness worker --with all`, worker name harness-bench) on an iii engine connection; calls, state, the step queue and events go through the engine",
-    "fsync counts (fsyncs_per_*, fsync_turns) and the empty-commit yardstick (store_write_*) are null: the engine holds the loop's state and queue and gives no durability point, so there is no fsync to count",
+    "fsync counts (fsyncs_per_*, fsync_turns), store commit counts (store_commits_per_step) and the empty-commit yardstick (store_write_*) are null: the engine holds the loop's state and queue and gives no durability point, so there is no fsync or commit to count",
     "fsync on/off (handoff, steps/s, call_step_fsync) only switches the siblings' own SQLite (transcripts, in a temporary dir); the engine's durability is whatever it is configured with",
     "store time (store_*, overhead) is time awaiting session::*, state::*, enqueue, publish and barrier through the engine; barrier reads back the state written since the last one",
     "idle_session_bytes is this process only (loop, siblings, transcripts); the engine's memory for the sessions is not included",
@@ -2063,6 +2075,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
     let mut steps_per_sec = Map::new();
     let mut cpu_per_step = Map::new();
     let mut fsyncs_per_step = Map::new();
+    let mut commits_per_step = Map::new();
     for c in CONCURRENCIES {
         steps_per_sec.insert(
             c.to_string(),
@@ -2079,6 +2092,15 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
                     cell.fsyncs.map(|f| f as f64 / cell.steps.max(1) as f64),
                     round3,
                 ),
+            );
+            let per_step = |n: u64| json!(round3(n as f64 / cell.steps.max(1) as f64));
+            commits_per_step.insert(
+                c.to_string(),
+                cell.commits
+                    .map(|(commits, writes)| {
+                        json!({"commits": per_step(commits), "writes": per_step(writes)})
+                    })
+                    .unwrap_or(Value::Null),
             );
         }
     }
@@ -2192,6 +2214,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
         "fsyncs_per_text_step": opt(fsyncs_per_text_step, round3),
         "fsyncs_per_send": opt(fs_steps.as_ref().map(|f| f.per_send), round3),
         "fsyncs_per_step": fsyncs_per_step,
+        "store_commits_per_step": commits_per_step,
         "fsync_turns": fs_steps.as_ref().map(|f| f.turns),
     });
     let calls_json = json!({
@@ -2520,6 +2543,19 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
                 &mut rows,
                 format!("fsyncs per step incl. send, {c} sessions"),
                 if v.is_null() { na() } else { v.to_string() },
+            );
+        }
+    }
+    for c in CONCURRENCIES {
+        if let Some(v) = commits_per_step.get(&c.to_string()) {
+            info(
+                &mut rows,
+                format!("store commits / write ops per step incl. send, {c} sessions (fsync on)"),
+                if v.is_null() {
+                    na()
+                } else {
+                    format!("{} / {}", v["commits"], v["writes"])
+                },
             );
         }
     }

@@ -139,12 +139,10 @@ impl KvCache {
     }
 
     pub(crate) fn get(&self, scope: &str, key: &str) -> Option<Arc<Value>> {
-        // The tuple key needs owned strings; a miss costs two small allocations, a hit saves
-        // a read transaction and a parse.
-        lock(&self.inner)
-            .entries
-            .get(&(scope.to_string(), key.to_string()))
-            .map(|c| c.value.clone())
+        // The tuple key needs owned strings (two small allocations, which a hit repays many
+        // times over); they are made before the lock, which every step's reads share.
+        let k = (scope.to_string(), key.to_string());
+        lock(&self.inner).entries.get(&k).map(|c| c.value.clone())
     }
 
     /// Caches what a read that began at `generation` returned, unless a kv change was committed
@@ -162,6 +160,7 @@ impl KvCache {
         if size > MAX_BYTES / 8 {
             return;
         }
+        let k = (scope.to_string(), key.to_string());
         let mut inner = lock(&self.inner);
         let dropped = std::mem::take(&mut inner.dropped);
         if inner.generation != generation {
@@ -169,7 +168,6 @@ impl KvCache {
             drop(dropped);
             return;
         }
-        let k = (scope.to_string(), key.to_string());
         let mut evicted = Vec::new();
         inner.insert(k, Cached { rowid, value, size }, &mut evicted);
         drop(inner);

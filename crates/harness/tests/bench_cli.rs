@@ -53,6 +53,12 @@ fn bench_quick_json_prints_every_metric() {
         for mode in ["fsync", "nofsync"] {
             positive(&report, &format!("/steps_per_sec/{c}/{mode}"));
         }
+        // Every step writes (the send's message, the answer, the record): commits and write ops
+        // of the store are counted, and a commit holds at least one write op.
+        positive(&report, &format!("/store_commits_per_step/{c}/commits"));
+        positive(&report, &format!("/store_commits_per_step/{c}/writes"));
+        let of = |k: &str| report["store_commits_per_step"][c][k].as_f64().unwrap();
+        assert!(of("writes") >= of("commits"), "{report}");
     }
     // The function-call step and the router: present and numbers (differences of medians can be
     // of either sign on a busy machine, so no sign is asserted for those).

@@ -26,6 +26,9 @@ const NULL_ON_III: &[&str] = &[
     "/fsyncs_per_step/1",
     "/fsyncs_per_step/10",
     "/fsyncs_per_step/200",
+    "/store_commits_per_step/1",
+    "/store_commits_per_step/10",
+    "/store_commits_per_step/200",
     "/targets_met/fsyncs_per_text_step",
     "/targets_met/fsyncs_per_function_step",
 ];
@@ -35,6 +38,7 @@ const FIXED_OBJECTS: &[&str] = &[
     "steps_per_sec",
     "cpu_per_step",
     "fsyncs_per_step",
+    "store_commits_per_step",
     "targets_met",
     "method",
 ];
