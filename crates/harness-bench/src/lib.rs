@@ -2106,6 +2106,12 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
     }
 
     let fsyncs_per_text_step = fs_steps.as_ref().map(|f| f.per_step);
+    // Through an engine a handoff is an enqueue and a delivery, two hops away: its own target.
+    let handoff_target = if mode.is_iii() {
+        ("≤ 5000 µs", 5000.0)
+    } else {
+        ("≤ 1000 µs", 1000.0)
+    };
     let targets = [
         Target::new(
             "overhead_us_p50",
@@ -2120,8 +2126,8 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             "step→step handoff, p50 (fsync on)",
             Some(hand.p50),
             "µs",
-            "≤ 1000 µs",
-            |v| v <= 1000.0,
+            handoff_target.0,
+            |v| v <= handoff_target.1,
         ),
         Target::new(
             "steps_per_sec.200.fsync",
