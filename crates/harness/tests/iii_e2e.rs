@@ -485,10 +485,38 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
 /// ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_crash_inside_its_flush_window_loses_no_turn_and_runs_nothing_twice() {
+    engine_crash_mid_call(FlushWindow::Inside).await;
+}
+
+/// The same crash once the engine has flushed everything the turn wrote before the call (its
+/// flush runs every 5 s): the engine keeps the turn but still forgets the hook binding. The
+/// turn completes, the call ran once and is closed once (as interrupted), the hook ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_crash_after_its_flush_loses_no_turn_and_runs_nothing_twice() {
+    engine_crash_mid_call(FlushWindow::After).await;
+}
+
+/// When the engine dies relative to its last flush of the turn's writes.
+#[derive(Clone, Copy, PartialEq)]
+enum FlushWindow {
+    /// Before any flush of the turn (the double's flush is held; a real engine is killed within
+    /// its 5 s period).
+    Inside,
+    /// More than one flush period after the call started.
+    After,
+}
+
+async fn engine_crash_mid_call(window: FlushWindow) {
     let engine = Engine::start().await;
-    engine.hold_flush();
+    let delay_ms = match window {
+        FlushWindow::Inside => {
+            engine.hold_flush();
+            4000
+        }
+        FlushWindow::After => 9000,
+    };
     let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 4000}]),
+        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": delay_ms}]),
     );
     let extra = fx.args();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
@@ -530,6 +558,11 @@ async fn an_engine_crash_inside_its_flush_window_loses_no_turn_and_runs_nothing_
         invocations(&log).get("c1") == Some(&1)
     })
     .await;
+    if window == FlushWindow::After {
+        // One flush period and a second: the engine flushed after the turn's last write.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(invocations(&fx.log()).get("c1"), Some(&1), "still running");
+    }
     let killed_at = Instant::now();
     engine.crash().await;
     eprintln!("engine killed and restarted in {:?}", killed_at.elapsed());
@@ -560,12 +593,14 @@ async fn an_engine_crash_inside_its_flush_window_loses_no_turn_and_runs_nothing_
             .contains("written again from the write-ahead copy")
     );
     if !engine.is_real() {
-        // The double's flush was held: the turn survived through the write-ahead copy.
         let log = worker.log();
-        assert!(
-            log.contains("written again from the write-ahead copy"),
-            "{log}"
-        );
+        if window == FlushWindow::Inside {
+            // The double's flush was held: the turn survived through the write-ahead copy.
+            assert!(
+                log.contains("written again from the write-ahead copy"),
+                "{log}"
+            );
+        }
         assert!(log.contains("no longer has some bindings"), "{log}");
     }
 }
