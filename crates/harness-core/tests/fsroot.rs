@@ -160,7 +160,7 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
     assert!(e.message.contains("not a directory"), "{e}");
 
     let (release, held) = tokio::sync::watch::channel(false);
-    rt.register_async("slow::wait", move |_| {
+    rt.register_async("slow::wait", None, move |_| {
         let mut held = held.clone();
         async move {
             let _ = held.wait_for(|go| *go).await;

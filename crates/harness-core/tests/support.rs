@@ -209,25 +209,6 @@ impl Rt {
         }
     }
 
-    /// Registers an in-process function whose answer is awaited: a test that holds a call open
-    /// waits here without blocking a runtime thread (a sync handler that sleeps would stall the
-    /// current-thread runtime the test itself runs on).
-    pub fn register_async<F, Fut>(&self, id: &str, f: F)
-    where
-        F: Fn(Value) -> Fut + Send + Sync + 'static,
-        Fut: std::future::Future<Output = Value> + Send + 'static,
-    {
-        use harness_bus::Bus;
-        let f = Arc::new(f);
-        self.bus.register_function(
-            harness_bus::FunctionDef::new(id, "test function"),
-            Arc::new(move |p: Value, _ctx: harness_bus::CallContext| {
-                let out = f(p);
-                async move { Ok(out.await) }
-            }),
-        );
-    }
-
     /// Registers an in-process function that counts its calls.
     pub fn register<F>(
         &self,
@@ -237,6 +218,22 @@ impl Rt {
     ) -> Arc<std::sync::atomic::AtomicUsize>
     where
         F: Fn(Value) -> Value + Send + Sync + 'static,
+    {
+        self.register_async(id, schema, move |p| std::future::ready(f(p)))
+    }
+
+    /// [`Rt::register`] with an answer that is awaited: a test that holds a call open waits
+    /// there without blocking a runtime thread (a sync handler that sleeps would stall the
+    /// current-thread runtime the test itself runs on).
+    pub fn register_async<F, Fut>(
+        &self,
+        id: &str,
+        schema: Option<Value>,
+        f: F,
+    ) -> Arc<std::sync::atomic::AtomicUsize>
+    where
+        F: Fn(Value) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Value> + Send + 'static,
     {
         use harness_bus::Bus;
         let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -249,7 +246,7 @@ impl Rt {
             Arc::new(move |p: Value, _ctx: harness_bus::CallContext| {
                 seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let out = f(p);
-                async move { Ok(out) }
+                async move { Ok(out.await) }
             }),
         );
         count
