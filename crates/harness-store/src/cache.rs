@@ -33,6 +33,11 @@ use serde_json::Value;
 /// Most bytes of cached values (plus keys); oldest entries go first beyond it.
 const MAX_BYTES: usize = 2 << 20;
 
+/// Most dropped values waiting for a reader to free them. Every write of a cached row drops
+/// the value it replaces, and with write-through fills reads rarely miss, so without a bound
+/// they piled up for as long as the process ran (about 11 KB per session written).
+const MAX_DROPPED: usize = 256;
+
 #[derive(Default)]
 pub(crate) struct KvCache {
     inner: Mutex<Inner>,
@@ -81,8 +86,9 @@ struct Inner {
     bytes: usize,
     /// Moves on at every commit that changed `kv`.
     generation: u64,
-    /// Values the writer dropped from the cache, freed by the next reader that fills it: the
-    /// writer thread, which every session waits on, does not pay for the frees.
+    /// Values the writer dropped from the cache, freed by the next reader that looks it up:
+    /// the writer thread, which every session waits on, does not pay for the frees. Bounded
+    /// ([`MAX_DROPPED`]): with no reader about, the writer frees them after all.
     dropped: Vec<Arc<Value>>,
 }
 
@@ -142,7 +148,12 @@ impl KvCache {
         // The tuple key needs owned strings (two small allocations, which a hit repays many
         // times over); they are made before the lock, which every step's reads share.
         let k = (scope.to_string(), key.to_string());
-        lock(&self.inner).entries.get(&k).map(|c| c.value.clone())
+        let mut inner = lock(&self.inner);
+        let hit = inner.entries.get(&k).map(|c| c.value.clone());
+        let dropped = std::mem::take(&mut inner.dropped);
+        drop(inner);
+        drop(dropped);
+        hit
     }
 
     /// Caches what a read that began at `generation` returned, unless a kv change was committed
@@ -210,6 +221,19 @@ impl KvCache {
         }
         // Freed by the next reader, not by the writer (see `Inner::dropped`).
         inner.dropped.append(&mut evicted);
+        let overflow = if inner.dropped.len() > MAX_DROPPED {
+            std::mem::take(&mut inner.dropped)
+        } else {
+            Vec::new()
+        };
+        drop(inner);
+        drop(overflow);
+    }
+
+    /// Dropped values waiting to be freed.
+    #[cfg(test)]
+    fn dropped_len(&self) -> usize {
+        lock(&self.inner).dropped.len()
     }
 }
 
@@ -249,5 +273,47 @@ impl Inner {
                 .collect();
             self.order = live;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// One write-through write of `scope`/`key` (rowid 1) committed.
+    fn write(cache: &KvCache, key: &str, n: u64) {
+        // The update hook logs the row during the statement; the fill is left after it.
+        cache.change_log().lock().unwrap().push(1);
+        cache.pend("s", key, 1, 8, Arc::new(json!({"n": n})));
+        cache.committed();
+    }
+
+    #[test]
+    fn values_replaced_by_writes_are_freed_when_nobody_reads() {
+        let cache = KvCache::default();
+        for n in 0..10 * MAX_DROPPED as u64 {
+            write(&cache, "k", n);
+            assert!(
+                cache.dropped_len() <= MAX_DROPPED,
+                "{}",
+                cache.dropped_len()
+            );
+        }
+        assert_eq!(
+            *cache.get("s", "k").unwrap(),
+            json!({"n": 10 * MAX_DROPPED as u64 - 1})
+        );
+    }
+
+    #[test]
+    fn a_read_that_hits_frees_what_the_writer_dropped() {
+        let cache = KvCache::default();
+        for n in 0..3 {
+            write(&cache, "k", n);
+        }
+        assert!(cache.dropped_len() > 0);
+        assert_eq!(*cache.get("s", "k").unwrap(), json!({"n": 2}));
+        assert_eq!(cache.dropped_len(), 0);
     }
 }
