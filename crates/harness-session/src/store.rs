@@ -654,7 +654,9 @@ impl PreparedAppend {
             body,
             origin,
         } = self;
-        require_session(conn, session_id)?;
+        // Entries never outlive their session (`delete` removes both in one write), so an
+        // entry found, or a session with entries, proves the session exists: the check runs
+        // only for a session's first entry.
         if let Some(seq) = conn
             .prepare_cached("SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2")?
             .query_row(params![session_id, entry_id], |r| r.get::<_, i64>(0))
@@ -672,6 +674,9 @@ impl PreparedAppend {
         let seq: i64 = conn
             .prepare_cached("SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE session_id = +?1")?
             .query_row(params![session_id], |r| r.get(0))?;
+        if seq == 1 {
+            require_session(conn, session_id)?;
+        }
         let chg = change_event(
             conn,
             session_id,
@@ -699,13 +704,14 @@ pub(crate) fn update_message_in(
     conn: &Connection,
     req: &UpdateMessageRequest,
 ) -> std::result::Result<(UpdateMessageResponse, Option<i64>), StoreError> {
-    require_session(conn, &req.session_id)?;
-    let entry = entry_in(conn, &req.session_id, &req.entry_id)?.ok_or_else(|| {
-        reject(HarnessError::not_found(format!(
+    let Some(entry) = entry_in(conn, &req.session_id, &req.entry_id)? else {
+        // Only now the session: an entry found proves it exists (see `PreparedAppend::run`).
+        require_session(conn, &req.session_id)?;
+        return Err(reject(HarnessError::not_found(format!(
             "entry_id: no entry '{}' in session '{}'",
             req.entry_id, req.session_id
-        )))
-    })?;
+        ))));
+    };
     if let Some(expected) = req.expected_revision {
         if expected != entry.revision {
             return Ok((
@@ -764,25 +770,23 @@ pub(crate) fn set_status_in(
     conn: &Connection,
     req: &SetStatusRequest,
 ) -> std::result::Result<(SetStatusResponse, Option<i64>), StoreError> {
-    let meta = meta_in(conn, &req.session_id)?.ok_or_else(|| {
-        reject(HarnessError::not_found(format!(
-            "session_id: no session '{}'",
-            req.session_id
-        )))
-    })?;
-    if meta.status == req.status && meta.status_reason == req.reason {
+    // One statement when the status changes (every step sets it twice); the session is read
+    // only when nothing was updated, to tell "unchanged" from "no such session".
+    let updated = conn
+        .prepare_cached(
+            "UPDATE sessions SET status = ?2, status_reason = ?3, updated_at = ?4
+             WHERE session_id = ?1 AND (status IS NOT ?2 OR status_reason IS NOT ?3)",
+        )?
+        .execute(params![
+            req.session_id,
+            status_str(req.status),
+            req.reason,
+            now_ms()
+        ])?;
+    if updated == 0 {
+        require_session(conn, &req.session_id)?;
         return Ok((SetStatusResponse { changed: false }, None));
     }
-    conn.prepare_cached(
-        "UPDATE sessions SET status = ?2, status_reason = ?3, updated_at = ?4
-             WHERE session_id = ?1",
-    )?
-    .execute(params![
-        req.session_id,
-        status_str(req.status),
-        req.reason,
-        now_ms()
-    ])?;
     let event = insert_event_in(
         conn,
         Some(&req.session_id),
