@@ -327,16 +327,43 @@ impl Harness {
                 Effect::AppendUser if effects.peek() == Some(&Effect::SaveRecord) => {
                     // The message and the record that answers it: one batch.
                     effects.next();
-                    let mut batch = StepWrites::default();
-                    batch.append(&user_append(
-                        &session_id,
-                        message.clone(),
-                        &entry_id,
-                        &rec.turn_id,
-                    ))?;
-                    batch.save_record(&mut rec)?;
-                    self.commit(batch).await?;
+                    let persist = |rec: &mut TurnRecord, step: bool| -> Result<StepWrites> {
+                        let mut batch = StepWrites::default();
+                        batch.append(&user_append(
+                            &session_id,
+                            message.clone(),
+                            &entry_id,
+                            &rec.turn_id,
+                        ))?;
+                        batch.save_record(rec)?;
+                        if step {
+                            batch.enqueue_step(rec)?;
+                        }
+                        Ok(batch)
+                    };
+                    // The first step joins the batch too: one write instead of two, and on the
+                    // embedded store no moment where a running record waits for a step that is
+                    // not queued. When that batch fails (the queue refused the step), the
+                    // message and record are written alone and the step goes the usual way
+                    // (`EnqueueStep`: its retries, and a failed turn if they all fail). The
+                    // append is idempotent by entry id, so a bus that applied part of the
+                    // batch before failing is written again harmlessly.
+                    let mut joined = false;
                     if effects.peek() == Some(&Effect::EnqueueStep) {
+                        match self.commit(persist(&mut rec, true)?).await {
+                            Ok(_) => joined = true,
+                            Err(e) => tracing::debug!(
+                                session = %session_id,
+                                "send: the batch with its step failed, writing it apart: {e}"
+                            ),
+                        }
+                    }
+                    if joined {
+                        effects.next();
+                    } else {
+                        self.commit(persist(&mut rec, false)?).await?;
+                    }
+                    if joined || effects.peek() == Some(&Effect::EnqueueStep) {
                         crate::failpoint::hit("after_send_persisted");
                     }
                 }
