@@ -43,8 +43,12 @@
 //!   store's fsync counter between `send` returning and the queue being idle again (the step and
 //!   its ack); the send's own fsyncs are `fsyncs_per_send`. `fsyncs_per_step` gives fsyncs /
 //!   steps of each fsync-on throughput cell, sends included (group commit shares them), and
-//!   `store_commits_per_step` the store's transactions and write ops per step of the same cells:
-//!   how well the single writer groups the steps' writes (null on iii).
+//!   `store_commits_per_step` the store's transactions, write ops and WAL pages (frames) per
+//!   step of the same cells: how well the single writer groups the steps' writes and what they
+//!   cost it in pages. `store_writer` gives, per cell, the share of wall time the one writer
+//!   thread was busy with batches (`busy`, near 1 means it is the bound) and, within that, in
+//!   its own catch-up checkpoints (`checkpoint`), which stall every session's writes (all null
+//!   on iii).
 //! * **Function-call step** (`call_*`, `fsyncs_per_function_step`): an in-process no-op function
 //!   `bench::noop` is registered on the runtime's bus and turns are sent with
 //!   `functions: {allow: ["bench::*"], expose: "native"}, max_turns: 8`, against a script whose
@@ -1860,10 +1864,32 @@ struct Cell {
     secs: f64,
     /// None on iii.
     fsyncs: Option<u64>,
-    /// Store transactions committed and write ops run in them (None on iii): how well the
-    /// writer groups the steps' writes.
-    commits: Option<(u64, u64)>,
+    /// What the store's writer did during the cell (None on iii).
+    store: Option<StoreDelta>,
     cpu_us: u64,
+}
+
+/// The difference of two [`harness_store::StoreStats`]: transactions committed and write ops
+/// run in them (how well the writer groups the steps' writes), WAL pages written, and the
+/// writer's busy time and the part of it in its own checkpoints.
+struct StoreDelta {
+    commits: u64,
+    writes: u64,
+    wal_frames: u64,
+    busy_ns: u64,
+    checkpoint_ns: u64,
+}
+
+impl StoreDelta {
+    fn between(s0: harness_store::StoreStats, s1: harness_store::StoreStats) -> StoreDelta {
+        StoreDelta {
+            commits: s1.commits - s0.commits,
+            writes: s1.writes - s0.writes,
+            wal_frames: s1.wal_frames - s0.wal_frames,
+            busy_ns: s1.writer_busy_ns - s0.writer_busy_ns,
+            checkpoint_ns: s1.writer_checkpoint_ns - s0.writer_checkpoint_ns,
+        }
+    }
 }
 
 impl Cell {
@@ -1898,13 +1924,11 @@ async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) ->
     let steps = run_workers(&d, concurrency, start + plan.cell, u64::MAX).await?;
     let secs = start.elapsed().as_secs_f64();
     let cpu_us = cpu_time_us().saturating_sub(cpu0);
+    // Before the queue drains, so the writer's busy time covers the same span as `secs`.
+    let s1 = rig.store().map(|s| s.stats());
     rig.queue_idle().await?;
     let fsyncs = rig.fsyncs().zip(f0).map(|(f1, f0)| f1 - f0);
-    let commits = rig
-        .store()
-        .map(|s| s.stats())
-        .zip(s0)
-        .map(|(s1, s0)| (s1.commits - s0.commits, s1.writes - s0.writes));
+    let store = s0.zip(s1).map(|(s0, s1)| StoreDelta::between(s0, s1));
     rig.close().await;
     Ok(Cell {
         concurrency,
@@ -1912,7 +1936,7 @@ async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) ->
         steps,
         secs,
         fsyncs,
-        commits,
+        store,
         cpu_us,
     })
 }
@@ -1973,7 +1997,7 @@ fn opt(x: Option<f64>, round: fn(f64) -> f64) -> Value {
 /// What the iii mode reports differently, said in the report.
 const III_NOTES: &[&str] = &[
     "iii mode: every phase runs the loop and all its siblings (as `harness worker --with all`, worker name harness-bench) on an iii engine connection; calls, state, the step queue and events go through the engine",
-    "fsync counts (fsyncs_per_*, fsync_turns), store commit counts (store_commits_per_step) and the empty-commit yardstick (store_write_*) are null: the engine holds the loop's state and queue and gives no durability point, so there is no fsync or commit to count",
+    "fsync counts (fsyncs_per_*, fsync_turns), store commit counts and the writer's time (store_commits_per_step, store_writer) and the empty-commit yardstick (store_write_*) are null: the engine holds the loop's state and queue and gives no durability point, so there is no fsync or commit to count",
     "fsync on/off (handoff, steps/s, call_step_fsync) only switches the siblings' own SQLite (transcripts, in a temporary dir); the engine's durability is whatever it is configured with",
     "store time (store_*, overhead) is time awaiting session::*, state::*, enqueue, publish and barrier through the engine; barrier reads back the state written since the last one",
     "idle_session_bytes is this process only (loop, siblings, transcripts); the engine's memory for the sessions is not included",
@@ -2076,6 +2100,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
     let mut cpu_per_step = Map::new();
     let mut fsyncs_per_step = Map::new();
     let mut commits_per_step = Map::new();
+    let mut store_writer = Map::new();
     for c in CONCURRENCIES {
         steps_per_sec.insert(
             c.to_string(),
@@ -2096,10 +2121,25 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             let per_step = |n: u64| json!(round3(n as f64 / cell.steps.max(1) as f64));
             commits_per_step.insert(
                 c.to_string(),
-                cell.commits
-                    .map(|(commits, writes)| {
-                        json!({"commits": per_step(commits), "writes": per_step(writes)})
+                cell.store
+                    .as_ref()
+                    .map(|d| {
+                        json!({
+                            "commits": per_step(d.commits),
+                            "writes": per_step(d.writes),
+                            "wal_pages": per_step(d.wal_frames),
+                        })
                     })
+                    .unwrap_or(Value::Null),
+            );
+            let share = |ns: u64| json!(round3(ns as f64 / 1e9 / cell.secs.max(1e-9)));
+            store_writer.insert(
+                c.to_string(),
+                cell.store
+                    .as_ref()
+                    .map(
+                        |d| json!({"busy": share(d.busy_ns), "checkpoint": share(d.checkpoint_ns)}),
+                    )
                     .unwrap_or(Value::Null),
             );
         }
@@ -2221,6 +2261,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
         "fsyncs_per_send": opt(fs_steps.as_ref().map(|f| f.per_send), round3),
         "fsyncs_per_step": fsyncs_per_step,
         "store_commits_per_step": commits_per_step,
+        "store_writer": store_writer,
         "fsync_turns": fs_steps.as_ref().map(|f| f.turns),
     });
     let calls_json = json!({
@@ -2556,11 +2597,26 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
         if let Some(v) = commits_per_step.get(&c.to_string()) {
             info(
                 &mut rows,
-                format!("store commits / write ops per step incl. send, {c} sessions (fsync on)"),
+                format!(
+                    "store commits / write ops / WAL pages per step incl. send, {c} sessions (fsync on)"
+                ),
                 if v.is_null() {
                     na()
                 } else {
-                    format!("{} / {}", v["commits"], v["writes"])
+                    format!("{} / {} / {}", v["commits"], v["writes"], v["wal_pages"])
+                },
+            );
+        }
+    }
+    for c in CONCURRENCIES {
+        if let Some(v) = store_writer.get(&c.to_string()) {
+            info(
+                &mut rows,
+                format!("store writer busy / in its own checkpoints, share of wall time, {c} sessions (fsync on)"),
+                if v.is_null() {
+                    na()
+                } else {
+                    format!("{} / {}", v["busy"], v["checkpoint"])
                 },
             );
         }

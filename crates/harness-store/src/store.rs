@@ -59,6 +59,16 @@ pub struct StoreStats {
     pub writes: u64,
     /// fsyncs issued by barriers.
     pub fsyncs: u64,
+    /// Pages the commits wrote to the WAL (its frames): what a commit costs the writer and,
+    /// once checkpointed, the disk twice over.
+    pub wal_frames: u64,
+    /// Time the writer thread spent on batches, from taking the first op to its replies
+    /// (commit and its own checkpoints included): against wall time, how busy the one
+    /// writer every session shares is.
+    pub writer_busy_ns: u64,
+    /// Of that, time in the writer's own catch-up checkpoints (see `WRITER_CHECKPOINT_FRAMES`),
+    /// during which no write of any session commits.
+    pub writer_checkpoint_ns: u64,
 }
 
 /// A barrier waiting for the syncer: fsync must cover commit sequence number `target`.
@@ -79,6 +89,12 @@ pub(crate) struct Counters {
     pub(crate) commit_seq: AtomicU64,
     /// Highest `commit_seq` known to be on stable storage.
     synced_seq: AtomicU64,
+    wal_frames: AtomicU64,
+    pub(crate) writer_busy_ns: AtomicU64,
+    pub(crate) writer_checkpoint_ns: AtomicU64,
+    /// Checkpoint time of the batch in progress, moved to `writer_checkpoint_ns` when the
+    /// batch's busy time is counted, so that the two never disagree.
+    pub(crate) batch_checkpoint_ns: AtomicU64,
 }
 
 struct Inner {
@@ -164,16 +180,18 @@ impl Store {
             },
         ))?;
         let mut threads = Vec::with_capacity(3);
-        match start_checkpointer(path) {
+        let requests = match start_checkpointer(path) {
             Ok((requests, thread)) => {
-                hand_off_checkpoints(&mut conn, requests)?;
                 threads.push(thread);
+                Some(requests)
             }
-            // Not fatal: the writer keeps SQLite's automatic checkpoint, only slower.
+            // Not fatal: the writer checkpoints as SQLite's automatic checkpoint would, only slower.
             Err(e) => {
-                tracing::warn!(error = %e, "harness-store: no checkpoint thread; the writer checkpoints")
+                tracing::warn!(error = %e, "harness-store: no checkpoint thread; the writer checkpoints");
+                None
             }
-        }
+        };
+        hand_off_checkpoints(&mut conn, requests, counters.clone())?;
 
         // The writer is a dedicated OS thread, not a tokio task: SQLite calls block (and a
         // checkpoint can take a while), and a single owner of the write connection needs no lock.
@@ -346,6 +364,9 @@ impl Store {
             commits: c.commits.load(Ordering::Relaxed),
             writes: c.writes.load(Ordering::Relaxed),
             fsyncs: c.fsyncs.load(Ordering::Relaxed),
+            wal_frames: c.wal_frames.load(Ordering::Relaxed),
+            writer_busy_ns: c.writer_busy_ns.load(Ordering::Relaxed),
+            writer_checkpoint_ns: c.writer_checkpoint_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -424,26 +445,50 @@ fn start_checkpointer(path: &Path) -> Result<(mpsc::SyncSender<()>, JoinHandle<(
 /// Replaces the writer's automatic checkpoint (which copies WAL frames into the database, and
 /// fsyncs both, on the writer thread, in the middle of a batch) with a request to the
 /// checkpointer thread every [`CHECKPOINT_FRAMES`] new frames, and a checkpoint of what is left
-/// on the writer itself only once the WAL reaches [`WRITER_CHECKPOINT_FRAMES`].
+/// on the writer itself only once the WAL reaches [`WRITER_CHECKPOINT_FRAMES`]. Without a
+/// checkpointer (`requests` is None) the writer checkpoints every [`CHECKPOINT_FRAMES`], as
+/// SQLite would. Counts the frames each commit wrote and the time the writer spent checkpointing.
 fn hand_off_checkpoints(
     conn: &mut Connection,
-    requests: mpsc::SyncSender<()>,
+    requests: Option<mpsc::SyncSender<()>>,
+    counters: Arc<Counters>,
 ) -> Result<(), StoreError> {
     let mut next_at = CHECKPOINT_FRAMES;
+    let mut last = 0;
     conn.wal_hook(Some(move |wal: &mut rusqlite::hooks::Wal, frames: i32| {
+        // `frames` is the WAL's length after this commit; shorter than before, it started over.
+        let wrote = if frames >= last {
+            frames - last
+        } else {
+            frames
+        };
+        last = frames;
+        counters
+            .wal_frames
+            .fetch_add(wrote.max(0) as u64, Ordering::Relaxed);
         if frames < next_at - CHECKPOINT_FRAMES {
             // The WAL started over.
             next_at = CHECKPOINT_FRAMES;
         }
-        if frames >= WRITER_CHECKPOINT_FRAMES {
+        let on_writer = match &requests {
+            Some(_) => frames >= WRITER_CHECKPOINT_FRAMES,
+            None => frames >= CHECKPOINT_FRAMES,
+        };
+        if on_writer {
+            let started = std::time::Instant::now();
             // Busy while the checkpointer runs: the next commit tries again.
             if let Err(e) = wal.checkpoint_v2(rusqlite::wal::CheckpointMode::PASSIVE) {
                 tracing::debug!(error = %e, "harness-store: writer checkpoint deferred");
             }
+            counters
+                .batch_checkpoint_ns
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         } else if frames >= next_at {
             next_at = frames.saturating_add(CHECKPOINT_FRAMES);
-            // Full: a request is already waiting, and it will cover these frames too.
-            let _ = requests.try_send(());
+            if let Some(requests) = &requests {
+                // Full: a request is already waiting, and it will cover these frames too.
+                let _ = requests.try_send(());
+            }
         }
         Ok(())
     }))?;

@@ -155,6 +155,7 @@ pub(crate) fn writer_loop(
 ) {
     let mut batch: Vec<Box<dyn Op>> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = rx.recv() {
+        let started = std::time::Instant::now();
         batch.push(first);
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
@@ -168,6 +169,13 @@ pub(crate) fn writer_loop(
             txn.run(op);
         }
         txn.commit(counters);
+        let checkpoint = counters.batch_checkpoint_ns.swap(0, Ordering::Relaxed);
+        counters
+            .writer_checkpoint_ns
+            .fetch_add(checkpoint, Ordering::Relaxed);
+        counters
+            .writer_busy_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 }
 

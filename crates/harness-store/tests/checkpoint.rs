@@ -45,3 +45,52 @@ async fn the_wal_stays_bounded_under_constant_writes() {
     );
     assert_eq!(store.kv_list("c").unwrap().len(), 20_000);
 }
+
+#[tokio::test]
+async fn the_writer_counts_its_pages_and_its_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("c.db"), Durability::Normal).unwrap();
+    let before = store.stats();
+    // One ~3 KiB value a commit: a leaf page of the table (and its index, the first time) each.
+    let value = json!({"pad": "p".repeat(3000)});
+    for i in 0..50 {
+        store.kv_put("c", &format!("k{i}"), &value).await.unwrap();
+    }
+    let after = store.stats();
+    let commits = after.commits - before.commits;
+    let pages = after.wal_frames - before.wal_frames;
+    assert_eq!(commits, 50);
+    assert!(
+        (50..=50 * 8).contains(&pages),
+        "{pages} WAL pages for {commits} commits"
+    );
+    assert!(after.writer_busy_ns > before.writer_busy_ns);
+    assert!(after.writer_checkpoint_ns <= after.writer_busy_ns);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_s_own_checkpoints_are_timed_within_its_busy_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("c.db"), Durability::Normal).unwrap();
+    // Well past the WAL length at which the writer checkpoints itself (4,000 pages).
+    let value = json!({"pad": "p".repeat(3000)});
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let (store, value) = (store.clone(), value.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..1500 {
+                store
+                    .kv_put("c", &format!("{w}-{i}"), &value)
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let s = store.stats();
+    assert!(s.wal_frames >= 12_000, "{s:?}");
+    assert!(s.writer_checkpoint_ns > 0, "{s:?}");
+    assert!(s.writer_checkpoint_ns <= s.writer_busy_ns, "{s:?}");
+}

@@ -57,8 +57,17 @@ fn bench_quick_json_prints_every_metric() {
         // of the store are counted, and a commit holds at least one write op.
         positive(&report, &format!("/store_commits_per_step/{c}/commits"));
         positive(&report, &format!("/store_commits_per_step/{c}/writes"));
+        positive(&report, &format!("/store_commits_per_step/{c}/wal_pages"));
         let of = |k: &str| report["store_commits_per_step"][c][k].as_f64().unwrap();
         assert!(of("writes") >= of("commits"), "{report}");
+        // A commit writes at least one page.
+        assert!(of("wal_pages") >= of("commits"), "{report}");
+        // The writer was busy some of the cell and not much more than all of it (a batch that
+        // straddles the cell's end counts whole); its checkpoints are part of its busy time.
+        positive(&report, &format!("/store_writer/{c}/busy"));
+        let writer = |k: &str| report["store_writer"][c][k].as_f64().unwrap();
+        assert!(writer("busy") <= 1.1, "{report}");
+        assert!(writer("checkpoint") <= writer("busy"), "{report}");
     }
     // The function-call step and the router: present and numbers (differences of medians can be
     // of either sign on a busy machine, so no sign is asserted for those).

@@ -29,6 +29,9 @@ const NULL_ON_III: &[&str] = &[
     "/store_commits_per_step/1",
     "/store_commits_per_step/10",
     "/store_commits_per_step/200",
+    "/store_writer/1",
+    "/store_writer/10",
+    "/store_writer/200",
     "/targets_met/fsyncs_per_text_step",
     "/targets_met/fsyncs_per_function_step",
 ];
@@ -39,6 +42,7 @@ const FIXED_OBJECTS: &[&str] = &[
     "cpu_per_step",
     "fsyncs_per_step",
     "store_commits_per_step",
+    "store_writer",
     "targets_met",
     "method",
 ];
