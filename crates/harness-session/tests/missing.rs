@@ -21,9 +21,18 @@ fn user(text: &str) -> Value {
     json!({"role": "user", "content": [{"type": "text", "text": text}], "timestamp": 1})
 }
 
-fn code_and_text(e: harness_session::SessionError) -> (ErrorCode, String) {
+/// The error's text, after checking it is a `not_found`.
+fn not_found(e: harness_session::SessionError) -> String {
     let e = harness_types::HarnessError::from(e);
-    (e.code, e.message)
+    assert_eq!(e.code, ErrorCode::NotFound, "{}", e.message);
+    e.message
+}
+
+async fn create(sessions: &SessionStore, session_id: &str) {
+    sessions
+        .create(req(json!({ "session_id": session_id })))
+        .await
+        .unwrap();
 }
 
 async fn status_events(sessions: &SessionStore, session_id: &str) -> usize {
@@ -43,8 +52,7 @@ async fn an_append_to_a_missing_session_is_refused_and_writes_nothing() {
         .append(req(json!({"session_id": "s_none", "message": user("hi")})))
         .await
         .unwrap_err();
-    let (code, text) = code_and_text(e);
-    assert_eq!(code, ErrorCode::NotFound);
+    let text = not_found(e);
     assert!(
         text.contains("session_id") && text.contains("s_none"),
         "{text}"
@@ -62,16 +70,11 @@ async fn an_update_names_the_missing_session_before_the_missing_entry() {
     let (sessions, _dir) = open().await;
     let update =
         |session: &str| req(json!({"session_id": session, "entry_id": "e_x", "content": []}));
-    let (code, text) = code_and_text(sessions.update_message(update("s_none")).await.unwrap_err());
-    assert_eq!(code, ErrorCode::NotFound);
+    let text = not_found(sessions.update_message(update("s_none")).await.unwrap_err());
     assert!(text.contains("session_id: no session 's_none'"), "{text}");
 
-    sessions
-        .create(req(json!({"session_id": "s_1"})))
-        .await
-        .unwrap();
-    let (code, text) = code_and_text(sessions.update_message(update("s_1")).await.unwrap_err());
-    assert_eq!(code, ErrorCode::NotFound);
+    create(&sessions, "s_1").await;
+    let text = not_found(sessions.update_message(update("s_1")).await.unwrap_err());
     assert!(text.contains("entry_id: no entry 'e_x'"), "{text}");
 }
 
@@ -81,19 +84,15 @@ async fn a_status_set_twice_changes_once_and_a_missing_session_is_refused() {
     let set = |session: &str, status: &str, reason: Option<&str>| {
         req(json!({"session_id": session, "status": status, "reason": reason}))
     };
-    let (code, text) = code_and_text(
+    let text = not_found(
         sessions
             .set_status(set("s_none", "working", None))
             .await
             .unwrap_err(),
     );
-    assert_eq!(code, ErrorCode::NotFound);
     assert!(text.contains("s_none"), "{text}");
 
-    sessions
-        .create(req(json!({"session_id": "s_1"})))
-        .await
-        .unwrap();
+    create(&sessions, "s_1").await;
     let first = sessions
         .set_status(set("s_1", "working", Some("a")))
         .await
@@ -138,10 +137,7 @@ async fn a_status_set_twice_changes_once_and_a_missing_session_is_refused() {
 #[tokio::test]
 async fn a_sessions_first_and_later_entries_append_in_order() {
     let (sessions, _dir) = open().await;
-    sessions
-        .create(req(json!({"session_id": "s_1"})))
-        .await
-        .unwrap();
+    create(&sessions, "s_1").await;
     for (i, text) in ["one", "two", "three"].iter().enumerate() {
         let r = sessions
             .append(req(
