@@ -72,7 +72,7 @@ async fn the_writer_counts_its_pages_and_its_time() {
 async fn the_writer_s_own_checkpoints_are_timed_within_its_busy_time() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("c.db"), Durability::Normal).unwrap();
-    // Well past the WAL length at which the writer checkpoints itself (4,000 pages).
+    // Well past the WAL length at which the writer checkpoints itself (5,000 pages).
     let value = json!({"pad": "p".repeat(3000)});
     let mut tasks = Vec::new();
     for w in 0..8 {
