@@ -33,9 +33,13 @@ pub fn new_turn_id() -> String {
     format!("t_{}", uuid::Uuid::now_v7().simple())
 }
 
-/// `s_<32 lowercase hex>`.
+/// `s_<32 lowercase hex>`: a UUIDv7, like turn ids. Every transcript table and index is keyed
+/// by session first; sessions made about the same time, which are the ones running together,
+/// then sit side by side, so the steps committed together share index pages instead of each
+/// dirtying its own (WAL pages per step at the bench's 200 sessions: 18.9 with random session
+/// ids, 15.5-15.9 with these).
 pub fn new_session_id() -> String {
-    format!("s_{}", random_hex())
+    format!("s_{}", uuid::Uuid::now_v7().simple())
 }
 
 /// `q_<32 lowercase hex>`.
@@ -124,11 +128,10 @@ mod tests {
         assert!(new_turn_id().starts_with("t_") && new_turn_id().len() == 34);
     }
 
-    #[test]
-    fn turn_ids_are_lowercase_hex_in_creation_order_and_distinct() {
-        let ids: Vec<String> = (0..2000).map(|_| new_turn_id()).collect();
+    fn in_creation_order(prefix: &str, new: fn() -> String) {
+        let ids: Vec<String> = (0..2000).map(|_| new()).collect();
         for id in &ids {
-            let hex = id.strip_prefix("t_").expect(id);
+            let hex = id.strip_prefix(prefix).expect(id);
             assert_eq!(hex.len(), 32, "{id}");
             assert!(
                 hex.bytes()
@@ -137,6 +140,12 @@ mod tests {
             );
         }
         // Many fall in the same millisecond: the order holds within one too.
-        assert!(ids.windows(2).all(|w| w[0] < w[1]), "out of order");
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "{prefix} out of order");
+    }
+
+    #[test]
+    fn turn_and_session_ids_are_lowercase_hex_in_creation_order_and_distinct() {
+        in_creation_order("t_", new_turn_id);
+        in_creation_order("s_", new_session_id);
     }
 }
