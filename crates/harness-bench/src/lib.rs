@@ -2584,43 +2584,39 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             .map(|f| format!("{:.3}", f.per_send))
             .unwrap_or_else(na),
     );
-    for c in CONCURRENCIES {
-        if let Some(v) = fsyncs_per_step.get(&c.to_string()) {
-            info(
-                &mut rows,
-                format!("fsyncs per step incl. send, {c} sessions"),
-                if v.is_null() { na() } else { v.to_string() },
-            );
+    // One row per concurrency of a per-cell figure; null (on iii) reads n/a.
+    let per_cell = |rows: &mut Vec<(String, String, String, String)>,
+                    figures: &Map<String, Value>,
+                    label: &dyn Fn(usize) -> String,
+                    show: &dyn Fn(&Value) -> String| {
+        for c in CONCURRENCIES {
+            if let Some(v) = figures.get(&c.to_string()) {
+                info(rows, label(c), if v.is_null() { na() } else { show(v) });
+            }
         }
-    }
-    for c in CONCURRENCIES {
-        if let Some(v) = commits_per_step.get(&c.to_string()) {
-            info(
-                &mut rows,
-                format!(
-                    "store commits / write ops / WAL pages per step incl. send, {c} sessions (fsync on)"
-                ),
-                if v.is_null() {
-                    na()
-                } else {
-                    format!("{} / {} / {}", v["commits"], v["writes"], v["wal_pages"])
-                },
-            );
-        }
-    }
-    for c in CONCURRENCIES {
-        if let Some(v) = store_writer.get(&c.to_string()) {
-            info(
-                &mut rows,
-                format!("store writer busy / in its own checkpoints, share of wall time, {c} sessions (fsync on)"),
-                if v.is_null() {
-                    na()
-                } else {
-                    format!("{} / {}", v["busy"], v["checkpoint"])
-                },
-            );
-        }
-    }
+    };
+    per_cell(
+        &mut rows,
+        &fsyncs_per_step,
+        &|c| format!("fsyncs per step incl. send, {c} sessions"),
+        &|v| v.to_string(),
+    );
+    per_cell(
+        &mut rows,
+        &commits_per_step,
+        &|c| {
+            format!("store commits / write ops / WAL pages per step incl. send, {c} sessions (fsync on)")
+        },
+        &|v| format!("{} / {} / {}", v["commits"], v["writes"], v["wal_pages"]),
+    );
+    per_cell(
+        &mut rows,
+        &store_writer,
+        &|c| {
+            format!("store writer busy / in its own checkpoints, share of wall time, {c} sessions (fsync on)")
+        },
+        &|v| format!("{} / {}", v["busy"], v["checkpoint"]),
+    );
     info(
         &mut rows,
         format!(
