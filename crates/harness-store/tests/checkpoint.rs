@@ -1,7 +1,25 @@
 //! Checkpoints run beside the writer, and the WAL still starts over under constant writes.
 
 use harness_store::{Durability, Store};
-use serde_json::json;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+/// `writers` tasks, each putting `each` copies of `value` under keys of its own, all at once.
+fn write_at_once(store: &Store, writers: usize, each: usize, value: &Value) -> Vec<JoinHandle<()>> {
+    (0..writers)
+        .map(|w| {
+            let (store, value) = (store.clone(), value.clone());
+            tokio::spawn(async move {
+                for i in 0..each {
+                    store
+                        .kv_put("c", &format!("{w:02}-{i:04}"), &value)
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect()
+}
 
 /// 40 writers keep the writer busy with no pause for well over 10,000 WAL frames (about 40 MiB
 /// of new pages). The WAL file never grows past a few thousand frames: the checkpointer copies
@@ -13,19 +31,7 @@ async fn the_wal_stays_bounded_under_constant_writes() {
     let path = dir.path().join("c.db");
     let store = Store::open(&path, Durability::Normal).unwrap();
     let wal = dir.path().join("c.db-wal");
-    let value = json!({"pad": "p".repeat(2000)});
-    let mut tasks = Vec::new();
-    for w in 0..40 {
-        let (store, value) = (store.clone(), value.clone());
-        tasks.push(tokio::spawn(async move {
-            for i in 0..500 {
-                store
-                    .kv_put("c", &format!("{w:02}-{i:04}"), &value)
-                    .await
-                    .unwrap();
-            }
-        }));
-    }
+    let tasks = write_at_once(&store, 40, 500, &json!({"pad": "p".repeat(2000)}));
     let mut largest = 0;
     while tasks.iter().any(|t| !t.is_finished()) {
         largest = largest.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
@@ -73,20 +79,7 @@ async fn the_writer_s_own_checkpoints_are_timed_within_its_busy_time() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("c.db"), Durability::Normal).unwrap();
     // Well past the WAL length at which the writer checkpoints itself (5,000 pages).
-    let value = json!({"pad": "p".repeat(3000)});
-    let mut tasks = Vec::new();
-    for w in 0..8 {
-        let (store, value) = (store.clone(), value.clone());
-        tasks.push(tokio::spawn(async move {
-            for i in 0..1500 {
-                store
-                    .kv_put("c", &format!("{w}-{i}"), &value)
-                    .await
-                    .unwrap();
-            }
-        }));
-    }
-    for t in tasks {
+    for t in write_at_once(&store, 8, 1500, &json!({"pad": "p".repeat(3000)})) {
         t.await.unwrap();
     }
     let s = store.stats();
