@@ -13,8 +13,15 @@
 //!   rowids is dropped and the generation moves on. A rolled-back change is dropped too, which is
 //!   only a miss.
 //!
-//! So a read that starts after a write resolved never sees an older value. Absent keys are not
-//! cached (a new key has a rowid nobody knows yet).
+//! So a read that starts after a write resolved never sees an older value.
+//!
+//! It also remembers what is *not* there: keys a read found absent and scopes a list found
+//! empty (the loop asks for the steering queue and the tombstone of a session on every step,
+//! and they are almost always empty). A new row has a rowid nobody knew, so the update hook
+//! logs inserted rowids apart; before the batch COMMIT the writer reads their scope and key
+//! (in its own transaction, where they are), and the commit step that moves the generation
+//! on forgets those keys and scopes. Fills follow the same generation rule as values. Rows
+//! never change scope or key (the one upsert leaves both alone), so only inserts add a key.
 //!
 //! Writes fill it too (write-through), because the loop reads back what it just wrote (the turn
 //! record, at the next step) and a read-filled entry never survives its own row's next write.
@@ -25,7 +32,7 @@
 //! says) goes into the cache, in the same step that drops the changed keys.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde_json::Value;
@@ -38,11 +45,16 @@ const MAX_BYTES: usize = 2 << 20;
 /// they piled up for as long as the process ran (about 11 KB per session written).
 const MAX_DROPPED: usize = 256;
 
+/// Most absent keys, and most empty scopes, remembered; past it the set starts over.
+const MAX_NEGATIVE: usize = 32 * 1024;
+
 #[derive(Default)]
 pub(crate) struct KvCache {
     inner: Mutex<Inner>,
     /// Rowids of `kv` rows changed by the writer since its last commit (the update hook's log).
     changed: Arc<Mutex<Vec<i64>>>,
+    /// Rowids of `kv` rows inserted since the writer last resolved them (see the module docs).
+    inserted: Arc<Mutex<Vec<i64>>>,
     /// Write-through fills of the batch in progress (writer thread only), in statement order.
     pending: Mutex<Vec<Fill>>,
 }
@@ -90,6 +102,22 @@ struct Inner {
     /// the writer thread, which every session waits on, does not pay for the frees. Bounded
     /// ([`MAX_DROPPED`]): with no reader about, the writer frees them after all.
     dropped: Vec<Arc<Value>>,
+    /// Keys a read found absent, and scopes a list found empty, since no insert says otherwise.
+    absent: HashSet<(String, String)>,
+    empty: HashSet<String>,
+}
+
+/// The keys of the rows a batch inserted, read by the writer before its COMMIT.
+pub(crate) enum Inserted {
+    Keys(Vec<(String, String)>),
+    /// They could not be read: every negative entry goes.
+    Unknown,
+}
+
+impl Default for Inserted {
+    fn default() -> Self {
+        Inserted::Keys(Vec::new())
+    }
 }
 
 /// The value parsed: a hit costs a clone, which is cheaper than parsing the text again.
@@ -113,6 +141,74 @@ impl KvCache {
     /// Where the writer connection's update hook records changed `kv` rowids.
     pub(crate) fn change_log(&self) -> Arc<Mutex<Vec<i64>>> {
         self.changed.clone()
+    }
+
+    /// Where the update hook records inserted `kv` rowids.
+    pub(crate) fn insert_log(&self) -> Arc<Mutex<Vec<i64>>> {
+        self.inserted.clone()
+    }
+
+    /// The scope and key of every row inserted since the last call that is still there, read
+    /// on the writer's connection inside the batch transaction. A row inserted and deleted in
+    /// the batch is gone and changed nothing.
+    pub(crate) fn inserted_keys(&self, conn: &rusqlite::Connection) -> Inserted {
+        let rowids = std::mem::take(&mut *lock(&self.inserted));
+        let mut keys = Vec::with_capacity(rowids.len());
+        if rowids.is_empty() {
+            return Inserted::Keys(keys);
+        }
+        let Ok(mut stmt) = conn.prepare_cached("SELECT scope, key FROM kv WHERE rowid = ?1") else {
+            return Inserted::Unknown;
+        };
+        for rowid in rowids {
+            match stmt.query_row([rowid], |r| Ok((r.get(0)?, r.get(1)?))) {
+                Ok(key) => keys.push(key),
+                Err(rusqlite::Error::QueryReturnedNoRows) => {}
+                Err(_) => return Inserted::Unknown,
+            }
+        }
+        Inserted::Keys(keys)
+    }
+
+    /// Whether a read since the last insert into `scope` found `key` absent.
+    pub(crate) fn is_absent(&self, scope: &str, key: &str) -> bool {
+        let inner = lock(&self.inner);
+        !inner.absent.is_empty() && inner.absent.contains(&(scope.to_string(), key.to_string()))
+    }
+
+    /// Whether a list since the last insert into `scope` found it empty.
+    pub(crate) fn is_empty_scope(&self, scope: &str) -> bool {
+        lock(&self.inner).empty.contains(scope)
+    }
+
+    /// Remembers that a read that began at `generation` found no `key` (see [`KvCache::fill`]).
+    pub(crate) fn fill_absent(&self, generation: u64, scope: &str, key: &str) {
+        let k = (scope.to_string(), key.to_string());
+        let mut inner = lock(&self.inner);
+        if inner.generation != generation {
+            return;
+        }
+        if inner.absent.len() >= MAX_NEGATIVE {
+            inner.absent.clear();
+        }
+        inner.absent.insert(k);
+    }
+
+    /// Remembers that a list that began at `generation` found `scope` empty.
+    pub(crate) fn fill_empty(&self, generation: u64, scope: &str) {
+        let mut inner = lock(&self.inner);
+        if inner.generation != generation {
+            return;
+        }
+        if inner.empty.len() >= MAX_NEGATIVE {
+            inner.empty.clear();
+        }
+        inner.empty.insert(scope.to_string());
+    }
+
+    /// Forgets the negative entries `inserted` contradicts (a batch whose COMMIT failed).
+    pub(crate) fn forget(&self, inserted: &Inserted) {
+        lock(&self.inner).forget(inserted);
     }
 
     /// How many fills are pending: a mark to [`KvCache::drop_pending_since`].
@@ -187,15 +283,19 @@ impl KvCache {
     }
 
     /// Called by the writer after a COMMIT, before answering the batch's writes: drops every
-    /// key whose row a statement touched since the previous call.
+    /// key whose row a statement touched since the previous call, and every negative entry the
+    /// batch's `inserted` rows contradict.
     /// Then puts in the batch's pending fills that no later statement of the batch overwrote.
-    pub(crate) fn committed(&self) {
+    pub(crate) fn committed(&self, inserted: &Inserted) {
         let changed = std::mem::take(&mut *lock(&self.changed));
         let fills = std::mem::take(&mut *lock(&self.pending));
-        if changed.is_empty() {
+        if changed.is_empty() && matches!(inserted, Inserted::Keys(k) if k.is_empty()) {
             return;
         }
         let mut inner = lock(&self.inner);
+        // In the same critical section as the generation moving on: a negative fill from a
+        // read that began before the COMMIT either landed already (and goes here) or is refused.
+        inner.forget(inserted);
         inner.generation += 1;
         for &rowid in &changed {
             if let Some(k) = inner.by_rowid.remove(&rowid) {
@@ -238,6 +338,20 @@ impl KvCache {
 }
 
 impl Inner {
+    fn forget(&mut self, inserted: &Inserted) {
+        let Inserted::Keys(keys) = inserted else {
+            self.absent.clear();
+            self.empty.clear();
+            return;
+        };
+        for (scope, key) in keys {
+            self.empty.remove(scope);
+            if !self.absent.is_empty() {
+                self.absent.remove(&(scope.clone(), key.clone()));
+            }
+        }
+    }
+
     /// Caches `k`, evicting the oldest entries beyond [`MAX_BYTES`] into `evicted`.
     fn insert(&mut self, k: (String, String), cached: Cached, evicted: &mut Vec<Arc<Value>>) {
         let (rowid, size) = (cached.rowid, cached.size);
@@ -286,7 +400,7 @@ mod tests {
         // The update hook logs the row during the statement; the fill is left after it.
         cache.change_log().lock().unwrap().push(1);
         cache.pend("s", key, 1, 8, Arc::new(json!({"n": n})));
-        cache.committed();
+        cache.committed(&Inserted::default());
     }
 
     #[test]

@@ -97,9 +97,19 @@ impl Store {
     /// The latest committed value, from the cache of recent reads when it has it (see
     /// `cache.rs`: a read after a resolved write always sees that write).
     pub fn kv_get(&self, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
+        Ok(self
+            .kv_get_shared(scope, key)?
+            .map(|v| Arc::try_unwrap(v).unwrap_or_else(|v| Value::clone(&v))))
+    }
+
+    /// [`Store::kv_get`] without the copy: a cached value is shared, not cloned.
+    pub fn kv_get_shared(&self, scope: &str, key: &str) -> Result<Option<Arc<Value>>, StoreError> {
         let cache = self.kv_cache();
         if let Some(value) = cache.get(scope, key) {
-            return Ok(Some(Value::clone(&value)));
+            return Ok(Some(value));
+        }
+        if cache.is_absent(scope, key) {
+            return Ok(None);
         }
         let generation = cache.generation();
         let row: Option<(i64, String)> = self.read(|c| {
@@ -110,11 +120,11 @@ impl Store {
             )
         })?;
         let Some((rowid, text)) = row else {
+            cache.fill_absent(generation, scope, key);
             return Ok(None);
         };
-        let value: Value = serde_json::from_str(&text)?;
-        let shared = Arc::new(value.clone());
-        cache.fill(generation, scope, key, rowid, text.len(), shared);
+        let value: Arc<Value> = Arc::new(serde_json::from_str(&text)?);
+        cache.fill(generation, scope, key, rowid, text.len(), value.clone());
         Ok(Some(value))
     }
 
@@ -171,8 +181,14 @@ impl Store {
 
     /// Every `(key, value)` of a scope, ordered by key (the primary key order: no sort needed).
     /// `+?1`: see `events::EVENTS_AFTER` (a bare parameter here re-prepares on every call).
+    /// A scope found empty is remembered until a row is inserted into it (see `cache.rs`).
     pub fn kv_list(&self, scope: &str) -> Result<Vec<(String, Value)>, StoreError> {
-        self.read(|c| {
+        let cache = self.kv_cache();
+        if cache.is_empty_scope(scope) {
+            return Ok(Vec::new());
+        }
+        let generation = cache.generation();
+        let rows = self.read(|c| {
             let mut stmt =
                 c.prepare_cached("SELECT key, value FROM kv WHERE scope = +?1 ORDER BY key")?;
             let rows = stmt.query_map([scope], |r| {
@@ -184,6 +200,10 @@ impl Store {
                 out.push((key, serde_json::from_str(&text)?));
             }
             Ok(out)
-        })
+        })?;
+        if rows.is_empty() {
+            cache.fill_empty(generation, scope);
+        }
+        Ok(rows)
     }
 }

@@ -171,13 +171,20 @@ impl Store {
         let mut conn = conn;
         let kv_cache = Arc::new(KvCache::default());
         let changed = kv_cache.change_log();
+        let inserted = kv_cache.insert_log();
         conn.update_hook(Some(
-            move |_: rusqlite::hooks::Action, _: &str, table: &str, rowid: i64| {
+            move |action: rusqlite::hooks::Action, _: &str, table: &str, rowid: i64| {
                 if table == "kv" {
                     changed
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .push(rowid);
+                    if action == rusqlite::hooks::Action::SQLITE_INSERT {
+                        inserted
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(rowid);
+                    }
                 }
             },
         ))?;

@@ -368,6 +368,8 @@ impl<'c> Batch<'c> {
         if !self.in_txn {
             return;
         }
+        // Read inside the transaction, where the inserted rows are (see `cache.rs`).
+        let inserted = self.cache.inserted_keys(self.conn);
         match exec(self.conn, "COMMIT") {
             Ok(()) => {
                 if !self.done.is_empty() {
@@ -376,13 +378,14 @@ impl<'c> Batch<'c> {
                     counters.commit_seq.fetch_add(1, Ordering::SeqCst);
                 }
                 // Before any reply: a read after a resolved write never finds the old value.
-                self.cache.committed();
+                self.cache.committed(&inserted);
                 for op in self.done.drain(..) {
                     op.reply(None);
                 }
             }
             Err(e) => {
                 tracing::error!(error = %e, "harness-store: batch COMMIT failed");
+                self.cache.forget(&inserted);
                 self.abort(&format!("batch commit failed: {e}"));
             }
         }

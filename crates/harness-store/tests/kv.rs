@@ -232,3 +232,118 @@ async fn writes_fill_the_cache_only_with_what_committed() {
         t.await.unwrap();
     }
 }
+
+/// A row inserted behind the store's back: a read that still misses it answered from memory.
+fn insert_behind(path: &std::path::Path, scope: &str, key: &str) {
+    let c = rusqlite::Connection::open(path).unwrap();
+    c.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    c.execute(
+        "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, '\"behind\"', 0)",
+        (scope, key),
+    )
+    .unwrap();
+}
+
+/// Keys found absent and scopes found empty are remembered (the loop asks for them every
+/// step), and forgotten by the first insert the store commits there: kv helpers, raw SQL, a
+/// batch whose other op failed; a rolled-back insert changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absent_keys_and_empty_scopes_are_remembered_until_an_insert() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("n.db");
+    let store = Store::open(&path, Durability::Normal).unwrap();
+
+    assert_eq!(store.kv_get("s", "a").unwrap(), None);
+    assert!(store.kv_list("q").unwrap().is_empty());
+    insert_behind(&path, "s", "a");
+    insert_behind(&path, "q", "x");
+    assert_eq!(store.kv_get("s", "a").unwrap(), None, "remembered absent");
+    assert!(store.kv_list("q").unwrap().is_empty(), "remembered empty");
+
+    // An insert into another scope forgets nothing here.
+    store.kv_put("other", "a", &json!(1)).await.unwrap();
+    assert_eq!(store.kv_get("s", "a").unwrap(), None);
+    assert!(store.kv_list("q").unwrap().is_empty());
+
+    // A rolled-back insert: still remembered (and still right).
+    let failed = store
+        .write_replayable(|c| {
+            harness_store::kv_put_in(c, "s", "b", &json!("rolled back"))?;
+            Err::<(), _>(harness_store::StoreError::Invalid("refused".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+    assert_eq!(store.kv_get("s", "b").unwrap(), None);
+
+    // Committed inserts, by a helper and by raw SQL: seen at once.
+    store.kv_put("s", "b", &json!(2)).await.unwrap();
+    assert_eq!(store.kv_get("s", "b").unwrap(), Some(json!(2)));
+    assert_eq!(
+        store.kv_get("s", "a").unwrap(),
+        None,
+        "only an insert of the key itself forgets it"
+    );
+    store.kv_put("s", "a", &json!(1)).await.unwrap();
+    assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(1)));
+    store
+        .write(|c| {
+            c.execute(
+                "INSERT INTO kv(scope, key, value, updated_at) VALUES ('q', 'y', '3', 0)",
+                [],
+            )?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    let keys: Vec<String> = store
+        .kv_list("q")
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(keys, ["x", "y"]);
+
+    // Deleted again, then found empty and inserted in the same batch as a failing op.
+    store.kv_delete("q", "x").await.unwrap();
+    store.kv_delete("q", "y").await.unwrap();
+    assert!(store.kv_list("q").unwrap().is_empty());
+    let ok = store.write_replayable(|c| harness_store::kv_put_in(c, "q", "z", &json!(4)));
+    let bad = store
+        .write_replayable(|_| Err::<(), _>(harness_store::StoreError::Invalid("refused".into())));
+    let (ok, bad) = tokio::join!(ok, bad);
+    ok.unwrap();
+    assert!(bad.is_err());
+    assert_eq!(store.kv_list("q").unwrap(), vec![("z".into(), json!(4))]);
+}
+
+/// Readers that keep finding a key absent while writers insert it never hide a resolved insert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_after_a_resolved_insert_sees_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("r.db"), Durability::Normal).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut readers = Vec::new();
+    for r in 0..2 {
+        let (store, stop) = (store.clone(), stop.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let n = i % 400;
+                let _ = store.kv_get("s", &format!("k{n}")).unwrap();
+                let _ = store.kv_list(&format!("q{n}")).unwrap();
+                i += 1 + r;
+            }
+        }));
+    }
+    for n in 0..400 {
+        let (key, scope) = (format!("k{n}"), format!("q{n}"));
+        store.kv_put("s", &key, &json!(n)).await.unwrap();
+        assert_eq!(store.kv_get("s", &key).unwrap(), Some(json!(n)), "{key}");
+        store.kv_put(&scope, "x", &json!(n)).await.unwrap();
+        assert_eq!(store.kv_list(&scope).unwrap().len(), 1, "{scope}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+}
