@@ -736,6 +736,14 @@ impl Bus for ProbeBus {
         store_op("state_get", self.inner.state_get(scope, key)).await
     }
 
+    async fn state_get_shared(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<Arc<Value>>, BusError> {
+        store_op("state_get", self.inner.state_get_shared(scope, key)).await
+    }
+
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
         store_op("state_set", self.inner.state_set(scope, key, value)).await
     }

@@ -277,6 +277,16 @@ pub trait Bus: Send + Sync + 'static {
         Ok(if v.is_null() { None } else { Some(v) })
     }
 
+    /// [`Bus::state_get`] for a reader that only looks: a bus that keeps parsed values (the
+    /// embedded store's cache) shares its copy instead of cloning it.
+    async fn state_get_shared(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<Arc<Value>>, BusError> {
+        Ok(self.state_get(scope, key).await?.map(Arc::new))
+    }
+
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
         self.call(
             "state::set",

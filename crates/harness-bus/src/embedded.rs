@@ -596,6 +596,14 @@ impl Bus for EmbeddedBus {
         Ok(self.inner.store.kv_get(scope, key)?)
     }
 
+    async fn state_get_shared(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<Arc<Value>>, BusError> {
+        Ok(self.inner.store.kv_get_shared(scope, key)?)
+    }
+
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
         self.inner.store.kv_put_through(scope, key, value).await?;
         Ok(())

@@ -546,17 +546,20 @@ impl Harness {
     }
 
     pub(crate) async fn load_record(&self, session_id: &str) -> Result<Option<TurnRecord>> {
+        // Shared, not cloned: the record is parsed from the store cache's own copy.
         let v = self
             .inner
             .bus
-            .state_get(TURN_SCOPE, session_id)
+            .state_get_shared(TURN_SCOPE, session_id)
             .await
             .map_err(bus_err)?;
         match v {
             None => Ok(None),
-            Some(v) => serde_json::from_value(v).map(Some).map_err(|e| {
-                HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
-            }),
+            Some(v) => <TurnRecord as serde::Deserialize>::deserialize(&*v)
+                .map(Some)
+                .map_err(|e| {
+                    HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
+                }),
         }
     }
 
@@ -661,6 +664,30 @@ impl Harness {
     /// Asks `session::changes` for the entries appended or updated since the cached mark (one
     /// indexed read when nothing changed); without that function (another transcript store),
     /// reads the whole transcript every time.
+    /// `session::changes`, in-process when the transcript store is (no JSON either way). The
+    /// outer error is the bus's; the inner one an answer of the wrong shape.
+    async fn changes(
+        &self,
+        req: ChangesRequest,
+    ) -> std::result::Result<Result<ChangesResponse>, harness_bus::BusError> {
+        const ID: &str = "session::changes";
+        let timeout = Duration::from_millis(self.config().session_timeout_ms);
+        if let Some(local) = self.inner.bus.local_handler(ID) {
+            let ctx = harness_bus::CallContext::default();
+            return harness_bus::local::invoke(local.as_ref(), ID, Box::new(req), ctx, timeout)
+                .await
+                .map(Ok);
+        }
+        let payload = match serde_json::to_value(&req) {
+            Ok(payload) => payload,
+            Err(e) => return Ok(Err(HarnessError::internal(e.to_string()))),
+        };
+        let answer = self.inner.bus.call(ID, payload, Some(timeout)).await?;
+        Ok(serde_json::from_value(answer).map_err(|e| {
+            HarnessError::dependency(format!("{ID} answered an unexpected shape: {e}"))
+        }))
+    }
+
     pub(crate) async fn transcript_shared(&self, session_id: &str) -> Result<Arc<Vec<Entry>>> {
         let cached = self
             .inner
@@ -676,19 +703,8 @@ impl Harness {
                 after: mark,
                 limit: Some(500),
             };
-            let payload =
-                serde_json::to_value(&req).map_err(|e| HarnessError::internal(e.to_string()))?;
-            let page: ChangesResponse = match self
-                .inner
-                .bus
-                .call("session::changes", payload, self.session_timeout())
-                .await
-            {
-                Ok(v) => serde_json::from_value(v).map_err(|e| {
-                    HarnessError::dependency(format!(
-                        "session::changes answered an unexpected shape: {e}"
-                    ))
-                })?,
+            let page: ChangesResponse = match self.changes(req).await {
+                Ok(page) => page?,
                 Err(e) if e.is_not_found() => {
                     return self.transcript_paged(session_id).await.map(Arc::new)
                 }

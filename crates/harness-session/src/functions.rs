@@ -4,7 +4,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use harness_bus::{
-    Bus, BusError, CallContext, EmbeddedBus, FunctionDef, Handler, TxAnswer, TxWrite,
+    Bus, BusError, CallContext, EmbeddedBus, FunctionDef, Handler, LocalHandler, LocalValue,
+    TxAnswer, TxWrite,
 };
 use harness_store::{Connection, StoreError};
 use harness_types::parse::parse_payload;
@@ -29,25 +30,39 @@ fn register_one<Req, Resp, F, Fut>(
     f: F,
 ) where
     Req: DeserializeOwned + JsonSchema + Send + 'static,
-    Resp: Serialize + JsonSchema + 'static,
+    Resp: Serialize + JsonSchema + Send + 'static,
     F: Fn(SessionStore, Req) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Resp, HarnessError>> + Send + 'static,
 {
     let def = FunctionDef::new(id, description)
         .schemas(schema::<Req>(), schema::<Resp>())
         .internal();
-    let sessions = sessions.clone();
     let f = Arc::new(f);
-    let handler = move |payload: Value, _ctx: CallContext| {
-        let sessions = sessions.clone();
-        let f = f.clone();
-        async move {
-            let req: Req = parse_payload(payload)?;
-            let resp = f(sessions, req).await?;
-            serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
+    let handler = {
+        let (sessions, f) = (sessions.clone(), f.clone());
+        move |payload: Value, _ctx: CallContext| {
+            let (sessions, f) = (sessions.clone(), f.clone());
+            async move {
+                let req: Req = parse_payload(payload)?;
+                let resp = f(sessions, req).await?;
+                serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
+            }
         }
     };
-    bus.register_function(def, Arc::new(handler) as Arc<dyn Handler>);
+    // In-process callers (the loop reads `session::changes` every step) pass `Req` and take
+    // `Resp` as they are: no JSON either way.
+    let function_id = id.to_string();
+    let sessions = sessions.clone();
+    let local = move |payload: LocalValue, _ctx: CallContext| {
+        let (sessions, f) = (sessions.clone(), f.clone());
+        let req = harness_bus::local::take::<Req>(&function_id, payload);
+        async move { Ok(Box::new(f(sessions, req?).await?) as LocalValue) }
+    };
+    bus.register_function_with_local(
+        def,
+        Arc::new(handler) as Arc<dyn Handler>,
+        Arc::new(local) as Arc<dyn LocalHandler>,
+    );
 }
 
 /// Registers `session::create`, `ensure`, `get`, `append`, `update-message`, `messages`,
