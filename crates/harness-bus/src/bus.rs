@@ -1,5 +1,6 @@
 //! The Bus trait and the types it speaks.
 
+use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -138,6 +139,61 @@ pub struct StreamingCall {
     pub result: HandlerFuture,
 }
 
+/// A write function's request still in its Rust type (see [`BusWrite::Typed`]).
+#[derive(Clone)]
+pub struct TypedRequest {
+    request: Arc<dyn Any + Send + Sync>,
+    to_value: fn(&(dyn Any + Send + Sync)) -> Result<Value, serde_json::Error>,
+}
+
+fn typed_to_value<T: Serialize + 'static>(
+    request: &(dyn Any + Send + Sync),
+) -> Result<Value, serde_json::Error> {
+    match request.downcast_ref::<T>() {
+        Some(request) => serde_json::to_value(request),
+        None => unreachable!("a TypedRequest holds the type it was made with"),
+    }
+}
+
+impl TypedRequest {
+    pub fn new<T: Serialize + Send + Sync + 'static>(request: T) -> Self {
+        TypedRequest {
+            request: Arc::new(request),
+            to_value: typed_to_value::<T>,
+        }
+    }
+
+    /// The request as JSON: what a bus without a typed form of the function sends.
+    pub fn to_value(&self) -> Result<Value, BusError> {
+        (self.to_value)(self.request.as_ref()).map_err(|e| BusError::internal(e.to_string()))
+    }
+
+    /// The request, if it is a `T` (cloned only when this request was cloned); else itself.
+    pub fn take<T: Clone + Send + Sync + 'static>(self) -> Result<T, Self> {
+        let to_value = self.to_value;
+        match self.request.downcast::<T>() {
+            Ok(request) => Ok(Arc::try_unwrap(request).unwrap_or_else(|r| T::clone(&r))),
+            Err(request) => Err(TypedRequest { request, to_value }),
+        }
+    }
+}
+
+impl std::fmt::Debug for TypedRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.to_value() {
+            Ok(value) => write!(f, "{value}"),
+            Err(e) => write!(f, "<unserialisable request: {e}>"),
+        }
+    }
+}
+
+/// Two requests are equal when they say the same thing on the wire.
+impl PartialEq for TypedRequest {
+    fn eq(&self, other: &Self) -> bool {
+        matches!((self.to_value(), other.to_value()), (Ok(a), Ok(b)) if a == b)
+    }
+}
+
 /// One write of a [`Bus::commit`] batch.
 #[derive(Clone, Debug, PartialEq)]
 pub enum BusWrite {
@@ -145,6 +201,13 @@ pub enum BusWrite {
     Call {
         function_id: String,
         payload: Value,
+    },
+    /// [`BusWrite::Call`] with the request still in its Rust type: an in-process bus whose
+    /// in-transaction form of the function takes that type uses it as is (no JSON round trip);
+    /// any other bus sends [`TypedRequest::to_value`].
+    Typed {
+        function_id: String,
+        request: TypedRequest,
     },
     StateSet {
         scope: String,
@@ -336,6 +399,10 @@ pub async fn commit_one_by_one<B: Bus + ?Sized>(
                 function_id,
                 payload,
             } => bus.call(&function_id, payload, None).await?,
+            BusWrite::Typed {
+                function_id,
+                request,
+            } => bus.call(&function_id, request.to_value()?, None).await?,
             BusWrite::StateSet { scope, key, value } => {
                 bus.state_set(&scope, &key, value).await?;
                 Value::Null

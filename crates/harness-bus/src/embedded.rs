@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::bus::{
     Binding, Bus, BusWrite, CallContext, FunctionDef, Handler, QueueDef, StreamingCall,
-    TriggerTypeDef,
+    TriggerTypeDef, TypedRequest,
 };
 use crate::engine_functions;
 use crate::error::BusError;
@@ -53,11 +53,16 @@ pub type TxWrite = Box<dyn FnMut(&Connection) -> Result<TxAnswer, StoreError> + 
 /// thread only runs SQL. An `Err` fails the batch before anything is written.
 pub type TxPrepare = Arc<dyn Fn(Value) -> Result<TxWrite, StoreError> + Send + Sync>;
 
+/// [`TxPrepare`] for a [`BusWrite::Typed`] request: no JSON on the way in. A request of a type
+/// it does not take comes back (`Err(Ok(request))`) and goes the JSON way.
+pub type TxPrepareTyped =
+    Arc<dyn Fn(TypedRequest) -> Result<TxWrite, Result<TypedRequest, StoreError>> + Send + Sync>;
+
 /// A write function's in-transaction form.
 #[derive(Clone)]
 enum TxForm {
     InWriter(TxHandler),
-    Prepared(TxPrepare),
+    Prepared(TxPrepare, Option<TxPrepareTyped>),
 }
 
 struct Registered {
@@ -227,7 +232,25 @@ impl EmbeddedBus {
             .tx_functions
             .write()
             .expect("tx functions lock")
-            .insert(function_id.to_string(), TxForm::Prepared(prepare));
+            .insert(function_id.to_string(), TxForm::Prepared(prepare, None));
+    }
+
+    /// [`EmbeddedBus::register_prepared`] that also takes [`BusWrite::Typed`] requests as they
+    /// are; `prepare` serves `BusWrite::Call`s and typed requests of another type.
+    pub fn register_prepared_typed(
+        &self,
+        function_id: &str,
+        prepare: TxPrepare,
+        typed: TxPrepareTyped,
+    ) {
+        self.inner
+            .tx_functions
+            .write()
+            .expect("tx functions lock")
+            .insert(
+                function_id.to_string(),
+                TxForm::Prepared(prepare, Some(typed)),
+            );
     }
 
     /// The message group of a payload on `queue` (the queue's group field), or why not.
@@ -490,15 +513,16 @@ impl Bus for EmbeddedBus {
             writes
                 .iter()
                 .map(|w| match w {
-                    BusWrite::Call { function_id, .. } => tx.get(function_id).cloned(),
+                    BusWrite::Call { function_id, .. } | BusWrite::Typed { function_id, .. } => {
+                        tx.get(function_id).cloned()
+                    }
                     _ => None,
                 })
                 .collect()
         };
-        let unbatchable = writes
-            .iter()
-            .zip(&forms)
-            .any(|(w, f)| matches!(w, BusWrite::Call { .. }) && f.is_none());
+        let unbatchable = writes.iter().zip(&forms).any(|(w, f)| {
+            matches!(w, BusWrite::Call { .. } | BusWrite::Typed { .. }) && f.is_none()
+        });
         if unbatchable {
             return crate::bus::commit_one_by_one(self, writes).await;
         }
@@ -509,10 +533,19 @@ impl Bus for EmbeddedBus {
                 (BusWrite::Call { payload, .. }, Some(TxForm::InWriter(h))) => {
                     Planned::InWriter(h, payload)
                 }
-                (BusWrite::Call { payload, .. }, Some(TxForm::Prepared(prepare))) => {
+                (BusWrite::Call { payload, .. }, Some(TxForm::Prepared(prepare, _))) => {
                     Planned::Prepared(prepare(payload).map_err(tx_error)?)
                 }
-                (BusWrite::Call { function_id, .. }, None) => {
+                (BusWrite::Typed { request, .. }, Some(TxForm::Prepared(prepare, typed))) => {
+                    Planned::Prepared(prepare_typed(&prepare, typed.as_ref(), request)?)
+                }
+                (BusWrite::Typed { request, .. }, Some(TxForm::InWriter(h))) => {
+                    Planned::InWriter(h, request.to_value()?)
+                }
+                (
+                    BusWrite::Call { function_id, .. } | BusWrite::Typed { function_id, .. },
+                    None,
+                ) => {
                     return Err(BusError::internal(format!(
                         "commit: {function_id} lost its in-transaction form"
                     )))
@@ -617,6 +650,24 @@ impl Bus for EmbeddedBus {
     async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>, BusError> {
         Ok(self.inner.store.kv_list(scope)?)
     }
+}
+
+/// A typed request's write: through the typed form when it takes the request's type, else
+/// through JSON as a `BusWrite::Call` would go.
+fn prepare_typed(
+    prepare: &TxPrepare,
+    typed: Option<&TxPrepareTyped>,
+    request: TypedRequest,
+) -> Result<TxWrite, BusError> {
+    let request = match typed {
+        None => request,
+        Some(typed) => match typed(request) {
+            Ok(write) => return Ok(write),
+            Err(Ok(untaken)) => untaken,
+            Err(Err(e)) => return Err(tx_error(e)),
+        },
+    };
+    prepare(request.to_value()?).map_err(tx_error)
 }
 
 fn to_text(value: &Value) -> Result<String, BusError> {

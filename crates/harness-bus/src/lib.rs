@@ -18,8 +18,8 @@ pub mod local;
 
 pub use bus::{
     commit_one_by_one, Binding, Bus, BusWrite, CallContext, FrameSink, FunctionDef, Handler,
-    HandlerFuture, QueueDef, StreamingCall, TriggerTypeDef,
+    HandlerFuture, QueueDef, StreamingCall, TriggerTypeDef, TypedRequest,
 };
-pub use embedded::{EmbeddedBus, TxAnswer, TxHandler, TxPrepare, TxWrite};
+pub use embedded::{EmbeddedBus, TxAnswer, TxHandler, TxPrepare, TxPrepareTyped, TxWrite};
 pub use error::{BusCode, BusError};
 pub use local::{LocalFuture, LocalHandler, LocalValue};

@@ -163,3 +163,102 @@ async fn a_call_without_a_transactional_form_falls_back_to_one_by_one() {
     );
     assert_eq!(bus.state_get("t", "a").await.unwrap(), Some(json!(1)));
 }
+
+/// A request of the loop's own writes, as a typed form takes it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Note {
+    text: String,
+}
+
+/// A `BusWrite::Typed` reaches a typed in-transaction form as the Rust value it was made with
+/// (no JSON on the way); a request of another type, a JSON-only form and a function with no
+/// in-transaction form all get its JSON, so the outcome never depends on the path.
+#[tokio::test]
+async fn typed_writes_skip_json_where_the_form_takes_their_type() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let (store, bus) = open(dir.path());
+    let parsed = Arc::new(AtomicUsize::new(0));
+    let write = |text: String| -> harness_bus::TxWrite {
+        Box::new(move |conn| {
+            harness_store::kv_put_in(conn, "t", &text, &json!(text))?;
+            Ok(harness_bus::TxAnswer {
+                answer: json!({"wrote": text}),
+                event: None,
+            })
+        })
+    };
+    bus.register_prepared_typed(
+        "t::note",
+        Arc::new({
+            let parsed = parsed.clone();
+            move |payload: Value| {
+                parsed.fetch_add(1, Ordering::SeqCst);
+                let note: Note = serde_json::from_value(payload)?;
+                Ok(write(note.text))
+            }
+        }),
+        Arc::new(
+            move |request: harness_bus::TypedRequest| match request.take::<Note>() {
+                Ok(note) => Ok(write(note.text)),
+                Err(other) => Err(Ok(other)),
+            },
+        ),
+    );
+    bus.register_transactional(
+        "t::in-writer",
+        Arc::new(|conn, payload: Value| {
+            harness_store::kv_put_in(conn, "t", "in-writer", &payload)?;
+            Ok(payload)
+        }),
+    );
+    let typed = |function_id: &str, text: &str| BusWrite::Typed {
+        function_id: function_id.into(),
+        request: harness_bus::TypedRequest::new(Note { text: text.into() }),
+    };
+    let before = store.stats().commits;
+    let out = bus
+        .commit(vec![
+            typed("t::note", "a"),
+            // Another type: the form hands it back, and it goes through JSON.
+            BusWrite::Typed {
+                function_id: "t::note".into(),
+                request: harness_bus::TypedRequest::new(json!({"text": "b"})),
+            },
+            typed("t::in-writer", "c"),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(store.stats().commits - before, 1, "one transaction");
+    assert_eq!(
+        out,
+        vec![
+            json!({"wrote": "a"}),
+            json!({"wrote": "b"}),
+            json!({"text": "c"})
+        ]
+    );
+    assert_eq!(
+        parsed.load(Ordering::SeqCst),
+        1,
+        "only the untyped one parsed"
+    );
+    assert_eq!(bus.state_get("t", "a").await.unwrap(), Some(json!("a")));
+    assert_eq!(bus.state_get("t", "b").await.unwrap(), Some(json!("b")));
+
+    // A function with no in-transaction form: called one by one with the request's JSON.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    bus.register_function(
+        harness_bus::FunctionDef::new("t::plain", "echoes"),
+        Arc::new(move |p: Value, _ctx| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(p.clone());
+                Ok(p)
+            }
+        }),
+    );
+    let out = bus.commit(vec![typed("t::plain", "d")]).await.unwrap();
+    assert_eq!(out, vec![json!({"text": "d"})]);
+    assert_eq!(rx.recv().await.unwrap(), json!({"text": "d"}));
+}

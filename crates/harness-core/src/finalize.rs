@@ -46,7 +46,7 @@ impl Harness {
             })
         };
         for req in closings.iter().flatten().filter(closed) {
-            batch.append(req)?;
+            batch.append(req.clone())?;
         }
         terminal_records(&mut batch, rec)?;
         batch.save_record(rec)?;

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harness_bus::{Bus, BusError, BusWrite, QueueDef};
+use harness_bus::{Bus, BusError, BusWrite, QueueDef, TypedRequest};
 use harness_types::api::TurnStepPayload;
 use harness_types::session::*;
 use harness_types::HarnessError;
@@ -156,19 +156,19 @@ impl StepWrites {
         self.writes.extend(later.writes);
     }
 
-    fn call<Req: Serialize>(&mut self, function_id: &str, req: &Req) -> Result<()> {
-        let payload =
-            serde_json::to_value(req).map_err(|e| HarnessError::internal(e.to_string()))?;
-        self.writes.push(BusWrite::Call {
+    /// Typed: the embedded bus hands the request to the transcript store as it is; another bus
+    /// serialises it.
+    fn call<Req: Serialize + Send + Sync + 'static>(&mut self, function_id: &str, req: Req) {
+        self.writes.push(BusWrite::Typed {
             function_id: function_id.to_string(),
-            payload,
+            request: TypedRequest::new(req),
         });
-        Ok(())
     }
 
     /// As [`Harness::append`].
-    pub(crate) fn append(&mut self, req: &AppendRequest) -> Result<()> {
-        self.call("session::append", req)
+    pub(crate) fn append(&mut self, req: AppendRequest) -> Result<()> {
+        self.call("session::append", req);
+        Ok(())
     }
 
     /// As [`Harness::append_custom`].
@@ -180,7 +180,7 @@ impl StepWrites {
         data: Value,
         turn_id: &str,
     ) -> Result<()> {
-        self.append(&AppendRequest {
+        self.append(AppendRequest {
             session_id: session_id.to_string(),
             message: None,
             custom: Some(CustomEntry {
@@ -193,8 +193,9 @@ impl StepWrites {
     }
 
     /// As the `session::update-message` call of the stream's last write.
-    pub(crate) fn update_message(&mut self, req: &UpdateMessageRequest) -> Result<()> {
-        self.call("session::update-message", req)
+    pub(crate) fn update_message(&mut self, req: UpdateMessageRequest) -> Result<()> {
+        self.call("session::update-message", req);
+        Ok(())
     }
 
     /// As [`Harness::set_status`].
@@ -206,12 +207,13 @@ impl StepWrites {
     ) -> Result<()> {
         self.call(
             "session::set-status",
-            &SetStatusRequest {
+            SetStatusRequest {
                 session_id: session_id.to_string(),
                 status,
                 reason: reason.map(str::to_string),
             },
-        )
+        );
+        Ok(())
     }
 
     /// As [`Harness::save_record`] (stamps `updated_at` the same way).

@@ -329,7 +329,7 @@ impl Harness {
                     effects.next();
                     let persist = |rec: &mut TurnRecord, step: bool| -> Result<StepWrites> {
                         let mut batch = StepWrites::default();
-                        batch.append(&user_append(
+                        batch.append(user_append(
                             &session_id,
                             message.clone(),
                             &entry_id,

@@ -444,7 +444,7 @@ impl Harness {
         // The assistant entry exists before the first token, so a replay reuses it.
         let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
         let mut batch = std::mem::take(&mut ctx.pending);
-        batch.append(&AppendRequest {
+        batch.append(AppendRequest {
             session_id: sid.clone(),
             message: Some(AgentMessage::Assistant(AssistantMessage {
                 content: vec![],

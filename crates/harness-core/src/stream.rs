@@ -304,12 +304,7 @@ impl Harness {
         // The final content goes with the step's next commit (see `StepCtx::pending`): one
         // store round trip less per step, and the answer lands atomically with what the step
         // decides on it.
-        last.update_message(&stream_update(
-            session_id,
-            entry_id,
-            &final_message,
-            details,
-        ))?;
+        last.update_message(stream_update(session_id, entry_id, &final_message, details))?;
         Ok(Generation {
             message: final_message,
             error: gen.error,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use harness_bus::{
     Bus, BusError, CallContext, EmbeddedBus, FunctionDef, Handler, LocalHandler, LocalValue,
-    TxAnswer, TxWrite,
+    TxAnswer, TxWrite, TypedRequest,
 };
 use harness_store::{Connection, StoreError};
 use harness_types::parse::parse_payload;
@@ -151,24 +151,31 @@ fn register_tx<Req, P, Resp>(
     prepare: fn(Req) -> Result<P, StoreError>,
     run: TxRun<P, Resp>,
 ) where
-    Req: DeserializeOwned + 'static,
+    Req: DeserializeOwned + Clone + Send + Sync + 'static,
     P: Send + 'static,
     Resp: Serialize + 'static,
 {
-    bus.register_prepared(
+    let write = move |req: Req| -> Result<TxWrite, StoreError> {
+        let prepared = prepare(req)?;
+        Ok(Box::new(move |conn: &Connection| {
+            let (resp, event) = run(conn, &prepared)?;
+            Ok(TxAnswer {
+                answer: serde_json::to_value(resp)?,
+                event,
+            })
+        }))
+    };
+    bus.register_prepared_typed(
         id,
         Arc::new(move |payload: Value| {
             let req: Req =
                 parse_payload(payload).map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let prepared = prepare(req)?;
-            let write: TxWrite = Box::new(move |conn: &Connection| {
-                let (resp, event) = run(conn, &prepared)?;
-                Ok(TxAnswer {
-                    answer: serde_json::to_value(resp)?,
-                    event,
-                })
-            });
-            Ok(write)
+            write(req)
+        }),
+        // The loop's own writes arrive typed: no JSON on the way to the writer.
+        Arc::new(move |request: TypedRequest| match request.take::<Req>() {
+            Ok(req) => write(req).map_err(Err),
+            Err(other) => Err(Ok(other)),
         }),
     );
 }
