@@ -661,11 +661,6 @@ impl Harness {
         Ok(self.transcript_shared(session_id).await?.as_ref().clone())
     }
 
-    /// [`Harness::transcript`] without the copy: the returned list is shared with the
-    /// per-session cache, so a step on a long session costs its new entries, not its history.
-    /// Asks `session::changes` for the entries appended or updated since the cached mark (one
-    /// indexed read when nothing changed); without that function (another transcript store),
-    /// reads the whole transcript every time.
     /// `session::changes`, in-process when the transcript store is (no JSON either way). The
     /// outer error is the bus's; the inner one an answer of the wrong shape.
     async fn changes(
@@ -690,6 +685,11 @@ impl Harness {
         }))
     }
 
+    /// [`Harness::transcript`] without the copy: the returned list is shared with the
+    /// per-session cache, so a step on a long session costs its new entries, not its history.
+    /// Asks `session::changes` for the entries appended or updated since the cached mark (one
+    /// indexed read when nothing changed); without that function (another transcript store),
+    /// reads the whole transcript every time.
     pub(crate) async fn transcript_shared(&self, session_id: &str) -> Result<Arc<Vec<Entry>>> {
         let cached = self
             .inner
