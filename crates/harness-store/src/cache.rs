@@ -107,6 +107,14 @@ struct Inner {
     empty: HashSet<String>,
 }
 
+/// [`KvCache::lookup`]'s answer.
+pub(crate) enum Lookup {
+    Hit(Arc<Value>),
+    /// A read since the last insert of the key found it absent.
+    Absent,
+    Unknown,
+}
+
 /// The keys of the rows a batch inserted, read by the writer before its COMMIT.
 pub(crate) enum Inserted {
     Keys(Vec<(String, String)>),
@@ -168,12 +176,6 @@ impl KvCache {
             }
         }
         Inserted::Keys(keys)
-    }
-
-    /// Whether a read since the last insert into `scope` found `key` absent.
-    pub(crate) fn is_absent(&self, scope: &str, key: &str) -> bool {
-        let inner = lock(&self.inner);
-        !inner.absent.is_empty() && inner.absent.contains(&(scope.to_string(), key.to_string()))
     }
 
     /// Whether a list since the last insert into `scope` found it empty.
@@ -240,16 +242,22 @@ impl KvCache {
         lock(&self.inner).generation
     }
 
-    pub(crate) fn get(&self, scope: &str, key: &str) -> Option<Arc<Value>> {
+    /// What the cache knows of `key`: its value, that it is absent, or nothing. One lock and
+    /// one key for all three answers (a miss is followed by a SQLite read).
+    pub(crate) fn lookup(&self, scope: &str, key: &str) -> Lookup {
         // The tuple key needs owned strings (two small allocations, which a hit repays many
         // times over); they are made before the lock, which every step's reads share.
         let k = (scope.to_string(), key.to_string());
         let mut inner = lock(&self.inner);
-        let hit = inner.entries.get(&k).map(|c| c.value.clone());
+        let found = match inner.entries.get(&k) {
+            Some(c) => Lookup::Hit(c.value.clone()),
+            None if inner.absent.contains(&k) => Lookup::Absent,
+            None => Lookup::Unknown,
+        };
         let dropped = std::mem::take(&mut inner.dropped);
         drop(inner);
         drop(dropped);
-        hit
+        found
     }
 
     /// Caches what a read that began at `generation` returned, unless a kv change was committed
@@ -401,6 +409,15 @@ mod tests {
         cache.change_log().lock().unwrap().push(1);
         cache.pend("s", key, 1, 8, Arc::new(json!({"n": n})));
         cache.committed(&Inserted::default());
+    }
+
+    impl KvCache {
+        fn get(&self, scope: &str, key: &str) -> Option<Arc<Value>> {
+            match self.lookup(scope, key) {
+                Lookup::Hit(value) => Some(value),
+                Lookup::Absent | Lookup::Unknown => None,
+            }
+        }
     }
 
     #[test]

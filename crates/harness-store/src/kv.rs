@@ -8,6 +8,7 @@ use std::sync::Arc;
 use rusqlite::{Connection, OptionalExtension};
 use serde_json::Value;
 
+use crate::cache::Lookup;
 use crate::error::StoreError;
 use crate::store::Store;
 
@@ -105,11 +106,10 @@ impl Store {
     /// [`Store::kv_get`] without the copy: a cached value is shared, not cloned.
     pub fn kv_get_shared(&self, scope: &str, key: &str) -> Result<Option<Arc<Value>>, StoreError> {
         let cache = self.kv_cache();
-        if let Some(value) = cache.get(scope, key) {
-            return Ok(Some(value));
-        }
-        if cache.is_absent(scope, key) {
-            return Ok(None);
+        match cache.lookup(scope, key) {
+            Lookup::Hit(value) => return Ok(Some(value)),
+            Lookup::Absent => return Ok(None),
+            Lookup::Unknown => {}
         }
         let generation = cache.generation();
         let row: Option<(i64, String)> = self.read(|c| {
