@@ -141,7 +141,8 @@ pub fn register(bus: &dyn Bus, sessions: &SessionStore) {
 }
 
 /// A transcript write run inside a batch: its answer and the event it inserted.
-type TxRun<P, Resp> = fn(&Connection, &P) -> Result<(Resp, Option<i64>), StoreError>;
+type TxRun<P, Resp> =
+    Arc<dyn Fn(&Connection, &P) -> Result<(Resp, Option<i64>), StoreError> + Send + Sync>;
 
 /// Registers `id`'s prepared in-transaction form: the payload is parsed (and the write
 /// prepared) on the caller's thread; the writer thread only runs `run`.
@@ -155,8 +156,9 @@ fn register_tx<Req, P, Resp>(
     P: Send + 'static,
     Resp: Serialize + 'static,
 {
-    let write = move |req: Req| -> Result<TxWrite, StoreError> {
+    let write = Arc::new(move |req: Req| -> Result<TxWrite, StoreError> {
         let prepared = prepare(req)?;
+        let run = run.clone();
         Ok(Box::new(move |conn: &Connection| {
             let (resp, event) = run(conn, &prepared)?;
             Ok(TxAnswer {
@@ -164,7 +166,8 @@ fn register_tx<Req, P, Resp>(
                 event,
             })
         }))
-    };
+    });
+    let typed = write.clone();
     bus.register_prepared_typed(
         id,
         Arc::new(move |payload: Value| {
@@ -174,7 +177,7 @@ fn register_tx<Req, P, Resp>(
         }),
         // The loop's own writes arrive typed: no JSON on the way to the writer.
         Arc::new(move |request: TypedRequest| match request.take::<Req>() {
-            Ok(req) => write(req).map_err(Err),
+            Ok(req) => typed(req).map_err(Err),
             Err(other) => Err(Ok(other)),
         }),
     );
@@ -195,18 +198,24 @@ pub fn register_transactional(bus: &EmbeddedBus, sessions: &SessionStore) {
         |req: AppendRequest| {
             PreparedAppend::new(req).map_err(|e| StoreError::Invalid(e.to_string()))
         },
-        |conn, prepared: &PreparedAppend| prepared.run(conn),
+        Arc::new({
+            let log = sessions.change_log().clone();
+            move |conn, prepared: &PreparedAppend| prepared.run(conn, &log)
+        }),
     );
     register_tx(
         bus,
         "session::update-message",
         |req: UpdateMessageRequest| Ok(req),
-        update_message_in,
+        Arc::new({
+            let log = sessions.change_log().clone();
+            move |conn, req: &UpdateMessageRequest| update_message_in(conn, req, &log)
+        }),
     );
     register_tx(
         bus,
         "session::set-status",
         |req: SetStatusRequest| Ok(req),
-        set_status_in,
+        Arc::new(set_status_in),
     );
 }

@@ -8,6 +8,7 @@
 //!
 //! Architecture invariant: the turn loop never touches these tables; it calls the functions.
 
+mod changes;
 mod functions;
 mod store;
 

@@ -1,5 +1,7 @@
 //! Typed transcript operations over the embedded store's SQLite connection.
 
+use std::sync::Arc;
+
 use harness_store::{insert_event_in, Store, StoreError};
 use harness_types::message::AgentMessage;
 use harness_types::session::*;
@@ -7,6 +9,7 @@ use harness_types::{now_ms, ErrorCode, HarnessError};
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
 
+use crate::changes::ChangeLog;
 use crate::topics;
 
 /// The largest page `messages` returns.
@@ -102,6 +105,8 @@ fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
 #[derive(Clone)]
 pub struct SessionStore {
     store: Store,
+    /// Shared by every `SessionStore` over the same store (its writes must all reach it).
+    log: Arc<ChangeLog>,
 }
 
 fn status_str(s: SessionStatus) -> &'static str {
@@ -251,11 +256,16 @@ impl SessionStore {
     /// Creates the tables if needed.
     pub async fn open(store: Store) -> Result<SessionStore> {
         store.write(migrate).await?;
-        Ok(SessionStore { store })
+        let log = store.shared::<ChangeLog>();
+        Ok(SessionStore { store, log })
     }
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub(crate) fn change_log(&self) -> &Arc<ChangeLog> {
+        &self.log
     }
 
     /// Wakes event subscribers for the event a committed change inserted (none: nothing
@@ -343,9 +353,10 @@ impl SessionStore {
     /// Appends an entry; an existing `entry_id` is a no-op that returns the original.
     pub async fn append(&self, req: AppendRequest) -> Result<AppendResponse> {
         let prepared = PreparedAppend::new(req)?;
+        let log = self.log.clone();
         let response = self
             .store
-            .write_replayable(move |conn| prepared.run(conn))
+            .write_replayable(move |conn| prepared.run(conn, &log))
             .await
             .map_err(lower)?;
         Ok(self.notified(response))
@@ -353,9 +364,10 @@ impl SessionStore {
 
     /// Replaces a message's content wholesale (and usage/stop reason when given).
     pub async fn update_message(&self, req: UpdateMessageRequest) -> Result<UpdateMessageResponse> {
+        let log = self.log.clone();
         let response = self
             .store
-            .write_replayable(move |conn| update_message_in(conn, &req))
+            .write_replayable(move |conn| update_message_in(conn, &req, &log))
             .await
             .map_err(lower)?;
         Ok(self.notified(response))
@@ -457,6 +469,9 @@ impl SessionStore {
             .into());
         }
         let after = req.after.unwrap_or(i64::MIN);
+        if let Some(answer) = self.log.read(&req.session_id, after, limit as usize) {
+            return Ok(answer);
+        }
         let mut rows = self
             .store
             .read(|conn| {
@@ -495,6 +510,10 @@ impl SessionStore {
         let more = rows.len() > limit as usize;
         rows.truncate(limit as usize);
         let mark = rows.last().map_or(after, |(chg, _)| *chg);
+        if !more {
+            // Every change up to `mark` was read: later ones will be published to the log.
+            self.log.open(&req.session_id, mark);
+        }
         Ok(ChangesResponse {
             entries: rows.into_iter().map(|(_, e)| e).collect(),
             mark,
@@ -543,6 +562,7 @@ impl SessionStore {
     /// The session's events stay in the log: they are history, and a reader resuming the event
     /// stream must not find a hole.
     pub async fn delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
+        let log = self.log.clone();
         let response = self
             .store
             .write_replayable(move |conn| {
@@ -560,6 +580,9 @@ impl SessionStore {
                     &json!({"session_id": req.session_id}),
                     None,
                 )?;
+                // Without an event id the mark is every change ever made (no log reopens
+                // on what the delete removed).
+                log.publish_delete(&req.session_id, event.unwrap_or(i64::MAX));
                 Ok((DeleteResponse { deleted: true }, event))
             })
             .await
@@ -603,6 +626,10 @@ pub(crate) struct PreparedAppend {
     kind: &'static str,
     body: String,
     origin: Option<String>,
+    /// What the change log is given (see `changes.rs`).
+    message: Option<AgentMessage>,
+    custom: Option<CustomEntry>,
+    origin_value: Option<Value>,
 }
 
 impl PreparedAppend {
@@ -642,6 +669,9 @@ impl PreparedAppend {
             entry_id,
             kind,
             body,
+            message: req.message,
+            custom: req.custom,
+            origin_value: req.origin,
         })
     }
 
@@ -650,6 +680,7 @@ impl PreparedAppend {
     pub(crate) fn run(
         &self,
         conn: &Connection,
+        log: &Arc<ChangeLog>,
     ) -> std::result::Result<(AppendResponse, Option<i64>), StoreError> {
         let PreparedAppend {
             session_id,
@@ -657,6 +688,7 @@ impl PreparedAppend {
             kind,
             body,
             origin,
+            ..
         } = self;
         // Entries never outlive their session (`delete` removes both in one write), so an
         // entry found, or a session with entries, proves the session exists: the check runs
@@ -692,6 +724,14 @@ impl PreparedAppend {
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, 0, ?7)",
         )?
         .execute(params![session_id, seq, entry_id, kind, body, origin, chg])?;
+        log.publish(session_id, chg, || Entry {
+            entry_id: entry_id.clone(),
+            seq,
+            message: self.message.clone(),
+            custom: self.custom.clone(),
+            origin: self.origin_value.clone(),
+            revision: 0,
+        });
         Ok((
             AppendResponse {
                 entry_id: entry_id.clone(),
@@ -707,6 +747,7 @@ impl PreparedAppend {
 pub(crate) fn update_message_in(
     conn: &Connection,
     req: &UpdateMessageRequest,
+    log: &Arc<ChangeLog>,
 ) -> std::result::Result<(UpdateMessageResponse, Option<i64>), StoreError> {
     let Some(entry) = entry_in(conn, &req.session_id, &req.entry_id)? else {
         // Only now the session: an entry found proves it exists (see `PreparedAppend::run`).
@@ -756,10 +797,18 @@ pub(crate) fn update_message_in(
         req.session_id,
         req.entry_id,
         serde_json::to_string(&message)?,
-        origin.map(|o| o.to_string()),
+        origin.as_ref().map(|o| o.to_string()),
         revision,
         chg
     ])?;
+    log.publish(&req.session_id, chg, || Entry {
+        entry_id: req.entry_id.clone(),
+        seq: entry.seq,
+        message: Some(message),
+        custom: None,
+        origin,
+        revision,
+    });
     Ok((
         UpdateMessageResponse {
             updated: true,

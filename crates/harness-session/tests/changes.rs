@@ -159,3 +159,195 @@ async fn entries_written_before_change_marks_read_in_full() {
     assert_eq!(ids(&p1), ["old1"]);
     assert_eq!(ids(&changes(&s, "s", Some(p1.mark), None)), ["old2", "new"]);
 }
+
+fn edit(sid: &str, entry_id: &str, text: &str) -> UpdateMessageRequest {
+    UpdateMessageRequest {
+        session_id: sid.into(),
+        entry_id: entry_id.into(),
+        content: vec![ContentBlock::text(text)],
+        usage: None,
+        stop_reason: None,
+        details: None,
+        expected_revision: None,
+        origin: None,
+    }
+}
+
+/// What SQLite holds: every entry changed after `after`, in change order.
+fn in_sqlite(path: &std::path::Path, sid: &str, after: i64) -> Vec<(String, i64, String)> {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT entry_id, revision, body FROM entries WHERE session_id = ?1 AND chg > ?2
+             ORDER BY chg",
+        )
+        .unwrap();
+    stmt.query_map(rusqlite::params![sid, after], |r| {
+        Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+fn as_rows(r: &ChangesResponse) -> Vec<(String, i64, String)> {
+    r.entries
+        .iter()
+        .map(|e| {
+            (
+                e.entry_id.clone(),
+                e.revision,
+                serde_json::to_string(e.message.as_ref().unwrap()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_reader_after_its_first_read_is_answered_from_memory_as_sqlite_would() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let s = open(dir.path()).await;
+    for sid in ["s", "other"] {
+        s.create(CreateRequest {
+            session_id: Some(sid.into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    append(&s, "s", "e0", "zero").await;
+    append(&s, "s", "e1", "one").await;
+    // The first read comes from SQLite; from its mark on the writes are kept in memory.
+    let first = changes(&s, "s", None, None);
+    assert_eq!(ids(&first), ["e0", "e1"]);
+    let mut mark = first.mark;
+    for round in 0..5 {
+        append(&s, "s", &format!("n{round}"), "new").await;
+        // An entry updated twice since the mark is answered once, as it is now.
+        s.update_message(edit("s", "e1", &format!("edit {round}a")))
+            .await
+            .unwrap();
+        s.update_message(edit("s", "e1", &format!("edit {round}b")))
+            .await
+            .unwrap();
+        append(&s, "other", &format!("o{round}"), "elsewhere").await;
+        let delta = changes(&s, "s", Some(mark), None);
+        assert_eq!(
+            as_rows(&delta),
+            in_sqlite(&path, "s", mark),
+            "round {round}"
+        );
+        assert_eq!(ids(&delta), [format!("n{round}").as_str(), "e1"]);
+        assert!(delta.mark > mark);
+        mark = delta.mark;
+        assert!(changes(&s, "s", Some(mark), None).entries.is_empty());
+    }
+    // Paged from memory too.
+    for i in 0..5 {
+        append(&s, "s", &format!("p{i}"), "page").await;
+    }
+    let p1 = changes(&s, "s", Some(mark), Some(3));
+    assert!(p1.more);
+    let p2 = changes(&s, "s", Some(p1.mark), Some(3));
+    assert!(!p2.more);
+    assert_eq!(
+        [ids(&p1), ids(&p2)].concat(),
+        ["p0", "p1", "p2", "p3", "p4"]
+    );
+
+    // A change made behind the store's back (another process, which the store does not
+    // support) is not seen by a reader answered from memory: proof that it is.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(
+        "UPDATE entries SET revision = 99, chg = 1 << 60 WHERE session_id = 's' AND entry_id = 'e0'",
+        [],
+    )
+    .unwrap();
+    assert!(changes(&s, "s", Some(p2.mark), None).entries.is_empty());
+    // A reader from further back than the memory holds reads SQLite, and sees it.
+    let all = changes(&s, "s", None, None);
+    assert_eq!(all.entries.last().unwrap().revision, 99);
+}
+
+#[tokio::test]
+async fn a_deleted_session_is_not_answered_from_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path()).await;
+    let create = || CreateRequest {
+        session_id: Some("s".into()),
+        ..Default::default()
+    };
+    s.create(create()).await.unwrap();
+    append(&s, "s", "e0", "zero").await;
+    let first = changes(&s, "s", None, None);
+    assert!(changes(&s, "s", Some(first.mark), None).entries.is_empty());
+    s.delete(DeleteRequest {
+        session_id: "s".into(),
+    })
+    .await
+    .unwrap();
+    let gone = s.changes(&ChangesRequest {
+        session_id: "s".into(),
+        after: Some(first.mark),
+        limit: None,
+    });
+    assert!(gone.is_err(), "{gone:?}");
+    // Made again: only what the new session holds.
+    s.create(create()).await.unwrap();
+    append(&s, "s", "again", "new life").await;
+    assert_eq!(ids(&changes(&s, "s", Some(first.mark), None)), ["again"]);
+    assert_eq!(ids(&changes(&s, "s", None, None)), ["again"]);
+}
+
+/// A reader racing a writer ends with exactly the transcript, whichever of them is first at
+/// each step (the memory is opened from reads that a write may overtake).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_racing_writes_ends_with_the_transcript() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path()).await;
+    s.create(CreateRequest {
+        session_id: Some("s".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let writer = {
+        let s = s.clone();
+        tokio::spawn(async move {
+            for i in 0..200 {
+                append(&s, "s", &format!("e{i}"), "text").await;
+                if i % 3 == 0 {
+                    s.update_message(edit("s", &format!("e{}", i / 2), &format!("v{i}")))
+                        .await
+                        .unwrap();
+                }
+            }
+        })
+    };
+    let mut seen = std::collections::BTreeMap::new();
+    let mut mark = None;
+    let mut reads = 0;
+    loop {
+        let done = writer.is_finished();
+        let page = changes(&s, "s", mark, None);
+        for e in page.entries {
+            seen.insert(e.entry_id.clone(), (e.revision, e.message));
+        }
+        mark = Some(page.mark);
+        reads += 1;
+        if done {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    writer.await.unwrap();
+    let all = changes(&s, "s", None, None);
+    let expected: std::collections::BTreeMap<_, _> = all
+        .entries
+        .into_iter()
+        .map(|e| (e.entry_id.clone(), (e.revision, e.message)))
+        .collect();
+    assert_eq!(seen.len(), 200);
+    assert_eq!(seen, expected, "after {reads} reads");
+}

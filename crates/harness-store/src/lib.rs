@@ -26,6 +26,7 @@ pub use events::{insert_event_in, insert_event_text_in, EventRow};
 pub use kv::{kv_delete_in, kv_get_in, kv_put_cached_in, kv_put_in, kv_put_text_in, kv_set_in};
 pub use queue::{enqueue_in, enqueue_text_in, QueueConfig, QueueHandler, QueueMessage, Queues};
 pub use store::{Durability, Store, StoreStats};
+pub use writer::after_commit;
 
 /// The connection a [`Store::write`] closure runs on, for crates that build such closures.
 pub use rusqlite::Connection;

@@ -9,6 +9,8 @@
 //!   every commit made before the call. One fsync serves every barrier that is waiting when it
 //!   starts, so N concurrent loop steps pay far fewer than N fsyncs.
 
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -114,6 +116,9 @@ struct Inner {
     /// Latest committed event id (see `events.rs` for why a watch channel).
     events_tx: watch::Sender<i64>,
     kv_cache: Arc<KvCache>,
+    /// One value per type for crates that keep an in-memory copy of what this store holds
+    /// ([`Store::shared`]).
+    shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
 /// Handle to the database; cheap to clone, all clones share one writer.
@@ -241,12 +246,26 @@ impl Store {
                 }),
                 events_tx: watch::channel(last_event).0,
                 kv_cache,
+                shared: Mutex::default(),
             }),
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// The store's one `T`, made on first use and shared by every clone of this handle: for a
+    /// crate's in-memory copy of rows, which every writer of those rows must keep up to date
+    /// (two copies over one store would miss each other's writes).
+    pub fn shared<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
+        let mut shared = self.inner.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let any = shared
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(T::default()))
+            .clone();
+        any.downcast::<T>()
+            .unwrap_or_else(|_| unreachable!("stored under its own type id"))
     }
 
     pub fn durability(&self) -> Durability {

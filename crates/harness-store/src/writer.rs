@@ -16,6 +16,7 @@
 //! Either way an op's reply is sent only after the batch COMMIT succeeded: a resolved write is
 //! a committed write.
 
+use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -30,6 +31,58 @@ use crate::store::Counters;
 
 /// Most ops folded into one transaction; bounds a batch's latency and memory.
 const MAX_BATCH: usize = 1024;
+
+/// What [`after_commit`] queued for the batch in progress.
+type AfterCommit = Vec<Box<dyn FnOnce()>>;
+
+thread_local! {
+    /// Work the batch in progress leaves for after its COMMIT ([`after_commit`]); `None` off a
+    /// writer thread.
+    static AFTER_COMMIT: RefCell<Option<AfterCommit>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` once the batch the current write belongs to has committed, before any write of
+/// the batch is answered, so a read that starts after a write resolved finds `f` done. Dropped
+/// unrun with whatever the batch rolls back. For in-memory copies of what writes change (a
+/// write-through cache publishing what a write stored). Returns false, and drops `f`, off a
+/// writer thread: the caller must then stop trusting its copy.
+pub fn after_commit(f: impl FnOnce() + 'static) -> bool {
+    AFTER_COMMIT.with(|pending| match pending.borrow_mut().as_mut() {
+        Some(list) => {
+            list.push(Box::new(f));
+            true
+        }
+        None => false,
+    })
+}
+
+fn after_commit_mark() -> usize {
+    AFTER_COMMIT.with(|p| p.borrow().as_ref().map_or(0, Vec::len))
+}
+
+/// Drops what writes rolled back left to run (everything queued since `mark`).
+fn drop_after_commit_since(mark: usize) {
+    let dropped = AFTER_COMMIT.with(|p| {
+        p.borrow_mut()
+            .as_mut()
+            .map(|l| l.split_off(mark.min(l.len())))
+    });
+    drop(dropped);
+}
+
+/// Runs what the committed batch left, in the order its writes queued it. A panic in one is
+/// logged and does not stop the others (nor the writer).
+fn run_after_commit() {
+    let list = AFTER_COMMIT.with(|p| p.borrow_mut().as_mut().map(std::mem::take));
+    for f in list.into_iter().flatten() {
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(f)) {
+            tracing::error!(
+                "harness-store: after-commit work panicked: {}",
+                panic_message(payload.as_ref())
+            );
+        }
+    }
+}
 
 /// A write op as the writer thread sees it.
 pub(crate) trait Op: Send {
@@ -153,6 +206,7 @@ pub(crate) fn writer_loop(
     counters: &Counters,
     cache: &KvCache,
 ) {
+    AFTER_COMMIT.with(|p| *p.borrow_mut() = Some(Vec::new()));
     let mut batch: Vec<Box<dyn Op>> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = rx.recv() {
         let started = std::time::Instant::now();
@@ -192,6 +246,8 @@ struct Run {
     savepoint: bool,
     /// The cache's pending fills when the run started (see `KvCache::pending_mark`).
     fills: usize,
+    /// The after-commit work queued when the run started.
+    after: usize,
 }
 
 /// One batch transaction on its way to the COMMIT.
@@ -251,6 +307,7 @@ impl<'c> Batch<'c> {
                 at: self.done.len(),
                 savepoint,
                 fills: self.cache.pending_mark(),
+                after: after_commit_mark(),
             });
         }
         let ok = op.run(Ok(self.conn));
@@ -300,6 +357,7 @@ impl<'c> Batch<'c> {
             return;
         }
         self.cache.drop_pending_since(run.fills);
+        drop_after_commit_since(run.after);
         let again = self.done.split_off(run.at);
         for op in again {
             if !self.in_txn {
@@ -318,6 +376,7 @@ impl<'c> Batch<'c> {
             return;
         }
         let fills = self.cache.pending_mark();
+        let after = after_commit_mark();
         let ok = op.run(Ok(self.conn));
         if self.conn.is_autocommit() {
             // The transaction ended under the op (it issued COMMIT/ROLLBACK, or SQLite rolled
@@ -335,6 +394,7 @@ impl<'c> Batch<'c> {
             Ok(()) if ok => self.done.push(op),
             Ok(()) => {
                 self.cache.drop_pending_since(fills);
+                drop_after_commit_since(after);
                 op.reply(None)
             }
             Err(e) => {
@@ -358,6 +418,7 @@ impl<'c> Batch<'c> {
         self.in_txn = false;
         self.run = None;
         self.cache.drop_pending_since(0);
+        drop_after_commit_since(0);
         for op in self.done.drain(..) {
             op.reply(Some(reason.to_string()));
         }
@@ -366,6 +427,7 @@ impl<'c> Batch<'c> {
     /// `COMMIT`, then the replies (after the commit, so a resolved write is always committed).
     fn commit(mut self, counters: &Counters) {
         if !self.in_txn {
+            drop_after_commit_since(0);
             return;
         }
         // Read inside the transaction, where the inserted rows are (see `cache.rs`).
@@ -379,6 +441,7 @@ impl<'c> Batch<'c> {
                 }
                 // Before any reply: a read after a resolved write never finds the old value.
                 self.cache.committed(&inserted);
+                run_after_commit();
                 for op in self.done.drain(..) {
                     op.reply(None);
                 }
