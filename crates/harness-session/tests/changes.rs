@@ -23,6 +23,15 @@ async fn append(s: &SessionStore, sid: &str, entry_id: &str, text: &str) {
     .unwrap();
 }
 
+async fn create(s: &SessionStore, sid: &str) {
+    s.create(CreateRequest {
+        session_id: Some(sid.into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+}
+
 fn changes(s: &SessionStore, sid: &str, after: Option<i64>, limit: Option<u32>) -> ChangesResponse {
     s.changes(&ChangesRequest {
         session_id: sid.into(),
@@ -40,18 +49,8 @@ fn ids(r: &ChangesResponse) -> Vec<&str> {
 async fn a_reader_gets_only_what_changed_after_its_mark() {
     let dir = tempfile::tempdir().unwrap();
     let s = open(dir.path()).await;
-    s.create(CreateRequest {
-        session_id: Some("s".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    s.create(CreateRequest {
-        session_id: Some("other".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    create(&s, "s").await;
+    create(&s, "other").await;
     for i in 0..3 {
         append(&s, "s", &format!("e{i}"), "hi").await;
     }
@@ -108,12 +107,7 @@ async fn unknown_session_and_bad_limit_are_refused() {
         })
         .unwrap_err();
     assert!(e.to_string().contains("session_id"), "{e}");
-    s.create(CreateRequest {
-        session_id: Some("s".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    create(&s, "s").await;
     let e = s
         .changes(&ChangesRequest {
             session_id: "s".into(),
@@ -209,12 +203,7 @@ async fn a_reader_after_its_first_read_is_answered_from_memory_as_sqlite_would()
     let path = dir.path().join("t.db");
     let s = open(dir.path()).await;
     for sid in ["s", "other"] {
-        s.create(CreateRequest {
-            session_id: Some(sid.into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        create(&s, sid).await;
     }
     append(&s, "s", "e0", "zero").await;
     append(&s, "s", "e1", "one").await;
@@ -306,12 +295,7 @@ async fn a_deleted_session_is_not_answered_from_memory() {
 async fn a_reader_racing_writes_ends_with_the_transcript() {
     let dir = tempfile::tempdir().unwrap();
     let s = open(dir.path()).await;
-    s.create(CreateRequest {
-        session_id: Some("s".into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    create(&s, "s").await;
     let writer = {
         let s = s.clone();
         tokio::spawn(async move {
