@@ -210,13 +210,7 @@ impl Jail {
         let fd = if NO_OPENAT2.load(Ordering::Relaxed) {
             open_fallback(&base.fd, rel, flags).map_err(map)?
         } else {
-            match rustix::fs::openat2(
-                &base.fd,
-                rel,
-                flags,
-                Mode::empty(),
-                ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
-            ) {
+            match openat2_beneath(&base.fd, rel, flags) {
                 Ok(fd) => fd,
                 Err(Errno::NOSYS) | Err(Errno::PERM) if !NO_OPENAT2.load(Ordering::Relaxed) => {
                     tracing::warn!("openat2 is not available: paths are confined by re-checking what was opened");
@@ -372,6 +366,28 @@ impl Jail {
         real.strip_prefix(self.root())
             .map(|p| dot_if_empty(p).display().to_string())
             .unwrap_or_else(|_| real.display().to_string())
+    }
+}
+
+/// How often `openat2` is asked again after it could not rule out a `..` escape.
+const OPENAT2_RETRIES: usize = 32;
+
+/// `openat2` confined beneath `base`. It fails with `EAGAIN` when a rename or mount anywhere on
+/// the system raced its resolution of a `..` (it cannot then prove the path stayed beneath):
+/// the kernel's advice is to ask again, which is what a busy machine needs.
+fn openat2_beneath(base: &OwnedFd, rel: &Path, flags: OFlags) -> rustix::io::Result<OwnedFd> {
+    let mut tries = 0;
+    loop {
+        match rustix::fs::openat2(
+            base,
+            rel,
+            flags,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        ) {
+            Err(Errno::AGAIN) if tries < OPENAT2_RETRIES => tries += 1,
+            other => return other,
+        }
     }
 }
 
