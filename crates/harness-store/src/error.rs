@@ -12,6 +12,12 @@ pub enum StoreError {
     /// The store was closed, or its writer/syncer thread is gone: the call did not run.
     #[error("store is closed")]
     Closed,
+    /// Another process has the database open (see `lock.rs`): one process per database.
+    #[error(
+        "harness/store_in_use: {path} is open in {holder}; one process per data directory: stop \
+         it first, or talk to it over its API (e.g. `harness chat --url`)"
+    )]
+    InUse { path: String, holder: String },
     /// Misuse or a batch-level failure (e.g. the batch COMMIT failed, a write closure panicked).
     #[error("{0}")]
     Invalid(String),

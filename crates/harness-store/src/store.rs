@@ -24,6 +24,7 @@ use tokio::sync::{oneshot, watch};
 
 use crate::cache::KvCache;
 use crate::error::StoreError;
+use crate::lock::Access;
 use crate::writer::{writer_loop, Once, Op, Replayable};
 use crate::{events, schema};
 
@@ -119,6 +120,8 @@ struct Inner {
     /// One value per type for crates that keep an in-memory copy of what this store holds
     /// ([`Store::shared`]).
     shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
+    /// Held while the database is open (see `lock.rs`).
+    _lock: Arc<crate::lock::DbLock>,
 }
 
 /// Handle to the database; cheap to clone, all clones share one writer.
@@ -139,12 +142,25 @@ impl std::fmt::Debug for Store {
 impl Store {
     /// Opens (creating if needed, with parent directories) the database at `path`, switches it to
     /// WAL, creates the schema and starts the writer and syncer threads.
+    ///
+    /// The database is this process's alone: another process that has it open is refused by
+    /// name (`harness/store_in_use`), and so is one that tries while this one has it.
     pub fn open(path: &Path, durability: Durability) -> Result<Store, StoreError> {
+        Store::open_with(path, durability, Access::Exclusive)
+    }
+
+    /// [`Store::open`] for processes that take turns on one database ([`Access::Shared`]).
+    pub fn open_shared(path: &Path, durability: Durability) -> Result<Store, StoreError> {
+        Store::open_with(path, durability, Access::Shared)
+    }
+
+    fn open_with(path: &Path, durability: Durability, access: Access) -> Result<Store, StoreError> {
         if let Some(parent) = path.parent() {
             if !parent.as_os_str().is_empty() {
                 std::fs::create_dir_all(parent)?;
             }
         }
+        let lock = crate::lock::acquire(path, access)?;
         let conn = Connection::open(path)?;
         conn.busy_timeout(BUSY_TIMEOUT)?;
         let mode: String =
@@ -247,6 +263,7 @@ impl Store {
                 events_tx: watch::channel(last_event).0,
                 kv_cache,
                 shared: Mutex::default(),
+                _lock: lock,
             }),
         })
     }

@@ -282,7 +282,9 @@ impl Runtime {
         let (sessions, store) = if with.session {
             std::fs::create_dir_all(&opts.data_dir)
                 .with_context(|| format!("cannot create data dir {}", opts.data_dir.display()))?;
-            let store = Store::open(&opts.data_dir.join("harness.db"), opts.durability)
+            // Shared: a standby worker with `--with session` shares the serving worker's data
+            // dir (and serves only once that one is gone); an embedded runtime is kept out.
+            let store = Store::open_shared(&opts.data_dir.join("harness.db"), opts.durability)
                 .with_context(|| format!("cannot open the store in {}", opts.data_dir.display()))?;
             let sessions = SessionStore::open(store.clone())
                 .await
