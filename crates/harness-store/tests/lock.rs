@@ -8,9 +8,17 @@ use std::os::fd::AsRawFd;
 
 use harness_store::{Durability, Store, StoreError};
 
-fn try_flock(file: &File) -> bool {
+fn flock(file: &File, mode: libc::c_int) -> bool {
     // SAFETY: flock on a descriptor the `File` owns; no pointer.
-    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+    unsafe { libc::flock(file.as_raw_fd(), mode | libc::LOCK_NB) == 0 }
+}
+
+fn try_flock(file: &File) -> bool {
+    flock(file, libc::LOCK_EX)
+}
+
+fn try_flock_shared(file: &File) -> bool {
+    flock(file, libc::LOCK_SH)
 }
 
 #[test]
@@ -50,11 +58,6 @@ fn an_open_store_holds_the_lock_until_its_last_handle_is_dropped() {
     assert!(!try_flock(&probe), "held while a clone is open");
     drop(again);
     assert!(try_flock(&probe), "released with the last handle");
-}
-
-fn try_flock_shared(file: &File) -> bool {
-    // SAFETY: as in `try_flock`.
-    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) == 0 }
 }
 
 /// Workers that take turns on one database (iii standbys) hold it shared: they coexist, and an
