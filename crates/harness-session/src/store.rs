@@ -87,6 +87,25 @@ const DROP_CHANGE_INDEX: &str = "DROP INDEX IF EXISTS entries_by_change;";
 /// positive) and still ordered by `seq`, so a reader starting from the beginning sees them once.
 const LEGACY_CHANGE_BASE: i64 = -(1 << 62);
 
+/// `session::changes` from a real mark (event ids start at 1): the session's events after it
+/// name the entries they changed, and an entry counts at its latest change only (`chg` is that
+/// event's id). Costs the events since the mark, not the transcript. An event that names an
+/// entry without being its change (one published by anyone else) matches nothing.
+const CHANGES_AFTER_MARK: &str = "
+    SELECT en.seq, en.entry_id, en.kind, en.body, en.origin, en.revision, en.chg
+    FROM events ev CROSS JOIN entries en
+    WHERE ev.session_id = ?1 AND ev.id > ?2 AND ev.topic IN (?3, ?4)
+      AND en.session_id = ?1
+      AND en.entry_id = json_extract(ev.payload, '$.entry_id')
+      AND en.chg = ev.id
+    ORDER BY ev.id";
+
+/// `session::changes` from the beginning (or a legacy mark below 0, see `LEGACY_CHANGE_BASE`):
+/// the whole transcript is the answer anyway, scanned in key order.
+const CHANGES_FROM_START: &str = "
+    SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
+    WHERE session_id = ?1 AND chg > ?2 ORDER BY chg";
+
 /// `chg` is an entry's change mark: the id of the event its latest append or update inserted in
 /// the same transaction (with the session's id and the entry's id in it). Event ids are never
 /// reused and the single writer commits them in order, so "entries with `chg` > m" is exactly
@@ -478,29 +497,6 @@ impl SessionStore {
         let mut rows = self
             .store
             .read(|conn| {
-                // From a real mark (event ids start at 1), the session's events after it name
-                // the entries they changed; an entry counts at its latest change only (`chg`
-                // is that event's id). Cost: the events since the mark, not the transcript.
-                // From the beginning (or a legacy mark below 1, see `LEGACY_CHANGE_BASE`) the
-                // whole transcript is the answer anyway: it is scanned in key order.
-                let mut stmt = if after >= 0 {
-                    conn.prepare_cached(
-                        "SELECT en.seq, en.entry_id, en.kind, en.body, en.origin, en.revision,
-                                en.chg
-                         FROM events ev CROSS JOIN entries en
-                         WHERE ev.session_id = ?1 AND ev.id > ?2
-                           AND ev.topic IN (?3, ?4)
-                           AND en.session_id = ?1
-                           AND en.entry_id = json_extract(ev.payload, '$.entry_id')
-                           AND en.chg = ev.id
-                         ORDER BY ev.id",
-                    )?
-                } else {
-                    conn.prepare_cached(
-                        "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
-                         WHERE session_id = ?1 AND chg > ?2 ORDER BY chg",
-                    )?
-                };
                 // The page is cut here, not by a bound LIMIT (see `messages`).
                 let row = |r: &rusqlite::Row<'_>| {
                     Ok((
@@ -514,10 +510,13 @@ impl SessionStore {
                     ))
                 };
                 let sid = &req.session_id;
+                let mut stmt;
                 let rows = if after >= 0 {
+                    stmt = conn.prepare_cached(CHANGES_AFTER_MARK)?;
                     let changed = (topics::MESSAGE_ADDED, topics::MESSAGE_UPDATED);
                     stmt.query_map(params![sid, after, changed.0, changed.1], row)?
                 } else {
+                    stmt = conn.prepare_cached(CHANGES_FROM_START)?;
                     stmt.query_map(params![sid, after], row)?
                 };
                 let mut out = Vec::new();

@@ -411,3 +411,31 @@ async fn after_a_restart_every_mark_reads_what_changed_after_it() {
         ["e0", "e2", "e3", "e1", "last"]
     );
 }
+
+/// Anyone may publish an event on a session's topics (the bus's `publish`): one that names an
+/// entry without being that entry's change brings nothing back from SQLite.
+#[tokio::test]
+async fn an_event_published_by_someone_else_is_not_a_change() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = open(dir.path()).await;
+        create(&s, "s").await;
+        append(&s, "s", "e0", "zero").await;
+    }
+    let s = open(dir.path()).await;
+    let mark = changes(&s, "s", None, None).mark;
+    for payload in [
+        serde_json::json!({"session_id": "s", "entry_id": "e0", "seq": 1}),
+        serde_json::json!({"session_id": "s", "entry_id": 7}),
+        serde_json::json!({"session_id": "s"}),
+    ] {
+        s.store()
+            .append_event(Some("s"), "session::message-added", &payload, None)
+            .await
+            .unwrap();
+    }
+    // A fresh store: nothing is answered from memory.
+    let fresh = open(dir.path()).await;
+    assert!(changes(&fresh, "s", Some(mark), None).entries.is_empty());
+    assert_eq!(ids(&changes(&fresh, "s", Some(0), None)), ["e0"]);
+}
