@@ -1,7 +1,7 @@
 //! Agent profiles: `agents/<name>.md`, composed along their `extends` chain.
 
 use harness_types::api::ThinkingLevel;
-use harness_types::directory::{AgentList, AgentProfile, AgentSummary, Display};
+use harness_types::directory::{AgentList, AgentProfile, AgentSummary, Display, SkippedFile};
 use serde::Deserialize;
 
 use crate::error::DirectoryError;
@@ -155,9 +155,12 @@ impl Directory {
         Ok(profile)
     }
 
-    /// `directory::agents::list`: every profile's name, description and display.
+    /// `directory::agents::list`: every profile's name, description and display. A malformed
+    /// profile is left out and named in `skipped` with the error `get` would give, so one bad
+    /// file never hides the others.
     pub fn agents(&self) -> Result<AgentList, DirectoryError> {
         let mut agents = Vec::new();
+        let mut skipped = Vec::new();
         for path in entries(&self.root(), "agents")? {
             if path.extension().and_then(|e| e.to_str()) != Some("md") {
                 continue;
@@ -168,15 +171,20 @@ impl Directory {
             if check_name(name).is_err() {
                 continue;
             }
-            if let Some(l) = self.load_agent(name)? {
-                agents.push(AgentSummary {
+            match self.load_agent(name) {
+                Ok(Some(l)) => agents.push(AgentSummary {
                     name: name.to_string(),
                     description: l.fm.description.unwrap_or_default(),
                     display: l.fm.display,
-                });
+                }),
+                Ok(None) => {}
+                Err(e) => skipped.push(SkippedFile {
+                    file: format!("agents/{name}.md"),
+                    reason: e.to_string(),
+                }),
             }
         }
-        Ok(AgentList { agents })
+        Ok(AgentList { agents, skipped })
     }
 }
 
@@ -248,6 +256,39 @@ mod tests {
             d.agent("nobody"),
             Err(DirectoryError::NotFound { .. })
         ));
+    }
+
+    #[test]
+    fn a_malformed_profile_is_skipped_in_the_list_and_named_with_its_reason() {
+        let (_t, d) = dir(&[
+            ("agents/good.md", "---\ndescription: fine\n---\nG"),
+            ("agents/bad.md", "---\nreasoning_effort: enormous\n---\nB"),
+            ("agents/worse.md", "---\nmodel: [unclosed\n---\nW"),
+            ("agents/zed.md", "---\ndescription: last\n---\nZ"),
+        ]);
+        let list = d.agents().unwrap();
+        let names: Vec<&str> = list.agents.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(names, vec!["good", "zed"]);
+        let files: Vec<&str> = list.skipped.iter().map(|s| s.file.as_str()).collect();
+        assert_eq!(files, vec!["agents/bad.md", "agents/worse.md"]);
+        assert!(
+            list.skipped[0]
+                .reason
+                .contains("reasoning_effort: unknown variant `enormous`"),
+            "{:?}",
+            list.skipped[0]
+        );
+        // The same file still fails a get, naming the file and the field.
+        let err = d.agent("bad").unwrap_err().to_string();
+        assert!(
+            err.starts_with("agents/bad.md: reasoning_effort: unknown variant"),
+            "{err}"
+        );
+        assert_eq!(list.skipped[0].reason, err);
+        // Nothing skipped: the field is absent from the answer, as before.
+        let (_t, d) = dir(&[("agents/good.md", "---\ndescription: g\n---\nG")]);
+        let v = serde_json::to_value(d.agents().unwrap()).unwrap();
+        assert!(v.get("skipped").is_none(), "{v}");
     }
 
     #[test]

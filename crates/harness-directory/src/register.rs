@@ -49,7 +49,7 @@ pub fn register(bus: &dyn Bus, dir: &Directory) {
         bus,
         dir,
         "directory::agents::list",
-        "Agent profiles in the directory: name, description, display.",
+        "Agent profiles in the directory: name, description, display; a malformed profile file is left out and named in `skipped` with its reason.",
         |d, _: ListRequest| d.agents(),
     );
     register_fn(

@@ -96,6 +96,18 @@ pub struct AgentSummary {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentList {
     pub agents: Vec<AgentSummary>,
+    /// Profiles left out because their file is malformed: one bad file never hides the rest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedFile>,
+}
+
+/// A directory file a list left out, and why (`directory::agents::get` of it says the same).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SkippedFile {
+    /// Relative to the directory root, e.g. `agents/a.md`.
+    pub file: String,
+    /// The error a read of it gives, naming the field at fault.
+    pub reason: String,
 }
 
 /// A skill's index line: what the model reads before it decides to fetch the body.
