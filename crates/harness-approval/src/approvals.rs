@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use harness_bus::Bus;
+use harness_bus::{Bus, BusWrite};
 use harness_types::api::{ResolveResponse, StatusReport};
 use harness_types::now_ms;
 use serde_json::{json, Value};
@@ -14,6 +14,10 @@ use crate::types::*;
 use crate::SCOPE;
 
 type Result<T> = std::result::Result<T, ApprovalError>;
+
+/// The session events of a hold and of its decision (or expiry).
+pub const REQUESTED: &str = "approval::requested";
+pub const DECIDED: &str = "approval::decided";
 
 /// The approval gate over a bus. Cheap to clone; every clone shares the decision locks.
 #[derive(Clone)]
@@ -62,15 +66,42 @@ impl Approvals {
         }
     }
 
-    /// Writes the record and makes it durable before anyone acts on it.
-    async fn save(&self, rec: &ApprovalRecord) -> Result<()> {
+    /// Writes the record and its event on the session's event log in one commit (on the
+    /// embedded bus, one transaction), durable before anyone acts on it: a stream client sees
+    /// the hold or the decision exactly when the record says so, never one without the other.
+    /// The event carries no arguments (they are read with `approval::list`); its dedupe key
+    /// makes a redelivered gate or decision record it once.
+    async fn save_with_event(&self, rec: &ApprovalRecord, topic: &str) -> Result<()> {
         let value = serde_json::to_value(rec).map_err(|e| {
             ApprovalError::Bus(harness_bus::BusError::internal(format!(
                 "cannot encode approval {}: {e}",
                 rec.approval_id
             )))
         })?;
-        self.bus.state_set(SCOPE, &rec.approval_id, value).await?;
+        let payload = json!({
+            "session_id": rec.session_id,
+            "turn_id": rec.turn_id,
+            "approval_id": rec.approval_id,
+            "function_call_id": rec.function_call_id,
+            "function_id": rec.function_id,
+            "digest": rec.digest,
+            "status": rec.status.as_str(),
+        });
+        let dedupe_key = format!("{topic}:{}:{}", rec.approval_id, rec.digest);
+        self.bus
+            .commit(vec![
+                BusWrite::StateSet {
+                    scope: SCOPE.to_string(),
+                    key: rec.approval_id.clone(),
+                    value,
+                },
+                BusWrite::Publish {
+                    topic: topic.to_string(),
+                    payload,
+                    dedupe_key: Some(dedupe_key),
+                },
+            ])
+            .await?;
         self.bus.barrier().await?;
         Ok(())
     }
@@ -159,7 +190,7 @@ impl Approvals {
     ) -> Result<std::result::Result<(), Busy>> {
         let lock = self.lock_for(&rec.approval_id);
         let out = match lock.try_lock() {
-            Ok(_guard) => self.save(rec).await.map(Ok),
+            Ok(_guard) => self.save_with_event(rec, REQUESTED).await.map(Ok),
             Err(_) => Ok(Err(Busy)),
         };
         self.release(&rec.approval_id, lock);
@@ -246,7 +277,7 @@ impl Approvals {
             rec.status = ApprovalStatus::Expired;
             rec.decided_at = Some(now_ms());
             rec.reason = Some("the turn ended before a decision".into());
-            self.save(&rec).await
+            self.save_with_event(&rec, DECIDED).await
         }
         .await;
         self.release(id, lock);
@@ -343,7 +374,7 @@ impl Approvals {
             rec.status = ApprovalStatus::Expired;
             rec.decided_at = Some(now_ms());
             rec.reason = Some("the turn ended before a decision".into());
-            self.save(&rec).await?;
+            self.save_with_event(&rec, DECIDED).await?;
             return out;
         }
         let reason = req
@@ -387,7 +418,7 @@ impl Approvals {
         rec.decided_at = Some(now_ms());
         rec.reason = reason.map(str::to_string);
         rec.resolved = Some(answer.resolved);
-        self.save(&rec).await?;
+        self.save_with_event(&rec, DECIDED).await?;
         Ok(DecideResponse {
             decided: true,
             approval_id: rec.approval_id,

@@ -33,7 +33,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-pub use approvals::Approvals;
+pub use approvals::{Approvals, DECIDED, REQUESTED};
 pub use digest::{approval_id, canonical, digest};
 pub use error::ApprovalError;
 pub use types::*;

@@ -574,3 +574,52 @@ async fn the_sweep_prunes_decided_approvals_and_fanout_marks_past_retention_only
     assert_eq!(left[0].1["status"], "pending");
     assert_eq!(left[0].1["session_id"], sid2);
 }
+
+/// The session's `approval::*` events, as `(topic, payload)` in log order.
+fn approval_events(rt: &Rt, sid: &str) -> Vec<(String, Value)> {
+    rt.store
+        .events_after(sid, 0, 10_000)
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.topic.starts_with("approval::"))
+        .map(|e| (e.topic, e.payload))
+        .collect()
+}
+
+#[tokio::test]
+async fn the_hold_and_the_decision_are_events_of_the_session_without_the_arguments() {
+    let (rt, _seen, sid, tid) = parked().await;
+    let a = rt.pending(&sid).await.remove(0);
+    let events = approval_events(&rt, &sid);
+    assert_eq!(events.len(), 1, "{events:?}");
+    let (topic, p) = &events[0];
+    assert_eq!(topic, harness_approval::REQUESTED);
+    assert_eq!(
+        *p,
+        json!({"session_id": sid, "turn_id": tid, "approval_id": a["approval_id"],
+               "function_call_id": "c1", "function_id": "fs::write",
+               "digest": a["digest"], "status": "pending"})
+    );
+    // A redelivered gate call (same call, same arguments) records no second hold.
+    rt.ok(
+        harness_approval::GATE,
+        json!({"session_id": sid, "turn_id": tid,
+               "call": {"id": "c1", "function_id": "fs::write", "arguments": args()}}),
+    )
+    .await;
+    assert_eq!(approval_events(&rt, &sid).len(), 1);
+
+    rt.ok("approval::decide", decide(&a, "deny", Some("no")))
+        .await;
+    let events = approval_events(&rt, &sid);
+    assert_eq!(events.len(), 2, "{events:?}");
+    let (topic, p) = &events[1];
+    assert_eq!(topic, harness_approval::DECIDED);
+    assert_eq!(p["status"], "denied");
+    assert_eq!(p["digest"], a["digest"]);
+    assert!(
+        p.get("arguments").is_none() && p.get("reason").is_none(),
+        "{p}"
+    );
+    rt.wait_terminal(&sid, &tid).await;
+}
