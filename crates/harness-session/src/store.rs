@@ -1,5 +1,6 @@
 //! Typed transcript operations over the embedded store's SQLite connection.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use harness_store::{insert_event_in, Store, StoreError};
@@ -180,6 +181,11 @@ fn meta_in(
             status_reason,
             created_at,
             updated_at,
+            preview: None,
+            model: None,
+            provider: None,
+            parent_session_id: None,
+            cost_usd: None,
         },
     ))
 }
@@ -637,6 +643,8 @@ impl SessionStore {
                 sessions.push(meta);
             }
         }
+        self.store
+            .read(|conn| list_summaries(conn, &mut sessions))?;
         let next_cursor = (ids.len() > limit as usize)
             .then(|| sessions.last().map(|m| m.session_id.clone()))
             .flatten();
@@ -645,6 +653,85 @@ impl SessionStore {
             next_cursor,
         })
     }
+}
+
+/// The additive `session::list` fields, so a list view needs no request per session: the
+/// preview, the latest model, the parent, and the cost of the session's tree (its sub-agents
+/// found through their `metadata.parent_session_id`).
+fn list_summaries(
+    conn: &Connection,
+    sessions: &mut [SessionMeta],
+) -> std::result::Result<(), StoreError> {
+    let mut children: HashMap<String, Vec<String>> = HashMap::new();
+    {
+        let mut stmt = conn.prepare_cached(
+            "SELECT session_id, json_extract(metadata, '$.parent_session_id') FROM sessions
+             WHERE json_valid(metadata) AND json_extract(metadata, '$.parent_session_id') IS NOT NULL",
+        )?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        for row in rows {
+            let (child, parent) = row?;
+            children.entry(parent).or_default().push(child);
+        }
+    }
+    let mut first_user = conn.prepare_cached(
+        "SELECT body FROM entries WHERE session_id = ?1 AND kind = 'message'
+         AND json_extract(body, '$.role') = 'user' ORDER BY seq LIMIT 1",
+    )?;
+    let mut last_model = conn.prepare_cached(
+        "SELECT json_extract(body, '$.model'), json_extract(body, '$.provider') FROM entries
+         WHERE session_id = ?1 AND kind = 'message' AND json_extract(body, '$.role') = 'assistant'
+         ORDER BY seq DESC LIMIT 1",
+    )?;
+    let mut own_cost = conn.prepare_cached(
+        "SELECT SUM(json_extract(body, '$.usage.cost_usd')) FROM entries
+         WHERE session_id = ?1 AND kind = 'message' AND json_extract(body, '$.role') = 'assistant'",
+    )?;
+    for meta in sessions.iter_mut() {
+        let sid = meta.session_id.clone();
+        if let Some(body) = first_user
+            .query_row(params![sid], |r| r.get::<_, String>(0))
+            .optional()?
+        {
+            if let Ok(AgentMessage::User(m)) = serde_json::from_str::<AgentMessage>(&body) {
+                let text = harness_types::message::joined_text(&m.content);
+                meta.preview = Some(text.chars().take(80).collect());
+            }
+        }
+        if let Some((model, provider)) = last_model
+            .query_row(params![sid], |r| {
+                Ok((
+                    r.get::<_, Option<String>>(0)?,
+                    r.get::<_, Option<String>>(1)?,
+                ))
+            })
+            .optional()?
+        {
+            meta.model = model;
+            meta.provider = provider;
+        }
+        meta.parent_session_id = meta
+            .metadata
+            .get("parent_session_id")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        // The tree, walked breadth-first; `seen` guards against a metadata cycle.
+        let mut total = 0.0;
+        let mut seen = std::collections::HashSet::new();
+        let mut queue = vec![sid];
+        while let Some(s) = queue.pop() {
+            if !seen.insert(s.clone()) {
+                continue;
+            }
+            let cost: Option<f64> = own_cost.query_row(params![s], |r| r.get(0))?;
+            total += cost.unwrap_or(0.0);
+            if let Some(c) = children.get(&s) {
+                queue.extend(c.iter().cloned());
+            }
+        }
+        meta.cost_usd = Some(total);
+    }
+    Ok(())
 }
 
 /// A validated `append`, ready to run inside a write.

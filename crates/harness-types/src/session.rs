@@ -30,6 +30,20 @@ pub struct SessionMeta {
     pub status_reason: Option<String>,
     pub created_at: i64,
     pub updated_at: i64,
+    /// `session::list` only: the first 80 characters of the first user message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preview: Option<String>,
+    /// `session::list` only: model and provider of the latest assistant message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// `session::list` only: the spawning session of a sub-agent (from its metadata).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
+    /// `session::list` only: the summed `usage.cost_usd` of the session and its sub-agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
