@@ -15,6 +15,11 @@
 //!   Handler Err / panic / lease expiry → `attempts + 1` and `last_error` are persisted; past
 //!   `max_retries` the row becomes `dead` (dead letter) and the group moves on, otherwise it is
 //!   retried after `backoff_ms * 2^(attempts-1)` with the group still blocked.
+//! * A full disk spends no attempt: a handler that failed while the store could not write (or
+//!   with a `harness/storage_full` error) is retried after at most [`FULL_RETRY_MAX`], for as
+//!   long as it takes, so no message dies of a full disk. An ack that fails for lack of space
+//!   is retried itself, with the group still blocked: the handler's work is committed, so
+//!   running it again would do it twice, and moving on would reorder the group.
 //!
 //! One `Queues` per database per process: two instances would each dispatch the same rows.
 
@@ -29,7 +34,7 @@ use serde_json::Value;
 use tokio::sync::{watch, Notify};
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::error::StoreError;
+use crate::error::{StoreError, STORAGE_FULL};
 use crate::store::Store;
 
 /// How long `shutdown` lets in-flight deliveries finish before aborting them (their rows stay in
@@ -37,6 +42,9 @@ use crate::store::Store;
 const SHUTDOWN_GRACE: Duration = Duration::from_millis(200);
 /// Cap on the backoff exponent (`2^20` × backoff is already absurdly long).
 const MAX_BACKOFF_SHIFT: u32 = 20;
+/// Longest wait between two tries of a delivery or an ack that failed for lack of space: space
+/// may come back at any time, and then the work should resume soon.
+const FULL_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Per-queue settings (in memory; not persisted).
 #[derive(Clone, Debug)]
@@ -542,13 +550,14 @@ async fn deliver(state: Arc<QueueState>, store: Store, handler: QueueHandler, ms
     match outcome {
         Ok(()) => {
             let id = msg.id;
-            let deleted = store
-                .write_replayable(move |c| {
-                    c.prepare_cached("DELETE FROM queue_messages WHERE id = ?1")?
-                        .execute([id])?;
-                    Ok(())
-                })
-                .await;
+            let mut deleted = ack(&store, id).await;
+            let mut waits = 0u32;
+            while matches!(&deleted, Err(e) if e.is_full()) {
+                waits = waits.saturating_add(1);
+                tracing::debug!(queue = %state.name, id, waits, "harness-store: ack waits for space");
+                tokio::time::sleep(backoff(config.backoff_ms, waits).min(FULL_RETRY_MAX)).await;
+                deleted = ack(&store, id).await;
+            }
             // The group's next message may start once the delete is committed: everything it
             // writes lands after the delete in the WAL, so whatever fsync makes its effects
             // durable makes this ack durable too. The fsync below then stays off the handoff.
@@ -563,6 +572,12 @@ async fn deliver(state: Arc<QueueState>, store: Store, handler: QueueHandler, ms
                 // by the next process; do not re-run a handler that succeeded.
                 tracing::warn!(queue = %state.name, id, error = %e, "harness-store: ack failed");
             }
+        }
+        Err(reason) if store.storage_full().is_some() || reason.contains(STORAGE_FULL) => {
+            // Not the message's fault: keep its attempts for failures of its own.
+            tracing::debug!(queue = %state.name, id = msg.id, %reason, "harness-store: delivery failed for lack of space, will retry");
+            tokio::time::sleep(backoff(config.backoff_ms, 1).min(FULL_RETRY_MAX)).await;
+            lock(&state.index).unblock(&msg.group);
         }
         Err(reason) => match record_failure(&store, msg.id, &reason, config.max_retries).await {
             Ok(Failure::Retry { attempts }) => {
@@ -586,6 +601,17 @@ async fn deliver(state: Arc<QueueState>, store: Store, handler: QueueHandler, ms
         },
     }
     state.wake.notify_one();
+}
+
+/// Deletes a delivered message (its ack).
+async fn ack(store: &Store, id: i64) -> Result<(), StoreError> {
+    store
+        .write_replayable(move |c| {
+            c.prepare_cached("DELETE FROM queue_messages WHERE id = ?1")?
+                .execute([id])?;
+            Ok(())
+        })
+        .await
 }
 
 /// `attempts + 1` and `last_error`, and the dead-letter transition, in one statement.

@@ -23,7 +23,7 @@ use rusqlite::{Connection, OpenFlags};
 use tokio::sync::{oneshot, watch};
 
 use crate::cache::KvCache;
-use crate::error::StoreError;
+use crate::error::{io_is_full, StoreError};
 use crate::lock::Access;
 use crate::writer::{writer_loop, Once, Op, Replayable};
 use crate::{events, schema};
@@ -100,6 +100,31 @@ pub(crate) struct Counters {
     /// Checkpoint time of the batch in progress, moved to `writer_checkpoint_ns` when the
     /// batch's busy time is counted, so that the two never disagree.
     pub(crate) batch_checkpoint_ns: AtomicU64,
+    /// Why the latest write, fsync or checkpoint failed for lack of space, until a commit
+    /// writes to the WAL again ([`Store::storage_full`]).
+    full: Mutex<Option<String>>,
+}
+
+impl Counters {
+    /// Remembers that the disk is full (the reason is what `/healthz` shows).
+    pub(crate) fn note_full(&self, reason: &str) {
+        let mut full = self.full.lock().unwrap_or_else(|e| e.into_inner());
+        if full.is_none() {
+            tracing::error!(
+                reason,
+                "harness-store: storage full; writes fail until space returns"
+            );
+        }
+        *full = Some(reason.to_string());
+    }
+
+    /// A commit wrote to the WAL: there was space for it.
+    fn clear_full(&self) {
+        let mut full = self.full.lock().unwrap_or_else(|e| e.into_inner());
+        if full.take().is_some() {
+            tracing::warn!("harness-store: storage available again; writes resumed");
+        }
+    }
 }
 
 struct Inner {
@@ -210,7 +235,7 @@ impl Store {
             },
         ))?;
         let mut threads = Vec::with_capacity(3);
-        let requests = match start_checkpointer(path) {
+        let requests = match start_checkpointer(path, counters.clone()) {
             Ok((requests, thread)) => {
                 threads.push(thread);
                 Some(requests)
@@ -403,6 +428,18 @@ impl Store {
         res
     }
 
+    /// Why the store could not write for lack of space (disk or quota full), if the latest
+    /// such failure has not been followed by a successful commit yet. Reads keep working
+    /// meanwhile, and the first commit that finds space again clears it.
+    pub fn storage_full(&self) -> Option<String> {
+        self.inner
+            .counters
+            .full
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     pub fn stats(&self) -> StoreStats {
         let c = &self.inner.counters;
         StoreStats {
@@ -474,7 +511,10 @@ impl Store {
 
 /// Opens the checkpointer's own connection and starts its thread. Returns where to ask for a
 /// checkpoint.
-fn start_checkpointer(path: &Path) -> Result<(mpsc::SyncSender<()>, JoinHandle<()>), StoreError> {
+fn start_checkpointer(
+    path: &Path,
+    counters: Arc<Counters>,
+) -> Result<(mpsc::SyncSender<()>, JoinHandle<()>), StoreError> {
     let conn = Connection::open(path)?;
     conn.busy_timeout(BUSY_TIMEOUT)?;
     // A checkpoint fsyncs the WAL before it copies frames out of it and the database after,
@@ -483,7 +523,7 @@ fn start_checkpointer(path: &Path) -> Result<(mpsc::SyncSender<()>, JoinHandle<(
     let (tx, rx) = mpsc::sync_channel::<()>(1);
     let thread = std::thread::Builder::new()
         .name("harness-store-checkpointer".into())
-        .spawn(move || checkpointer_loop(conn, rx))?;
+        .spawn(move || checkpointer_loop(conn, rx, counters))?;
     Ok((tx, thread))
 }
 
@@ -511,6 +551,8 @@ fn hand_off_checkpoints(
         counters
             .wal_frames
             .fetch_add(wrote.max(0) as u64, Ordering::Relaxed);
+        // The hook runs only for a commit that wrote its frames: there is space again.
+        counters.clear_full();
         if frames < next_at - CHECKPOINT_FRAMES {
             // The WAL started over.
             next_at = CHECKPOINT_FRAMES;
@@ -542,12 +584,18 @@ fn hand_off_checkpoints(
 
 /// Serves checkpoint requests until the writer is gone. A PASSIVE checkpoint runs beside the
 /// writer (it takes no lock the writer needs) and copies every frame committed when it started.
-fn checkpointer_loop(conn: Connection, requests: mpsc::Receiver<()>) {
+fn checkpointer_loop(conn: Connection, requests: mpsc::Receiver<()>, counters: Arc<Counters>) {
     while requests.recv().is_ok() {
         // (busy, frames in the WAL, frames checkpointed)
         let copied: rusqlite::Result<i64> =
             conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get(2));
         if let Err(e) = copied {
+            // The database file could not grow: the WAL keeps the frames, and grows instead
+            // until it cannot either.
+            let e = StoreError::from(e);
+            if let StoreError::Full(reason) = &e {
+                counters.note_full(&format!("checkpoint: {reason}"));
+            }
             tracing::warn!(error = %e, "harness-store: checkpoint failed; the next request retries");
         }
     }
@@ -561,17 +609,32 @@ fn syncer_loop(db: PathBuf, rx: mpsc::Receiver<SyncRequest>, counters: Arc<Count
     let wal_path = PathBuf::from(wal_path);
     let mut wal: Option<File> = None;
     // After a failed fsync the kernel may have dropped dirty pages and a later fsync could
-    // "succeed" without them: stay failed rather than claim durability we do not have.
-    let mut poisoned: Option<String> = None;
+    // "succeed" without them: stay failed rather than claim durability we do not have. Only a
+    // full disk is recovered from (see `checkpoint_all`); any other failure stays until restart.
+    let mut poisoned: Option<SyncFailure> = None;
     let mut waiting: Vec<SyncRequest> = Vec::new();
     while let Ok(first) = rx.recv() {
         waiting.push(first);
         while let Ok(req) = rx.try_recv() {
             waiting.push(req);
         }
+        if poisoned.as_ref().is_some_and(|p| p.full) {
+            let upto = counters.commit_seq.load(Ordering::SeqCst);
+            match checkpoint_all(&db) {
+                Ok(true) => {
+                    tracing::warn!("harness-store: the WAL is checkpointed and synced again after a full disk; barriers resume");
+                    counters.synced_seq.fetch_max(upto, Ordering::SeqCst);
+                    poisoned = None;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "harness-store: still no space to recover durability")
+                }
+            }
+        }
         let target = waiting.iter().map(|r| r.target).max().unwrap_or(0);
-        let result: Result<(), String> = if let Some(reason) = &poisoned {
-            Err(reason.clone())
+        let result: Result<(), SyncFailure> = if let Some(failure) = &poisoned {
+            Err(failure.clone())
         } else if target <= counters.synced_seq.load(Ordering::SeqCst) {
             Ok(())
         } else {
@@ -584,20 +647,53 @@ fn syncer_loop(db: PathBuf, rx: mpsc::Receiver<SyncRequest>, counters: Arc<Count
                     Ok(())
                 }
                 Err(e) => {
-                    let reason = format!("fsync of {} failed: {e}", wal_path.display());
-                    tracing::error!("harness-store: {reason}");
-                    poisoned = Some(reason.clone());
-                    Err(reason)
+                    let failure = SyncFailure {
+                        reason: format!("fsync of {} failed: {e}", wal_path.display()),
+                        full: io_is_full(&e),
+                    };
+                    tracing::error!("harness-store: {}", failure.reason);
+                    if failure.full {
+                        counters.note_full(&failure.reason);
+                    }
+                    poisoned = Some(failure.clone());
+                    Err(failure)
                 }
             }
         };
         for req in waiting.drain(..) {
-            let out = result
-                .clone()
-                .map_err(|reason| StoreError::Io(std::io::Error::other(reason)));
+            let out = result.clone().map_err(|f| {
+                if f.full {
+                    StoreError::Full(f.reason)
+                } else {
+                    StoreError::Io(std::io::Error::other(f.reason))
+                }
+            });
             let _ = req.reply.send(out);
         }
     }
+}
+
+/// Why barriers fail.
+#[derive(Clone)]
+struct SyncFailure {
+    reason: String,
+    /// ENOSPC/EDQUOT: recoverable once there is space again.
+    full: bool,
+}
+
+/// After an fsync failed for lack of space, the WAL's pages in the page cache may never reach
+/// the disk, so no later fsync of it proves anything. What does: a FULL checkpoint, which
+/// copies every frame of the WAL into the database file (fresh writes) and syncs it. Returns
+/// whether every frame was copied (then everything committed before the call is durable).
+fn checkpoint_all(db: &Path) -> Result<bool, StoreError> {
+    let conn = Connection::open(db)?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    // (busy, frames in the WAL, frames checkpointed)
+    let (busy, log, copied): (i64, i64, i64) =
+        conn.query_row("PRAGMA wal_checkpoint(FULL)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })?;
+    Ok(busy == 0 && log == copied)
 }
 
 /// fsyncs the WAL. The first time, also fsyncs the database file and its directory so that the

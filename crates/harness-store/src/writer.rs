@@ -15,6 +15,11 @@
 //!
 //! Either way an op's reply is sent only after the batch COMMIT succeeded: a resolved write is
 //! a committed write.
+//!
+//! A full disk (SQLITE_FULL, usually at the COMMIT, when the WAL cannot grow) rolls the batch
+//! back whole: every op of it answers [`StoreError::Full`], nothing of it stays, and the writer
+//! takes the next batch as usual, so writes succeed again as soon as space returns. The store
+//! remembers the failure (see `Counters::note_full`) until a commit writes to the WAL again.
 
 use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -25,7 +30,7 @@ use rusqlite::Connection;
 use tokio::sync::oneshot;
 
 use crate::cache::KvCache;
-use crate::error::StoreError;
+use crate::error::{sqlite_is_full, StoreError};
 use crate::panic_message;
 use crate::store::Counters;
 
@@ -91,8 +96,47 @@ pub(crate) trait Op: Send {
     fn run(&mut self, conn: Result<&Connection, &str>) -> bool;
     /// Whether [`Op::run`] may be called more than once.
     fn replayable(&self) -> bool;
+    /// Whether the latest run failed because the disk is full.
+    fn failed_full(&self) -> bool;
     /// Sends the outcome of the latest run; `lost` means the batch was lost after it succeeded.
-    fn reply(self: Box<Self>, lost: Option<String>);
+    fn reply(self: Box<Self>, lost: Option<Lost>);
+}
+
+/// Why a batch was lost after some of its ops had succeeded.
+#[derive(Clone, Debug)]
+pub(crate) struct Lost {
+    reason: String,
+    full: bool,
+}
+
+impl Lost {
+    fn new(reason: impl Into<String>) -> Lost {
+        Lost {
+            reason: reason.into(),
+            full: false,
+        }
+    }
+
+    /// A lost batch whose cause was `e`: a full disk keeps its kind.
+    fn from_sqlite(what: &str, e: &rusqlite::Error) -> Lost {
+        Lost {
+            reason: format!("{what}: {e}"),
+            full: sqlite_is_full(e),
+        }
+    }
+
+    fn full(mut self, full: bool) -> Lost {
+        self.full |= full;
+        self
+    }
+
+    fn error(self) -> StoreError {
+        if self.full {
+            StoreError::Full(self.reason)
+        } else {
+            StoreError::Invalid(self.reason)
+        }
+    }
 }
 
 fn guarded<R>(
@@ -113,14 +157,18 @@ fn guarded<R>(
 fn send<R>(
     tx: oneshot::Sender<Result<R, StoreError>>,
     out: Option<Result<R, StoreError>>,
-    lost: Option<String>,
+    lost: Option<Lost>,
 ) {
     let out = match (out, lost) {
-        (Some(Ok(_)), Some(reason)) => Err(StoreError::Invalid(reason)),
-        (Some(res), _) => res,
+        (Some(Ok(_)), Some(lost)) => Err(lost.error()),
+        (Some(res), _) => res.map_err(StoreError::classified),
         (None, _) => Err(StoreError::Invalid("the write never ran".into())),
     };
     let _ = tx.send(out);
+}
+
+fn out_is_full<R>(out: &Option<Result<R, StoreError>>) -> bool {
+    matches!(out, Some(Err(e)) if e.is_full())
 }
 
 /// A closure that runs at most once, in its own savepoint.
@@ -159,7 +207,11 @@ where
         false
     }
 
-    fn reply(self: Box<Self>, lost: Option<String>) {
+    fn failed_full(&self) -> bool {
+        out_is_full(&self.out)
+    }
+
+    fn reply(self: Box<Self>, lost: Option<Lost>) {
         send(self.tx, self.out, lost)
     }
 }
@@ -193,7 +245,11 @@ where
         true
     }
 
-    fn reply(self: Box<Self>, lost: Option<String>) {
+    fn failed_full(&self) -> bool {
+        out_is_full(&self.out)
+    }
+
+    fn reply(self: Box<Self>, lost: Option<Lost>) {
         send(self.tx, self.out, lost)
     }
 }
@@ -217,7 +273,7 @@ pub(crate) fn writer_loop(
                 Err(_) => break,
             }
         }
-        let mut txn = Batch::new(&conn, cache);
+        let mut txn = Batch::new(&conn, cache, counters);
         for op in batch.drain(..) {
             counters.writes.fetch_add(1, Ordering::Relaxed);
             txn.run(op);
@@ -253,6 +309,8 @@ struct Run {
 /// One batch transaction on its way to the COMMIT.
 struct Batch<'c> {
     conn: &'c Connection,
+    /// Where a full disk is noted (see `Counters::note_full`).
+    counters: &'c Counters,
     /// Its pending write-through fills go with whatever the batch rolls back.
     cache: &'c KvCache,
     in_txn: bool,
@@ -264,9 +322,10 @@ struct Batch<'c> {
 const RUN_LOST: &str = "the batch transaction was ended inside a write; its writes were lost";
 
 impl<'c> Batch<'c> {
-    fn new(conn: &'c Connection, cache: &'c KvCache) -> Self {
+    fn new(conn: &'c Connection, cache: &'c KvCache, counters: &'c Counters) -> Self {
         Batch {
             conn,
+            counters,
             cache,
             in_txn: false,
             done: Vec::new(),
@@ -311,9 +370,11 @@ impl<'c> Batch<'c> {
             });
         }
         let ok = op.run(Ok(self.conn));
+        let full = self.saw(op.as_ref());
         if self.conn.is_autocommit() {
-            self.lost(RUN_LOST);
-            op.reply(Some(RUN_LOST.to_string()));
+            let lost = Lost::new(RUN_LOST).full(full);
+            self.lost(lost.clone());
+            op.reply(Some(lost));
             return;
         }
         if ok {
@@ -331,8 +392,9 @@ impl<'c> Batch<'c> {
         }) = self.run.take()
         {
             if let Err(e) = exec(self.conn, "RELEASE run") {
-                self.abort(&format!(
-                    "savepoint bookkeeping failed, batch rolled back: {e}"
+                self.abort(Lost::from_sqlite(
+                    "savepoint bookkeeping failed, batch rolled back",
+                    &e,
                 ));
             }
         }
@@ -351,8 +413,9 @@ impl<'c> Batch<'c> {
             })
         };
         if let Err(e) = undone {
-            self.abort(&format!(
-                "cannot roll back a failed write, batch rolled back: {e}"
+            self.abort(Lost::from_sqlite(
+                "cannot roll back a failed write, batch rolled back",
+                &e,
             ));
             return;
         }
@@ -361,7 +424,7 @@ impl<'c> Batch<'c> {
         let again = self.done.split_off(run.at);
         for op in again {
             if !self.in_txn {
-                op.reply(Some(RUN_LOST.to_string()));
+                op.reply(Some(Lost::new(RUN_LOST)));
                 continue;
             }
             self.isolated(op);
@@ -378,11 +441,13 @@ impl<'c> Batch<'c> {
         let fills = self.cache.pending_mark();
         let after = after_commit_mark();
         let ok = op.run(Ok(self.conn));
+        let full = self.saw(op.as_ref());
         if self.conn.is_autocommit() {
             // The transaction ended under the op (it issued COMMIT/ROLLBACK, or SQLite rolled
             // back after e.g. SQLITE_FULL): nothing of this batch is known to be committed.
-            self.lost(RUN_LOST);
-            op.reply(Some(RUN_LOST.to_string()));
+            let lost = Lost::new(RUN_LOST).full(full);
+            self.lost(lost.clone());
+            op.reply(Some(lost));
             return;
         }
         let closed = if ok {
@@ -398,29 +463,42 @@ impl<'c> Batch<'c> {
                 op.reply(None)
             }
             Err(e) => {
-                let reason = format!("savepoint bookkeeping failed, batch rolled back: {e}");
-                self.abort(&reason);
-                op.reply(Some(reason));
+                let lost = Lost::from_sqlite("savepoint bookkeeping failed, batch rolled back", &e);
+                self.abort(lost.clone());
+                op.reply(Some(lost));
             }
         }
     }
 
+    /// Notes a full disk if `op`'s latest run failed for lack of space; returns whether it did.
+    fn saw(&self, op: &dyn Op) -> bool {
+        let full = op.failed_full();
+        if full {
+            self.counters
+                .note_full("a write failed: database or disk is full");
+        }
+        full
+    }
+
     /// Rolls the transaction back and tells every op that had succeeded in it.
-    fn abort(&mut self, reason: &str) {
+    fn abort(&mut self, lost: Lost) {
         if !self.conn.is_autocommit() {
             let _ = self.conn.execute_batch("ROLLBACK");
         }
-        self.lost(reason);
+        self.lost(lost);
     }
 
     /// The transaction is gone: every op that had succeeded in it is told so.
-    fn lost(&mut self, reason: &str) {
+    fn lost(&mut self, lost: Lost) {
+        if lost.full {
+            self.counters.note_full(&lost.reason);
+        }
         self.in_txn = false;
         self.run = None;
         self.cache.drop_pending_since(0);
         drop_after_commit_since(0);
         for op in self.done.drain(..) {
-            op.reply(Some(reason.to_string()));
+            op.reply(Some(lost.clone()));
         }
     }
 
@@ -449,7 +527,7 @@ impl<'c> Batch<'c> {
             Err(e) => {
                 tracing::error!(error = %e, "harness-store: batch COMMIT failed");
                 self.cache.forget(&inserted);
-                self.abort(&format!("batch commit failed: {e}"));
+                self.abort(Lost::from_sqlite("batch commit failed", &e));
             }
         }
     }
