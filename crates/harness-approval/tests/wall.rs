@@ -218,7 +218,7 @@ session::get args args args run
 session::list wall wall wall run
 session::messages args args args run
 session::set-status args args args run
-session::update-message args args args run
+session::update-message wall wall wall run
 shell::exec run run run run
 state::delete args args args run
 state::get args args args run

@@ -379,6 +379,10 @@ impl Harness {
         self.follow_registry().await;
         self.redrive_running().await?;
         self.redrive_deletions().await?;
+        // A model's binding ends with its turn; one a crash left behind goes now.
+        if let Err(e) = self.sweep_model_bindings().await {
+            tracing::warn!("could not sweep the bindings of ended turns: {e}");
+        }
         // Settle what a crash may have left waiting (children that ended, expired calls).
         self.sweep_pending(Default::default()).await.map(|_| ())
     }

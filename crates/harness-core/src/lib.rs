@@ -43,7 +43,7 @@ mod tree;
 
 pub use config::{CallReconciliation, ConfigError, HarnessConfig};
 pub use deletion::DELETION_QUEUE;
-pub use dispatch::{model_verdict, wall};
+pub use dispatch::{model_verdict, provenance, wall};
 pub use functions::register;
 pub use harness::Harness;
 pub use prompt::IDENTITY;

@@ -12,9 +12,11 @@
 //! 7. discovery filtering, breaker ledger, repair note, result cap; append under the call's
 //!    deterministic entry id; checkpoint `done`.
 
+mod bindings;
 mod breaker;
 mod cap;
 pub(crate) mod policy;
+pub mod provenance;
 mod reconcile;
 pub(crate) mod tools;
 pub mod wall;
@@ -173,6 +175,8 @@ pub enum Refusal {
     PendingTimeout,
     /// A waiting spawn's child can no longer be followed.
     ChildLost,
+    /// An entry a function call may not write (a user or system message, a loop record).
+    ForbiddenEntry,
 }
 
 impl Refusal {
@@ -189,6 +193,7 @@ impl Refusal {
             Refusal::ControlPlane => "control_plane",
             Refusal::PendingTimeout => "pending_timeout",
             Refusal::ChildLost => "child_lost",
+            Refusal::ForbiddenEntry => "forbidden_entry",
         }
     }
 }
@@ -546,6 +551,15 @@ impl Harness {
                 .await?;
                 continue;
             }
+            if let Err(text) = provenance::check(&call.function_id, &call.arguments) {
+                self.close_call(
+                    rec,
+                    call,
+                    Closing::refusal(call, &turn_id, Refusal::ForbiddenEntry, text),
+                )
+                .await?;
+                continue;
+            }
             if !policy.allows(&call.function_id) {
                 let text = policy_refusal(&call.function_id);
                 self.close_call(
@@ -691,13 +705,27 @@ impl Harness {
         // released hold was never checked with its final arguments): check what will run.
         let unchanged = after.is_none() && arguments == call.arguments;
         if !unchanged {
-            if let Some(text) = self.walled(rec, &call.function_id, &arguments).await? {
-                let mut c = Closing::refusal(call, &turn_id, Refusal::ControlPlane, text);
+            let refused = match self.walled(rec, &call.function_id, &arguments).await? {
+                Some(text) => Some((Refusal::ControlPlane, text)),
+                None => provenance::check(&call.function_id, &arguments)
+                    .err()
+                    .map(|text| (Refusal::ForbiddenEntry, text)),
+            };
+            if let Some((why, text)) = refused {
+                let mut c = Closing::refusal(call, &turn_id, why, text);
                 c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
                 self.close_call(rec, call, c).await?;
                 return Ok(CallEnd::Closed);
             }
         }
+        // Who wrote an entry, who owns a binding: the loop's to say, after every hook.
+        provenance::mark(
+            &call.function_id,
+            &mut arguments,
+            &rec.session_id,
+            &turn_id,
+            &call.id,
+        );
 
         // Checkpoint before the side effect, durably: after a crash this call never runs again.
         let cp = CallCheckpoint::Triggered {
@@ -737,7 +765,9 @@ impl Harness {
         let policy = Policy::new(rec.options.functions.as_ref());
         let (content, details, is_error) = match outcome {
             Ok(value) => {
-                let value = tools::filter_discovery(&call.function_id, &policy, value);
+                let value = self
+                    .filter_discovery(&call.function_id, &policy, value)
+                    .await;
                 let (content, is_error) = normalize(&value);
                 (content, value, is_error)
             }
@@ -935,10 +965,24 @@ impl Harness {
         function_id: &str,
         arguments: &Value,
     ) -> Result<Option<String>> {
-        match wall::check(function_id, arguments) {
-            Err(text) => Ok(Some(text)),
-            Ok(wall::Reach::Free) => Ok(None),
-            Ok(wall::Reach::Session(target)) => {
+        let reach = match wall::check(rec.options.functions.as_ref(), function_id, arguments) {
+            Err(text) => return Ok(Some(text)),
+            Ok(reach) => reach,
+        };
+        if self.generates(function_id).await {
+            return Ok(Some(wall::generates_refusal(function_id)));
+        }
+        match reach {
+            wall::Reach::Free => Ok(None),
+            wall::Reach::Binding(target) => Ok(self.generates(&target).await.then(|| {
+                wall::refusal(
+                    function_id,
+                    &format!(
+                        "a binding may not call '{target}', which takes a model or a provider"
+                    ),
+                )
+            })),
+            wall::Reach::Session(target) => {
                 if self.in_tree(&rec.session_id, &target).await? {
                     Ok(None)
                 } else {
@@ -949,6 +993,15 @@ impl Harness {
                 }
             }
         }
+    }
+
+    /// Whether the registry says `function_id` takes a model (see `wall::takes_a_model`).
+    async fn generates(&self, function_id: &str) -> bool {
+        if wall::READS_MODELS.contains(&function_id) {
+            return false;
+        }
+        let schema = self.request_schema(function_id).await;
+        wall::takes_a_model(function_id, schema.as_ref())
     }
 
     /// Whether `target` is `root` or one of its descendants (sub-agents, recursively), read from
@@ -1161,6 +1214,7 @@ mod tests {
             Refusal::ControlPlane,
             Refusal::PendingTimeout,
             Refusal::ChildLost,
+            Refusal::ForbiddenEntry,
         ];
         for r in all {
             assert_eq!(serde_json::to_value(r).unwrap(), json!(r.as_str()));

@@ -1,6 +1,8 @@
 //! What the model is offered: the tool surface of a step, and discovery results filtered to
 //! what the session may call.
 
+use std::collections::HashSet;
+
 use harness_types::api::ExposeMode;
 use harness_types::router::ToolSpec;
 use serde_json::{json, Value};
@@ -65,6 +67,13 @@ impl Harness {
             .into_iter()
             .flatten()
             .filter(|f| f.get("error").is_none())
+            // A function that takes a model is never offered (see `wall.rs`).
+            .filter(|f| {
+                !super::wall::takes_a_model(
+                    f["function_id"].as_str().unwrap_or_default(),
+                    f.get("request_schema"),
+                )
+            })
             .filter_map(|f| {
                 Some(ToolSpec {
                     name: f["function_id"].as_str()?.to_string(),
@@ -81,18 +90,67 @@ impl Harness {
     }
 }
 
+impl Harness {
+    /// [`filter_discovery`], with what a list names but does not describe: the ids whose
+    /// request schema takes a model are looked up so they are dropped too.
+    pub(crate) async fn filter_discovery(
+        &self,
+        function_id: &str,
+        policy: &Policy,
+        value: Value,
+    ) -> Value {
+        let mut generating = HashSet::new();
+        if function_id == "engine::functions::list" {
+            let ids: Vec<&str> = value["functions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|f| f["function_id"].as_str())
+                .filter(|id| policy.allows(id))
+                .collect();
+            if !ids.is_empty() {
+                let info: Value = self
+                    .call("engine::functions::info", &json!({"function_ids": ids}))
+                    .await
+                    .unwrap_or(Value::Null);
+                generating = info["functions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|f| {
+                        let id = f["function_id"].as_str()?;
+                        super::wall::takes_a_model(id, f.get("request_schema"))
+                            .then(|| id.to_string())
+                    })
+                    .collect();
+            }
+        }
+        filter_discovery(function_id, policy, &generating, value)
+    }
+}
+
 /// Discovery answers show only what this session may call: `engine::functions::list` drops the
-/// rest; `engine::functions::info` answers null for one id and masks entries of a batch.
-pub(crate) fn filter_discovery(function_id: &str, policy: &Policy, value: Value) -> Value {
+/// rest; `engine::functions::info` answers null for one id and masks entries of a batch. Beyond
+/// the policy, a function that takes a model is not callable (`generating` names those of a
+/// list, whose entries carry no schema).
+pub(crate) fn filter_discovery(
+    function_id: &str,
+    policy: &Policy,
+    generating: &HashSet<String>,
+    value: Value,
+) -> Value {
+    let callable = |f: &Value| {
+        f["function_id"].as_str().is_some_and(|id| {
+            policy.allows(id)
+                && !generating.contains(id)
+                && !super::wall::takes_a_model(id, f.get("request_schema"))
+        })
+    };
     match function_id {
         "engine::functions::list" => {
             let mut value = value;
             if let Some(list) = value.get_mut("functions").and_then(Value::as_array_mut) {
-                list.retain(|f| {
-                    f["function_id"]
-                        .as_str()
-                        .is_some_and(|id| policy.allows(id))
-                });
+                list.retain(callable);
             }
             value
         }
@@ -100,16 +158,20 @@ pub(crate) fn filter_discovery(function_id: &str, policy: &Policy, value: Value)
             if let Some(list) = value.get("functions").and_then(Value::as_array) {
                 let masked: Vec<Value> = list
                     .iter()
-                    .map(|f| match f["function_id"].as_str() {
-                        Some(id) if policy.allows(id) => f.clone(),
-                        id => json!({"function_id": id, "error": "not available"}),
+                    .map(|f| {
+                        if callable(f) {
+                            f.clone()
+                        } else {
+                            json!({"function_id": f["function_id"], "error": "not available"})
+                        }
                     })
                     .collect();
                 return json!({ "functions": masked });
             }
-            match value.get("function_id").and_then(Value::as_str) {
-                Some(id) if policy.allows(id) => value,
-                _ => Value::Null,
+            if callable(&value) {
+                value
+            } else {
+                Value::Null
             }
         }
         _ => value,
@@ -129,19 +191,52 @@ mod tests {
         }));
         let list =
             json!({"functions": [{"function_id": "weather::now"}, {"function_id": "shell::exec"}]});
+        let none = HashSet::new();
         assert_eq!(
-            filter_discovery("engine::functions::list", &p, list),
+            filter_discovery("engine::functions::list", &p, &none, list),
             json!({"functions": [{"function_id": "weather::now"}]})
         );
         let one = json!({"function_id": "shell::exec", "request_schema": {}});
         assert_eq!(
-            filter_discovery("engine::functions::info", &p, one),
+            filter_discovery("engine::functions::info", &p, &none, one),
             Value::Null
         );
         let batch = json!({"functions": [{"function_id": "weather::now", "description": "d"}, {"function_id": "shell::exec"}]});
         assert_eq!(
-            filter_discovery("engine::functions::info", &p, batch),
+            filter_discovery("engine::functions::info", &p, &none, batch),
             json!({"functions": [{"function_id": "weather::now", "description": "d"}, {"function_id": "shell::exec", "error": "not available"}]})
+        );
+    }
+
+    #[test]
+    fn a_function_that_takes_a_model_is_never_listed_or_described() {
+        let p = Policy::new(Some(&FunctionPolicy {
+            allow: vec!["*".into()],
+            ..Default::default()
+        }));
+        let takes = json!({"type": "object", "properties": {"model": {}, "messages": {}}});
+        let generating: HashSet<String> = ["weather::ai".to_string()].into();
+        let list =
+            json!({"functions": [{"function_id": "weather::now"}, {"function_id": "weather::ai"}]});
+        assert_eq!(
+            filter_discovery("engine::functions::list", &p, &generating, list),
+            json!({"functions": [{"function_id": "weather::now"}]})
+        );
+        let one = json!({"function_id": "weather::ai", "request_schema": takes});
+        assert_eq!(
+            filter_discovery("engine::functions::info", &p, &HashSet::new(), one),
+            Value::Null
+        );
+        let catalog = json!({"function_id": "router::models::get", "request_schema": {"properties": {"model": {}}}});
+        assert_eq!(
+            filter_discovery(
+                "engine::functions::info",
+                &p,
+                &HashSet::new(),
+                catalog.clone()
+            ),
+            catalog,
+            "the catalog readers stay"
         );
     }
 }
