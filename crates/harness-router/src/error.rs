@@ -26,6 +26,20 @@ pub struct ProviderError {
     pub detail: Option<String>,
     /// How long the provider asked us to wait before trying again.
     pub retry_after: Option<Duration>,
+    /// What the provider answered and what to do about it (boxed: keeps the error small).
+    pub cause: Box<Cause>,
+}
+
+/// The parts of a failure an API client gets as fields of their own.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Cause {
+    /// The HTTP status of an error answer.
+    pub status: Option<u16>,
+    /// The provider's own words (its error message, else its body), bounded and redacted.
+    pub provider_message: Option<String>,
+    /// What a person can do about it, where that is known (kept out of `detail`;
+    /// [`ProviderError::diagnostic`] adds it back).
+    pub hint: Option<String>,
 }
 
 impl ProviderError {
@@ -37,6 +51,7 @@ impl ProviderError {
             message: summary(kind).to_string(),
             detail: Some(detail.into()),
             retry_after: None,
+            cause: Box::default(),
         }
     }
 
@@ -50,15 +65,27 @@ impl ProviderError {
         self
     }
 
-    /// The diagnostic when there is one, else the public sentence.
-    pub fn diagnostic(&self) -> &str {
-        self.detail.as_deref().unwrap_or(&self.message)
+    /// The diagnostic when there is one, else the public sentence; with the hint.
+    pub fn diagnostic(&self) -> String {
+        explained(
+            self.detail.as_deref().unwrap_or(&self.message),
+            self.cause.hint.as_deref(),
+        )
     }
 }
 
 impl From<ProviderError> for HarnessError {
     fn from(e: ProviderError) -> Self {
         HarnessError::dependency(e.to_string())
+    }
+}
+
+/// A diagnostic followed by its hint, as people read them (the router's own texts and
+/// `harness chat` both use it).
+pub fn explained(diagnostic: &str, hint: Option<&str>) -> String {
+    match hint {
+        Some(h) => format!("{diagnostic} (hint: {h})"),
+        None => diagnostic.to_string(),
     }
 }
 
@@ -94,6 +121,24 @@ fn secret_patterns() -> &'static Regex {
         )
         .expect("secret pattern")
     })
+}
+
+/// The most of a provider's own words an error carries.
+pub const MAX_PROVIDER_MESSAGE: usize = 500;
+
+/// `text` redacted, then cut to [`MAX_PROVIDER_MESSAGE`] characters (redacting first, so a cut
+/// never leaves the start of a credential that the patterns would no longer see whole).
+pub fn provider_words(text: &str, secrets: &[String]) -> Option<String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return None;
+    }
+    let clean = redact(text, secrets);
+    let mut cut: String = clean.chars().take(MAX_PROVIDER_MESSAGE).collect();
+    if cut.len() < clean.len() {
+        cut.push('…');
+    }
+    Some(cut)
 }
 
 /// Removes credentials from `text`: the configured `secrets` verbatim, and anything shaped like
@@ -244,12 +289,23 @@ pub fn classify_http(
         _ => ProviderError::new(ErrorKind::Permanent, detail),
     };
     err.retry_after = retry_after;
+    err.cause.status = Some(status);
+    err.cause.provider_message = provider_words(parsed.message.as_deref().unwrap_or(body), secrets);
     err
 }
 
 /// Classifies an error reported inside a stream, by its type or code (unknown ones are
 /// transient: a stream that broke mid-way is the server's trouble, not the request's).
 pub fn classify_stream(body: &ApiErrorBody, secrets: &[String]) -> ProviderError {
+    let mut err = classify_stream_kind(body, secrets);
+    err.cause.provider_message = body
+        .message
+        .as_deref()
+        .and_then(|m| provider_words(m, secrets));
+    err
+}
+
+fn classify_stream_kind(body: &ApiErrorBody, secrets: &[String]) -> ProviderError {
     let detail = redact(&describe("stream error", body, "", None), secrets);
     if is_overflow(body) {
         return ProviderError::new(ErrorKind::ContextOverflow, detail);
@@ -363,6 +419,51 @@ mod tests {
             ),
             "Authorization: [redacted] and [redacted]"
         );
+    }
+
+    #[test]
+    fn the_providers_words_are_kept_bounded_and_without_credentials() {
+        let key = "k3y-0f-the-operator".to_string();
+        let body = format!(
+            r#"{{"error":{{"message":"no such route; you sent {key} and Bearer abc.def {}","type":"not_found"}}}}"#,
+            "x".repeat(2000)
+        );
+        let e = classify_http(404, &body, None, None, std::slice::from_ref(&key));
+        assert_eq!(e.cause.status, Some(404));
+        let words = e.cause.provider_message.expect("the provider's words");
+        assert!(
+            words.starts_with("no such route; you sent [redacted] and [redacted] xxx"),
+            "{words}"
+        );
+        assert_eq!(
+            words.chars().count(),
+            MAX_PROVIDER_MESSAGE + 1,
+            "cut, and marked so"
+        );
+        assert!(words.ends_with('…'));
+        // A body that is not JSON is the provider's words as it is.
+        let e = classify_http(502, "  Bad gateway  ", None, None, &[]);
+        assert_eq!(e.cause.provider_message.as_deref(), Some("Bad gateway"));
+        assert_eq!(
+            classify_http(500, "", None, None, &[])
+                .cause
+                .provider_message,
+            None
+        );
+        // In a stream, the error's message.
+        let e = classify_stream(
+            &ApiErrorBody {
+                error_type: Some("overloaded_error".into()),
+                code: None,
+                message: Some(format!("busy, {key}")),
+            },
+            std::slice::from_ref(&key),
+        );
+        assert_eq!(
+            e.cause.provider_message.as_deref(),
+            Some("busy, [redacted]")
+        );
+        assert_eq!(e.cause.status, None);
     }
 
     #[test]

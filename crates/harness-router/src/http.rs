@@ -64,11 +64,12 @@ pub(crate) struct Transport {
 }
 
 impl Transport {
-    /// Adds what a person can do about `err` to its diagnostic, where that is obvious.
+    /// Says what a person can do about `err`, where that is obvious. The one place hints are
+    /// written: `harness chat` prints this field and the API carries it as `failure.hint`.
     pub(crate) fn hint(&self, err: &mut ProviderError) {
-        let Some(h) = hint(self, err) else { return };
-        let d = err.diagnostic().to_string();
-        err.detail = Some(format!("{d} (hint: {h})"));
+        if let Some(h) = hint(self, err) {
+            err.cause.hint = Some(h);
+        }
     }
 }
 
@@ -327,7 +328,7 @@ pub(crate) async fn run<D: Decoder>(
             Some(Err(e)) => e,
         };
         let note = |err: &mut ProviderError, why: String| {
-            let d = err.diagnostic().to_string();
+            let d = err.detail.as_deref().unwrap_or(&err.message);
             err.detail = Some(format!("{d} ({why})"));
         };
         t.hint(&mut err);

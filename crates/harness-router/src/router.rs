@@ -372,11 +372,11 @@ impl FrameWriter {
         let mut partial = self.priced(self.partial.clone());
         partial.stop_reason = StopReason::Error;
         partial.error_kind = Some(err.kind);
-        partial.error_message = Some(err.diagnostic().to_string());
+        partial.error_message = Some(err.diagnostic());
         let frame = Frame::Error {
             error: partial.clone(),
             error_kind: err.kind,
-            error_message: err.diagnostic().to_string(),
+            error_message: err.diagnostic(),
         };
         if let Ok(v) = serde_json::to_value(&frame) {
             self.ctx.frame(v);
@@ -393,6 +393,9 @@ impl FrameWriter {
                 kind: err.kind,
                 retryable: err.kind.retryable(),
                 detail: err.detail.clone(),
+                status: err.cause.status,
+                provider_message: err.cause.provider_message.clone(),
+                hint: err.cause.hint.clone(),
             }),
         }
     }

@@ -252,6 +252,7 @@ impl ScriptedProvider {
             message: format!("scripted provider could not read its assignments: {e}"),
             detail: None,
             retry_after: None,
+            cause: Box::default(),
         };
         let mut a = self.assignments.lock().await;
         if !a.loaded {
@@ -323,6 +324,7 @@ impl Provider for ScriptedProvider {
                     ),
                     detail: None,
                     retry_after: None,
+                    cause: Box::default(),
                 })
             }
             Err(e) => return out.fail(&e),
@@ -368,6 +370,7 @@ impl Provider for ScriptedProvider {
                 message: err.message.clone(),
                 detail: None,
                 retry_after: None,
+                cause: Box::default(),
             });
         }
         for block in &g.content {

@@ -346,6 +346,24 @@ async fn a_base_url_without_v1_says_the_status_the_servers_words_and_where_to_lo
     );
     assert!(detail.contains("LLAMACPP_BASE_URL"), "{detail}");
     assert_eq!(only_chat_requests(&server), 1, "a 404 is not retried");
+    // The same parts, each on its own, for API clients.
+    let e = run.ack.error.clone().expect("an ack error");
+    assert_eq!(e.code, "router/not_found");
+    assert_eq!(e.status, Some(404));
+    assert_eq!(e.provider_message.as_deref(), Some("Not Found"));
+    let hint = e.hint.expect("a hint");
+    assert!(
+        hint.starts_with(&format!(
+            "OpenAI-compatible servers serve under /v1: try {}/v1",
+            server.url
+        )),
+        "{hint}"
+    );
+    let raw = e.detail.expect("a detail");
+    assert!(
+        raw.starts_with("HTTP 404: Not Found") && !raw.contains(&hint),
+        "{raw}"
+    );
 }
 
 #[tokio::test]

@@ -123,6 +123,15 @@ pub struct ChatAckError {
     pub retryable: bool,
     #[serde(default)]
     pub detail: Option<String>,
+    /// The HTTP status the provider answered with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// The provider's own words, bounded, credentials redacted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_message: Option<String>,
+    /// What a person can do about it (not part of `detail`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
 }
 
 /// The RPC result of `router::chat`, after the stream ended.
