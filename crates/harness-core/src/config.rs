@@ -78,6 +78,11 @@ pub struct HarnessConfig {
     /// Extra trees `shell::exec` commands may read and execute from (toolchains such as
     /// `~/.cargo`); `~` is expanded. The data directory and configuration stay unreachable.
     pub shell_exec_read_paths: Vec<String>,
+    /// Environment variables never passed to `shell::exec` commands, by name or glob (`*` and
+    /// `?`, ASCII case ignored), beyond those scrubbed always (names like `*_KEY`, `*_TOKEN`,
+    /// `*_SECRET`, `*_PASSWORD`, `*_PAT`, `*CREDENTIAL*`, and URLs carrying a password).
+    #[serde(deserialize_with = "scrub_env_names")]
+    pub shell_exec_scrub_env: Vec<String>,
     /// The durable operator project catalog.
     pub projects_file_path: String,
     /// MCP servers whose tools become `mcp::<server>::<tool>` functions, by server name:
@@ -87,6 +92,23 @@ pub struct HarnessConfig {
     /// The folder of agent profiles, skills and system prompts (`directory::*`); `null` =
     /// `directory/` in the data dir. Read at start.
     pub directory_path: Option<String>,
+}
+
+/// `shell_exec_scrub_env`: each entry a variable name or a glob of one.
+fn scrub_env_names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let names = Vec::<String>::deserialize(d)?;
+    for (i, name) in names.iter().enumerate() {
+        let ok = !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '*' | '?' | '.' | '-'));
+        if !ok {
+            return Err(serde::de::Error::custom(format!(
+                "entry {i} ({name:?}) is not a variable name or a glob of one (letters, digits, '_', '.', '-', '*' and '?')"
+            )));
+        }
+    }
+    Ok(names)
 }
 
 /// A configuration that cannot be applied, naming the key at fault.
@@ -108,6 +130,15 @@ impl ConfigError {
 }
 
 impl HarnessConfig {
+    /// The cap the loop applies to a function's result (`max_result_bytes`): 0 for none, never
+    /// below 1024 otherwise.
+    pub fn result_cap(&self) -> usize {
+        match self.max_result_bytes {
+            0 => 0,
+            n => n.max(1024),
+        }
+    }
+
     /// Every key the configuration knows, in declaration order.
     pub fn keys() -> Vec<String> {
         match serde_json::to_value(HarnessConfig::default()) {
@@ -167,6 +198,7 @@ impl Default for HarnessConfig {
             shell_exec_unconfined: false,
             shell_exec_allow_network: false,
             shell_exec_read_paths: Vec::new(),
+            shell_exec_scrub_env: Vec::new(),
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
             mcp_servers: serde_json::Map::new(),
             directory_path: None,
@@ -206,6 +238,27 @@ mod tests {
             c.default_functions.unwrap().allow,
             vec!["fs::*".to_string()]
         );
+    }
+
+    #[test]
+    fn shell_exec_scrub_env_takes_names_and_globs_and_names_a_bad_entry() {
+        let c =
+            HarnessConfig::from_value(json!({"shell_exec_scrub_env": ["CORP_*", "MY_VAR", "A?C"]}))
+                .unwrap();
+        assert_eq!(c.shell_exec_scrub_env, vec!["CORP_*", "MY_VAR", "A?C"]);
+        for bad in [
+            json!([""]),
+            json!(["OK", "NOT OK"]),
+            json!(["A=B"]),
+            json!("CORP_*"),
+        ] {
+            let err =
+                HarnessConfig::from_value(json!({ "shell_exec_scrub_env": bad })).unwrap_err();
+            assert_eq!(err.key, "shell_exec_scrub_env", "{err}");
+        }
+        let err = HarnessConfig::from_value(json!({"shell_exec_scrub_env": ["OK", "NOT OK"]}))
+            .unwrap_err();
+        assert!(err.message.contains("entry 1"), "{err}");
     }
 
     #[test]

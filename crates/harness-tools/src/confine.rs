@@ -1,8 +1,8 @@
 //! The kernel sandbox of a `shell::exec` child (Landlock).
 //!
 //! The rule set is built in the harness (it opens files and allocates), and the child only
-//! calls `prctl(NO_NEW_PRIVS)` and `landlock_restrict_self` between fork and exec, so the
-//! harness itself is never confined. What the child may do:
+//! applies it between fork and exec ([`crate::isolate`]), so the harness itself is never
+//! confined. What the child may do:
 //!
 //! - read and execute the system trees ([`SYSTEM_READ`]) and the operator's extra read paths;
 //! - read, write, create and remove anything beneath the filesystem root and a private temporary
@@ -38,6 +38,10 @@ pub const SYSTEM_READ: &[&str] = &[
     "/proc", "/sys",
 ];
 
+/// `/proc` in [`SYSTEM_READ`]: a command in its own PID namespace gets a fresh `/proc`, another
+/// filesystem, granted in the child once it is mounted; the host's is never granted then.
+const PROC: &str = "/proc";
+
 /// Character devices a shell needs, readable and writable (never ioctl'd). `/dev/tty` is left
 /// out on purpose: it is the operator's terminal during `harness chat`, where a command could
 /// print a fake prompt or push keystrokes.
@@ -64,6 +68,9 @@ pub struct ShellPolicy {
     pub allow_network: bool,
     /// Extra trees commands may read and execute from (toolchains, a shared cache).
     pub read_paths: Vec<PathBuf>,
+    /// Names (or `*`/`?` globs) of variables never passed to a command, beyond those that
+    /// look like credentials.
+    pub scrub_env: Vec<String>,
 }
 
 /// The Landlock ABI of the running kernel (0 when it has none or it is disabled).
@@ -93,6 +100,11 @@ impl Sandbox {
     pub fn raw_fd(&self) -> i32 {
         self.ruleset.as_raw_fd()
     }
+
+    /// The rights a fresh `/proc` gets (those of the system trees).
+    pub fn proc_access(&self) -> u64 {
+        AccessFs::from_read(ABI::from(self.abi)).bits()
+    }
 }
 
 /// Why a sandbox could not be had.
@@ -102,11 +114,13 @@ pub enum Unavailable {
 }
 
 /// Builds the rule set for a command in `jail`. `ceiling` caps the ABI used (tests take the
-/// refusal path with 0; `None` = what the kernel has).
+/// refusal path with 0; `None` = what the kernel has). `fresh_proc`: the command mounts its
+/// own `/proc` (granted then in the child), so the host's is left out.
 pub fn prepare(
     jail: &Jail,
     policy: &ShellPolicy,
     ceiling: Option<i32>,
+    fresh_proc: bool,
 ) -> Result<std::result::Result<Sandbox, Unavailable>> {
     let kernel = kernel_abi();
     let abi_n = ceiling.map_or(kernel, |c| c.min(kernel));
@@ -130,7 +144,7 @@ pub fn prepare(
         .prefix("harness-shell-")
         .tempdir()
         .map_err(|e| ToolError::Internal(format!("cannot create a private TMPDIR: {e}")))?;
-    let ruleset = build(jail, policy, abi, tmp.path())
+    let ruleset = build(jail, policy, abi, tmp.path(), fresh_proc)
         .map_err(|e| ToolError::Internal(format!("cannot build the Landlock rule set: {e}")))?;
     let fd: Option<OwnedFd> = ruleset.into();
     let ruleset = fd.ok_or_else(|| {
@@ -145,7 +159,13 @@ pub fn prepare(
 
 type BuildResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-fn build(jail: &Jail, policy: &ShellPolicy, abi: ABI, tmp: &Path) -> BuildResult<RulesetCreated> {
+fn build(
+    jail: &Jail,
+    policy: &ShellPolicy,
+    abi: ABI,
+    tmp: &Path,
+    fresh_proc: bool,
+) -> BuildResult<RulesetCreated> {
     let all = AccessFs::from_all(abi);
     let read = AccessFs::from_read(abi);
     let mut ruleset = Ruleset::default()
@@ -165,6 +185,7 @@ fn build(jail: &Jail, policy: &ShellPolicy, abi: ABI, tmp: &Path) -> BuildResult
     };
     for tree in SYSTEM_READ
         .iter()
+        .filter(|t| !(fresh_proc && **t == PROC))
         .map(Path::new)
         .chain(policy.read_paths.iter().map(PathBuf::as_path))
     {
@@ -308,23 +329,4 @@ impl Rules<'_> {
         }
         Ok(())
     }
-}
-
-/// The part of the sandbox that runs in the child between fork and exec: only system calls,
-/// no allocation (the parent may have other threads holding locks).
-///
-/// # Safety
-/// To be called only from a `pre_exec` closure, with `ruleset_fd` open in the child.
-pub unsafe fn restrict_child(ruleset_fd: i32) -> std::io::Result<()> {
-    // Raw disk-like reads through /proc/kcore need CAP_SYS_RAWIO; a harness running as root
-    // would otherwise pass it on. Failing to drop it (no CAP_SETPCAP) means it was not held.
-    const CAP_SYS_RAWIO: libc::c_ulong = 17;
-    libc::prctl(libc::PR_CAPBSET_DROP, CAP_SYS_RAWIO, 0, 0, 0);
-    if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if libc::syscall(libc::SYS_landlock_restrict_self, ruleset_fd, 0) != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }

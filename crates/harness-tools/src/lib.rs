@@ -12,6 +12,7 @@ pub mod confine;
 pub mod env;
 pub mod error;
 pub mod fs;
+pub mod isolate;
 pub mod jail;
 pub mod scope;
 pub mod shell;
@@ -66,6 +67,12 @@ pub struct Limits {
     /// The highest Landlock ABI `shell::exec` may use (`None`: the kernel's). Below 3 nothing
     /// can be confined, so tests set 0 to take the path of a kernel without Landlock.
     pub landlock_ceiling: Option<i32>,
+    /// Run each command in its own PID namespace (when the kernel can). Tests set false to
+    /// take the path of a kernel without namespaces.
+    pub pid_namespace: bool,
+    /// The loop's `max_result_bytes` (0: no cap), asked on every call: `shell::exec` cuts its
+    /// streams so that its whole result fits, rather than have the loop elide all of it.
+    pub max_result_bytes: Arc<dyn Fn() -> usize + Send + Sync>,
 }
 
 impl Default for Limits {
@@ -85,6 +92,8 @@ impl Default for Limits {
             allow_private: Arc::new(|| false),
             shell_policy: Arc::new(ShellPolicy::default),
             landlock_ceiling: None,
+            pid_namespace: true,
+            max_result_bytes: Arc::new(|| 262_144),
         }
     }
 }

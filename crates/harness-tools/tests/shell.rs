@@ -3,44 +3,62 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use harness_tools::Limits;
 use serde_json::json;
 use support::*;
 
-/// Whether a process still runs (a zombie waiting for its reaper has finished running).
-fn running(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        Ok(stat) => {
-            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-            !state.starts_with('Z') && !state.starts_with('X')
+/// The host pids of running processes whose command line contains `marker`. A command runs in
+/// its own PID namespace, so the pids it could report are not the host's: its processes are
+/// found by a marker in their arguments instead.
+fn running_with(marker: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        if !String::from_utf8_lossy(&cmdline).contains(marker) {
+            continue;
+        }
+        // A zombie waiting for its reaper has finished running.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = state.rsplit(')').next().unwrap_or("").trim_start();
+        if !state.starts_with('Z') && !state.starts_with('X') && !state.is_empty() {
+            found.push(pid);
         }
     }
+    found
 }
 
-async fn wait_gone(pid: i32) {
+async fn wait_gone(marker: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while running(pid) {
-        assert!(Instant::now() < deadline, "process {pid} outlived the call");
+    loop {
+        let left = running_with(marker);
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "processes {left:?} ({marker}) outlived the call"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-async fn read_pid(path: &Path) -> i32 {
+async fn wait_running(marker: &str, at_least: usize) -> Vec<i32> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if let Ok(s) = std::fs::read_to_string(path) {
-            if let Ok(pid) = s.trim().parse() {
-                return pid;
-            }
+        let found = running_with(marker);
+        if found.len() >= at_least {
+            return found;
         }
         assert!(
             Instant::now() < deadline,
-            "no pid file at {}",
-            path.display()
+            "{at_least} processes with {marker} never ran (found {found:?})"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -124,25 +142,82 @@ async fn output_is_capped() {
             json!({"command": "head -c 50000 /dev/zero | tr '\\0' x"}),
         )
         .await;
-    assert_eq!(r["stdout"].as_str().unwrap().len(), 1000);
     assert_eq!(r["stdout_truncated_bytes"], 49000);
+    let shown = r["stdout"].as_str().unwrap();
+    assert_eq!(shown.matches('x').count(), 1000, "{shown}");
     assert!(
-        text(&r).contains("49000 more bytes of stdout"),
+        text(&r).contains("[... 49000 bytes of stdout cut here (bytes 500 to 49500 of 50000); the first 500 and the last 500 bytes are shown ...]"),
         "{}",
         text(&r)
     );
 }
 
+/// The start of a run and its end (where the errors are) both survive the capture cap.
+#[tokio::test]
+async fn the_capture_keeps_the_head_and_the_tail() {
+    let limits = Limits {
+        exec_max_output_bytes: 200,
+        ..Limits::default()
+    };
+    let rig = Rig::with_limits(limits, |_| Vec::new());
+    let r = rig
+        .ok(
+            "shell::exec",
+            json!({"command": "echo FIRST-LINE; seq 1 5000; echo LAST-LINE; echo ERR-START >&2; seq 1 3000 >&2; echo ERR-END >&2"}),
+        )
+        .await;
+    let t = text(&r);
+    for marker in ["FIRST-LINE", "LAST-LINE", "ERR-START", "ERR-END"] {
+        assert!(t.contains(marker), "{marker} missing from\n{t}");
+    }
+    assert!(t.contains("bytes of stdout cut here"), "{t}");
+    assert!(t.contains("bytes of stderr cut here"), "{t}");
+}
+
+/// Both streams too big for `max_result_bytes` together: each is cut in its middle so that the
+/// whole result fits (the loop would elide it whole otherwise), head and tail of each shown.
+#[tokio::test]
+async fn the_whole_result_fits_max_result_bytes() {
+    for max in [1024usize, 4096, 20_000] {
+        let limits = Limits {
+            max_result_bytes: std::sync::Arc::new(move || max),
+            ..Limits::default()
+        };
+        let rig = Rig::with_limits(limits, |_| Vec::new());
+        // Quotes and control characters cost more once escaped: the fit measures, not guesses.
+        let r = rig
+            .ok(
+                "shell::exec",
+                json!({"command": "echo OUT-HEAD; for i in $(seq 1 3000); do printf '\"q\\t%s\"\\n' $i; done; echo OUT-TAIL; echo ERR-HEAD >&2; seq 1 20000 >&2; echo ERR-TAIL >&2"}),
+            )
+            .await;
+        let size = serde_json::to_string(&r["content"]).unwrap().len()
+            + serde_json::to_string(&r).unwrap().len();
+        assert!(size <= max, "{size} bytes exceed {max}: {r}");
+        let t = text(&r);
+        if max >= 4096 {
+            for marker in ["OUT-HEAD", "OUT-TAIL", "ERR-HEAD", "ERR-TAIL"] {
+                assert!(t.contains(marker), "{max}: {marker} missing from\n{t}");
+            }
+        }
+        // Where and how much, even when the cap leaves room for no output at all.
+        assert!(t.contains("bytes of stdout cut"), "{t}");
+        assert!(t.contains("bytes of stderr cut"), "{t}");
+        assert_eq!(r["exit_code"], 0);
+        let cut = r["stderr_truncated_bytes"].as_u64().unwrap();
+        assert!(cut > 0, "{r}");
+    }
+}
+
 #[tokio::test]
 async fn a_timeout_kills_the_whole_process_group() {
     let rig = Rig::new();
-    let pidfile = rig.root().join("grandchild.pid");
     // The grandchild ignores the shell's end: only a signal to the group reaches it.
     let started = Instant::now();
     let r = rig
         .ok(
             "shell::exec",
-            json!({"command": "sleep 60 & echo $! > grandchild.pid; wait", "timeout_ms": 500}),
+            json!({"command": "sleep 6101.25 & wait", "timeout_ms": 500}),
         )
         .await;
     assert!(
@@ -151,8 +226,7 @@ async fn a_timeout_kills_the_whole_process_group() {
     );
     assert_eq!(r["timed_out"], true, "{r}");
     assert_eq!(r["is_error"], true);
-    let pid = read_pid(&pidfile).await;
-    wait_gone(pid).await;
+    wait_gone("6101.25").await;
 }
 
 #[tokio::test]
@@ -161,11 +235,12 @@ async fn a_background_process_does_not_outlive_a_finished_command() {
     let r = rig
         .ok(
             "shell::exec",
-            json!({"command": "sleep 60 >/dev/null 2>&1 & echo $! > bg.pid"}),
+            json!({"command": "sleep 6102.25 >/dev/null 2>&1 & echo started"}),
         )
         .await;
     assert_eq!(r["exit_code"], 0, "{r}");
-    wait_gone(read_pid(&rig.root().join("bg.pid")).await).await;
+    assert_eq!(r["stdout"], "started\n");
+    wait_gone("6102.25").await;
 }
 
 /// A stopped turn abandons the call (the loop stops awaiting it): the group dies with it.
@@ -177,18 +252,16 @@ async fn an_abandoned_call_kills_the_whole_process_group() {
     let call = tokio::spawn(async move {
         bus.call(
             "shell::exec",
-            json!({"command": "sleep 60 & echo $! > g.pid; echo $$ > sh.pid; wait", "fs_scope": stamp}),
+            json!({"command": "sleep 6103.25 & wait", "fs_scope": stamp}),
             None,
         )
         .await
     });
-    let grandchild = read_pid(&rig.root().join("g.pid")).await;
-    let shell = read_pid(&rig.root().join("sh.pid")).await;
-    assert!(running(grandchild) && running(shell));
+    // The shell (its command line holds the marker) and the sleep.
+    wait_running("6103.25", 2).await;
     call.abort();
     let _ = call.await;
-    wait_gone(shell).await;
-    wait_gone(grandchild).await;
+    wait_gone("6103.25").await;
 }
 
 #[tokio::test]

@@ -325,8 +325,33 @@ async fn a_kernel_that_cannot_confine_refuses_unless_unconfined_is_accepted() {
     let r = rig
         .ok("shell::exec", json!({"command": "cat harness.yaml"}))
         .await;
-    assert_eq!(r["confinement"]["kind"], "none", "{r}");
+    assert_eq!(r["confinement"]["kind"], "namespaces", "{r}");
     assert!(out(&r).contains(CONFIG), "{r}");
+}
+
+/// Without a private PID namespace a command could read every process's environment through
+/// `/proc`: refused like a kernel without Landlock, unless the operator accepted that.
+#[tokio::test]
+async fn no_pid_namespace_refuses_unless_unconfined_is_accepted() {
+    let limits = |unconfined: bool| Limits {
+        shell_policy: Arc::new(move || ShellPolicy {
+            unconfined,
+            ..ShellPolicy::default()
+        }),
+        pid_namespace: false,
+        ..Limits::default()
+    };
+    let rig = support::Rig::with_limits(limits(false), |_| Vec::new());
+    let e = rig.err("shell::exec", json!({"command": "echo hi"})).await;
+    assert_eq!(e.code, "harness/sandbox_unavailable", "{e}");
+    assert!(e.message.contains("PID namespace"), "{e}");
+    assert!(e.message.contains("shell_exec_unconfined"), "{e}");
+    let rig = support::Rig::with_limits(limits(true), |_| Vec::new());
+    let r = rig.ok("shell::exec", json!({"command": "echo hi"})).await;
+    assert_eq!(r["stdout"], "hi\n");
+    assert_eq!(r["confinement"]["kind"], "landlock", "{r}");
+    assert_eq!(r["confinement"]["pid_namespace"], false, "{r}");
+    assert_eq!(r["confinement"]["proc"], "host", "{r}");
 }
 
 /// An operator's extra read path (a toolchain, say) is readable and executable, not writable,

@@ -57,8 +57,11 @@ fn tools(opts: &RuntimeOptions, harness: &Harness) -> harness_tools::Tools {
     harness.set_protected_paths(protected.clone());
     let live = harness.clone();
     let shell = harness.clone();
+    let results = harness.clone();
     let limits = harness_tools::Limits {
         allow_private: Arc::new(move || live.config().web_fetch_allow_private),
+        // shell::exec cuts its output to fit the loop's cap rather than be elided whole.
+        max_result_bytes: Arc::new(move || results.config().result_cap()),
         shell_policy: Arc::new(move || {
             let config = shell.config();
             harness_tools::ShellPolicy {
@@ -69,6 +72,7 @@ fn tools(opts: &RuntimeOptions, harness: &Harness) -> harness_tools::Tools {
                     .iter()
                     .map(|p| expand_home(p))
                     .collect(),
+                scrub_env: config.shell_exec_scrub_env.clone(),
             }
         }),
         ..harness_tools::Limits::default()
