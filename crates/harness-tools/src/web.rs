@@ -45,37 +45,81 @@ pub struct FetchRequest {
 }
 
 /// Why an address is refused, or None when a model may reach it.
+///
+/// Every IPv6 form that carries an IPv4 address (mapped, compatible, translated, 6to4, NAT64,
+/// Teredo) is judged by the IPv4 address inside, since a gateway on the way may deliver it
+/// there; ranges that are never public (documentation, benchmarking, site-local, local-use
+/// NAT64, discard) are refused whole.
 pub fn refused(ip: IpAddr) -> Option<&'static str> {
     match ip {
         IpAddr::V4(v4) => refused_v4(v4),
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return refused_v4(v4);
-            }
-            let seg = v6.segments();
-            if v6.is_loopback() {
-                Some("loopback")
-            } else if v6.is_unspecified() {
-                Some("unspecified")
-            } else if seg[0] & 0xfe00 == 0xfc00 {
-                Some("private (unique local)")
-            } else if seg[0] & 0xffc0 == 0xfe80 {
-                Some("link-local")
-            } else if v6.is_multicast() {
-                Some("multicast")
-            } else if seg[0] == 0x64 && seg[1] == 0xff9b {
-                // NAT64: the IPv4 address is in the last 32 bits.
-                let v4 = Ipv4Addr::new(
-                    (seg[6] >> 8) as u8,
-                    seg[6] as u8,
-                    (seg[7] >> 8) as u8,
-                    seg[7] as u8,
-                );
-                refused_v4(v4)
-            } else {
-                None
-            }
+        IpAddr::V6(v6) => refused_v6(v6),
+    }
+}
+
+fn v4_at(seg: &[u16; 8], i: usize) -> Ipv4Addr {
+    let [a, b] = seg[i].to_be_bytes();
+    let [c, d] = seg[i + 1].to_be_bytes();
+    Ipv4Addr::new(a, b, c, d)
+}
+
+fn refused_v6(v6: std::net::Ipv6Addr) -> Option<&'static str> {
+    let seg = v6.segments();
+    if v6.is_loopback() {
+        return Some("loopback");
+    }
+    if v6.is_unspecified() {
+        return Some("unspecified");
+    }
+    // ::ffff:a.b.c.d (mapped).
+    if seg[..5] == [0; 5] && seg[5] == 0xffff {
+        return refused_v4(v4_at(&seg, 6));
+    }
+    // ::ffff:0:a.b.c.d (translated): for stateless translators inside a network only.
+    if seg[4..6] == [0xffff, 0] && seg[..4] == [0; 4] {
+        return Some("IPv4-translated");
+    }
+    // ::a.b.c.d (IPv4-compatible, deprecated): never a public route.
+    if seg[..6] == [0; 6] {
+        return Some(refused_v4(v4_at(&seg, 6)).unwrap_or("IPv4-compatible (deprecated)"));
+    }
+    match seg[0] {
+        0x0064 if seg[1] == 0xff9b && seg[2..6] == [0; 4] => {
+            // NAT64 (64:ff9b::/96): the IPv4 address is the last 32 bits.
+            return refused_v4(v4_at(&seg, 6));
         }
+        0x0064 if seg[1] == 0xff9b && seg[2] == 1 => return Some("local-use NAT64"),
+        0x0100 if seg[1..4] == [0; 3] => return Some("discard-only"),
+        0x2001 if seg[1] == 0 => {
+            // Teredo: the server's IPv4 address, then the client's, inverted.
+            let server = v4_at(&seg, 2);
+            let client = Ipv4Addr::from(u32::from(v4_at(&seg, 6)) ^ 0xffff_ffff);
+            return refused_v4(server)
+                .or(refused_v4(client))
+                .map(|_| "Teredo to a non-public");
+        }
+        0x2001 if seg[1] == 0x0db8 => return Some("documentation"),
+        0x2001 if seg[1] == 0x0002 && seg[2] == 0 => return Some("benchmarking"),
+        0x2001 if (seg[1] & 0xfff0) == 0x0010 || (seg[1] & 0xfff0) == 0x0020 => {
+            return Some("ORCHID (not routable)")
+        }
+        0x2002 => {
+            // 6to4: the IPv4 address follows the prefix.
+            return refused_v4(v4_at(&seg, 1)).map(|_| "6to4 to a non-public");
+        }
+        0x3fff if seg[1] < 0x1000 => return Some("documentation"),
+        _ => {}
+    }
+    if seg[0] & 0xfe00 == 0xfc00 {
+        Some("private (unique local)")
+    } else if seg[0] & 0xffc0 == 0xfe80 {
+        Some("link-local")
+    } else if seg[0] & 0xffc0 == 0xfec0 {
+        Some("site-local (deprecated)")
+    } else if v6.is_multicast() {
+        Some("multicast")
+    } else {
+        None
     }
 }
 
@@ -83,8 +127,8 @@ fn refused_v4(ip: Ipv4Addr) -> Option<&'static str> {
     let o = ip.octets();
     if ip.is_loopback() {
         Some("loopback")
-    } else if ip.is_unspecified() || o[0] == 0 {
-        Some("unspecified")
+    } else if o[0] == 0 {
+        Some("unspecified (this network)")
     } else if ip.is_private() {
         Some("private")
     } else if ip.is_link_local() {
@@ -92,6 +136,14 @@ fn refused_v4(ip: Ipv4Addr) -> Option<&'static str> {
         Some("link-local (cloud metadata)")
     } else if o[0] == 100 && (o[1] & 0xc0) == 64 {
         Some("shared address space (carrier NAT)")
+    } else if o[..3] == [192, 0, 0] {
+        Some("IETF protocol assignment")
+    } else if o[..3] == [192, 0, 2] || o[..3] == [198, 51, 100] || o[..3] == [203, 0, 113] {
+        Some("documentation")
+    } else if o[0] == 198 && (o[1] & 0xfe) == 18 {
+        Some("benchmarking")
+    } else if o[..3] == [192, 88, 99] {
+        Some("6to4 relay anycast (deprecated)")
     } else if ip.is_broadcast() || ip.is_multicast() || o[0] >= 240 {
         Some("broadcast, multicast or reserved")
     } else {
@@ -320,34 +372,130 @@ mod tests {
     #[test]
     fn address_classes() {
         for ip in [
+            // IPv4
             "127.0.0.1",
             "127.9.9.9",
+            "0.0.0.0",
+            "0.1.2.3",
             "10.0.0.1",
             "10.255.255.255",
             "172.16.0.1",
+            "172.31.255.255",
             "192.168.1.1",
             "169.254.169.254",
-            "0.0.0.0",
+            "169.254.0.1",
             "100.64.0.1",
+            "100.127.255.254",
+            "192.0.0.1",
+            "192.0.0.170",
+            "192.0.2.1",
+            "198.51.100.7",
+            "203.0.113.9",
+            "198.18.0.1",
+            "198.19.255.255",
+            "192.88.99.1",
+            "224.0.0.1",
+            "239.255.255.250",
+            "240.0.0.1",
+            "255.255.255.255",
+            // IPv6 native
             "::1",
             "::",
             "fe80::1",
+            "febf::1",
+            "fec0::1",
+            "feff::1",
+            "fc00::1",
             "fd00:ec2::254",
+            "ff02::1",
+            "ff0e::1",
+            "100::1",
+            "2001:db8::1",
+            "2001:2::1",
+            "2001:10::1",
+            "2001:20::1",
+            "3fff::1",
+            // IPv4 inside IPv6
             "::ffff:127.0.0.1",
+            "::ffff:10.1.2.3",
             "::ffff:169.254.169.254",
+            "::ffff:0:127.0.0.1",
+            "::ffff:0:8.8.8.8",
+            "::127.0.0.1",
+            "::10.0.0.1",
+            "::8.8.8.8",
+            "2002:7f00:1::",
+            "2002:7f00:0001::1",
+            "2002:a9fe:a9fe::",
+            "2002:0a00:0001::",
+            "64:ff9b::7f00:1",
+            "64:ff9b::127.0.0.1",
             "64:ff9b::a00:1",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b:1::1",
+            "64:ff9b:1::8.8.8.8",
+            // Teredo: server 127.0.0.1; client 10.0.0.1 (inverted: f5ff:fffe).
+            "2001:0:7f00:1::",
+            "2001:0:0808:0808::f5ff:fffe",
         ] {
-            let ip: IpAddr = ip.parse().unwrap();
-            assert!(refused(ip).is_some(), "{ip} must be refused");
+            let parsed: IpAddr = ip.parse().unwrap();
+            assert!(refused(parsed).is_some(), "{ip} must be refused");
         }
         for ip in [
             "93.184.216.34",
             "1.1.1.1",
-            "2606:4700:4700::1111",
+            "8.8.8.8",
             "172.32.0.1",
+            "100.128.0.1",
+            "192.0.3.1",
+            "198.20.0.1",
+            "2606:4700:4700::1111",
+            "2a00:1450:4001::200e",
+            "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+            "2002:0808:0808::1",
+            // Teredo between two public addresses (client 8.8.4.4 inverted: f7f7:fbfb).
+            "2001:0:0808:0808::f7f7:fbfb",
         ] {
-            let ip: IpAddr = ip.parse().unwrap();
-            assert_eq!(refused(ip), None, "{ip} is public");
+            let parsed: IpAddr = ip.parse().unwrap();
+            assert_eq!(refused(parsed), None, "{ip} is public");
+        }
+    }
+
+    /// URL spellings of loopback the url crate normalises (decimal, octal, hex, short forms):
+    /// what is checked is the address it parsed, not the text.
+    #[test]
+    fn url_spellings_of_a_refused_address_are_refused() {
+        for url in [
+            "http://2130706433/",
+            "http://0x7f.1/",
+            "http://0x7f000001/",
+            "http://0177.0.0.1/",
+            "http://017700000001/",
+            "http://127.1/",
+            "http://127.0.1/",
+            "http://0/",
+            "http://0x0/",
+            "http://[::ffff:7f00:1]/",
+            "http://[::ffff:127.0.0.1]/",
+            "http://[0:0:0:0:0:ffff:127.0.0.1]/",
+            "http://[::127.0.0.1]/",
+            "http://[2002:7f00:1::]/",
+            "http://[64:ff9b::7f00:1]/",
+            "http://[fe80::1%25eth0]/",
+            "http://169.254.169.254/",
+            "http://0xa9.0xfe.0xa9.0xfe/",
+            "http://2852039166/",
+        ] {
+            let parsed = url::Url::parse(url);
+            let ip: IpAddr = match parsed.as_ref().ok().and_then(|u| u.host()) {
+                Some(url::Host::Ipv4(ip)) => ip.into(),
+                Some(url::Host::Ipv6(ip)) => ip.into(),
+                // Not a URL the fetch accepts at all (refused as invalid).
+                None => continue,
+                Some(url::Host::Domain(d)) => panic!("{url} parsed as the name {d}"),
+            };
+            assert!(refused(ip).is_some(), "{url} ({ip}) must be refused");
         }
     }
 

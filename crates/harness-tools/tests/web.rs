@@ -67,6 +67,11 @@ async fn loopback_private_link_local_and_names_resolving_to_them_are_refused() {
         "http://169.254.169.254/latest/meta-data/".to_string(),
         "http://[::ffff:169.254.169.254]/".to_string(),
         "http://2130706433/".to_string(),
+        format!("http://0x7f.1:{port}/page"),
+        format!("http://[::127.0.0.1]:{port}/page"),
+        format!("http://[2002:7f00:1::]:{port}/page"),
+        format!("http://[64:ff9b::7f00:1]:{port}/page"),
+        format!("http://[::ffff:0:127.0.0.1]:{port}/page"),
     ] {
         let e = rig.err("web::fetch", json!({"url": url})).await;
         assert_eq!(e.code, "tools/address_refused", "{url}: {e}");
