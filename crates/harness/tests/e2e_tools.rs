@@ -74,11 +74,17 @@ async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_n
     // Run once: the restarted harness did not start the command again.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "started\n");
-    // The orphaned command of the killed process is ours to clean up.
-    if let Ok(pid) = std::fs::read_to_string(root.path().join("shell.pid")) {
-        if let Ok(pid) = pid.trim().parse::<i32>() {
+    // The orphaned command of the killed process is ours to clean up. It runs in its own PID
+    // namespace (the pid it wrote means nothing here): its processes are those working in
+    // this test's root.
+    let root_dir = std::fs::canonicalize(root.path()).unwrap();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if std::fs::read_link(format!("/proc/{pid}/cwd")).ok().as_ref() == Some(&root_dir) {
             unsafe {
-                libc::killpg(pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
             }
         }
     }
@@ -196,15 +202,30 @@ fn harness_chat_asks_before_a_mutating_tool_runs() {
     std::fs::remove_file(&script_file).ok();
 }
 
-/// Whether a process still runs (a zombie has finished running).
-fn running(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        Ok(stat) => {
-            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-            !state.starts_with('Z') && !state.starts_with('X')
+/// The running processes (not zombies) working in `dir`. A command runs in its own PID
+/// namespace, so the pids it could write down are not the host's: its processes are found by
+/// their working directory, the test's own root.
+fn running_in(dir: &std::path::Path) -> Vec<(i32, String)> {
+    let dir = std::fs::canonicalize(dir).unwrap();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if std::fs::read_link(format!("/proc/{pid}/cwd")).ok() != Some(dir.clone()) {
+            continue;
         }
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+        if state.starts_with('Z') || state.starts_with('X') {
+            continue;
+        }
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        found.push((pid, comm.trim().to_string()));
     }
+    found
 }
 
 /// `harness::stop` while `shell::exec` runs: the command and everything it started are killed,
@@ -215,7 +236,7 @@ async fn stopping_the_turn_kills_the_commands_whole_process_group() {
     let script = script(vec![
         json!({"match": {"last_user_text": "run the job"},
                "content": [{"type": "function_call", "id": "c1", "function_id": "shell::exec",
-                            "arguments": {"command": "sleep 60 & echo $! > grandchild.pid; echo $$ > shell.pid; wait"}}]}),
+                            "arguments": {"command": "sleep 60 & wait"}}]}),
         text_gen(None, "stopped", 0, true),
     ]);
     let server = Server::start(&script, &[]).await;
@@ -228,24 +249,26 @@ async fn stopping_the_turn_kills_the_commands_whole_process_group() {
         )
         .await;
     let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let pid_of = |name: &str| {
-        let path = root.path().join(name);
+    let dir = root.path().to_path_buf();
+    let started = wait_for("the command to start", WAIT, || {
+        let found = running_in(&dir);
         async move {
-            std::fs::read_to_string(&path)
-                .ok()
-                .and_then(|s| s.trim().parse::<i32>().ok())
+            found
+                .iter()
+                .any(|(_, comm)| comm == "sleep")
+                .then_some(found)
         }
-    };
-    let grandchild = wait_for("the command to start", WAIT, || pid_of("grandchild.pid")).await;
-    let shell = wait_for("the shell's pid", WAIT, || pid_of("shell.pid")).await;
-    assert!(running(grandchild) && running(shell));
+    })
+    .await;
+    assert!(started.len() >= 2, "the shell and its sleep: {started:?}");
     server
         .ok("harness::stop", json!({"session_id": "s_stop"}))
         .await;
     let status = server.wait_turn("s_stop", &turn_id).await;
     assert_eq!(status["status"], "cancelled", "{status}");
-    wait_for("the whole group to be killed", WAIT, || async move {
-        (!running(grandchild) && !running(shell)).then_some(())
+    wait_for("the whole group to be killed", WAIT, || {
+        let left = running_in(&dir);
+        async move { left.is_empty().then_some(()) }
     })
     .await;
     let entries = server.transcript("s_stop", false).await;
