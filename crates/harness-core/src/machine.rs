@@ -369,6 +369,7 @@ fn failure(code: &str, phase: FailurePhase, summary: &str, detail: Option<String
         detail,
         retryable: false,
         kind: None,
+        provider: Default::default(),
     }
 }
 
@@ -388,6 +389,7 @@ pub(crate) fn generation_failure(err: &GenerationError) -> Failure {
         detail: Some(err.message.clone()),
         retryable: err.kind.retryable(),
         kind: Some(err.kind),
+        provider: err.provider.clone(),
     }
 }
 

@@ -392,6 +392,22 @@ pub struct GenerationError {
     pub code: String,
     pub kind: harness_types::message::ErrorKind,
     pub message: String,
+    /// What the provider answered, and what to do about it (see [`Failure`]).
+    #[serde(flatten)]
+    pub provider: ProviderAnswer,
+}
+
+/// What a provider answered when it failed, and what a person can do about it: carried from
+/// the router's error to the turn's failure and on to `harness::status` and `turn-completed`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProviderAnswer {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_status: Option<u16>,
+    /// The provider's own words, bounded and redacted by the router.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
 }
 
 /// Marks that step `step` finished generating, so a redelivered step resumes at its calls
@@ -476,6 +492,25 @@ pub struct Failure {
     /// The provider's failure class, for generation failures.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<harness_types::message::ErrorKind>,
+    /// Stored with the record, so the cause reads the same after a restart.
+    #[serde(flatten)]
+    pub provider: ProviderAnswer,
+}
+
+impl Failure {
+    /// The failure as the API shows it (`harness::status`, `harness::turn-completed`).
+    pub fn to_api(&self) -> harness_types::api::TurnFailure {
+        harness_types::api::TurnFailure {
+            code: self.code.clone(),
+            phase: self.phase.as_str().to_string(),
+            kind: self.kind,
+            retryable: self.retryable,
+            provider_status: self.provider.provider_status,
+            provider_message: self.provider.provider_message.clone(),
+            detail: self.detail.clone(),
+            hint: self.provider.hint.clone(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -553,6 +588,25 @@ impl TurnRecord {
 
     pub fn has_pending(&self) -> bool {
         self.calls.values().any(|c| c.state() == CallState::Pending)
+    }
+
+    /// Why the turn failed: the stored failure, or the loop's own code for a record that
+    /// failed without one.
+    pub fn failure_cause(&self) -> Failure {
+        self.failure.clone().unwrap_or_else(|| Failure {
+            code: "harness.turn_internal".into(),
+            phase: FailurePhase::Execution,
+            summary: self.result_error.clone().unwrap_or_default(),
+            detail: None,
+            retryable: false,
+            kind: None,
+            provider: ProviderAnswer::default(),
+        })
+    }
+
+    /// The cause of a failed turn as the API shows it; `None` unless the turn failed.
+    pub fn api_failure(&self) -> Option<harness_types::api::TurnFailure> {
+        (self.status == TurnStatus::Failed).then(|| self.failure_cause().to_api())
     }
 
     /// Ids of calls still `triggered` or `pending`.
@@ -651,6 +705,45 @@ mod tests {
         );
         assert_eq!(back["failure"], old["failure"]);
         assert_eq!(back["stop_reason"], old["stop_reason"]);
+    }
+
+    #[test]
+    fn a_failures_provider_answer_is_stored_flat_and_shown_on_the_api() {
+        let stored = serde_json::json!({
+            "code": "router/not_found", "phase": "generation", "summary": "The provider rejected this request.",
+            "detail": "HTTP 404: Not Found", "retryable": false, "kind": "permanent",
+            "provider_status": 404, "provider_message": "Not Found", "hint": "try /v1"
+        });
+        let f: Failure = serde_json::from_value(stored.clone()).unwrap();
+        assert_eq!(f.provider.provider_status, Some(404));
+        assert_eq!(
+            serde_json::to_value(&f).unwrap(),
+            stored,
+            "written back the same"
+        );
+        let api = f.to_api();
+        assert_eq!(
+            (api.code.as_str(), api.phase.as_str(), api.provider_status),
+            ("router/not_found", "generation", Some(404))
+        );
+        assert_eq!(api.provider_message.as_deref(), Some("Not Found"));
+        assert_eq!(api.hint.as_deref(), Some("try /v1"));
+        assert_eq!(api.detail.as_deref(), Some("HTTP 404: Not Found"));
+
+        // A failed record without a stored failure still names a cause; others have none.
+        let mut rec: TurnRecord = serde_json::from_value(serde_json::json!({
+            "turn_id": "t_1", "session_id": "s", "status": "failed", "step": 1,
+            "options": {"model": "m", "max_turns": 4}, "result_error": "lost"
+        }))
+        .unwrap();
+        let api = rec.api_failure().expect("a cause");
+        assert_eq!(
+            (api.code.as_str(), api.phase.as_str()),
+            ("harness.turn_internal", "execution")
+        );
+        assert_eq!(api.provider_status, None);
+        rec.status = TurnStatus::Completed;
+        assert_eq!(rec.api_failure(), None);
     }
 
     #[test]

@@ -37,6 +37,7 @@ impl Harness {
             stop_reason: rec.stop_reason.map(|r| r.as_str().to_string()),
             transient_resumes: rec.transient_resumes,
             queued,
+            failure: rec.api_failure(),
         }))
     }
 }

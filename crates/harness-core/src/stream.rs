@@ -251,22 +251,37 @@ impl Harness {
                 }),
                 ack,
             ) => {
-                let code = ack
+                let acked = ack
                     .ok()
                     .and_then(|v| serde_json::from_value::<ChatAck>(v).ok())
-                    .and_then(|a| a.error.map(|e| e.code))
-                    .unwrap_or_else(|| format!("llm.{}", error_kind.as_str()));
+                    .and_then(|a| a.error);
                 let mut message = error;
                 if message.content.is_empty() {
                     message.content = acc.content.clone();
                 }
-                Generation {
-                    message,
-                    error: Some(GenerationError {
-                        code,
+                let error = match acked {
+                    // The ack has the parts apart: the diagnostic without the hint, the hint,
+                    // the status and the provider's words.
+                    Some(e) => GenerationError {
+                        message: e.detail.unwrap_or(error_message),
+                        code: e.code,
+                        kind: error_kind,
+                        provider: crate::record::ProviderAnswer {
+                            provider_status: e.status,
+                            provider_message: e.provider_message,
+                            hint: e.hint,
+                        },
+                    },
+                    None => GenerationError {
+                        code: format!("llm.{}", error_kind.as_str()),
                         kind: error_kind,
                         message: error_message,
-                    }),
+                        provider: Default::default(),
+                    },
+                };
+                Generation {
+                    message,
+                    error: Some(error),
                 }
             }
             (_, Err(e)) if !e.is_not_found() && e.code != "timeout" => {
@@ -289,6 +304,7 @@ impl Harness {
                         code: format!("llm.{}", kind.as_str()),
                         kind,
                         message: why,
+                        provider: Default::default(),
                     }),
                 }
             }

@@ -251,6 +251,39 @@ pub struct StatusReport {
     pub transient_resumes: u32,
     #[serde(default)]
     pub queued: u32,
+    /// Why a failed turn failed (absent unless `status` is `failed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<TurnFailure>,
+}
+
+/// The cause of a failed turn, as `harness chat` shows it: the stable code, where in the turn,
+/// and for a provider failure what the provider answered and what a person can do about it.
+/// Credentials never appear in any field.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TurnFailure {
+    /// `router/<code>` (e.g. `router/not_found`) for a provider failure, `harness.<reason>` for
+    /// the loop's own.
+    pub code: String,
+    /// Where the turn failed: `generation`, `context_assembly`, `output_validation`, ...
+    pub phase: String,
+    /// The provider failure's class (`permanent`, `transient`, `auth_expired`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<crate::message::ErrorKind>,
+    #[serde(default)]
+    pub retryable: bool,
+    /// The HTTP status the provider answered with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_status: Option<u16>,
+    /// The provider's own words (its error message or body), bounded and redacted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_message: Option<String>,
+    /// The whole diagnostic (status, error type, words, request id), redacted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// What to do about it, where that is known: a base URL missing `/v1`, nothing listening
+    /// at the base URL, a model the server does not serve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
@@ -326,6 +359,9 @@ pub struct TurnCompletedEvent {
     pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<ParentLink>,
+    /// Why a failed turn failed (absent unless `status` is `failed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<TurnFailure>,
 }
 
 /// Binding config shared by both turn-event types.

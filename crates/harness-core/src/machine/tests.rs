@@ -465,6 +465,7 @@ fn provider_error(kind: ErrorKind) -> Option<GenerationError> {
         code: "router/x".into(),
         kind,
         message: "cut".into(),
+        provider: Default::default(),
     })
 }
 
