@@ -124,3 +124,63 @@ async fn a_deletion_killed_between_two_members_resumes_and_deletes_each_once() {
         .await;
     assert_eq!(again, done);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_sessions_id_is_refused_with_410_naming_the_tombstone() {
+    let script = script(vec![text_gen(None, "Hi", 0, true)]);
+    let server = Server::start(&script, &[]).await;
+    let sid = "s_gone";
+    let sent = server.send(Some(sid), "hello").await;
+    server
+        .wait_turn(sid, sent["turn_id"].as_str().unwrap())
+        .await;
+    let op = server
+        .ok("harness::delete-session-tree", json!({"session_id": sid}))
+        .await;
+    let operation_id = op["operation_id"].as_str().unwrap().to_string();
+    let done = wait_for("the deletion to end", WAIT, || async {
+        let s = server
+            .ok(
+                "harness::delete-session-tree-status",
+                json!({"operation_id": operation_id}),
+            )
+            .await;
+        (s["status"] != "deleting").then_some(s)
+    })
+    .await;
+    assert_eq!(done["status"], "completed", "{done}");
+
+    let year = {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        // Close enough to name the year of the tombstone, which was written moments ago.
+        1970 + secs / 31_556_952
+    };
+    for (function_id, payload) in [
+        (
+            "harness::send",
+            json!({"session_id": sid, "message": "again", "model": "m", "provider": "scripted"}),
+        ),
+        (
+            "harness::spawn",
+            json!({"session_id": sid, "task": "again", "model": "m", "provider": "scripted"}),
+        ),
+    ] {
+        let e = server.err(function_id, payload).await;
+        assert_eq!(e.status, 410, "{function_id}: {e:?}");
+        assert_eq!(e.code, "harness/session_deleted", "{function_id}: {e:?}");
+        assert!(
+            e.message.starts_with(&format!(
+                "session_id: session '{sid}' was deleted at {year}-"
+            )),
+            "{function_id}: {}",
+            e.message
+        );
+        assert!(e.message.contains(&operation_id), "{}", e.message);
+        assert!(e.message.contains("not reusable"), "{}", e.message);
+    }
+    // A fresh id still works.
+    server.send(None, "hello").await;
+}
