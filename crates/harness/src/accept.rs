@@ -29,8 +29,10 @@ use tower_service::Service;
 
 /// Time a client has to send a whole request head when none is configured.
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
-/// Connections one client address may hold open when none is configured.
-pub const DEFAULT_MAX_CONNECTIONS_PER_CLIENT: usize = 64;
+/// Connections one client address may hold open when none is configured: room for a local
+/// tool that runs a hundred sessions at once over its own connections, few enough that one
+/// client cannot take every descriptor of the process.
+pub const DEFAULT_MAX_CONNECTIONS_PER_CLIENT: usize = 256;
 /// How long open connections get to finish after the shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// How long a refused connection is drained before it is closed, so that the client reads the
