@@ -162,7 +162,13 @@ impl From<HarnessError> for BusError {
 
 impl From<harness_store::StoreError> for BusError {
     fn from(e: harness_store::StoreError) -> Self {
-        BusError::new(BusCode::Harness(ErrorCode::State), e.to_string())
+        // A full disk keeps its kind (HTTP 507, retry later); it is no fault of the state.
+        match e.classified() {
+            harness_store::StoreError::Full(reason) => {
+                BusError::new(BusCode::Harness(ErrorCode::StorageFull), reason)
+            }
+            other => BusError::new(BusCode::Harness(ErrorCode::State), other.to_string()),
+        }
     }
 }
 
@@ -197,6 +203,17 @@ mod tests {
         let e = BusError::new("timeout", "slow");
         assert!(e.is_transient_dependency());
         assert_eq!(e.to_string(), "timeout: slow");
+    }
+
+    #[test]
+    fn a_full_disk_crosses_the_bus_as_storage_full() {
+        let e = BusError::from(harness_store::StoreError::Full(
+            "database or disk is full".into(),
+        ));
+        assert_eq!(e.code, BusCode::Harness(ErrorCode::StorageFull));
+        assert_eq!(e.into_harness().code.http_status(), 507);
+        let e = BusError::from(harness_store::StoreError::Closed);
+        assert_eq!(e.code, BusCode::Harness(ErrorCode::State));
     }
 
     #[test]

@@ -34,7 +34,11 @@ impl From<SessionError> for HarnessError {
     fn from(e: SessionError) -> Self {
         match e {
             SessionError::Harness(h) => h,
-            SessionError::Store(s) => HarnessError::new(ErrorCode::State, s.to_string()),
+            // A full disk keeps its kind (HTTP 507: the same call succeeds once there is space).
+            SessionError::Store(s) => match s.classified() {
+                StoreError::Full(reason) => HarnessError::new(ErrorCode::StorageFull, reason),
+                s => HarnessError::new(ErrorCode::State, s.to_string()),
+            },
         }
     }
 }
