@@ -1,7 +1,9 @@
 //! The locked HTTP surface, against the real binary: a public bind needs a token and every
 //! request then carries it; on loopback the Host header is checked (DNS rebinding) and foreign
 //! browser origins refused; bodies are capped; event streams per client are bounded; no CORS
-//! header is ever sent. Traffic goes to loopback only (a 0.0.0.0 bind is reached at 127.0.0.1).
+//! header is ever sent. Exactly one Host is accepted, an absolute-form target is checked like
+//! Host, a connection that never finishes its headers is closed, and connections per client
+//! are capped. Traffic goes to loopback only (a 0.0.0.0 bind is reached at 127.0.0.1).
 
 mod common;
 
@@ -139,6 +141,38 @@ fn a_public_bind_without_a_token_refuses_to_start() {
     ]);
     assert_eq!(code, 1);
     assert!(stderr.contains("--token: must not be empty"), "{stderr}");
+}
+
+#[test]
+fn connection_bounds_of_zero_refuse_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    for (flag, named) in [
+        (
+            "--max-connections-per-client",
+            "--max-connections-per-client: must be at least 1",
+        ),
+        (
+            "--header-read-timeout-ms",
+            "--header-read-timeout-ms: must be at least 1",
+        ),
+    ] {
+        let (code, _, stderr) = run_cli(&[
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            flag,
+            "0",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 1, "{stderr}");
+        assert!(
+            stderr.contains("harness/invalid_request") && stderr.contains(named),
+            "{stderr}"
+        );
+    }
+    assert!(!data.exists(), "refused before anything was opened");
 }
 
 #[test]
@@ -370,4 +404,206 @@ async fn event_streams_per_client_are_bounded() {
     })
     .await;
     drop((second, reopened));
+}
+
+/// One request on an open keep-alive connection; returns (status, whole answer). Reads exactly
+/// the answer (by its Content-Length), so the connection can carry the next request.
+fn keep_alive(conn: &mut TcpStream, host: &str, path: &str) -> (u16, String) {
+    conn.write_all(format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut byte = [0u8; 1];
+    while !answer.ends_with(b"\r\n\r\n") {
+        let n = conn.read(&mut byte).unwrap();
+        assert_eq!(
+            n,
+            1,
+            "closed mid-head: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap_or_else(|| panic!("no content-length in {head}"));
+    let mut body = vec![0u8; length];
+    conn.read_exact(&mut body).unwrap();
+    answer.extend(body);
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, answer)
+}
+
+/// Whether the server closed `conn` (EOF or reset) before `deadline`; what it sent meanwhile.
+fn closed_before(conn: &mut TcpStream, deadline: Instant) -> (bool, String) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return (false, String::from_utf8_lossy(&got).into_owned());
+        }
+        conn.set_read_timeout(Some(left)).unwrap();
+        match conn.read(&mut buf) {
+            Ok(0) => return (true, String::from_utf8_lossy(&got).into_owned()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return (true, String::from_utf8_lossy(&got).into_owned())
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+}
+
+#[test]
+fn two_host_headers_are_refused_before_anything_else() {
+    let s = Serve::start("127.0.0.1", &["--token", "tok-2h"], &[]);
+    let host = format!("127.0.0.1:{}", s.port);
+    // Both ours, no token: the duplicate is named first, before the token is even looked at.
+    for second in [host.clone(), "evil.example".to_string()] {
+        let (status, answer) = s.raw("GET", "/healthz", &[("Host", &host), ("Host", &second)], "");
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(code(&answer), "harness/invalid_request");
+        assert!(answer.contains("Host: sent 2 times"), "{answer}");
+    }
+    let auth = [("Host", host.as_str()), ("Authorization", "Bearer tok-2h")];
+    assert_eq!(s.raw("GET", "/healthz", &auth, "").0, 200);
+}
+
+#[test]
+fn an_absolute_form_target_is_checked_like_host() {
+    let s = Serve::start("127.0.0.1", &[], &[]);
+    let port = s.port;
+    let host = format!("127.0.0.1:{port}");
+    // Another host in the target, ours in Host.
+    for target in [
+        "http://evil.example/healthz".to_string(),
+        format!("http://evil.example:{port}/v1/functions"),
+        format!("http://127.0.0.1:{}/healthz", port.wrapping_add(1)),
+        format!("http://user@127.0.0.1:{port}/healthz"),
+    ] {
+        let (status, answer) = s.raw("GET", &target, &[("Host", &host)], "");
+        assert_eq!(status, 403, "{target}: {answer}");
+        assert_eq!(code(&answer), "harness/forbidden_host");
+        assert!(answer.contains("request target"), "{answer}");
+    }
+    // Ours in both, but not the same name: they must agree.
+    let (status, answer) = s.raw(
+        "GET",
+        &format!("http://localhost:{port}/healthz"),
+        &[("Host", &host)],
+        "",
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(code(&answer), "harness/invalid_request");
+    assert!(answer.contains("request target"), "{answer}");
+    // Agreeing with Host: served like the origin form.
+    for path in ["/healthz", "/v1/functions"] {
+        let (status, answer) = s.raw(
+            "GET",
+            &format!("http://{host}{path}"),
+            &[("Host", &host)],
+            "",
+        );
+        assert_eq!(status, 200, "{path}: {answer}");
+    }
+    let (status, answer) = s.raw(
+        "POST",
+        &format!("http://LOCALHOST:{port}/v1/functions/nowhere::at_all"),
+        &[("Host", &format!("localhost:{port}"))],
+        "{}",
+    );
+    assert_eq!(status, 404, "reached the bus: {answer}");
+    assert_eq!(code(&answer), "harness/function_not_found");
+}
+
+#[test]
+fn a_connection_that_never_finishes_its_headers_is_closed() {
+    let s = Serve::start("127.0.0.1", &["--header-read-timeout-ms", "700"], &[]);
+    let host = format!("127.0.0.1:{}", s.port);
+    let mut slow = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    let opened = Instant::now();
+    slow.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {host}\r\nX-Slow: ").as_bytes())
+        .unwrap();
+    // Meanwhile the server answers everyone else.
+    assert_eq!(s.raw("GET", "/healthz", &[("Host", &host)], "").0, 200);
+    let (closed, sent) = closed_before(&mut slow, opened + Duration::from_secs(20));
+    assert!(closed, "still open after 20 s");
+    let after = opened.elapsed();
+    assert!(
+        after >= Duration::from_millis(600),
+        "closed after {after:?}, before the timeout"
+    );
+    assert!(
+        !sent.contains(" 200 "),
+        "answered a request it never got: {sent}"
+    );
+    // A client that sends its whole head in time is served on a fresh connection.
+    assert_eq!(s.raw("GET", "/healthz", &[("Host", &host)], "").0, 200);
+    // A keep-alive connection left idle is waiting for a head too.
+    let mut idle = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    idle.set_read_timeout(Some(WAIT)).unwrap();
+    assert_eq!(keep_alive(&mut idle, &host, "/healthz").0, 200);
+    let served = Instant::now();
+    let (closed, _) = closed_before(&mut idle, served + Duration::from_secs(20));
+    assert!(closed, "an idle keep-alive connection stayed open");
+    assert!(served.elapsed() >= Duration::from_millis(600));
+}
+
+#[test]
+fn connections_per_client_are_capped() {
+    let s = Serve::start(
+        "127.0.0.1",
+        &[
+            "--max-connections-per-client",
+            "3",
+            "--header-read-timeout-ms",
+            "60000",
+        ],
+        &[],
+    );
+    let host = format!("127.0.0.1:{}", s.port);
+    let connect = || {
+        let c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+        c.set_read_timeout(Some(WAIT)).unwrap();
+        c
+    };
+    // Three open connections, each served (so each holds its slot).
+    let mut open: Vec<TcpStream> = (0..3).map(|_| connect()).collect();
+    for c in &mut open {
+        assert_eq!(keep_alive(c, &host, "/healthz").0, 200);
+    }
+    // The fourth is answered 429 at once and closed.
+    let mut extra = connect();
+    let (closed, answer) = closed_before(&mut extra, Instant::now() + Duration::from_secs(10));
+    assert!(closed, "the extra connection stayed open: {answer}");
+    assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+    assert_eq!(code(&answer), "harness/too_many_connections");
+    // The three are still served.
+    for c in &mut open {
+        assert_eq!(keep_alive(c, &host, "/v1/functions").0, 200);
+    }
+    // A freed slot can be used again (once the server has seen the close).
+    drop(open.pop());
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut c = connect();
+        c.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+            .unwrap();
+        let mut first = [0u8; 12];
+        c.read_exact(&mut first).unwrap();
+        if &first == b"HTTP/1.1 200" {
+            break;
+        }
+        assert_eq!(&first, b"HTTP/1.1 429", "unexpected answer");
+        assert!(Instant::now() < deadline, "the freed slot never came back");
+    }
 }
