@@ -92,6 +92,8 @@ pub struct HarnessConfig {
     /// The folder of agent profiles, skills and system prompts (`directory::*`); `null` =
     /// `directory/` in the data dir. Read at start.
     pub directory_path: Option<String>,
+    /// Serve the web console at `/` (`harness serve --no-console` turns it off too).
+    pub console: bool,
 }
 
 /// `shell_exec_scrub_env`: each entry a variable name or a glob of one.
@@ -202,6 +204,7 @@ impl Default for HarnessConfig {
             projects_file_path: "~/.iii/data/harness/projects.json".into(),
             mcp_servers: serde_json::Map::new(),
             directory_path: None,
+            console: true,
         }
     }
 }
