@@ -607,3 +607,46 @@ fn connections_per_client_are_capped() {
         assert!(Instant::now() < deadline, "the freed slot never came back");
     }
 }
+
+#[test]
+fn sigterm_stops_the_server_even_with_an_event_stream_open() {
+    let mut s = Serve::start("127.0.0.1", &[], &[]);
+    let host = format!("127.0.0.1:{}", s.port);
+    let (status, answer) = s.raw(
+        "POST",
+        "/v1/functions/harness::send",
+        &[("Host", &host)],
+        r#"{"message":"hello","model":"m","provider":"scripted"}"#,
+    );
+    assert_eq!(status, 200, "{answer}");
+    let body = answer.split("\r\n\r\n").nth(1).unwrap();
+    let sid = serde_json::from_str::<Value>(body).unwrap()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // An event stream never ends by itself: shutdown must not wait for it forever.
+    let mut stream = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    stream
+        .write_all(
+            format!("GET /v1/sessions/{sid}/events HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes(),
+        )
+        .unwrap();
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let mut first = [0u8; 12];
+    stream.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "serve did not stop: {}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}: {}", s.log());
+    assert!(s.log().contains("harness stopped"), "{}", s.log());
+    // The stream was closed, not left hanging.
+    let (closed, _) = closed_before(&mut stream, Instant::now() + Duration::from_secs(10));
+    assert!(closed);
+}
