@@ -148,7 +148,7 @@ async function refreshList() {
     if (S.open && S.open.id) scheduleRender();
     const badge = $("approvals-badge");
     badge.hidden = S.approvals.length === 0;
-    badge.textContent = `⏸ ${S.approvals.length} pending approval${S.approvals.length === 1 ? "" : "s"}`;
+    badge.textContent = `⚠ ${S.approvals.length} pending approval${S.approvals.length === 1 ? "" : "s"}`;
   } catch (e) {
     if (e instanceof ApiError && e.status === 401) showTokenForm();
   } finally {
@@ -197,7 +197,7 @@ function renderList() {
           `${statusIcon(s.status)} ${s.status}`,
           s.model ? ` · ${s.model}` : "",
           s.cost_usd !== undefined ? ` · ${usd(s.cost_usd)}` : "",
-          pending.has(s.session_id) || s.has_pending_approval ? " · ⏸ approval" : "",
+          pending.has(s.session_id) || s.has_pending_approval ? " · ⚠ approval" : "",
           ` · ${ago(s.updated_at)}`),
       )));
   }
@@ -433,6 +433,7 @@ function onEvent(v, ev) {
     }
     case "session::status-changed":
       setSessionStatus(p.status);
+      refreshListSoon();
       if (p.status === "working") v.running = true;
       updateControls();
       break;
@@ -513,7 +514,8 @@ function updateControls() {
   stop.hidden = !(v && v.id && v.running && !v.readOnly);
   stop.disabled = !!(v && v.stopping);
   stop.textContent = v && v.stopping ? "stopping" : "Stop";
-  $("composer").classList.toggle("read-only", !!(v && v.readOnly));
+  $("composer").hidden = !!(v && v.readOnly);
+  $("read-only-note").hidden = !(v && v.readOnly);
   $("composer-error").textContent = v && v.queued ? `${v.queued} message(s) queued: they steer the running turn` : $("composer-error").dataset.error || "";
 }
 

@@ -242,7 +242,7 @@ function approvalCard(v, a) {
   const reason = el("input", { type: "text", class: "deny-reason", "aria-label": "Reason for denying " + a.function_id, placeholder: "reason (optional)" });
   const out = el("div", { class: "approval-error", role: "alert" });
   const card = el("div", { class: "approval-card", role: "group", "aria-label": "Approval for " + a.function_id, "data-approval": a.approval_id },
-    el("div", { class: "approval-title" }, "⏸ Approval needed: " + a.function_id),
+    el("div", { class: "approval-title" }, "⚠ Approval needed: " + a.function_id),
     el("pre", { class: "approval-args" }, json(a.arguments)),
     el("div", { class: "digest" }, "digest ", el("code", { class: "approval-digest" }, a.digest)),
     el("div", { class: "approval-actions" },

@@ -154,7 +154,7 @@ export function renderWaterfall(root, onChild) {
       "data-error": b.error ? "1" : null,
     },
       el("div", { class: "wf-label" }, "\u00a0".repeat(b.depth * 2) + b.label,
-        b.critical ? el("span", { class: "wf-crit" }, " ★ critical") : null,
+        b.critical ? el("span", { class: "wf-crit", title: "critical path" }, " ★") : null,
         b.error ? el("span", { class: "wf-err" }, " ✖ " + b.error) : null),
       el("div", { class: "wf-track" }, bar),
       el("div", { class: "wf-dur" }, dur + " ms"),
@@ -166,5 +166,7 @@ export function renderWaterfall(root, onChild) {
   const toggle = el("input", { type: "checkbox", id: "wf-errors-only" });
   toggle.addEventListener("change", () => rows.classList.toggle("errors-only", toggle.checked));
   return el("section", { class: "waterfall", "aria-label": "Turn waterfall" },
-    el("label", { class: "check" }, toggle, " errors only"), rows);
+    el("label", { class: "check" }, toggle, " errors only"),
+    el("p", { class: "note" }, "★ critical path (the longest bar at each level); shaded: waiting for an approval"),
+    rows);
 }

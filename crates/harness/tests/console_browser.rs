@@ -1245,7 +1245,7 @@ fn subagent_tree_and_child() {
     assert!(!b.text("#breadcrumb").is_empty());
     assert_eq!(
         b.js(
-            "return document.getElementById('composer').classList.contains('read-only')",
+            "return document.getElementById('composer').hidden && !document.getElementById('read-only-note').hidden",
             json!([])
         ),
         json!(true),
@@ -1257,11 +1257,20 @@ fn subagent_tree_and_child() {
         "back on the parent",
         &format!("decodeURIComponent(location.hash) === '#session={sid}' && document.querySelector('[data-child]')"),
     );
-    assert!(
+    assert_eq!(
         b.js(
             "return document.getElementById('breadcrumb').hidden",
             json!([])
-        ) == json!(true)
+        ),
+        json!(true)
+    );
+    assert_eq!(
+        b.js(
+            "return document.getElementById('composer').hidden",
+            json!([])
+        ),
+        json!(false),
+        "the parent's composer is back"
     );
     b.shot("parent-again");
 }
@@ -1310,7 +1319,7 @@ fn waterfall_matches_events() {
         let mut it = events.iter().filter(|e| {
             e["payload"]["entry_id"] == entry && e["topic"].as_str().unwrap().starts_with(topic)
         });
-        let v = if last { it.last() } else { it.next() };
+        let v = if last { it.next_back() } else { it.next() };
         v.unwrap_or_else(|| panic!("{topic} of {entry}"))["at_ms"]
             .as_i64()
             .unwrap()
@@ -1697,4 +1706,66 @@ fn keyboard_and_names() {
         "{seen:?}"
     );
     b.shot("keyboard");
+}
+
+/// The budget: a 1,000-message session's first render within 1 s, and never all rows at once.
+#[test]
+fn long_session_renders_within_a_second_and_in_pages() {
+    let Some(mut b) = Browser::open("long_session_renders_within_a_second_and_in_pages") else {
+        return;
+    };
+    let h = Harness::start(
+        &json!({"generations": [text_gen("hello", "hi", 0)]}),
+        &["--durability", "normal"],
+        &[],
+    );
+    let sid = h.ok("session::create", json!({}))["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for i in 0..1000 {
+        let message = if i % 2 == 0 {
+            json!({"role": "user", "content": [{"type": "text", "text": format!("question {i}")}]})
+        } else {
+            json!({"role": "assistant", "content": [{"type": "text", "text": format!("answer {i} with **some** `markdown`")}],
+                   "model": "demo", "provider": "scripted", "stop_reason": "end",
+                   "usage": {"input": 10, "output": 5, "cost_usd": 0.0}})
+        };
+        h.ok(
+            "session::append",
+            json!({"session_id": sid, "message": message}),
+        );
+    }
+    b.goto(&format!("{}#session={sid}", h.url()));
+    let ms = b
+        .wait(
+            "the newest entries rendered",
+            "document.querySelector('#transcript article[data-seq=\"1000\"]') ? performance.now() : 0",
+        )
+        .as_f64()
+        .unwrap();
+    b.shot("rendered");
+    eprintln!("first render of a 1,000-message session: {ms:.0} ms after navigation");
+    assert!(ms <= 1000.0, "first render of 1,000 messages took {ms} ms");
+    let count = b.js(
+        "return document.querySelectorAll('#transcript article.entry').length",
+        json!([]),
+    );
+    assert_eq!(
+        count,
+        json!(200),
+        "only the newest 200 entries are rendered"
+    );
+    b.click("#transcript button.older");
+    b.wait(
+        "the next page",
+        "document.querySelectorAll('#transcript article.entry').length === 400",
+    );
+    assert_eq!(
+        b.js(
+            "return document.querySelector('#transcript article.entry').dataset.seq",
+            json!([])
+        ),
+        json!("601")
+    );
 }
