@@ -218,6 +218,8 @@ function newView(/** @type {string|null} */ id, /** @type {boolean} */ readOnly)
     stream: /** @type {any} */ (null),
     events: /** @type {any[]} */ ([]),
     cache: new Map(),
+    /** First message-added and last message-updated `at_ms` per entry. */
+    times: new Map(),
     entries: new Map(),
     results: new Map(),
     approvals: new Map(),
@@ -382,6 +384,16 @@ function scheduleRender() {
   });
 }
 
+$("transcript").addEventListener("scroll", () => {
+  const t = $("transcript");
+  if (t.scrollTop < 40 && S.open && t.querySelector("button.older")) {
+    const before = t.scrollHeight;
+    S.open.shown += PAGE;
+    renderTranscript(t, S.open, S.open.cache);
+    t.scrollTop += t.scrollHeight - before; // keep the reader where they were
+  }
+});
+
 $("transcript").addEventListener("click", (ev) => {
   const target = /** @type {HTMLElement} */ (ev.target);
   if (target && target.dataset && target.dataset.older && S.open) {
@@ -398,6 +410,10 @@ function onEvent(v, ev) {
   switch (ev.topic) {
     case "session::message-added":
     case "session::message-updated": {
+      const t = v.times.get(p.entry_id) || { added: ev.at_ms, updated: ev.at_ms };
+      if (ev.topic === "session::message-added") t.added = Math.min(t.added, ev.at_ms);
+      t.updated = Math.max(t.updated, ev.at_ms);
+      if (p.entry_id) v.times.set(p.entry_id, t);
       const e = ev.entry;
       if (!e) break;
       const old = v.entries.get(e.entry_id);

@@ -23,6 +23,7 @@ export const PAGE = 200;
  *   onOpenChild: (sessionId: string) => void,
  *   onWaterfall: (turnId: string) => void,
  *   childOf: (callId: string) => string|undefined,
+ *   times: Map<string, {added: number, updated: number}>,
  * }} View
  */
 
@@ -205,7 +206,7 @@ function entryNode(v, e) {
     for (const b of m.content || []) {
       if (b.type === "text") node.appendChild(el("div", { class: "text md" }, markdown(b.text)));
       else if (b.type === "thinking") node.appendChild(el("details", { class: "thinking" }, el("summary", {}, "thinking"), el("pre", {}, b.text)));
-      else if (b.type === "function_call") node.appendChild(callBlock(v, b));
+      else if (b.type === "function_call") node.appendChild(callBlock(v, b, e));
     }
     if (m.error_message) node.appendChild(el("div", { class: "entry-error" }, "✖ " + (m.error_kind || "error") + ": " + m.error_message));
     node.appendChild(el("div", { class: "usage", "data-usage": "1" }, usageLine(m)));
@@ -219,8 +220,8 @@ function entryNode(v, e) {
   return node;
 }
 
-/** @param {View} v @param {any} b */
-function callBlock(v, b) {
+/** @param {View} v @param {any} b @param {Entry} [owner] the assistant entry holding the call */
+function callBlock(v, b, owner) {
   const r = v.results.get(b.id);
   const a = v.approvals.get(b.id);
   const node = el("div", { class: "call", "data-call": b.id, "data-function": b.function_id },
@@ -228,7 +229,13 @@ function callBlock(v, b) {
     jsonBlock("arguments", b.arguments),
   );
   if (a && a.status === "pending" && !r) node.appendChild(approvalCard(v, a));
-  if (r) node.appendChild(resultBlock(v, r.message, r));
+  if (r) {
+    node.appendChild(resultBlock(v, r.message, r));
+    // The call's duration: from the end of the generation that asked for it to its result.
+    const asked = owner && v.times.get(owner.entry_id);
+    const done = v.times.get(r.entry_id);
+    if (asked && done) node.appendChild(el("div", { class: "note call-duration" }, `took ${Math.max(0, done.added - asked.updated)} ms`));
+  }
   else if (!a) node.appendChild(el("div", { class: "call-wait" }, "… waiting for the result"));
   const child = b.function_id === "harness::spawn" && ((r && r.message.details && r.message.details.child_session_id) || v.childOf(b.id));
   if (child) {

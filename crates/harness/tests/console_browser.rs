@@ -64,7 +64,12 @@ fn browser_binaries() -> Option<(PathBuf, PathBuf)> {
             if std::env::var("HARNESS_REQUIRE_BROWSER").as_deref() == Ok("1") {
                 panic!("HARNESS_REQUIRE_BROWSER=1 but {SKIP}");
             }
-            eprintln!("{SKIP}");
+            // Straight to the process's stderr: libtest captures `eprintln!` of a passing test,
+            // and the skip must be visible in a plain `cargo test` run.
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                let _ = writeln!(std::io::stderr(), "{SKIP}");
+            });
             None
         }
     }
@@ -1768,4 +1773,54 @@ fn long_session_renders_within_a_second_and_in_pages() {
         ),
         json!("601")
     );
+}
+
+/// What bad input gets: an unknown `#session=`, a blank message, a body over the server's cap.
+#[test]
+fn bad_input_is_named_not_swallowed() {
+    let Some(mut b) = Browser::open("bad_input_is_named_not_swallowed") else {
+        return;
+    };
+    let h = Harness::start(
+        &json!({"generations": [text_gen("hello", "hi", 0)]}),
+        &["--max-body-bytes", "2048"],
+        &[],
+    );
+    b.goto(&format!("{}#session=s_nope", h.url()));
+    b.wait(
+        "the unknown session named",
+        "(document.querySelector('#transcript .missing') || {}).textContent",
+    );
+    assert!(b.text("#transcript .missing").contains("no session s_nope"));
+    b.shot("unknown-session");
+    b.click("#transcript .missing button");
+    b.wait(
+        "a new chat",
+        "document.getElementById('chat-title').textContent === 'New chat'",
+    );
+    b.type_into("#message", "   \n  ");
+    assert_eq!(
+        b.js("return document.getElementById('send').disabled", json!([])),
+        json!(true),
+        "whitespace only: Send stays disabled"
+    );
+    let big = "y".repeat(3000);
+    b.js(
+        "const m = document.getElementById('message'); m.value = arguments[0]; \
+         m.dispatchEvent(new Event('input', {bubbles: true}));",
+        json!([big]),
+    );
+    b.click("#send");
+    b.wait(
+        "the 413 at the composer",
+        "document.getElementById('composer-error').textContent.includes('harness/too_large')",
+    );
+    assert_eq!(
+        b.js("return document.getElementById('message').value", json!([])),
+        json!(big),
+        "the text is kept"
+    );
+    b.shot("too-large");
+    let list = h.ok("session::list", json!({}));
+    assert_eq!(list["sessions"], json!([]), "nothing was sent");
 }
