@@ -157,14 +157,13 @@ pub async fn exec(jail: Jail, req: ExecRequest, limits: &Limits) -> Result<Value
         cmd.env("TMPDIR", sandbox.tmp.path())
             .env("HOME", sandbox.tmp.path());
     }
-    if ns.is_some() || sandbox.is_some() {
-        // SAFETY: isolate::child makes system calls only, on the plan prepared above (no
-        // allocation, no locks), as the child of a multi-threaded process must until exec;
-        // the rule set's descriptor stays open in the parent until spawn returns, so the
-        // child inherits it.
-        unsafe {
-            cmd.pre_exec(move || isolate::child(&plan));
-        }
+    // Even unconfined, a command of a root harness gets no capability and no new privileges.
+    // SAFETY: isolate::child makes system calls only, on the plan prepared above (no
+    // allocation, no locks), as the child of a multi-threaded process must until exec; the
+    // rule set's descriptor stays open in the parent until spawn returns, so the child
+    // inherits it.
+    unsafe {
+        cmd.pre_exec(move || isolate::child(&plan));
     }
     let mut kept: Vec<String> = environment
         .vars

@@ -352,6 +352,30 @@ async fn no_pid_namespace_refuses_unless_unconfined_is_accepted() {
     assert_eq!(r["confinement"]["kind"], "landlock", "{r}");
     assert_eq!(r["confinement"]["pid_namespace"], false, "{r}");
     assert_eq!(r["confinement"]["proc"], "host", "{r}");
+    // Nothing confines it at all: still no capability left to a command of a root harness.
+    let rig = support::Rig::with_limits(
+        Limits {
+            landlock_ceiling: Some(0),
+            ..limits(true)
+        },
+        |_| Vec::new(),
+    );
+    let r = rig
+        .ok(
+            "shell::exec",
+            json!({"command": "grep -E '^Cap(Eff|Bnd)' /proc/self/status"}),
+        )
+        .await;
+    assert_eq!(r["confinement"]["kind"], "none", "{r}");
+    // SAFETY: geteuid only returns a number.
+    if unsafe { libc::geteuid() } == 0 {
+        assert_eq!(r["confinement"]["capabilities"], "dropped", "{r}");
+        let shown = out(&r);
+        assert_eq!(shown.lines().count(), 2, "{r}");
+        for line in shown.lines() {
+            assert!(line.ends_with("0000000000000000"), "{line}");
+        }
+    }
 }
 
 /// An operator's extra read path (a toolchain, say) is readable and executable, not writable,
