@@ -4,7 +4,7 @@ import { call, ApiError, adoptFragmentToken, setToken, setFailureHandler } from 
 import { openStream } from "./sse.js";
 import { el, clear, json, usd, ago } from "./render.js";
 import { renderTranscript, statusIcon, textOf, PAGE } from "./chat.js";
-import { buildTurn, renderWaterfall } from "./waterfall.js";
+import { buildTurn, renderWaterfall, nestChild } from "./waterfall.js";
 
 /** @param {string} id */
 const $ = (id) => /** @type {HTMLElement} */ (document.getElementById(id));
@@ -713,7 +713,34 @@ function showWaterfall(turnId) {
   if (!v) return;
   const bar = buildTurn(v.events, v.entries, turnId, v.childOf);
   if (!bar) return;
-  openDrawer("waterfall", "Waterfall of turn " + turnId.slice(-8), renderWaterfall(bar, openChild));
+  const draw = () => openDrawer("waterfall", "Waterfall of turn " + turnId.slice(-8), renderWaterfall(bar, openChild, expand));
+  /** Loads a spawned child's stored events (its own stream, closed once its turns are all read). @param {any} spawn */
+  const expand = (spawn) => {
+    /** @type {any[]} */
+    const events = [];
+    const entries = new Map();
+    let quiet = 0;
+    const stream = openStream(spawn.child, {
+      onEvent: (ev) => {
+        events.push(ev);
+        if (ev.entry) entries.set(ev.entry.entry_id, ev.entry);
+        clearTimeout(quiet);
+        // The stream has no end: once every started turn has completed and nothing more
+        // arrives for a moment, the stored history has been read.
+        const started = events.filter((e) => e.topic === "harness::turn-started").length;
+        const done = events.filter((e) => e.topic === "harness::turn-completed").length;
+        if (started > 0 && started === done) {
+          quiet = window.setTimeout(() => {
+            stream.close();
+            nestChild(spawn, events, entries);
+            draw();
+          }, 200);
+        }
+      },
+      onState: () => {},
+    });
+  };
+  draw();
 }
 
 // --- start ----------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ function flatten(root) {
  * The panel: one row per bar, positioned on the turn's time axis; "errors only" hides the rest.
  * @param {Bar} root @param {(child: string) => void} onChild
  */
-export function renderWaterfall(root, onChild) {
+export function renderWaterfall(root, onChild, onExpand = (/** @type {Bar} */ _b) => {}) {
   const span = Math.max(1, root.end - root.start);
   const rows = el("div", { class: "wf-rows" });
   for (const b of flatten(root)) {
@@ -160,6 +160,7 @@ export function renderWaterfall(root, onChild) {
       el("div", { class: "wf-dur" }, dur + " ms"),
       b.usage ? el("div", { class: "wf-usage" }, b.usage) : null,
       b.child ? el("button", { type: "button", class: "link-button", onclick: () => onChild(b.child || "") }, "open sub-agent") : null,
+      b.child && !b.children.length ? el("button", { type: "button", class: "link-button wf-expand", onclick: () => onExpand(b) }, "show its turns") : null,
     );
     rows.appendChild(row);
   }
@@ -169,4 +170,23 @@ export function renderWaterfall(root, onChild) {
     el("label", { class: "check" }, toggle, " errors only"),
     el("p", { class: "note" }, "★ critical path (the longest bar at each level); shaded: waiting for an approval"),
     rows);
+}
+
+/**
+ * Nests a child session's turns under a spawn bar (their bars one level deeper).
+ * @param {Bar} spawn @param {any[]} events the child's events @param {Map<string, any>} entries
+ */
+export function nestChild(spawn, events, entries) {
+  const turns = events.filter((e) => e.topic === "harness::turn-started").map((e) => e.payload.turn_id);
+  for (const t of turns) {
+    const bar = buildTurn(events, entries, t);
+    if (!bar) continue;
+    const shift = (/** @type {Bar} */ b, /** @type {number} */ d) => {
+      b.depth += d;
+      b.children.forEach((c) => shift(c, d));
+    };
+    shift(bar, spawn.depth + 1);
+    bar.label = "sub-agent " + bar.label;
+    spawn.children.push(bar);
+  }
 }

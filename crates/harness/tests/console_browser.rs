@@ -1278,6 +1278,26 @@ fn subagent_tree_and_child() {
         "the parent's composer is back"
     );
     b.shot("parent-again");
+    // The parent's waterfall nests the child's own turn under the spawn.
+    b.click(".turn-head button");
+    b.wait(
+        "the waterfall",
+        "document.querySelector('.wf-row[data-kind=\"invoke_agent\"]')",
+    );
+    b.click(".wf-expand");
+    b.wait(
+        "the child's turn nested",
+        "document.querySelectorAll('.wf-row[data-kind=\"turn\"]').length === 2",
+    );
+    let labels = b.js(
+        "return [...document.querySelectorAll('.wf-row[data-kind=\"turn\"] .wf-label')].map(l => l.textContent);",
+        json!([]),
+    );
+    assert!(
+        labels[1].as_str().unwrap().contains("sub-agent turn"),
+        "{labels}"
+    );
+    b.shot("nested-waterfall");
 }
 
 #[test]
