@@ -4,7 +4,8 @@
 //! They are ordinary functions on the bus (callable only where a turn's policy allows them).
 //! The filesystem and shell functions work inside the `fs_scope` the loop stamps onto their
 //! calls (the turn's root); they trust nothing else a call says about where it may reach. The
-//! harness's data directory and configuration files are refused even under the root.
+//! harness's data directory and configuration files are refused even under the root, and a
+//! `shell::exec` command sees no process but its own.
 //! `web::fetch` refuses loopback, private, link-local and metadata addresses unless the
 //! operator allows private ones.
 

@@ -1,12 +1,23 @@
 //! `shell::exec`: one command in the root, in its own process group, with a scrubbed
 //! environment, a timeout and an output cap.
 //!
-//! The command runs in a Landlock sandbox ([`crate::confine`]): it writes only beneath the root
-//! and a private temporary directory, reads the system and the root, never the harness's data
-//! directory or configuration, and opens no TCP connection unless the operator allows it. On a
-//! kernel that cannot enforce that, the call is refused unless the operator accepted running
-//! unconfined (`shell_exec_unconfined`). It is still held for approval by default in
-//! `harness chat`, and no credential the harness holds is passed to it.
+//! The command runs in its own PID and mount namespaces with a fresh `/proc`, without
+//! capabilities ([`crate::isolate`]), so it sees no other process: not the harness's
+//! environment, memory or descriptors, not another process's environment or command line. It
+//! also runs in a Landlock sandbox ([`crate::confine`]): it writes only beneath the root and a
+//! private temporary directory, reads the system and the root, never the harness's data
+//! directory or configuration, and opens no TCP connection unless the operator allows it. On
+//! a kernel that cannot enforce either, the call is refused unless the operator accepted
+//! running unconfined (`shell_exec_unconfined`). It is still held for approval by default in
+//! `harness chat`, and no credential the harness holds is in its environment ([`crate::env`]);
+//! the result names the variables it kept and those removed, never a value.
+//!
+//! Output: each stream keeps its first and last halves of `exec_max_output_bytes`, and the
+//! result is cut further, in each stream's middle, until all of it (text and details) fits the
+//! loop's `max_result_bytes`, which [`crate::Limits`] passes in: a result over the cap would be
+//! elided whole by the loop, and the model would see nothing of either stream. The cap is read
+//! from the live configuration through `Limits` (as the shell policy is) rather than stamped
+//! on each request, since a model must not be able to raise it.
 
 use std::collections::BTreeMap;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
