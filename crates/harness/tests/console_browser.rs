@@ -1731,6 +1731,19 @@ fn keyboard_and_names() {
         "{seen:?}"
     );
     b.shot("keyboard");
+    // Usable at 360 px: nothing wider than the window, the composer still there.
+    b.cmd("POST", "/window/rect", json!({"width": 360, "height": 800}));
+    b.wait("the narrow layout", "window.innerWidth <= 360");
+    let overflow = b.js(
+        "return [document.documentElement.scrollWidth, window.innerWidth,                  document.getElementById('message').getBoundingClientRect().width]",
+        json!([]),
+    );
+    assert!(
+        overflow[0].as_f64().unwrap() <= overflow[1].as_f64().unwrap(),
+        "horizontal overflow at 360 px: {overflow}"
+    );
+    assert!(overflow[2].as_f64().unwrap() > 200.0, "{overflow}");
+    b.shot("narrow");
 }
 
 /// The budget: a 1,000-message session's first render within 1 s, and never all rows at once.
