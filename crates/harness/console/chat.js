@@ -185,9 +185,13 @@ export function statusIcon(s) {
 function entryNode(v, e) {
   const m = e.message;
   const node = el("article", { class: "entry", "data-entry": e.entry_id, "data-seq": e.seq });
-  if (e.origin && e.origin.function_call_id) {
+  // An entry a model wrote through a call is that call's, never the model's reply or the
+  // user's words: it says so before anything else.
+  const w = e.origin && e.origin.written_by;
+  if (w && w.function_call_id) {
+    node.classList.add("written");
     node.appendChild(el("div", { class: "provenance" },
-      `written by call ${e.origin.function_call_id}` + (e.origin.function_id ? ` (${e.origin.function_id})` : "")));
+      `✎ written by call ${w.function_call_id}` + (w.function_id ? ` (${w.function_id})` : "")));
   }
   if (!m) {
     const c = e.custom || {};

@@ -846,6 +846,11 @@ fn chat_streams_and_switches_model() {
     );
     let list = h.ok("session::list", json!({}));
     assert_eq!(list["sessions"].as_array().unwrap().len(), 1, "{list}");
+    // The list follows the session: one row, done, on the model it last used.
+    b.wait(
+        "the list row done on demo-two",
+        "(() => { const r = document.querySelectorAll('#session-list .session-item');            return r.length === 1 && r[0].textContent.includes('done') && r[0].textContent.includes('demo-two'); })()",
+    );
     b.shot("second-model");
 
     // A provider without its key: its models are shown, disabled, with the reason.
@@ -1856,4 +1861,39 @@ fn bad_input_is_named_not_swallowed() {
     b.shot("too-large");
     let list = h.ok("session::list", json!({}));
     assert_eq!(list["sessions"], json!([]), "nothing was sent");
+}
+
+/// An entry a model wrote through `session::append` is shown as that call's.
+#[test]
+fn an_entry_a_call_wrote_names_its_call() {
+    let Some(mut b) = Browser::open("an_entry_a_call_wrote_names_its_call") else {
+        return;
+    };
+    let note = json!({"role": "assistant", "content": [{"type": "text", "text": "a note to self"}],
+                      "model": "m", "provider": "scripted", "stop_reason": "end"});
+    let script = json!({"generations": [
+        {"match": {"last_user_text": "^note"}, "content": [
+            {"type": "function_call", "id": "n2", "function_id": "session::append",
+             "arguments": {"session_id": "s_written", "message": note}}]},
+        once_text("^note", "Noted."),
+    ]});
+    let h = Harness::start(&script, &[], &[]);
+    h.ok("session::create", json!({"session_id": "s_written"}));
+    b.goto(&format!("{}#session=s_written", h.url()));
+    b.wait(
+        "the model picker",
+        "document.querySelectorAll('#model option').length > 0",
+    );
+    b.type_into("#allow", "session::append");
+    b.send("note this");
+    h.wait_status("s_written", &["completed"]);
+    b.wait("the reply", &format!("{LAST_REPLY} === 'Noted.'"));
+    let written = b.wait(
+        "the written entry",
+        "(() => { const e = [...document.querySelectorAll('#transcript article.written')]\
+           .find(a => a.textContent.includes('a note to self')); \
+           return e ? e.querySelector('.provenance').textContent : ''; })()",
+    );
+    assert_eq!(written, json!("✎ written by call n2 (session::append)"));
+    b.shot("written");
 }
