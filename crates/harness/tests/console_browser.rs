@@ -1897,3 +1897,60 @@ fn an_entry_a_call_wrote_names_its_call() {
     assert_eq!(written, json!("✎ written by call n2 (session::append)"));
     b.shot("written");
 }
+
+/// Past `--max-streams-per-client` the page says so and retries, and goes live once a slot is
+/// free.
+#[test]
+fn too_many_streams_is_said_and_retried() {
+    let Some(mut b) = Browser::open("too_many_streams_is_said_and_retried") else {
+        return;
+    };
+    let h = Harness::start(
+        &json!({"generations": [text_gen("hello", "hi", 0)]}),
+        &["--max-streams-per-client", "1"],
+        &[],
+    );
+    b.open_console(&h);
+    b.send("hello");
+    let sid = b.session_id();
+    b.wait(
+        "live",
+        "document.getElementById('conn').dataset.state === 'live'",
+    );
+    let first = b.cmd("GET", "/window", json!({}));
+    let second = b.cmd("POST", "/window/new", json!({"type": "tab"}));
+    b.cmd(
+        "POST",
+        "/window",
+        json!({"handle": second["handle"].as_str().unwrap()}),
+    );
+    b.goto(&format!("{}#session={sid}", h.url()));
+    b.wait(
+        "the refusal said",
+        "document.getElementById('conn').dataset.state === 'too_many'",
+    );
+    assert!(
+        b.text("#conn").contains("retrying every 5 s"),
+        "{}",
+        b.text("#conn")
+    );
+    b.shot("too-many");
+    // Close the first tab: its stream frees the slot, and the retry gets it.
+    b.cmd(
+        "POST",
+        "/window",
+        json!({"handle": first.as_str().unwrap()}),
+    );
+    b.cmd("DELETE", "/window", json!({}));
+    b.cmd(
+        "POST",
+        "/window",
+        json!({"handle": second["handle"].as_str().unwrap()}),
+    );
+    b.wait(
+        "live again",
+        "document.getElementById('conn').dataset.state === 'live'",
+    );
+    b.wait("the reply", &format!("{LAST_REPLY} === 'hi'"));
+    b.shot("live");
+}
