@@ -231,6 +231,7 @@ function newView(/** @type {string|null} */ id, /** @type {boolean} */ readOnly)
     readOnly,
     askState: new Map(),
     queued: 0,
+    /** @type {{text: string, before: number}[]} */ queuedTexts: [],
     onApprove: decide,
     onAnswer: (/** @type {string} */ text) => send(text),
     onOpenChild: (/** @type {string} */ child) => openChild(child),
@@ -379,9 +380,25 @@ function scheduleRender() {
     const t = $("transcript");
     const atBottom = t.scrollHeight - t.scrollTop - t.clientHeight < 40;
     renderTranscript(t, v, v.cache);
+    showQueued(v);
     if (atBottom) t.scrollTop = t.scrollHeight;
     updateControls();
   });
+}
+
+/** How many user entries say exactly this. @param {any} v @param {string} text */
+function userCount(v, text) {
+  let n = 0;
+  for (const e of v.entries.values()) if (e.message && e.message.role === "user" && textOf(e.message) === text) n++;
+  return n;
+}
+
+/** Messages sent while a turn ran, until the transcript holds them. @param {any} v */
+function showQueued(v) {
+  v.queuedTexts = v.queuedTexts.filter((/** @type {any} */ q) => userCount(v, q.text) <= q.before);
+  const ul = $("queued");
+  clear(ul);
+  for (const q of v.queuedTexts) ul.appendChild(el("li", {}, "⧗ queued: ", q.text));
 }
 
 $("transcript").addEventListener("scroll", () => {
@@ -532,7 +549,9 @@ function updateControls() {
   stop.textContent = v && v.stopping ? "stopping" : "Stop";
   $("composer").hidden = !!(v && v.readOnly);
   $("read-only-note").hidden = !(v && v.readOnly);
-  $("composer-error").textContent = v && v.queued ? `${v.queued} message(s) queued: they steer the running turn` : $("composer-error").dataset.error || "";
+  const queued = v && v.running && v.queued;
+  $("composer-error").dataset.kind = queued ? "queued" : "error";
+  $("composer-error").textContent = queued ? `${v.queued} message(s) queued: they steer the running turn` : $("composer-error").dataset.error || "";
 }
 
 $("message").addEventListener("input", () => {
@@ -592,6 +611,10 @@ async function send(text) {
     return false;
   }
   $("composer-error").dataset.error = "";
+  if (v && v.id && v.running) {
+    v.queuedTexts.push({ text, before: userCount(v, text) });
+    scheduleRender();
+  }
   if (!(v && v.id)) {
     await openSession(r.session_id);
     refreshList();

@@ -1954,3 +1954,45 @@ fn too_many_streams_is_said_and_retried() {
     b.wait("the reply", &format!("{LAST_REPLY} === 'hi'"));
     b.shot("live");
 }
+
+/// A message sent while a turn runs is shown as queued, and is delivered to the turn.
+#[test]
+fn a_message_sent_mid_turn_is_queued() {
+    let Some(mut b) = Browser::open("a_message_sent_mid_turn_is_queued") else {
+        return;
+    };
+    let h = Harness::start(
+        &json!({"generations": [
+            text_gen("^slow", &words(30, "q"), 150),
+            text_gen("steer", "steered", 0),
+        ]}),
+        &[],
+        &[],
+    );
+    b.open_console(&h);
+    b.send("slow please");
+    b.wait("a partial reply", &format!("{LAST_REPLY}.length > 5"));
+    let sid = b.session_id();
+    b.send("steer it");
+    b.wait(
+        "the queued note",
+        "document.getElementById('composer-error').textContent.includes('queued')",
+    );
+    assert_eq!(b.text("#queued"), "⧗ queued: steer it");
+    b.shot("queued");
+    poll("the steering message delivered", || {
+        let users: Vec<String> = h
+            .messages(&sid)
+            .iter()
+            .filter(|e| e["message"]["role"] == "user")
+            .map(text_of)
+            .collect();
+        users.iter().any(|u| u == "steer it").then_some(())
+    });
+    b.wait("the steered reply", &format!("{LAST_REPLY} === 'steered'"));
+    b.wait(
+        "the queue empty once delivered",
+        "document.getElementById('queued').textContent === ''",
+    );
+    b.shot("steered");
+}
