@@ -537,18 +537,33 @@ impl Browser {
             .to_string()
     }
 
+    /// Runs an element command on what `css` names. The page re-renders as events arrive, so an
+    /// element found a moment ago can be replaced before the command lands: then it is found
+    /// again.
+    fn on_element(&self, css: &str, command: &str, body: Value) {
+        for _ in 0..5 {
+            let id = self.find(css);
+            let path = format!("/session/{}/element/{id}/{command}", self.session);
+            let body = body.to_string();
+            let r = http(self.port, "POST", &path, &[], Some(body.as_bytes())).expect(command);
+            if r.status == 200 {
+                return;
+            }
+            let v = r.json();
+            assert_eq!(
+                v["value"]["error"], "stale element reference",
+                "{command} {css}: {v}"
+            );
+        }
+        panic!("{command} {css}: the element kept being replaced");
+    }
+
     fn click(&self, css: &str) {
-        let id = self.find(css);
-        self.cmd("POST", &format!("/element/{id}/click"), json!({}));
+        self.on_element(css, "click", json!({}));
     }
 
     fn type_into(&self, css: &str, text: &str) {
-        let id = self.find(css);
-        self.cmd(
-            "POST",
-            &format!("/element/{id}/value"),
-            json!({ "text": text }),
-        );
+        self.on_element(css, "value", json!({ "text": text }));
     }
 
     /// Sets a `<select>` the way a person does (the value, then a change event).
