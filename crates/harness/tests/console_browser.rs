@@ -1050,6 +1050,14 @@ fn approval_card_approve_and_deny() {
     h.wait_status(&sid, &["completed"]);
     b.wait("the final reply", &format!("{LAST_REPLY} === 'wrote one'"));
     b.shot("approved");
+    // The waterfall shades the approval wait inside the held call's bar.
+    b.click(".turn-head button");
+    b.wait(
+        "the approval wait in the waterfall",
+        "document.querySelector('.wf-row[data-kind=\"execute_tool\"] .wf-wait')",
+    );
+    b.shot("approval-wait");
+    b.click("#drawer-close");
     let inv = invocations(&log);
     assert_eq!(inv.len(), 1, "{inv:?}");
     assert_eq!(inv[0]["function_call_id"], "c1");
