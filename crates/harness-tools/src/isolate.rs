@@ -28,6 +28,12 @@
 //! process of the namespace dies with G, so a kill of C's process group on a timeout ends all
 //! of it, even a process that called `setsid`.
 //!
+//! The command itself is pid 1, not an init of ours that forks it: a forked copy of the harness
+//! inside the namespace would carry the harness's memory, and its `/proc/1/cmdline` (readable
+//! by anyone) the harness's arguments, `--token` included. The price is pid 1's rule that it
+//! ignores signals it has no handler for when they come from inside: `kill $$` in the top-level
+//! shell does not end it (its children, and a timeout, still do).
+//!
 //! Everything between `fork` and `exec` is system calls on buffers prepared before the fork:
 //! the parent has other threads, whose locks a child must never wait on.
 
