@@ -32,6 +32,8 @@ function showError(e) {
 }
 
 function showTokenForm() {
+  connState({ state: "unauthorized" });
+  /** @type {HTMLInputElement} */ ($("token-input")).value = "";
   $("token-form").hidden = false;
   $("token-input").focus();
 }
@@ -90,7 +92,8 @@ async function loadCatalog() {
   fillModels();
   try {
     const agents = await call("directory::agents::list", {}, { quiet: true });
-    const sel = $("agent");
+    const sel = /** @type {HTMLSelectElement} */ ($("agent"));
+    while (sel.options.length > 1) sel.remove(1);
     for (const a of agents.agents || []) sel.appendChild(el("option", { value: a.name }, a.name + (a.description ? " — " + a.description : "")));
   } catch (_) {
     // no directory: the picker keeps "(none)"

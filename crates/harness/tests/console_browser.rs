@@ -1614,7 +1614,34 @@ fn token_flow() {
         ),
         json!("password")
     );
+    assert!(
+        b.text("#conn").contains("token required"),
+        "{}",
+        b.text("#conn")
+    );
     b.shot("token-form");
+    // The form: a wrong token keeps it up, the right one logs in.
+    b.type_into("#token-input", "wrong");
+    b.click("#token-form button");
+    b.wait(
+        "the form again",
+        "!document.getElementById('token-form').hidden",
+    );
+    b.type_into("#token-input", token);
+    b.click("#token-form button");
+    b.wait(
+        "the model picker",
+        "document.querySelectorAll('#model option').length > 0",
+    );
+    assert_eq!(
+        b.js(
+            "return document.getElementById('token-form').hidden",
+            json!([])
+        ),
+        json!(true)
+    );
+    // The fragment, in a tab that holds no token yet.
+    b.js("sessionStorage.clear();", json!([]));
     b.goto("about:blank");
     b.goto(&format!("{}#token={token}", h.url()));
     b.wait(
