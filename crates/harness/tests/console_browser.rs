@@ -1445,6 +1445,29 @@ fn system_prompt_preview() {
         &[],
     );
     b.open_console(&h);
+    // On a new chat the drawer previews what a session would start with.
+    b.click("#prompt-open");
+    b.wait(
+        "the drawer",
+        "document.querySelector('#drawer:not([hidden]) .layer')",
+    );
+    let preview = h.ok(
+        "harness::system-prompt::get",
+        json!({"selected_prompt": {}}),
+    );
+    let shown = b.js(
+        "return [...document.querySelectorAll('#drawer .layer h3')].map(h => h.textContent);",
+        json!([]),
+    );
+    let want: Vec<Value> = preview["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["label"].clone())
+        .collect();
+    assert_eq!(shown, json!(want));
+    b.shot("new-chat-drawer");
+    b.click("#drawer-close");
     b.send("hello");
     let sid = b.session_id();
     h.wait_status(&sid, &["completed"]);
