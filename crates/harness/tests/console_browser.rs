@@ -2073,3 +2073,53 @@ fn a_message_sent_mid_turn_is_queued() {
     );
     b.shot("steered");
 }
+
+/// The session list: newest first, filtered by text, and "failed only" keeps the failed ones;
+/// a failed turn shows its error.
+#[test]
+fn session_list_filters_and_failures() {
+    let Some(mut b) = Browser::open("session_list_filters_and_failures") else {
+        return;
+    };
+    let script = json!({"generations": [
+        {"match": {"last_user_text": "^break"}, "repeat": true,
+         "error": {"kind": "permanent", "message": "the model refused the request"}},
+        text_gen("hello", "hi", 0),
+    ]});
+    let h = Harness::start(&script, &[], &[]);
+    b.open_console(&h);
+    b.send("hello there");
+    let ok = b.session_id();
+    h.wait_status(&ok, &["completed"]);
+    b.click("#new-chat");
+    b.send("break it");
+    b.wait(
+        "a second session",
+        &format!("!location.hash.includes('{ok}') && location.hash.includes('session=')"),
+    );
+    let bad = b.session_id();
+    h.wait_status(&bad, &["failed"]);
+    b.wait(
+        "the failed turn shown",
+        "document.querySelector('.turn-status.status-failed')",
+    );
+    assert!(b
+        .text("#transcript")
+        .contains("the model refused the request"));
+    let rows =
+        "[...document.querySelectorAll('#session-list .session-item')].map(r => r.dataset.session)";
+    b.wait(
+        "both sessions listed, newest first, the failed one as error",
+        &format!(
+            "JSON.stringify({rows}) === JSON.stringify(['{bad}', '{ok}']) && \
+                  document.querySelector('[data-session=\"{bad}\"]').textContent.includes('error')"
+        ),
+    );
+    b.shot("both");
+    b.click("#failed-only");
+    assert_eq!(b.js(&format!("return {rows}"), json!([])), json!([bad]));
+    b.click("#failed-only");
+    b.type_into("#filter", "hello");
+    assert_eq!(b.js(&format!("return {rows}"), json!([])), json!([ok]));
+    b.shot("filtered");
+}
