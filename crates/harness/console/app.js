@@ -401,7 +401,7 @@ function showQueued(v) {
   v.queuedTexts = v.queuedTexts.filter((/** @type {any} */ q) => userCount(v, q.text) <= q.before);
   const ul = $("queued");
   clear(ul);
-  for (const q of v.queuedTexts) ul.appendChild(el("li", {}, "⧗ queued: ", q.text));
+  for (const q of v.queuedTexts) ul.appendChild(el("li", {}, "◷ queued: ", q.text));
 }
 
 $("transcript").addEventListener("scroll", () => {
@@ -614,7 +614,8 @@ async function send(text) {
     return false;
   }
   $("composer-error").dataset.error = "";
-  if (v && v.id && v.running) {
+  // Only the server knows whether the message started a turn or waits for the running one.
+  if (v && v.id && (r.queued || r.merged)) {
     v.queuedTexts.push({ text, before: userCount(v, text) });
     scheduleRender();
   }

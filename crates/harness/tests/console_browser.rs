@@ -1544,6 +1544,16 @@ fn costs_shown() {
             "{line} {u}"
         );
     }
+    // Per turn, the sum of its replies (one each here).
+    let turn_costs = b.js(
+        "return [...document.querySelectorAll('#transcript .turn-cost')].map(t => t.textContent);",
+        json!([]),
+    );
+    let want: Vec<String> = usages
+        .iter()
+        .map(|u| format!("turn ${:.4}", u["cost_usd"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(turn_costs, json!(want));
     let metrics = h.ok("harness::metrics", json!({ "root_session_id": sid }));
     let total = metrics["totals"]["cost_usd"].as_f64().unwrap();
     b.wait(
@@ -1553,6 +1563,7 @@ fn costs_shown() {
         ),
     );
     assert!(b.text("#totals").contains(&format!("${total:.4}")));
+    assert_eq!(b.text("#queued"), "", "a send that started its own turn is not queued");
     b.shot("costs");
 }
 
@@ -2055,7 +2066,7 @@ fn a_message_sent_mid_turn_is_queued() {
         "the queued note",
         "document.getElementById('composer-error').textContent.includes('queued')",
     );
-    assert_eq!(b.text("#queued"), "⧗ queued: steer it");
+    assert_eq!(b.text("#queued"), "◷ queued: steer it");
     b.shot("queued");
     poll("the steering message delivered", || {
         let users: Vec<String> = h
