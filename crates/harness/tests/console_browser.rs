@@ -1563,7 +1563,11 @@ fn costs_shown() {
         ),
     );
     assert!(b.text("#totals").contains(&format!("${total:.4}")));
-    assert_eq!(b.text("#queued"), "", "a send that started its own turn is not queued");
+    assert_eq!(
+        b.text("#queued"),
+        "",
+        "a send that started its own turn is not queued"
+    );
     b.shot("costs");
 }
 
@@ -2066,7 +2070,10 @@ fn a_message_sent_mid_turn_is_queued() {
         "the queued note",
         "document.getElementById('composer-error').textContent.includes('queued')",
     );
-    assert_eq!(b.text("#queued"), "◷ queued: steer it");
+    b.wait(
+        "the message listed as queued",
+        "document.getElementById('queued').textContent === '◷ queued: steer it'",
+    );
     b.shot("queued");
     poll("the steering message delivered", || {
         let users: Vec<String> = h
