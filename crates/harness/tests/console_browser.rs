@@ -409,7 +409,12 @@ fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 
 const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
 
+/// One Chromium at a time, whatever `--test-threads` says (a browser and its driver take about
+/// 1 GB; two at once on a 2-core machine also skew the timing budgets).
+static ONE_BROWSER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 struct Browser {
+    _turn: std::sync::MutexGuard<'static, ()>,
     port: u16,
     driver: Child,
     session: String,
@@ -422,6 +427,10 @@ impl Browser {
     /// A fresh headless Chromium for scenario `name`, or `None` when the tier is skipped.
     fn open(name: &str) -> Option<Browser> {
         let (chromium, driver_bin) = browser_binaries()?;
+        // A test that failed while holding the lock poisoned it; the next one still runs.
+        let turn = ONE_BROWSER
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let port = free_port();
         let driver = Command::new(driver_bin)
             .arg(format!("--port={port}"))
@@ -466,6 +475,7 @@ impl Browser {
         std::fs::create_dir_all(&shots).unwrap();
         eprintln!("screenshots: {}", shots.display());
         Some(Browser {
+            _turn: turn,
             port,
             driver,
             session,
