@@ -320,12 +320,15 @@ async function openSession(id, opts = {}) {
     onState: (s) => {
       if (S.open !== v) return;
       connState(s);
+      // Back after a gap: what is not in the event log (pending approvals, totals) is re-read.
+      if (s.state === "live") {
+        refreshApprovals(v);
+        refreshTotals(v);
+      }
       if (s.state === "unauthorized") showTokenForm();
       if (s.state === "missing") showMissing(id, s.message || "");
     },
   });
-  refreshApprovals(v);
-  refreshTotals(v);
 }
 
 /** @param {string} id @param {string} message */
