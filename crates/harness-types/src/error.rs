@@ -19,10 +19,15 @@ pub enum ErrorCode {
     State,
     Timeout,
     Internal,
+    /// The session id names a deleted session (its tombstone): ids are never reused.
+    SessionDeleted,
+    /// The store's disk (or quota) is full: the write was not kept. Reads still work, and
+    /// writes succeed again by themselves once space returns.
+    StorageFull,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 11] = [
+    pub const ALL: [ErrorCode; 13] = [
         ErrorCode::InvalidRequest,
         ErrorCode::InvalidMessageRole,
         ErrorCode::NotFound,
@@ -34,6 +39,8 @@ impl ErrorCode {
         ErrorCode::State,
         ErrorCode::Timeout,
         ErrorCode::Internal,
+        ErrorCode::SessionDeleted,
+        ErrorCode::StorageFull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -49,6 +56,8 @@ impl ErrorCode {
             ErrorCode::State => "harness/state",
             ErrorCode::Timeout => "harness/timeout",
             ErrorCode::Internal => "harness/internal",
+            ErrorCode::SessionDeleted => "harness/session_deleted",
+            ErrorCode::StorageFull => "harness/storage_full",
         }
     }
 
@@ -67,6 +76,11 @@ impl ErrorCode {
             ErrorCode::NotFound | ErrorCode::FunctionNotFound => 404,
             ErrorCode::Timeout => 504,
             ErrorCode::Dependency => 503,
+            // Gone for good: the caller must pick another id, retrying cannot help.
+            ErrorCode::SessionDeleted => 410,
+            // 507 Insufficient Storage: the server, not the request, is at fault, and the same
+            // request succeeds later.
+            ErrorCode::StorageFull => 507,
             ErrorCode::State | ErrorCode::Internal => 500,
         }
     }
