@@ -65,6 +65,29 @@ struct Tombstone {
     at: i64,
 }
 
+/// `ms` since the epoch as `YYYY-MM-DDTHH:MM:SSZ` (UTC), for messages people read.
+fn utc_text(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // The civil date of a day count, by 400-year eras of 146,097 days (starting 0000-03-01,
+    // so the leap day ends a year).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 pub(crate) fn operation_id(session_id: &str) -> String {
     format!(
         "delete_{}",
@@ -252,9 +275,10 @@ impl Harness {
         match self.tombstone(session_id).await? {
             None => Ok(()),
             Some(t) => Err(HarnessError::new(
-                ErrorCode::State,
+                ErrorCode::SessionDeleted,
                 format!(
-                    "{field}: session '{session_id}' is deleted or being deleted (operation {}); a deleted session's id is not reusable",
+                    "{field}: session '{session_id}' was deleted at {} (tombstone of operation {}); a deleted session's id is not reusable: send without a session_id, or with a new one",
+                    utc_text(t.at),
                     t.operation_id
                 ),
             )),
@@ -467,6 +491,10 @@ impl Harness {
                 }
             }
         }
+        // Bindings a model of the session made (their turn's end normally removed them).
+        for b in self.model_bindings().await? {
+            rows.bindings.entry(b.session_id).or_default().push(b.id);
+        }
         for (scope, by_session) in [
             (APPROVALS_SCOPE, &mut rows.approvals),
             (crate::IDEM_SCOPE, &mut rows.idem),
@@ -618,6 +646,17 @@ mod tests {
         assert_eq!(id.len(), "delete_".len() + 64);
         assert_eq!(id, operation_id("s1"));
         assert_ne!(id, operation_id("s2"));
+    }
+
+    #[test]
+    fn tombstone_times_read_as_utc_dates() {
+        assert_eq!(utc_text(0), "1970-01-01T00:00:00Z");
+        // 2000-02-29 (a leap day of a century leap year), 12:34:56.789.
+        assert_eq!(utc_text(951_827_696_789), "2000-02-29T12:34:56Z");
+        assert_eq!(utc_text(1_709_251_199_000), "2024-02-29T23:59:59Z");
+        assert_eq!(utc_text(1_709_251_200_000), "2024-03-01T00:00:00Z");
+        assert_eq!(utc_text(4_102_444_800_000), "2100-01-01T00:00:00Z");
+        assert_eq!(utc_text(-1_000), "1969-12-31T23:59:59Z");
     }
 
     #[test]
