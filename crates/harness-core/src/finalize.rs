@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::harness::{Harness, Result, StepWrites};
 use crate::machine::{self, Input, Seed};
-use crate::record::{Failure, FailurePhase, TurnRecord};
+use crate::record::{Failure, TurnRecord};
 
 impl Harness {
     /// Carries out `Effect::Finalize` for a record the machine made terminal.
@@ -55,6 +55,9 @@ impl Harness {
         self.commit(batch).await?;
         crate::failpoint::hit("after_finalize_persisted");
         self.clear_signal(&rec.turn_id);
+        if made_bindings(rec) {
+            self.end_turn_bindings(&rec.session_id, &rec.turn_id).await;
+        }
         self.fan_out_turn_event(event).await?;
         self.answer_parent(rec).await;
         // A send that parked its message just before the terminal write saw a running turn and
@@ -75,6 +78,9 @@ impl Harness {
         let event = after_terminal(&mut batch, rec)?;
         self.record_turn_event(&mut batch, &event);
         self.commit(batch).await?;
+        if made_bindings(rec) {
+            self.end_turn_bindings(&rec.session_id, &rec.turn_id).await;
+        }
         self.fan_out_turn_event(event).await
     }
 
@@ -121,6 +127,8 @@ fn terminal_records(batch: &mut StepWrites, rec: &TurnRecord) -> Result<()> {
                 json!({"status": "error", "summary": f.summary, "code": f.code, "phase": f.phase,
                        "class": f.kind.map(|k| format!("llm.{}", k.as_str())), "detail": f.detail,
                        "retryable": f.retryable, "model": rec.options.model, "provider": rec.options.provider,
+                       "provider_status": f.provider.provider_status, "provider_message": f.provider.provider_message,
+                       "hint": f.provider.hint,
                        "partial_result_available": rec.result.is_some(),
                        "recovery": {"attempted": rec.transient_resumes > 0, "max_attempts": rec.options.max_transient_resumes,
                                     "outcome": if rec.transient_resumes > 0 { "exhausted" } else { "not_attempted" }},
@@ -168,16 +176,18 @@ fn after_terminal(batch: &mut StepWrites, rec: &TurnRecord) -> Result<TurnComple
         result_error: rec.result_error.clone(),
         reason,
         parent: rec.parent.clone(),
+        failure: rec.api_failure(),
     })
 }
 
+/// Whether the turn's model asked for a binding (its bindings end with the turn; the start-up
+/// sweep catches one a crash left).
+fn made_bindings(rec: &TurnRecord) -> bool {
+    rec.calls
+        .values()
+        .any(|c| c.function_id() == "engine::register_trigger")
+}
+
 fn failure_of(rec: &TurnRecord) -> Failure {
-    rec.failure.clone().unwrap_or(Failure {
-        code: "harness.turn_internal".into(),
-        phase: FailurePhase::Execution,
-        summary: rec.result_error.clone().unwrap_or_default(),
-        detail: None,
-        retryable: false,
-        kind: None,
-    })
+    rec.failure_cause()
 }
