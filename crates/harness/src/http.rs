@@ -9,6 +9,8 @@
 //! Host header must name the loopback address we serve (a page that rebinds its DNS name to
 //! 127.0.0.1 still sends its own name), a browser `Origin` other than our own is refused, a set
 //! token is required on every request, bodies are capped and event streams per client bounded.
+//! Exactly one Host is accepted, and an absolute-form target's authority passes the same check
+//! and must agree with Host. (Connection-level bounds live in `accept.rs`.)
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -39,6 +41,8 @@ pub struct AppState {
     pub bus: EmbeddedBus,
     pub sessions: SessionStore,
     pub guard: Arc<Guard>,
+    /// Serve the web console at `/` (`--no-console` / `console: false` turn it off).
+    pub console: bool,
 }
 
 /// Request body cap when none is configured (a send with a large pasted file fits).
@@ -165,8 +169,14 @@ struct Client(IpAddr);
 
 pub fn router(state: AppState) -> Router {
     let max_body = state.guard.max_body_bytes;
+    let console = if state.console {
+        crate::console::routes()
+    } else {
+        Router::new()
+    };
     Router::new()
-        .route("/healthz", get(|| async { Json(json!({"ok": true})) }))
+        .merge(console)
+        .route("/healthz", get(healthz))
         .route("/v1/functions", get(list_functions))
         .route("/v1/functions/{function_id}", post(call_function))
         .route("/v1/sessions/{session_id}/events", get(session_events))
@@ -205,25 +215,54 @@ fn refusal(status: StatusCode, code: &str, message: impl Into<String>) -> Respon
 
 async fn guard(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     let g = &state.guard;
-    let host = req
+    // Two Host values let a proxy and this server each believe a different one.
+    let host_count = req.headers().get_all(header::HOST).iter().count();
+    if host_count > 1 {
+        return refusal(
+            StatusCode::BAD_REQUEST,
+            "harness/invalid_request",
+            format!("Host: sent {host_count} times; exactly one is allowed"),
+        );
+    }
+    let host_header = req
         .headers()
         .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-        .or_else(|| req.uri().authority().map(|a| a.to_string()));
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    // An absolute-form target (`GET http://name:port/path`) names a host of its own, which
+    // HTTP says wins over Host: it gets the same check, and must agree with Host.
+    let target = req.uri().authority().map(|a| a.as_str().to_string());
+    let host = host_header.clone().or_else(|| target.clone());
     if let Some(hosts) = &g.hosts {
-        let ok = host
-            .as_deref()
-            .is_some_and(|h| hosts.iter().any(|a| a.eq_ignore_ascii_case(h)));
-        if !ok {
+        for (what, name) in [("Host", &host), ("request target", &target)] {
+            let Some(name) = name else { continue };
+            if !hosts.iter().any(|a| a.eq_ignore_ascii_case(name)) {
+                return refusal(
+                    StatusCode::FORBIDDEN,
+                    "harness/forbidden_host",
+                    format!(
+                        "{what}: '{name}' is not this loopback server (expected one of {})",
+                        hosts.join(", ")
+                    ),
+                );
+            }
+        }
+        if host.is_none() {
             return refusal(
                 StatusCode::FORBIDDEN,
                 "harness/forbidden_host",
                 format!(
-                    "Host: '{}' is not this loopback server (expected one of {})",
-                    host.as_deref().unwrap_or(""),
+                    "Host: missing; this loopback server expects one of {}",
                     hosts.join(", ")
                 ),
+            );
+        }
+    }
+    if let (Some(target), Some(host)) = (&target, &host_header) {
+        if !target.eq_ignore_ascii_case(host) {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                "harness/invalid_request",
+                format!("request target: names '{target}' but Host is '{host}'"),
             );
         }
     }
@@ -255,7 +294,9 @@ async fn guard(State(state): State<AppState>, mut req: Request, next: Next) -> R
                 .or_else(|| v.strip_prefix("bearer "))
         })
         .map(str::trim);
-    if !g.token_matches(presented) {
+    // The console's files hold no data, and a browser cannot attach a token to a navigation.
+    let asset = state.console && crate::console::is_asset_request(req.method(), req.uri().path());
+    if !asset && !g.token_matches(presented) {
         return refusal(
             StatusCode::UNAUTHORIZED,
             "harness/unauthorized",
@@ -277,6 +318,24 @@ async fn guard(State(state): State<AppState>, mut req: Request, next: Next) -> R
         .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     req.extensions_mut().insert(Client(client));
     next.run(req).await
+}
+
+/// `{"ok": true}` while the store can write; `503 {"ok": false, "status": "degraded",
+/// "reason": "harness/storage_full: ..."}` while the disk is full (reads still work, writes
+/// answer 507 and resume by themselves once there is space).
+async fn healthz(State(state): State<AppState>) -> Response {
+    match state.bus.store().storage_full() {
+        None => Json(json!({"ok": true})).into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({
+                "ok": false,
+                "status": "degraded",
+                "reason": format!("{}: {reason}", ErrorCode::StorageFull.as_str()),
+            })),
+        )
+            .into_response(),
+    }
 }
 
 fn too_large(limit: usize) -> Response {

@@ -4,10 +4,12 @@
 //! against a server), `call` calls any function on a running server, `mcp` serves the harness as
 //! an MCP server on stdio, `bench` measures the loop.
 
+mod accept;
 mod bench_host;
 mod chat;
 mod client;
 mod config;
+mod console;
 mod fixtures;
 mod http;
 mod mcp;
@@ -135,6 +137,16 @@ enum Command {
         /// Event streams one client address may hold open at once.
         #[arg(long, default_value_t = http::DEFAULT_MAX_STREAMS_PER_CLIENT)]
         max_streams_per_client: usize,
+        /// Connections one client address may hold open at once; past it a new one is
+        /// answered 429 and closed.
+        #[arg(long, default_value_t = accept::DEFAULT_MAX_CONNECTIONS_PER_CLIENT)]
+        max_connections_per_client: usize,
+        /// Time a client has to send a whole request head before its connection is closed, in ms.
+        #[arg(long, default_value_t = accept::DEFAULT_HEADER_READ_TIMEOUT_MS)]
+        header_read_timeout_ms: u64,
+        /// Serve no web console at `/` (same as the config key `console: false`).
+        #[arg(long)]
+        no_console: bool,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -275,6 +287,8 @@ struct ServeArgs {
     token: Option<String>,
     max_body_bytes: usize,
     max_streams_per_client: usize,
+    no_console: bool,
+    limits: accept::Limits,
 }
 
 async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
@@ -291,6 +305,7 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
     guard(listen)?;
     let opts = args.options()?;
     let data_dir = opts.data_dir.clone();
+    let console = opts.config.console && !s.no_console;
     let rt = Runtime::open(opts, args.approve.clone()).await?;
     let watcher = args.config.clone().map(|file| {
         config::watch(
@@ -308,18 +323,24 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
         bus: rt.bus.clone(),
         sessions: rt.sessions.clone(),
         guard: std::sync::Arc::new(guard(listener.local_addr()?)?),
+        console,
     });
     eprintln!(
         "harness serving on http://{} (data dir {})",
         listener.local_addr()?,
         data_dir.display()
     );
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown_signal())
-    .await?;
+    if console {
+        // The token stays out of the log: the page reads it from the fragment, which no
+        // request carries.
+        let hint = if s.token.is_some() {
+            " (append #token=<your token>)"
+        } else {
+            ""
+        };
+        eprintln!("console: http://{}/{hint}", listener.local_addr()?);
+    }
+    accept::serve(listener, app, s.limits, shutdown_signal()).await;
     if let Some(w) = watcher {
         w.abort();
     }
@@ -342,13 +363,20 @@ fn main() {
                 listen,
                 max_body_bytes,
                 max_streams_per_client,
+                max_connections_per_client,
+                header_read_timeout_ms,
+                no_console,
                 runtime,
             } => {
+                let limits =
+                    accept::Limits::new(header_read_timeout_ms, max_connections_per_client)?;
                 let s = ServeArgs {
                     listen,
                     token: cli.token,
                     max_body_bytes,
                     max_streams_per_client,
+                    no_console,
+                    limits,
                 };
                 serve(s, runtime).await
             }
