@@ -192,6 +192,16 @@ impl Printer {
             let Ok(entry) = serde_json::from_value::<Entry>(data["entry"].clone()) else {
                 return false;
             };
+            if let Some(line) = written_by_call(&entry) {
+                // Written by one of this turn's function calls: shown as that, never as the
+                // model's reply or the user's words.
+                if entry.entry_id.starts_with(&format!("w_{}_", self.turn_id))
+                    && self.announced.insert(format!("w:{}", entry.entry_id))
+                {
+                    eprintln!("{line}");
+                }
+                return false;
+            }
             if !entry.entry_id.starts_with(&format!("e_{}_", self.turn_id)) {
                 return false;
             }
@@ -248,8 +258,18 @@ impl Printer {
             self.end = match p["status"].as_str() {
                 Some("failed") => {
                     let summary = p["result_error"].as_str().unwrap_or("unknown error");
-                    let why = match &self.detail {
-                        Some(d) => format!("{summary} {d}"),
+                    // The event's `failure` has the cause in parts; a server without it put
+                    // the hint inside the error record's detail.
+                    let failure = &p["failure"];
+                    let detail = failure["detail"]
+                        .as_str()
+                        .map(str::to_string)
+                        .or_else(|| self.detail.clone());
+                    let why = match detail {
+                        Some(d) => format!(
+                            "{summary} {}",
+                            harness_router::error::explained(&d, failure["hint"].as_str())
+                        ),
                         None => summary.to_string(),
                     };
                     println!("\n[turn failed: {why}]");
@@ -278,6 +298,26 @@ impl Printer {
         }
         false
     }
+}
+
+/// How an entry a function call wrote is shown: `[written by call <id> (<function>)] <text>`;
+/// `None` for the loop's own entries.
+fn written_by_call(entry: &Entry) -> Option<String> {
+    let by = entry
+        .origin
+        .as_ref()?
+        .get(harness_core::provenance::WRITTEN_BY)?;
+    let text = match (&entry.message, &entry.custom) {
+        (Some(m), _) => m.text(),
+        (None, Some(c)) => format!("[{}] {}", c.custom_type, c.data),
+        (None, None) => String::new(),
+    };
+    Some(format!(
+        "[written by call {} ({})] {}",
+        by["function_call_id"].as_str().unwrap_or("?"),
+        by["function_id"].as_str().unwrap_or("?"),
+        clip(&text, 160)
+    ))
 }
 
 /// The provider and model: the flags, else the router config, else whichever key is set, else
