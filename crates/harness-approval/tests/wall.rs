@@ -175,8 +175,11 @@ engine::functions::info run run run run
 engine::functions::list run run run run
 engine::register_trigger args args args run
 engine::registered-triggers::list wall wall wall run
+engine::triggers::info run run run run
 engine::triggers::list run run run run
 engine::unregister_trigger wall wall wall run
+engine::workers::info run run run run
+engine::workers::list run run run run
 fs::edit run run run run
 fs::list run run run run
 fs::read run run run run

@@ -27,6 +27,11 @@ where
 struct ListRequest {
     #[serde(default)]
     prefix: Option<String>,
+    /// Case-insensitive words, each found in the id or the description.
+    #[serde(default)]
+    search: Option<String>,
+    #[serde(default)]
+    worker: Option<String>,
     #[serde(default)]
     include_internal: bool,
 }
@@ -37,6 +42,16 @@ struct InfoRequest {
     function_id: Option<String>,
     #[serde(default)]
     function_ids: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+struct WorkerInfoRequest {
+    name: String,
+}
+
+#[derive(Deserialize)]
+struct TriggerInfoRequest {
+    id: String,
 }
 
 #[derive(Deserialize)]
@@ -58,6 +73,8 @@ struct IdRequest {
 struct TriggersListRequest {
     #[serde(default)]
     trigger_type: Option<String>,
+    #[serde(default)]
+    function_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -80,14 +97,55 @@ struct StateList {
     with_keys: bool,
 }
 
+/// The worker an embedded function belongs to, named as the iii deployment names the worker
+/// that registers it, so the discovery loop the identity prompt teaches (list, filter by
+/// `worker`, `engine::workers::info`) reads the same in both modes.
+pub(crate) fn worker_of(id: &str) -> &str {
+    let ns = id.split("::").next().unwrap_or(id);
+    match ns {
+        "engine" | "state" | "cron" => "engine",
+        "session" => "session-manager",
+        "context" => "context-manager",
+        "router" => "llm-router",
+        "fs" | "shell" | "web" => "tools",
+        _ => ns,
+    }
+}
+
 fn info_of(def: &FunctionDef) -> Value {
     json!({
         "function_id": def.function_id,
         "description": def.description,
+        "namespace": "default",
+        "worker_name": worker_of(&def.function_id),
         "request_schema": def.request_schema,
         "response_schema": def.response_schema,
         "metadata": def.metadata,
     })
+}
+
+/// Whether every word of `search` is in the id or the description (case-insensitive).
+fn matches_search(search: &str, id: &str, description: &str) -> bool {
+    let hay = format!("{id} {description}").to_lowercase();
+    search
+        .split_whitespace()
+        .all(|w| hay.contains(&w.to_lowercase()))
+}
+
+fn trigger_info(id: &str, description: &str, schema: &Value) -> Value {
+    json!({
+        "id": id,
+        "description": description,
+        "namespace": "default",
+        "worker_name": worker_of(id),
+        // The config a binding of this type takes: what `registertriggertype` carries on an
+        // engine as `trigger_request_format`.
+        "trigger_request_format": schema,
+    })
+}
+
+fn object(properties: Value, required: &[&str]) -> Value {
+    json!({"type": "object", "properties": properties, "required": required})
 }
 
 pub(crate) fn register(bus: &EmbeddedBus) {
@@ -95,7 +153,23 @@ pub(crate) fn register(bus: &EmbeddedBus) {
         bus,
         FunctionDef::new(
             "engine::functions::list",
-            "List registered functions (internal ones only with include_internal).",
+            "List registered functions: filter by id prefix, by words of the id or description \
+             (search), by worker name; internal ones only with include_internal.",
+        )
+        .schemas(
+            object(
+                json!({
+                    "prefix": {"type": ["string", "null"], "description": "Function id prefix, e.g. `fs::`."},
+                    "search": {"type": ["string", "null"], "description": "Words that must all appear in the id or description (case-insensitive)."},
+                    "worker": {"type": ["string", "null"], "description": "Only the functions of this worker (see engine::workers::list)."},
+                    "include_internal": {"type": ["boolean", "null"]}
+                }),
+                &[],
+            ),
+            object(json!({"functions": {"type": "array", "items": object(json!({
+                "function_id": {"type": "string"}, "description": {"type": "string"},
+                "namespace": {"type": "string"}, "worker_name": {"type": "string"}}),
+                &["function_id", "description", "worker_name"])}}), &["functions"]),
         ),
         |bus, payload| async move {
             let req: ListRequest = parse_payload(payload)?;
@@ -104,7 +178,16 @@ pub(crate) fn register(bus: &EmbeddedBus) {
                 .into_iter()
                 .filter(|(_, _, internal)| req.include_internal || !internal)
                 .filter(|(id, _, _)| req.prefix.as_deref().is_none_or(|p| id.starts_with(p)))
-                .map(|(id, description, _)| json!({"function_id": id, "description": description}))
+                .filter(|(id, _, _)| req.worker.as_deref().is_none_or(|w| worker_of(id) == w))
+                .filter(|(id, d, _)| {
+                    req.search
+                        .as_deref()
+                        .is_none_or(|s| matches_search(s, id, d))
+                })
+                .map(|(id, description, _)| {
+                    json!({"function_id": id, "description": description, "namespace": "default",
+                           "worker_name": worker_of(&id)})
+                })
                 .collect();
             Ok(json!({ "functions": functions }))
         },
@@ -114,6 +197,16 @@ pub(crate) fn register(bus: &EmbeddedBus) {
         FunctionDef::new(
             "engine::functions::info",
             "Describe one function (function_id) or several (function_ids), schemas included.",
+        )
+        .schemas(
+            object(
+                json!({
+                    "function_id": {"type": ["string", "null"]},
+                    "function_ids": {"type": ["array", "null"], "items": {"type": "string"}}
+                }),
+                &[],
+            ),
+            json!({"type": ["object", "null"]}),
         ),
         |bus, payload| async move {
             let req: InfoRequest = parse_payload(payload)?;
@@ -204,7 +297,7 @@ pub(crate) fn register(bus: &EmbeddedBus) {
                 .is_some();
             bus.store().kv_delete(BINDINGS_SCOPE, &req.id).await?;
             bus.binding_removed(&req.id);
-            Ok(json!({ "ok": removed }))
+            Ok(json!({ "removed": removed, "ok": removed }))
         },
     );
     reg(
@@ -223,30 +316,118 @@ pub(crate) fn register(bus: &EmbeddedBus) {
                         req.trigger_type
                             .as_deref()
                             .is_none_or(|t| t == b.trigger_type)
+                            && req
+                                .function_id
+                                .as_deref()
+                                .is_none_or(|f| f == b.function_id)
                     })
                     .cloned()
                     .collect()
             };
             let mut all = all;
             all.sort_by(|a, b| a.id.cmp(&b.id));
-            Ok(json!({ "triggers": all }))
+            // An engine answers `registered_triggers` with a worker and a summary per row;
+            // `triggers` stays for the callers written against the earlier embedded answer.
+            let rows: Vec<Value> = all
+                .iter()
+                .map(|b| {
+                    json!({"id": b.id, "trigger_type": b.trigger_type, "function_id": b.function_id,
+                           "config": b.config, "config_summary": b.config.to_string(),
+                           "metadata": b.metadata, "worker_name": worker_of(&b.function_id)})
+                })
+                .collect();
+            Ok(json!({ "registered_triggers": rows, "triggers": all }))
         },
     );
     reg(
         bus,
         FunctionDef::new(
             "engine::triggers::list",
-            "Trigger types and their config schemas.",
+            "Trigger types a binding may name, with the config each takes.",
         ),
         |bus, _payload| async move {
             let types: Vec<Value> = bus
                 .trigger_type_ids()
                 .into_iter()
-                .map(|(id, description, schema)| {
-                    json!({"id": id, "description": description, "config_schema": schema})
+                .map(|(id, description, schema)| trigger_info(&id, &description, &schema))
+                .collect();
+            Ok(json!({ "triggers": types }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new(
+            "engine::triggers::info",
+            "One trigger type (id) with the config schema its bindings take.",
+        )
+        .schemas(
+            object(json!({"id": {"type": "string"}}), &["id"]),
+            json!({"type": "object"}),
+        ),
+        |bus, payload| async move {
+            let req: TriggerInfoRequest = parse_payload(payload)?;
+            bus.trigger_type_ids()
+                .into_iter()
+                .find(|(id, _, _)| *id == req.id)
+                .map(|(id, description, schema)| trigger_info(&id, &description, &schema))
+                .ok_or_else(|| {
+                    HarnessError::not_found(format!("id: no trigger type '{}'", req.id)).into()
+                })
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new(
+            "engine::workers::list",
+            "The workers whose functions this process serves, with how many each has.",
+        ),
+        |bus, _payload| async move {
+            let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+            for (id, _, _) in bus.function_summaries() {
+                *counts.entry(worker_of(&id).to_string()).or_default() += 1;
+            }
+            let workers: Vec<Value> = counts
+                .into_iter()
+                .map(|(name, n)| json!({"name": name, "status": "connected", "function_count": n}))
+                .collect();
+            Ok(json!({ "workers": workers }))
+        },
+    );
+    reg(
+        bus,
+        FunctionDef::new(
+            "engine::workers::info",
+            "One worker (name): its functions and the trigger types it registered.",
+        )
+        .schemas(
+            object(json!({"name": {"type": "string"}}), &["name"]),
+            json!({"type": "object"}),
+        ),
+        |bus, payload| async move {
+            let req: WorkerInfoRequest = parse_payload(payload)?;
+            let functions: Vec<Value> = bus
+                .function_summaries()
+                .into_iter()
+                .filter(|(id, _, _)| worker_of(id) == req.name)
+                .map(|(id, description, internal)| {
+                    json!({"function_id": id, "description": description, "internal": internal})
                 })
                 .collect();
-            Ok(json!({ "trigger_types": types }))
+            let triggers: Vec<Value> = bus
+                .trigger_type_ids()
+                .into_iter()
+                .filter(|(id, _, _)| worker_of(id) == req.name)
+                .map(|(id, description, _)| json!({"id": id, "description": description}))
+                .collect();
+            if functions.is_empty() && triggers.is_empty() {
+                return Err(
+                    HarnessError::not_found(format!("name: no worker '{}'", req.name)).into(),
+                );
+            }
+            Ok(
+                json!({"name": req.name, "status": "connected", "functions": functions,
+                      "trigger_types": triggers}),
+            )
         },
     );
     reg(

@@ -100,7 +100,10 @@ impl Harness {
         value: Value,
     ) -> Value {
         let mut generating = HashSet::new();
-        if function_id == "engine::functions::list" {
+        if matches!(
+            function_id,
+            "engine::functions::list" | "engine::workers::info"
+        ) {
             let ids: Vec<&str> = value["functions"]
                 .as_array()
                 .into_iter()
@@ -129,8 +132,9 @@ impl Harness {
     }
 }
 
-/// Discovery answers show only what this session may call: `engine::functions::list` drops the
-/// rest; `engine::functions::info` answers null for one id and masks entries of a batch. Beyond
+/// Discovery answers show only what this session may call: `engine::functions::list` and
+/// `engine::workers::info` drop the rest; `engine::functions::info` answers null for one id
+/// and masks entries of a batch. Beyond
 /// the policy, a function that takes a model is not callable (`generating` names those of a
 /// list, whose entries carry no schema).
 pub(crate) fn filter_discovery(
@@ -147,7 +151,8 @@ pub(crate) fn filter_discovery(
         })
     };
     match function_id {
-        "engine::functions::list" => {
+        // A worker's own listing names its functions like the list does.
+        "engine::functions::list" | "engine::workers::info" => {
             let mut value = value;
             if let Some(list) = value.get_mut("functions").and_then(Value::as_array_mut) {
                 list.retain(callable);
@@ -205,6 +210,12 @@ mod tests {
         assert_eq!(
             filter_discovery("engine::functions::info", &p, &none, batch),
             json!({"functions": [{"function_id": "weather::now", "description": "d"}, {"function_id": "shell::exec", "error": "not available"}]})
+        );
+        // A worker's listing names only what the session may call.
+        let worker = json!({"name": "w", "functions": [{"function_id": "weather::now"}, {"function_id": "shell::exec"}]});
+        assert_eq!(
+            filter_discovery("engine::workers::info", &p, &none, worker),
+            json!({"name": "w", "functions": [{"function_id": "weather::now"}]})
         );
     }
 

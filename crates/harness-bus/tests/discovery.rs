@@ -1,0 +1,199 @@
+//! The discovery loop the identity prompt teaches answers in embedded mode as on an engine:
+//! `engine::functions::list` filtered by `prefix`, `search` and `worker`;
+//! `engine::functions::info`; `engine::workers::list|info`; `engine::triggers::list|info`;
+//! `engine::registered-triggers::list` in the engine's `registered_triggers` shape.
+
+use std::sync::Arc;
+
+use harness_bus::{Bus, CallContext, EmbeddedBus, FunctionDef, TriggerTypeDef};
+use harness_store::{Durability, Store};
+use serde_json::{json, Value};
+
+fn open(dir: &std::path::Path) -> EmbeddedBus {
+    let store = Store::open(&dir.join("b.db"), Durability::Normal).unwrap();
+    let bus = EmbeddedBus::new(store).unwrap();
+    for (id, description) in [
+        ("weather::forecast", "Forecast for a city, by day"),
+        ("weather::alerts", "Severe weather alerts"),
+        ("session::messages", "A session's transcript"),
+        ("fs::read", "Read a file under the turn's root"),
+    ] {
+        bus.register_function(
+            FunctionDef::new(id, description),
+            Arc::new(|_p: Value, _c: CallContext| async { Ok(json!(null)) }),
+        );
+    }
+    bus.register_trigger_type(TriggerTypeDef {
+        id: "weather::changed".into(),
+        description: "The forecast changed".into(),
+        config_schema: json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+        validate: None,
+    });
+    bus
+}
+
+fn ids(answer: &Value) -> Vec<&str> {
+    answer["functions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("functions[] in {answer}"))
+        .iter()
+        .map(|f| f["function_id"].as_str().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn functions_list_filters_by_prefix_search_and_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = open(dir.path());
+    let all = bus
+        .call("engine::functions::list", json!({}), None)
+        .await
+        .unwrap();
+    assert!(ids(&all).contains(&"fs::read"), "{all}");
+    let row = all["functions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["function_id"] == "session::messages")
+        .unwrap();
+    assert_eq!(row["worker_name"], "session-manager", "{row}");
+
+    let by_prefix = bus
+        .call(
+            "engine::functions::list",
+            json!({"prefix": "weather::"}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(&by_prefix), ["weather::alerts", "weather::forecast"]);
+
+    // Every word, in the id or the description, whatever its case.
+    let searched = bus
+        .call(
+            "engine::functions::list",
+            json!({"search": "FORECAST city"}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(&searched), ["weather::forecast"]);
+    let none = bus
+        .call(
+            "engine::functions::list",
+            json!({"search": "forecast tide"}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(ids(&none).is_empty(), "{none}");
+
+    let by_worker = bus
+        .call("engine::functions::list", json!({"worker": "tools"}), None)
+        .await
+        .unwrap();
+    assert_eq!(ids(&by_worker), ["fs::read"]);
+}
+
+#[tokio::test]
+async fn workers_and_trigger_types_are_described() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = open(dir.path());
+    let workers = bus
+        .call("engine::workers::list", json!({}), None)
+        .await
+        .unwrap();
+    let weather = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["name"] == "weather")
+        .unwrap_or_else(|| panic!("the weather worker in {workers}"));
+    assert_eq!(weather["function_count"], 2);
+
+    let info = bus
+        .call("engine::workers::info", json!({"name": "weather"}), None)
+        .await
+        .unwrap();
+    assert_eq!(ids(&info), ["weather::alerts", "weather::forecast"]);
+    assert_eq!(info["trigger_types"][0]["id"], "weather::changed", "{info}");
+    let missing = bus
+        .call("engine::workers::info", json!({"name": "tides"}), None)
+        .await
+        .unwrap_err();
+    assert!(missing.to_string().contains("tides"), "{missing}");
+
+    let triggers = bus
+        .call("engine::triggers::list", json!({}), None)
+        .await
+        .unwrap();
+    let listed: Vec<&str> = triggers["triggers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_str().unwrap())
+        .collect();
+    assert!(listed.contains(&"weather::changed"), "{triggers}");
+    assert!(listed.contains(&"cron"), "{triggers}");
+    let one = bus
+        .call(
+            "engine::triggers::info",
+            json!({"id": "weather::changed"}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        one["trigger_request_format"]["properties"]["city"]["type"],
+        "string"
+    );
+    assert!(bus
+        .call("engine::triggers::info", json!({"id": "nope"}), None)
+        .await
+        .is_err());
+}
+
+#[tokio::test]
+async fn registered_triggers_are_listed_in_the_engines_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = open(dir.path());
+    let bound = bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "weather::changed", "function_id": "weather::alerts",
+                   "config": {"city": "Oslo"}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let listed = bus
+        .call(
+            "engine::registered-triggers::list",
+            json!({"function_id": "weather::alerts"}),
+            None,
+        )
+        .await
+        .unwrap();
+    let rows = listed["registered_triggers"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{listed}");
+    assert_eq!(rows[0]["id"], bound["id"]);
+    assert_eq!(rows[0]["config"]["city"], "Oslo");
+    let other = bus
+        .call(
+            "engine::registered-triggers::list",
+            json!({"function_id": "weather::forecast"}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(other["registered_triggers"].as_array().unwrap().is_empty());
+    let removed = bus
+        .call(
+            "engine::unregister_trigger",
+            json!({"id": bound["id"]}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(removed["removed"], true);
+}
