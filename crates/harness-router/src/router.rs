@@ -713,6 +713,28 @@ fn schema<T: JsonSchema>() -> Value {
     serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
 }
 
+/// `router::chat`'s request as a caller across the bus may send it: `ChatRequest` plus the
+/// fields it reads from the same payload (`system_sections`, `cache_intent`, `reasoning`), so the
+/// prompt-cache seam is as visible to another worker as it is in process.
+fn chat_request_schema() -> Value {
+    let mut request = schema::<ChatRequest>();
+    let extras = schema::<ChatExtras>();
+    for key in ["properties", "definitions", "$defs"] {
+        let Some(theirs) = extras.get(key).and_then(Value::as_object) else {
+            continue;
+        };
+        if let Some(ours) = request
+            .as_object_mut()
+            .and_then(|r| r.entry(key).or_insert_with(|| json!({})).as_object_mut())
+        {
+            for (k, v) in theirs {
+                ours.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+    }
+    request
+}
+
 /// Registers `router::chat`, `router::abort`, `router::models::list`, `router::models::get` and
 /// `router::models::supports` on `bus`.
 pub fn register(bus: &dyn Bus, router: &Router) {
@@ -754,7 +776,7 @@ pub fn register(bus: &dyn Bus, router: &Router) {
             "router::chat",
             "Stream one generation as frames; answers with the ack when the stream ended.",
         )
-        .schemas(schema::<ChatRequest>(), schema::<ChatAck>()),
+        .schemas(chat_request_schema(), schema::<ChatAck>()),
         Arc::new(chat) as Arc<dyn Handler>,
         Arc::new(local) as Arc<dyn LocalHandler>,
     );
@@ -844,4 +866,42 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         ),
         Arc::new(supports) as Arc<dyn Handler>,
     );
+}
+
+#[cfg(test)]
+mod chat_schema_tests {
+    use super::*;
+
+    /// A worker on another process learns the cache seam from the registered schema.
+    #[test]
+    fn the_chat_schema_names_the_cache_seam_fields() {
+        let s = chat_request_schema();
+        let props = s["properties"].as_object().unwrap();
+        for field in [
+            "messages",
+            "model",
+            "system_sections",
+            "cache_intent",
+            "reasoning",
+        ] {
+            assert!(props.contains_key(field), "{field} in {s}");
+        }
+        let defs = s
+            .get("definitions")
+            .or_else(|| s.get("$defs"))
+            .and_then(Value::as_object)
+            .unwrap();
+        assert!(
+            defs["SystemSection"]["properties"]
+                .get("cache_boundary")
+                .is_some(),
+            "{s}"
+        );
+        assert!(
+            defs["CacheIntent"]["properties"]
+                .get("surface_digest")
+                .is_some(),
+            "{s}"
+        );
+    }
 }
