@@ -308,23 +308,16 @@ impl Harness {
         let rec = self.load_record(&req.session_id).await?;
         let policy = Policy::new(rec.as_ref().and_then(|r| r.options.functions.as_ref()));
         let call = req.call;
-        let base = FunctionTriggerResponse {
-            function_call_id: call.id.clone(),
-            function_id: call.function_id.clone(),
-            content: None,
-            is_error: None,
-            details: None,
-            duration_ms: None,
-            pending: None,
-            held_by: None,
-        };
-        let refuse = |error: &str, text: String| FunctionTriggerResponse {
-            content: Some(vec![ContentBlock::text(text.clone())]),
-            is_error: Some(true),
-            details: Some(
-                json!({"error": error, "function_id": call.function_id, "message": text}),
-            ),
-            ..base.clone()
+        // A refusal is a result that took no time: the target never ran.
+        let refuse = |error: &str, text: String| {
+            FunctionTriggerResponse::Result(TriggerResultResponse {
+                function_call_id: call.id.clone(),
+                function_id: call.function_id.clone(),
+                content: vec![ContentBlock::text(text.clone())],
+                is_error: true,
+                details: json!({"error": error, "function_id": call.function_id, "message": text}),
+                duration_ms: 0,
+            })
         };
         if !policy.allows(&call.function_id) {
             return Ok(refuse(
@@ -365,11 +358,14 @@ impl Harness {
                 ))
             }
             Decision::Hold(holder) => {
-                return Ok(FunctionTriggerResponse {
-                    pending: Some(true),
+                return Ok(FunctionTriggerResponse::Pending(TriggerPendingResponse {
+                    function_call_id: call.id.clone(),
+                    function_id: call.function_id.clone(),
+                    pending: true,
+                    // Hook holds never expire: the sweep leaves them to their holder.
+                    pending_timeout_ms: None,
                     held_by: Some(holder),
-                    ..base
-                })
+                }));
             }
             Decision::Continue => {}
         }
@@ -414,13 +410,14 @@ impl Harness {
             .run_hooks(HookPoint::PostTrigger, env, Some(&call.function_id), None)
             .await?;
         let result = &chain.payload["result"];
-        Ok(FunctionTriggerResponse {
-            content: Some(serde_json::from_value(result["content"].clone()).unwrap_or(content)),
-            is_error: Some(result["is_error"].as_bool().unwrap_or(is_error)),
-            details: Some(result["details"].clone()),
-            duration_ms: Some(duration_ms),
-            ..base
-        })
+        Ok(FunctionTriggerResponse::Result(TriggerResultResponse {
+            function_call_id: call.id.clone(),
+            function_id: call.function_id.clone(),
+            content: serde_json::from_value(result["content"].clone()).unwrap_or(content),
+            is_error: result["is_error"].as_bool().unwrap_or(is_error),
+            details: result["details"].clone(),
+            duration_ms,
+        }))
     }
 }
 

@@ -427,21 +427,36 @@ pub struct FunctionTriggerRequest {
     pub call: TriggerCall,
 }
 
+/// The answer of `harness::function::trigger`: the call's result, or (a hook holds it) a
+/// pending answer, as the v1.0.6 reference's `anyOf` pair.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct FunctionTriggerResponse {
+#[serde(untagged)]
+pub enum FunctionTriggerResponse {
+    Result(TriggerResultResponse),
+    Pending(TriggerPendingResponse),
+}
+
+/// The call ran (or was refused before it could): its result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TriggerResultResponse {
     pub function_call_id: String,
     pub function_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub content: Option<Vec<crate::message::ContentBlock>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub is_error: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub details: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub duration_ms: Option<u64>,
-    /// True when a hook holds the call.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pending: Option<bool>,
+    pub content: Vec<crate::message::ContentBlock>,
+    pub is_error: bool,
+    pub details: Value,
+    pub duration_ms: u64,
+}
+
+/// A pre-trigger hook holds the call; `harness::function::resolve` settles it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TriggerPendingResponse {
+    pub function_call_id: String,
+    pub function_id: String,
+    /// Always true.
+    pub pending: bool,
+    /// How long the hold may last before the sweep settles it; null: a hook hold never expires.
+    pub pending_timeout_ms: Option<u64>,
+    /// The hook function that holds it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_by: Option<String>,
 }
