@@ -177,6 +177,7 @@ fn after_terminal(batch: &mut StepWrites, rec: &TurnRecord) -> Result<TurnComple
         reason,
         parent: rec.parent.clone(),
         failure: rec.api_failure(),
+        display: rec.options.display.clone(),
     })
 }
 

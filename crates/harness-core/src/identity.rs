@@ -45,6 +45,8 @@ pub(crate) struct PromptFields<'a> {
     pub skills: Option<&'a [String]>,
     /// The request field that named `skills`, for errors.
     pub skills_field: &'a str,
+    /// The operating mode whose paragraph heads the identity.
+    pub mode: Option<harness_types::api::Mode>,
 }
 
 impl Harness {
@@ -244,6 +246,17 @@ impl Harness {
                 (layers, vec![(base_label.0, base_label.1.to_string())])
             }
         };
+        if let Some(paragraph) = prompt::mode_paragraph(f.mode) {
+            // Part of the identity, so of the cacheable prefix: every session in the mode
+            // shares it.
+            layers.base = format!("{paragraph}\n\n{}", layers.base);
+            if let Some((_, label)) = labels.first_mut() {
+                label.push_str(&format!(
+                    ", headed by the {} mode paragraph",
+                    mode_name(f.mode)
+                ));
+            }
+        }
         layers.skills_index = self.skills_index(f.skills_field, f.skills).await?;
         if layers.skills_index.is_some() {
             labels.push((PromptLayerKind::SkillsIndex, "skills index".into()));
@@ -330,6 +343,7 @@ impl Harness {
                         agent: None,
                         skills: None,
                         skills_field: "skills",
+                        mode: None,
                     })
                     .await?;
                 (f.layers, f.stable_layers)
@@ -358,15 +372,44 @@ impl Harness {
             }
             None => None,
         };
+        check_mode("selected_prompt.mode", sel.mode, sel.system_prompt_strategy)?;
         self.fresh_prompt(PromptFields {
             custom: sel.system_prompt.as_deref(),
             strategy: sel.system_prompt_strategy.unwrap_or_default(),
             agent: profile.as_ref(),
             skills: sel.skills.as_deref(),
             skills_field: "selected_prompt.skills",
+            mode: sel.mode,
         })
         .await
     }
+}
+
+fn mode_name(mode: Option<harness_types::api::Mode>) -> &'static str {
+    use harness_types::api::Mode;
+    match mode {
+        Some(Mode::Plan) => "plan",
+        Some(Mode::Ask) => "ask",
+        _ => "agent",
+    }
+}
+
+/// A plan or ask mode needs a prompt to carry its paragraph: `disabled` sends none.
+pub(crate) fn check_mode(
+    field: &str,
+    mode: Option<harness_types::api::Mode>,
+    strategy: Option<SystemPromptStrategy>,
+) -> Result<()> {
+    if prompt::mode_paragraph(mode).is_some() && strategy == Some(SystemPromptStrategy::Disabled) {
+        return Err(HarnessError::invalid_field(
+            field,
+            format!(
+                "'{}' cannot be combined with system_prompt_strategy 'disabled': the mode is a paragraph of the system prompt, and 'disabled' sends none",
+                mode_name(mode)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn agent_with_prompt_fields(field: &str) -> HarnessError {

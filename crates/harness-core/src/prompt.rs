@@ -20,6 +20,55 @@ To use a capability: list, info, call.
 
 Only functions your dispatch policy allows will run; when none are allowed, answer directly. Be concise.";
 
+/// The operating-mode paragraph `options.mode` puts before the identity (`mode\n\nidentity`,
+/// as v1.0.6 did). `agent` is the loop's ordinary behaviour and adds nothing.
+pub(crate) fn mode_paragraph(mode: Option<harness_types::api::Mode>) -> Option<&'static str> {
+    use harness_types::api::Mode;
+    match mode? {
+        Mode::Agent => None,
+        Mode::Plan => Some(
+            "Operating mode: plan. Do not change anything in this turn. Investigate with functions that only read, then answer with a numbered plan: the steps you would take, the functions you would call and what each would change. The user approves the plan before anything is done.",
+        ),
+        Mode::Ask => Some(
+            "Operating mode: ask. Answer the user's question directly and briefly. Use functions only to look things up; change nothing and start no work beyond the answer.",
+        ),
+    }
+}
+
+/// A frozen prompt with the paragraph of mode `to` heading it instead of `from`'s; the
+/// layer offsets move with it. Refused for a session whose prompt is disabled.
+pub(crate) fn remode(
+    text: Option<String>,
+    shape: Option<PromptShape>,
+    from: Option<harness_types::api::Mode>,
+    to: Option<harness_types::api::Mode>,
+) -> Result<(Option<String>, Option<PromptShape>), String> {
+    let (old, new) = (mode_paragraph(from), mode_paragraph(to));
+    if old == new {
+        return Ok((text, shape));
+    }
+    let Some(text) = text else {
+        return match new {
+            Some(_) => Err("the session's system prompt is disabled, so it has no room for the mode's paragraph; name system_prompt_strategy 'enrich' with it".into()),
+            None => Ok((None, shape)),
+        };
+    };
+    let body = match old.and_then(|p| text.strip_prefix(p)?.strip_prefix("\n\n")) {
+        Some(body) => body.to_string(),
+        None => text.clone(),
+    };
+    let removed = text.len() - body.len();
+    let (text, added) = match new {
+        Some(p) => (format!("{p}\n\n{body}"), p.len() + 2),
+        None => (body, 0),
+    };
+    let shape = shape.map(|s| PromptShape {
+        base_len: s.base_len - removed + added,
+        stable_len: s.stable_len - removed + added,
+    });
+    Ok((Some(text), shape))
+}
+
 /// The parts a frozen prompt is made of, in order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Layers {
@@ -280,6 +329,30 @@ pub(crate) fn cache_sections(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remode_swaps_the_paragraph_and_moves_the_layers() {
+        use harness_types::api::Mode;
+        let text = "identity\n\nindex".to_string();
+        let shape = PromptShape {
+            base_len: 8,
+            stable_len: 15,
+        };
+        let (planned, s) = remode(Some(text.clone()), Some(shape), None, Some(Mode::Plan)).unwrap();
+        let planned = planned.unwrap();
+        let s = s.unwrap();
+        assert!(planned.starts_with(mode_paragraph(Some(Mode::Plan)).unwrap()));
+        assert!(planned[..s.base_len].ends_with("identity"));
+        assert_eq!(&planned[..s.stable_len], planned.as_str());
+        let (asked, s2) =
+            remode(Some(planned), Some(s), Some(Mode::Plan), Some(Mode::Ask)).unwrap();
+        let asked = asked.unwrap();
+        assert!(asked.starts_with("Operating mode: ask."), "{asked}");
+        assert!(!asked.contains("Operating mode: plan"), "{asked}");
+        let (back, s3) = remode(Some(asked), s2, Some(Mode::Ask), Some(Mode::Agent)).unwrap();
+        assert_eq!((back.unwrap(), s3.unwrap()), (text, shape));
+        assert!(remode(None, None, None, Some(Mode::Plan)).is_err());
+    }
 
     #[test]
     fn cache_sections_split_at_the_frozen_prefix() {

@@ -54,6 +54,17 @@ pub struct TurnOptions {
     /// Where the layers of `system_prompt` end (absent on records written before layers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_shape: Option<PromptShape>,
+    /// The operating mode whose paragraph heads `system_prompt` (None: agent, no paragraph);
+    /// sticky with the prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<harness_types::api::Mode>,
+    /// A sub-agent's display, as its spawn named it (normalized).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<harness_types::directory::Display>,
+    /// This turn's own spawn fan-out (`options.max_children` of its spawn), under the
+    /// configured `max_children`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_children: Option<u32>,
 }
 
 /// Byte offsets into the frozen prompt: the identity (built-in, directory or profile) ends at

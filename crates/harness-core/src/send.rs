@@ -103,25 +103,8 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
-/// A seed field this version does not implement yet, refused by name instead of dropped.
-pub(crate) fn not_supported(field: &str) -> HarnessError {
-    HarnessError::invalid_field(
-        field,
-        "not supported yet by this version of harness; remove it (it would otherwise be ignored)",
-    )
-}
-
 fn validate_options(o: &SendOptions) -> Result<()> {
-    let unsupported = [
-        // Only the agent mode exists: it is what every turn does.
-        (
-            "options.mode",
-            o.mode.is_some_and(|m| m != harness_types::api::Mode::Agent),
-        ),
-    ];
-    if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
-        return Err(not_supported(field));
-    }
+    crate::identity::check_mode("options.mode", o.mode, o.system_prompt_strategy)?;
     if o.agent.as_deref() == Some("") {
         return Err(HarnessError::invalid_field(
             "options.agent",
@@ -717,20 +700,38 @@ impl Harness {
             None => prev_opts.and_then(|p| p.skills.clone()),
         };
         // The prompt is sticky: omitted prompt fields inherit the prior turn's resolved prompt
-        // (and profile) verbatim; naming one, or a profile, resolves fresh.
+        // (and profile) verbatim; naming one, or a profile, resolves fresh. The mode is sticky
+        // on its own: a send naming only `mode` swaps the paragraph heading the inherited
+        // prompt, and a fresh prompt keeps the previous mode unless the send names one.
         let named = o.system_prompt.is_some() || o.system_prompt_strategy.is_some();
-        let (system_prompt, prompt_shape, agent) = match prev_opts {
+        let mode = o
+            .mode
+            .or_else(|| prev_opts.and_then(|p| p.mode))
+            .filter(|m| *m != harness_types::api::Mode::Agent);
+        let (system_prompt, prompt_shape, agent, mode) = match prev_opts {
             Some(p) if !named && profile.is_none() => {
                 let reindexed = match o.skills {
                     Some(_) => self.reindexed(p, skills.as_deref()).await?,
                     None => None,
                 };
-                match reindexed {
-                    Some((text, shape)) => (Some(text), Some(shape), p.agent.clone()),
-                    None => (p.system_prompt.clone(), p.prompt_shape, p.agent.clone()),
-                }
+                let (text, shape) = match reindexed {
+                    Some((text, shape)) => (Some(text), Some(shape)),
+                    None => (p.system_prompt.clone(), p.prompt_shape),
+                };
+                let (text, shape) = if o.mode.is_some() {
+                    crate::prompt::remode(text, shape, p.mode, mode)
+                        .map_err(|why| HarnessError::invalid_field("options.mode", why))?
+                } else {
+                    (text, shape)
+                };
+                (text, shape, p.agent.clone(), mode)
             }
             _ => {
+                // An inherited mode cannot head a prompt this send disables.
+                let mode = mode.filter(|_| {
+                    o.system_prompt_strategy
+                        != Some(harness_types::api::SystemPromptStrategy::Disabled)
+                });
                 let f = self
                     .fresh_prompt(PromptFields {
                         custom: o.system_prompt.as_deref(),
@@ -738,9 +739,10 @@ impl Harness {
                         agent: profile.as_ref(),
                         skills: skills.as_deref(),
                         skills_field: "options.skills",
+                        mode,
                     })
                     .await?;
-                (f.system_prompt, f.shape, f.agent)
+                (f.system_prompt, f.shape, f.agent, mode)
             }
         };
         let profile_effort = profile.as_ref().and_then(|p| p.reasoning_effort);
@@ -814,6 +816,9 @@ impl Harness {
             agent,
             skills,
             prompt_shape,
+            mode,
+            display: None,
+            max_children: None,
         })
     }
 }

@@ -77,6 +77,32 @@ pub fn subagent_policy(
     child_policy(parent, None, orchestrator, false)
 }
 
+/// A spawn's `display`, checked and normalized: the name trimmed (1 to 48 characters), the
+/// icon from its closed set (checked when parsed), an unknown color shown as `neutral`.
+fn spawn_display(
+    d: &harness_types::api::SpawnDisplay,
+) -> Result<harness_types::directory::Display> {
+    use harness_types::directory::{Color, Display};
+    let name = d.name.trim();
+    let chars = name.chars().count();
+    if chars == 0 || chars > 48 {
+        return Err(HarnessError::invalid_field(
+            "display.name",
+            format!("must be 1 to 48 characters once trimmed (got {chars})"),
+        ));
+    }
+    let color = d
+        .color
+        .as_deref()
+        .and_then(|c| serde_json::from_value::<Color>(json!(c.trim().to_lowercase())).ok())
+        .unwrap_or(Color::Neutral);
+    Ok(Display {
+        name: Some(name.to_string()),
+        icon: d.icon,
+        color: Some(color),
+    })
+}
+
 /// What a finished child hands back to the call that waited for it.
 pub(crate) fn child_outcome(child: &TurnRecord) -> (Vec<ContentBlock>, bool, Value) {
     match child.status {
@@ -118,17 +144,8 @@ impl Harness {
         parent: Option<(&TurnRecord, &str)>,
     ) -> Result<SpawnResponse> {
         let o = req.options.clone().unwrap_or_default();
-        let unsupported = [
-            ("display", req.display.is_some()),
-            ("options.max_children", o.max_children.is_some()),
-            (
-                "options.mode",
-                o.mode.is_some_and(|m| m != harness_types::api::Mode::Agent),
-            ),
-        ];
-        if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
-            return Err(crate::send::not_supported(field));
-        }
+        let display = req.display.as_ref().map(spawn_display).transpose()?;
+        crate::identity::check_mode("options.mode", o.mode, o.system_prompt_strategy)?;
         let mut reused = false;
         if let (Some((p, _)), Some(id)) = (parent, &req.session_id) {
             // Only the caller's own tree may be reused: its own session (the task merges into
@@ -193,6 +210,7 @@ impl Harness {
                 agent: profile.as_ref(),
                 skills: skills.as_deref(),
                 skills_field: "options.skills",
+                mode: o.mode,
             })
             .await?;
         let options = TurnOptions {
@@ -229,6 +247,10 @@ impl Harness {
             agent: frozen.agent,
             skills,
             prompt_shape: frozen.shape,
+            mode: o.mode.filter(|m| *m != harness_types::api::Mode::Agent),
+            display: display.clone(),
+            // The child's own fan-out: what the spawn asks, never more than the operator allows.
+            max_children: o.max_children,
         };
         let depth = parent.map_or(0, |(p, _)| p.depth + 1);
         let link = parent.map(|(p, call_id)| ParentLink {
@@ -236,13 +258,16 @@ impl Harness {
             turn_id: p.turn_id.clone(),
             function_call_id: call_id.to_string(),
         });
-        let metadata = json!({
+        let mut metadata = json!({
             "parent_session_id": link.as_ref().map(|l| &l.session_id),
             "parent_turn_id": link.as_ref().map(|l| &l.turn_id),
             "function_call_id": link.as_ref().map(|l| &l.function_call_id),
             "depth": depth,
             "spawned_by": if parent.is_some() { "agent" } else { "caller" },
         });
+        if let Some(d) = &display {
+            metadata["subagent_display"] = json!(d);
+        }
         let send = SendRequest {
             session_id: req.session_id.clone(),
             message: req.task.clone(),
@@ -250,7 +275,8 @@ impl Harness {
             provider: options.provider.clone(),
             idempotency_key: None,
             session: Some(SessionInit {
-                title: None,
+                // Applied only when the send creates the session: a reused one keeps its title.
+                title: display.as_ref().and_then(|d| d.name.clone()),
                 metadata: Some(metadata),
                 kind: Some("subagent".into()),
             }),
@@ -348,7 +374,12 @@ impl Harness {
             return Ok(CallEnd::Closed);
         }
         let created = rec.calls.values().filter(|c| c.child().is_some()).count() as u32;
-        let max_children = self.config().max_children;
+        let max_children = rec
+            .options
+            .max_children
+            .map_or(self.config().max_children, |m| {
+                m.min(self.config().max_children)
+            });
         if created >= max_children {
             let (c, d) = refuse(
                 ErrorCode::SpawnFanoutExceeded,

@@ -346,6 +346,7 @@ impl Harness {
             parent: rec.parent.clone(),
             depth: rec.depth,
             message_preview: rec.message_preview.clone(),
+            display: rec.options.display.clone(),
         });
         if let Some(ev) = &started {
             self.record_turn_event(&mut batch, ev);

@@ -105,6 +105,10 @@ impl Harness {
                 title: all.get(id).and_then(|m| m.title.clone()),
                 turn_id: rec.as_ref().map(|r| r.turn_id.clone()),
                 turn_status: rec.as_ref().map(|r| r.status),
+                display: all
+                    .get(id)
+                    .and_then(|m| m.metadata.get("subagent_display"))
+                    .and_then(|d| serde_json::from_value(d.clone()).ok()),
                 children: vec![],
             });
         }

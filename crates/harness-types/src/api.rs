@@ -341,6 +341,9 @@ pub struct TurnStartedEvent {
     pub depth: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message_preview: Option<String>,
+    /// A sub-agent's `display`, as its spawn named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<crate::directory::Display>,
 }
 
 /// `harness::turn-completed`.
@@ -362,6 +365,9 @@ pub struct TurnCompletedEvent {
     /// Why a failed turn failed (absent unless `status` is `failed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<TurnFailure>,
+    /// A sub-agent's `display`, as its spawn named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<crate::directory::Display>,
 }
 
 /// Binding config shared by both turn-event types.
@@ -541,9 +547,23 @@ pub struct SpawnRequest {
     /// profile, unless `options.system_prompt` sheds it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<String>,
-    /// Seed field this version does not implement yet: refused when given, never dropped.
+    /// How clients show the sub-agent: stored on the child session's metadata
+    /// (`subagent_display`), shown by `harness::session-tree`, carried on its turn events. The
+    /// name (trimmed, 1 to 48 characters) titles a newly created child session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub display: Option<Value>,
+    pub display: Option<SpawnDisplay>,
+}
+
+/// A spawn's `display`: `icon` from the closed set (anything else fails the spawn); `color`
+/// from the closed set, anything else shown as `neutral`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SpawnDisplay {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub icon: Option<crate::directory::Icon>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub color: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -616,6 +636,9 @@ pub struct SessionTreeNode {
     pub turn_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_status: Option<TurnStatus>,
+    /// A sub-agent's `display`, as its spawn named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<crate::directory::Display>,
     pub children: Vec<SessionTreeNode>,
 }
 
@@ -700,6 +723,9 @@ pub struct SelectedPrompt {
     pub agent: Option<String>,
     #[serde(default)]
     pub skills: Option<Vec<String>>,
+    /// The operating mode (`plan` and `ask` head the identity with their paragraph).
+    #[serde(default)]
+    pub mode: Option<Mode>,
 }
 
 /// Which part of the prompt a layer is.
