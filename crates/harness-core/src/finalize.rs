@@ -178,6 +178,7 @@ fn after_terminal(batch: &mut StepWrites, rec: &TurnRecord) -> Result<TurnComple
         parent: rec.parent.clone(),
         failure: rec.api_failure(),
         display: rec.options.display.clone(),
+        context: rec.prompt_surface.clone(),
     })
 }
 

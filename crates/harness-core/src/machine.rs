@@ -339,6 +339,7 @@ pub(crate) fn seeded(seed: Seed) -> TurnRecord {
         abort: false,
         watermark_entry_id: None,
         stream_request_id: None,
+        prompt_surface: None,
         options: seed.options,
         calls: Default::default(),
         parent: seed.parent,

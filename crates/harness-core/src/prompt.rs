@@ -326,6 +326,32 @@ pub(crate) fn cache_sections(
     }))
 }
 
+/// What `harness::status` and `turn-completed` report of the cache seam: the digest the
+/// sections carried, or why none went out.
+pub(crate) fn surface(
+    enabled: bool,
+    stable: Option<&str>,
+    sections: Option<&serde_json::Value>,
+) -> harness_types::api::PromptSurface {
+    let fallback = |why: &str| harness_types::api::PromptSurface {
+        prompt_surface_digest: None,
+        prompt_sections_fallback: Some(why.into()),
+    };
+    if !enabled {
+        return fallback("disabled");
+    }
+    if stable.is_none_or(str::is_empty) {
+        return fallback("no_stable_prefix");
+    }
+    match sections.and_then(|s| s["cache_intent"]["surface_digest"].as_str()) {
+        Some(d) => harness_types::api::PromptSurface {
+            prompt_surface_digest: Some(d.to_string()),
+            prompt_sections_fallback: None,
+        },
+        None => fallback("prefix_rewritten"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

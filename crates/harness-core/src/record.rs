@@ -543,6 +543,10 @@ pub struct TurnRecord {
     pub watermark_entry_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_request_id: Option<String>,
+    /// What the latest step sent as the prompt's cacheable surface (written with the next
+    /// record write, like `stream_request_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_surface: Option<harness_types::api::PromptSurface>,
     pub options: TurnOptions,
     #[serde(default)]
     pub calls: BTreeMap<String, CallCheckpoint>,

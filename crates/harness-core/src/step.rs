@@ -470,12 +470,18 @@ impl Harness {
         // saves a store round trip; the next record write carries it for status readers.
         rec.stream_request_id = Some(request_id.clone());
         let mut extras = serde_json::Map::new();
-        if self.config().prompt_cache_sections {
-            if let Some(Value::Object(sections)) =
-                prompt::cache_sections(rec.options.stable_prefix(), system_prompt.as_deref())
-            {
-                extras.extend(sections);
-            }
+        let sections = self
+            .config()
+            .prompt_cache_sections
+            .then(|| prompt::cache_sections(rec.options.stable_prefix(), system_prompt.as_deref()))
+            .flatten();
+        rec.prompt_surface = Some(prompt::surface(
+            self.config().prompt_cache_sections,
+            rec.options.stable_prefix(),
+            sections.as_ref(),
+        ));
+        if let Some(Value::Object(sections)) = sections {
+            extras.extend(sections);
         }
         if let Some(r) = &rec.options.reasoning {
             extras.insert("reasoning".into(), json!(r));
@@ -537,6 +543,7 @@ impl Harness {
         let mut now = self.load_record(&sid).await?;
         if let Some(n) = now.as_mut() {
             n.output_mode = n.output_mode.or(rec.output_mode);
+            n.prompt_surface = rec.prompt_surface.clone();
             if let Some(usage) = &generation.message.usage {
                 self.record_spend(n, usage).await?;
             }

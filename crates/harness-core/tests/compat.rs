@@ -4,6 +4,7 @@
 
 mod support;
 
+use harness_bus::Bus;
 use harness_types::api::{
     Mode, SendOptions, SessionTreeRequest, SpawnRequest, SystemPromptStrategy,
 };
@@ -240,4 +241,145 @@ async fn max_children_limits_the_childs_own_fan_out() {
         "{:?}",
         refused[0]
     );
+}
+
+async fn status_of(rt: &Rt, session_id: &str, verbose: bool) -> Value {
+    rt.bus
+        .call(
+            "harness::status",
+            json!({"session_id": session_id, "verbose": verbose}),
+            None,
+        )
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
+    let long = "word ".repeat(200);
+    let rt = runtime(
+        json!({"generations": [text(Some("^long"), &long, 0), text(None, "short", 0)]}),
+        config(),
+    )
+    .await;
+    let r = rt.harness.send(send("long please")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+
+    let lean = status_of(&rt, &r.session_id, false).await;
+    let shown = lean["result"].as_str().unwrap();
+    assert!(
+        shown.ends_with(" …(truncated; use verbose: true for the full result)"),
+        "{shown}"
+    );
+    assert!(long.starts_with(&shown[..600]));
+    assert_eq!(lean["expects_wake"], false);
+    assert!(lean["result_error"].is_null() && lean.get("result_error").is_some());
+    assert!(lean.get("validation_retries").is_none(), "{lean}");
+    // What the router was sent as the cache surface is what status names.
+    let sent = rt.recorder.extras.lock().unwrap()[0].clone();
+    assert_eq!(
+        lean["context"]["prompt_surface_digest"],
+        json!(sent.cache_intent.unwrap().surface_digest.unwrap())
+    );
+
+    let verbose = status_of(&rt, &r.session_id, true).await;
+    assert_eq!(verbose["result"], json!(long));
+    assert_eq!(verbose["validation_retries"], 0);
+    assert_eq!(verbose["max_validation_retries"], 2);
+    assert!(verbose["max_transient_resumes"].is_u64(), "{verbose}");
+
+    // A short result is the same in both.
+    let r = rt.harness.send(send("brief")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(
+        status_of(&rt, &r.session_id, false).await["result"],
+        "short"
+    );
+
+    // No prompt, no sections: the fallback says why.
+    let mut req = send("brief");
+    req.options = Some(SendOptions {
+        system_prompt_strategy: Some(SystemPromptStrategy::Disabled),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let lean = status_of(&rt, &r.session_id, false).await;
+    assert_eq!(
+        lean["context"],
+        json!({"prompt_sections_fallback": "no_stable_prefix"})
+    );
+    let done = rt.completed_events(&r.session_id, &r.turn_id).await;
+    assert_eq!(done[0]["context"], lean["context"], "{:?}", done);
+}
+
+/// `harness::function::trigger` answers v1.0.6's pair: a held call the pending shape, a call
+/// that ran the result shape with every field the reference requires.
+#[tokio::test]
+async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
+    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    rt.register("t::echo", None, |p| json!({"echo": p}));
+    rt.bus.register_function(
+        harness_bus::FunctionDef::new("guard::hold", "holds"),
+        std::sync::Arc::new(|_p: Value, _c: harness_bus::CallContext| async {
+            Ok(json!({"decision": "hold"}))
+        }),
+    );
+    // A session whose policy allows the target.
+    let mut req = send("hi");
+    req.options = Some(SendOptions {
+        functions: Some(harness_types::api::FunctionPolicy {
+            allow: vec!["t::*".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let call = |id: &str| json!({"session_id": r.session_id, "call": {"id": id, "function_id": "t::echo", "arguments": {"x": 1}}});
+    let ran = rt
+        .bus
+        .call("harness::function::trigger", call("c1"), None)
+        .await
+        .unwrap();
+    for field in [
+        "content",
+        "is_error",
+        "details",
+        "duration_ms",
+        "function_call_id",
+        "function_id",
+    ] {
+        assert!(ran.get(field).is_some(), "{field} in {ran}");
+    }
+    assert_eq!(ran["is_error"], false);
+    assert_eq!(ran["details"]["echo"]["x"], 1);
+
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold",
+                   "config": {"functions": ["t::*"]}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let held = rt
+        .bus
+        .call("harness::function::trigger", call("c2"), None)
+        .await
+        .unwrap();
+    assert_eq!(held["pending"], true, "{held}");
+    assert_eq!(held["function_call_id"], "c2");
+    assert!(
+        held.get("pending_timeout_ms").is_some_and(Value::is_null),
+        "a hook hold never expires: {held}"
+    );
+    assert!(held.get("content").is_none(), "{held}");
+    // What a client typed from the reference parses.
+    let parsed: harness_types::api::FunctionTriggerResponse = serde_json::from_value(held).unwrap();
+    assert!(matches!(
+        parsed,
+        harness_types::api::FunctionTriggerResponse::Pending(_)
+    ));
 }

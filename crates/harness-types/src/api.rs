@@ -220,6 +220,8 @@ impl TurnStatus {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct StatusRequest {
     pub session_id: String,
+    /// The full result and the loop's counters; the default (lean) answer truncates a result
+    /// whose compact JSON is over 600 characters.
     #[serde(default)]
     pub verbose: Option<bool>,
 }
@@ -254,6 +256,32 @@ pub struct StatusReport {
     /// Why a failed turn failed (absent unless `status` is `failed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<TurnFailure>,
+    /// True while the session owns an armed one-shot wake (this version arms none).
+    #[serde(default)]
+    pub expects_wake: bool,
+    /// What the latest step sent as the prompt's cacheable surface.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<PromptSurface>,
+    /// `verbose` only: nudges used on an invalid result and the limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation_retries: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_validation_retries: Option<u32>,
+    /// `verbose` only: the transient-failure resumes a turn may use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_transient_resumes: Option<u32>,
+}
+
+/// The prompt's cacheable surface as a step sent it: its digest, or why no sections went out.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PromptSurface {
+    /// `sha256:<hex>` of the stable prefix sent as `system_sections[0]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_surface_digest: Option<String>,
+    /// `disabled` (`prompt_cache_sections: false`), `no_stable_prefix`, or `prefix_rewritten`
+    /// (a pre-generate hook replaced the head of the prompt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_sections_fallback: Option<String>,
 }
 
 /// The cause of a failed turn, as `harness chat` shows it: the stable code, where in the turn,
@@ -368,6 +396,9 @@ pub struct TurnCompletedEvent {
     /// A sub-agent's `display`, as its spawn named it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display: Option<crate::directory::Display>,
+    /// The context snapshot at the end of the turn: the prompt surface its last step sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<PromptSurface>,
 }
 
 /// Binding config shared by both turn-event types.
