@@ -94,6 +94,12 @@ pub struct HarnessConfig {
     pub directory_path: Option<String>,
     /// Serve the web console at `/` (`harness serve --no-console` turns it off too).
     pub console: bool,
+    /// OTLP/HTTP receiver of the turn traces (`http://host:4318`; `/v1/traces` is appended).
+    /// `null` = no export, unless `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (which wins).
+    pub otel_endpoint: Option<String>,
+    /// Record the anonymous usage announcements on `harness:usage` (`false` = none at all;
+    /// `III_TELEMETRY_ENABLED=false` and `HARNESS_TELEMETRY_ENABLED=false` turn them off too).
+    pub usage_reporting: bool,
 }
 
 /// `shell_exec_scrub_env`: each entry a variable name or a glob of one.
@@ -205,6 +211,8 @@ impl Default for HarnessConfig {
             mcp_servers: serde_json::Map::new(),
             directory_path: None,
             console: true,
+            otel_endpoint: None,
+            usage_reporting: true,
         }
     }
 }

@@ -54,6 +54,7 @@ impl Harness {
         self.record_turn_event(&mut batch, &event);
         self.commit(batch).await?;
         crate::failpoint::hit("after_finalize_persisted");
+        self.observe_finished(rec).await;
         self.clear_signal(&rec.turn_id);
         if made_bindings(rec) {
             self.end_turn_bindings(&rec.session_id, &rec.turn_id).await;

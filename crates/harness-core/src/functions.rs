@@ -330,9 +330,13 @@ pub fn register(h: &Harness) {
 /// the turn with a durable error record instead of leaving it running.
 async fn run_step(h: &Harness, req: TurnStepPayload) -> Result<TurnStepResult, HarnessError> {
     let mut attempt = 0;
+    let started = std::time::Instant::now();
     loop {
         match h.step(req.clone()).await {
-            Ok(r) => return Ok(r),
+            Ok(r) => {
+                h.observe_step(crate::trace::step_outcome(&r), started);
+                return Ok(r);
+            }
             Err(e)
                 if matches!(
                     e.code,
@@ -346,6 +350,7 @@ async fn run_step(h: &Harness, req: TurnStepPayload) -> Result<TurnStepResult, H
             Err(e) => {
                 tracing::error!(session = %req.session_id, turn = %req.turn_id, "step failed: {e}");
                 h.fail_turn(&req, &e).await?;
+                h.observe_step("failed", started);
                 return Ok(TurnStepResult {
                     session_id: req.session_id,
                     status: TurnStatus::Failed,

@@ -49,6 +49,8 @@ pub(crate) struct Inner {
     pub(crate) protected: std::sync::RwLock<Vec<std::path::PathBuf>>,
     /// Serializes the read-modify-write of a grants row.
     pub(crate) grants_lock: tokio::sync::Mutex<()>,
+    /// Span export and metrics (`crate::trace`); set once before the runtime serves.
+    pub(crate) telemetry: std::sync::OnceLock<crate::trace::Telemetry>,
 }
 
 /// Sessions whose transcript stays in memory; the least recently read goes first. Enough for
@@ -302,6 +304,7 @@ impl Harness {
                 closings: Mutex::new(HashMap::new()),
                 protected: std::sync::RwLock::new(Vec::new()),
                 grants_lock: tokio::sync::Mutex::new(()),
+                telemetry: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -319,6 +322,16 @@ impl Harness {
 
     pub(crate) fn protected_paths(&self) -> Vec<std::path::PathBuf> {
         self.inner.protected.read().expect("protected lock").clone()
+    }
+
+    /// Installs span export and metrics; the first call wins (a runtime installs them once,
+    /// before it serves).
+    pub fn set_telemetry(&self, telemetry: crate::trace::Telemetry) {
+        let _ = self.inner.telemetry.set(telemetry);
+    }
+
+    pub(crate) fn telemetry(&self) -> Option<&crate::trace::Telemetry> {
+        self.inner.telemetry.get()
     }
 
     pub fn bus(&self) -> &Arc<dyn Bus> {

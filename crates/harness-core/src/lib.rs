@@ -39,6 +39,7 @@ mod steering;
 mod step;
 mod stop;
 mod stream;
+pub mod trace;
 mod tree;
 
 pub use config::{CallReconciliation, ConfigError, HarnessConfig};

@@ -357,6 +357,7 @@ pub(crate) fn seeded(seed: Seed) -> TurnRecord {
         validation_retries: 0,
         submitted: None,
         spent: Default::default(),
+        trace: None,
         created_at: seed.now,
         updated_at: seed.now,
     }

@@ -590,6 +590,9 @@ pub struct TurnRecord {
     /// Repairs already noted this turn (the same repair is noted once).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub noted_repairs: Vec<String>,
+    /// The turn's trace context (`crate::trace`), set at send only when spans are exported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<crate::trace::TraceCtx>,
     #[serde(default)]
     pub created_at: i64,
     #[serde(default)]

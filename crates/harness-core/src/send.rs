@@ -304,6 +304,9 @@ impl Harness {
         let Some(mut rec) = t.record else {
             return Err(HarnessError::internal("a send left no turn record"));
         };
+        if rec.turn_id == new_turn {
+            self.seed_trace(&mut rec).await;
+        }
         let mut effects = t.effects.into_iter().peekable();
         while let Some(effect) = effects.next() {
             match effect {

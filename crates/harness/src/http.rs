@@ -43,6 +43,8 @@ pub struct AppState {
     pub guard: Arc<Guard>,
     /// Serve the web console at `/` (`--no-console` / `console: false` turn it off).
     pub console: bool,
+    /// Serve `GET /metrics` from this runtime's registry (`--no-metrics`: `None`, a 404).
+    pub metrics: Option<harness_telemetry::Installed>,
 }
 
 /// Request body cap when none is configured (a send with a large pasted file fits).
@@ -174,8 +176,13 @@ pub fn router(state: AppState) -> Router {
     } else {
         Router::new()
     };
+    let metrics = match state.metrics {
+        Some(_) => Router::new().route("/metrics", get(metrics)),
+        None => Router::new(),
+    };
     Router::new()
         .merge(console)
+        .merge(metrics)
         .route("/healthz", get(healthz))
         .route("/v1/functions", get(list_functions))
         .route("/v1/functions/{function_id}", post(call_function))
@@ -196,7 +203,45 @@ pub fn router(state: AppState) -> Router {
         })
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
         .with_state(state)
+}
+
+/// `harness_http_requests_total{route, code}`: the route template, never the path (a path
+/// carries session ids), and `unmatched` for what no route took.
+async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|p| p.as_str().to_string());
+    let resp = next.run(req).await;
+    if let Some(m) = &state.metrics {
+        let route = route.as_deref().unwrap_or("unmatched");
+        m.metrics.http_request(route, resp.status().as_u16());
+    }
+    resp
+}
+
+/// The Prometheus scrape: in-memory values only, text format 0.0.4.
+async fn metrics(State(state): State<AppState>) -> Response {
+    match &state.metrics {
+        Some(m) => (
+            [(
+                header::CONTENT_TYPE,
+                harness_telemetry::Metrics::CONTENT_TYPE,
+            )],
+            m.render(),
+        )
+            .into_response(),
+        None => refusal(
+            StatusCode::NOT_FOUND,
+            "harness/not_found",
+            "no route GET /metrics",
+        ),
+    }
 }
 
 /// An HTTP-level refusal (no bus code exists for these).
@@ -373,6 +418,7 @@ async fn list_functions(State(state): State<AppState>) -> Json<Value> {
 async fn call_function(
     State(state): State<AppState>,
     function_id: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let function_id = match function_id {
@@ -406,7 +452,18 @@ async fn call_function(
             "harness::turn runs only from the harness-turn queue; use harness::send",
         ));
     }
-    match state.bus.call(&function_id, payload, None).await {
+    // A caller's W3C trace context reaches `harness::send` in this task (a malformed one is
+    // ignored there: the turn starts a trace of its own).
+    let traceparent = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let call = state.bus.call(&function_id, payload, None);
+    let answer = match traceparent {
+        Some(tp) => harness_core::trace::with_traceparent(tp, call).await,
+        None => call.await,
+    };
+    match answer {
         Ok(v) => Json(v).into_response(),
         Err(e) => error_response(e.into_harness()),
     }

@@ -14,6 +14,7 @@ mod fixtures;
 mod http;
 mod mcp;
 mod runtime;
+mod telemetry;
 #[cfg(feature = "iii")]
 mod worker;
 
@@ -91,6 +92,10 @@ struct RuntimeArgs {
     /// `approval::list` / `approval::decide`, or y/n in `harness chat`.
     #[arg(long = "approve", value_name = "GLOB")]
     approve: Vec<String>,
+    /// Export one OpenTelemetry trace per turn to this OTLP/HTTP receiver
+    /// (`http://127.0.0.1:4318`); sets the config key `otel_endpoint`.
+    #[arg(long, value_name = "URL")]
+    otlp_endpoint: Option<String>,
 }
 
 impl RuntimeArgs {
@@ -102,6 +107,9 @@ impl RuntimeArgs {
         }
         if let Some(tokens) = self.context_window {
             flags.push(("default_context_window", "context-window", tokens.into()));
+        }
+        if let Some(url) = &self.otlp_endpoint {
+            flags.push(("otel_endpoint", "otlp-endpoint", url.clone().into()));
         }
         flags
     }
@@ -147,6 +155,9 @@ enum Command {
         /// Serve no web console at `/` (same as the config key `console: false`).
         #[arg(long)]
         no_console: bool,
+        /// Serve no Prometheus `GET /metrics` (a 404, as any unknown route).
+        #[arg(long)]
+        no_metrics: bool,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -288,6 +299,7 @@ struct ServeArgs {
     max_body_bytes: usize,
     max_streams_per_client: usize,
     no_console: bool,
+    no_metrics: bool,
     limits: accept::Limits,
 }
 
@@ -324,6 +336,7 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
         sessions: rt.sessions.clone(),
         guard: std::sync::Arc::new(guard(listener.local_addr()?)?),
         console,
+        metrics: (!s.no_metrics).then(|| rt.telemetry.clone()),
     });
     eprintln!(
         "harness serving on http://{} (data dir {})",
@@ -366,6 +379,7 @@ fn main() {
                 max_connections_per_client,
                 header_read_timeout_ms,
                 no_console,
+                no_metrics,
                 runtime,
             } => {
                 let limits =
@@ -376,6 +390,7 @@ fn main() {
                     max_body_bytes,
                     max_streams_per_client,
                     no_console,
+                    no_metrics,
                     limits,
                 };
                 serve(s, runtime).await

@@ -36,6 +36,8 @@ pub struct Runtime {
     pub harness: Harness,
     pub sessions: SessionStore,
     pub store: Store,
+    /// The `/metrics` registry and the span exporter, if any.
+    pub telemetry: harness_telemetry::Installed,
 }
 
 /// `--data-dir`, else `HARNESS_DATA_DIR`, else the per-user data directory.
@@ -169,6 +171,8 @@ impl Runtime {
         harness_router::register(shared.as_ref(), &router);
         let config = opts.config.clone();
         let harness = Harness::new(shared.clone(), config);
+        // Before `start`: the turns it redrives are traced and counted too.
+        let telemetry = crate::telemetry::install(&harness, &opts.config)?;
         harness_core::register(&harness);
         harness_tools::register(shared.as_ref(), &tools(&opts, &harness));
         // After the tools: a fixture of the same id (tests, demos) takes their place.
@@ -192,6 +196,7 @@ impl Runtime {
             harness,
             sessions,
             store,
+            telemetry,
         })
     }
 
@@ -199,6 +204,7 @@ impl Runtime {
     pub async fn shutdown(&self) {
         self.mcp.shutdown().await;
         self.bus.shutdown().await;
+        self.telemetry.shutdown().await;
     }
 }
 
@@ -268,6 +274,7 @@ pub struct BusRuntime {
     /// The configured MCP servers (`mcp_servers`): their tools are registered on this bus, so
     /// on an engine they are functions of this worker.
     pub mcp: McpHub,
+    pub telemetry: harness_telemetry::Installed,
 }
 
 #[cfg_attr(not(feature = "iii"), allow(dead_code))]
@@ -316,6 +323,7 @@ impl Runtime {
         }
         let harness = Harness::new(bus.clone(), opts.config.clone());
         harness.set_protected_paths(protected_paths(&opts));
+        let telemetry = crate::telemetry::install(&harness, &opts.config)?;
         harness_core::register(&harness);
         if with.tools {
             harness_tools::register(bus.as_ref(), &tools(&opts, &harness));
@@ -338,6 +346,7 @@ impl Runtime {
             harness,
             sessions,
             store,
+            telemetry,
             mcp,
         })
     }

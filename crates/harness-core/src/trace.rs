@@ -1,0 +1,833 @@
+//! What the loop tells observers: one trace per turn (spans) and the facts metrics count.
+//!
+//! A durable turn outlives processes: its steps are separate queue deliveries and may run after
+//! a restart, so nothing of a trace is held in memory between steps. `harness::send` stores the
+//! turn's trace context in its record ([`TraceCtx`]: ids, sampling decision, start time); at
+//! finalize the loop reads the turn back from its transcript (one assistant entry per
+//! generation, one result entry per call, all with deterministic ids and timestamps) and builds
+//! the whole span tree at once. The turn span is therefore built last, after everything under
+//! it is known, which is what lets it carry the outcome of its descendants without changing a
+//! span already exported. Span ids below the turn are derived from the turn span id, so a
+//! child turn can name its parent's `execute_tool harness::spawn` span without asking anyone.
+//!
+//! With no [`SpanSink`] installed, nothing here builds a span: the send path checks one
+//! `Option`, and finalize builds only the [`TurnFacts`] an observer (metrics) asks for.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use harness_types::api::TurnStatus;
+use harness_types::ids;
+use harness_types::message::{AgentMessage, ContentBlock, StopReason, Usage};
+use harness_types::session::Entry;
+use serde::{Deserialize, Serialize};
+
+use crate::record::{CallCheckpoint, TurnRecord};
+
+/// A turn's trace context, stored in its record at send.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceCtx {
+    /// 32 lowercase hex digits.
+    pub trace_id: String,
+    /// 16 lowercase hex digits.
+    pub turn_span_id: String,
+    /// The caller's span (`traceparent`) or the parent turn's spawn span.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_span_id: Option<String>,
+    /// The parent came from outside this process tree (a `traceparent` header).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub remote_parent: bool,
+    /// Decided once at send: every step and every sub-agent agrees.
+    pub sampled: bool,
+    pub started_at_ms: i64,
+}
+
+/// One finished span, in the loop's own terms; the exporter turns it into OTLP.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpanRecord {
+    pub trace_id: String,
+    pub span_id: String,
+    pub parent_span_id: Option<String>,
+    pub parent_remote: bool,
+    pub sampled: bool,
+    pub name: String,
+    pub kind: SpanKind,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub attributes: Vec<(&'static str, AttrValue)>,
+    /// Status `ERROR`: the stable `error.type` and the public one-sentence summary.
+    pub error: Option<SpanError>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanKind {
+    Internal,
+    Client,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue {
+    Str(String),
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    StrList(Vec<String>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpanError {
+    pub error_type: String,
+    pub message: String,
+}
+
+/// Where finished spans go (the OTLP exporter).
+pub trait SpanSink: Send + Sync {
+    /// Hands over a turn's spans; never blocks on the network.
+    fn export(&self, spans: Vec<SpanRecord>);
+    /// The sampling decision for a new root trace.
+    fn sample_root(&self, trace_id: &str) -> bool;
+}
+
+/// What metrics count; every method has a no-op default.
+pub trait Observer: Send + Sync {
+    /// A new turn was seeded (`root`: depth 0).
+    fn turn_started(&self, _root: bool) {}
+    /// A step ended: `outcome` is `advanced|finalized|parked|stale|failed`.
+    fn step_finished(&self, _outcome: &'static str, _seconds: f64) {}
+    /// A turn ended; the facts were read back from its transcript.
+    fn turn_finished(&self, _facts: &TurnFacts) {}
+}
+
+/// The observers a runtime installs, once, before it serves.
+#[derive(Clone, Default)]
+pub struct Telemetry {
+    pub spans: Option<Arc<dyn SpanSink>>,
+    pub observer: Option<Arc<dyn Observer>>,
+}
+
+static SPANS_BUILT: AtomicU64 = AtomicU64::new(0);
+
+/// Span objects this process has built: stays 0 with no exporter configured.
+pub fn spans_built() -> u64 {
+    SPANS_BUILT.load(Ordering::Relaxed)
+}
+
+tokio::task_local! {
+    /// The W3C `traceparent` the HTTP request carried, seen by `harness::send` in the same task.
+    static TRACEPARENT: String;
+}
+
+/// Runs `f` with the caller's `traceparent` visible to a `harness::send` it calls in-task.
+pub async fn with_traceparent<F: std::future::Future>(traceparent: String, f: F) -> F::Output {
+    TRACEPARENT.scope(traceparent, f).await
+}
+
+/// `00-<32 hex>-<16 hex>-<2 hex>`: (trace id, span id, sampled). Anything else, or all-zero
+/// ids, is not a parent (the turn starts a new trace; never an error).
+pub fn parse_traceparent(v: &str) -> Option<(String, String, bool)> {
+    let parts: Vec<&str> = v.trim().split('-').collect();
+    let [version, trace, span, flags] = parts.as_slice() else {
+        return None;
+    };
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    if !hex(version, 2) || *version == "ff" || !hex(trace, 32) || !hex(span, 16) || !hex(flags, 2) {
+        return None;
+    }
+    if trace.bytes().all(|b| b == b'0') || span.bytes().all(|b| b == b'0') {
+        return None;
+    }
+    let sampled = u8::from_str_radix(flags, 16).ok()? & 1 == 1;
+    Some((trace.to_string(), span.to_string(), sampled))
+}
+
+fn random_hex(len: usize) -> String {
+    // `e_<32 hex>`: a v4 UUID, random enough for trace and span ids.
+    let mut s = ids::new_entry_id().split_off(2);
+    s.truncate(len);
+    s
+}
+
+/// A span id below `turn_span_id`, the same on every process that asks (so a parent's spawn
+/// span id is known to its child, and a redelivered step names its span as before).
+pub fn derived_span_id(turn_span_id: &str, what: &str) -> String {
+    let d = harness_types::digest::sha256(format!("{turn_span_id}/{what}").as_bytes());
+    let mut out = String::with_capacity(16);
+    for b in &d[..8] {
+        out.push_str(&format!("{b:02x}"));
+    }
+    if out == "0000000000000000" {
+        out.replace_range(15..16, "1");
+    }
+    out
+}
+
+/// The span id of the `execute_tool` span of call `call_id` in the turn whose span is
+/// `turn_span_id`.
+pub fn call_span_id(turn_span_id: &str, call_id: &str) -> String {
+    derived_span_id(turn_span_id, &format!("call/{call_id}"))
+}
+
+impl TraceCtx {
+    /// A new trace, or the caller's (`traceparent`), or the parent turn's (`parent` = the
+    /// parent's context and the spawn call's id).
+    pub(crate) fn seed(
+        sink: &dyn SpanSink,
+        parent: Option<(&TraceCtx, &str)>,
+        now: i64,
+    ) -> TraceCtx {
+        let turn_span_id = random_hex(16);
+        if let Some((p, call_id)) = parent {
+            return TraceCtx {
+                trace_id: p.trace_id.clone(),
+                parent_span_id: Some(call_span_id(&p.turn_span_id, call_id)),
+                remote_parent: false,
+                sampled: p.sampled,
+                turn_span_id,
+                started_at_ms: now,
+            };
+        }
+        let caller = TRACEPARENT
+            .try_with(|v| v.clone())
+            .ok()
+            .and_then(|v| parse_traceparent(&v));
+        match caller {
+            Some((trace_id, span_id, sampled)) => TraceCtx {
+                trace_id,
+                turn_span_id,
+                parent_span_id: Some(span_id),
+                remote_parent: true,
+                sampled,
+                started_at_ms: now,
+            },
+            None => {
+                let trace_id = random_hex(32);
+                TraceCtx {
+                    sampled: sink.sample_root(&trace_id),
+                    trace_id,
+                    turn_span_id,
+                    parent_span_id: None,
+                    remote_parent: false,
+                    started_at_ms: now,
+                }
+            }
+        }
+    }
+}
+
+// --- the facts of a finished turn ------------------------------------------------------------
+
+/// A finished turn as read back from its record and transcript.
+#[derive(Clone, Debug)]
+pub struct TurnFacts {
+    pub root: bool,
+    pub status: TurnStatus,
+    /// From the closed set of `harness_turns_completed_total{reason}`.
+    pub reason: &'static str,
+    /// The failure's code and public summary, for a failed turn.
+    pub failure: Option<(String, String)>,
+    pub started_ms: i64,
+    pub ended_ms: i64,
+    pub steps: Vec<StepFacts>,
+}
+
+#[derive(Clone, Debug)]
+pub struct StepFacts {
+    pub index: u64,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    /// The step wrote a compaction record (its context was summarized).
+    pub compacted: bool,
+    pub generation: Option<GenFacts>,
+    pub calls: Vec<CallFacts>,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenFacts {
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub provider: String,
+    pub model: String,
+    pub usage: Option<Usage>,
+    pub finish_reason: &'static str,
+    /// `auth_expired|rate_limited|context_overflow|transient|permanent`.
+    pub error_kind: Option<&'static str>,
+}
+
+#[derive(Clone, Debug)]
+pub struct CallFacts {
+    pub call_id: String,
+    pub function_id: String,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    /// `ok|error|held|interrupted`.
+    pub outcome: &'static str,
+    /// A spawn's child turn: its session and how it ended.
+    pub child: Option<ChildFacts>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ChildFacts {
+    pub session_id: String,
+    pub turn_id: String,
+    /// The child's failure code when its turn failed.
+    pub failed: Option<String>,
+}
+
+fn finish_reason(s: StopReason) -> &'static str {
+    match s {
+        StopReason::End => "stop",
+        StopReason::Length => "length",
+        StopReason::FunctionCall => "tool_call",
+        StopReason::Error => "error",
+        StopReason::Aborted => "aborted",
+        #[allow(unreachable_patterns)]
+        _ => "other",
+    }
+}
+
+/// `harness_turns_completed_total{reason}` for a terminal record.
+pub fn reason_of(rec: &TurnRecord) -> &'static str {
+    match rec.status {
+        TurnStatus::Cancelled => "stopped",
+        TurnStatus::Failed => {
+            let f = rec.failure_cause();
+            if let Some(kind) = f.kind {
+                return match kind.as_str() {
+                    "auth_expired" => "provider_auth",
+                    "rate_limited" => "provider_rate_limited",
+                    "transient" => "provider_transient",
+                    "permanent" => "provider_permanent",
+                    "context_overflow" => "context_overflow",
+                    _ => "other",
+                };
+            }
+            let code = f.code.strip_prefix("harness.").unwrap_or(&f.code);
+            const KNOWN: [&str; 6] = [
+                "budget_exceeded",
+                "context_overflow",
+                "context_compaction_failed",
+                "output_contract_invalid",
+                "timeout",
+                "internal",
+            ];
+            if let Some(k) = KNOWN.iter().find(|k| **k == code) {
+                return k;
+            }
+            if code.starts_with("turn_internal") {
+                "internal"
+            } else {
+                "other"
+            }
+        }
+        _ => match rec.stop_reason {
+            Some(crate::record::TurnStopReason::MaxTurns) => "max_turns",
+            None => "none",
+        },
+    }
+}
+
+/// Reads a finished turn back from its transcript. `child_of` answers how a spawned child's
+/// turn ended (its record), looked up by the caller.
+pub(crate) fn facts(
+    rec: &TurnRecord,
+    started_ms: i64,
+    ended_ms: i64,
+    entries: &[Entry],
+    children: &dyn Fn(&str, &str) -> Option<ChildFacts>,
+) -> TurnFacts {
+    let by_id: std::collections::HashMap<&str, &Entry> =
+        entries.iter().map(|e| (e.entry_id.as_str(), e)).collect();
+    let assistant = |n: u64| {
+        by_id
+            .get(ids::assistant_entry(&rec.turn_id, n).as_str())
+            .and_then(|e| match &e.message {
+                Some(AgentMessage::Assistant(m)) => Some(m),
+                _ => None,
+            })
+    };
+    let mut steps = Vec::new();
+    let mut start = started_ms;
+    for n in 0..=rec.step {
+        let a = assistant(n);
+        let next_gen = assistant(n + 1).map(|m| m.timestamp);
+        let mut calls = Vec::new();
+        let mut generation = None;
+        let mut end = start;
+        if let Some(m) = a {
+            let gen_start = m.timestamp.clamp(start, ended_ms.max(start));
+            let mut results = Vec::new();
+            for b in &m.content {
+                let ContentBlock::FunctionCall {
+                    id, function_id, ..
+                } = b
+                else {
+                    continue;
+                };
+                let result = by_id
+                    .get(ids::call_result_entry(&rec.turn_id, id).as_str())
+                    .and_then(|e| match &e.message {
+                        Some(AgentMessage::FunctionResult(r)) => Some(r),
+                        _ => None,
+                    });
+                results.push((id, function_id, result));
+            }
+            // The generation ended no later than the first thing recorded after it.
+            let mut gen_end = next_gen.unwrap_or(ended_ms).min(ended_ms);
+            for (_, _, r) in &results {
+                if let Some(r) = r {
+                    gen_end = gen_end.min(r.timestamp);
+                }
+            }
+            let gen_end = gen_end.max(gen_start);
+            end = gen_end;
+            for (id, function_id, r) in results {
+                let checkpoint = rec.calls.get(id.as_str());
+                let child = checkpoint
+                    .and_then(|c| c.child())
+                    .and_then(|l| children(&l.session_id, &l.turn_id));
+                let (outcome, call_end) = match (r, checkpoint) {
+                    (Some(r), _) => (
+                        if r.is_error { "error" } else { "ok" },
+                        r.timestamp.max(gen_end),
+                    ),
+                    (None, Some(CallCheckpoint::Pending { .. })) => ("held", ended_ms),
+                    (None, _) => ("interrupted", ended_ms),
+                };
+                // A call that waited (a spawn, an approval) ends when settled, later than its
+                // step; the step itself ends with what it did at once.
+                if next_gen.is_none_or(|t| call_end <= t) {
+                    end = end.max(call_end);
+                }
+                calls.push(CallFacts {
+                    call_id: id.clone(),
+                    function_id: function_id.clone(),
+                    start_ms: gen_end,
+                    end_ms: call_end.max(gen_end),
+                    outcome,
+                    child,
+                });
+            }
+            generation = Some(GenFacts {
+                start_ms: gen_start,
+                end_ms: gen_end,
+                provider: m.provider.clone(),
+                model: m.model.clone(),
+                usage: m.usage.clone(),
+                finish_reason: finish_reason(m.stop_reason),
+                error_kind: m.error_kind.map(|k| k.as_str()),
+            });
+        }
+        if n == rec.step {
+            end = ended_ms.max(end);
+        } else if let Some(t) = next_gen {
+            end = end.min(t.max(start));
+        }
+        let compacted = by_id.contains_key(ids::compaction_entry(&rec.turn_id, n).as_str());
+        steps.push(StepFacts {
+            index: n,
+            start_ms: start,
+            end_ms: end.max(start),
+            compacted,
+            generation,
+            calls,
+        });
+        start = end.max(start);
+    }
+    TurnFacts {
+        root: rec.depth == 0,
+        status: rec.status,
+        reason: reason_of(rec),
+        failure: (rec.status == TurnStatus::Failed).then(|| {
+            let f = rec.failure_cause();
+            (f.code, f.summary)
+        }),
+        started_ms,
+        ended_ms,
+        steps,
+    }
+}
+
+// --- spans -----------------------------------------------------------------------------------
+
+/// The provider as the GenAI conventions name it.
+fn provider_name(p: &str) -> String {
+    match p {
+        "anthropic" => "anthropic".into(),
+        "openai" | "openai-responses" | "openai_responses" => "openai".into(),
+        other => other.replace('-', "_"),
+    }
+}
+
+fn str_attr(k: &'static str, v: impl Into<String>) -> (&'static str, AttrValue) {
+    (k, AttrValue::Str(v.into()))
+}
+
+fn int_attr(k: &'static str, v: i64) -> (&'static str, AttrValue) {
+    (k, AttrValue::Int(v))
+}
+
+/// The span tree of a finished turn, turn span last. Errors are stamped upwards: a failed
+/// generation, call or child turn marks its step and the turn with the first failure's type.
+pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<SpanRecord> {
+    let agent = rec
+        .options
+        .agent
+        .as_ref()
+        .map(|a| a.name.clone())
+        .unwrap_or_else(|| "harness".to_string());
+    let mut out = Vec::new();
+    let span = |span_id: String, parent: &str, name: String, kind, start, end| SpanRecord {
+        trace_id: ctx.trace_id.clone(),
+        span_id,
+        parent_span_id: Some(parent.to_string()),
+        parent_remote: false,
+        sampled: ctx.sampled,
+        name,
+        kind,
+        start_ms: start,
+        end_ms: end,
+        attributes: Vec::new(),
+        error: None,
+    };
+    let mut first_error: Option<SpanError> = None;
+    let mut error_spans: i64 = 0;
+    let mut tokens = (0i64, 0i64);
+    let mut cost = 0f64;
+    for s in &f.steps {
+        let step_id = derived_span_id(&ctx.turn_span_id, &format!("step/{}", s.index));
+        let mut step = span(
+            step_id.clone(),
+            &ctx.turn_span_id,
+            format!("harness.step {}", s.index),
+            SpanKind::Internal,
+            s.start_ms,
+            s.end_ms,
+        );
+        step.attributes
+            .push(int_attr("harness.step.index", s.index as i64));
+        let mut step_error: Option<SpanError> = None;
+        let mut note = |e: &SpanError, step_error: &mut Option<SpanError>| {
+            error_spans += 1;
+            if step_error.is_none() {
+                *step_error = Some(e.clone());
+            }
+            if first_error.is_none() {
+                first_error = Some(e.clone());
+            }
+        };
+        if let Some(g) = &s.generation {
+            let mut c = span(
+                derived_span_id(&ctx.turn_span_id, &format!("context/{}", s.index)),
+                &step_id,
+                "harness.context.assemble".into(),
+                SpanKind::Internal,
+                s.start_ms,
+                g.start_ms,
+            );
+            if let Some(i) = g.usage.as_ref().and_then(|u| u.input) {
+                c.attributes
+                    .push(int_attr("harness.context.input_tokens", i as i64));
+            }
+            c.attributes
+                .push(("harness.context.compacted", AttrValue::Bool(s.compacted)));
+            out.push(c);
+            let provider = provider_name(&g.provider);
+            let mut chat = span(
+                derived_span_id(&ctx.turn_span_id, &format!("chat/{}", s.index)),
+                &step_id,
+                format!("chat {}", g.model),
+                if provider == "scripted" {
+                    SpanKind::Internal
+                } else {
+                    SpanKind::Client
+                },
+                g.start_ms,
+                g.end_ms,
+            );
+            let a = &mut chat.attributes;
+            a.push(str_attr("gen_ai.operation.name", "chat"));
+            a.push(str_attr("gen_ai.provider.name", provider));
+            a.push(str_attr("gen_ai.request.model", g.model.clone()));
+            a.push(str_attr("gen_ai.response.model", g.model.clone()));
+            a.push(("gen_ai.request.stream", AttrValue::Bool(true)));
+            if let Some(m) = rec.options.max_output_tokens {
+                a.push(int_attr("gen_ai.request.max_tokens", m as i64));
+            }
+            a.push((
+                "gen_ai.response.finish_reasons",
+                AttrValue::StrList(vec![g.finish_reason.to_string()]),
+            ));
+            if let Some(u) = &g.usage {
+                let pairs = [
+                    ("gen_ai.usage.input_tokens", u.input),
+                    ("gen_ai.usage.output_tokens", u.output),
+                    ("gen_ai.usage.cache_read.input_tokens", u.cache_read),
+                    ("gen_ai.usage.cache_creation.input_tokens", u.cache_write),
+                    ("gen_ai.usage.reasoning.output_tokens", u.reasoning),
+                ];
+                for (k, v) in pairs {
+                    if let Some(v) = v {
+                        a.push(int_attr(k, v as i64));
+                    }
+                }
+                tokens.0 += u.input.unwrap_or(0) as i64;
+                tokens.1 += u.output.unwrap_or(0) as i64;
+                if let Some(c) = u.cost_usd {
+                    cost += c;
+                    a.push(("harness.cost_usd", AttrValue::Float(c)));
+                }
+                a.push(("harness.usage.estimated", AttrValue::Bool(u.estimated)));
+            }
+            if let Some(kind) = g.error_kind {
+                let e = SpanError {
+                    error_type: kind.to_string(),
+                    message: format!("the provider failed ({kind})"),
+                };
+                note(&e, &mut step_error);
+                chat.error = Some(e);
+            }
+            out.push(chat);
+        }
+        for c in &s.calls {
+            let mut call = span(
+                call_span_id(&ctx.turn_span_id, &c.call_id),
+                &step_id,
+                format!("execute_tool {}", c.function_id),
+                SpanKind::Internal,
+                c.start_ms,
+                c.end_ms,
+            );
+            let a = &mut call.attributes;
+            a.push(str_attr("gen_ai.operation.name", "execute_tool"));
+            a.push(str_attr("gen_ai.tool.name", c.function_id.clone()));
+            a.push(str_attr("gen_ai.tool.call.id", c.call_id.clone()));
+            a.push(str_attr("gen_ai.tool.type", "function"));
+            a.push(str_attr("harness.call.outcome", c.outcome));
+            let failed_child = c.child.as_ref().and_then(|ch| ch.failed.clone());
+            let e = match (&failed_child, c.outcome) {
+                (Some(code), _) => Some(SpanError {
+                    error_type: code.clone(),
+                    message: "the sub-agent's turn failed".into(),
+                }),
+                (None, "error") => Some(SpanError {
+                    error_type: "harness.call_error".into(),
+                    message: format!("{} answered an error", c.function_id),
+                }),
+                _ => None,
+            };
+            if let Some(e) = e {
+                note(&e, &mut step_error);
+                call.error = Some(e);
+            }
+            out.push(call);
+        }
+        if let Some(e) = step_error {
+            error_spans += 1;
+            step.error = Some(e);
+        }
+        out.push(step);
+    }
+    let mut turn = SpanRecord {
+        trace_id: ctx.trace_id.clone(),
+        span_id: ctx.turn_span_id.clone(),
+        parent_span_id: ctx.parent_span_id.clone(),
+        parent_remote: ctx.remote_parent,
+        sampled: ctx.sampled,
+        name: format!("invoke_agent {agent}"),
+        kind: SpanKind::Internal,
+        start_ms: f.started_ms,
+        end_ms: f.ended_ms.max(f.started_ms),
+        attributes: Vec::new(),
+        error: None,
+    };
+    let a = &mut turn.attributes;
+    a.push(str_attr("gen_ai.operation.name", "invoke_agent"));
+    a.push(str_attr("gen_ai.agent.name", agent));
+    a.push(str_attr("gen_ai.conversation.id", rec.session_id.clone()));
+    a.push(str_attr("iii.session.id", rec.session_id.clone()));
+    a.push(str_attr("harness.turn.id", rec.turn_id.clone()));
+    a.push(str_attr("harness.turn.status", status_str(rec.status)));
+    a.push(int_attr("harness.turn.steps", f.steps.len() as i64));
+    a.push(int_attr("harness.turn.depth", rec.depth as i64));
+    a.push(int_attr("gen_ai.usage.input_tokens", tokens.0));
+    a.push(int_attr("gen_ai.usage.output_tokens", tokens.1));
+    a.push(("harness.cost_usd", AttrValue::Float(cost)));
+    if let Some(p) = &rec.parent {
+        a.push(str_attr("harness.parent.session_id", p.session_id.clone()));
+        a.push(str_attr("harness.parent.turn_id", p.turn_id.clone()));
+    }
+    // The turn's own failure names the error; else the first failure under it.
+    let own = f.failure.as_ref().map(|(code, summary)| SpanError {
+        error_type: code.clone(),
+        message: summary.clone(),
+    });
+    if let Some(e) = own.or(first_error) {
+        error_spans += 1;
+        turn.attributes
+            .push(int_attr("harness.trace.error_span_count", error_spans));
+        turn.error = Some(e);
+    }
+    out.push(turn);
+    SPANS_BUILT.fetch_add(out.len() as u64, Ordering::Relaxed);
+    out
+}
+
+fn status_str(s: TurnStatus) -> &'static str {
+    match s {
+        TurnStatus::Running => "running",
+        TurnStatus::AwaitingFunctions => "awaiting_functions",
+        TurnStatus::Completed => "completed",
+        TurnStatus::Cancelled => "cancelled",
+        TurnStatus::Failed => "failed",
+    }
+}
+
+// --- the loop's hooks ------------------------------------------------------------------------
+
+/// `harness_steps_total{outcome}` for a step's answer.
+pub(crate) fn step_outcome(r: &harness_types::api::TurnStepResult) -> &'static str {
+    if r.skipped {
+        "stale"
+    } else if r.status == TurnStatus::AwaitingFunctions {
+        "parked"
+    } else if r.next_step.is_some() {
+        "advanced"
+    } else {
+        "finalized"
+    }
+}
+
+impl crate::Harness {
+    /// Gives a new turn its trace context when spans are exported (nothing otherwise), and
+    /// counts it.
+    pub(crate) async fn seed_trace(&self, rec: &mut TurnRecord) {
+        let Some(t) = self.telemetry() else {
+            return;
+        };
+        if let Some(o) = &t.observer {
+            o.turn_started(rec.depth == 0);
+        }
+        let Some(sink) = &t.spans else {
+            return;
+        };
+        if rec.trace.is_some() {
+            return;
+        }
+        // A sub-agent's turn joins its parent's trace under the spawn call's span, when that
+        // turn is the one that spawned it.
+        let mut parent = None;
+        if let Some(link) = &rec.parent {
+            if let Ok(Some(p)) = self.load_record(&link.session_id).await {
+                if p.turn_id == link.turn_id {
+                    parent = p.trace.map(|c| (c, link.function_call_id.clone()));
+                }
+            }
+        }
+        let now = harness_types::now_ms();
+        rec.trace = Some(TraceCtx::seed(
+            sink.as_ref(),
+            parent.as_ref().map(|(c, id)| (c, id.as_str())),
+            now,
+        ));
+    }
+
+    pub(crate) fn observe_step(&self, outcome: &'static str, started: std::time::Instant) {
+        if let Some(o) = self.telemetry().and_then(|t| t.observer.as_ref()) {
+            o.step_finished(outcome, started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// After a turn's terminal write: its facts to the observer, its spans to the sink. Best
+    /// effort: a failed read is logged and the turn is not affected.
+    pub(crate) async fn observe_finished(&self, rec: &TurnRecord) {
+        let Some(t) = self.telemetry() else {
+            return;
+        };
+        let ctx = rec
+            .trace
+            .as_ref()
+            .filter(|c| c.sampled && t.spans.is_some());
+        if ctx.is_none() && t.observer.is_none() {
+            return;
+        }
+        let entries = match self.transcript_shared(&rec.session_id).await {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::debug!(session = %rec.session_id, "telemetry: transcript unreadable: {e}");
+                return;
+            }
+        };
+        let mut children = std::collections::HashMap::new();
+        for c in rec.calls.values() {
+            let Some(link) = c.child() else { continue };
+            if let Ok(Some(child)) = self.load_record(&link.session_id).await {
+                if child.turn_id == link.turn_id {
+                    let failed =
+                        (child.status == TurnStatus::Failed).then(|| child.failure_cause().code);
+                    children.insert(
+                        (link.session_id.clone(), link.turn_id.clone()),
+                        ChildFacts {
+                            session_id: link.session_id.clone(),
+                            turn_id: link.turn_id.clone(),
+                            failed,
+                        },
+                    );
+                }
+            }
+        }
+        let started = ctx.map_or(rec.created_at, |c| c.started_at_ms);
+        let lookup = |s: &str, t: &str| children.get(&(s.to_string(), t.to_string())).cloned();
+        let f = facts(rec, started, harness_types::now_ms(), &entries, &lookup);
+        if let Some(o) = &t.observer {
+            o.turn_finished(&f);
+        }
+        if let (Some(c), Some(sink)) = (ctx, &t.spans) {
+            sink.export(spans(c, rec, &f));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparent_is_parsed_strictly() {
+        let ok = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        assert_eq!(
+            parse_traceparent(ok),
+            Some((
+                "0af7651916cd43dd8448eb211c80319c".into(),
+                "b7ad6b7169203331".into(),
+                true
+            ))
+        );
+        for bad in [
+            "",
+            "garbage",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ] {
+            assert_eq!(parse_traceparent(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn derived_ids_are_stable_and_distinct() {
+        let a = derived_span_id("00f067aa0ba902b7", "step/0");
+        assert_eq!(a, derived_span_id("00f067aa0ba902b7", "step/0"));
+        assert_ne!(a, derived_span_id("00f067aa0ba902b7", "step/1"));
+        assert_eq!(a.len(), 16);
+        assert_ne!(
+            call_span_id("00f067aa0ba902b7", "c1"),
+            call_span_id("00f067aa0ba902b8", "c1")
+        );
+    }
+}
