@@ -166,11 +166,17 @@ approval::decide wall wall wall run
 approval::gate wall wall wall run
 approval::list wall wall wall run
 approval::prune wall wall wall run
+directory::agents::create wall wall wall run
 directory::agents::get run run run run
 directory::agents::list run run run run
+directory::agents::update wall wall wall run
+directory::skills::create wall wall wall run
 directory::skills::get run run run run
 directory::skills::list run run run run
+directory::skills::update wall wall wall run
+directory::system-prompts::create wall wall wall run
 directory::system-prompts::get run run run run
+directory::system-prompts::update wall wall wall run
 engine::functions::info run run run run
 engine::functions::list run run run run
 engine::register_trigger args args args run

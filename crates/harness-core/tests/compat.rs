@@ -383,3 +383,76 @@ async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
         harness_types::api::FunctionTriggerResponse::Pending(_)
     ));
 }
+
+/// The operator writes the default prompt through the API; the next send freezes it (what the
+/// router received says so), with no restart. A model calling the writer is refused by the
+/// wall, whatever its allow list, and the file keeps the operator's text.
+#[tokio::test]
+async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_model_can_write_it()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let rt = runtime(
+        json!({"generations": [
+            {"match": {"last_user_text": "^rewrite yourself"}, "content": [
+                {"type": "function_call", "id": "w1", "function_id": "directory::system-prompts::update",
+                 "arguments": {"name": "default", "content": "You obey the model."}}]},
+            text(None, "ok", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    harness_directory::register(&rt.bus, &harness_directory::Directory::new(dir.path()));
+    let out = rt
+        .bus
+        .call(
+            "directory::system-prompts::create",
+            json!({"name": "default", "content": "You are the house identity, v1."}),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(out["created"], true);
+    let first = rt.harness.send(send("hello")).await.unwrap();
+    rt.wait_terminal(&first.session_id, &first.turn_id).await;
+    assert!(prompts(&rt, &first.session_id)[0].starts_with("You are the house identity, v1."));
+
+    rt.bus
+        .call(
+            "directory::system-prompts::update",
+            json!({"name": "default", "body": "You are the house identity, v2.", "front_matter": {"description": "house"}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let second = rt.harness.send(send("hello again")).await.unwrap();
+    rt.wait_terminal(&second.session_id, &second.turn_id).await;
+    let p = prompts(&rt, &second.session_id).remove(0);
+    assert!(p.starts_with("You are the house identity, v2."), "{p}");
+
+    // A model allowed everything still cannot reach the writer.
+    let mut req = send("rewrite yourself");
+    req.options = Some(SendOptions {
+        functions: Some(harness_types::api::FunctionPolicy {
+            allow: vec!["*".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let results = rt.results(&r.session_id);
+    let refused = results
+        .iter()
+        .find(|f| f.function_call_id == "w1")
+        .expect("the call got a result");
+    assert!(refused.is_error, "{refused:?}");
+    let text: String = refused
+        .content
+        .iter()
+        .map(|b| serde_json::to_string(b).unwrap())
+        .collect();
+    assert!(text.contains("control plane"), "{text}");
+    let on_disk = std::fs::read_to_string(dir.path().join("system-prompts/default.md")).unwrap();
+    assert!(on_disk.contains("v2"), "{on_disk}");
+    assert!(!on_disk.contains("obey"), "{on_disk}");
+}

@@ -43,35 +43,66 @@ impl Directory {
         let Some(text) = read(&self.root(), &rel)? else {
             return Ok(None);
         };
-        let (fm, body) = frontmatter::parse::<AgentFrontMatter>(&rel, &text, false)?;
-        let bad = |field: &str, message: String| DirectoryError::BadFile {
-            file: rel.clone(),
-            field: field.into(),
-            message,
-        };
-        if let Some(n) = fm.name.as_deref().filter(|n| *n != name) {
-            return Err(bad(
-                "name",
-                format!("'{n}' differs from the file name '{name}' (the profile's id)"),
-            ));
-        }
-        if fm.model.as_deref() == Some("") {
-            return Err(bad("model", "must not be empty".into()));
-        }
-        if let Some(e) = &fm.extends {
-            check_name(e).map_err(|_| bad("extends", format!("'{e}' is not a profile name")))?;
-        }
-        if let Some(d) = &fm.display {
-            if let Some(n) = &d.name {
-                let len = n.trim().chars().count();
-                if !(1..=48).contains(&len) {
-                    return Err(bad("display.name", "must be 1 to 48 characters".into()));
-                }
-            }
-        }
-        Ok(Some(Loaded { fm, body }))
+        parse_agent(name, &rel, &text).map(Some)
     }
 
+    /// Checks a profile's new text before it is written: its front matter as a read would,
+    /// and its `extends` chain (the parent resolves, and does not lead back to this profile).
+    pub(crate) fn check_agent_text(&self, name: &str, text: &str) -> Result<(), DirectoryError> {
+        let rel = format!("agents/{name}.md");
+        let loaded = parse_agent(name, &rel, text)?;
+        if let Some(parent) = &loaded.fm.extends {
+            let resolved = self.agent(parent).map_err(|e| DirectoryError::BadFile {
+                file: rel.clone(),
+                field: "extends".into(),
+                message: e.to_string(),
+            })?;
+            if resolved.chain.iter().any(|c| c == name) {
+                let mut chain = vec![name.to_string()];
+                chain.extend(resolved.chain.iter().rev().cloned());
+                return Err(DirectoryError::Cycle {
+                    name: name.to_string(),
+                    chain: chain.join(" → "),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A profile file's front matter and body, checked as every read checks them.
+fn parse_agent(name: &str, rel: &str, text: &str) -> Result<Loaded, DirectoryError> {
+    let rel = rel.to_string();
+    let (fm, body) = frontmatter::parse::<AgentFrontMatter>(&rel, text, false)?;
+    let bad = |field: &str, message: String| DirectoryError::BadFile {
+        file: rel.clone(),
+        field: field.into(),
+        message,
+    };
+    if let Some(n) = fm.name.as_deref().filter(|n| *n != name) {
+        return Err(bad(
+            "name",
+            format!("'{n}' differs from the file name '{name}' (the profile's id)"),
+        ));
+    }
+    if fm.model.as_deref() == Some("") {
+        return Err(bad("model", "must not be empty".into()));
+    }
+    if let Some(e) = &fm.extends {
+        check_name(e).map_err(|_| bad("extends", format!("'{e}' is not a profile name")))?;
+    }
+    if let Some(d) = &fm.display {
+        if let Some(n) = &d.name {
+            let len = n.trim().chars().count();
+            if !(1..=48).contains(&len) {
+                return Err(bad("display.name", "must be 1 to 48 characters".into()));
+            }
+        }
+    }
+    Ok(Loaded { fm, body })
+}
+
+impl Directory {
     /// `directory::agents::get`: the profile with its chain composed root first: bodies joined
     /// by a blank line, the nearest model / provider / effort / description / display, the
     /// union of preloaded functions and skills.

@@ -22,6 +22,9 @@ pub enum DirectoryError {
     BadName(String),
     #[error("{file}: cannot be read: {message}")]
     Io { file: String, message: String },
+    /// A write request's own field is wrong (not the file it would write).
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
 }
 
 impl From<DirectoryError> for HarnessError {

@@ -8,20 +8,23 @@
 //! ```
 //!
 //! Every call reads the files again, so an edit reaches the next send without a restart; a
-//! session keeps what it froze when it was resolved. The directory only reads: the files are
-//! the operator's to write, and no function here changes them.
+//! session keeps what it froze when it was resolved. The readers are open to models; the
+//! writers (`create`/`update`, `write.rs`) are the operator's, walled off from every model by
+//! harness-core, check a write as a read would, and replace a file atomically.
 
 mod agents;
 mod error;
 mod frontmatter;
 mod register;
 mod skills;
+mod write;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 pub use error::DirectoryError;
 pub use register::register;
+pub use write::{Kind, WriteRequest, WriteResponse};
 
 /// A handle on the directory's folder; clones share the path, which can be moved at runtime.
 #[derive(Clone, Debug)]
@@ -69,7 +72,7 @@ impl Directory {
 /// A system prompt's optional front matter.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PromptFrontMatter {
+pub(crate) struct PromptFrontMatter {
     #[serde(default)]
     #[allow(dead_code)]
     description: Option<String>,

@@ -1,4 +1,5 @@
-//! The `directory::*` functions on the bus. All of them read; none writes.
+//! The `directory::*` functions on the bus: the readers, and the operator's writers
+//! (`create`/`update`), which harness-core's wall refuses to every model.
 
 use std::sync::Arc;
 
@@ -11,7 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::{Directory, DirectoryError};
+use crate::{Directory, DirectoryError, Kind, WriteRequest};
 
 fn schema<T: JsonSchema>() -> Value {
     serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
@@ -42,8 +43,9 @@ fn register_fn<Req, Resp>(
     );
 }
 
-/// Registers `directory::agents::list|get`, `directory::skills::list|get` and
-/// `directory::system-prompts::get` on `bus`.
+/// Registers `directory::agents::list|get`, `directory::skills::list|get`,
+/// `directory::system-prompts::get`, and `directory::{system-prompts,agents,skills}::
+/// {create,update}` on `bus`.
 pub fn register(bus: &dyn Bus, dir: &Directory) {
     register_fn(
         bus,
@@ -80,4 +82,36 @@ pub fn register(bus: &dyn Bus, dir: &Directory) {
         "A system prompt of the directory by name (`default` replaces the built-in identity).",
         |d, r: NameRequest| d.system_prompt(&r.name),
     );
+    for kind in [Kind::SystemPrompt, Kind::Agent, Kind::Skill] {
+        let (id, what) = match kind {
+            Kind::SystemPrompt => (
+                "system-prompts",
+                "a system prompt (`default` replaces the built-in identity)",
+            ),
+            Kind::Agent => ("agents", "an agent profile"),
+            Kind::Skill => ("skills", "a skill"),
+        };
+        for (verb, must_exist) in [("create", false), ("update", true)] {
+            let dir = dir.clone();
+            let handler = move |payload: Value, _ctx: CallContext| {
+                let dir = dir.clone();
+                async move {
+                    let req: WriteRequest = parse_payload(payload)?;
+                    let resp = dir
+                        .write(kind, &req, must_exist)
+                        .map_err(HarnessError::from)?;
+                    serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
+                }
+            };
+            let description = format!(
+                "Operator only: {verb} {what}, from the whole file (`content`) or `body` with `front_matter`; checked as a read checks it, written atomically, read by the next send. {}",
+                if must_exist { "Refused when it does not exist." } else { "Refused when it exists." }
+            );
+            bus.register_function(
+                FunctionDef::new(format!("directory::{id}::{verb}"), description)
+                    .schemas(schema::<WriteRequest>(), schema::<crate::WriteResponse>()),
+                Arc::new(handler) as Arc<dyn Handler>,
+            );
+        }
+    }
 }

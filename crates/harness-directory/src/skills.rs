@@ -28,37 +28,7 @@ impl Directory {
         let Some(text) = read(&self.root(), &rel)? else {
             return Ok(None);
         };
-        let (fm, body) = frontmatter::parse::<SkillFrontMatter>(&rel, &text, false)?;
-        let bad = |field: &str, message: String| DirectoryError::BadFile {
-            file: rel.clone(),
-            field: field.into(),
-            message,
-        };
-        match fm.name.as_deref() {
-            None => {
-                return Err(bad(
-                    "name",
-                    "missing (it must equal the folder name)".into(),
-                ))
-            }
-            Some(n) if n != name => {
-                return Err(bad(
-                    "name",
-                    format!("'{n}' differs from the folder name '{name}'"),
-                ))
-            }
-            Some(_) => {}
-        }
-        let description = fm
-            .description
-            .map(|d| d.split_whitespace().collect::<Vec<_>>().join(" "))
-            .filter(|d| !d.is_empty())
-            .ok_or_else(|| bad("description", "missing: the skills index shows it".into()))?;
-        Ok(Some(Skill {
-            name: name.to_string(),
-            description,
-            body,
-        }))
+        parse_skill(name, &rel, &text).map(Some)
     }
 
     /// `directory::skills::get`.
@@ -92,6 +62,43 @@ impl Directory {
         }
         Ok(SkillList { skills })
     }
+}
+
+/// A skill file's front matter and body, checked as every read checks them.
+pub(crate) fn parse_skill(name: &str, rel: &str, text: &str) -> Result<Skill, DirectoryError> {
+    let rel = rel.to_string();
+    let (fm, body) = frontmatter::parse::<SkillFrontMatter>(&rel, text, false)?;
+
+    let bad = |field: &str, message: String| DirectoryError::BadFile {
+        file: rel.clone(),
+        field: field.into(),
+        message,
+    };
+    match fm.name.as_deref() {
+        None => {
+            return Err(bad(
+                "name",
+                "missing (it must equal the folder name)".into(),
+            ))
+        }
+        Some(n) if n != name => {
+            return Err(bad(
+                "name",
+                format!("'{n}' differs from the folder name '{name}'"),
+            ))
+        }
+        Some(_) => {}
+    }
+    let description = fm
+        .description
+        .map(|d| d.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|d| !d.is_empty())
+        .ok_or_else(|| bad("description", "missing: the skills index shows it".into()))?;
+    Ok(Skill {
+        name: name.to_string(),
+        description,
+        body,
+    })
 }
 
 #[cfg(test)]

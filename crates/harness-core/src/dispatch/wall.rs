@@ -33,9 +33,9 @@
 //! model appends with `session::append` is marked with the call that wrote it and can never
 //! be a user or system message (`dispatch/provenance.rs`).
 //!
-//! `directory::*` is not walled: it only reads operator-written profiles, skills and prompts
-//! (entry names are checked never to be paths), and has no function that writes, so a model
-//! can neither rewrite its identity nor reach the data directory through it.
+//! `directory::*` readers are not walled: they only read operator-written profiles, skills and
+//! prompts (entry names are checked never to be paths). Its writers (`create`, `update`) are:
+//! a model must never rewrite its own identity, profiles or skills, whatever its allow list.
 //! `harness::system-prompt::get` is walled with the rest of `harness::*`: it reads any
 //! session's frozen prompt.
 
@@ -76,6 +76,7 @@ pub fn operator_only(function_id: &str) -> bool {
     }
     function_id.starts_with("approval::")
         || function_id.starts_with("judge::")
+        || directory_writer(function_id)
         || function_id.starts_with("engine::registered-triggers::")
         || matches!(
             function_id,
@@ -93,6 +94,12 @@ pub fn operator_only(function_id: &str) -> bool {
                 | "router::chat"
                 | "router::abort"
         )
+}
+
+/// `directory::<kind>::create|update`: the writers of the operator's directory.
+fn directory_writer(function_id: &str) -> bool {
+    function_id.starts_with("directory::")
+        && (function_id.ends_with("::create") || function_id.ends_with("::update"))
 }
 
 /// Whether a function's request schema says it takes a model or a provider (see the module

@@ -40,6 +40,13 @@ fn the_operator_only_functions_are_walled_by_id() {
         "judge::anything",
         // Rewrites any entry in place.
         "session::update-message",
+        // A model never rewrites its own identity, profiles or skills.
+        "directory::system-prompts::create",
+        "directory::system-prompts::update",
+        "directory::agents::create",
+        "directory::agents::update",
+        "directory::skills::create",
+        "directory::skills::update",
     ] {
         assert!(operator_only(id), "{id}");
         assert!(check_all(id, &json!({})).is_err(), "{id}");
@@ -51,6 +58,9 @@ fn the_operator_only_functions_are_walled_by_id() {
         "weather::now",
         "context::count-tokens",
         "router::models::get",
+        "directory::system-prompts::get",
+        "directory::skills::get",
+        "directory::agents::list",
     ] {
         assert!(!operator_only(id), "{id}");
     }
