@@ -8,7 +8,10 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use harness_bus::Bus;
 
 use harness_types::context::ModelRef;
 use harness_types::message::{AgentMessage, ContentBlock};
@@ -167,11 +170,97 @@ pub fn raw_counts(
     out
 }
 
+/// Texts the server counted, by [`text_key`].
+pub type ServerCounts = Arc<HashMap<u64, u64>>;
+
+fn text_key(text: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut h);
+    h.finish()
+}
+
+/// Server counts remembered across calls, by (provider, model, text). A server that cannot
+/// count is remembered by the router (it answers `null` at once), not here.
+type ServerCache = HashMap<(String, String, u64), u64>;
+
+fn server_cache() -> &'static Mutex<ServerCache> {
+    static CACHE: OnceLock<Mutex<ServerCache>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The texts of `history` and the system prompt counted by the model's server
+/// (`router::count-tokens`), each text asked once per model and then remembered; `None` when
+/// the server cannot count (or nothing answers), so the estimate stands in.
+pub async fn server_counts(
+    bus: &dyn Bus,
+    model: &ModelRef,
+    history: &[AgentMessage],
+    system_prompt: Option<&str>,
+) -> Option<ServerCounts> {
+    let provider = model.provider.clone().unwrap_or_default();
+    let cache_key = |k: u64| (provider.clone(), model.id.clone(), k);
+    let mut texts: Vec<&str> = system_prompt.into_iter().collect();
+    for m in history.iter().filter(|m| m.is_model_visible()) {
+        for b in m.content() {
+            match b {
+                ContentBlock::Text { text } => texts.push(text),
+                ContentBlock::FunctionResult { content, .. } => {
+                    texts.extend(content.iter().filter_map(|c| match c {
+                        ContentBlock::Text { text } => Some(text.as_str()),
+                        _ => None,
+                    }))
+                }
+                _ => {}
+            }
+        }
+    }
+    texts.retain(|t| !t.is_empty());
+    let mut known = HashMap::new();
+    let mut missing: Vec<&str> = Vec::new();
+    {
+        let cache = server_cache().lock().ok()?;
+        for t in &texts {
+            let k = text_key(t);
+            match cache.get(&cache_key(k)) {
+                Some(n) => {
+                    known.insert(k, *n);
+                }
+                None if !known.contains_key(&k) && !missing.contains(t) => missing.push(t),
+                None => {}
+            }
+        }
+    }
+    if !missing.is_empty() {
+        let req =
+            serde_json::json!({"provider": model.provider, "model": model.id, "texts": missing});
+        let answer = bus
+            .call("router::count-tokens", req, Some(Duration::from_secs(60)))
+            .await
+            .ok()?;
+        let counts: Vec<u64> = serde_json::from_value(answer["counts"].clone()).ok()?;
+        if counts.len() != missing.len() {
+            return None;
+        }
+        let mut cache = server_cache().lock().ok()?;
+        if cache.len() >= CACHE_CAP {
+            cache.clear();
+        }
+        for (t, n) in missing.iter().zip(counts) {
+            let k = text_key(t);
+            cache.insert(cache_key(k), n);
+            known.insert(k, n);
+        }
+    }
+    Some(Arc::new(known))
+}
+
 /// Counts text, messages and requests for one model.
 #[derive(Clone, Debug)]
 pub struct Counter {
     method: Method,
     correction: f64,
+    /// Texts the model's server counted: used instead of the method where present.
+    server: Option<ServerCounts>,
 }
 
 impl Counter {
@@ -179,14 +268,26 @@ impl Counter {
         Counter {
             method: method_for(model),
             correction: 1.0,
+            server: None,
         }
     }
 
-    /// `tiktoken:<encoding>` or `estimate:<family>`.
+    /// This counter with the server's counts of some texts (see [`server_counts`]).
+    pub fn with_server(mut self, server: Option<ServerCounts>) -> Counter {
+        self.server = server;
+        self
+    }
+
+    /// `tiktoken:<encoding>` or `estimate:<family>`; `server+…` when the model's server
+    /// counted the texts it could.
     pub fn name(&self) -> String {
-        match self.method {
+        let method = match self.method {
             Method::Bpe(e) => format!("tiktoken:{e}"),
             Method::Estimate(f, _) => format!("estimate:{f}"),
+        };
+        match self.server {
+            Some(_) => format!("server+{method}"),
+            None => method,
         }
     }
 
@@ -196,10 +297,28 @@ impl Counter {
 
     /// Tokens of a text, uncorrected.
     fn raw_text(&self, text: &str) -> u64 {
+        if let Some(n) = self
+            .server
+            .as_ref()
+            .filter(|_| !text.is_empty())
+            .and_then(|s| s.get(&text_key(text)))
+        {
+            return *n;
+        }
         match self.method {
             Method::Bpe(e) => bpe_tokens(e, text),
             Method::Estimate(_, chars_per_token) => {
-                (text.chars().count() as f64 / chars_per_token).ceil() as u64
+                // Most open models' tokenizers give every digit its own token (Gemma, Llama 2,
+                // Mistral): a ratio measured on prose would count dense numbers a third of
+                // what they are.
+                let (digits, chars) = text.chars().fold((0u64, 0u64), |(d, c), ch| {
+                    if ch.is_ascii_digit() {
+                        (d + 1, c)
+                    } else {
+                        (d, c + 1)
+                    }
+                });
+                digits + (chars as f64 / chars_per_token).ceil() as u64
             }
         }
     }

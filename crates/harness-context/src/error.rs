@@ -11,6 +11,31 @@ pub enum ContextError {
     /// The summary could not be written (the router failed, the model answered nothing).
     #[error("context/summarizer: {0}")]
     Summarizer(String),
+    /// One message alone cannot fit the window, whatever is summarized around it.
+    #[error("{MESSAGE_TOO_LARGE_PREFIX} message {index} of the request needs ~{tokens} tokens but model '{model}' has a {window}-token window ({usable} usable with the system prompt, tools and output reserved); it is left out of later requests: send it shorter or in parts")]
+    MessageTooLarge {
+        /// Its index in the request's messages.
+        index: usize,
+        tokens: u64,
+        model: String,
+        window: u64,
+        usable: u64,
+    },
+}
+
+/// How a [`ContextError::MessageTooLarge`] starts; the loop reads `message <index> of the
+/// request` after it to leave that message out of later requests.
+pub const MESSAGE_TOO_LARGE_PREFIX: &str = "context/message_too_large:";
+
+/// The request index a `context/message_too_large` error names.
+pub fn too_large_index(message: &str) -> Option<usize> {
+    let rest = &message[message.find(MESSAGE_TOO_LARGE_PREFIX)? + MESSAGE_TOO_LARGE_PREFIX.len()..];
+    rest.trim_start()
+        .strip_prefix("message ")?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()
 }
 
 impl ContextError {
@@ -18,6 +43,7 @@ impl ContextError {
         match self {
             ContextError::Overflow(_) => "context/overflow",
             ContextError::Summarizer(_) => "context/summarizer",
+            ContextError::MessageTooLarge { .. } => "context/message_too_large",
         }
     }
 }

@@ -36,7 +36,7 @@ mod error;
 pub mod prune;
 
 pub use count::Counter;
-pub use error::ContextError;
+pub use error::{too_large_index, ContextError, MESSAGE_TOO_LARGE_PREFIX};
 
 /// The summarizer's `router::chat` budget.
 const SUMMARY_TIMEOUT: Duration = Duration::from_secs(300);
@@ -108,7 +108,15 @@ pub async fn assemble_known(
     req: AssembleRequest,
 ) -> Result<AssembleResponse, ContextError> {
     let o = req.options;
-    let mut counter = Counter::new(&req.model);
+    // The server's own counts where it can give them (cached per text, so a step asks only
+    // for its new messages); else the family estimate.
+    let server = match bus {
+        Some(bus) => {
+            count::server_counts(bus, &req.model, history, req.system_prompt.as_deref()).await
+        }
+        None => None,
+    };
+    let mut counter = Counter::new(&req.model).with_server(server);
     let raws = count::raw_counts(&counter, o.lease_key.as_deref(), history, identities);
     let usable = o.context_window.saturating_sub(o.max_output_tokens);
     let model = req.model;
@@ -201,6 +209,22 @@ pub async fn assemble_known(
             model.id
         ))
     };
+    // A user message that cannot fit even alone would be sent again at every step (and every
+    // later send) and fail each time: it is refused, naming its size and the window.
+    let too_large = items
+        .iter()
+        .filter(|i| matches!(i.message.as_ref(), AgentMessage::User(_)))
+        .filter_map(|i| Some((i.origin?, counter.message(&i.message))))
+        .find(|(_, t)| *t > budget);
+    if let (Some((index, tokens)), true) = (too_large, preamble <= usable) {
+        return Err(ContextError::MessageTooLarge {
+            index,
+            tokens,
+            model: model.id.clone(),
+            window: o.context_window,
+            usable: budget,
+        });
+    }
     if preamble > usable {
         return Err(ContextError::Overflow(format!(
             "the system prompt, tools and request framing alone need ~{preamble} tokens but model '{}' has {usable} usable",

@@ -45,14 +45,52 @@ async fn fits_and_counts_prompt_and_overhead() {
 
 #[tokio::test]
 async fn overflow_without_a_summarizer_is_a_clean_error() {
-    let err = assemble(
-        None,
-        req(vec![AgentMessage::user_text("x".repeat(4000), 0)], 500),
-    )
-    .await
-    .unwrap_err();
-    assert!(matches!(err, ContextError::Overflow(_)));
+    // Each message fits alone (~267 tokens of 429), the three together do not.
+    let history = vec![
+        AgentMessage::user_text("x".repeat(1000), 0),
+        AgentMessage::user_text("y".repeat(1000), 0),
+        AgentMessage::user_text("z".repeat(1000), 0),
+    ];
+    let err = assemble(None, req(history, 500)).await.unwrap_err();
+    assert!(matches!(err, ContextError::Overflow(_)), "{err}");
     assert!(err.to_string().starts_with("context/overflow:"), "{err}");
+}
+
+#[tokio::test]
+async fn a_message_that_alone_cannot_fit_is_named_with_its_size_and_the_window() {
+    let history = vec![
+        AgentMessage::user_text("hello", 0),
+        AgentMessage::user_text("x".repeat(4000), 0),
+    ];
+    let err = assemble(None, req(history, 500)).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, ContextError::MessageTooLarge { index: 1, .. }),
+        "{err}"
+    );
+    assert_eq!(err.code(), "context/message_too_large");
+    // 4,000 characters / 3.8 = 1,053 tokens + 4 of framing.
+    assert!(
+        text.contains("~1057 tokens") && text.contains("500-token window"),
+        "{text}"
+    );
+    assert_eq!(crate::too_large_index(&text), Some(1));
+    assert_eq!(
+        crate::too_large_index("context/overflow: message 1 of"),
+        None
+    );
+}
+
+#[tokio::test]
+async fn dense_digits_are_counted_a_token_each() {
+    // 3,000 digits: what llama-cpp-python counted 3,001 tokens (recorded), not 3,000 / 3.8.
+    let digits: String = (0..3000)
+        .map(|i| char::from(b'0' + (i % 10) as u8))
+        .collect();
+    let err = assemble(None, req(vec![AgentMessage::user_text(digits, 0)], 2048))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("~3004 tokens"), "{err}");
 }
 
 #[tokio::test]

@@ -23,6 +23,24 @@ use serde_json::json;
 /// State scope of the per-session context policy (`harness::context-policy {set}`).
 pub(crate) const POLICY_SCOPE: &str = "harness_context_policy";
 
+/// Custom entry naming a message that alone does not fit the model's window
+/// (`{entry_id, detail}`): later windows leave it out, so one oversized message fails its own
+/// turn and not every later send of the session.
+pub(crate) const EXCLUDED_ENTRY: &str = "context_excluded";
+
+/// The request index a `context/message_too_large: message <index> of the request …` refusal
+/// names (the context manager's wording).
+pub(crate) fn too_large_index(detail: &str) -> Option<usize> {
+    const PREFIX: &str = "context/message_too_large:";
+    let rest = &detail[detail.find(PREFIX)? + PREFIX.len()..];
+    rest.trim_start()
+        .strip_prefix("message ")?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// What a step sends to `context::assemble`, and what it needs to read the answer. Its lists are
 /// shared with the session's [`WindowState`], never copied per step.
 #[derive(Debug, Default)]

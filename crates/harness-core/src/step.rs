@@ -34,6 +34,29 @@ use tokio_util::sync::CancellationToken;
 
 /// Tokens reserved for request framing.
 const FRAMING_TOKENS: u64 = 64;
+
+/// The output cap of a generation: never more than the window leaves after the prompt (a
+/// server asked for more fills its window and fails, or runs for minutes). The turn's own cap
+/// is kept when smaller; without one, the catalog's limit stands when the room exceeds it
+/// (nothing is sent that the provider would not have been sent before).
+fn output_room(
+    window: u64,
+    prompt_tokens: u64,
+    cap: Option<u32>,
+    catalog: Option<&Value>,
+) -> Option<u32> {
+    let room = window
+        .saturating_sub(prompt_tokens)
+        .clamp(1, u32::MAX as u64) as u32;
+    match cap {
+        Some(c) => Some(c.min(room)),
+        None => {
+            let limit = catalog.and_then(|c| c["max_output_tokens"].as_u64());
+            limit.is_none_or(|l| (room as u64) < l).then_some(room)
+        }
+    }
+}
+
 /// Reserved up front when `pre_generate` hooks may add to the request, and added to the
 /// overflow of a first pass before the one reassembly.
 const REASSEMBLY_SLACK: u64 = 256;
@@ -423,7 +446,7 @@ impl Harness {
                 _ => tools.push(output::submit_result_tool(schema)),
             }
         }
-        let (system_prompt, messages, context_tokens) = match self
+        let (system_prompt, messages, context_tokens, max_output_tokens) = match self
             .assemble_context(rec, &window, system_prompt, &tools)
             .await?
         {
@@ -496,7 +519,7 @@ impl Harness {
             messages,
             tools,
             thinking_level: rec.options.thinking_level,
-            max_output_tokens: rec.options.max_output_tokens,
+            max_output_tokens,
             provider_options: rec.options.provider_options.clone(),
             response_format,
         };
@@ -731,8 +754,12 @@ impl Harness {
         window: &Window,
         system_prompt: Option<String>,
         tools: &[harness_types::router::ToolSpec],
-    ) -> Result<std::result::Result<(Option<String>, Arc<Vec<AgentMessage>>, u64), ContextRefusal>>
-    {
+    ) -> Result<
+        std::result::Result<
+            (Option<String>, Arc<Vec<AgentMessage>>, u64, Option<u32>),
+            ContextRefusal,
+        >,
+    > {
         let catalog = self.catalog_entry(rec).await;
         let context_window = self.context_window_of(catalog.as_ref());
         let max_output = rec.options.max_output_tokens.unwrap_or(0) as u64;
@@ -796,6 +823,12 @@ impl Harness {
             };
             let mut assembled = match self.call_assemble(req).await? {
                 Ok(a) => a,
+                Err(ContextRefusal::Overflow(detail))
+                    if context::too_large_index(&detail).is_some() =>
+                {
+                    self.exclude_message(rec, window, &detail).await?;
+                    return Ok(Err(ContextRefusal::Overflow(detail)));
+                }
                 // The second pass only exists because the hooks' additions did not fit.
                 Err(ContextRefusal::Overflow(detail)) if pass == 1 && hooked => {
                     return Ok(Err(ContextRefusal::OverflowAfterHooks(detail)))
@@ -872,7 +905,13 @@ impl Harness {
                     .await?;
                     failpoint::hit("after_compaction_appended");
                 }
-                return Ok(Ok((prompt, messages, tokens)));
+                let room = output_room(
+                    context_window,
+                    tokens,
+                    rec.options.max_output_tokens,
+                    catalog.as_ref(),
+                );
+                return Ok(Ok((prompt, messages, tokens, room)));
             }
             let detail = format!(
                 "{OVERFLOW_PREFIX} ~{tokens} tokens after {}, {usable} usable",
@@ -894,6 +933,24 @@ impl Harness {
                 tokens.saturating_sub(assembled_tokens.saturating_sub(extra)) + REASSEMBLY_SLACK;
         }
         unreachable!("the assembly loop returns on its second pass")
+    }
+
+    /// Leaves the message a `context/message_too_large` refusal names out of later windows of
+    /// the session (an `EXCLUDED_ENTRY` custom entry; the id makes a redelivery a no-op).
+    async fn exclude_message(&self, rec: &TurnRecord, window: &Window, detail: &str) -> Result<()> {
+        let Some(entry_id) = context::too_large_index(detail).and_then(|i| window.entry_ids.get(i))
+        else {
+            return Ok(());
+        };
+        self.append_custom(
+            &rec.session_id,
+            format!("e_{}_{}_excluded", rec.turn_id, rec.step),
+            context::EXCLUDED_ENTRY,
+            json!({"entry_id": entry_id, "detail": detail}),
+            &rec.turn_id,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// `context::assemble` on the bus, its errors classified; the small fallback when no
@@ -935,7 +992,11 @@ impl Harness {
             Err(e) if e.is_not_found() => {
                 Ok(context::fallback(req.owned()).map_err(ContextRefusal::Overflow))
             }
-            Err(e) if e.code == "context/overflow" || e.message.contains(OVERFLOW_PREFIX) => {
+            Err(e)
+                if e.code == "context/overflow"
+                    || e.code == "context/message_too_large"
+                    || e.message.contains(OVERFLOW_PREFIX) =>
+            {
                 Ok(Err(ContextRefusal::Overflow(e.message)))
             }
             Err(e) if e.code == "context/summarizer" => {

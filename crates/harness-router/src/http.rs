@@ -286,9 +286,11 @@ async fn attempt<D: Decoder>(
     if !any_event && !parser.mid_event() {
         // A server that fails on a request after it answered 200 (llama-cpp-python raises its
         // errors inside the stream) closes the body without a single event and without saying
-        // why; the same request would fail the same way, so this is not retried.
+        // why; the same request would fail the same way, so this is not retried. Recorded from
+        // llama-cpp-python, the cause is a prompt over its window: an overflow, which the loop
+        // treats as one (not a fault of the server).
         return Err(ProviderError::new(
-            ErrorKind::Permanent,
+            ErrorKind::ContextOverflow,
             "the server answered 200 and closed the stream without sending anything: it failed on this request after accepting it (its log says why; a prompt longer than the context window it runs with is the usual cause: see --context-window)",
         )
         .with_code("empty_stream")

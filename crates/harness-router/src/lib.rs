@@ -32,5 +32,6 @@ pub use catalog::{Capability, Catalog, ModelEntry, Pricing};
 pub use error::{ProviderError, RouterError};
 pub use providers::{register_from_env, Setup};
 pub use router::{
-    register, CacheIntent, ChatContext, ChatExtras, FrameWriter, Provider, Router, SystemSection,
+    register, CacheIntent, ChatContext, ChatExtras, CountAnswer, CountRequest, FrameWriter,
+    Provider, Router, SystemSection,
 };

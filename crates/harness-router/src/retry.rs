@@ -37,6 +37,18 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// For a server on this machine (the local presets): loading a model takes seconds (~10 s
+    /// for a small one), and until then the server refuses connections or answers 503, so the
+    /// start is retried for long enough to wait it out (at least ~12 s with the jitter).
+    pub fn local() -> Self {
+        RetryPolicy {
+            max_attempts: 8,
+            base_delay_ms: 500,
+            max_delay_ms: 6_000,
+            max_total_wait_ms: 45_000,
+        }
+    }
+
     /// The wait after failed attempt number `attempt` (1-based).
     pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
         if let Some(d) = retry_after {

@@ -427,6 +427,24 @@ pub trait Provider: Send + Sync + 'static {
     fn describe(&self) -> Value {
         json!({"id": self.id()})
     }
+
+    /// Whether the server constrains a reply to a JSON schema by grammar, whatever the catalog
+    /// row says (an output contract then goes natively).
+    fn grammar_json(&self) -> bool {
+        false
+    }
+
+    /// How many requests the server takes at once (`None`: no limit); the router queues the
+    /// rest.
+    fn concurrency(&self) -> Option<usize> {
+        None
+    }
+
+    /// The tokens of each text by the server's own tokenizer for `model`, for servers that can
+    /// count; `None` when it cannot (then the context manager estimates).
+    async fn count_tokens(&self, _model: &str, _texts: &[String]) -> Option<Vec<u64>> {
+        None
+    }
 }
 
 /// The provider registry, the catalog, and the generations in flight (for `router::abort`).
@@ -441,6 +459,9 @@ pub struct Router {
     /// server is asked once, not at every step (a silent one again after a minute). std Mutex:
     /// never held across the request.
     windows: Arc<Mutex<HashMap<(String, String), Reported>>>,
+    /// Per provider with a limit: the permits of requests at once (see
+    /// [`Provider::concurrency`]). A generation waits for one before its request is sent.
+    limits: Arc<Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>>,
 }
 
 /// A context window a server reported (or did not), and when it was asked.
@@ -463,6 +484,16 @@ impl Router {
         if default.is_none() {
             *default = Some(id.clone());
         }
+        let mut limits = self.limits.lock().expect("router lock");
+        match provider.concurrency().filter(|n| *n > 0) {
+            Some(n) => {
+                limits.insert(id.clone(), Arc::new(tokio::sync::Semaphore::new(n)));
+            }
+            None => {
+                limits.remove(&id);
+            }
+        }
+        drop(limits);
         self.providers
             .lock()
             .expect("router lock")
@@ -621,12 +652,78 @@ impl Router {
             .lock()
             .expect("router lock")
             .insert(request_id.clone(), token.clone());
+        // A server that takes one request at a time gets them in turn: sent at once, the
+        // later one would cut the earlier one's stream (llama-cpp-python) or time out.
+        let permit = match self.permit(&provider_id, &token).await {
+            Some(p) => p,
+            None => {
+                self.in_flight
+                    .lock()
+                    .expect("router lock")
+                    .remove(&request_id);
+                return out.aborted();
+            }
+        };
         let ack = provider.chat(req, out, token).await;
+        drop(permit);
         self.in_flight
             .lock()
             .expect("router lock")
             .remove(&request_id);
         ack
+    }
+
+    /// Waits for a turn at `provider` (at once when it has no limit); `None` when `cancel`
+    /// fired first.
+    async fn permit(
+        &self,
+        provider: &str,
+        cancel: &CancellationToken,
+    ) -> Option<Option<tokio::sync::OwnedSemaphorePermit>> {
+        let limit = self
+            .limits
+            .lock()
+            .expect("router lock")
+            .get(provider)
+            .cloned();
+        let Some(limit) = limit else {
+            return Some(None);
+        };
+        tokio::select! {
+            permit = limit.acquire_owned() => permit.ok().map(Some),
+            () = cancel.cancelled() => None,
+        }
+    }
+
+    /// `router::count-tokens`: each text counted by the provider's server, when it can count
+    /// (`counts: null` otherwise). Counting takes a turn like a generation: a server that takes
+    /// one request at a time would otherwise cut a running stream for it.
+    pub async fn count_tokens(
+        &self,
+        provider: Option<&str>,
+        model: &str,
+        texts: &[String],
+    ) -> CountAnswer {
+        let provider_id = provider
+            .map(str::to_string)
+            .or_else(|| self.default_provider.lock().expect("router lock").clone())
+            .unwrap_or_default();
+        let Some(p) = self.provider(&provider_id) else {
+            return CountAnswer::default();
+        };
+        if texts.is_empty() {
+            return CountAnswer::default();
+        }
+        let never = CancellationToken::new();
+        let Some(permit) = self.permit(&provider_id, &never).await else {
+            return CountAnswer::default();
+        };
+        let counts = p.count_tokens(model, texts).await;
+        drop(permit);
+        CountAnswer {
+            counter: counts.as_ref().map(|_| format!("server:{provider_id}")),
+            counts,
+        }
     }
 
     /// `router::models::list`: configured providers and the catalog rows (of one provider, plus
@@ -680,6 +777,24 @@ impl Router {
         }
         Ok(json!({"providers": self.provider_ids(), "provider_details": details, "models": models}))
     }
+}
+
+/// `router::count-tokens` request.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CountRequest {
+    #[serde(default)]
+    pub provider: Option<String>,
+    pub model: String,
+    pub texts: Vec<String>,
+}
+
+/// `router::count-tokens` answer: one count per text, or `null` when the server cannot count.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CountAnswer {
+    pub counts: Option<Vec<u64>>,
+    /// `server:<provider>` when the server counted.
+    pub counter: Option<String>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -798,6 +913,25 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         Arc::new(abort) as Arc<dyn Handler>,
     );
     let r = router.clone();
+    let count = move |payload: Value, _ctx: CallContext| {
+        let r = r.clone();
+        async move {
+            let req: CountRequest = parse_payload(payload)?;
+            let answer = r
+                .count_tokens(req.provider.as_deref(), &req.model, &req.texts)
+                .await;
+            to_value(&answer)
+        }
+    };
+    bus.register_function(
+        FunctionDef::new(
+            "router::count-tokens",
+            "Count texts with the server's own tokenizer (llama.cpp, llama-cpp-python, vLLM); counts is null where the server cannot count.",
+        )
+        .schemas(schema::<CountRequest>(), schema::<CountAnswer>()),
+        Arc::new(count) as Arc<dyn Handler>,
+    );
+    let r = router.clone();
     let list = move |payload: Value, _ctx: CallContext| {
         let r = r.clone();
         async move {
@@ -851,7 +985,9 @@ pub fn register(bus: &dyn Bus, router: &Router) {
                 )
                 .into());
             };
-            let supported = r.catalog().supports(Some(&req.provider), &req.id, cap);
+            let grammar = cap == Capability::StructuredOutput
+                && r.provider(&req.provider).is_some_and(|p| p.grammar_json());
+            let supported = grammar || r.catalog().supports(Some(&req.provider), &req.id, cap);
             Ok(json!({"supported": supported}))
         }
     };

@@ -461,7 +461,9 @@ async fn an_error_after_the_200_is_not_retried_and_not_called_temporary() {
     );
     let run = chat(&r, ask(&long, 64)).await;
     let (_, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Permanent);
+    // Recorded: what the server does with a prompt over its window (see
+    // `digits_overflow_stream` too), so it is an overflow, not the server's fault.
+    assert_eq!(kind, ErrorKind::ContextOverflow);
     assert!(
         detail.contains("closed the stream without sending anything"),
         "{detail}"
@@ -576,5 +578,395 @@ async fn a_stream_interrupted_before_any_output_is_retried_and_the_retry_is_the_
         only_chat_requests(&server),
         2,
         "retried once, before any output"
+    );
+}
+
+// --- 8. small local models that just work (issue 29) -------------------------------------------
+
+/// 3,000 dense digits: the recorder's `DIGITS` (llama-cpp-python counts them as 3,001 tokens).
+fn digits() -> String {
+    (0..3000)
+        .map(|i| char::from(b'0' + ((i * 7) % 10) as u8))
+        .collect()
+}
+
+/// A loop with the context manager, on the `llamacpp` provider at `url`, whose server runs with
+/// a 2,048-token window (what `--context-window 2048` sets).
+async fn small_runtime(router: &Router) -> (Harness, SessionStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
+    let bus = EmbeddedBus::new(store.clone()).unwrap();
+    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
+    let sessions = SessionStore::open(store.clone()).await.unwrap();
+    harness_session::register(shared.as_ref(), &sessions);
+    harness_router::register(shared.as_ref(), router);
+    harness_context::register(shared.clone());
+    let harness = Harness::new(
+        shared,
+        HarnessConfig {
+            stream_coalesce_ms: 0,
+            default_context_window: 2048,
+            ..HarnessConfig::default()
+        },
+    );
+    harness_core::register(&harness);
+    harness.start().await.unwrap();
+    (harness, sessions, dir)
+}
+
+async fn send_to(
+    harness: &Harness,
+    session: Option<&str>,
+    text: &str,
+    options: SendOptions,
+) -> (String, harness_types::api::StatusReport) {
+    send_model(harness, MODEL, session, text, options).await
+}
+
+/// [`send_to`] naming the model (what the context manager remembers about a server's counts is
+/// per provider and model, and tests share a process).
+async fn send_model(
+    harness: &Harness,
+    model: &str,
+    session: Option<&str>,
+    text: &str,
+    options: SendOptions,
+) -> (String, harness_types::api::StatusReport) {
+    let r = harness
+        .send(SendRequest {
+            session_id: session.map(str::to_string),
+            message: json!(text),
+            model: Some(model.into()),
+            provider: Some("llamacpp".into()),
+            options: Some(options),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = harness
+            .status(StatusRequest {
+                session_id: r.session_id.clone(),
+                verbose: None,
+            })
+            .await
+            .unwrap();
+        if let Some(s) =
+            s.filter(|s| s.turn_id == Some(r.turn_id.clone()) && s.status.is_terminal())
+        {
+            return (r.session_id, s);
+        }
+        assert!(Instant::now() < deadline, "the turn did not end");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_server_counts_the_tokens_and_one_oversized_first_message_does_not_stick_to_the_session(
+) {
+    let mut recorded = exchanges("tokenize_count_short");
+    recorded.extend(exchanges("tokenize_count_digits"));
+    recorded.extend(exchanges("plain_stream"));
+    let counted = &recorded[1];
+    assert_eq!(counted.body, r#"{"count":3001}"#);
+    assert_eq!(counted.request["input"].as_str(), Some(digits().as_str()));
+    let server = Replay::start(recorded).await;
+    let router = llamacpp(&format!("{}/v1", server.url), None);
+    let (harness, sessions, _dir) = small_runtime(&router).await;
+
+    // The session's first message alone is over the window: refused before any generation,
+    // naming its size (the server's count) and the window.
+    let (sid, s) = send_to(&harness, None, &digits(), SendOptions::default()).await;
+    assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
+    let failure = s.failure.clone().expect("a failure");
+    let detail = failure.detail.unwrap_or_default();
+    assert!(detail.contains("context/message_too_large"), "{detail}");
+    assert!(
+        detail.contains("~3005 tokens"),
+        "the server's 3,001 + framing: {detail}"
+    );
+    assert!(detail.contains("2048-token window"), "{detail}");
+    assert_eq!(
+        only_chat_requests(&server),
+        0,
+        "nothing was sent to the model"
+    );
+    assert!(server
+        .asked()
+        .iter()
+        .any(|a| a.path == "/extras/tokenize/count" && a.body["input"] == json!(digits())));
+
+    // The next message of the same session goes through without the oversized one, and asks
+    // for no more output than the window leaves.
+    let (_, s) = send_to(&harness, Some(&sid), "Say hi.", SendOptions::default()).await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    let bodies = server.chat_bodies();
+    assert_eq!(bodies.len(), 1);
+    let sent = bodies[0]["messages"].to_string();
+    assert!(
+        !sent.contains(&digits()[..100]),
+        "the refused message was replayed: {sent}"
+    );
+    assert!(sent.contains("Say hi."));
+    let max_tokens = bodies[0]["max_tokens"].as_u64().unwrap();
+    assert!(
+        max_tokens < 2048,
+        "max_tokens {max_tokens} over the 2,048-token window"
+    );
+    // The message stays in the transcript, marked as left out.
+    let entries = sessions.all_entries(&sid, true).unwrap();
+    assert!(entries.iter().any(|e| e
+        .custom
+        .as_ref()
+        .is_some_and(|c| c.custom_type == "context_excluded")));
+}
+
+#[tokio::test]
+async fn without_a_server_count_dense_digits_are_still_counted_as_the_server_would() {
+    // A server that cannot count (llama.cpp's `/tokenize` form is not there either): the
+    // estimate counts a digit a token, so the message is refused all the same.
+    let mut recorded = exchanges("tokenize_llamacpp_form");
+    recorded.extend(exchanges("plain_stream"));
+    let server = Replay::start(recorded).await;
+    let mut r = llamacpp(&format!("{}/v1", server.url), None);
+    r = {
+        let router = Router::new();
+        let mut cfg = ProviderConfig::new(
+            "llamacpp",
+            ProviderKind::OpenaiCompatible,
+            &format!("{}/v1", server.url),
+            None,
+        )
+        .with_http(http());
+        cfg.wire.tokenize = harness_router::providers::Tokenize::None;
+        router.add_provider(cfg.build());
+        drop(r);
+        router
+    };
+    let (harness, _sessions, _dir) = small_runtime(&r).await;
+    let model = "gemma-3-270m-uncounted";
+    let (sid, s) = send_model(&harness, model, None, &digits(), SendOptions::default()).await;
+    assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
+    let detail = s.failure.unwrap().detail.unwrap_or_default();
+    assert!(detail.contains("context/message_too_large"), "{detail}");
+    assert!(server.asked().iter().all(|a| !a.path.contains("tokenize")));
+    let (_, s) = send_model(
+        &harness,
+        model,
+        Some(&sid),
+        "Say hi.",
+        SendOptions::default(),
+    )
+    .await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+}
+
+#[tokio::test]
+async fn llama_cpp_s_tokenize_form_is_tried_when_llama_cpp_python_s_is_not_there() {
+    // Recorded from llama-cpp-python: it has no `/tokenize`, so the provider says it cannot
+    // count (and asks no more), rather than guessing.
+    let mut recorded = exchanges("tokenize_llamacpp_form");
+    assert_eq!(recorded[0].status, 404);
+    recorded.insert(0, recorded[0].clone());
+    recorded[0].path = "/extras/tokenize/count".into();
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let texts = vec!["Say hi.".to_string()];
+    let answer = r.count_tokens(Some("llamacpp"), MODEL, &texts).await;
+    assert_eq!(answer.counts, None);
+    let paths: Vec<String> = server.asked().into_iter().map(|a| a.path).collect();
+    assert_eq!(paths, ["/extras/tokenize/count", "/tokenize"]);
+    r.count_tokens(Some("llamacpp"), MODEL, &texts).await;
+    assert_eq!(
+        server.asked().len(),
+        2,
+        "a server that cannot count is not asked again"
+    );
+}
+
+#[tokio::test]
+async fn llama_cpp_python_counts_with_its_own_tokenizer() {
+    let mut recorded = exchanges("tokenize_count_short");
+    recorded.extend(exchanges("tokenize_count_digits"));
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let answer = r
+        .count_tokens(Some("llamacpp"), MODEL, &["Say hi.".into(), digits()])
+        .await;
+    assert_eq!(answer.counts, Some(vec![4, 3001]));
+    assert_eq!(answer.counter.as_deref(), Some("server:llamacpp"));
+}
+
+#[tokio::test]
+async fn a_prompt_over_the_window_answered_200_with_nothing_is_an_overflow() {
+    let recorded = exchanges("digits_overflow_stream");
+    assert_eq!((recorded[0].status, recorded[0].body.as_str()), (200, ""));
+    let server = Replay::start(recorded).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let run = chat(&r, ask(&digits(), 64)).await;
+    let (_, kind, _) = run.error();
+    assert_eq!(kind, ErrorKind::ContextOverflow);
+    assert_eq!(only_chat_requests(&server), 1, "not retried");
+}
+
+#[tokio::test]
+async fn a_tool_choice_that_names_no_offered_function_is_refused_before_any_request() {
+    let server = Replay::start(exchanges("tools_forced_stream")).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let mut req = ask("What is 2 + 3? Use the tool.", 64);
+    req.tools = vec![add_tool()];
+    req.provider_options = Some(
+        json!({"llamacpp": {"tool_choice": {"type": "function", "function": {"name": "fs:read"}}}}),
+    );
+    let run = chat(&r, req.clone()).await;
+    let (_, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Permanent);
+    assert!(
+        detail.contains("'fs:read'") && detail.contains("offered: math::add"),
+        "{detail}"
+    );
+    assert!(!detail.contains("context"), "{detail}");
+    assert_eq!(
+        run.ack.error.as_ref().unwrap().code,
+        "router/invalid_tool_choice"
+    );
+    assert_eq!(only_chat_requests(&server), 0);
+    // Naming the offered one goes through.
+    req.provider_options = Some(
+        json!({"llamacpp": {"tool_choice": {"type": "function", "function": {"name": "math__add"}}}}),
+    );
+    chat(&r, req).await.done();
+    assert_eq!(only_chat_requests(&server), 1);
+}
+
+#[tokio::test]
+async fn an_output_contract_on_the_llamacpp_preset_is_grammar_constrained_json() {
+    let recorded = exchanges("json_object_schema_stream");
+    let schema = recorded[0].request["response_format"]["schema"].clone();
+    let server = Replay::start(recorded.clone()).await;
+    let router = llamacpp(&format!("{}/v1", server.url), None);
+    let (harness, _sessions, _dir) = small_runtime(&router).await;
+    let (_, s) = send_to(
+        &harness,
+        None,
+        "Give the capital of France and its population in millions.",
+        SendOptions {
+            output: Some(harness_types::api::OutputContract::Json {
+                schema: Some(schema.clone()),
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    let result = s.result.expect("a result");
+    assert!(
+        result["capital"].is_string() && result["population_millions"].is_number(),
+        "{result}"
+    );
+    let bodies = server.chat_bodies();
+    assert_eq!(bodies.len(), 1, "valid at the first generation");
+    // The form llama-cpp-python takes, and no `submit_result` tool.
+    assert_eq!(
+        bodies[0]["response_format"],
+        json!({"type": "json_object", "schema": schema})
+    );
+    assert!(bodies[0].get("tools").is_none(), "{}", bodies[0]);
+}
+
+#[tokio::test]
+async fn llama_cpp_python_refuses_openai_s_json_schema_form() {
+    // Why the preset sends `json_object` + `schema`: the recorded answer to OpenAI's form.
+    let server = Replay::start(exchanges("json_schema_rejected")).await;
+    let r = llamacpp(
+        &format!("{}/v1", server.url),
+        Some(WirePatch {
+            json_schema: Some(harness_router::providers::JsonSchemaForm::Catalog),
+            ..WirePatch::default()
+        }),
+    );
+    let mut req = ask(
+        "Give the capital of France and its population in millions.",
+        64,
+    );
+    req.response_format = Some(json!({"type": "json", "schema": {"type": "object"}}));
+    let run = chat(&r, req).await;
+    let (_, kind, detail) = run.error();
+    assert_eq!(kind, ErrorKind::Permanent, "{detail}");
+    assert!(detail.contains("json_object"), "{detail}");
+    assert_eq!(
+        server.chat_bodies()[0]["response_format"]["type"],
+        "json_schema"
+    );
+}
+
+#[tokio::test]
+async fn two_sessions_at_once_on_the_llamacpp_preset_take_turns() {
+    let mut recorded = exchanges("plain_stream");
+    recorded.extend(exchanges("multi_turn_stream"));
+    let pace = Duration::from_millis(15);
+    let server = Replay::start_paced(recorded.clone(), pace).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (a, b) = tokio::join!(
+        chat(&r, ask("Say hello.", 64)),
+        chat(&r, ask("Say hello.", 64))
+    );
+    a.done();
+    b.done();
+    assert_eq!(only_chat_requests(&server), 2);
+    assert_eq!(
+        server.most_at_once(),
+        1,
+        "the preset sends one request at a time"
+    );
+
+    // The same two without the limit overlap on the server (what cut each other's streams).
+    let server = Replay::start_paced(recorded, pace).await;
+    let router = Router::new();
+    let mut cfg = ProviderConfig::new(
+        "llamacpp",
+        ProviderKind::OpenaiCompatible,
+        &format!("{}/v1", server.url),
+        None,
+    )
+    .with_http(http());
+    cfg.concurrency = None;
+    router.add_provider(cfg.build());
+    let (a, b) = tokio::join!(
+        chat(&router, ask("Say hello.", 64)),
+        chat(&router, ask("Say hello.", 64))
+    );
+    a.done();
+    b.done();
+    assert_eq!(server.most_at_once(), 2);
+}
+
+#[tokio::test]
+async fn a_generation_waiting_for_its_turn_can_be_aborted() {
+    let server = Replay::start_paced(exchanges("plain_stream"), Duration::from_millis(20)).await;
+    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let first = chat(&r, ask("Say hello.", 64));
+    let mut second = ask("Say hello.", 64);
+    second.request_id = "waiting".into();
+    let r2 = r.clone();
+    let waiting = async move {
+        // Aborted while the first holds the server's one slot.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !r2.abort("waiting") {
+            assert!(
+                Instant::now() < deadline,
+                "the second request never started waiting"
+            );
+            tokio::task::yield_now().await;
+        }
+    };
+    let (a, b, ()) = tokio::join!(first, chat(&r, second), waiting);
+    a.done();
+    assert_eq!(b.done().stop_reason, StopReason::Aborted);
+    assert_eq!(
+        only_chat_requests(&server),
+        1,
+        "the aborted one was never sent"
     );
 }

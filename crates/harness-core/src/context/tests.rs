@@ -342,3 +342,42 @@ fn a_kept_window_matches_a_fresh_one_after_every_change() {
         state.rebuilds
     );
 }
+
+#[test]
+fn a_message_refused_as_too_large_is_left_out_of_later_windows() {
+    fn exclusion(id: &str, of: &str) -> Entry {
+        Entry {
+            entry_id: id.into(),
+            seq: 0,
+            message: None,
+            custom: Some(CustomEntry {
+                custom_type: EXCLUDED_ENTRY.into(),
+                data: json!({"entry_id": of, "detail": "context/message_too_large: message 0 of the request"}),
+            }),
+            origin: None,
+            revision: 0,
+        }
+    }
+    let mut entries = vec![entry("e1", user(&"7".repeat(3000)))];
+    let mut state = WindowState::build(&entries);
+    assert_eq!(state.window(&entries, None).messages.len(), 1);
+    // The refusal is recorded after the message; the kept window drops it, as a fresh one does.
+    entries.push(exclusion("x1", "e1"));
+    entries.push(entry("e2", user("Say hi.")));
+    state.update(&entries, 1);
+    let kept = state.window(&entries, None);
+    let fresh = window(&entries, None);
+    for w in [&kept, &fresh] {
+        assert_eq!(w.messages.as_slice(), &[user("Say hi.")]);
+        assert_eq!(w.entry_ids.as_slice(), &["e2".to_string()]);
+    }
+    // The index the loop reads from the context manager's refusal.
+    assert_eq!(
+        too_large_index("context/message_too_large: message 3 of the request needs ~9 tokens"),
+        Some(3)
+    );
+    assert_eq!(
+        too_large_index("context/overflow: message 3 of the request"),
+        None
+    );
+}

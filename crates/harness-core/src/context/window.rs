@@ -45,6 +45,9 @@ pub(crate) struct WindowState {
     total_bytes: u64,
     /// Call ids with a result anywhere in the covered transcript.
     answered: Arc<HashSet<String>>,
+    /// Entry ids of messages left out because alone they do not fit (see
+    /// [`EXCLUDED_ENTRY`](super::EXCLUDED_ENTRY)).
+    excluded: HashSet<String>,
     /// Call ids asked for in the window, answered in the window, and the first without the second.
     calls: HashSet<String>,
     results: HashSet<String>,
@@ -71,7 +74,14 @@ impl WindowState {
             compaction_at != self.compaction_at || compaction_at.is_some_and(|at| at >= dirty_from);
         let head_changed =
             dirty_from <= self.start || self.opening.is_some_and(|o| o >= dirty_from);
-        if self.covered == 0 || anchor_moved || head_changed || self.drops_a_result(dirty_from) {
+        // A new exclusion takes out a message already folded in: rebuilt (rare).
+        let excludes = entries.iter().skip(dirty_from).any(is_exclusion);
+        if self.covered == 0
+            || anchor_moved
+            || head_changed
+            || excludes
+            || self.drops_a_result(dirty_from)
+        {
             #[cfg(test)]
             let rebuilds = self.rebuilds + 1;
             *self = WindowState::default();
@@ -143,9 +153,18 @@ impl WindowState {
             summary: r.summary,
             summarized_head_tokens: r.summarized_head_tokens,
         });
-        self.opening = entries
+        self.excluded = entries
             .iter()
-            .position(|e| matches!(e.message, Some(AgentMessage::User(_))));
+            .filter(|e| is_exclusion(e))
+            .filter_map(|e| {
+                e.custom.as_ref()?.data["entry_id"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect();
+        self.opening = entries.iter().position(|e| {
+            matches!(e.message, Some(AgentMessage::User(_))) && !self.excluded.contains(&e.entry_id)
+        });
         if let Some(at) = self.opening.filter(|at| *at < self.start) {
             if let Some(m) = &entries[at].message {
                 self.push(at, &entries[at].entry_id, m);
@@ -182,6 +201,9 @@ impl WindowState {
     fn extend(&mut self, entries: &[Entry], from: usize) {
         for (i, e) in entries.iter().enumerate().skip(from) {
             let Some(m) = &e.message else { continue };
+            if self.excluded.contains(&e.entry_id) {
+                continue;
+            }
             if self.opening.is_none() && matches!(m, AgentMessage::User(_)) {
                 self.opening = Some(i);
             }
@@ -243,6 +265,12 @@ impl WindowState {
             }
         }
     }
+}
+
+fn is_exclusion(e: &Entry) -> bool {
+    e.custom
+        .as_ref()
+        .is_some_and(|c| c.custom_type == super::EXCLUDED_ENTRY)
 }
 
 /// The latest compaction entry's index.

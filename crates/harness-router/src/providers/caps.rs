@@ -7,14 +7,14 @@
 //! (`"wire"`, for one model) may override any field, and the request builder only reads the
 //! result.
 //!
-//! | preset | `tool_choice` | `stream_with_tools` | `stream_usage` | `content_null` | `window_probe` |
-//! |---|---|---|---|---|---|
-//! | `openai` | `omit` | yes | yes | yes | no |
-//! | `openai-compatible` (any server) | `auto` | yes | yes | no | no |
-//! | `ollama` | `omit` | yes | yes | no | no |
-//! | `llamacpp` | `auto` | yes | no | no | yes |
-//! | `vllm` | `auto` | yes | yes | yes | yes |
-//! | `lmstudio` | `auto` | yes | yes | no | no |
+//! | preset | `tool_choice` | `stream_with_tools` | `stream_usage` | `content_null` | `window_probe` | `tokenize` | `json_schema` |
+//! |---|---|---|---|---|---|---|---|
+//! | `openai` | `omit` | yes | yes | yes | no | `none` | `catalog` |
+//! | `openai-compatible` (any server) | `auto` | yes | yes | no | no | `none` | `catalog` |
+//! | `ollama` | `omit` | yes | yes | no | no | `none` | `catalog` |
+//! | `llamacpp` | `auto` | yes | no | no | yes | `llamacpp` | `json_object_schema` |
+//! | `vllm` | `auto` | yes | yes | yes | yes | `vllm` | `json_schema` |
+//! | `lmstudio` | `auto` | yes | yes | no | no | `none` | `catalog` |
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -28,6 +28,34 @@ pub enum ToolChoice {
     Omit,
     /// `"tool_choice": "auto"`: servers that only look at `tools` when this is set.
     Auto,
+}
+
+/// Where a server counts tokens with the model's own tokenizer (the context budget then uses
+/// its counts instead of an estimate).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Tokenize {
+    /// The server cannot count: the family estimate, corrected by reported usage.
+    None,
+    /// llama-cpp-python's `POST /extras/tokenize/count`, else llama.cpp's `POST /tokenize`
+    /// (the `llamacpp` preset serves both servers; the one that answers is remembered).
+    Llamacpp,
+    /// vLLM's `POST /tokenize`.
+    Vllm,
+}
+
+/// How a server constrains a reply to a JSON schema (an output contract's native mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum JsonSchemaForm {
+    /// As the catalog row says (`structured_output`), sent in OpenAI's `json_schema` form;
+    /// without it the model gets a `submit_result` tool instead.
+    Catalog,
+    /// The server constrains by grammar and takes OpenAI's `{"type": "json_schema"}`.
+    JsonSchema,
+    /// The server constrains by grammar and takes `{"type": "json_object", "schema": ...}`
+    /// (llama-cpp-python answers `json_schema` with a 500; llama.cpp reads both).
+    JsonObjectSchema,
 }
 
 /// What a server accepts on the Chat Completions wire.
@@ -47,6 +75,10 @@ pub struct WireCaps {
     /// The server reports its context window (`/v1/models` metadata or `/props`): asked once
     /// when the catalog only has a catch-all row for the model.
     pub window_probe: bool,
+    /// Where the server counts tokens.
+    pub tokenize: Tokenize,
+    /// How the server constrains a reply to a schema.
+    pub json_schema: JsonSchemaForm,
 }
 
 /// Any subset of [`WireCaps`], laid over a preset's (config entry, catalog row).
@@ -63,6 +95,10 @@ pub struct WirePatch {
     pub content_null: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_probe: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenize: Option<Tokenize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub json_schema: Option<JsonSchemaForm>,
 }
 
 impl WireCaps {
@@ -73,6 +109,8 @@ impl WireCaps {
         stream_usage: true,
         content_null: true,
         window_probe: false,
+        tokenize: Tokenize::None,
+        json_schema: JsonSchemaForm::Catalog,
     };
 
     /// A server nothing is known about: the forms every server tried accepts.
@@ -82,6 +120,8 @@ impl WireCaps {
         stream_usage: true,
         content_null: false,
         window_probe: false,
+        tokenize: Tokenize::None,
+        json_schema: JsonSchemaForm::Catalog,
     };
 
     /// The caps of a preset (or of `openai-compatible` for any other id).
@@ -101,10 +141,14 @@ impl WireCaps {
                 stream_usage: false,
                 content_null: false,
                 window_probe: true,
+                tokenize: Tokenize::Llamacpp,
+                json_schema: JsonSchemaForm::JsonObjectSchema,
             },
             "vllm" => WireCaps {
                 content_null: true,
                 window_probe: true,
+                tokenize: Tokenize::Vllm,
+                json_schema: JsonSchemaForm::JsonSchema,
                 ..WireCaps::COMPATIBLE
             },
             _ => WireCaps::COMPATIBLE,
@@ -120,6 +164,8 @@ impl WireCaps {
             stream_usage: p.stream_usage.unwrap_or(self.stream_usage),
             content_null: p.content_null.unwrap_or(self.content_null),
             window_probe: p.window_probe.unwrap_or(self.window_probe),
+            tokenize: p.tokenize.unwrap_or(self.tokenize),
+            json_schema: p.json_schema.unwrap_or(self.json_schema),
         }
     }
 }

@@ -46,7 +46,7 @@ use crate::error::RouterError;
 use crate::retry::RetryPolicy;
 use crate::router::{Provider, Router};
 
-pub use caps::{ToolChoice, WireCaps, WirePatch};
+pub use caps::{JsonSchemaForm, Tokenize, ToolChoice, WireCaps, WirePatch};
 
 /// A credential. Never printed, never serialized.
 #[derive(Clone, PartialEq, Eq)]
@@ -123,6 +123,10 @@ pub struct ProviderConfig {
     /// What the server accepts (Chat Completions kinds only): the preset's, with the config
     /// entry's `wire` laid over.
     pub wire: WireCaps,
+    /// Generations (and token counts) sent to the server at once; the rest wait in turn.
+    /// `None`: no limit. The `llamacpp` preset defaults to 1: llama-cpp-python cuts a running
+    /// stream when another request arrives, so two sessions would keep interrupting each other.
+    pub concurrency: Option<usize>,
 }
 
 impl ProviderConfig {
@@ -138,6 +142,7 @@ impl ProviderConfig {
                 ProviderKind::OpenaiCompatible => WireCaps::of_preset(id),
                 _ => WireCaps::OPENAI,
             },
+            concurrency: default_concurrency(id),
         }
     }
 
@@ -180,6 +185,11 @@ pub const PRESETS: [(&str, &str, &str); 4] = [
     ("lmstudio", "http://127.0.0.1:1234/v1", "LM Studio"),
 ];
 
+/// A preset's default limit of requests at once (see [`ProviderConfig::concurrency`]).
+pub fn default_concurrency(preset: &str) -> Option<usize> {
+    (preset == "llamacpp").then_some(1)
+}
+
 pub fn preset_url(name: &str) -> Option<&'static str> {
     PRESETS.iter().find(|p| p.0 == name).map(|p| p.1)
 }
@@ -206,6 +216,9 @@ struct ProviderSection {
     /// What the server accepts, over the preset's (see [`caps`]).
     #[serde(default)]
     wire: Option<WirePatch>,
+    /// Requests at once (0: no limit); the preset's default otherwise.
+    #[serde(default)]
+    concurrency: Option<usize>,
 }
 
 /// The router config file.
@@ -359,6 +372,16 @@ impl Setup {
                 p.http = http.clone();
                 if let Some(name) = preset {
                     p.wire = WireCaps::of_preset(name);
+                    p.concurrency = p.concurrency.or(default_concurrency(name));
+                }
+                // A local server may still be loading its model: wait that out, unless the
+                // config says how to retry.
+                let local = preset.or(Some(id)).is_some_and(|n| preset_url(n).is_some());
+                if local && cfg.retry.is_none() {
+                    p.http.retry = RetryPolicy::local();
+                }
+                if let Some(n) = section(id).and_then(|s| s.concurrency) {
+                    p.concurrency = (n > 0).then_some(n);
                 }
                 p.wire = p.wire.with(section(id).and_then(|s| s.wire.as_ref()));
                 providers.push(p);

@@ -26,7 +26,9 @@ use crate::names::ToolNames;
 use crate::providers::wire::{
     args_object, data_url, max_output, merge_options, namespaced, result_text, transport,
 };
-use crate::providers::{ProviderConfig, ProviderKind, Secret, ToolChoice, WireCaps};
+use crate::providers::{
+    JsonSchemaForm, ProviderConfig, ProviderKind, Secret, Tokenize, ToolChoice, WireCaps,
+};
 use crate::router::{ChatContext, FrameWriter, Provider};
 use crate::sse::SseEvent;
 
@@ -42,6 +44,10 @@ pub struct OpenAiChatProvider {
     /// What the server accepts (a catalog row may refine it per model).
     wire: WireCaps,
     transport: Transport,
+    concurrency: Option<usize>,
+    /// Which tokenize endpoint answered (`llamacpp` serves two servers' forms): 0 unknown, 1
+    /// llama-cpp-python's, 2 llama.cpp's, 3 neither.
+    tokenize_form: std::sync::atomic::AtomicU8,
 }
 
 impl OpenAiChatProvider {
@@ -53,6 +59,8 @@ impl OpenAiChatProvider {
             openai: cfg.kind == ProviderKind::Openai,
             wire: cfg.wire,
             transport: transport(cfg),
+            concurrency: cfg.concurrency,
+            tokenize_form: std::sync::atomic::AtomicU8::new(0),
         }
     }
 
@@ -178,7 +186,7 @@ impl OpenAiChatProvider {
             body["reasoning_effort"] = json!(effort);
         }
         if let Some(rf) = &req.response_format {
-            body["response_format"] = super::structured::chat_completions_format(rf);
+            body["response_format"] = super::structured::server_format(rf, wire.json_schema);
         }
         let family = if self.openai {
             "openai"
@@ -190,6 +198,7 @@ impl OpenAiChatProvider {
             namespaced(req, &[&self.id, family]),
             &["model", "messages", "stream"],
         );
+        check_tool_choice(&body, &names)?;
         Ok((body, names, warnings))
     }
 
@@ -205,6 +214,43 @@ impl OpenAiChatProvider {
             None => rb,
         }
     }
+}
+
+/// A `tool_choice` that names a function must name one of the request's tools: a server
+/// answers anything else with an error that blames something else (or ignores the tools), so
+/// it is refused here, naming the choice and what is offered.
+fn check_tool_choice(body: &Value, names: &ToolNames) -> Result<(), ProviderError> {
+    let choice = &body["tool_choice"];
+    let named = choice["function"]["name"]
+        .as_str()
+        .or_else(|| choice["name"].as_str());
+    let Some(name) = named else {
+        return Ok(());
+    };
+    let offered: Vec<&str> = body["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["function"]["name"].as_str())
+        .collect();
+    if offered.contains(&name) {
+        return Ok(());
+    }
+    let shown: Vec<String> = offered.iter().map(|n| names.id_of(n)).collect();
+    let offered = if shown.is_empty() {
+        "no function is offered to the model in this request".to_string()
+    } else {
+        format!("offered: {}", shown.join(", "))
+    };
+    Err(ProviderError::new(
+        harness_types::ErrorKind::Permanent,
+        format!(
+            "tool_choice names '{}', which is not offered; {offered}",
+            names.id_of(name)
+        ),
+    )
+    .with_code("invalid_tool_choice")
+    .with_message("tool_choice names a function that is not offered."))
 }
 
 /// The native effort for the request: `reasoning: "lowest"`'s pick, else `thinking_level`
@@ -605,6 +651,86 @@ impl Provider for OpenAiChatProvider {
             }
         }
         row.and_then(|r| n(&r["meta"]["n_ctx_train"]))
+    }
+
+    fn concurrency(&self) -> Option<usize> {
+        self.concurrency
+    }
+
+    fn grammar_json(&self) -> bool {
+        !self.openai && self.wire.json_schema != JsonSchemaForm::Catalog
+    }
+
+    /// llama-cpp-python: `POST {root}/extras/tokenize/count {input}` → `{count}`; llama.cpp:
+    /// `POST {root}/tokenize {content}` → `{tokens}`; vLLM: `POST {root}/tokenize {model,
+    /// prompt}` → `{count}`. Any failure answers `None` (the estimate stands in).
+    async fn count_tokens(&self, model: &str, texts: &[String]) -> Option<Vec<u64>> {
+        use std::sync::atomic::Ordering;
+        if self.openai || self.wire.tokenize == Tokenize::None {
+            return None;
+        }
+        let root = self.base_url.trim_end_matches("/v1").to_string();
+        let post = |url: String, body: Value| async move {
+            let resp = self
+                .auth(self.transport.client.post(url))
+                .json(&body)
+                .timeout(std::time::Duration::from_secs(20))
+                .send()
+                .await
+                .ok()?;
+            let ok = resp.status().is_success();
+            let v = resp.json::<Value>().await.ok();
+            Some((ok, v))
+        };
+        let count_of = |v: &Value| {
+            v["count"]
+                .as_u64()
+                .or_else(|| v["tokens"].as_array().map(|t| t.len() as u64))
+        };
+        let mut out = Vec::with_capacity(texts.len());
+        for text in texts {
+            let n = match self.wire.tokenize {
+                Tokenize::Vllm => {
+                    let (ok, v) = post(
+                        format!("{root}/tokenize"),
+                        json!({"model": model, "prompt": text}),
+                    )
+                    .await?;
+                    v.filter(|_| ok).as_ref().and_then(count_of)?
+                }
+                _ => loop {
+                    match self.tokenize_form.load(Ordering::Relaxed) {
+                        0 | 1 => {
+                            let (ok, v) = post(
+                                format!("{root}/extras/tokenize/count"),
+                                json!({"model": model, "input": text}),
+                            )
+                            .await?;
+                            if let Some(n) = v.filter(|_| ok).as_ref().and_then(count_of) {
+                                self.tokenize_form.store(1, Ordering::Relaxed);
+                                break n;
+                            }
+                            if self.tokenize_form.load(Ordering::Relaxed) == 1 {
+                                return None;
+                            }
+                            self.tokenize_form.store(2, Ordering::Relaxed);
+                        }
+                        2 => {
+                            let (ok, v) =
+                                post(format!("{root}/tokenize"), json!({"content": text})).await?;
+                            if let Some(n) = v.filter(|_| ok).as_ref().and_then(count_of) {
+                                break n;
+                            }
+                            self.tokenize_form.store(3, Ordering::Relaxed);
+                            return None;
+                        }
+                        _ => return None,
+                    }
+                },
+            };
+            out.push(n);
+        }
+        Some(out)
     }
 
     fn describe(&self) -> Value {

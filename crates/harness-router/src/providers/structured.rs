@@ -4,11 +4,22 @@
 
 use serde_json::{json, Value};
 
+use crate::providers::JsonSchemaForm;
+
 pub(crate) fn chat_completions_format(rf: &Value) -> Value {
+    server_format(rf, JsonSchemaForm::Catalog)
+}
+
+/// [`chat_completions_format`] in the form a server with grammar-constrained JSON reads.
+pub(crate) fn server_format(rf: &Value, form: JsonSchemaForm) -> Value {
     if rf.get("type").and_then(Value::as_str) != Some("json") {
         return rf.clone();
     }
-    match rf.get("schema").filter(|s| s.is_object()) {
+    let schema = rf.get("schema").filter(|s| s.is_object());
+    if let (JsonSchemaForm::JsonObjectSchema, Some(schema)) = (form, schema) {
+        return json!({"type": "json_object", "schema": schema});
+    }
+    match schema {
         // Not strict: strict mode refuses schemas that leave properties optional, which a
         // caller's contract may well do; the loop validates the value itself either way.
         Some(schema) => json!({"type": "json_schema",
@@ -34,5 +45,13 @@ mod tests {
         );
         let native = json!({"type": "json_object"});
         assert_eq!(chat_completions_format(&native), native);
+        // llama-cpp-python's form: the schema next to `json_object`.
+        assert_eq!(
+            server_format(
+                &json!({"type": "json", "schema": s}),
+                JsonSchemaForm::JsonObjectSchema
+            ),
+            json!({"type": "json_object", "schema": {"type": "object"}})
+        );
     }
 }

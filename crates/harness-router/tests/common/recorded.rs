@@ -83,30 +83,57 @@ pub struct Replay {
     /// The base URL, without `/v1`.
     pub url: String,
     asked: Arc<Mutex<Vec<Asked>>>,
+    /// The most requests that were being answered at the same moment.
+    most_at_once: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// How the replay server answers.
+#[derive(Clone, Copy, Default)]
+struct Pace {
+    /// A pause between the pieces of a body, so a stream takes as long as a real one would.
+    piece: std::time::Duration,
 }
 
 impl Replay {
     pub async fn start(exchanges: Vec<Exchange>) -> Replay {
+        Replay::start_paced(exchanges, std::time::Duration::ZERO).await
+    }
+
+    /// [`start`](Replay::start), pausing `piece` between the pieces of every body (two streams
+    /// asked for at once then overlap unless the client queues them).
+    pub async fn start_paced(exchanges: Vec<Exchange>, piece: std::time::Duration) -> Replay {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let asked = Arc::new(Mutex::new(Vec::new()));
         let pool: Arc<Mutex<Vec<(Exchange, bool)>>> = Arc::new(Mutex::new(
             exchanges.into_iter().map(|e| (e, false)).collect(),
         ));
-        let a = asked.clone();
+        let most_at_once = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let now = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let pace = Pace { piece };
+        let (a, most) = (asked.clone(), most_at_once.clone());
         tokio::spawn(async move {
             while let Ok((sock, _)) = listener.accept().await {
-                let (a, pool) = (a.clone(), pool.clone());
+                let (a, pool, most, now) = (a.clone(), pool.clone(), most.clone(), now.clone());
                 tokio::spawn(async move {
-                    let _ = serve(sock, a, pool).await;
+                    let _ = serve(sock, a, pool, pace, (most, now)).await;
                 });
             }
         });
-        Replay { url, asked }
+        Replay {
+            url,
+            asked,
+            most_at_once,
+        }
     }
 
     pub fn asked(&self) -> Vec<Asked> {
         self.asked.lock().unwrap().clone()
+    }
+
+    /// The most requests answered at the same moment so far.
+    pub fn most_at_once(&self) -> usize {
+        self.most_at_once.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The JSON bodies of the chat requests, in order.
@@ -119,10 +146,17 @@ impl Replay {
     }
 }
 
+type Gauge = (
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
+
 async fn serve(
     mut sock: TcpStream,
     asked: Arc<Mutex<Vec<Asked>>>,
     pool: Arc<Mutex<Vec<(Exchange, bool)>>>,
+    pace: Pace,
+    (most, now): Gauge,
 ) -> std::io::Result<()> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 8192];
@@ -158,21 +192,32 @@ async fn serve(
         }
         body.extend_from_slice(&chunk[..n]);
     }
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     asked.lock().unwrap().push(Asked {
         method: method.clone(),
         path: path.clone(),
-        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+        body: body.clone(),
     });
     let reply = {
         let mut pool = pool.lock().unwrap();
-        let found = pool
-            .iter_mut()
-            .find(|(e, used)| !*used && e.method == method && e.path == path)
-            .map(|(e, used)| {
-                *used = e.method != "GET";
-                e.clone()
+        // The exchange recorded for this very request first, else the next one of its method
+        // and path. A GET, or a token count, may be answered again: the server's model list
+        // does not change, and it counts the same text the same way.
+        let again = |e: &Exchange| e.method == "GET" || e.path.contains("tokenize");
+        let at = pool
+            .iter()
+            .position(|(e, used)| {
+                !*used && e.method == method && e.path == path && e.request == body
+            })
+            .or_else(|| {
+                pool.iter()
+                    .position(|(e, used)| !*used && e.method == method && e.path == path)
             });
-        found
+        at.map(|i| {
+            let (e, used) = &mut pool[i];
+            *used = !again(e);
+            e.clone()
+        })
     };
     let Some(e) = reply else {
         let body = r#"{"detail":"Not Found"}"#;
@@ -187,14 +232,26 @@ async fn serve(
         "HTTP/1.1 {} X\r\ncontent-type: {}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n",
         e.status, e.content_type
     );
-    sock.write_all(head.as_bytes()).await?;
-    // The body in the pieces a server flushes: one SSE event (or the whole document) at a time.
-    for piece in e.body.split_inclusive("\n\n") {
-        if !piece.is_empty() {
-            sock.write_all(format!("{:x}\r\n{piece}\r\n", piece.len()).as_bytes())
-                .await?;
+    use std::sync::atomic::Ordering::SeqCst;
+    let at_once = now.fetch_add(1, SeqCst) + 1;
+    most.fetch_max(at_once, SeqCst);
+    let written = async {
+        sock.write_all(head.as_bytes()).await?;
+        // The body in the pieces a server flushes: one SSE event (or the whole document) at a time.
+        for piece in e.body.split_inclusive("\n\n") {
+            if !piece.is_empty() {
+                if !pace.piece.is_zero() {
+                    tokio::time::sleep(pace.piece).await;
+                }
+                sock.write_all(format!("{:x}\r\n{piece}\r\n", piece.len()).as_bytes())
+                    .await?;
+            }
         }
+        std::io::Result::Ok(())
     }
+    .await;
+    now.fetch_sub(1, SeqCst);
+    written?;
     if e.clean {
         sock.write_all(b"0\r\n\r\n").await?;
     }
