@@ -147,6 +147,18 @@ fn validate_options(o: &SendOptions) -> Result<()> {
                 format!("only \"lowest\" is accepted (got \"{r}\")"),
             ));
         }
+        // "lowest" is harness choosing the effort: a send that also names one is ambiguous.
+        for (given, field) in [
+            (o.thinking_level.is_some(), "options.thinking_level"),
+            (o.provider_options.is_some(), "options.provider_options"),
+        ] {
+            if given {
+                return Err(HarnessError::invalid_field(
+                    "options.reasoning",
+                    format!("\"lowest\" chooses the effort itself and cannot be combined with {field}; remove one of them"),
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -263,6 +275,11 @@ impl Harness {
         let frozen = match &lineage {
             Some(l) => l.options.clone(),
             None => self.freeze_options(&req, &options, prev.as_ref()).await?,
+        };
+        // Chosen (and refused for a model the catalog does not know) before anything is kept.
+        let applied = match (&options.reasoning, &lineage) {
+            (Some(_), None) => Some(self.lowest_reasoning(&frozen).await?),
+            _ => None,
         };
         let req = match options.agent {
             Some(_) => with_agent_metadata(req, &frozen),
@@ -389,12 +406,60 @@ impl Harness {
                 session_id: session_id.clone(),
                 turn_id: new_turn,
                 accepted: true,
+                reasoning: applied,
                 ..SendResponse::default()
             }
         } else {
             merged(&session_id, rec.turn_id, steering || parked)
         };
         self.answer_send(&req, response, entry_id).await
+    }
+
+    /// What `reasoning: "lowest"` applies to the turn's model, from its catalog row (the
+    /// router makes the same choice when it sends the request). A model without a row is
+    /// refused: there is nothing to choose from.
+    async fn lowest_reasoning(
+        &self,
+        o: &TurnOptions,
+    ) -> Result<harness_types::api::AppliedReasoning> {
+        let row: Value = self
+            .call(
+                "router::models::get",
+                &json!({"provider": o.provider, "id": o.model}),
+            )
+            .await?;
+        if row.is_null() {
+            return Err(HarnessError::invalid_field(
+                "options.reasoning",
+                format!(
+                    "the router has no catalog row for model '{}'{}, so the lowest effort cannot be chosen",
+                    o.model,
+                    o.provider
+                        .as_deref()
+                        .map(|p| format!(" on provider '{p}'"))
+                        .unwrap_or_default()
+                ),
+            ));
+        }
+        let effort = row["reasoning_efforts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .find(|e| *e != "none");
+        Ok(match effort {
+            Some(e) => harness_types::api::AppliedReasoning {
+                thinking_level: serde_json::from_value(json!(e)).ok(),
+                reasoning_effort: Some(e.to_string()),
+            },
+            None if row["capabilities"]["thinking"] == json!(true) => {
+                harness_types::api::AppliedReasoning {
+                    thinking_level: Some(harness_types::api::ThinkingLevel::Minimal),
+                    reasoning_effort: None,
+                }
+            }
+            None => harness_types::api::AppliedReasoning::default(),
+        })
     }
 
     /// A profile names a session's identity only when the send creates it, and the skills

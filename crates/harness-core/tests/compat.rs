@@ -456,3 +456,63 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
     assert!(on_disk.contains("v2"), "{on_disk}");
     assert!(!on_disk.contains("obey"), "{on_disk}");
 }
+
+/// `reasoning: "lowest"`: the send answer says what it applied (from the model's catalog row),
+/// a model without a row is refused, and naming an effort next to it is refused by name.
+#[tokio::test]
+async fn reasoning_lowest_is_reported_on_the_send_and_its_bad_combinations_refused() {
+    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let lowest = |model: &str, provider: &str| {
+        let mut req = send("think little");
+        req.model = Some(model.into());
+        req.provider = Some(provider.into());
+        req.options = Some(SendOptions {
+            reasoning: Some("lowest".into()),
+            ..Default::default()
+        });
+        req
+    };
+    // The scripted catalog row says the model thinks and lists no efforts: minimal.
+    let r = rt.harness.send(lowest("m", "scripted")).await.unwrap();
+    let applied = serde_json::to_value(r.reasoning.clone()).unwrap();
+    assert_eq!(
+        applied,
+        json!({"thinking_level": "minimal", "reasoning_effort": null})
+    );
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    // A send that names no effort keeps it and reports nothing new.
+    let again = rt
+        .harness
+        .send(with_mode("more", None, Some(&r.session_id)))
+        .await
+        .unwrap();
+    assert!(again.reasoning.is_none());
+
+    let e = rt.harness.send(lowest("m", "nowhere")).await.unwrap_err();
+    assert!(
+        e.message.starts_with("options.reasoning:") && e.message.contains("no catalog row"),
+        "{e}"
+    );
+    for (options, names) in [
+        (
+            json!({"reasoning": "lowest", "thinking_level": "high"}),
+            "options.thinking_level",
+        ),
+        (
+            json!({"reasoning": "lowest", "provider_options": {}}),
+            "options.provider_options",
+        ),
+    ] {
+        let e = rt
+            .bus
+            .call(
+                "harness::send",
+                json!({"message": "x", "model": "m", "provider": "scripted", "options": options}),
+                None,
+            )
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("options.reasoning") && e.contains(names), "{e}");
+    }
+}

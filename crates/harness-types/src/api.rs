@@ -185,6 +185,19 @@ pub struct SendResponse {
     /// True when `idempotency_key` matched an earlier send.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deduplicated: Option<bool>,
+    /// What `options.reasoning: "lowest"` chose for the model (present when the send named it
+    /// and started a turn).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<AppliedReasoning>,
+}
+
+/// The effort `reasoning: "lowest"` applies: the model's least effort other than `none`, else
+/// `minimal` for a model that only says it thinks, else none at all (the provider decides).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AppliedReasoning {
+    pub thinking_level: Option<ThinkingLevel>,
+    /// The provider-native effort name.
+    pub reasoning_effort: Option<String>,
 }
 
 /// The coarse turn lifecycle.
