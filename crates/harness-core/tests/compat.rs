@@ -516,3 +516,61 @@ async fn reasoning_lowest_is_reported_on_the_send_and_its_bad_combinations_refus
         assert!(e.contains("options.reasoning") && e.contains(names), "{e}");
     }
 }
+
+/// A call the judge repaired says so in its result, as a coerced one does: the model reads
+/// which field was renamed, never a value.
+#[tokio::test]
+async fn the_judges_repair_is_noted_in_the_calls_result() {
+    let rt = runtime(
+        json!({"generations": [
+            {"match": {"last_user_text": "^paint"}, "content": [
+                {"type": "function_call", "id": "p1", "function_id": "paint::wall",
+                 "arguments": {"colour": "teal"}}]},
+            text(None, "painted", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let painted = rt.register(
+        "paint::wall",
+        Some(
+            json!({"type": "object", "properties": {"color": {"type": "string"}},
+                    "required": ["color"], "additionalProperties": false}),
+        ),
+        |p| json!({"painted": p["color"]}),
+    );
+    rt.bus.register_function(
+        harness_bus::FunctionDef::new("judge::evaluate", "test judge"),
+        std::sync::Arc::new(|_p: Value, _c: harness_bus::CallContext| async {
+            Ok(
+                json!({"status": "ok", "results": {"reconcile": {"answers": {
+                "q0": {"choice": "color", "probability": 0.99}}}}}),
+            )
+        }),
+    );
+    let mut req = send("paint it");
+    req.options = Some(SendOptions {
+        functions: Some(harness_types::api::FunctionPolicy {
+            allow: vec!["paint::*".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(painted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let result = rt
+        .results(&r.session_id)
+        .into_iter()
+        .find(|f| f.function_call_id == "p1")
+        .unwrap();
+    assert!(!result.is_error, "{result:?}");
+    let text: Vec<String> = result
+        .content
+        .iter()
+        .map(|b| serde_json::to_string(b).unwrap())
+        .collect();
+    let text = text.join(" ");
+    assert!(text.contains("`/colour` was renamed to `color`"), "{text}");
+    assert!(!text.contains("\"teal\" was"), "{text}");
+}

@@ -163,20 +163,42 @@ pub(crate) fn coerce(schema: &Value, args: &Value) -> (Value, Vec<Change>) {
     (current, changes)
 }
 
-/// The note appended to the call's result for lossless repairs.
+/// The note appended to the call's result for its repairs: the coercion's (a JSON string
+/// parsed) and the judge's (a key renamed, a value replaced by an allowed one, a key dropped),
+/// naming fields and never values, so the model learns the shape it should have sent.
 pub(crate) fn note(changes: &[Change]) -> Option<String> {
     let parsed: Vec<String> = changes
         .iter()
         .filter(|c| c.kind == "parsed")
         .map(|c| format!("`{}` ({})", c.path, type_name(&c.to)))
         .collect();
-    if parsed.is_empty() {
-        return None;
+    let judged: Vec<String> = changes
+        .iter()
+        .filter_map(|c| match c.kind.as_str() {
+            "renamed" => Some(format!(
+                "`{}` was renamed to `{}`",
+                c.path,
+                c.to.as_str().unwrap_or_default()
+            )),
+            "replaced" => Some(format!("`{}` was replaced by an allowed value", c.path)),
+            "dropped" => Some(format!("`{}` was dropped", c.path)),
+            _ => None,
+        })
+        .collect();
+    let mut lines = Vec::new();
+    if !parsed.is_empty() {
+        lines.push(format!(
+            "[harness] {} arrived as a JSON string and was parsed before dispatch.",
+            parsed.join(", ")
+        ));
     }
-    Some(format!(
-        "[harness] {} arrived as a JSON string and was parsed before dispatch.",
-        parsed.join(", ")
-    ))
+    if !judged.is_empty() {
+        lines.push(format!(
+            "[harness] The arguments did not match the function's schema and were repaired before dispatch: {}. Send them in this shape next time.",
+            judged.join("; ")
+        ));
+    }
+    (!lines.is_empty()).then(|| lines.join("\n"))
 }
 
 #[cfg(test)]
@@ -236,6 +258,37 @@ mod tests {
         let paths: Vec<&str> = changes.iter().map(|c| c.path.as_str()).collect();
         assert_eq!(paths, vec!["/items", "/count"]);
         assert_eq!(note(&changes).unwrap(), "[harness] `/items` (array), `/count` (number) arrived as a JSON string and was parsed before dispatch.");
+        let judged = vec![
+            Change {
+                path: "/colour".into(),
+                kind: "renamed".into(),
+                from: json!("colour"),
+                to: json!("color"),
+            },
+            Change {
+                path: "/mode".into(),
+                kind: "replaced".into(),
+                from: json!("secret-ish"),
+                to: json!("fast"),
+            },
+            Change {
+                path: "/extra".into(),
+                kind: "dropped".into(),
+                from: json!("value"),
+                to: Value::Null,
+            },
+        ];
+        let text = note(&judged).unwrap();
+        assert!(
+            text.contains("`/colour` was renamed to `color`")
+                && text.contains("`/mode` was replaced by an allowed value")
+                && text.contains("`/extra` was dropped"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("secret-ish") && !text.contains("fast"),
+            "no values: {text}"
+        );
     }
 
     #[test]
