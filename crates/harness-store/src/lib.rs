@@ -20,6 +20,7 @@ mod lock;
 pub mod queue;
 mod schema;
 pub mod store;
+mod wal_pages;
 mod writer;
 
 pub use error::StoreError;
@@ -28,6 +29,7 @@ pub use kv::{kv_delete_in, kv_get_in, kv_put_cached_in, kv_put_in, kv_put_text_i
 pub use lock::Access;
 pub use queue::{enqueue_in, enqueue_text_in, QueueConfig, QueueHandler, QueueMessage, Queues};
 pub use store::{Durability, Store, StoreStats};
+pub use wal_pages::WalPages;
 pub use writer::after_commit;
 
 /// The connection a [`Store::write`] closure runs on, for crates that build such closures.

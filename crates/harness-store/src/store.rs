@@ -25,11 +25,12 @@ use tokio::sync::{oneshot, watch};
 use crate::cache::KvCache;
 use crate::error::{io_is_full, StoreError};
 use crate::lock::Access;
+use crate::wal_pages::{PageLog, WalPages};
 use crate::writer::{writer_loop, Once, Op, Replayable};
 use crate::{events, schema};
 
 /// How long a connection waits on a lock held by another connection (e.g. a checkpoint).
-const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Idle reader connections kept open; more are opened on demand and closed after use.
 const MAX_IDLE_READERS: usize = 16;
 /// WAL frames committed since the last request after which the checkpointer copies them into
@@ -74,6 +75,9 @@ pub struct StoreStats {
     /// Of that, time in the writer's own catch-up checkpoints (see `WRITER_CHECKPOINT_FRAMES`),
     /// during which no write of any session commits.
     pub writer_checkpoint_ns: u64,
+    /// Times the writer, idle or stopping, checkpointed the whole WAL and truncated it to
+    /// nothing (not counted in `writer_busy_ns`: no write was waiting).
+    pub wal_truncations: u64,
 }
 
 /// A barrier waiting for the syncer: fsync must cover commit sequence number `target`.
@@ -100,6 +104,8 @@ pub(crate) struct Counters {
     /// Checkpoint time of the batch in progress, moved to `writer_checkpoint_ns` when the
     /// batch's busy time is counted, so that the two never disagree.
     pub(crate) batch_checkpoint_ns: AtomicU64,
+    /// Times the idle or stopping writer emptied the WAL.
+    pub(crate) wal_truncations: AtomicU64,
     /// Why the latest write, fsync or checkpoint failed for lack of space, until a commit
     /// writes to the WAL again ([`Store::storage_full`]).
     full: Mutex<Option<String>>,
@@ -142,6 +148,7 @@ struct Inner {
     /// Latest committed event id (see `events.rs` for why a watch channel).
     events_tx: watch::Sender<i64>,
     kv_cache: Arc<KvCache>,
+    page_log: Arc<PageLog>,
     /// One value per type for crates that keep an in-memory copy of what this store holds
     /// ([`Store::shared`]).
     shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
@@ -246,7 +253,11 @@ impl Store {
                 None
             }
         };
-        hand_off_checkpoints(&mut conn, requests, counters.clone())?;
+        let page_size: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+        let mut wal_path = OsString::from(path.as_os_str());
+        wal_path.push("-wal");
+        let page_log = Arc::new(PageLog::new(wal_path.into(), page_size as u64));
+        hand_off_checkpoints(&mut conn, requests, counters.clone(), page_log.clone())?;
 
         // The writer is a dedicated OS thread, not a tokio task: SQLite calls block (and a
         // checkpoint can take a while), and a single owner of the write connection needs no lock.
@@ -287,6 +298,7 @@ impl Store {
                 }),
                 events_tx: watch::channel(last_event).0,
                 kv_cache,
+                page_log,
                 shared: Mutex::default(),
                 _lock: lock,
             }),
@@ -449,7 +461,22 @@ impl Store {
             wal_frames: c.wal_frames.load(Ordering::Relaxed),
             writer_busy_ns: c.writer_busy_ns.load(Ordering::Relaxed),
             writer_checkpoint_ns: c.writer_checkpoint_ns.load(Ordering::Relaxed),
+            wal_truncations: c.wal_truncations.load(Ordering::Relaxed),
         }
+    }
+
+    /// Starts counting, from now on, which table or index each page the commits write to the
+    /// WAL belongs to (`on`), or stops. Costs the writer a read of each frame's header: for
+    /// profiles and the bench, not for serving.
+    pub fn record_wal_pages(&self, on: bool) {
+        self.inner.page_log.set(on);
+    }
+
+    /// The WAL pages counted since [`Store::record_wal_pages`] started, by table or index
+    /// (empty when not recording). Scans the database's pages once to name them.
+    pub fn wal_pages_by_table(&self) -> Result<WalPages, StoreError> {
+        let log = self.inner.page_log.clone();
+        self.read(move |conn| log.by_table(conn))
     }
 
     /// Stops accepting writes, lets the writer drain what is already queued, and joins the
@@ -537,6 +564,7 @@ fn hand_off_checkpoints(
     conn: &mut Connection,
     requests: Option<mpsc::SyncSender<()>>,
     counters: Arc<Counters>,
+    page_log: Arc<PageLog>,
 ) -> Result<(), StoreError> {
     let mut next_at = CHECKPOINT_FRAMES;
     let mut last = 0;
@@ -548,6 +576,7 @@ fn hand_off_checkpoints(
             frames
         };
         last = frames;
+        page_log.commit(frames - wrote + 1, frames);
         counters
             .wal_frames
             .fetch_add(wrote.max(0) as u64, Ordering::Relaxed);

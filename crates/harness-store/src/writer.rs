@@ -37,6 +37,14 @@ use crate::store::Counters;
 /// Most ops folded into one transaction; bounds a batch's latency and memory.
 const MAX_BATCH: usize = 1024;
 
+/// How long the writer waits without a write before it empties the WAL (see [`truncate_wal`]).
+/// Long enough that a burst's pauses (a model's latency) do not pay for a checkpoint, short
+/// enough that a quiet server's WAL is back to nothing within a second.
+const IDLE_TRUNCATE_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// How long an idle truncation waits for readers to leave the WAL before it gives up.
+const TRUNCATE_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// What [`after_commit`] queued for the batch in progress.
 type AfterCommit = Vec<Box<dyn FnOnce()>>;
 
@@ -264,7 +272,28 @@ pub(crate) fn writer_loop(
 ) {
     AFTER_COMMIT.with(|p| *p.borrow_mut() = Some(Vec::new()));
     let mut batch: Vec<Box<dyn Op>> = Vec::with_capacity(MAX_BATCH);
-    while let Ok(first) = rx.recv() {
+    // Commits since the WAL was last emptied: an idle writer with none has nothing to truncate.
+    let mut unsettled = false;
+    loop {
+        let first = match rx.recv_timeout(IDLE_TRUNCATE_AFTER) {
+            Ok(op) => op,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if unsettled {
+                    unsettled = !truncate_wal(&conn, counters);
+                }
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                // A clean stop leaves the data directory holding what it stores, not the WAL's
+                // high-water mark: the last connection to close would delete the WAL, but the
+                // writer's is not the last one (readers and the checkpointer close after it).
+                if unsettled {
+                    truncate_wal(&conn, counters);
+                }
+                break;
+            }
+        };
+        unsettled = true;
         let started = std::time::Instant::now();
         batch.push(first);
         while batch.len() < MAX_BATCH {
@@ -286,6 +315,37 @@ pub(crate) fn writer_loop(
         counters
             .writer_busy_ns
             .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Copies the whole WAL into the database and truncates it to nothing (`TRUNCATE` checkpoint:
+/// the WAL is synced before the copy, the database after it, so nothing committed is at risk).
+/// Only when the writer is idle or stopping: it waits for readers to leave the WAL, during
+/// which no write commits. Returns whether the WAL is empty now; a reader or the checkpointer
+/// in the way makes it return false, and the next idle moment tries again.
+fn truncate_wal(conn: &Connection, counters: &Counters) -> bool {
+    // Readers are short; one that is not must not hold a waiting write for long.
+    let _ = conn.busy_timeout(TRUNCATE_BUSY_TIMEOUT);
+    // (busy, frames in the WAL, frames checkpointed)
+    let out: rusqlite::Result<(i64, i64, i64)> =
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        });
+    let _ = conn.busy_timeout(crate::store::BUSY_TIMEOUT);
+    match out {
+        Ok((0, _, _)) => {
+            counters.wal_truncations.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+        Ok(_) => false,
+        Err(e) => {
+            let e = StoreError::from(e);
+            if let StoreError::Full(reason) = &e {
+                counters.note_full(&format!("checkpoint: {reason}"));
+            }
+            tracing::debug!(error = %e, "harness-store: idle checkpoint deferred");
+            false
+        }
     }
 }
 

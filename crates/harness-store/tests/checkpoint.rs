@@ -87,3 +87,108 @@ async fn the_writer_s_own_checkpoints_are_timed_within_its_busy_time() {
     assert!(s.writer_checkpoint_ns > 0, "{s:?}");
     assert!(s.writer_checkpoint_ns <= s.writer_busy_ns, "{s:?}");
 }
+
+fn wal_len(db: &std::path::Path) -> u64 {
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(wal).map(|m| m.len()).unwrap_or(0)
+}
+
+/// Once no write has come for a while, the writer copies the WAL into the database and
+/// truncates it: a quiet server's WAL holds nothing, whatever the burst before it wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_writer_empties_the_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.db");
+    let store = Store::open(&path, Durability::Full).unwrap();
+    for t in write_at_once(&store, 4, 100, &json!({"pad": "p".repeat(3000)})) {
+        t.await.unwrap();
+    }
+    store.barrier().await.unwrap();
+    assert!(wal_len(&path) > 1 << 20, "the burst wrote to the WAL");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while wal_len(&path) > 0 || store.stats().wal_truncations == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the WAL still holds {} bytes ({:?})",
+            wal_len(&path),
+            store.stats()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(store.kv_list("c").unwrap().len(), 400);
+    // The store goes on as before: writes, barriers and reads after the truncation.
+    store.kv_put("c", "after", &json!(1)).await.unwrap();
+    store.barrier().await.unwrap();
+    assert_eq!(store.kv_get("c", "after").unwrap(), Some(json!(1)));
+}
+
+/// A clean close leaves the data in the database file and an empty WAL, and the store opens
+/// again with everything in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_close_leaves_an_empty_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.db");
+    let store = Store::open(&path, Durability::Full).unwrap();
+    let writers = write_at_once(&store, 8, 400, &json!({"pad": "p".repeat(3000)}));
+    let mut largest = 0;
+    while writers.iter().any(|t| !t.is_finished()) {
+        largest = largest.max(wal_len(&path));
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    for t in writers {
+        t.await.unwrap();
+    }
+    assert!(
+        largest > 4 << 20,
+        "the writes grew the WAL ({largest} bytes)"
+    );
+    store.close();
+    assert_eq!(
+        wal_len(&path),
+        0,
+        "bytes left in the WAL after a clean close"
+    );
+    drop(store);
+    let store = Store::open(&path, Durability::Full).unwrap();
+    assert_eq!(store.kv_list("c").unwrap().len(), 3200);
+}
+
+/// The pages commits write are counted by the table or index they belong to, and they add up
+/// to the writer's own count of WAL pages.
+#[tokio::test]
+async fn wal_pages_are_counted_by_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("c.db"), Durability::Normal).unwrap();
+    store.kv_put("warm", "up", &json!(0)).await.unwrap();
+    store.record_wal_pages(true);
+    let before = store.stats().wal_frames;
+    for i in 0..20 {
+        store
+            .kv_put("c", &format!("k{i}"), &json!({"pad": "p".repeat(500)}))
+            .await
+            .unwrap();
+        store
+            .append_event(Some("s"), "t", &json!({"i": i}), None)
+            .await
+            .unwrap();
+    }
+    let frames = store.stats().wal_frames - before;
+    let pages = store.wal_pages_by_table().unwrap();
+    assert_eq!(pages.pages(), frames, "{pages:?}");
+    assert_eq!(pages.frame_bytes, 4096 + 24);
+    let of = |name: &str| {
+        pages
+            .by_table
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0, |(_, n)| *n)
+    };
+    // One commit each, and each dirties the tree it writes to.
+    assert!(of("kv") >= 20, "{pages:?}");
+    assert!(of("events") >= 20, "{pages:?}");
+    assert!(of("events_session") >= 20, "{pages:?}");
+    store.record_wal_pages(false);
+    store.kv_put("c", "off", &json!(1)).await.unwrap();
+    assert_eq!(store.wal_pages_by_table().unwrap().pages(), 0);
+}
