@@ -317,7 +317,7 @@ impl Harness {
                 label: "built-in identity".into(),
                 text: prompt::IDENTITY.into(),
             };
-            return Ok(response(vec![layer], 1, None));
+            return Ok(response(vec![layer], 1, Vec::new()));
         }
         let rec = match &req.session_id {
             Some(id) if id.is_empty() => {
@@ -359,7 +359,30 @@ impl Harness {
                     .and_then(|r| prompt::fs_root(r.options.metadata.as_ref())),
             ),
         });
-        Ok(response(layers, stable, aid))
+        let mut tail: Vec<PromptLayer> = aid.into_iter().collect();
+        tail.extend(self.injected_layers().await?);
+        Ok(response(layers, stable, tail))
+    }
+
+    /// The static `inject_prompt` texts of the pre-generate bindings, in chain order: what a
+    /// step appends after the runtime context without calling anything.
+    async fn injected_layers(&self) -> Result<Vec<PromptLayer>> {
+        Ok(self
+            .hooks(crate::hooks::HookPoint::PreGenerate)
+            .await?
+            .into_iter()
+            .filter_map(|h| {
+                let text = h.inject_prompt?;
+                Some(PromptLayer {
+                    kind: PromptLayerKind::Injected,
+                    label: format!(
+                        "inject_prompt of the pre-generate binding of {} (appended at every step)",
+                        h.function_id
+                    ),
+                    text,
+                })
+            })
+            .collect())
     }
 
     async fn preview_selected(&self, sel: &SelectedPrompt) -> Result<FrozenPrompt> {
@@ -461,12 +484,13 @@ fn frozen_layers(o: &TurnOptions) -> (Vec<PromptLayer>, usize) {
     (out, stable)
 }
 
-/// The response: the prompt the layers compose (frozen layers, then the runtime aid), its
-/// stable prefix (the identity and the skills index) and that prefix's digest.
+/// The response: the prompt the layers compose (frozen layers, then the runtime aid and the
+/// bindings' injected texts), its stable prefix (the identity and the skills index) and that
+/// prefix's digest.
 fn response(
     mut layers: Vec<PromptLayer>,
     stable_count: usize,
-    aid: Option<PromptLayer>,
+    aid: Vec<PromptLayer>,
 ) -> SystemPromptGetResponse {
     let join = |ls: &[PromptLayer]| {
         ls.iter()

@@ -574,3 +574,41 @@ async fn the_judges_repair_is_noted_in_the_calls_result() {
     assert!(text.contains("`/colour` was renamed to `color`"), "{text}");
     assert!(!text.contains("\"teal\" was"), "{text}");
 }
+
+/// A pre-generate binding's `inject_prompt` is a layer of the preview, after the runtime
+/// context, and is what the step appends.
+#[tokio::test]
+async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
+    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    rt.register("policy::house-rules", None, |_| json!({}));
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-generate", "function_id": "policy::house-rules",
+                   "config": {}, "metadata": {"inject_prompt": "House rule: answer in English."}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let r = rt.harness.send(send("hi")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let preview = rt
+        .bus
+        .call(
+            "harness::system-prompt::get",
+            json!({"session_id": r.session_id}),
+            None,
+        )
+        .await
+        .unwrap();
+    let layers = preview["layers"].as_array().unwrap();
+    let last = layers.last().unwrap();
+    assert_eq!(last["kind"], "injected", "{preview}");
+    assert_eq!(last["text"], "House rule: answer in English.");
+    assert_eq!(layers[layers.len() - 2]["kind"], "runtime_context");
+    // The composed preview is the prompt the router received.
+    assert_eq!(
+        preview["system_prompt"].as_str().unwrap(),
+        prompts(&rt, &r.session_id)[0]
+    );
+}

@@ -790,6 +790,9 @@ pub enum PromptLayerKind {
     SkillsIndex,
     /// Session id, working directory and the policy aid, appended at every step.
     RuntimeContext,
+    /// A pre-generate binding's static `inject_prompt` text, appended at every step after the
+    /// runtime context.
+    Injected,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
