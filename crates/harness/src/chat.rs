@@ -64,8 +64,10 @@ impl Source {
         &mut self,
         session_id: &str,
         turn_id: &str,
+        max_output: Option<u32>,
     ) -> Result<(TurnEnd, Option<Value>)> {
         let mut printer = Printer {
+            max_output,
             turn_id: turn_id.to_string(),
             printed: Default::default(),
             parked: false,
@@ -160,6 +162,8 @@ enum TurnEnd {
 }
 
 struct Printer {
+    /// `--max-output-tokens`, to say which limit cut a reply.
+    max_output: Option<u32>,
     turn_id: String,
     printed: std::collections::HashMap<String, usize>,
     /// Set when the session parked for function results (approvals may be waiting).
@@ -280,7 +284,12 @@ impl Printer {
                     TurnEnd::Cancelled
                 }
                 _ if self.cut => {
-                    println!("\n[reply cut: the model reached its output limit (raise it with --max-output-tokens)]");
+                    // Without a cap of the user's, the limit was what the window left after
+                    // the prompt: a bigger cap would not help there.
+                    match self.max_output {
+                        None => println!("\n[reply cut: it filled what the context window leaves after the prompt; cap replies with --max-output-tokens N, or start a new session for more room]"),
+                        Some(n) => println!("\n[reply cut at the output limit: --max-output-tokens {n}, or what the context window left after the prompt if that was less]"),
+                    }
                     TurnEnd::Completed
                 }
                 _ => {
@@ -406,6 +415,9 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             }
         }
     }
+    if let Some(function) = args.tool_choice.as_deref().filter(|f| *f != "auto") {
+        check_tool_choice(&source, &args.allow, args.expose.as_deref(), function).await?;
+    }
     let mut agent = args.agent.clone();
     let stdin = std::io::stdin();
     let mut pending = args.message.clone();
@@ -463,7 +475,7 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             eprintln!("(session {sid})");
         }
         session = Some(sid.clone());
-        let (end, card) = source.follow(&sid, &tid).await?;
+        let (end, card) = source.follow(&sid, &tid, args.max_output_tokens).await?;
         if let (Some(card), true) = (card, interactive) {
             // The answer to the card is the next message, one line per question.
             match ask_card(&card)? {
@@ -666,6 +678,73 @@ fn clip(text: &str, max: usize) -> String {
         Some((at, _)) => format!("{}…", &line[..at]),
         None => line,
     }
+}
+
+/// `--tool-choice` must name a function the model is offered, checked before anything is sent:
+/// a server handed a choice it was not offered answers with an error that blames something else,
+/// or ignores it. Offered means registered, matched by `--allow` (and by no `--deny`-like wall
+/// the server keeps: those are refused again, per request, by the router), and offered natively
+/// (`--expose native`; otherwise the model sees only `agent_trigger`).
+async fn check_tool_choice(
+    source: &Source,
+    allow: &[String],
+    expose: Option<&str>,
+    function: &str,
+) -> Result<()> {
+    let refuse = |why: String| {
+        Err(anyhow!(
+            "harness/invalid_request: --tool-choice {function}: {why}"
+        ))
+    };
+    if allow.is_empty() {
+        return refuse(
+            "no function is offered to the model: name it with --allow (and --expose native)"
+                .into(),
+        );
+    }
+    let mut globs = globset::GlobSetBuilder::new();
+    for g in allow {
+        let glob = globset::Glob::new(g)
+            .map_err(|e| anyhow!("harness/invalid_request: --allow {g}: {e}"))?;
+        globs.add(glob);
+    }
+    let globs = globs
+        .build()
+        .map_err(|e| anyhow!("harness/invalid_request: --allow: {e}"))?;
+    let native = expose == Some("native");
+    if !native {
+        if function == "agent_trigger" {
+            return Ok(());
+        }
+        return refuse(
+            "functions are offered through agent_trigger unless --expose native is given; offered: agent_trigger".into(),
+        );
+    }
+    let list = source
+        .caller()
+        .call("engine::functions::list", json!({}))
+        .await?;
+    let mut offered: Vec<&str> = list["functions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["function_id"].as_str())
+        .filter(|id| globs.is_match(id))
+        .collect();
+    offered.sort_unstable();
+    offered.dedup();
+    if offered.contains(&function) {
+        return Ok(());
+    }
+    let shown = if offered.is_empty() {
+        format!(
+            "--allow {} matches no registered function",
+            allow.join(" --allow ")
+        )
+    } else {
+        format!("offered: {}", offered.join(", "))
+    };
+    refuse(format!("not a function offered to the model; {shown}"))
 }
 
 /// `provider_options` that make every generation call `function` (OpenAI chat-completions

@@ -197,3 +197,129 @@ async fn tool_choice_expose_and_max_turns_reach_the_request() {
         "the reply stays alone on stdout"
     );
 }
+
+/// `chat` reading its messages from stdin, as a person types them.
+async fn chat_typed(
+    dir: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, String)],
+    typed: &str,
+) -> Output {
+    use tokio::io::AsyncWriteExt;
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.arg("chat")
+        .args(["--provider", "llamacpp", "--model", "gemma-3-270m"])
+        .args(args)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args(["--durability", "normal"])
+        .env("XDG_CONFIG_HOME", dir.join("config"))
+        .env("HOME", dir)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for v in PROVIDER_VARS {
+        cmd.env_remove(v);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("run harness chat");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(typed.as_bytes()).await.unwrap();
+    drop(stdin);
+    child.wait_with_output().await.unwrap()
+}
+
+/// The recorder's 3,000 dense digits (llama-cpp-python counted 3,001 tokens).
+fn digits() -> String {
+    (0..3000)
+        .map(|i| char::from(b'0' + ((i * 7) % 10) as u8))
+        .collect()
+}
+
+/// A session whose first message is over a 2,048-token server's window: that turn is refused
+/// with the message's size (the server's own count) and the window, nothing is sent to the
+/// model, and the next "Say hi." of the same session completes without it, asking for no more
+/// output than the window leaves.
+#[tokio::test]
+async fn a_dense_first_message_is_refused_and_the_next_message_of_the_session_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut exchanges = fixture(LLAMA_CPP_PYTHON, "tokenize_count_short").exchanges;
+    exchanges.extend(fixture(LLAMA_CPP_PYTHON, "tokenize_count_digits").exchanges);
+    exchanges.extend(fixture(LLAMA_CPP_PYTHON, "plain_stream").exchanges);
+    let reply: String = exchanges[2]
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    let server = Replay::start(exchanges).await;
+    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let args = ["--context-window", "2048"];
+
+    // As a one-shot command: a failure, said with the size and the window.
+    let out = chat(dir.path(), &[&args[..], &["-m", &digits()]].concat(), &env).await;
+    assert!(!out.status.success(), "{}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(err.contains("context/message_too_large"), "{err}");
+    assert!(
+        err.contains("~3005 tokens") && err.contains("2048-token window"),
+        "{err}"
+    );
+    assert!(
+        server.chat_bodies().is_empty(),
+        "nothing was sent to the model"
+    );
+
+    // Typed into one session: the refusal, then "Say hi." answered.
+    let typed = format!("{}\nSay hi.\n/quit\n", digits());
+    let out = chat_typed(dir.path(), &args, &env, &typed).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("context/message_too_large"), "{stdout}");
+    assert!(stdout.contains(reply.trim()), "{stdout}");
+    let bodies = server.chat_bodies();
+    assert_eq!(bodies.len(), 1);
+    let sent = bodies[0]["messages"].to_string();
+    assert!(
+        !sent.contains(&digits()[..64]),
+        "the refused message was replayed"
+    );
+    assert!(sent.contains("Say hi."));
+    let max_tokens = bodies[0]["max_tokens"].as_u64().unwrap();
+    assert!(max_tokens < 2048, "max_tokens {max_tokens}");
+}
+
+/// `--tool-choice` must name a function the model is offered: checked before anything is sent,
+/// and the error says what is offered.
+#[tokio::test]
+async fn a_tool_choice_nothing_offers_exits_non_zero_before_any_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture(LLAMA_CPP_PYTHON, "plain_stream");
+    let server = Replay::start(f.exchanges).await;
+    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--allow", "fs::*", "--expose", "native"],
+            "offered: fs::edit, fs::list, fs::read",
+        ),
+        (&["--allow", "fs::*"], "unless --expose native"),
+        (&[], "name it with --allow"),
+    ];
+    for (extra, says) in cases {
+        let args = [&["-m", "Say hi.", "--tool-choice", "fs:read"][..], extra].concat();
+        let out = chat(dir.path(), &args, &env).await;
+        assert!(!out.status.success(), "{args:?}: {}", text(&out.stdout));
+        let err = text(&out.stderr);
+        assert!(err.contains("--tool-choice fs:read"), "{err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("context"), "{err}");
+    }
+    assert!(server.asked().is_empty(), "{:?}", server.asked());
+}
