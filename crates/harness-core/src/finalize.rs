@@ -55,6 +55,7 @@ impl Harness {
         self.commit(batch).await?;
         crate::failpoint::hit("after_finalize_persisted");
         self.observe_finished(rec).await;
+        self.announce_usage(rec).await;
         self.clear_signal(&rec.turn_id);
         if made_bindings(rec) {
             self.end_turn_bindings(&rec.session_id, &rec.turn_id).await;
@@ -79,6 +80,8 @@ impl Harness {
         let event = after_terminal(&mut batch, rec)?;
         self.record_turn_event(&mut batch, &event);
         self.commit(batch).await?;
+        // A crash after the terminal write may have cut this short; it knows the turn.
+        self.announce_usage(rec).await;
         if made_bindings(rec) {
             self.end_turn_bindings(&rec.session_id, &rec.turn_id).await;
         }

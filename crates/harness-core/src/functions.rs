@@ -132,6 +132,14 @@ pub fn register(h: &Harness) {
     register_fn(
         h,
         FunctionDef::new(
+            "harness::usage::list",
+            "Operator audit: every anonymous usage announcement this runtime recorded on harness:usage (progress milestones and first failures per root session: names, counters and a failure class, no ids or text), oldest first.",
+        ),
+        |h, req: crate::usage::UsageListRequest| async move { h.usage_list(req).await },
+    );
+    register_fn(
+        h,
+        FunctionDef::new(
             "harness::system-prompt::get",
             "Preview the layers of a system prompt (identity or agent profile, skills index, caller text, runtime context) without a model call: a session's frozen prompt, the prompt selected fields would freeze, or the built-in default (default_only).",
         ),

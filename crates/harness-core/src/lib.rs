@@ -41,6 +41,7 @@ mod stop;
 mod stream;
 pub mod trace;
 mod tree;
+pub mod usage;
 
 pub use config::{CallReconciliation, ConfigError, HarnessConfig};
 pub use deletion::DELETION_QUEUE;

@@ -96,6 +96,8 @@ pub trait Observer: Send + Sync {
     fn step_finished(&self, _outcome: &'static str, _seconds: f64) {}
     /// A turn ended; the facts were read back from its transcript.
     fn turn_finished(&self, _facts: &TurnFacts) {}
+    /// A usage announcement was recorded (`crate::usage`).
+    fn usage_announced(&self, _event: &str) {}
 }
 
 /// The observers a runtime installs, once, before it serves.

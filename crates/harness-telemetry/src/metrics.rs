@@ -216,10 +216,6 @@ impl Metrics {
         }
     }
 
-    pub fn usage_announced(&self, event: &str) {
-        self.usage.with_label_values(&[event]).inc();
-    }
-
     fn bounded(set: &Mutex<HashSet<String>>, name: &str, other: &str) -> String {
         let ok = !name.is_empty()
             && name.len() <= 64
@@ -254,6 +250,14 @@ impl Default for Metrics {
 }
 
 impl Observer for Metrics {
+    fn usage_announced(&self, event: &str) {
+        let event = match event {
+            "harness_session_progress" | "harness_turn_failed" => event,
+            _ => "other",
+        };
+        self.usage.with_label_values(&[event]).inc();
+    }
+
     fn turn_started(&self, root: bool) {
         self.turns_started
             .with_label_values(&[if root { "root" } else { "subagent" }])
@@ -262,7 +266,9 @@ impl Observer for Metrics {
 
     fn step_finished(&self, outcome: &'static str, seconds: f64) {
         self.steps.with_label_values(&[outcome]).inc();
-        self.step_duration.with_label_values::<&str>(&[]).observe(seconds);
+        self.step_duration
+            .with_label_values::<&str>(&[])
+            .observe(seconds);
     }
 
     fn turn_finished(&self, f: &TurnFacts) {

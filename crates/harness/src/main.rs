@@ -343,6 +343,11 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
         listener.local_addr()?,
         data_dir.display()
     );
+    if harness_core::usage::enabled(rt.harness.config().usage_reporting) {
+        eprintln!("usage announcements: local only (harness::usage::list), off with HARNESS_TELEMETRY_ENABLED=false");
+    } else {
+        eprintln!("usage announcements: off");
+    }
     if console {
         // The token stays out of the log: the page reads it from the fragment, which no
         // request carries.
