@@ -397,7 +397,7 @@ fn instance(s: &Value, root: &Value, k: usize, depth: usize, documented: Documen
         },
         "integer" => json!(s.get("minimum").and_then(Value::as_u64).unwrap_or(0).max(1)),
         "number" => json!(1.5),
-        "boolean" => json!(k % 2 == 0),
+        "boolean" => json!(k.is_multiple_of(2)),
         "null" => Value::Null,
         _ => json!("x"),
     }
