@@ -200,11 +200,15 @@ impl Runtime {
         })
     }
 
-    /// Stops taking steps; in-flight ones are left to redelivery on the next start.
+    /// Stops taking steps; in-flight ones are left to redelivery on the next start. Closes the
+    /// store last: its writer drains what was queued and empties the WAL, so a clean stop
+    /// leaves the data directory holding what it stores (a later write answers `Closed`).
     pub async fn shutdown(&self) {
         self.mcp.shutdown().await;
         self.bus.shutdown().await;
         self.telemetry.shutdown().await;
+        let store = self.store.clone();
+        let _ = tokio::task::spawn_blocking(move || store.close()).await;
     }
 }
 
