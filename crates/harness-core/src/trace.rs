@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use harness_types::api::TurnStatus;
+use harness_types::api::{SessionTraces, TracesSummary, TurnStatus};
 use harness_types::ids;
 use harness_types::message::{AgentMessage, ContentBlock, StopReason, Usage};
 use harness_types::session::Entry;
@@ -790,6 +790,97 @@ impl crate::Harness {
         if let (Some(c), Some(sink)) = (ctx, &t.spans) {
             sink.export(spans(c, rec, &f));
         }
+    }
+}
+
+// --- the `harness::metrics` summary ----------------------------------------------------------
+
+/// A session's spans as the export would build them, counted from its transcript alone: per
+/// turn a turn span, per generation a step, a context and a chat span, per call an
+/// `execute_tool` span; errors as [`spans`] stamps them.
+pub(crate) fn session_traces(session_id: &str, entries: &[Entry]) -> SessionTraces {
+    use std::collections::{BTreeMap, HashMap, HashSet};
+    #[derive(Default)]
+    struct Turn {
+        spans: u64,
+        errors: u64,
+        failed: bool,
+        /// Generations (by entry) with a failure in them: their step spans are stamped.
+        failed_steps: HashSet<String>,
+        calls: HashMap<String, String>,
+        first: Option<i64>,
+        last: i64,
+    }
+    impl Turn {
+        fn stamp(&mut self, at: i64) {
+            self.first = Some(self.first.map_or(at, |f| f.min(at)));
+            self.last = self.last.max(at);
+        }
+    }
+    let mut turns: BTreeMap<String, Turn> = BTreeMap::new();
+    for e in entries {
+        let Some(tid) = e
+            .origin
+            .as_ref()
+            .and_then(|o| o.get("turn_id"))
+            .and_then(serde_json::Value::as_str)
+        else {
+            continue;
+        };
+        let t = turns.entry(tid.to_string()).or_default();
+        match &e.message {
+            Some(AgentMessage::Assistant(m)) => {
+                t.stamp(m.timestamp);
+                t.spans += 3;
+                for b in &m.content {
+                    if let ContentBlock::FunctionCall { id, .. } = b {
+                        t.spans += 1;
+                        t.calls.insert(id.clone(), e.entry_id.clone());
+                    }
+                }
+                if m.error_kind.is_some() {
+                    t.errors += 1;
+                    t.failed_steps.insert(e.entry_id.clone());
+                }
+            }
+            Some(AgentMessage::FunctionResult(r)) => {
+                t.stamp(r.timestamp);
+                if r.is_error {
+                    t.errors += 1;
+                    if let Some(step) = t.calls.get(&r.function_call_id).cloned() {
+                        t.failed_steps.insert(step);
+                    }
+                }
+            }
+            Some(AgentMessage::User(u)) => t.stamp(u.timestamp),
+            _ => {}
+        }
+        if e.entry_id == ids::error_entry(tid) {
+            t.failed = true;
+        }
+    }
+    let mut out = SessionTraces {
+        session_id: session_id.to_string(),
+        ..Default::default()
+    };
+    for t in turns.values() {
+        out.turns += 1;
+        out.span_count += 1 + t.spans;
+        let stamped = t.failed_steps.len() as u64;
+        out.error_span_count += t.errors + stamped + u64::from(t.failed || t.errors > 0);
+        out.duration_ms += (t.last - t.first.unwrap_or(t.last)).max(0) as u64;
+    }
+    out
+}
+
+/// The tree's summary; `sessions` root first (as `harness::metrics` walks them).
+pub(crate) fn traces_summary(sessions: Vec<SessionTraces>) -> TracesSummary {
+    TracesSummary {
+        trace_count: sessions.first().map_or(0, |r| r.turns),
+        span_count: sessions.iter().map(|s| s.span_count).sum(),
+        error_span_count: sessions.iter().map(|s| s.error_span_count).sum(),
+        duration_ms: sessions.first().map_or(0, |r| r.duration_ms),
+        by_session: sessions,
     }
 }
 

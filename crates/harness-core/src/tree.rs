@@ -136,6 +136,7 @@ impl Harness {
         let mut by_session = Vec::with_capacity(ids.len());
         let mut totals = MetricsCounters::default();
         let mut first_total = true;
+        let mut traces = Vec::new();
         for (id, parent, depth) in ids {
             match self.load_record(&id).await? {
                 Some(r) if r.is_terminal() => {}
@@ -144,7 +145,9 @@ impl Harness {
             let mut c = MetricsCounters::default();
             let mut first = true;
             let mut cost: Option<f64> = None;
-            for e in self.transcript(&id).await? {
+            let entries = self.transcript(&id).await?;
+            traces.push(crate::trace::session_traces(&id, &entries));
+            for e in entries {
                 match e.message {
                     Some(AgentMessage::Assistant(a)) => {
                         c.turns += 1;
@@ -226,6 +229,7 @@ impl Harness {
             complete,
             totals,
             by_session,
+            traces: Some(crate::trace::traces_summary(traces)),
         })
     }
 }

@@ -738,6 +738,32 @@ pub struct MetricsResponse {
     pub complete: bool,
     pub totals: MetricsTotals,
     pub by_session: Vec<SessionMetrics>,
+    /// The trace summary of the tree, read from its transcripts by the rules the OTLP export
+    /// builds spans with (so it is there without any exporter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traces: Option<TracesSummary>,
+}
+
+/// `harness::metrics` `traces`: one trace per root turn (a sub-agent's turns are spans of its
+/// parent's trace).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TracesSummary {
+    pub trace_count: u64,
+    pub span_count: u64,
+    pub error_span_count: u64,
+    /// Sum over the root session's turns, first to last recorded moment.
+    pub duration_ms: u64,
+    pub by_session: Vec<SessionTraces>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SessionTraces {
+    pub session_id: String,
+    /// Turns of this session (each a turn span).
+    pub turns: u64,
+    pub span_count: u64,
+    pub error_span_count: u64,
+    pub duration_ms: u64,
 }
 
 /// `harness::system-prompt::get`: preview the layers of a system prompt without a model call.

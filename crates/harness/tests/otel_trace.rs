@@ -306,6 +306,13 @@ async fn one_turn_with_a_call_is_one_trace_of_steps_generations_and_the_call() {
     assert!(spans.iter().all(|s| s.trace_id == turn.trace_id));
     assert_nested(&spans);
     assert!(metric(&server, "harness_otel_spans_built_total").await >= 8.0);
+    // harness::metrics counts the same tree from the transcript, exporter or not.
+    let m = server
+        .ok("harness::metrics", json!({"root_session_id": "s_weather"}))
+        .await;
+    assert_eq!(m["traces"]["trace_count"], 1, "{m}");
+    assert_eq!(m["traces"]["span_count"], spans.len(), "{m}");
+    assert_eq!(m["traces"]["error_span_count"], 0, "{m}");
 }
 
 /// Scenario 7: no attribute anywhere carries the user's text, the reply or the call's
@@ -475,6 +482,14 @@ async fn a_failed_child_stamps_its_spawn_the_parent_step_and_the_root_as_errors(
         "the child's failed generation",
     );
     assert_eq!(chat.attr("error.type"), "permanent");
+    // harness::metrics counts the same spans and errors over the tree.
+    let m = server
+        .ok("harness::metrics", json!({"root_session_id": "s_broken"}))
+        .await;
+    let errors = spans.iter().filter(|s| s.status == 2).count();
+    assert_eq!(m["traces"]["trace_count"], 1, "{m}");
+    assert_eq!(m["traces"]["span_count"], spans.len(), "{m}");
+    assert_eq!(m["traces"]["error_span_count"], errors, "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
