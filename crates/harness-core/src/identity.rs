@@ -16,7 +16,8 @@ use serde_json::{json, Value};
 
 use crate::harness::{Harness, Result};
 use crate::prompt::{self, Contract, Layers};
-use crate::record::{FrozenAgent, PromptShape, TurnOptions};
+use crate::record::{FrozenAgent, PromptShape, TurnOptions, TurnRecord};
+use std::collections::BTreeMap;
 
 /// What a send freezes about the prompt.
 #[derive(Clone, Debug, Default)]
@@ -146,41 +147,49 @@ impl Harness {
         Ok(prompt::skills_index(&skills))
     }
 
-    /// A profile's identity: its resolved prompt, then its preloaded functions' contracts
-    /// (from the registry), then its preloaded skills' bodies.
-    async fn agent_base(&self, profile: &AgentProfile) -> Result<String> {
-        let mut parts = vec![profile.system_prompt.trim().to_string()];
-        if !profile.functions.is_empty() {
-            let info: Value = self
-                .call(
-                    "engine::functions::info",
-                    &json!({"function_ids": profile.functions}),
-                )
-                .await?;
-            let by_id = |id: &str| {
-                info["functions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .find(|f| f["function_id"] == id && f.get("error").is_none())
-                    .map(|f| {
-                        (
-                            f["description"].as_str().unwrap_or_default().to_string(),
-                            f.get("request_schema")
-                                .filter(|s| s.is_object())
-                                .cloned()
-                                .unwrap_or_else(|| json!({"type": "object"})),
-                        )
-                    })
-            };
-            let contracts: Vec<Contract> = profile
-                .functions
-                .iter()
-                .map(|id| Contract {
-                    id: id.clone(),
-                    found: by_id(id),
+    /// The registry's contracts (description and request schema) of `ids`, each `None` when
+    /// the registry does not list it.
+    async fn contracts(&self, ids: &[String]) -> Result<Vec<Contract>> {
+        let info: Value = self
+            .call("engine::functions::info", &json!({ "function_ids": ids }))
+            .await?;
+        let by_id = |id: &str| {
+            info["functions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|f| f["function_id"] == id && f.get("error").is_none())
+                .map(|f| {
+                    (
+                        f["description"].as_str().unwrap_or_default().to_string(),
+                        f.get("request_schema")
+                            .filter(|s| s.is_object())
+                            .cloned()
+                            .unwrap_or_else(|| json!({"type": "object"})),
+                    )
                 })
-                .collect();
+        };
+        Ok(ids
+            .iter()
+            .map(|id| Contract {
+                id: id.clone(),
+                found: by_id(id),
+            })
+            .collect())
+    }
+
+    /// A profile's identity: its resolved prompt, then its preloaded functions' contracts
+    /// (from the registry), then its preloaded skills' bodies; and the digest of each contract
+    /// as frozen, for the stale notice.
+    async fn agent_base(
+        &self,
+        profile: &AgentProfile,
+    ) -> Result<(String, BTreeMap<String, String>)> {
+        let mut parts = vec![profile.system_prompt.trim().to_string()];
+        let mut digests = BTreeMap::new();
+        if !profile.functions.is_empty() {
+            let contracts = self.contracts(&profile.functions).await?;
+            digests = contract_digests(&contracts);
             parts.extend(prompt::preloaded_functions(&contracts));
         }
         if !profile.skills.is_empty() {
@@ -198,19 +207,62 @@ impl Harness {
             }
             parts.extend(prompt::preloaded_skills(&bodies));
         }
-        Ok(parts
-            .into_iter()
-            .filter(|p| !p.is_empty())
-            .collect::<Vec<_>>()
-            .join("\n\n"))
+        Ok((
+            parts
+                .into_iter()
+                .filter(|p| !p.is_empty())
+                .collect::<Vec<_>>()
+                .join("\n\n"),
+            digests,
+        ))
+    }
+
+    /// The tail notice of a session whose profile preloaded contracts that changed since it
+    /// froze them (a schema or description changed, a function went away, an unavailable one
+    /// appeared): naming exactly those ids, on every step until a new session resolves the
+    /// profile afresh. `None` when nothing changed or the registry cannot be asked.
+    pub(crate) async fn preloaded_notice(&self, rec: &TurnRecord) -> Option<String> {
+        let frozen = &rec.options.agent.as_ref()?.contracts;
+        if frozen.is_empty() {
+            return None;
+        }
+        let ids: Vec<String> = frozen.keys().cloned().collect();
+        let now = match self.contracts(&ids).await {
+            Ok(c) => contract_digests(&c),
+            Err(e) => {
+                tracing::warn!(session = %rec.session_id, "preloaded contracts unreadable: {e}");
+                return None;
+            }
+        };
+        let changed: Vec<String> = frozen
+            .iter()
+            .filter_map(|(id, then)| {
+                let now = now.get(id).map(String::as_str).unwrap_or(UNAVAILABLE);
+                let what = match (then.as_str(), now) {
+                    (a, b) if a == b => return None,
+                    (_, UNAVAILABLE) => "no longer registered",
+                    (UNAVAILABLE, _) => "now available",
+                    _ => "changed",
+                };
+                Some(format!("`{id}` ({what})"))
+            })
+            .collect();
+        (!changed.is_empty()).then(|| {
+            format!(
+                "[harness] Preloaded function contracts in your system prompt are stale: {}. Read the current schema with engine::functions::info before calling them.",
+                changed.join(", ")
+            )
+        })
     }
 
     /// Resolves a prompt fresh: the profile (whole identity) or the identity with the caller's
     /// text per strategy, then the skills index.
     pub(crate) async fn fresh_prompt(&self, f: PromptFields<'_>) -> Result<FrozenPrompt> {
+        let mut contracts = BTreeMap::new();
         let (mut layers, mut labels) = match f.agent {
             Some(profile) => {
-                let base = self.agent_base(profile).await?;
+                let (base, digests) = self.agent_base(profile).await?;
+                contracts = digests;
                 let label = format!("agent profile {}", profile.chain.join(" → "));
                 (
                     Layers {
@@ -279,6 +331,7 @@ impl Harness {
                 name: p.name.clone(),
                 chain: p.chain.clone(),
                 display: p.display.clone(),
+                contracts,
             }),
         })
     }
@@ -433,6 +486,30 @@ pub(crate) fn check_mode(
         ));
     }
     Ok(())
+}
+
+/// What a preloaded id's digest is while the registry does not list it.
+const UNAVAILABLE: &str = "unavailable";
+
+/// `sha256:` of each contract's description and request schema, `unavailable` for a missing one.
+fn contract_digests(contracts: &[Contract]) -> BTreeMap<String, String> {
+    contracts
+        .iter()
+        .map(|c| {
+            let digest = match &c.found {
+                Some((description, schema)) => format!(
+                    "sha256:{}",
+                    harness_types::digest::sha256_hex(
+                        json!({"description": description, "request_schema": schema})
+                            .to_string()
+                            .as_bytes()
+                    )
+                ),
+                None => UNAVAILABLE.to_string(),
+            };
+            (c.id.clone(), digest)
+        })
+        .collect()
 }
 
 pub(crate) fn agent_with_prompt_fields(field: &str) -> HarnessError {

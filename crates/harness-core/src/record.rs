@@ -85,6 +85,10 @@ pub struct FrozenAgent {
     pub chain: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display: Option<harness_types::directory::Display>,
+    /// The digest of each preloaded function's contract as frozen into the prompt
+    /// (`unavailable` for one the registry did not list): what the stale notice compares.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub contracts: BTreeMap<String, String>,
 }
 
 impl TurnOptions {

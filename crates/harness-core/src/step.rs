@@ -793,6 +793,7 @@ impl Harness {
                     .as_ref()
                     .is_some_and(|p| !p.allow.is_empty())
         };
+        let preloaded = self.preloaded_notice(rec).await;
         let mut extra = if hooked { REASSEMBLY_SLACK } else { 0 };
         for pass in 0..2u32 {
             let model = ModelRef {
@@ -863,6 +864,11 @@ impl Harness {
                      Re-read a function's schema with engine::functions::info before calling it again.",
                     now_ms(),
                 ));
+                changed = true;
+            }
+            // Ephemeral too, on every step until a new session resolves the profile afresh.
+            if let Some(text) = &preloaded {
+                Arc::make_mut(&mut messages).push(AgentMessage::user_text(text.clone(), now_ms()));
                 changed = true;
             }
             if hooked {

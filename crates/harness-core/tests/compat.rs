@@ -612,3 +612,83 @@ async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
         prompts(&rt, &r.session_id)[0]
     );
 }
+
+/// A profile's preloaded contracts are frozen into the prompt; when one changes, goes away or
+/// (unavailable at first) appears, every later step carries a tail notice naming exactly those
+/// ids, while the frozen prompt stays byte for byte.
+#[tokio::test]
+async fn a_changed_preloaded_contract_is_named_in_a_tail_notice() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    harness_directory::register(&rt.bus, &harness_directory::Directory::new(dir.path()));
+    rt.register(
+        "t::echo",
+        Some(json!({"type": "object", "properties": {"text": {"type": "string"}}})),
+        |p| p,
+    );
+    rt.register("t::steady", None, |p| p);
+    rt.bus
+        .call(
+            "directory::agents::create",
+            json!({"name": "echoer", "content": "---\nmodel: m\nprovider: scripted\nfunctions: [t::echo, t::later, t::steady]\n---\nEcho things."}),
+            None,
+        )
+        .await
+        .unwrap();
+    let mut req = send("first");
+    req.model = None;
+    req.provider = None;
+    req.options = Some(SendOptions {
+        agent: Some("echoer".into()),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    let sid = r.session_id.clone();
+    rt.wait_terminal(&sid, &r.turn_id).await;
+    let last_user_texts = |rt: &Rt| -> Vec<String> {
+        let seen = rt.recorder.seen.lock().unwrap();
+        let req = seen
+            .iter()
+            .rev()
+            .find(|r| r.session_id.as_deref() == Some(sid.as_str()))
+            .unwrap();
+        req.messages
+            .iter()
+            .filter(|m| m.role() == "user")
+            .map(|m| m.text())
+            .collect()
+    };
+    assert!(
+        !last_user_texts(&rt).iter().any(|t| t.contains("stale")),
+        "nothing changed yet"
+    );
+
+    // t::echo's schema changes and t::later appears; t::steady stays as it was.
+    rt.register(
+        "t::echo",
+        Some(json!({"type": "object", "properties": {"text": {"type": "string"}, "times": {"type": "integer"}}})),
+        |p| p,
+    );
+    rt.register("t::later", None, |p| p);
+    let r = rt
+        .harness
+        .send(with_mode("again", None, Some(&sid)))
+        .await
+        .unwrap();
+    rt.wait_terminal(&sid, &r.turn_id).await;
+    let texts = last_user_texts(&rt);
+    let notice = texts
+        .iter()
+        .find(|t| t.contains("Preloaded function contracts"))
+        .unwrap_or_else(|| panic!("{texts:?}"));
+    assert!(notice.contains("`t::echo` (changed)"), "{notice}");
+    assert!(notice.contains("`t::later` (now available)"), "{notice}");
+    assert!(!notice.contains("t::steady"), "{notice}");
+    // The frozen prompt is the same bytes, and the notice is not in the transcript.
+    let p = prompts(&rt, &sid);
+    assert_eq!(p[0], p[1]);
+    assert!(!rt
+        .messages(&sid)
+        .iter()
+        .any(|(_, t)| t.contains("Preloaded")));
+}
