@@ -1886,11 +1886,14 @@ struct StoreDelta {
     wal_frames: u64,
     busy_ns: u64,
     checkpoint_ns: u64,
+    /// The WAL pages by the table or index they belong to (None if the count failed).
+    by_table: Option<harness_store::WalPages>,
 }
 
 impl StoreDelta {
     fn between(s0: harness_store::StoreStats, s1: harness_store::StoreStats) -> StoreDelta {
         StoreDelta {
+            by_table: None,
             commits: s1.commits - s0.commits,
             writes: s1.writes - s0.writes,
             wal_frames: s1.wal_frames - s0.wal_frames,
@@ -1926,6 +1929,9 @@ async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) ->
     run_workers(&d, concurrency, Instant::now() + plan.cell_warmup, u64::MAX).await?;
     rig.queue_idle().await?;
     let f0 = rig.fsyncs();
+    if let Some(store) = rig.store() {
+        store.record_wal_pages(true);
+    }
     let s0 = rig.store().map(|s| s.stats());
     let cpu0 = cpu_time_us();
     let start = Instant::now();
@@ -1934,9 +1940,19 @@ async fn throughput(at: At<'_>, plan: &Plan, concurrency: usize, fsync: bool) ->
     let cpu_us = cpu_time_us().saturating_sub(cpu0);
     // Before the queue drains, so the writer's busy time covers the same span as `secs`.
     let s1 = rig.store().map(|s| s.stats());
+    let by_table = rig.store().and_then(|s| {
+        let pages = s.wal_pages_by_table();
+        s.record_wal_pages(false);
+        pages
+            .map_err(|e| progress(&format!("  WAL pages by table: {e}")))
+            .ok()
+    });
     rig.queue_idle().await?;
     let fsyncs = rig.fsyncs().zip(f0).map(|(f1, f0)| f1 - f0);
-    let store = s0.zip(s1).map(|(s0, s1)| StoreDelta::between(s0, s1));
+    let store = s0.zip(s1).map(|(s0, s1)| StoreDelta {
+        by_table,
+        ..StoreDelta::between(s0, s1)
+    });
     rig.close().await;
     Ok(Cell {
         concurrency,
@@ -2132,10 +2148,22 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
                 cell.store
                     .as_ref()
                     .map(|d| {
+                        let by_table = d.by_table.as_ref();
+                        let frame_bytes = by_table.map_or(0, |t| t.frame_bytes);
+                        let tables: serde_json::Map<String, Value> = by_table
+                            .map(|t| {
+                                t.by_table
+                                    .iter()
+                                    .map(|(name, n)| (name.clone(), per_step(*n)))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
                         json!({
                             "commits": per_step(d.commits),
                             "writes": per_step(d.writes),
                             "wal_pages": per_step(d.wal_frames),
+                            "wal_bytes": by_table.map(|_| per_step(d.wal_frames * frame_bytes)),
+                            "wal_pages_by_table": by_table.map(|_| Value::Object(tables)),
                         })
                     })
                     .unwrap_or(Value::Null),
@@ -2616,6 +2644,23 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             format!("store commits / write ops / WAL pages per step incl. send, {c} sessions (fsync on)")
         },
         &|v| format!("{} / {} / {}", v["commits"], v["writes"], v["wal_pages"]),
+    );
+    per_cell(
+        &mut rows,
+        &commits_per_step,
+        &|c| format!("WAL bytes per step and its pages by table or index, {c} sessions (fsync on)"),
+        &|v| {
+            let tables = v["wal_pages_by_table"]
+                .as_object()
+                .map(|t| {
+                    t.iter()
+                        .map(|(name, n)| format!("{name} {n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_default();
+            format!("{} B: {tables}", v["wal_bytes"])
+        },
     );
     per_cell(
         &mut rows,
