@@ -118,7 +118,11 @@ impl Harness {
 
     /// The skills index of a new session: every skill, or the ones `filter` names (each must
     /// exist). None when the directory is absent or has no skill.
-    async fn skills_index(&self, field: &str, filter: Option<&[String]>) -> Result<Option<String>> {
+    pub(crate) async fn skills_index(
+        &self,
+        field: &str,
+        filter: Option<&[String]>,
+    ) -> Result<Option<String>> {
         // A malformed skill file is the directory's fault, not the request's: named as such
         // (with the file and field the directory gives), never skipped silently.
         let list: Option<SkillList> = self
@@ -334,6 +338,37 @@ impl Harness {
                 contracts,
             }),
         })
+    }
+
+    /// A new turn of a session whose prompt it inherits: when the skills catalog changed since
+    /// the session was last told about it (its frozen index, or its last correction), the
+    /// correction to append before the new message, and the index it now knows. Never for a
+    /// prompt without an index; a catalog that cannot be read, or lists nothing, is no change.
+    pub(crate) async fn skills_catalog_correction(
+        &self,
+        prev: &TurnOptions,
+        next: &TurnOptions,
+    ) -> Option<(String, String)> {
+        let seen = match &prev.skills_seen {
+            Some(s) => s.clone(),
+            None => {
+                Layers::split(prev.system_prompt.as_deref()?, prev.prompt_shape?)?.skills_index?
+            }
+        };
+        let now = match self
+            .skills_index("options.skills", next.skills.as_deref())
+            .await
+        {
+            Ok(now) => now,
+            Err(e) => {
+                tracing::warn!("skills catalog unreadable, no correction: {e}");
+                return None;
+            }
+        };
+        // No index at all is no directory as often as no skills: not told as a removal.
+        let now = now?;
+        let text = prompt::skills_correction(&seen, Some(&now))?;
+        Some((text, now))
     }
 
     /// The frozen prompt with its skills index rebuilt for `filter` (a send naming

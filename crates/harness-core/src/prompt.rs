@@ -168,6 +168,43 @@ pub(crate) fn skills_index(skills: &[SkillSummary]) -> Option<String> {
     Some(out)
 }
 
+/// The `(name, description)` lines of a skills index.
+fn index_lines(index: &str) -> Vec<(String, String)> {
+    index
+        .lines()
+        .filter_map(|l| l.strip_prefix("- ")?.split_once(": "))
+        .map(|(n, d)| (n.to_string(), d.to_string()))
+        .collect()
+}
+
+/// The user-role correction a session gets when the skills catalog changed under the index
+/// frozen in its prompt (the prompt itself never changes: it is the shared cache prefix).
+/// `None` when the two indexes list the same skills.
+pub(crate) fn skills_correction(seen: &str, now: Option<&str>) -> Option<String> {
+    let (before, after) = (index_lines(seen), index_lines(now.unwrap_or_default()));
+    let mut parts = Vec::new();
+    for (name, description) in &after {
+        match before.iter().find(|(n, _)| n == name) {
+            None => parts.push(format!("added `{name}`: {description}")),
+            Some((_, old)) if old != description => {
+                parts.push(format!("changed `{name}`: {description}"))
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, _) in &before {
+        if !after.iter().any(|(n, _)| n == name) {
+            parts.push(format!("removed `{name}`"));
+        }
+    }
+    (!parts.is_empty()).then(|| {
+        format!(
+            "[harness] The skills catalog changed since your system prompt listed it: {}. Read a skill with directory::skills::get {{\"name\": \"<name>\"}}; a removed one is gone.",
+            parts.join("; ")
+        )
+    })
+}
+
 /// One preloaded function: its id and, when the registry knows it, its description and
 /// request schema.
 pub(crate) struct Contract {
@@ -355,6 +392,30 @@ pub(crate) fn surface(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_skills_correction_names_what_was_added_changed_and_removed() {
+        let index = |skills: &[(&str, &str)]| {
+            skills_index(
+                &skills
+                    .iter()
+                    .map(|(n, d)| SkillSummary {
+                        name: n.to_string(),
+                        description: d.to_string(),
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let seen = index(&[("style", "House style."), ("tests", "How to test.")]).unwrap();
+        assert_eq!(skills_correction(&seen, Some(&seen)), None);
+        let now = index(&[("style", "House style, v2."), ("deploy", "How to ship.")]);
+        let text = skills_correction(&seen, now.as_deref()).unwrap();
+        assert!(text.contains("added `deploy`: How to ship."), "{text}");
+        assert!(text.contains("changed `style`: House style, v2."), "{text}");
+        assert!(text.contains("removed `tests`"), "{text}");
+        let gone = skills_correction(&seen, None).unwrap();
+        assert!(gone.contains("removed `style`") && gone.contains("removed `tests`"));
+    }
 
     #[test]
     fn remode_swaps_the_paragraph_and_moves_the_layers() {

@@ -61,6 +61,10 @@ pub struct TurnOptions {
     /// A sub-agent's display, as its spawn named it (normalized).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display: Option<harness_types::directory::Display>,
+    /// The skills index the session was last told about, when a correction followed the
+    /// frozen one (None: the index frozen in `system_prompt` is the latest it knows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skills_seen: Option<String>,
     /// This turn's own spawn fan-out (`options.max_children` of its spawn), under the
     /// configured `max_children`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -272,10 +272,25 @@ impl Harness {
         if let Some(p) = prev.as_ref().filter(|p| !p.is_terminal()) {
             refuse_root_change(p, named_root.as_ref())?;
         }
-        let frozen = match &lineage {
+        let mut frozen = match &lineage {
             Some(l) => l.options.clone(),
             None => self.freeze_options(&req, &options, prev.as_ref()).await?,
         };
+        // A new turn on the prompt the session froze earlier: a changed skills catalog is told
+        // as a user-role correction before the message, never by rewriting the prompt.
+        let mut correction = None;
+        if let Some(p) = prev.as_ref().filter(|p| p.is_terminal()) {
+            let inherited = frozen.system_prompt == p.options.system_prompt
+                && frozen.prompt_shape == p.options.prompt_shape;
+            if inherited && lineage.is_none() {
+                frozen.skills_seen = p.options.skills_seen.clone();
+                if let Some((text, now)) = self.skills_catalog_correction(&p.options, &frozen).await
+                {
+                    correction = Some(text);
+                    frozen.skills_seen = Some(now);
+                }
+            }
+        }
         // Chosen (and refused for a model the catalog does not know) before anything is kept.
         let applied = match (&options.reasoning, &lineage) {
             (Some(_), None) => Some(self.lowest_reasoning(&frozen).await?),
@@ -332,6 +347,15 @@ impl Harness {
                     effects.next();
                     let persist = |rec: &mut TurnRecord, step: bool| -> Result<StepWrites> {
                         let mut batch = StepWrites::default();
+                        if let Some(text) = correction.as_ref().filter(|_| rec.turn_id == new_turn)
+                        {
+                            batch.append(user_append(
+                                &session_id,
+                                AgentMessage::user_text(text.clone(), now_ms()),
+                                &format!("{entry_id}_skills"),
+                                &rec.turn_id,
+                            ))?;
+                        }
                         batch.append(user_append(
                             &session_id,
                             message.clone(),
@@ -887,6 +911,7 @@ impl Harness {
             mode,
             display: None,
             max_children: None,
+            skills_seen: None,
         })
     }
 }

@@ -251,6 +251,7 @@ impl Harness {
             display: display.clone(),
             // The child's own fan-out: what the spawn asks, never more than the operator allows.
             max_children: o.max_children,
+            skills_seen: None,
         };
         let depth = parent.map_or(0, |(p, _)| p.depth + 1);
         let link = parent.map(|(p, call_id)| ParentLink {

@@ -692,3 +692,81 @@ async fn a_changed_preloaded_contract_is_named_in_a_tail_notice() {
         .iter()
         .any(|(_, t)| t.contains("Preloaded")));
 }
+
+/// The skills index is frozen in the prompt (the cache prefix); when the catalog changes, the
+/// session's next turn starts with one durable user-role correction, and the prompt stays.
+#[tokio::test]
+async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    harness_directory::register(&rt.bus, &harness_directory::Directory::new(dir.path()));
+    let skill = |verb: &str, name: &str, description: &str| {
+        let bus = rt.bus.clone();
+        let (verb, name, description) =
+            (verb.to_string(), name.to_string(), description.to_string());
+        async move {
+            bus.call(
+                &format!("directory::skills::{verb}"),
+                json!({"name": name, "body": "Steps.", "front_matter": {"name": name, "description": description}}),
+                None,
+            )
+            .await
+            .unwrap();
+        }
+    };
+    skill("create", "style", "House style.").await;
+    let r = rt.harness.send(send("first")).await.unwrap();
+    let sid = r.session_id.clone();
+    rt.wait_terminal(&sid, &r.turn_id).await;
+    let corrections = |rt: &Rt| -> Vec<String> {
+        rt.messages(&sid)
+            .into_iter()
+            .filter(|(role, t)| role == "user" && t.contains("skills catalog changed"))
+            .map(|(_, t)| t)
+            .collect()
+    };
+    // Nothing changed: a second turn gets no correction.
+    let r = rt
+        .harness
+        .send(with_mode("second", None, Some(&sid)))
+        .await
+        .unwrap();
+    rt.wait_terminal(&sid, &r.turn_id).await;
+    assert!(corrections(&rt).is_empty());
+
+    skill("create", "deploy", "How to ship.").await;
+    skill("update", "style", "House style, v2.").await;
+    let r = rt
+        .harness
+        .send(with_mode("third", None, Some(&sid)))
+        .await
+        .unwrap();
+    rt.wait_terminal(&sid, &r.turn_id).await;
+    let got = corrections(&rt);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(
+        got[0].contains("added `deploy`: How to ship."),
+        "{}",
+        got[0]
+    );
+    assert!(
+        got[0].contains("changed `style`: House style, v2."),
+        "{}",
+        got[0]
+    );
+    // Before the message it precedes, in the transcript and in what the model read.
+    let texts: Vec<String> = rt.messages(&sid).into_iter().map(|(_, t)| t).collect();
+    let at = texts.iter().position(|t| t == &got[0]).unwrap();
+    assert_eq!(texts[at + 1], "third");
+    let p = prompts(&rt, &sid);
+    assert_eq!(p[0], p[2], "the frozen prompt is untouched");
+
+    // Told once: the next turn has nothing new to correct.
+    let r = rt
+        .harness
+        .send(with_mode("fourth", None, Some(&sid)))
+        .await
+        .unwrap();
+    rt.wait_terminal(&sid, &r.turn_id).await;
+    assert_eq!(corrections(&rt).len(), 1);
+}
