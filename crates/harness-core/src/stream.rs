@@ -137,6 +137,9 @@ impl Harness {
         let model = req.model.clone();
         let provider = req.provider.clone().unwrap_or_default();
         let request_id = req.request_id.clone();
+        // Timed only while spans are exported (`crate::trace`).
+        let gen_start = self.marking().then(harness_types::now_ms);
+        let mut first_chunk = None;
         let timeout = Duration::from_millis(c.router_timeout_ms);
         let mut call = match self.inner.bus.local_handler("router::chat") {
             // In-process: the conversation moves to the router instead of being serialized.
@@ -203,6 +206,9 @@ impl Harness {
                         continue;
                     }
                     if acc.apply(&frame) {
+                        if gen_start.is_some() && first_chunk.is_none() {
+                            first_chunk = Some(harness_types::now_ms());
+                        }
                         dirty = true;
                         if last_write.elapsed() >= coalesce {
                             let partial = partial_message(&acc, &model, &provider);
@@ -321,6 +327,9 @@ impl Harness {
         // store round trip less per step, and the answer lands atomically with what the step
         // decides on it.
         last.update_message(stream_update(session_id, entry_id, &final_message, details))?;
+        if let Some(start) = gen_start {
+            self.mark_generation(&request_id, start, first_chunk);
+        }
         Ok(Generation {
             message: final_message,
             error: gen.error,

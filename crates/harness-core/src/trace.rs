@@ -105,6 +105,59 @@ pub trait Observer: Send + Sync {
 pub struct Telemetry {
     pub spans: Option<Arc<dyn SpanSink>>,
     pub observer: Option<Arc<dyn Observer>>,
+    /// Timings this process measured of the steps it ran (only while spans are exported).
+    pub marks: MarkBook,
+}
+
+/// What this process measured of one step: wall-clock ms. A step that ran elsewhere (before a
+/// restart) has none, and its spans take the transcript's timestamps instead.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepMarks {
+    /// Deliveries of the step this process ran.
+    pub runs: u32,
+    pub start: i64,
+    pub end: Option<i64>,
+    pub gen_start: Option<i64>,
+    pub first_chunk: Option<i64>,
+    pub gen_end: Option<i64>,
+}
+
+/// Step timings by turn, bounded: a turn that never ends here (it moved to another process)
+/// is forgotten once [`MARKED_TURNS`] newer ones were marked.
+#[derive(Clone, Default)]
+pub struct MarkBook(Arc<std::sync::Mutex<MarkInner>>);
+
+#[derive(Default)]
+struct MarkInner {
+    turns: std::collections::HashMap<String, std::collections::BTreeMap<u64, StepMarks>>,
+    order: std::collections::VecDeque<String>,
+}
+
+const MARKED_TURNS: usize = 4096;
+
+impl MarkBook {
+    fn step(&self, turn_id: &str, step: u64, f: impl FnOnce(&mut StepMarks)) {
+        let mut m = self.0.lock().expect("marks lock");
+        if !m.turns.contains_key(turn_id) {
+            if m.order.len() >= MARKED_TURNS {
+                if let Some(old) = m.order.pop_front() {
+                    m.turns.remove(&old);
+                }
+            }
+            m.order.push_back(turn_id.to_string());
+        }
+        f(m.turns
+            .entry(turn_id.to_string())
+            .or_default()
+            .entry(step)
+            .or_default());
+    }
+
+    fn take(&self, turn_id: &str) -> std::collections::BTreeMap<u64, StepMarks> {
+        let mut m = self.0.lock().expect("marks lock");
+        m.order.retain(|t| t != turn_id);
+        m.turns.remove(turn_id).unwrap_or_default()
+    }
 }
 
 static SPANS_BUILT: AtomicU64 = AtomicU64::new(0);
@@ -241,6 +294,9 @@ pub struct StepFacts {
     pub index: u64,
     pub start_ms: i64,
     pub end_ms: i64,
+    /// This process ran the step after an earlier delivery of it had generated already (or
+    /// twice itself): a redelivery after a crash or a timeout.
+    pub redelivered: bool,
     /// The step wrote a compaction record (its context was summarized).
     pub compacted: bool,
     pub generation: Option<GenFacts>,
@@ -257,6 +313,8 @@ pub struct GenFacts {
     pub finish_reason: &'static str,
     /// `auth_expired|rate_limited|context_overflow|transient|permanent`.
     pub error_kind: Option<&'static str>,
+    /// Measured by this process (none for a generation that ran before a restart).
+    pub time_to_first_chunk_ms: Option<i64>,
 }
 
 #[derive(Clone, Debug)]
@@ -339,6 +397,7 @@ pub(crate) fn facts(
     started_ms: i64,
     ended_ms: i64,
     entries: &[Entry],
+    marks: &std::collections::BTreeMap<u64, StepMarks>,
     children: &dyn Fn(&str, &str) -> Option<ChildFacts>,
 ) -> TurnFacts {
     let by_id: std::collections::HashMap<&str, &Entry> =
@@ -355,12 +414,23 @@ pub(crate) fn facts(
     let mut start = started_ms;
     for n in 0..=rec.step {
         let a = assistant(n);
+        let mark = marks.get(&n);
+        if let Some(mk) = mark {
+            start = mk.start.clamp(started_ms, ended_ms.max(started_ms));
+        }
+        // Measured here, the step had found its answer already written: a redelivery.
+        let redelivered =
+            mark.is_some_and(|mk| mk.runs > 1 || a.is_some_and(|m| m.timestamp < mk.start));
         let next_gen = assistant(n + 1).map(|m| m.timestamp);
         let mut calls = Vec::new();
         let mut generation = None;
         let mut end = start;
         if let Some(m) = a {
-            let gen_start = m.timestamp.clamp(start, ended_ms.max(start));
+            let measured = mark.filter(|_| !redelivered);
+            let gen_start = measured
+                .and_then(|mk| mk.gen_start)
+                .unwrap_or(m.timestamp)
+                .clamp(start, ended_ms.max(start));
             let mut results = Vec::new();
             for b in &m.content {
                 let ContentBlock::FunctionCall {
@@ -384,7 +454,10 @@ pub(crate) fn facts(
                     gen_end = gen_end.min(r.timestamp);
                 }
             }
-            let gen_end = gen_end.max(gen_start);
+            let gen_end = measured
+                .and_then(|mk| mk.gen_end)
+                .unwrap_or(gen_end)
+                .clamp(gen_start, ended_ms.max(gen_start));
             end = gen_end;
             for (id, function_id, r) in results {
                 let checkpoint = rec.calls.get(id.as_str());
@@ -421,18 +494,26 @@ pub(crate) fn facts(
                 usage: m.usage.clone(),
                 finish_reason: finish_reason(m.stop_reason),
                 error_kind: m.error_kind.map(|k| k.as_str()),
+                time_to_first_chunk_ms: measured
+                    .and_then(|mk| Some(mk.first_chunk? - mk.gen_start?))
+                    .filter(|d| *d >= 0),
             });
         }
-        if n == rec.step {
-            end = ended_ms.max(end);
-        } else if let Some(t) = next_gen {
-            end = end.min(t.max(start));
+        match mark.and_then(|mk| mk.end) {
+            Some(e) if n != rec.step => end = end.max(e.min(ended_ms)),
+            _ if n == rec.step => end = ended_ms.max(end),
+            _ => {
+                if let Some(t) = next_gen {
+                    end = end.min(t.max(start));
+                }
+            }
         }
         let compacted = by_id.contains_key(ids::compaction_entry(&rec.turn_id, n).as_str());
         steps.push(StepFacts {
             index: n,
             start_ms: start,
             end_ms: end.max(start),
+            redelivered,
             compacted,
             generation,
             calls,
@@ -511,6 +592,8 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
         );
         step.attributes
             .push(int_attr("harness.step.index", s.index as i64));
+        step.attributes
+            .push(("harness.step.redelivered", AttrValue::Bool(s.redelivered)));
         let mut step_error: Option<SpanError> = None;
         let mut note = |e: &SpanError, step_error: &mut Option<SpanError>| {
             error_spans += 1;
@@ -556,6 +639,12 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
             a.push(str_attr("gen_ai.request.model", g.model.clone()));
             a.push(str_attr("gen_ai.response.model", g.model.clone()));
             a.push(("gen_ai.request.stream", AttrValue::Bool(true)));
+            if let Some(t) = g.time_to_first_chunk_ms {
+                a.push((
+                    "gen_ai.response.time_to_first_chunk",
+                    AttrValue::Float(t as f64 / 1000.0),
+                ));
+            }
             if let Some(m) = rec.options.max_output_tokens {
                 a.push(int_attr("gen_ai.request.max_tokens", m as i64));
             }
@@ -737,9 +826,62 @@ impl crate::Harness {
         ));
     }
 
-    pub(crate) fn observe_step(&self, outcome: &'static str, started: std::time::Instant) {
-        if let Some(o) = self.telemetry().and_then(|t| t.observer.as_ref()) {
+    /// The marks of a traced turn's steps; `None` when no span is exported (nothing measured).
+    fn marks(&self) -> Option<&MarkBook> {
+        self.telemetry()
+            .filter(|t| t.spans.is_some())
+            .map(|t| &t.marks)
+    }
+
+    /// A step delivery starts in this process.
+    pub(crate) fn mark_step_start(&self, turn_id: &str, step: u64) {
+        if let Some(m) = self.marks() {
+            let now = harness_types::now_ms();
+            m.step(turn_id, step, |s| {
+                s.runs += 1;
+                s.start = now;
+                s.end = None;
+            });
+        }
+    }
+
+    /// A generation of request `turn_id:step` ran from `start` (first content at `first`) until
+    /// now.
+    pub(crate) fn mark_generation(&self, request_id: &str, start: i64, first: Option<i64>) {
+        let Some(m) = self.marks() else { return };
+        let Some((turn_id, step)) = request_id.rsplit_once(':') else {
+            return;
+        };
+        let Ok(step) = step.parse() else { return };
+        let now = harness_types::now_ms();
+        m.step(turn_id, step, |s| {
+            s.gen_start = Some(start);
+            s.first_chunk = first;
+            s.gen_end = Some(now);
+        });
+    }
+
+    /// Whether generations are timed (a span sink is installed).
+    pub(crate) fn marking(&self) -> bool {
+        self.marks().is_some()
+    }
+
+    pub(crate) fn observe_step(
+        &self,
+        payload: &harness_types::api::TurnStepPayload,
+        outcome: &'static str,
+        started: std::time::Instant,
+    ) {
+        let t = self.telemetry();
+        if let Some(o) = t.and_then(|t| t.observer.as_ref()) {
             o.step_finished(outcome, started.elapsed().as_secs_f64());
+        }
+        if let Some(m) = self.marks() {
+            // A turn finalized by this step has taken its marks already; don't start new ones.
+            if outcome != "finalized" && outcome != "stale" && outcome != "failed" {
+                let now = harness_types::now_ms();
+                m.step(&payload.turn_id, payload.step, |s| s.end = Some(now));
+            }
         }
     }
 
@@ -783,7 +925,15 @@ impl crate::Harness {
         }
         let started = ctx.map_or(rec.created_at, |c| c.started_at_ms);
         let lookup = |s: &str, t: &str| children.get(&(s.to_string(), t.to_string())).cloned();
-        let f = facts(rec, started, harness_types::now_ms(), &entries, &lookup);
+        let marks = t.marks.take(&rec.turn_id);
+        let f = facts(
+            rec,
+            started,
+            harness_types::now_ms(),
+            &entries,
+            &marks,
+            &lookup,
+        );
         if let Some(o) = &t.observer {
             o.turn_finished(&f);
         }

@@ -29,6 +29,7 @@ pub fn install(
             .clone()
             .map(|s| s as Arc<dyn harness_core::trace::SpanSink>),
         observer: Some(metrics.clone() as Arc<dyn harness_core::trace::Observer>),
+        marks: Default::default(),
     });
     Ok(Installed {
         metrics,

@@ -21,7 +21,7 @@ fn run_script() -> Value {
                             "arguments": {"city": "Trondheim"}}]}),
         json!({"match": {"last_user_text": "^break"},
                "error": {"kind": "permanent", "message": "refused"}, "repeat": true}),
-        json!({"match": {"last_user_text": "^dawdle"}, "delay_ms": 30000,
+        json!({"match": {"last_user_text": "^dawdle"}, "delay_ms": 5000,
                "content": [{"type": "text", "text": "too late"}]}),
         json!({"usage": {"input": 61, "output": 9}, "repeat": true,
                "content": [{"type": "text", "text": "It is sunny."}]}),

@@ -578,6 +578,100 @@ async fn without_an_endpoint_fifty_turns_build_no_span() {
     assert!(rx.spans().is_empty());
 }
 
+/// Scenario 4: SIGKILL mid-step, restart: the turn is still one trace, its redelivered step
+/// says so, and every span's parent is in the trace (the crashed attempt left no span).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_cut_by_sigkill_is_one_trace_with_its_redelivered_step_marked() {
+    let rx = Receiver::start().await;
+    let fx = forecast_fixture();
+    let mut extra = fx.args();
+    extra.extend(["--otlp-endpoint".to_string(), rx.url.clone()]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut server = Server::start(&weather_script(), &extra).await;
+    server.set_env("HARNESS_FAILPOINT", Some("after_assistant_appended:1"));
+    server.restart().await;
+    let sent = server
+        .ok(
+            "harness::send",
+            json!({"session_id": "s_killed", "message": USER_TEXT, "model": "demo", "provider": "scripted",
+                   "options": {"functions": {"allow": ["fx::*"], "expose": "native"}}}),
+        )
+        .await;
+    let deadline = Instant::now() + WAIT;
+    while !server.exited() {
+        assert!(Instant::now() < deadline, "the failpoint did not fire");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.set_env("HARNESS_FAILPOINT", None);
+    server.start_again().await;
+    let s = server
+        .wait_turn("s_killed", sent["turn_id"].as_str().unwrap())
+        .await;
+    assert_eq!(s["status"], "completed", "{s}");
+    let spans = rx.trace_of("s_killed").await;
+    let turn = one(&spans, |s| s.name == "invoke_agent harness", "turn span");
+    assert!(spans.iter().all(|s| s.trace_id == turn.trace_id));
+    let ids: Vec<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    for s in &spans {
+        if s.span_id != turn.span_id {
+            assert!(
+                ids.contains(&s.parent.as_str()),
+                "{} has a parent outside the trace",
+                s.name
+            );
+        }
+    }
+    let step0 = one(&spans, |s| s.name == "harness.step 0", "step 0");
+    assert_eq!(step0.attr("harness.step.redelivered"), true, "{step0:?}");
+    let step1 = one(&spans, |s| s.name == "harness.step 1", "step 1");
+    assert_eq!(step1.attr("harness.step.redelivered"), false, "{step1:?}");
+    assert_eq!(
+        spans.iter().filter(|s| s.name == "chat demo").count(),
+        2,
+        "{:#?}",
+        names(&spans)
+    );
+}
+
+/// Scenario 8: with the receiver down, turns still complete, the failure is logged once (not
+/// per batch), and the lost spans are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_is_down_costs_a_warning_and_a_count_not_a_turn() {
+    // Nobody listens there.
+    let down = format!("http://127.0.0.1:{}", free_port());
+    let server = Server::start(
+        &script(vec![text_gen(None, "ok", 0, true)]),
+        &["--otlp-endpoint", &down],
+    )
+    .await;
+    let started = Instant::now();
+    // Two rounds, each until every span built is counted lost: at least two failed exports.
+    for round in 0..2 {
+        for i in 0..10 {
+            let session = format!("s_down_{round}_{i}");
+            let sent = server.send(Some(&session), "hello").await;
+            let s = server
+                .wait_turn(&session, sent["turn_id"].as_str().unwrap())
+                .await;
+            assert_eq!(s["status"], "completed");
+        }
+        wait_for("every span built counted lost", WAIT, || async {
+            let built = metric(&server, "harness_otel_spans_built_total").await;
+            let dropped = metric(&server, "harness_otel_spans_dropped_total").await;
+            (built >= 4.0 * 10.0 * (round + 1) as f64 && dropped == built).then_some(())
+        })
+        .await;
+    }
+    // Generous: each turn takes a few ms; an exporter in the way would cost seconds each.
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    let warnings = server.log().matches("OTLP export failed").count();
+    assert_eq!(warnings, 1, "{}", server.log());
+}
+
 #[test]
 fn grpc_is_refused_at_start_naming_http_protobuf() {
     let dir = tempfile::tempdir().unwrap();

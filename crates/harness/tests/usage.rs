@@ -96,7 +96,7 @@ async fn each_failure_outcome_is_announced_once_and_sub_agents_add_nothing() {
     let script = script(vec![
         json!({"match": {"last_user_text": "^break"},
                "error": {"kind": "permanent", "message": "refused"}, "repeat": true}),
-        json!({"match": {"last_user_text": "^dawdle"}, "delay_ms": 30000, "repeat": true,
+        json!({"match": {"last_user_text": "^dawdle"}, "delay_ms": 5000, "repeat": true,
                "content": [{"type": "text", "text": "too late"}]}),
         json!({"match": {"last_user_text": "^loop"}, "repeat": true,
                "content": [{"type": "function_call", "id": "c1", "function_id": "fx::look",
