@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use harness_bus::Bus;
 use harness_types::context::ModelRef;
-use harness_types::message::{AgentMessage, ContentBlock};
+use harness_types::message::{AgentMessage, ContentBlock, Usage};
 use harness_types::router::{ChatRequest, Frame};
 use serde_json::Value;
 
@@ -154,7 +154,7 @@ pub async fn summarize(
     input: String,
     max_output_tokens: u64,
     timeout: Duration,
-) -> Result<String, ContextError> {
+) -> Result<(String, Option<Usage>), ContextError> {
     let req = ChatRequest {
         request_id,
         session_id,
@@ -195,9 +195,9 @@ pub async fn summarize(
                     "the model answered the summary request with no text".into(),
                 ));
             }
-            Ok(cut(
-                text.trim(),
-                (max_output_tokens as usize).saturating_mul(4),
+            Ok((
+                cut(text.trim(), (max_output_tokens as usize).saturating_mul(4)),
+                message.usage,
             ))
         }
         Some(Frame::Error { error_message, .. }) => Err(ContextError::Summarizer(format!(

@@ -264,7 +264,7 @@ pub async fn assemble_known(
         .summary_request_id
         .clone()
         .unwrap_or_else(|| format!("context:{}", harness_types::ids::new_turn_id()));
-    let summary = compact::summarize(
+    let (summary, summary_usage) = compact::summarize(
         bus,
         &model,
         o.lease_key.clone(),
@@ -292,6 +292,7 @@ pub async fn assemble_known(
     }
     applied.compacted = true;
     applied.summary = Some(summary);
+    applied.summary_usage = summary_usage;
     applied.tail_start_index = tail_origin;
     applied.tokens_before = Some(initial + preamble);
     applied.summarized_head_tokens = Some(head_tokens);

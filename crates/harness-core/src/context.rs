@@ -88,6 +88,7 @@ pub(crate) fn compaction_record(
         assembled_token_count: assembled.token_count,
         usable_input_tokens: assembled.usable,
         effective_max_output_tokens: assembled.effective_max_output_tokens,
+        usage: a.summary_usage.clone(),
     })
 }
 

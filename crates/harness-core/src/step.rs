@@ -35,6 +35,18 @@ use tokio_util::sync::CancellationToken;
 /// Tokens reserved for request framing.
 const FRAMING_TOKENS: u64 = 64;
 
+/// A step's context, ready to send.
+struct Prepared {
+    system_prompt: Option<String>,
+    messages: Arc<Vec<AgentMessage>>,
+    /// Its token count.
+    tokens: u64,
+    /// See [`output_room`].
+    max_output_tokens: Option<u32>,
+    /// What a compaction's summary cost, when this step wrote one.
+    compaction_usage: Option<harness_types::message::Usage>,
+}
+
 /// The output cap of a generation: never more than the window leaves after the prompt (a
 /// server asked for more fills its window and fails, or runs for minutes). The turn's own cap
 /// is kept when smaller; without one, the catalog's limit stands when the room exceeds it
@@ -370,6 +382,7 @@ impl Harness {
             depth: rec.depth,
             message_preview: rec.message_preview.clone(),
             display: rec.options.display.clone(),
+            parent_session_id: rec.options.display_parent_session_id.clone(),
         });
         if let Some(ev) = &started {
             self.record_turn_event(&mut batch, ev);
@@ -446,13 +459,23 @@ impl Harness {
                 _ => tools.push(output::submit_result_tool(schema)),
             }
         }
-        let (system_prompt, messages, context_tokens, max_output_tokens) = match self
+        let Prepared {
+            system_prompt,
+            messages,
+            tokens: context_tokens,
+            max_output_tokens,
+            compaction_usage,
+        } = match self
             .assemble_context(rec, &window, system_prompt, &tools)
             .await?
         {
             Ok(prepared) => prepared,
             Err(why) => return Ok((Some(rec.clone()), Input::ContextRefused(why))),
         };
+        // The summary was a generation: it counts against the turn's budget like the reply.
+        if let Some(usage) = &compaction_usage {
+            self.record_spend(rec, usage).await?;
+        }
         // Before the provider is called: what this generation could spend must fit the budget.
         if let Err(detail) = self.budget_preflight(rec, context_tokens).await? {
             return Ok((
@@ -567,6 +590,10 @@ impl Harness {
         if let Some(n) = now.as_mut() {
             n.output_mode = n.output_mode.or(rec.output_mode);
             n.prompt_surface = rec.prompt_surface.clone();
+            // Re-read, the record has not seen the summary's spend yet (only `rec` has).
+            if let Some(usage) = &compaction_usage {
+                self.record_spend(n, usage).await?;
+            }
             if let Some(usage) = &generation.message.usage {
                 self.record_spend(n, usage).await?;
             }
@@ -754,12 +781,7 @@ impl Harness {
         window: &Window,
         system_prompt: Option<String>,
         tools: &[harness_types::router::ToolSpec],
-    ) -> Result<
-        std::result::Result<
-            (Option<String>, Arc<Vec<AgentMessage>>, u64, Option<u32>),
-            ContextRefusal,
-        >,
-    > {
+    ) -> Result<std::result::Result<Prepared, ContextRefusal>> {
         let catalog = self.catalog_entry(rec).await;
         let context_window = self.context_window_of(catalog.as_ref());
         let max_output = rec.options.max_output_tokens.unwrap_or(0) as u64;
@@ -895,6 +917,7 @@ impl Harness {
                 assembled_tokens - extra
             };
             if tokens <= usable {
+                let compaction_usage = compaction.as_ref().and_then(|c| c.usage.clone());
                 if let Some(record) = compaction {
                     // Persisted only once the context is final: a crash before this line costs
                     // one more summary, never a message; the id makes a redelivery a no-op.
@@ -917,7 +940,13 @@ impl Harness {
                     rec.options.max_output_tokens,
                     catalog.as_ref(),
                 );
-                return Ok(Ok((prompt, messages, tokens, room)));
+                return Ok(Ok(Prepared {
+                    system_prompt: prompt,
+                    messages,
+                    tokens,
+                    max_output_tokens: room,
+                    compaction_usage,
+                }));
             }
             let detail = format!(
                 "{OVERFLOW_PREFIX} ~{tokens} tokens after {}, {usable} usable",

@@ -172,6 +172,32 @@ impl Harness {
                     Some(AgentMessage::FunctionResult(r)) if r.is_error => {
                         c.function_call_errors += 1;
                     }
+                    // A compaction's summary was generated too: its tokens and cost count.
+                    None => {
+                        let Some(u) = e
+                            .custom
+                            .as_ref()
+                            .filter(|c| c.custom_type == harness_types::context::COMPACTION_ENTRY)
+                            .and_then(|c| c.data.get("usage"))
+                            .and_then(|u| {
+                                serde_json::from_value::<harness_types::message::Usage>(u.clone())
+                                    .ok()
+                            })
+                        else {
+                            continue;
+                        };
+                        add(&mut c.input_tokens, u.input, first);
+                        add(&mut c.output_tokens, u.output, first);
+                        add(&mut c.cache_read_tokens, u.cache_read, first);
+                        add(&mut c.cache_write_tokens, u.cache_write, first);
+                        add(&mut c.reasoning_tokens, u.reasoning, first);
+                        cost = match (first, cost, u.cost_usd) {
+                            (true, _, v) => v,
+                            (false, Some(s), Some(v)) => Some(s + v),
+                            _ => None,
+                        };
+                        first = false;
+                    }
                     _ => {}
                 }
             }

@@ -113,6 +113,41 @@ async fn a_long_conversation_is_compacted_and_never_fails() {
         assert!(c.tokens_before > c.assembled_token_count);
         assert!(c.assembled_token_count <= c.usable_input_tokens);
     }
+    // Each summary was a generation, accounted on its compaction entry and in the metrics.
+    let mut summarized = (0u64, 0u64);
+    for c in &compactions {
+        let u = c.usage.as_ref().expect("the summary's usage on its entry");
+        assert!(
+            u.input.unwrap_or(0) > 0 && u.output.unwrap_or(0) > 0,
+            "{u:?}"
+        );
+        summarized.0 += u.input.unwrap();
+        summarized.1 += u.output.unwrap();
+    }
+    let replied = entries
+        .iter()
+        .filter_map(|e| match &e.message {
+            Some(AgentMessage::Assistant(a)) => a.usage.clone(),
+            _ => None,
+        })
+        .fold((0u64, 0u64), |(i, o), u| {
+            (i + u.input.unwrap_or(0), o + u.output.unwrap_or(0))
+        });
+    let metrics = rt
+        .harness
+        .metrics(harness_types::api::MetricsRequest {
+            root_session_id: sid.clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        metrics.totals.counters.input_tokens,
+        Some(replied.0 + summarized.0)
+    );
+    assert_eq!(
+        metrics.totals.counters.output_tokens,
+        Some(replied.1 + summarized.1)
+    );
     // Every message stayed in the transcript: compaction only changes what is sent.
     let messages = entries.iter().filter(|e| e.message.is_some()).count();
     assert_eq!(messages, TURNS * 4);

@@ -119,6 +119,10 @@ pub struct Applied {
     /// Function results shortened by pruning.
     #[serde(default)]
     pub pruned_results: u32,
+    /// What writing the new summary cost (the summarizer's generation, as its provider
+    /// reported or the router estimated it, priced).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary_usage: Option<crate::message::Usage>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
@@ -232,6 +236,10 @@ pub struct CompactionRecord {
     pub usable_input_tokens: u64,
     #[serde(default)]
     pub effective_max_output_tokens: u64,
+    /// The summarizer's usage and cost: a compaction is a generation like any other, counted in
+    /// `harness::metrics` and against the turn's budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::message::Usage>,
 }
 
 /// `harness::context-policy`: what the context manager may do to a session's history.
