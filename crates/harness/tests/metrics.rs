@@ -424,3 +424,96 @@ async fn metrics_promtool() {
         "promtool accepted a counter without _total: {said}"
     );
 }
+
+/// A real Prometheus (Debian's `prometheus`) scrapes `harness serve` every second: the target is
+/// up with no error and a query answers the run's counts. Skipped (with the reason) without
+/// `prometheus` on PATH, unless `HARNESS_REQUIRE_PROMETHEUS=1` (CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_prometheus_scrape() {
+    let have = Command::new("prometheus")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have {
+        if std::env::var("HARNESS_REQUIRE_PROMETHEUS").as_deref() == Ok("1") {
+            panic!("HARNESS_REQUIRE_PROMETHEUS=1 but prometheus is not on PATH (apt-get install prometheus)");
+        }
+        println!("skipped: prometheus is not on PATH (Debian: apt-get install prometheus)");
+        return;
+    }
+    let fx = Fixtures::new(json!([{"id": "fx::forecast", "response": {"sky": "sunny"}}]));
+    let extra = server_args(&fx);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let server = Server::start(&run_script(), &extra).await;
+    run(&server).await;
+    let target = server.url().trim_start_matches("http://").to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: harness\n    scrape_interval: 1s\n    static_configs:\n      - targets: ['{target}']\n"
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let child = Command::new("prometheus")
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.path().join("data").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start prometheus");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _prometheus = Kill(child);
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    wait_for("prometheus ready", WAIT, || async {
+        let r = client.get(format!("{base}/-/ready")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    let completed = wait_for("the scraped completed count", WAIT, || async {
+        let v: Value = client
+            .get(format!("{base}/api/v1/query"))
+            .query(&[(
+                "query",
+                "harness_turns_completed_total{status=\"completed\",reason=\"none\"}",
+            )])
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        v["data"]["result"][0]["value"][1]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await;
+    assert_eq!(completed, "1");
+    let targets: Value = client
+        .get(format!("{base}/api/v1/targets"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let t = &targets["data"]["activeTargets"][0];
+    assert_eq!(t["health"], "up", "{t}");
+    assert_eq!(t["lastError"], "", "{t}");
+}
