@@ -163,7 +163,10 @@ impl TurnEvent for TurnStartedEvent {
         &self.session_id
     }
     fn parent_session_id(&self) -> Option<&str> {
-        self.parent.as_ref().map(|p| p.session_id.as_str())
+        self.parent
+            .as_ref()
+            .map(|p| p.session_id.as_str())
+            .or(self.parent_session_id.as_deref())
     }
 }
 
@@ -176,7 +179,10 @@ impl TurnEvent for TurnCompletedEvent {
         &self.session_id
     }
     fn parent_session_id(&self) -> Option<&str> {
-        self.parent.as_ref().map(|p| p.session_id.as_str())
+        self.parent
+            .as_ref()
+            .map(|p| p.session_id.as_str())
+            .or(self.parent_session_id.as_deref())
     }
 }
 

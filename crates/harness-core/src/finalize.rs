@@ -183,6 +183,7 @@ fn after_terminal(batch: &mut StepWrites, rec: &TurnRecord) -> Result<TurnComple
         failure: rec.api_failure(),
         display: rec.options.display.clone(),
         context: rec.prompt_surface.clone(),
+        parent_session_id: rec.options.display_parent_session_id.clone(),
     })
 }
 

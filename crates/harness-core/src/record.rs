@@ -61,6 +61,9 @@ pub struct TurnOptions {
     /// A sub-agent's display, as its spawn named it (normalized).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display: Option<harness_types::directory::Display>,
+    /// The display-only parent a spawn called directly named (never with a parent link).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_parent_session_id: Option<String>,
     /// The skills index the session was last told about, when a correction followed the
     /// frozen one (None: the index frozen in `system_prompt` is the latest it knows).
     #[serde(default, skip_serializing_if = "Option::is_none")]

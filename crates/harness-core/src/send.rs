@@ -912,6 +912,7 @@ impl Harness {
             display: None,
             max_children: None,
             skills_seen: None,
+            display_parent_session_id: None,
         })
     }
 }

@@ -145,6 +145,18 @@ impl Harness {
     ) -> Result<SpawnResponse> {
         let o = req.options.clone().unwrap_or_default();
         let display = req.display.as_ref().map(spawn_display).transpose()?;
+        // Only a spawn called directly names one: from a turn the parent is the turn, never an
+        // argument. A self-parent is dropped (its events would name it as its own child).
+        let display_parent = match (&req.parent_session_id, parent) {
+            (Some(p), None) if p.is_empty() => {
+                return Err(HarnessError::invalid_field(
+                    "parent_session_id",
+                    "must not be empty",
+                ))
+            }
+            (Some(p), None) if req.session_id.as_ref() != Some(p) => Some(p.clone()),
+            _ => None,
+        };
         crate::identity::check_mode("options.mode", o.mode, o.system_prompt_strategy)?;
         let mut reused = false;
         if let (Some((p, _)), Some(id)) = (parent, &req.session_id) {
@@ -218,7 +230,9 @@ impl Harness {
             provider,
             system_prompt: frozen.system_prompt,
             max_turns,
-            max_output_tokens: parent_opts.and_then(|p| p.max_output_tokens),
+            max_output_tokens: o
+                .max_output_tokens
+                .or(parent_opts.and_then(|p| p.max_output_tokens)),
             thinking_level: o
                 .thinking_level
                 .or(profile.as_ref().and_then(|p| p.reasoning_effort))
@@ -252,6 +266,7 @@ impl Harness {
             // The child's own fan-out: what the spawn asks, never more than the operator allows.
             max_children: o.max_children,
             skills_seen: None,
+            display_parent_session_id: display_parent.clone(),
         };
         let depth = parent.map_or(0, |(p, _)| p.depth + 1);
         let link = parent.map(|(p, call_id)| ParentLink {
@@ -260,7 +275,7 @@ impl Harness {
             function_call_id: call_id.to_string(),
         });
         let mut metadata = json!({
-            "parent_session_id": link.as_ref().map(|l| &l.session_id),
+            "parent_session_id": link.as_ref().map(|l| &l.session_id).or(display_parent.as_ref()),
             "parent_turn_id": link.as_ref().map(|l| &l.turn_id),
             "function_call_id": link.as_ref().map(|l| &l.function_call_id),
             "depth": depth,

@@ -770,3 +770,81 @@ async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
     rt.wait_terminal(&sid, &r.turn_id).await;
     assert_eq!(corrections(&rt).len(), 1);
 }
+
+/// A spawn called directly may name a display-only parent: the child is listed under it and
+/// its events name it, so a binding filtered on that parent hears of it; and the spawn's
+/// `options.max_output_tokens` caps the child's generations.
+#[tokio::test]
+async fn a_direct_spawns_display_parent_lists_the_child_and_names_it_on_its_events() {
+    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let parent = rt.harness.send(send("host")).await.unwrap();
+    rt.wait_terminal(&parent.session_id, &parent.turn_id).await;
+    let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Value>::new()));
+    let log = heard.clone();
+    rt.bus.register_function(
+        harness_bus::FunctionDef::new("watch::children", "records events"),
+        std::sync::Arc::new(move |p: Value, _c: harness_bus::CallContext| {
+            log.lock().unwrap().push(p);
+            async { Ok(json!({})) }
+        }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::turn-completed", "function_id": "watch::children",
+                   "config": {"parent_session_id": parent.session_id}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let req: SpawnRequest = serde_json::from_value(json!({
+        "task": "side job", "model": "m", "provider": "scripted",
+        "parent_session_id": parent.session_id,
+        "options": {"max_output_tokens": 123}
+    }))
+    .unwrap();
+    let child = rt.harness.spawn(req).await.unwrap();
+    rt.wait_terminal(&child.child_session_id, &child.child_turn_id)
+        .await;
+
+    let tree = rt
+        .harness
+        .session_tree(SessionTreeRequest {
+            session_id: parent.session_id.clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(tree.children.len(), 1);
+    assert_eq!(tree.children[0].session_id, child.child_session_id);
+    let done = rt
+        .completed_events(&child.child_session_id, &child.child_turn_id)
+        .await;
+    assert_eq!(done[0]["parent_session_id"], json!(parent.session_id));
+    assert!(
+        done[0].get("parent").is_none(),
+        "no parent link: {}",
+        done[0]
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while heard.lock().unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the binding heard nothing"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        heard.lock().unwrap()[0]["session_id"],
+        json!(child.child_session_id)
+    );
+    let seen = rt.recorder.seen.lock().unwrap();
+    let req = seen
+        .iter()
+        .find(|r| r.session_id.as_deref() == Some(child.child_session_id.as_str()))
+        .unwrap();
+    assert!(
+        req.max_output_tokens.is_some_and(|m| m <= 123),
+        "{:?}",
+        req.max_output_tokens
+    );
+}

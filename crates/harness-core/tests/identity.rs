@@ -526,6 +526,7 @@ async fn a_direct_spawn_names_a_profile_for_its_child() {
             options: None,
             agent: Some("reviewer".into()),
             display: None,
+            parent_session_id: None,
         })
         .await
         .unwrap();
@@ -551,6 +552,7 @@ async fn a_direct_spawn_names_a_profile_for_its_child() {
             }),
             agent: Some("reviewer".into()),
             display: None,
+            parent_session_id: None,
         })
         .await
         .unwrap_err()

@@ -187,6 +187,7 @@ async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
             options: None,
             agent: None,
             display: None,
+            parent_session_id: None,
         })
         .await
         .unwrap_err();

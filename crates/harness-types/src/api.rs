@@ -385,6 +385,9 @@ pub struct TurnStartedEvent {
     /// A sub-agent's `display`, as its spawn named it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display: Option<crate::directory::Display>,
+    /// The display-only parent a spawn called directly named (never with `parent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
 }
 
 /// `harness::turn-completed`.
@@ -412,6 +415,9 @@ pub struct TurnCompletedEvent {
     /// The context snapshot at the end of the turn: the prompt surface its last step sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<PromptSurface>,
+    /// The display-only parent a spawn called directly named (never with `parent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
 }
 
 /// Binding config shared by both turn-event types.
@@ -569,6 +575,9 @@ pub struct SpawnOptions {
     /// Nudges an invalid result gets before the child's turn fails (default 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_validation_retries: Option<u32>,
+    /// The child's output cap per generation (default: the parent's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_tokens: Option<u32>,
 }
 
 /// Spawn a sub-agent in a child session.
@@ -596,6 +605,12 @@ pub struct SpawnRequest {
     /// name (trimmed, 1 to 48 characters) titles a newly created child session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display: Option<SpawnDisplay>,
+    /// For a spawn called directly (no parent turn): a display-only parent. The child is listed
+    /// under it (`harness::session-tree`) and its turn events name it as `parent_session_id`;
+    /// it is no parent link: nothing waits for the child, stops it or inherits from it. From a
+    /// turn it is ignored: the parent is always the calling turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
 }
 
 /// A spawn's `display`: `icon` from the closed set (anything else fails the spawn); `color`
