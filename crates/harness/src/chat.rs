@@ -68,6 +68,7 @@ impl Source {
     ) -> Result<(TurnEnd, Option<Value>)> {
         let mut printer = Printer {
             max_output,
+            usage: Default::default(),
             turn_id: turn_id.to_string(),
             printed: Default::default(),
             parked: false,
@@ -164,6 +165,8 @@ enum TurnEnd {
 struct Printer {
     /// `--max-output-tokens`, to say which limit cut a reply.
     max_output: Option<u32>,
+    /// The usage of each reply of the turn, by entry id (shown when the turn ends).
+    usage: std::collections::BTreeMap<String, harness_types::message::Usage>,
     turn_id: String,
     printed: std::collections::HashMap<String, usize>,
     /// Set when the session parked for function results (approvals may be waiting).
@@ -231,6 +234,9 @@ impl Printer {
                 return false;
             };
             self.cut = m.stop_reason == harness_types::message::StopReason::Length;
+            if let Some(u) = &m.usage {
+                self.usage.insert(entry.entry_id.clone(), u.clone());
+            }
             let text = joined_text(&m.content);
             let done = self.printed.entry(entry.entry_id.clone()).or_insert(0);
             if text.len() > *done && text.is_char_boundary(*done) {
@@ -259,6 +265,14 @@ impl Printer {
         }
         if topic == "harness::turn-completed" && data["payload"]["turn_id"] == json!(self.turn_id) {
             let p = &data["payload"];
+            if let Some(line) = usage_line(self.usage.values()) {
+                eprintln!("{line}");
+            }
+            if p["reason"] == "max_turns" {
+                println!(
+                    "\n[stopped at the turn's max_turns limit: send another message to go on]"
+                );
+            }
             self.end = match p["status"].as_str() {
                 Some("failed") => {
                     let summary = p["result_error"].as_str().unwrap_or("unknown error");
@@ -307,6 +321,30 @@ impl Printer {
         }
         false
     }
+}
+
+/// The usage of a turn's replies, summed: tokens in and out, `estimated` when any reply's was
+/// (a server that reports none), and the cost when every reply was priced.
+fn usage_line<'a>(
+    replies: impl Iterator<Item = &'a harness_types::message::Usage>,
+) -> Option<String> {
+    let (mut input, mut output, mut cost, mut estimated, mut any) =
+        (0u64, 0u64, Some(0.0f64), false, false);
+    for u in replies {
+        any = true;
+        input += u.input.unwrap_or(0) + u.cache_read.unwrap_or(0) + u.cache_write.unwrap_or(0);
+        output += u.output.unwrap_or(0);
+        estimated |= u.estimated;
+        cost = cost.zip(u.cost_usd).map(|(a, b)| a + b);
+    }
+    if !any {
+        return None;
+    }
+    let cost = cost.map_or_else(|| "cost unknown".to_string(), |c| format!("${c:.6}"));
+    let marker = if estimated { " (estimated)" } else { "" };
+    Some(format!(
+        "[usage: {input} in, {output} out tokens{marker}, {cost}]"
+    ))
 }
 
 /// How an entry a function call wrote is shown: `[written by call <id> (<function>)] <text>`;
@@ -766,6 +804,38 @@ mod tests {
     fn question(multi: bool) -> Value {
         json!({"header": "Channels", "question": "Where?", "multi_select": multi,
                "options": [{"label": "Console"}, {"label": "Slack", "description": "team"}, {"label": "Mail"}]})
+    }
+
+    #[test]
+    fn the_usage_line_sums_the_replies_and_says_when_it_is_an_estimate() {
+        use harness_types::message::Usage;
+        assert_eq!(usage_line([].iter()), None);
+        let a = Usage {
+            input: Some(100),
+            output: Some(20),
+            cost_usd: Some(0.001),
+            ..Usage::default()
+        };
+        let b = Usage {
+            input: Some(150),
+            cache_read: Some(50),
+            output: Some(30),
+            cost_usd: Some(0.002),
+            estimated: true,
+            ..Usage::default()
+        };
+        assert_eq!(
+            usage_line([a.clone(), b].iter()).unwrap(),
+            "[usage: 300 in, 50 out tokens (estimated), $0.003000]"
+        );
+        let unpriced = Usage {
+            cost_usd: None,
+            ..a.clone()
+        };
+        assert_eq!(
+            usage_line([a, unpriced].iter()).unwrap(),
+            "[usage: 200 in, 40 out tokens, cost unknown]"
+        );
     }
 
     #[test]

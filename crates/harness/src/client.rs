@@ -54,6 +54,12 @@ pub async fn call(url: &str, function_id: &str, json: Option<&str>) -> Result<()
         None => Value::Object(Default::default()),
     };
     let result = call_value(url, function_id, &payload).await?;
+    // `harness::status` answers `null` for a session it does not know: as a command, that is a
+    // failure (a script checking the exit code must not read it as a status).
+    if result.is_null() && function_id == "harness::status" {
+        let session = payload["session_id"].as_str().unwrap_or("?");
+        return Err(anyhow!("harness/not_found: no session '{session}'"));
+    }
     println!("{}", serde_json::to_string_pretty(&result)?);
     Ok(())
 }

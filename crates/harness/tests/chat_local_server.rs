@@ -109,6 +109,13 @@ async fn a_reply_cut_at_max_output_tokens_says_so() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     assert!(stdout.contains("[reply cut"), "{stdout}");
+    assert!(stdout.contains("--max-output-tokens 8"), "{stdout}");
+    // Usage under the reply: the server reports none, so it is the router's estimate.
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("[usage: ") && err.contains("(estimated), $0.000000]"),
+        "{err}"
+    );
     let bodies = server.chat_bodies();
     assert_eq!(bodies[0]["max_tokens"], 8);
 }
@@ -195,6 +202,12 @@ async fn tool_choice_expose_and_max_turns_reach_the_request() {
     assert!(
         !text(&out.stdout).contains("[call"),
         "the reply stays alone on stdout"
+    );
+    // The turn ended at its one step: said, not silent.
+    assert!(
+        text(&out.stdout).contains("[stopped at the turn's max_turns limit"),
+        "{}",
+        text(&out.stdout)
     );
 }
 

@@ -379,7 +379,13 @@ async fn call_cli() {
     ])
     .await
     .unwrap();
-    assert_eq!((code, out.trim()), (0, "null"), "stderr: {err}");
+    // A session that does not exist is an error of the command, not a `null` status.
+    assert_ne!(code, 0, "stdout: {out}");
+    assert!(out.trim().is_empty(), "stdout: {out}");
+    assert!(
+        err.contains("harness/not_found: no session 'nope'"),
+        "{err}"
+    );
 
     // A send through the CLI prints the JSON answer; the turn completes.
     let (code, out, err) = cli(vec![
