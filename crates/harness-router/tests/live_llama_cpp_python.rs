@@ -8,9 +8,11 @@
 //!
 //! One test, in phases sharing one server (loading the model is the slow part): a chat, a
 //! multi-turn session, a forced function call and its replay, two sessions streaming at once
-//! (no turn may end `completed` with a reply the server cut; by default the server interrupts
-//! one stream for the other, so that turn may fail, and with `--interrupt_requests false` both
-//! complete), and a server killed mid-stream.
+//! (both complete: the preset sends one request at a time, so the server's default of
+//! interrupting a stream for the next request never cuts one; and on a server started with
+//! `--interrupt_requests false`), a dense first message over the window refused and the
+//! session going on, an output contract answered with grammar-constrained JSON, the server's
+//! own token counts, and a server killed mid-stream.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -81,6 +83,27 @@ fn setup() -> Result<(String, String), String> {
     ))
 }
 
+/// Runs `llama_cpp.server` with its model loaded without extra buffer types: on some CPUs
+/// (AVX-512 with AMX, as on the machine this was tried on) 0.3.36's repacked buffers crash the
+/// server on its first completion.
+const LAUNCH: &str = "
+import runpy, sys
+import llama_cpp.llama_cpp as ll
+_defaults = ll.llama_model_default_params
+def _params():
+    p = _defaults()
+    try:
+        p.use_extra_bufts = False
+    except AttributeError:
+        pass
+    return p
+ll.llama_model_default_params = _params
+import llama_cpp
+llama_cpp.llama_model_default_params = _params
+sys.argv = ['llama_cpp.server'] + sys.argv[1:]
+runpy.run_module('llama_cpp.server', run_name='__main__')
+";
+
 struct Server {
     child: Child,
     url: String,
@@ -100,14 +123,7 @@ async fn start_server(python: &str, model: &str, extra: &[&str]) -> Server {
         .unwrap()
         .port();
     let child = Command::new(python)
-        .args([
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            model,
-            "--model_alias",
-            MODEL,
-        ])
+        .args(["-c", LAUNCH, "--model", model, "--model_alias", MODEL])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--n_ctx", &N_CTX.to_string(), "--verbose", "false"])
         .args(extra)
@@ -162,6 +178,7 @@ async fn runtime(url: &str) -> Rt {
             .build(),
     );
     harness_router::register(shared.as_ref(), &router);
+    harness_context::register(shared.clone());
     let calls = Arc::new(AtomicUsize::new(0));
     let seen = calls.clone();
     shared.register_function(
@@ -198,6 +215,19 @@ async fn runtime(url: &str) -> Rt {
 }
 
 async fn send(rt: &Rt, session: Option<&str>, text: &str, max_output: u32) -> (String, String) {
+    let options = SendOptions {
+        max_output_tokens: Some(max_output),
+        ..Default::default()
+    };
+    send_with(rt, session, text, options).await
+}
+
+async fn send_with(
+    rt: &Rt,
+    session: Option<&str>,
+    text: &str,
+    options: SendOptions,
+) -> (String, String) {
     let r = rt
         .harness
         .send(SendRequest {
@@ -205,10 +235,7 @@ async fn send(rt: &Rt, session: Option<&str>, text: &str, max_output: u32) -> (S
             message: json!(text),
             model: Some(MODEL.into()),
             provider: Some("llamacpp".into()),
-            options: Some(SendOptions {
-                max_output_tokens: Some(max_output),
-                ..Default::default()
-            }),
+            options: Some(options),
             ..Default::default()
         })
         .await
@@ -414,17 +441,22 @@ async fn a_real_llama_cpp_python_server() {
         other => panic!("the replay of the call failed: {other:?}"),
     }
 
-    // 4. Two sessions streaming at once: the server interrupts one stream for the other.
+    // 4. Two sessions sent at once to a default server (which interrupts a stream when another
+    // request arrives): the preset's limit of one request at a time queues them, so both
+    // complete and none is cut.
     let (a, ta) = send(&rt, None, "Count from 1 to 100, one number per line.", 200).await;
     let (b, tb) = send(&rt, None, "List twenty fruits, one per line.", 200).await;
     let sa = wait(&rt, &a, &ta, long).await;
     let sb = wait(&rt, &b, &tb, long).await;
     for (sid, s) in [(&a, &sa), (&b, &sb)] {
         let cut = assert_no_cut_reply_marked_end(&rt, sid);
-        assert!(
-            matches!(s.status, TurnStatus::Completed | TurnStatus::Failed),
-            "{s:?}"
+        assert_eq!(
+            s.status,
+            TurnStatus::Completed,
+            "{s:?} {:?}",
+            error_detail(&rt, sid)
         );
+        assert_eq!(cut, 0, "a stream was cut");
         say(&format!(
             "concurrent session {sid}: {:?} after {} resume(s), {cut} cut repl(ies) kept as errors, replies {:?}, error {:?}",
             s.status,
@@ -458,7 +490,94 @@ async fn a_real_llama_cpp_python_server() {
         }
     }
 
-    // 5. The server killed mid-stream: the turn does not complete with the cut reply.
+    // 5. A dense first message over the 2,048-token window: refused with its size (the
+    // server's own count) and the window, never sent; the next "Say hi." of the session
+    // completes without it.
+    let digits: String = (0..3000)
+        .map(|i| char::from(b'0' + ((i * 7) % 10) as u8))
+        .collect();
+    let started = Instant::now();
+    let (d, td) = send_with(&rt, None, &digits, SendOptions::default()).await;
+    let s = wait(&rt, &d, &td, long).await;
+    assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
+    let detail = s
+        .failure
+        .as_ref()
+        .and_then(|f| f.detail.clone())
+        .unwrap_or_default();
+    assert!(detail.contains("context/message_too_large"), "{detail}");
+    assert!(detail.contains("2048-token window"), "{detail}");
+    say(&format!(
+        "dense first message: failed in {:?}: {detail}",
+        started.elapsed()
+    ));
+    let (_, th) = send(&rt, Some(&d), "Say hi.", 32).await;
+    let s = wait(&rt, &d, &th, long).await;
+    assert_eq!(
+        s.status,
+        TurnStatus::Completed,
+        "{s:?} {:?}",
+        error_detail(&rt, &d)
+    );
+    let hi = replies(&rt, &d).pop().unwrap();
+    say(&format!(
+        "then \"Say hi.\": completed, stop {:?}, text {:?}",
+        hi.stop_reason,
+        harness_types::message::joined_text(&hi.content)
+    ));
+
+    // 6. An output contract on the llamacpp preset: grammar-constrained JSON (response_format
+    // as llama-cpp-python takes it), valid at once.
+    let schema = json!({
+        "type": "object",
+        "properties": {"capital": {"type": "string"}, "population_millions": {"type": "number"}},
+        "required": ["capital", "population_millions"]
+    });
+    let (c, tc) = send_with(
+        &rt,
+        None,
+        "Give the capital of France and its population in millions.",
+        SendOptions {
+            max_output_tokens: Some(64),
+            output: Some(harness_types::api::OutputContract::Json {
+                schema: Some(schema),
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    let s = wait(&rt, &c, &tc, long).await;
+    assert_eq!(
+        s.status,
+        TurnStatus::Completed,
+        "{s:?} {:?}",
+        error_detail(&rt, &c)
+    );
+    let value = s.result.clone().expect("a result");
+    assert!(
+        value["capital"].is_string() && value["population_millions"].is_number(),
+        "{value}"
+    );
+    say(&format!(
+        "output contract: completed after {} generation(s), result {value}",
+        replies(&rt, &c).len()
+    ));
+
+    // 7. Counting with the server's tokenizer: what llama-cpp-python says, not an estimate.
+    let counted = rt
+        .router
+        .count_tokens(Some("llamacpp"), MODEL, &[digits.clone(), "Say hi.".into()])
+        .await;
+    say(&format!(
+        "server counts: {:?} ({:?})",
+        counted.counts, counted.counter
+    ));
+    assert!(
+        counted.counts.as_ref().is_some_and(|c| c[0] > 2048),
+        "{counted:?}"
+    );
+
+    // 8. The server killed mid-stream: the turn does not complete with the cut reply.
     let (k, tk) = send(&rt, None, "Count from 1 to 300, one number per line.", 400).await;
     let deadline = Instant::now() + long;
     while replies(&rt, &k)
