@@ -14,3 +14,41 @@ pub fn install(harness: &Harness, config: &HarnessConfig) -> Result<Installed> {
     }
     Ok(harness_telemetry::install(harness, otlp.as_ref())?)
 }
+
+/// `harness worker --metrics-listen ADDR`: `GET /metrics` alone, on its own listener (a worker
+/// has no API listener). Loopback only: this listener checks no token.
+#[cfg_attr(not(feature = "iii"), allow(dead_code))]
+pub async fn serve_metrics(
+    listen: std::net::SocketAddr,
+    installed: Installed,
+) -> Result<tokio::task::JoinHandle<()>> {
+    if !listen.ip().is_loopback() {
+        anyhow::bail!(
+            "harness/invalid_request: --metrics-listen {listen}: not a loopback address; this listener has no token, put a proxy in front to expose it"
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let installed = installed.clone();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        harness_telemetry::Metrics::CONTENT_TYPE,
+                    )],
+                    installed.render(),
+                )
+            }
+        }),
+    );
+    eprintln!("metrics on http://{}/metrics", listener.local_addr()?);
+    Ok(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!("the metrics listener stopped: {e}");
+        }
+    }))
+}

@@ -69,6 +69,10 @@ pub struct WorkerArgs {
     /// Seconds to wait for the engine to accept the worker and list its functions.
     #[arg(long, default_value = "30")]
     connect_timeout: u64,
+    /// Serve the Prometheus `GET /metrics` of this worker on this loopback address
+    /// (`127.0.0.1:9464`).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     runtime: crate::RuntimeArgs,
 }
@@ -123,6 +127,16 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
         bus.shutdown().await;
         return Err(anyhow::anyhow!("{e}"));
     }
+    let metrics = match args.metrics_listen {
+        Some(addr) => match crate::telemetry::serve_metrics(addr, rt.telemetry.clone()).await {
+            Ok(task) => Some(task),
+            Err(e) => {
+                bus.shutdown().await;
+                return Err(e);
+            }
+        },
+        None => None,
+    };
     eprintln!(
         "harness worker registered on {} (with {:?}; data dir {})",
         args.engine,
@@ -165,6 +179,10 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
     // Servers stopped (children closed, their functions unregistered) while the link is up.
     rt.mcp.shutdown().await;
     bus.shutdown().await;
+    if let Some(task) = metrics {
+        task.abort();
+    }
+    rt.telemetry.shutdown().await;
     eprintln!("harness worker stopped; unfinished steps resume on the next start");
     Ok(())
 }
