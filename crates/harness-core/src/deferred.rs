@@ -27,6 +27,24 @@ fn not_resolved() -> ResolveResponse {
 impl Harness {
     pub async fn resolve(&self, req: ResolveRequest) -> Result<ResolveResponse> {
         let _guard = self.inner.locks.lock(&req.session_id).await;
+        // One-shot roots for a released call: checked before anything is looked at.
+        let released = match &req.fs_scope {
+            Some(_) if req.action != Some(ResolveAction::Execute) => {
+                return Err(HarnessError::invalid_field(
+                    "fs_scope",
+                    "only with action 'execute': it widens the released call's roots",
+                ))
+            }
+            Some(scope) => scope
+                .grants
+                .iter()
+                .enumerate()
+                .map(|(i, g)| {
+                    crate::fsroot::explicit(&format!("fs_scope.grants[{i}]"), g).map(|r| r.root)
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
         let Some(mut rec) = self.load_record(&req.session_id).await? else {
             return Ok(not_resolved());
         };
@@ -98,6 +116,7 @@ impl Harness {
                     annotations,
                     breaker_key: hold.breaker_key.unwrap_or_default(),
                     after: Some(hold.holder),
+                    grants: released,
                 };
                 let cancel = self.signal(&rec.turn_id);
                 if self.run_call(&mut rec, &call, run, &cancel).await? == CallEnd::Held {
@@ -226,6 +245,7 @@ impl Harness {
                             content: Some(content),
                             is_error: Some(is_error),
                             details: Some(details),
+                            fs_scope: None,
                         })
                         .await?;
                     if out.resolved {
@@ -257,6 +277,7 @@ impl Harness {
                         ))]),
                         is_error: Some(true),
                         details: Some(json!({"error": Refusal::PendingTimeout})),
+                        fs_scope: None,
                     })
                     .await?;
                 if out.resolved {

@@ -101,6 +101,7 @@ async fn execute(
             content: None,
             is_error: None,
             details: None,
+            fs_scope: None,
         })
         .await
         .unwrap()
@@ -253,6 +254,7 @@ async fn deliver_settles_a_held_call_with_the_given_result() {
             content: Some(vec![ContentBlock::text("denied by the operator")]),
             is_error: Some(true),
             details: Some(json!({"error": "denied"})),
+            fs_scope: None,
         })
         .await
         .unwrap();
@@ -792,4 +794,70 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
         error.data
     );
     assert_eq!(error.data["phase"], "pre_generate", "{}", error.data);
+}
+
+/// A release may grant the held call extra roots for that call alone (`fs_scope.grants`); a
+/// grant that is not an absolute existing directory, or one on a delivery, is refused by name.
+#[tokio::test]
+async fn a_release_grants_the_held_call_one_shot_roots() {
+    let rt = runtime(script_one_call(), config()).await;
+    let target = Arc::new(Mutex::new(Vec::new()));
+    let got = target.clone();
+    rt.register("fs::write", None, move |p| {
+        got.lock().unwrap().push(p.clone());
+        json!({"ok": true})
+    });
+    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
+    bind(
+        &rt,
+        "pre-trigger",
+        "guard::hold",
+        json!({"functions": ["fs::*"]}),
+        json!({}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let shared = tempfile::tempdir().unwrap();
+    let shared_root = std::fs::canonicalize(shared.path())
+        .unwrap()
+        .display()
+        .to_string();
+    let release = |action: ResolveAction, grants: Vec<String>| ResolveRequest {
+        session_id: r.session_id.clone(),
+        turn_id: r.turn_id.clone(),
+        function_call_id: "c1".into(),
+        action: Some(action),
+        content: None,
+        is_error: None,
+        details: None,
+        fs_scope: Some(harness_types::api::ReleaseFsScope { grants }),
+    };
+    let e = rt
+        .harness
+        .resolve(release(ResolveAction::Execute, vec!["relative/dir".into()]))
+        .await
+        .unwrap_err();
+    assert!(e.message.starts_with("fs_scope.grants[0]:"), "{e}");
+    let e = rt
+        .harness
+        .resolve(release(ResolveAction::Deliver, vec![shared_root.clone()]))
+        .await
+        .unwrap_err();
+    assert!(e.message.starts_with("fs_scope:"), "{e}");
+    assert!(
+        target.lock().unwrap().is_empty(),
+        "nothing ran on a refusal"
+    );
+
+    let out = rt
+        .harness
+        .resolve(release(ResolveAction::Execute, vec![shared_root.clone()]))
+        .await
+        .unwrap();
+    assert!(out.resolved);
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let seen = target.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0]["fs_scope"]["grants"], json!([shared_root]));
 }

@@ -458,6 +458,18 @@ pub struct ResolveRequest {
     pub is_error: Option<bool>,
     #[serde(default)]
     pub details: Option<Value>,
+    /// `execute` only: extra filesystem roots (absolute, existing directories) the released
+    /// call may reach, for this call alone, next to the session's own grants.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fs_scope: Option<ReleaseFsScope>,
+}
+
+/// One-shot filesystem grants of a released call.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseFsScope {
+    #[serde(default)]
+    pub grants: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

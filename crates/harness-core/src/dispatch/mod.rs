@@ -241,6 +241,8 @@ pub(crate) struct Run {
     pub breaker_key: String,
     /// A released call resumes the pre-trigger chain strictly after this hook.
     pub after: Option<String>,
+    /// One-shot roots a release granted this call, next to the session's grants.
+    pub grants: Vec<String>,
 }
 
 /// A result ready to append.
@@ -594,6 +596,7 @@ impl Harness {
                 annotations: Map::new(),
                 breaker_key: key,
                 after: None,
+                grants: Vec::new(),
             };
             if self.run_call(rec, call, run, cancel).await? == CallEnd::Cancelled {
                 return Ok(Dispatched::Cancelled);
@@ -620,12 +623,20 @@ impl Harness {
             mut annotations,
             breaker_key,
             after,
+            grants: released,
         } = run;
         // The turn's root and the session's grants (read now: a revoke holds from the next
         // call), over whatever the model wrote (§4.10); again after the hooks below.
         let grants = if crate::fsroot::scoped(&call.function_id) && rec.options.filesystem.is_some()
         {
-            self.session_grants(&rec.session_id).await?
+            let mut g = self.session_grants(&rec.session_id).await?;
+            g.extend(
+                released
+                    .into_iter()
+                    .filter(|r| !g.contains(r))
+                    .collect::<Vec<_>>(),
+            );
+            g
         } else {
             Vec::new()
         };
