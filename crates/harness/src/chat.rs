@@ -151,6 +151,69 @@ impl Source {
     }
 }
 
+/// Ctrl-C in the chat: while a reply streams, the first press stops the turn (`harness::stop`)
+/// and the chat goes on; a second press, or one at the prompt, quits.
+#[derive(Clone)]
+struct Interrupt {
+    /// The session whose turn is followed, and the presses since it started.
+    following: std::sync::Arc<std::sync::Mutex<(Option<String>, u32)>>,
+}
+
+/// Where `harness::stop` goes (a clone of the source's way in, usable from the signal task).
+#[derive(Clone)]
+enum Stopper {
+    Local(harness_bus::EmbeddedBus),
+    Remote(String),
+}
+
+impl Interrupt {
+    /// Installs the handler for the rest of the process.
+    fn install(stopper: Stopper) -> Interrupt {
+        let me = Interrupt {
+            following: Default::default(),
+        };
+        let state = me.following.clone();
+        tokio::spawn(async move {
+            loop {
+                if tokio::signal::ctrl_c().await.is_err() {
+                    return;
+                }
+                let stop = {
+                    let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+                    s.1 += 1;
+                    s.0.clone().filter(|_| s.1 == 1)
+                };
+                let Some(session_id) = stop else {
+                    eprintln!();
+                    std::process::exit(130);
+                };
+                eprintln!("\n[stopping the reply; Ctrl-C again quits]");
+                let payload = json!({ "session_id": session_id });
+                let stopped = match &stopper {
+                    Stopper::Local(bus) => {
+                        use harness_bus::Bus;
+                        bus.call("harness::stop", payload, None)
+                            .await
+                            .map_err(|e| anyhow!("{e}"))
+                    }
+                    Stopper::Remote(url) => {
+                        crate::client::call_value(url, "harness::stop", &payload).await
+                    }
+                };
+                if let Err(e) = stopped {
+                    eprintln!("[could not stop the reply: {e}]");
+                }
+            }
+        });
+        me
+    }
+
+    fn follow(&self, session_id: Option<&str>) {
+        let mut s = self.following.lock().unwrap_or_else(|e| e.into_inner());
+        *s = (session_id.map(str::to_string), 0);
+    }
+}
+
 /// How a followed turn ended, as `harness chat` reports it.
 #[derive(Clone, Debug, PartialEq)]
 enum TurnEnd {
@@ -453,6 +516,10 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             }
         }
     }
+    let interrupt = Interrupt::install(match &source {
+        Source::Local { rt, .. } => Stopper::Local(rt.bus.clone()),
+        Source::Remote { url } => Stopper::Remote(url.clone()),
+    });
     if let Some(function) = args.tool_choice.as_deref().filter(|f| *f != "auto") {
         check_tool_choice(&source, &args.allow, args.expose.as_deref(), function).await?;
     }
@@ -513,7 +580,10 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             eprintln!("(session {sid})");
         }
         session = Some(sid.clone());
-        let (end, card) = source.follow(&sid, &tid, args.max_output_tokens).await?;
+        interrupt.follow(Some(&sid));
+        let followed = source.follow(&sid, &tid, args.max_output_tokens).await;
+        interrupt.follow(None);
+        let (end, card) = followed?;
         if let (Some(card), true) = (card, interactive) {
             // The answer to the card is the next message, one line per question.
             match ask_card(&card)? {

@@ -336,3 +336,81 @@ async fn a_tool_choice_nothing_offers_exits_non_zero_before_any_request() {
     }
     assert!(server.asked().is_empty(), "{:?}", server.asked());
 }
+
+/// Ctrl-C while a reply streams stops that reply and the chat goes on; a second one quits.
+#[tokio::test]
+async fn ctrl_c_stops_the_reply_and_a_second_one_quits() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture(LLAMA_CPP_PYTHON, "plain_stream");
+    // Slow enough that the reply is still streaming when the signal comes.
+    let server = Replay::start_paced(f.exchanges, std::time::Duration::from_millis(400)).await;
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.arg("chat")
+        .args(["--provider", "llamacpp", "--model", "gemma-3-270m"])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .args(["--durability", "normal"])
+        .env("XDG_CONFIG_HOME", dir.path().join("config"))
+        .env("HOME", dir.path())
+        .env("LLAMACPP_BASE_URL", format!("{}/v1", server.url))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for v in PROVIDER_VARS {
+        if v != "LLAMACPP_BASE_URL" {
+            cmd.env_remove(v);
+        }
+    }
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id().unwrap().to_string();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut err = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut out = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let interrupt = |pid: String| async move {
+        let status = tokio::process::Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+    };
+    stdin.write_all(b"Say hello.\n").await.unwrap();
+    stdin.flush().await.unwrap();
+    // Signalled once the request is at the server, whose reply streams slowly.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while server.chat_bodies().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no request was sent");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    interrupt(pid.clone()).await;
+    let mut said = String::new();
+    loop {
+        let next = tokio::time::timeout(std::time::Duration::from_secs(20), out.next_line())
+            .await
+            .expect("the chat said nothing more");
+        let Ok(Some(line)) = next else { break };
+        said.push_str(&line);
+        said.push('\n');
+        if line.contains("[stopped]") {
+            break;
+        }
+    }
+    assert!(said.contains("[stopped]"), "stdout: {said}");
+    // Still running: the prompt came back. A second Ctrl-C there quits.
+    interrupt(pid).await;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait())
+        .await
+        .expect("the chat quit")
+        .unwrap();
+    assert_eq!(status.code(), Some(130));
+    let mut stderr = String::new();
+    while let Ok(Some(line)) = err.next_line().await {
+        stderr.push_str(&line);
+        stderr.push('\n');
+    }
+    assert!(
+        stderr.contains("[stopping the reply; Ctrl-C again quits]"),
+        "{stderr}"
+    );
+}
