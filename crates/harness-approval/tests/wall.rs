@@ -213,8 +213,10 @@ harness::stop wall wall wall run
 harness::sweep-pending wall wall wall run
 harness::system-prompt::get wall wall wall run
 harness::turn wall wall wall run
+harness::usage::list wall wall wall run
 router::abort wall wall wall run
 router::chat wall wall wall run
+router::count-tokens run run run run
 router::models::get run run run run
 router::models::list run run run run
 router::models::supports run run run run
