@@ -324,3 +324,43 @@ impl Observer for Metrics {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_past_the_bound_and_malformed_ones_share_one_label() {
+        let m = Metrics::new();
+        for i in 0..MAX_NAMES {
+            assert_eq!(
+                Metrics::bounded(&m.models, &format!("model-{i}"), "other"),
+                format!("model-{i}")
+            );
+        }
+        assert_eq!(
+            Metrics::bounded(&m.models, "one-too-many", "other"),
+            "other"
+        );
+        assert_eq!(Metrics::bounded(&m.models, "model-3", "other"), "model-3");
+        assert_eq!(
+            Metrics::bounded(&m.functions, "has \"quotes\" and spaces", "unregistered"),
+            "unregistered"
+        );
+        assert_eq!(Metrics::provider("openai_compatible"), "openai-compatible");
+        assert_eq!(Metrics::provider("made-up"), "other");
+    }
+
+    #[test]
+    fn registries_count_apart() {
+        let a = Metrics::new();
+        let b = Metrics::new();
+        a.turn_started(true);
+        assert!(a
+            .render()
+            .contains("harness_turns_started_total{kind=\"root\"} 1"));
+        assert!(!b
+            .render()
+            .contains("harness_turns_started_total{kind=\"root\"}"));
+    }
+}

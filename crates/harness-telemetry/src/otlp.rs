@@ -324,61 +324,66 @@ fn value(v: &AttrValue) -> Value {
 
 impl OtlpSink {
     fn span_data(&self, s: SpanRecord) -> Option<SpanData> {
-        let trace_id = TraceId::from_bytes(hex_id::<16>(&s.trace_id)?);
-        let span_id = SpanId::from_bytes(hex_id::<8>(&s.span_id)?);
-        let parent = s
-            .parent_span_id
-            .as_deref()
-            .and_then(hex_id::<8>)
-            .map(SpanId::from_bytes)
-            .unwrap_or(SpanId::INVALID);
-        let mut attributes: Vec<KeyValue> = s
-            .attributes
-            .iter()
-            .map(|(k, v)| KeyValue::new(*k, value(v)))
-            .collect();
-        let mut events = SpanEvents::default();
-        let status = match &s.error {
-            Some(e) => {
-                attributes.push(KeyValue::new("error.type", e.error_type.clone()));
-                events.events.push(Event::new(
-                    "exception",
-                    time(s.end_ms),
-                    vec![
-                        KeyValue::new("exception.type", e.error_type.clone()),
-                        KeyValue::new("exception.message", e.message.clone()),
-                    ],
-                    0,
-                ));
-                Status::error(e.message.clone())
-            }
-            None => Status::Unset,
-        };
-        Some(SpanData {
-            span_context: SpanContext::new(
-                trace_id,
-                span_id,
-                TraceFlags::SAMPLED,
-                false,
-                TraceState::default(),
-            ),
-            parent_span_id: parent,
-            parent_span_is_remote: s.parent_remote,
-            span_kind: match s.kind {
-                Kind::Internal => SpanKind::Internal,
-                Kind::Client => SpanKind::Client,
-            },
-            name: Cow::Owned(s.name),
-            start_time: time(s.start_ms),
-            end_time: time(s.end_ms.max(s.start_ms)),
-            attributes,
-            dropped_attributes_count: 0,
-            events,
-            links: SpanLinks::default(),
-            status,
-            instrumentation_scope: self.scope.clone(),
-        })
+        span_data(s, &self.scope)
     }
+}
+
+/// A loop span as the SDK's `SpanData`; `None` for ids that are not hex of the right length.
+fn span_data(s: SpanRecord, scope: &InstrumentationScope) -> Option<SpanData> {
+    let trace_id = TraceId::from_bytes(hex_id::<16>(&s.trace_id)?);
+    let span_id = SpanId::from_bytes(hex_id::<8>(&s.span_id)?);
+    let parent = s
+        .parent_span_id
+        .as_deref()
+        .and_then(hex_id::<8>)
+        .map(SpanId::from_bytes)
+        .unwrap_or(SpanId::INVALID);
+    let mut attributes: Vec<KeyValue> = s
+        .attributes
+        .iter()
+        .map(|(k, v)| KeyValue::new(*k, value(v)))
+        .collect();
+    let mut events = SpanEvents::default();
+    let status = match &s.error {
+        Some(e) => {
+            attributes.push(KeyValue::new("error.type", e.error_type.clone()));
+            events.events.push(Event::new(
+                "exception",
+                time(s.end_ms),
+                vec![
+                    KeyValue::new("exception.type", e.error_type.clone()),
+                    KeyValue::new("exception.message", e.message.clone()),
+                ],
+                0,
+            ));
+            Status::error(e.message.clone())
+        }
+        None => Status::Unset,
+    };
+    Some(SpanData {
+        span_context: SpanContext::new(
+            trace_id,
+            span_id,
+            TraceFlags::SAMPLED,
+            false,
+            TraceState::default(),
+        ),
+        parent_span_id: parent,
+        parent_span_is_remote: s.parent_remote,
+        span_kind: match s.kind {
+            Kind::Internal => SpanKind::Internal,
+            Kind::Client => SpanKind::Client,
+        },
+        name: Cow::Owned(s.name),
+        start_time: time(s.start_ms),
+        end_time: time(s.end_ms.max(s.start_ms)),
+        attributes,
+        dropped_attributes_count: 0,
+        events,
+        links: SpanLinks::default(),
+        status,
+        instrumentation_scope: scope.clone(),
+    })
 }
 
 impl SpanSink for OtlpSink {
@@ -401,17 +406,92 @@ impl SpanSink for OtlpSink {
     }
 
     fn sample_root(&self, trace_id: &str) -> bool {
-        match self.sampler {
-            Sampler::On => true,
-            Sampler::Off => false,
-            Sampler::Ratio(r) => {
-                // The low 8 bytes of the id against the ratio, as the SDK's ratio sampler does.
-                let low = trace_id
-                    .get(16..32)
-                    .and_then(|h| u64::from_str_radix(h, 16).ok())
-                    .unwrap_or(0);
-                (low >> 1) < ((r * (1u64 << 63) as f64) as u64)
-            }
+        sample(self.sampler, trace_id)
+    }
+}
+
+fn sample(sampler: Sampler, trace_id: &str) -> bool {
+    match sampler {
+        Sampler::On => true,
+        Sampler::Off => false,
+        Sampler::Ratio(r) => {
+            // The low 8 bytes of the id against the ratio, as the SDK's ratio sampler does.
+            let low = trace_id
+                .get(16..32)
+                .and_then(|h| u64::from_str_radix(h, 16).ok())
+                .unwrap_or(0);
+            (low >> 1) < ((r * (1u64 << 63) as f64) as u64)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harness_core::trace::SpanError;
+
+    #[test]
+    fn a_base_endpoint_gets_the_traces_path_and_anything_but_http_is_refused() {
+        assert_eq!(
+            traces_url("http://127.0.0.1:4318/", "x").unwrap(),
+            "http://127.0.0.1:4318/v1/traces"
+        );
+        let e = traces_url("127.0.0.1:4318", "--otlp-endpoint").unwrap_err();
+        assert!(e
+            .to_string()
+            .starts_with("harness/invalid_request: --otlp-endpoint:"));
+    }
+
+    #[test]
+    fn the_ratio_sampler_keeps_about_its_share() {
+        let ids: Vec<String> = (0..2000u64)
+            .map(|i| format!("{:016x}{:016x}", i, i.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+            .collect();
+        let kept = |s| ids.iter().filter(|id| sample(s, id)).count();
+        assert_eq!(kept(Sampler::On), 2000);
+        assert_eq!(kept(Sampler::Off), 0);
+        assert_eq!(kept(Sampler::Ratio(0.0)), 0);
+        let quarter = kept(Sampler::Ratio(0.25));
+        assert!((350..650).contains(&quarter), "{quarter}");
+    }
+
+    #[test]
+    fn a_failed_span_is_an_error_with_its_type_and_an_exception_event() {
+        let scope = InstrumentationScope::builder("harness").build();
+        let span = SpanRecord {
+            trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+            span_id: "00f067aa0ba902b7".into(),
+            parent_span_id: None,
+            parent_remote: false,
+            sampled: true,
+            name: "chat demo".into(),
+            kind: Kind::Client,
+            start_ms: 1_000,
+            end_ms: 1_250,
+            attributes: vec![("gen_ai.request.model", AttrValue::Str("demo".into()))],
+            error: Some(SpanError {
+                error_type: "rate_limited".into(),
+                message: "The provider is rate limiting requests.".into(),
+            }),
+        };
+        let d = span_data(span.clone(), &scope).unwrap();
+        assert_eq!(d.span_kind, SpanKind::Client);
+        assert_eq!(d.parent_span_id, SpanId::INVALID);
+        assert!(matches!(d.status, Status::Error { .. }));
+        assert!(d
+            .attributes
+            .iter()
+            .any(|kv| kv.key.as_str() == "error.type" && kv.value.as_str() == "rate_limited"));
+        assert_eq!(d.events.events.len(), 1);
+        assert_eq!(d.events.events[0].name, "exception");
+        assert_eq!(
+            d.end_time.duration_since(d.start_time).unwrap(),
+            Duration::from_millis(250)
+        );
+        let bad = SpanRecord {
+            span_id: "not-hex".into(),
+            ..span
+        };
+        assert!(span_data(bad, &scope).is_none());
     }
 }
