@@ -970,3 +970,29 @@ async fn a_generation_waiting_for_its_turn_can_be_aborted() {
         "the aborted one was never sent"
     );
 }
+
+#[tokio::test]
+async fn the_provider_row_says_how_tokens_are_counted_and_how_many_requests_go_at_once() {
+    let r = llamacpp("http://127.0.0.1:9/v1", None);
+    let listed = r.list_models(None).await.unwrap();
+    let row = &listed["provider_details"][0];
+    assert_eq!(row["id"], "llamacpp");
+    assert_eq!(row["token_counter"], "server");
+    assert_eq!(row["tokenize"], "llamacpp");
+    assert_eq!(row["json_schema"], "json_object_schema");
+    assert_eq!(row["concurrency"], 1);
+    let ollama = Router::new();
+    ollama.add_provider(
+        ProviderConfig::new(
+            "ollama",
+            ProviderKind::OpenaiCompatible,
+            "http://127.0.0.1:9/v1",
+            None,
+        )
+        .build(),
+    );
+    let listed = ollama.list_models(None).await.unwrap();
+    let row = &listed["provider_details"][0];
+    assert_eq!(row["token_counter"], "estimate");
+    assert_eq!(row["concurrency"], Value::Null);
+}

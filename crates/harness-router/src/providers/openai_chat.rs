@@ -738,6 +738,14 @@ impl Provider for OpenAiChatProvider {
             "id": self.id,
             "kind": if self.openai { "openai" } else { "openai-compatible" },
             "base_url": crate::providers::public_url(&self.base_url),
+            // How the context budget counts for this server, and how many requests go at once.
+            "token_counter": match self.wire.tokenize {
+                Tokenize::None => "estimate",
+                _ => "server",
+            },
+            "tokenize": self.wire.tokenize,
+            "json_schema": self.wire.json_schema,
+            "concurrency": self.concurrency,
         })
     }
 }
