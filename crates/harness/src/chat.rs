@@ -69,6 +69,7 @@ impl Source {
         let mut printer = Printer {
             max_output,
             usage: Default::default(),
+            cut_reply: None,
             turn_id: turn_id.to_string(),
             printed: Default::default(),
             parked: false,
@@ -230,6 +231,9 @@ struct Printer {
     max_output: Option<u32>,
     /// The usage of each reply of the turn, by entry id (shown when the turn ends).
     usage: std::collections::BTreeMap<String, harness_types::message::Usage>,
+    /// A reply of this turn that was cut after some of it was shown (its entry id): the next
+    /// reply resumes it, and is marked so it does not read as glued to the cut part.
+    cut_reply: Option<String>,
     turn_id: String,
     printed: std::collections::HashMap<String, usize>,
     /// Set when the session parked for function results (approvals may be waiting).
@@ -301,6 +305,18 @@ impl Printer {
                 self.usage.insert(entry.entry_id.clone(), u.clone());
             }
             let text = joined_text(&m.content);
+            if !text.is_empty()
+                && self
+                    .cut_reply
+                    .as_ref()
+                    .is_some_and(|cut| *cut != entry.entry_id)
+            {
+                self.cut_reply = None;
+                print!("\n[the reply above was cut off; resumed:]\n");
+            }
+            if m.stop_reason == harness_types::message::StopReason::Error && !text.is_empty() {
+                self.cut_reply = Some(entry.entry_id.clone());
+            }
             let done = self.printed.entry(entry.entry_id.clone()).or_insert(0);
             if text.len() > *done && text.is_char_boundary(*done) {
                 print!("{}", &text[*done..]);

@@ -414,3 +414,33 @@ async fn ctrl_c_stops_the_reply_and_a_second_one_quits() {
         "{stderr}"
     );
 }
+
+/// A reply the server cut and the loop resumed is shown with a mark between the cut part and
+/// its continuation.
+#[tokio::test]
+async fn a_resumed_reply_is_marked_where_it_was_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixture(LLAMA_CPP_PYTHON, "interrupted_by_second_request");
+    let server = Replay::start(f.exchanges).await;
+    let out = chat(
+        dir.path(),
+        &[
+            "-m",
+            "Count from 1 to 200, one number per line.",
+            "--max-output-tokens",
+            "300",
+        ],
+        &[("LLAMACPP_BASE_URL", format!("{}/v1", server.url))],
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let (cut, resumed) = stdout
+        .split_once("[the reply above was cut off; resumed:]")
+        .unwrap_or_else(|| panic!("no mark: {stdout}"));
+    assert!(
+        !cut.trim().is_empty() && !resumed.trim().is_empty(),
+        "{stdout}"
+    );
+    assert_eq!(server.chat_bodies().len(), 2);
+}
