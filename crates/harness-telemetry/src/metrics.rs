@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use harness_core::trace::{Observer, TurnFacts};
 use prometheus::{
     exponential_buckets, CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter,
-    IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Distinct models, and distinct functions, a registry labels by name.
@@ -47,6 +47,10 @@ pub struct Metrics {
     spans_dropped: IntCounter,
     spans_built: IntCounter,
     usage: IntCounterVec,
+    queue_depth: IntGaugeVec,
+    sessions: IntGaugeVec,
+    approvals_pending: IntGauge,
+    event_streams_open: IntGauge,
     models: Mutex<HashSet<String>>,
     functions: Mutex<HashSet<String>>,
 }
@@ -108,7 +112,39 @@ impl Metrics {
         )
         .expect("metric definition");
         r.register(Box::new(cost.clone())).expect("registered once");
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("metric definition");
+            r.register(Box::new(g.clone())).expect("registered once");
+            g
+        };
+        let gauges = |name: &str, help: &str, label: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &[label]).expect("metric definition");
+            r.register(Box::new(g.clone())).expect("registered once");
+            g
+        };
+        let queue_depth = gauges(
+            "harness_queue_depth",
+            "Messages of a queue not yet acknowledged (in flight included).",
+            "queue",
+        );
+        let sessions = gauges(
+            "harness_sessions",
+            "Sessions by status (refreshed in the background at most every 10 s).",
+            "status",
+        );
+        let approvals_pending = gauge(
+            "harness_approvals_pending",
+            "Calls held for a human approval (refreshed in the background at most every 10 s).",
+        );
+        let event_streams_open = gauge(
+            "harness_event_streams_open",
+            "Session event streams (SSE) open now.",
+        );
         Metrics {
+            queue_depth,
+            sessions,
+            approvals_pending,
+            event_streams_open,
             turns_started: counter(
                 &r,
                 "harness_turns_started_total",
@@ -201,6 +237,28 @@ impl Metrics {
     }
 
     pub const CONTENT_TYPE: &'static str = "text/plain; version=0.0.4; charset=utf-8";
+
+    /// `queue` is one of the loop's own queues (`harness-turn`, `harness-session-deletion`).
+    pub fn set_queue_depth(&self, queue: &'static str, depth: usize) {
+        self.queue_depth
+            .with_label_values(&[queue])
+            .set(depth as i64);
+    }
+
+    /// Sessions by status: `idle`, `working`, `done`, `error`.
+    pub fn set_sessions(&self, by_status: &[(&'static str, usize)]) {
+        for (status, n) in by_status {
+            self.sessions.with_label_values(&[*status]).set(*n as i64);
+        }
+    }
+
+    pub fn set_approvals_pending(&self, n: usize) {
+        self.approvals_pending.set(n as i64);
+    }
+
+    pub fn set_event_streams_open(&self, n: usize) {
+        self.event_streams_open.set(n as i64);
+    }
 
     pub fn http_request(&self, route: &str, code: u16) {
         self.http

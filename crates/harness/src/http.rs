@@ -129,6 +129,15 @@ impl Guard {
         }
     }
 
+    /// Event streams open now, every client together.
+    pub fn open_streams(&self) -> usize {
+        self.streams
+            .lock()
+            .expect("stream count lock")
+            .values()
+            .sum()
+    }
+
     fn acquire_stream(self: &Arc<Self>, client: IpAddr) -> Option<StreamPermit> {
         let mut streams = self.streams.lock().expect("stream count lock");
         let open = streams.entry(client).or_insert(0);
@@ -228,14 +237,21 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
 /// The Prometheus scrape: in-memory values only, text format 0.0.4.
 async fn metrics(State(state): State<AppState>) -> Response {
     match &state.metrics {
-        Some(m) => (
-            [(
-                header::CONTENT_TYPE,
-                harness_telemetry::Metrics::CONTENT_TYPE,
-            )],
-            m.render(),
-        )
-            .into_response(),
+        Some(m) => {
+            for queue in [harness_core::TURN_QUEUE, harness_core::DELETION_QUEUE] {
+                m.metrics
+                    .set_queue_depth(queue, state.bus.queues().depth(queue));
+            }
+            m.metrics.set_event_streams_open(state.guard.open_streams());
+            (
+                [(
+                    header::CONTENT_TYPE,
+                    harness_telemetry::Metrics::CONTENT_TYPE,
+                )],
+                m.render(),
+            )
+                .into_response()
+        }
         None => refusal(
             StatusCode::NOT_FOUND,
             "harness/not_found",

@@ -338,6 +338,8 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
         console,
         metrics: (!s.no_metrics).then(|| rt.telemetry.clone()),
     });
+    let gauges = (!s.no_metrics)
+        .then(|| telemetry::refresh_gauges(rt.harness.bus().clone(), rt.telemetry.clone()));
     eprintln!(
         "harness serving on http://{} (data dir {})",
         listener.local_addr()?,
@@ -361,6 +363,9 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
     accept::serve(listener, app, s.limits, shutdown_signal()).await;
     if let Some(w) = watcher {
         w.abort();
+    }
+    if let Some(g) = gauges {
+        g.abort();
     }
     rt.shutdown().await;
     eprintln!("harness stopped; unfinished steps resume on the next start");

@@ -52,3 +52,63 @@ pub async fn serve_metrics(
         }
     }))
 }
+
+/// Refreshes the gauges that need a read of the store (sessions by status, pending approvals)
+/// every 10 s in the background, so a scrape never waits on SQLite.
+pub fn refresh_gauges(
+    bus: std::sync::Arc<dyn harness_bus::Bus>,
+    installed: Installed,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            if let Err(e) = refresh_once(bus.as_ref(), &installed).await {
+                tracing::debug!("metrics: gauges not refreshed: {e}");
+            }
+        }
+    })
+}
+
+async fn refresh_once(bus: &dyn harness_bus::Bus, installed: &Installed) -> Result<()> {
+    use harness_types::session::{ListResponse, SessionStatus};
+    let mut counts = [0usize; 4];
+    let mut cursor: Option<String> = None;
+    loop {
+        let page = bus
+            .call(
+                "session::list",
+                serde_json::json!({"limit": 500, "cursor": cursor}),
+                None,
+            )
+            .await?;
+        let page: ListResponse = serde_json::from_value(page)?;
+        for s in &page.sessions {
+            counts[match s.status {
+                SessionStatus::Idle => 0,
+                SessionStatus::Working => 1,
+                SessionStatus::Done => 2,
+                SessionStatus::Error => 3,
+            }] += 1;
+        }
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    installed.metrics.set_sessions(&[
+        ("idle", counts[0]),
+        ("working", counts[1]),
+        ("done", counts[2]),
+        ("error", counts[3]),
+    ]);
+    // Without the approval functions (a worker that left them to others) the gauge stays 0.
+    if let Ok(v) = bus
+        .call("approval::list", serde_json::json!({}), None)
+        .await
+    {
+        let n = v["approvals"].as_array().map_or(0, Vec::len);
+        installed.metrics.set_approvals_pending(n);
+    }
+    Ok(())
+}

@@ -129,7 +129,10 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
     }
     let metrics = match args.metrics_listen {
         Some(addr) => match crate::telemetry::serve_metrics(addr, rt.telemetry.clone()).await {
-            Ok(task) => Some(task),
+            Ok(task) => Some((
+                task,
+                crate::telemetry::refresh_gauges(shared.clone(), rt.telemetry.clone()),
+            )),
             Err(e) => {
                 bus.shutdown().await;
                 return Err(e);
@@ -179,8 +182,9 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
     // Servers stopped (children closed, their functions unregistered) while the link is up.
     rt.mcp.shutdown().await;
     bus.shutdown().await;
-    if let Some(task) = metrics {
+    if let Some((task, gauges)) = metrics {
         task.abort();
+        gauges.abort();
     }
     rt.telemetry.shutdown().await;
     eprintln!("harness worker stopped; unfinished steps resume on the next start");

@@ -306,9 +306,16 @@ async fn metrics_count_the_run_in_closed_label_sets() {
             &["input", "output", "cache_read", "cache_write", "reasoning"][..],
         ),
     ]);
+    let session_statuses: &[&str] = &["idle", "working", "done", "error"];
+    let queues: &[&str] = &["harness-turn", "harness-session-deletion"];
     for (name, labels, _) in &s {
         for (k, val) in labels {
-            if let Some(set) = closed.get(k.as_str()) {
+            let set = match (name.as_str(), k.as_str()) {
+                ("harness_sessions", "status") => Some(&session_statuses),
+                (_, "queue") => Some(&queues),
+                _ => closed.get(k.as_str()),
+            };
+            if let Some(set) = set {
                 assert!(
                     set.contains(&val.as_str()),
                     "{name}: {k}=\"{val}\" is outside its set"
@@ -516,4 +523,56 @@ async fn metrics_prometheus_scrape() {
     let t = &targets["data"]["activeTargets"][0];
     assert_eq!(t["health"], "up", "{t}");
     assert_eq!(t["lastError"], "", "{t}");
+}
+
+/// The gauges: a held approval, an open event stream, sessions by status (refreshed in the
+/// background every 10 s), and the turn queue drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gauges_show_pending_approvals_open_streams_and_sessions() {
+    let fx = Fixtures::new(json!([{"id": "fx::forecast", "response": {"sky": "sunny"}}]));
+    let mut extra = server_args(&fx);
+    extra.extend(["--approve".to_string(), "fx::*".to_string()]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let server = Server::start(&run_script(), &extra).await;
+    server
+        .ok(
+            "harness::send",
+            json!({"session_id": "s_gauge_held", "message": USER_TEXT, "model": "demo", "provider": "scripted",
+                   "options": {"functions": {"allow": ["fx::*"], "expose": "native"}}}),
+        )
+        .await;
+    let sent = server
+        .ok(
+            "harness::send",
+            json!({"session_id": "s_gauge_bad", "message": "break it", "model": "demo", "provider": "scripted"}),
+        )
+        .await;
+    server
+        .wait_turn("s_gauge_bad", sent["turn_id"].as_str().unwrap())
+        .await;
+    let _stream = server.events("s_gauge_held", None).await;
+    let body = wait_for("the gauges to catch up", WAIT, || async {
+        let (_, body) = scrape(&server).await;
+        let s = parse(&body);
+        let ok = value(&s, "harness_approvals_pending", &[]) == 1.0
+            && value(&s, "harness_sessions", &[("status", "error")]) == 1.0
+            && value(&s, "harness_sessions", &[("status", "working")]) == 1.0
+            && value(&s, "harness_event_streams_open", &[]) == 1.0;
+        ok.then_some(body)
+    })
+    .await;
+    let s = parse(&body);
+    assert_eq!(
+        value(&s, "harness_queue_depth", &[("queue", "harness-turn")]),
+        0.0,
+        "the held turn's step was acknowledged"
+    );
+    assert_eq!(
+        value(
+            &s,
+            "harness_queue_depth",
+            &[("queue", "harness-session-deletion")]
+        ),
+        0.0
+    );
 }
