@@ -152,6 +152,33 @@ impl Source {
     }
 }
 
+/// The function policy a session keeps from an earlier run, as a line for stderr (`None` when
+/// it allows nothing or cannot be read).
+async fn earlier_policy(source: &Source, session_id: &str) -> Option<String> {
+    let record = source
+        .caller()
+        .call(
+            "state::get",
+            json!({"scope": harness_core::TURN_SCOPE, "key": session_id}),
+        )
+        .await
+        .ok()?;
+    let policy = &record["options"]["functions"];
+    let allow: Vec<&str> = policy["allow"]
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    if allow.is_empty() {
+        return None;
+    }
+    let expose = policy["expose"].as_str().unwrap_or("agent_trigger");
+    Some(format!(
+        "harness chat: session {session_id} keeps the function policy of an earlier run: --allow {} (expose {expose}); name --allow to replace it",
+        allow.join(" --allow ")
+    ))
+}
+
 /// Ctrl-C in the chat: while a reply streams, the first press stops the turn (`harness::stop`)
 /// and the chat goes on; a second press, or one at the prompt, quits.
 #[derive(Clone)]
@@ -540,6 +567,9 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         check_tool_choice(&source, &args.allow, args.expose.as_deref(), function).await?;
     }
     let mut agent = args.agent.clone();
+    // A session named with `--session` keeps the function policy of its earlier turns when this
+    // run names none: said once, so it does not act unseen.
+    let mut resumed_session = args.session.is_some();
     let stdin = std::io::stdin();
     let mut pending = args.message.clone();
     loop {
@@ -596,6 +626,12 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             eprintln!("(session {sid})");
         }
         session = Some(sid.clone());
+        if resumed_session && args.allow.is_empty() {
+            resumed_session = false;
+            if let Some(line) = earlier_policy(&source, &sid).await {
+                eprintln!("{line}");
+            }
+        }
         interrupt.follow(Some(&sid));
         let followed = source.follow(&sid, &tid, args.max_output_tokens).await;
         interrupt.follow(None);

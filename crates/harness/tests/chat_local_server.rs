@@ -444,3 +444,44 @@ async fn a_resumed_reply_is_marked_where_it_was_cut() {
     );
     assert_eq!(server.chat_bodies().len(), 2);
 }
+
+/// A session resumed with `--session` and no `--allow` keeps the policy of its earlier run: the
+/// chat says so instead of letting it act unseen.
+#[tokio::test]
+async fn a_policy_kept_from_an_earlier_run_is_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut exchanges = fixture(LLAMA_CPP_PYTHON, "plain_stream").exchanges;
+    exchanges.extend(fixture(LLAMA_CPP_PYTHON, "multi_turn_stream").exchanges);
+    let server = Replay::start(exchanges).await;
+    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let out = chat_typed(
+        dir.path(),
+        &["--allow", "fs::read"],
+        &env,
+        "Say hello.\n/quit\n",
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(!err.contains("earlier run"), "{err}");
+    let sid = err
+        .split("(session ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap_or_else(|| panic!("no session id: {err}"))
+        .to_string();
+    let out = chat(
+        dir.path(),
+        &["-m", "What is my name?", "--session", &sid],
+        &env,
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "session {sid} keeps the function policy of an earlier run: --allow fs::read"
+        )),
+        "{err}"
+    );
+}
