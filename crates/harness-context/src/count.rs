@@ -231,6 +231,16 @@ pub async fn server_counts(
         }
     }
     if !missing.is_empty() {
+        // Asked first whether the server counts at all: most cannot, and a history is not sent
+        // at every step to learn that again.
+        let probe = serde_json::json!({"provider": model.provider, "model": model.id, "texts": []});
+        let can = bus
+            .call("router::count-tokens", probe, Some(Duration::from_secs(10)))
+            .await
+            .ok()?;
+        if !can["counts"].is_array() {
+            return None;
+        }
         let req =
             serde_json::json!({"provider": model.provider, "model": model.id, "texts": missing});
         let answer = bus

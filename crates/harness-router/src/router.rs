@@ -445,6 +445,12 @@ pub trait Provider: Send + Sync + 'static {
     async fn count_tokens(&self, _model: &str, _texts: &[String]) -> Option<Vec<u64>> {
         None
     }
+
+    /// Whether [`count_tokens`](Provider::count_tokens) may answer (false once the server was
+    /// found not to count).
+    fn can_count(&self) -> bool {
+        false
+    }
 }
 
 /// The provider registry, the catalog, and the generations in flight (for `router::abort`).
@@ -711,8 +717,16 @@ impl Router {
         let Some(p) = self.provider(&provider_id) else {
             return CountAnswer::default();
         };
+        // No texts: whether the server can count at all (`counts: []`), asked before a caller
+        // sends a whole history for nothing.
         if texts.is_empty() {
-            return CountAnswer::default();
+            return match p.can_count() {
+                true => CountAnswer {
+                    counts: Some(Vec::new()),
+                    counter: Some(format!("server:{provider_id}")),
+                },
+                false => CountAnswer::default(),
+            };
         }
         let never = CancellationToken::new();
         let Some(permit) = self.permit(&provider_id, &never).await else {

@@ -772,9 +772,14 @@ async fn llama_cpp_s_tokenize_form_is_tried_when_llama_cpp_python_s_is_not_there
     recorded[0].path = "/extras/tokenize/count".into();
     let server = Replay::start(recorded).await;
     let r = llamacpp(&format!("{}/v1", server.url), None);
+    // Asked with no texts: whether it can count (the preset says so until the server says not).
+    let probe = r.count_tokens(Some("llamacpp"), MODEL, &[]).await;
+    assert_eq!(probe.counts, Some(vec![]));
     let texts = vec!["Say hi.".to_string()];
     let answer = r.count_tokens(Some("llamacpp"), MODEL, &texts).await;
     assert_eq!(answer.counts, None);
+    let probe = r.count_tokens(Some("llamacpp"), MODEL, &[]).await;
+    assert_eq!(probe.counts, None, "known not to count now");
     let paths: Vec<String> = server.asked().into_iter().map(|a| a.path).collect();
     assert_eq!(paths, ["/extras/tokenize/count", "/tokenize"]);
     r.count_tokens(Some("llamacpp"), MODEL, &texts).await;

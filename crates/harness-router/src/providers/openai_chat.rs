@@ -657,6 +657,15 @@ impl Provider for OpenAiChatProvider {
         self.concurrency
     }
 
+    fn can_count(&self) -> bool {
+        !self.openai
+            && self.wire.tokenize != Tokenize::None
+            && self
+                .tokenize_form
+                .load(std::sync::atomic::Ordering::Relaxed)
+                != 3
+    }
+
     fn grammar_json(&self) -> bool {
         !self.openai && self.wire.json_schema != JsonSchemaForm::Catalog
     }
