@@ -137,8 +137,8 @@ impl Harness {
         let model = req.model.clone();
         let provider = req.provider.clone().unwrap_or_default();
         let request_id = req.request_id.clone();
-        // Timed only while spans are exported (`crate::trace`).
-        let gen_start = self.marking().then(harness_types::now_ms);
+        // Timed only while telemetry is installed (`crate::trace`).
+        let gen_start = self.marking().then(crate::trace::now_us);
         let mut first_chunk = None;
         let timeout = Duration::from_millis(c.router_timeout_ms);
         let mut call = match self.inner.bus.local_handler("router::chat") {
@@ -207,7 +207,7 @@ impl Harness {
                     }
                     if acc.apply(&frame) {
                         if gen_start.is_some() && first_chunk.is_none() {
-                            first_chunk = Some(harness_types::now_ms());
+                            first_chunk = Some(crate::trace::now_us());
                         }
                         dirty = true;
                         if last_write.elapsed() >= coalesce {

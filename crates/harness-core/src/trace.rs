@@ -52,8 +52,8 @@ pub struct SpanRecord {
     pub sampled: bool,
     pub name: String,
     pub kind: SpanKind,
-    pub start_ms: i64,
-    pub end_ms: i64,
+    pub start_us: i64,
+    pub end_us: i64,
     pub attributes: Vec<(&'static str, AttrValue)>,
     /// Status `ERROR`: the stable `error.type` and the public one-sentence summary.
     pub error: Option<SpanError>,
@@ -109,7 +109,7 @@ pub struct Telemetry {
     pub marks: MarkBook,
 }
 
-/// What this process measured of one step: wall-clock ms. A step that ran elsewhere (before a
+/// What this process measured of one step: wall-clock µs. A step that ran elsewhere (before a
 /// restart) has none, and its spans take the transcript's timestamps instead.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepMarks {
@@ -161,6 +161,13 @@ impl MarkBook {
 }
 
 static SPANS_BUILT: AtomicU64 = AtomicU64::new(0);
+
+/// Wall-clock microseconds: spans and marks are timed finer than the transcript's ms.
+pub fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
 
 /// Span objects this process has built: stays 0 with no exporter configured.
 pub fn spans_built() -> u64 {
@@ -284,16 +291,19 @@ pub struct TurnFacts {
     pub reason: &'static str,
     /// The failure's code and public summary, for a failed turn.
     pub failure: Option<(String, String)>,
-    pub started_ms: i64,
-    pub ended_ms: i64,
+    pub started_us: i64,
+    pub ended_us: i64,
     pub steps: Vec<StepFacts>,
 }
 
 #[derive(Clone, Debug)]
 pub struct StepFacts {
     pub index: u64,
-    pub start_ms: i64,
-    pub end_ms: i64,
+    pub start_us: i64,
+    pub end_us: i64,
+    /// From the end of the previous step to this one's start, both measured here: the queue's
+    /// handoff.
+    pub handoff_us: Option<i64>,
     /// This process ran the step after an earlier delivery of it had generated already (or
     /// twice itself): a redelivery after a crash or a timeout.
     pub redelivered: bool,
@@ -305,8 +315,8 @@ pub struct StepFacts {
 
 #[derive(Clone, Debug)]
 pub struct GenFacts {
-    pub start_ms: i64,
-    pub end_ms: i64,
+    pub start_us: i64,
+    pub end_us: i64,
     pub provider: String,
     pub model: String,
     pub usage: Option<Usage>,
@@ -314,15 +324,15 @@ pub struct GenFacts {
     /// `auth_expired|rate_limited|context_overflow|transient|permanent`.
     pub error_kind: Option<&'static str>,
     /// Measured by this process (none for a generation that ran before a restart).
-    pub time_to_first_chunk_ms: Option<i64>,
+    pub time_to_first_chunk_us: Option<i64>,
 }
 
 #[derive(Clone, Debug)]
 pub struct CallFacts {
     pub call_id: String,
     pub function_id: String,
-    pub start_ms: i64,
-    pub end_ms: i64,
+    pub start_us: i64,
+    pub end_us: i64,
     /// `ok|error|held|interrupted`.
     pub outcome: &'static str,
     /// A spawn's child turn: its session and how it ended.
@@ -394,8 +404,8 @@ pub fn reason_of(rec: &TurnRecord) -> &'static str {
 /// turn ended (its record), looked up by the caller.
 pub(crate) fn facts(
     rec: &TurnRecord,
-    started_ms: i64,
-    ended_ms: i64,
+    started_us: i64,
+    ended_us: i64,
     entries: &[Entry],
     marks: &std::collections::BTreeMap<u64, StepMarks>,
     children: &dyn Fn(&str, &str) -> Option<ChildFacts>,
@@ -411,17 +421,17 @@ pub(crate) fn facts(
             })
     };
     let mut steps = Vec::new();
-    let mut start = started_ms;
+    let mut start = started_us;
     for n in 0..=rec.step {
         let a = assistant(n);
         let mark = marks.get(&n);
         if let Some(mk) = mark {
-            start = mk.start.clamp(started_ms, ended_ms.max(started_ms));
+            start = mk.start.clamp(started_us, ended_us.max(started_us));
         }
         // Measured here, the step had found its answer already written: a redelivery.
         let redelivered =
-            mark.is_some_and(|mk| mk.runs > 1 || a.is_some_and(|m| m.timestamp < mk.start));
-        let next_gen = assistant(n + 1).map(|m| m.timestamp);
+            mark.is_some_and(|mk| mk.runs > 1 || a.is_some_and(|m| m.timestamp * 1000 < mk.start));
+        let next_gen = assistant(n + 1).map(|m| m.timestamp * 1000);
         let mut calls = Vec::new();
         let mut generation = None;
         let mut end = start;
@@ -429,8 +439,8 @@ pub(crate) fn facts(
             let measured = mark.filter(|_| !redelivered);
             let gen_start = measured
                 .and_then(|mk| mk.gen_start)
-                .unwrap_or(m.timestamp)
-                .clamp(start, ended_ms.max(start));
+                .unwrap_or(m.timestamp * 1000)
+                .clamp(start, ended_us.max(start));
             let mut results = Vec::new();
             for b in &m.content {
                 let ContentBlock::FunctionCall {
@@ -448,16 +458,16 @@ pub(crate) fn facts(
                 results.push((id, function_id, result));
             }
             // The generation ended no later than the first thing recorded after it.
-            let mut gen_end = next_gen.unwrap_or(ended_ms).min(ended_ms);
+            let mut gen_end = next_gen.unwrap_or(ended_us).min(ended_us);
             for (_, _, r) in &results {
                 if let Some(r) = r {
-                    gen_end = gen_end.min(r.timestamp);
+                    gen_end = gen_end.min(r.timestamp * 1000);
                 }
             }
             let gen_end = measured
                 .and_then(|mk| mk.gen_end)
                 .unwrap_or(gen_end)
-                .clamp(gen_start, ended_ms.max(gen_start));
+                .clamp(gen_start, ended_us.max(gen_start));
             end = gen_end;
             for (id, function_id, r) in results {
                 let checkpoint = rec.calls.get(id.as_str());
@@ -467,10 +477,10 @@ pub(crate) fn facts(
                 let (outcome, call_end) = match (r, checkpoint) {
                     (Some(r), _) => (
                         if r.is_error { "error" } else { "ok" },
-                        r.timestamp.max(gen_end),
+                        (r.timestamp * 1000).max(gen_end),
                     ),
-                    (None, Some(CallCheckpoint::Pending { .. })) => ("held", ended_ms),
-                    (None, _) => ("interrupted", ended_ms),
+                    (None, Some(CallCheckpoint::Pending { .. })) => ("held", ended_us),
+                    (None, _) => ("interrupted", ended_us),
                 };
                 // A call that waited (a spawn, an approval) ends when settled, later than its
                 // step; the step itself ends with what it did at once.
@@ -480,28 +490,28 @@ pub(crate) fn facts(
                 calls.push(CallFacts {
                     call_id: id.clone(),
                     function_id: function_id.clone(),
-                    start_ms: gen_end,
-                    end_ms: call_end.max(gen_end),
+                    start_us: gen_end,
+                    end_us: call_end.max(gen_end),
                     outcome,
                     child,
                 });
             }
             generation = Some(GenFacts {
-                start_ms: gen_start,
-                end_ms: gen_end,
+                start_us: gen_start,
+                end_us: gen_end,
                 provider: m.provider.clone(),
                 model: m.model.clone(),
                 usage: m.usage.clone(),
                 finish_reason: finish_reason(m.stop_reason),
                 error_kind: m.error_kind.map(|k| k.as_str()),
-                time_to_first_chunk_ms: measured
+                time_to_first_chunk_us: measured
                     .and_then(|mk| Some(mk.first_chunk? - mk.gen_start?))
                     .filter(|d| *d >= 0),
             });
         }
         match mark.and_then(|mk| mk.end) {
-            Some(e) if n != rec.step => end = end.max(e.min(ended_ms)),
-            _ if n == rec.step => end = ended_ms.max(end),
+            Some(e) if n != rec.step => end = end.max(e.min(ended_us)),
+            _ if n == rec.step => end = ended_us.max(end),
             _ => {
                 if let Some(t) = next_gen {
                     end = end.min(t.max(start));
@@ -509,10 +519,16 @@ pub(crate) fn facts(
             }
         }
         let compacted = by_id.contains_key(ids::compaction_entry(&rec.turn_id, n).as_str());
+        let handoff_us = n
+            .checked_sub(1)
+            .and_then(|p| marks.get(&p))
+            .and_then(|p| Some(mark?.start - p.end?))
+            .filter(|d| *d >= 0);
         steps.push(StepFacts {
+            handoff_us,
             index: n,
-            start_ms: start,
-            end_ms: end.max(start),
+            start_us: start,
+            end_us: end.max(start),
             redelivered,
             compacted,
             generation,
@@ -528,8 +544,8 @@ pub(crate) fn facts(
             let f = rec.failure_cause();
             (f.code, f.summary)
         }),
-        started_ms,
-        ended_ms,
+        started_us,
+        ended_us,
         steps,
     }
 }
@@ -571,8 +587,8 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
         sampled: ctx.sampled,
         name,
         kind,
-        start_ms: start,
-        end_ms: end,
+        start_us: start,
+        end_us: end,
         attributes: Vec::new(),
         error: None,
     };
@@ -587,8 +603,8 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
             &ctx.turn_span_id,
             format!("harness.step {}", s.index),
             SpanKind::Internal,
-            s.start_ms,
-            s.end_ms,
+            s.start_us,
+            s.end_us,
         );
         step.attributes
             .push(int_attr("harness.step.index", s.index as i64));
@@ -610,8 +626,8 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
                 &step_id,
                 "harness.context.assemble".into(),
                 SpanKind::Internal,
-                s.start_ms,
-                g.start_ms,
+                s.start_us,
+                g.start_us,
             );
             if let Some(i) = g.usage.as_ref().and_then(|u| u.input) {
                 c.attributes
@@ -630,8 +646,8 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
                 } else {
                     SpanKind::Client
                 },
-                g.start_ms,
-                g.end_ms,
+                g.start_us,
+                g.end_us,
             );
             let a = &mut chat.attributes;
             a.push(str_attr("gen_ai.operation.name", "chat"));
@@ -639,10 +655,10 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
             a.push(str_attr("gen_ai.request.model", g.model.clone()));
             a.push(str_attr("gen_ai.response.model", g.model.clone()));
             a.push(("gen_ai.request.stream", AttrValue::Bool(true)));
-            if let Some(t) = g.time_to_first_chunk_ms {
+            if let Some(t) = g.time_to_first_chunk_us {
                 a.push((
                     "gen_ai.response.time_to_first_chunk",
-                    AttrValue::Float(t as f64 / 1000.0),
+                    AttrValue::Float(t as f64 / 1_000_000.0),
                 ));
             }
             if let Some(m) = rec.options.max_output_tokens {
@@ -689,8 +705,8 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
                 &step_id,
                 format!("execute_tool {}", c.function_id),
                 SpanKind::Internal,
-                c.start_ms,
-                c.end_ms,
+                c.start_us,
+                c.end_us,
             );
             let a = &mut call.attributes;
             a.push(str_attr("gen_ai.operation.name", "execute_tool"));
@@ -730,8 +746,8 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
         sampled: ctx.sampled,
         name: format!("invoke_agent {agent}"),
         kind: SpanKind::Internal,
-        start_ms: f.started_ms,
-        end_ms: f.ended_ms.max(f.started_ms),
+        start_us: f.started_us,
+        end_us: f.ended_us.max(f.started_us),
         attributes: Vec::new(),
         error: None,
     };
@@ -826,17 +842,17 @@ impl crate::Harness {
         ));
     }
 
-    /// The marks of a traced turn's steps; `None` when no span is exported (nothing measured).
+    /// Where step timings go; `None` when nothing observes turns (nothing measured).
     fn marks(&self) -> Option<&MarkBook> {
         self.telemetry()
-            .filter(|t| t.spans.is_some())
+            .filter(|t| t.spans.is_some() || t.observer.is_some())
             .map(|t| &t.marks)
     }
 
     /// A step delivery starts in this process.
     pub(crate) fn mark_step_start(&self, turn_id: &str, step: u64) {
         if let Some(m) = self.marks() {
-            let now = harness_types::now_ms();
+            let now = now_us();
             m.step(turn_id, step, |s| {
                 s.runs += 1;
                 s.start = now;
@@ -853,7 +869,7 @@ impl crate::Harness {
             return;
         };
         let Ok(step) = step.parse() else { return };
-        let now = harness_types::now_ms();
+        let now = now_us();
         m.step(turn_id, step, |s| {
             s.gen_start = Some(start);
             s.first_chunk = first;
@@ -861,7 +877,7 @@ impl crate::Harness {
         });
     }
 
-    /// Whether generations are timed (a span sink is installed).
+    /// Whether generations are timed (telemetry is installed).
     pub(crate) fn marking(&self) -> bool {
         self.marks().is_some()
     }
@@ -877,9 +893,11 @@ impl crate::Harness {
             o.step_finished(outcome, started.elapsed().as_secs_f64());
         }
         if let Some(m) = self.marks() {
-            // A turn finalized by this step has taken its marks already; don't start new ones.
-            if outcome != "finalized" && outcome != "stale" && outcome != "failed" {
-                let now = harness_types::now_ms();
+            // A turn this step finalized has had its marks taken; a stale delivery may be a
+            // duplicate of a step still running here, whose marks must stay. What a stale
+            // delivery after the end adds is forgotten with the oldest marks.
+            if !matches!(outcome, "finalized" | "stale" | "failed") {
+                let now = now_us();
                 m.step(&payload.turn_id, payload.step, |s| s.end = Some(now));
             }
         }
@@ -923,17 +941,10 @@ impl crate::Harness {
                 }
             }
         }
-        let started = ctx.map_or(rec.created_at, |c| c.started_at_ms);
+        let started = ctx.map_or(rec.created_at, |c| c.started_at_ms) * 1000;
         let lookup = |s: &str, t: &str| children.get(&(s.to_string(), t.to_string())).cloned();
         let marks = t.marks.take(&rec.turn_id);
-        let f = facts(
-            rec,
-            started,
-            harness_types::now_ms(),
-            &entries,
-            &marks,
-            &lookup,
-        );
+        let f = facts(rec, started, now_us(), &entries, &marks, &lookup);
         if let Some(o) = &t.observer {
             o.turn_finished(&f);
         }

@@ -39,6 +39,8 @@ pub struct Metrics {
     step_duration: HistogramVec,
     generation_duration: HistogramVec,
     generation_errors: IntCounterVec,
+    time_to_first_chunk: HistogramVec,
+    handoff: HistogramVec,
     tokens: IntCounterVec,
     cost: CounterVec,
     calls: IntCounterVec,
@@ -176,6 +178,21 @@ impl Metrics {
                 "Wall time of one generation, as the transcript recorded it.",
                 &["provider", "model"],
                 seconds(),
+            ),
+            time_to_first_chunk: histogram(
+                &r,
+                "harness_generation_time_to_first_chunk_seconds",
+                "From the request to the first streamed content of a generation.",
+                &["provider", "model"],
+                seconds(),
+            ),
+            handoff: histogram(
+                &r,
+                "harness_step_handoff_seconds",
+                "From the end of a step to the start of the turn's next one (the queue's handoff).",
+                &[],
+                // 10 µs … 20 s, doubling: a handoff is usually well under a millisecond.
+                exponential_buckets(0.00001, 2.0, 22).expect("buckets"),
             ),
             generation_errors: counter(
                 &r,
@@ -339,13 +356,23 @@ impl Observer for Metrics {
             .with_label_values(&[status, f.reason])
             .inc();
         for s in &f.steps {
+            if let Some(h) = s.handoff_us {
+                self.handoff
+                    .with_label_values::<&str>(&[])
+                    .observe(h as f64 / 1e6);
+            }
             if let Some(g) = &s.generation {
                 let provider = Metrics::provider(&g.provider);
                 let model = Metrics::bounded(&self.models, &g.model, "other");
                 let l = [provider, model.as_str()];
                 self.generation_duration
                     .with_label_values(&l)
-                    .observe((g.end_ms - g.start_ms).max(0) as f64 / 1000.0);
+                    .observe((g.end_us - g.start_us).max(0) as f64 / 1e6);
+                if let Some(t) = g.time_to_first_chunk_us {
+                    self.time_to_first_chunk
+                        .with_label_values(&l)
+                        .observe(t as f64 / 1e6);
+                }
                 if let Some(kind) = g.error_kind {
                     self.generation_errors
                         .with_label_values(&[provider, &model, kind])
@@ -376,7 +403,7 @@ impl Observer for Metrics {
                 if c.outcome != "held" && c.outcome != "interrupted" {
                     self.call_duration
                         .with_label_values(&[&function])
-                        .observe((c.end_ms - c.start_ms).max(0) as f64 / 1000.0);
+                        .observe((c.end_us - c.start_us).max(0) as f64 / 1e6);
                 }
             }
         }

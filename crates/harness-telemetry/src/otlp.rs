@@ -295,8 +295,8 @@ fn resource() -> Resource {
     .build()
 }
 
-fn time(ms: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+fn time(us: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_micros(us.max(0) as u64)
 }
 
 fn hex_id<const N: usize>(s: &str) -> Option<[u8; N]> {
@@ -349,7 +349,7 @@ fn span_data(s: SpanRecord, scope: &InstrumentationScope) -> Option<SpanData> {
             attributes.push(KeyValue::new("error.type", e.error_type.clone()));
             events.events.push(Event::new(
                 "exception",
-                time(s.end_ms),
+                time(s.end_us),
                 vec![
                     KeyValue::new("exception.type", e.error_type.clone()),
                     KeyValue::new("exception.message", e.message.clone()),
@@ -375,8 +375,8 @@ fn span_data(s: SpanRecord, scope: &InstrumentationScope) -> Option<SpanData> {
             Kind::Client => SpanKind::Client,
         },
         name: Cow::Owned(s.name),
-        start_time: time(s.start_ms),
-        end_time: time(s.end_ms.max(s.start_ms)),
+        start_time: time(s.start_us),
+        end_time: time(s.end_us.max(s.start_us)),
         attributes,
         dropped_attributes_count: 0,
         events,
@@ -466,8 +466,8 @@ mod tests {
             sampled: true,
             name: "chat demo".into(),
             kind: Kind::Client,
-            start_ms: 1_000,
-            end_ms: 1_250,
+            start_us: 1_000_000,
+            end_us: 1_250_000,
             attributes: vec![("gen_ai.request.model", AttrValue::Str("demo".into()))],
             error: Some(SpanError {
                 error_type: "rate_limited".into(),

@@ -247,6 +247,10 @@ async fn metrics_count_the_run_in_closed_label_sets() {
         3.0
     );
     assert_eq!(v("harness_function_call_duration_seconds_count", &[]), 1.0);
+    // One handoff: the completed turn's second step followed its first in this process.
+    assert_eq!(v("harness_step_handoff_seconds_count", &[]), 1.0);
+    // Every generation that streamed something: the completed turn's two.
+    assert!(v("harness_generation_time_to_first_chunk_seconds_count", &[]) >= 2.0);
     assert!(
         v(
             "harness_http_requests_total",
