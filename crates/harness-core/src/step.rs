@@ -459,6 +459,8 @@ impl Harness {
                 _ => tools.push(output::submit_result_tool(schema)),
             }
         }
+        // Kept for a reassembly after a server-measured overflow.
+        let unassembled_prompt = system_prompt.clone();
         let Prepared {
             system_prompt,
             messages,
@@ -466,7 +468,7 @@ impl Harness {
             max_output_tokens,
             compaction_usage,
         } = match self
-            .assemble_context(rec, &window, system_prompt, &tools)
+            .assemble_context(rec, &window, system_prompt, &tools, 0)
             .await?
         {
             Ok(prepared) => prepared,
@@ -547,9 +549,11 @@ impl Harness {
             response_format,
         };
 
+        let again = (req.clone(), extras.clone());
+
         // Generate with the lock released, so `stop` can land mid-stream.
         drop(guard.take());
-        let generation = self
+        let mut generation = self
             .generate(
                 req,
                 extras,
@@ -559,6 +563,43 @@ impl Harness {
                 &mut ctx.pending,
             )
             .await;
+        // The server measured the prompt over its window (our count was low): assembled once
+        // more with a quarter of the prompt held back, so the history is compacted (or a message
+        // that alone cannot fit refused), and asked again, once. Nothing was streamed.
+        let overflowed = generation.as_ref().is_ok_and(|g| {
+            !g.has_partial()
+                && g.error
+                    .as_ref()
+                    .is_some_and(|e| e.kind == harness_types::message::ErrorKind::ContextOverflow)
+        });
+        if overflowed && !cancel.is_cancelled() {
+            let (mut req, extras) = again;
+            *guard = Some(self.inner.locks.lock(&sid).await);
+            let held_back = context_tokens / 4 + REASSEMBLY_SLACK;
+            let retry = self
+                .assemble_context(rec, &window, unassembled_prompt, &req.tools, held_back)
+                .await?;
+            drop(guard.take());
+            if let Ok(p) = retry {
+                tracing::debug!(session = %sid, "the server refused ~{context_tokens} tokens as over its window; reassembled to ~{}", p.tokens);
+                if let Some(usage) = &p.compaction_usage {
+                    self.record_spend(rec, usage).await?;
+                }
+                req.system_prompt = p.system_prompt;
+                req.messages = p.messages;
+                req.max_output_tokens = p.max_output_tokens;
+                generation = self
+                    .generate(
+                        req,
+                        extras,
+                        &sid,
+                        &entry_id,
+                        cancel.clone(),
+                        &mut ctx.pending,
+                    )
+                    .await;
+            }
+        }
         let observed = match &generation {
             Ok(_) => !self.hooks(HookPoint::PostGenerate).await?.is_empty(),
             Err(_) => false,
@@ -781,6 +822,7 @@ impl Harness {
         window: &Window,
         system_prompt: Option<String>,
         tools: &[harness_types::router::ToolSpec],
+        held_back: u64,
     ) -> Result<std::result::Result<Prepared, ContextRefusal>> {
         let catalog = self.catalog_entry(rec).await;
         let context_window = self.context_window_of(catalog.as_ref());
@@ -816,7 +858,7 @@ impl Harness {
                     .is_some_and(|p| !p.allow.is_empty())
         };
         let preloaded = self.preloaded_notice(rec).await;
-        let mut extra = if hooked { REASSEMBLY_SLACK } else { 0 };
+        let mut extra = if hooked { REASSEMBLY_SLACK } else { 0 } + held_back;
         for pass in 0..2u32 {
             let model = ModelRef {
                 id: rec.options.model.clone(),
@@ -934,9 +976,10 @@ impl Harness {
                     .await?;
                     failpoint::hit("after_compaction_appended");
                 }
+                // What is held back is prompt the count missed: no room for output either.
                 let room = output_room(
                     context_window,
-                    tokens,
+                    tokens + held_back,
                     rec.options.max_output_tokens,
                     catalog.as_ref(),
                 );

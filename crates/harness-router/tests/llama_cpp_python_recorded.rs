@@ -1001,3 +1001,87 @@ async fn the_provider_row_says_how_tokens_are_counted_and_how_many_requests_go_a
     assert_eq!(row["token_counter"], "estimate");
     assert_eq!(row["concurrency"], Value::Null);
 }
+
+#[tokio::test]
+async fn a_prompt_the_server_refuses_as_over_its_window_is_reassembled_and_asked_once_more() {
+    // A server whose tokens nothing here can count, answering the first request as
+    // llama-cpp-python answers a prompt over its window (200, empty body), the second in full.
+    let mut recorded = exchanges("digits_overflow_stream");
+    recorded.extend(exchanges("plain_stream"));
+    let text = recorded_text(&recorded[1].body);
+    let server = Replay::start(recorded).await;
+    let router = Router::new();
+    let mut cfg = ProviderConfig::new(
+        "llamacpp",
+        ProviderKind::OpenaiCompatible,
+        &format!("{}/v1", server.url),
+        None,
+    )
+    .with_http(http());
+    cfg.wire.tokenize = harness_router::providers::Tokenize::None;
+    router.add_provider(cfg.build());
+    let (harness, sessions, _dir) = small_runtime(&router).await;
+    let (sid, s) = send_model(
+        &harness,
+        "gemma-3-270m-refused-once",
+        None,
+        "Say hello.",
+        SendOptions::default(),
+    )
+    .await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    let bodies = server.chat_bodies();
+    assert_eq!(bodies.len(), 2, "asked once more, not more");
+    // The second request leaves more of the window unasked for output: the count was low.
+    let (first, second) = (
+        bodies[0]["max_tokens"].as_u64().unwrap(),
+        bodies[1]["max_tokens"].as_u64().unwrap(),
+    );
+    assert!(second < first, "max_tokens {first} then {second}");
+    let replies: Vec<AssistantMessage> = sessions
+        .all_entries(&sid, false)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.message {
+            Some(AgentMessage::Assistant(a)) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_eq!(joined(&replies[0]), text);
+}
+
+#[tokio::test]
+async fn a_second_refusal_fails_the_turn_as_an_overflow() {
+    let mut recorded = exchanges("digits_overflow_stream");
+    recorded.extend(exchanges("digits_overflow_stream"));
+    recorded.extend(exchanges("plain_stream"));
+    let server = Replay::start(recorded).await;
+    let router = Router::new();
+    let mut cfg = ProviderConfig::new(
+        "llamacpp",
+        ProviderKind::OpenaiCompatible,
+        &format!("{}/v1", server.url),
+        None,
+    )
+    .with_http(http());
+    cfg.wire.tokenize = harness_router::providers::Tokenize::None;
+    router.add_provider(cfg.build());
+    let (harness, _sessions, _dir) = small_runtime(&router).await;
+    let (_, s) = send_model(
+        &harness,
+        "gemma-3-270m-refused-twice",
+        None,
+        "Say hello.",
+        SendOptions::default(),
+    )
+    .await;
+    assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
+    let failure = s.failure.unwrap();
+    assert_eq!(
+        failure.kind,
+        Some(ErrorKind::ContextOverflow),
+        "{failure:?}"
+    );
+    assert_eq!(server.chat_bodies().len(), 2, "one retry only");
+}
