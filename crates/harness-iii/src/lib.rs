@@ -156,17 +156,24 @@
 //!   while no worker is up. The loop does not depend on it: at start and after every reconnect
 //!   (see [`IiiBus::reconnects`]) it re-enqueues the current step of every `running` turn.
 
+mod bindings;
 mod bus;
+mod calls;
 mod codec;
 mod error;
 mod fence;
 mod journal;
+mod options;
 mod provider;
+mod queue;
+mod registry;
+mod state;
 
-pub use bus::{IiiBus, IiiOptions, QueueMode, SelfCalls, DELIVER_FUNCTION, FRAMES_PREFIX};
+pub use bus::{IiiBus, DELIVER_FUNCTION, FRAMES_PREFIX};
 pub use codec::{strip_decoration, unwrap_state, wrap_state, STATE_KEY_FIELD};
 pub use error::IiiError;
 pub use fence::{FENCED_SCOPE, LEASE_SCOPE};
+pub use options::{IiiOptions, QueueMode, SelfCalls};
 
 /// The `iii-sdk` version this crate is built and tested against.
 pub const SDK_VERSION: &str = "0.25.0";
