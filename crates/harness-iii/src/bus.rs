@@ -35,8 +35,7 @@ pub const FRAMES_PREFIX: &str = "harness::frames::";
 const STANDBY_POLL: Duration = Duration::from_millis(200);
 
 /// What a worker connection holds. Each job's state sits under one lock of its own
-/// (`registry`, `calls.streams`, `tracker`, `bindings`, `queues`); the link's flags are atomics
-/// and watch channels.
+/// (`registry`, `calls.streams`, `tracker`, `bindings`, `queues`); the `link` needs none.
 pub(crate) struct Inner {
     pub(crate) client: IIIClient,
     pub(crate) opts: IiiOptions,
@@ -58,6 +57,12 @@ pub(crate) struct Inner {
     pub(crate) bindings: RwLock<Bindings>,
     /// Queue routes and group locks.
     pub(crate) queues: Mutex<Queues>,
+    /// The state of the link to the engine.
+    pub(crate) link: Link,
+}
+
+/// The state of the link to the engine: flags and counters, no lock.
+pub(crate) struct Link {
     pub(crate) reconnects: watch::Sender<u64>,
     /// Counts lost links: a call in flight when the link drops never gets its answer (the SDK
     /// keeps waiting until its timeout), so it fails at once instead.
@@ -131,13 +136,15 @@ impl IiiBus {
                 journal,
                 bindings: RwLock::new(Bindings::default()),
                 queues: Mutex::new(Queues::default()),
-                reconnects,
-                disconnects,
-                opened: AtomicBool::new(false),
-                ready: AtomicBool::new(false),
-                settled: watch::channel(true).0,
-                closing: AtomicBool::new(false),
-                deposed: watch::channel(false).0,
+                link: Link {
+                    reconnects,
+                    disconnects,
+                    opened: AtomicBool::new(false),
+                    ready: AtomicBool::new(false),
+                    settled: watch::channel(true).0,
+                    closing: AtomicBool::new(false),
+                    deposed: watch::channel(false).0,
+                },
                 opts,
             }),
         };
@@ -251,7 +258,7 @@ impl IiiBus {
     /// functions: it took the sessions over (and fences this worker's turn-record writes), so
     /// this worker must stop; started again, it stands by.
     pub fn deposed(&self) -> watch::Receiver<bool> {
-        self.inner.deposed.subscribe()
+        self.inner.link.deposed.subscribe()
     }
 
     /// This process's lease-holder identity.
@@ -268,34 +275,34 @@ impl IiiBus {
     /// the caller can serve them (queue ensured, siblings registered, redrive done), and waits
     /// until the engine lists every function of this worker.
     pub async fn open(&self) -> Result<(), BusError> {
-        self.inner.opened.store(true, Ordering::SeqCst);
+        self.inner.link.opened.store(true, Ordering::SeqCst);
         self.announce_held();
-        self.inner.ready.store(true, Ordering::SeqCst);
+        self.inner.link.ready.store(true, Ordering::SeqCst);
         self.wait_registered().await?;
         self.remember_foreign().await
     }
 
-    /// Marks the worker able (or unable) to serve its public functions; see `Inner::ready`.
+    /// Marks the worker able (or unable) to serve its public functions; see `Link::ready`.
     pub fn set_ready(&self, ready: bool) {
-        self.inner.ready.store(ready, Ordering::SeqCst);
+        self.inner.link.ready.store(ready, Ordering::SeqCst);
     }
 
     /// Counts the reconnects of the worker connection. After one, the engine has failed the
     /// invocations that were in flight (`invocation_stopped`); the caller should redrive
     /// (`Harness::start` is idempotent and re-enqueues the current step of running turns).
     pub fn reconnects(&self) -> watch::Receiver<u64> {
-        self.inner.reconnects.subscribe()
+        self.inner.link.reconnects.subscribe()
     }
 
     /// Closes the worker connection (registrations vanish from the engine).
     pub async fn shutdown(&self) {
         // Closing the link on purpose is not losing it: the watcher stops before the state
         // changes (it used to log "lost the link" for every bus the bench closed).
-        self.inner.closing.store(true, Ordering::SeqCst);
+        self.inner.link.closing.store(true, Ordering::SeqCst);
         self.inner.client.shutdown_async().await;
         // The SDK answers nothing once shut down (it drops what is sent then without a word,
         // and leaves the calls in flight waiting): those calls end now, as on a lost link.
-        self.inner.disconnects.send_modify(|n| *n += 1);
+        self.inner.link.disconnects.send_modify(|n| *n += 1);
     }
 
     fn watch_connection(&self) {
@@ -305,7 +312,7 @@ impl IiiBus {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let Some(inner) = weak.upgrade() else { return };
-                if inner.closing.load(Ordering::SeqCst) {
+                if inner.link.closing.load(Ordering::SeqCst) {
                     return;
                 }
                 let connected =
@@ -320,25 +327,25 @@ impl IiiBus {
                         if owner != bus.inner.opts.worker_name {
                             tracing::error!(%owner, "another harness worker took this worker's functions and sessions over while the link was down; stopping");
                             bus.inner.tracker().forget_leases();
-                            bus.inner.deposed.send_replace(true);
+                            bus.inner.link.deposed.send_replace(true);
                             return;
                         }
                     }
                     if let Err(e) = bus.reconcile().await {
                         tracing::error!("reconciling with the iii engine failed: {e}");
                     }
-                    bus.inner.settled.send_replace(true);
-                    bus.inner.reconnects.send_modify(|n| *n += 1);
+                    bus.inner.link.settled.send_replace(true);
+                    bus.inner.link.reconnects.send_modify(|n| *n += 1);
                     was_connected = true;
                     continue;
                 }
                 if !connected && was_connected {
-                    inner.ready.store(false, Ordering::SeqCst);
-                    inner.settled.send_replace(false);
+                    inner.link.ready.store(false, Ordering::SeqCst);
+                    inner.link.settled.send_replace(false);
                     // Whatever the engine routes here after the reconnect is read again.
                     inner.registry_mut().forget_served();
                     tracing::warn!(url = %inner.opts.url, "lost the link to the iii engine; failing the calls in flight");
-                    inner.disconnects.send_modify(|n| *n += 1);
+                    inner.link.disconnects.send_modify(|n| *n += 1);
                 }
                 was_connected = connected;
             }
@@ -347,7 +354,7 @@ impl IiiBus {
 
     /// Waits until a reconnect was reconciled (at once when the link never dropped).
     pub(crate) async fn settled(&self) {
-        let mut settled = self.inner.settled.subscribe();
+        let mut settled = self.inner.link.settled.subscribe();
         let _ = settled.wait_for(|s| *s).await;
     }
 

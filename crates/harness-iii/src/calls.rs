@@ -177,7 +177,7 @@ impl IiiBus {
     ) -> Result<Value, BusError> {
         let timeout = timeout.unwrap_or(DEFAULT_CALL_TIMEOUT);
         let ms = timeout.as_millis() as u64;
-        if self.inner.closing.load(Ordering::SeqCst) {
+        if self.inner.link.closing.load(Ordering::SeqCst) {
             // A step still running on a bus that was shut down (the bench closes one per
             // phase): the SDK would drop the call without a word and wait out its timeout.
             if let Ok(lose) = DELIVERY.try_with(Arc::clone) {
@@ -203,7 +203,7 @@ impl IiiBus {
                 })
                 .await;
         }
-        let mut lost = self.inner.disconnects.subscribe();
+        let mut lost = self.inner.link.disconnects.subscribe();
         lost.borrow_and_update();
         let delivery = DELIVERY.try_with(Arc::clone).ok();
         if action.is_none() && self.inner.local(function_id).is_some() {
@@ -288,9 +288,9 @@ impl IiiBus {
     pub(crate) fn serves(&self, function_id: &str) -> bool {
         let inner = &self.inner;
         if inner.opts.self_calls != SelfCalls::InProcess
-            || inner.closing.load(Ordering::SeqCst)
-            || *inner.deposed.borrow()
-            || !*inner.settled.borrow()
+            || inner.link.closing.load(Ordering::SeqCst)
+            || *inner.link.deposed.borrow()
+            || !*inner.link.settled.borrow()
         {
             return false;
         }
@@ -301,7 +301,10 @@ impl IiiBus {
                 _ => return false,
             }
         };
-        if gated && !(inner.opened.load(Ordering::SeqCst) && inner.ready.load(Ordering::SeqCst)) {
+        if gated
+            && !(inner.link.opened.load(Ordering::SeqCst)
+                && inner.link.ready.load(Ordering::SeqCst))
+        {
             return false;
         }
         inner.client.get_connection_state() == IIIConnectionState::Connected
@@ -311,7 +314,7 @@ impl IiiBus {
     /// call, a lost link ends the delivery where it stands rather than handing the step an
     /// answer it would act on (see `invoke`).
     async fn in_process(&self, call: LocalCall<'_>) -> Result<Value, BusError> {
-        let mut lost = self.inner.disconnects.subscribe();
+        let mut lost = self.inner.link.disconnects.subscribe();
         lost.borrow_and_update();
         let call = self.call_in_process(call);
         let Ok(lose) = DELIVERY.try_with(Arc::clone) else {
@@ -361,7 +364,7 @@ impl IiiBus {
         metadata: Option<Value>,
         frames: Option<FrameSink>,
     ) -> Result<Value, BusError> {
-        if gated && !inner.ready.load(Ordering::SeqCst) {
+        if gated && !inner.link.ready.load(Ordering::SeqCst) {
             return Err(starting());
         }
         let payload = strip_decoration(payload);

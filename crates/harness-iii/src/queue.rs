@@ -114,7 +114,7 @@ impl IiiBus {
         let lock = self.group_lock(&format!("{queue}\u{0}{group}"));
         let _held = lock.lock().await;
         let local = self.inner.local(&function_id);
-        let mut lost = self.inner.disconnects.subscribe();
+        let mut lost = self.inner.link.disconnects.subscribe();
         lost.borrow_and_update();
         let (lose, mut lost_here) = watch::channel(false);
         let me = self.clone();

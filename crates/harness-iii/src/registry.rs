@@ -85,7 +85,7 @@ impl IiiBus {
                 // The engine already routes this id here; the new handler is picked up per call.
                 return;
             }
-            if held(&def) && !self.inner.opened.load(Ordering::SeqCst) {
+            if held(&def) && !self.inner.link.opened.load(Ordering::SeqCst) {
                 // Public until the worker can serve it: announced by `open`.
                 registry.held.push(id);
                 return;
