@@ -8,11 +8,14 @@
 //!
 //! The payload is a closed struct ([`Announcement`]): model and provider names, counters and a
 //! fixed failure class; never a session or turn id, message text, prompt, path or function id.
-//! The `harness_usage` row of a session (turns counted, milestones and outcomes announced) and
-//! the publish go in one `Bus::commit`: on the embedded bus one transaction, so a crash neither
-//! repeats nor loses one (a redelivered step that finds its record terminal runs this again,
-//! and the row knows the turn); on a bus without transactions the row is written first, then
-//! the publish (at most once). Best effort: a failure is logged at debug and the turn goes on.
+//! Root turns are counted from the session's transcript (in memory), so a turn with nothing to
+//! announce costs one cached state read and writes nothing. The `harness_usage` row of a session
+//! (milestones and outcomes announced) and the publish go in one `Bus::commit`: on the embedded
+//! bus one transaction, so a crash neither repeats nor loses one (a redelivered step that finds
+//! its record terminal runs this again, and the row knows what was announced); on a bus without
+//! transactions the row is written first, then the publish (at most once). The totals are read
+//! (`harness::metrics`, which lists the sessions) only for an announcement: at most 9 times per
+//! session. Best effort: a failure is logged at debug and the turn goes on.
 //!
 //! Off with `usage_reporting: false`, `III_TELEMETRY_ENABLED=false|0` or
 //! `HARNESS_TELEMETRY_ENABLED=false|0`: nothing is published or recorded and no row written.
@@ -37,12 +40,7 @@ const MILESTONES: [u32; 6] = [1, 2, 5, 10, 25, 50];
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 struct UsageRow {
-    /// Root turns ended (counted up to the last milestone).
-    #[serde(default)]
-    turns: u32,
-    /// The turn counted last: a repeated finalize does not count it twice.
-    #[serde(default)]
-    last_turn_id: Option<String>,
+    /// Milestones announced.
     #[serde(default)]
     milestones: Vec<u32>,
     #[serde(default)]
@@ -137,16 +135,15 @@ impl Harness {
             Some(v) => serde_json::from_value(v).unwrap_or_default(),
             None => UsageRow::default(),
         };
-        if row.last_turn_id.as_deref() == Some(rec.turn_id.as_str()) {
-            return Ok(());
-        }
         let last = MILESTONES[MILESTONES.len() - 1];
         let mut events: Vec<(&'static str, Option<u32>, Option<&'static str>)> = Vec::new();
-        if row.turns < last {
-            row.turns += 1;
-            if MILESTONES.contains(&row.turns) && !row.milestones.contains(&row.turns) {
-                row.milestones.push(row.turns);
-                events.push(("harness_session_progress", Some(row.turns), None));
+        if !row.milestones.contains(&last) {
+            // The root turns so far, this one included, read from the transcript (in memory):
+            // the same count however often a redelivered finalize asks.
+            let turns = root_turns(&self.transcript_shared(&rec.session_id).await?);
+            if MILESTONES.contains(&turns) && !row.milestones.contains(&turns) {
+                row.milestones.push(turns);
+                events.push(("harness_session_progress", Some(turns), None));
             }
         }
         if let Some(o) = outcome_of(rec) {
@@ -155,31 +152,37 @@ impl Harness {
                 events.push(("harness_turn_failed", None, Some(o)));
             }
         }
-        // Past the last milestone with every outcome announced, nothing is left to count.
-        if events.is_empty() && row.turns >= last {
+        // Nothing to announce: nothing is written (most root turns end here).
+        if events.is_empty() {
             return Ok(());
         }
-        row.last_turn_id = Some(rec.turn_id.clone());
         let mut writes = vec![BusWrite::StateSet {
             scope: USAGE_SCOPE.into(),
             key: rec.session_id.clone(),
             value: serde_json::to_value(&row).map_err(internal)?,
         }];
-        if !events.is_empty() {
-            let m = self
-                .metrics(MetricsRequest {
-                    root_session_id: rec.session_id.clone(),
-                })
-                .await?
-                .totals
-                .counters;
-            let totals = UsageTotals {
-                turns: m.turns,
-                function_calls: m.function_calls,
-                function_call_errors: m.function_call_errors,
-                input_tokens: m.input_tokens.unwrap_or(0),
-                output_tokens: m.output_tokens.unwrap_or(0),
-                cost_usd: m.cost_usd.unwrap_or(0.0),
+        {
+            let entries = self.transcript_shared(&rec.session_id).await?;
+            // A session that never spawned is its whole tree: its own transcript answers,
+            // without `harness::metrics`, which lists every session to find a tree.
+            let totals = if spawned(&entries) {
+                let m = self
+                    .metrics(MetricsRequest {
+                        root_session_id: rec.session_id.clone(),
+                    })
+                    .await?
+                    .totals
+                    .counters;
+                UsageTotals {
+                    turns: m.turns,
+                    function_calls: m.function_calls,
+                    function_call_errors: m.function_call_errors,
+                    input_tokens: m.input_tokens.unwrap_or(0),
+                    output_tokens: m.output_tokens.unwrap_or(0),
+                    cost_usd: m.cost_usd.unwrap_or(0.0),
+                }
+            } else {
+                own_totals(&entries)
             };
             let now = harness_types::now_ms();
             for (event, milestone, outcome) in &events {
@@ -237,6 +240,95 @@ impl Harness {
                 .collect(),
         })
     }
+}
+
+/// Turns of a session that reached its transcript (each wrote at least its message), by the
+/// turn id their entries carry.
+fn root_turns(entries: &[harness_types::session::Entry]) -> u32 {
+    let mut seen = std::collections::HashSet::new();
+    for e in entries {
+        if !matches!(
+            e.message,
+            Some(harness_types::message::AgentMessage::User(_))
+                | Some(harness_types::message::AgentMessage::Assistant(_))
+        ) {
+            continue;
+        }
+        if let Some(t) = e
+            .origin
+            .as_ref()
+            .and_then(|o| o.get("turn_id"))
+            .and_then(Value::as_str)
+        {
+            seen.insert(t);
+        }
+    }
+    seen.len() as u32
+}
+
+/// Whether the session's model ever called `harness::spawn` (natively or through
+/// `agent_trigger`): then it may have sub-agents.
+fn spawned(entries: &[harness_types::session::Entry]) -> bool {
+    use harness_types::message::{AgentMessage, ContentBlock};
+    entries.iter().any(|e| match &e.message {
+        Some(AgentMessage::Assistant(m)) => m.content.iter().any(|b| {
+            matches!(b, ContentBlock::FunctionCall { function_id, arguments, .. }
+                if function_id == "harness::spawn"
+                    || arguments.get("function_id").and_then(Value::as_str) == Some("harness::spawn"))
+        }),
+        _ => false,
+    })
+}
+
+/// The `harness::metrics` counters of one session, from its transcript: each assistant message
+/// a turn, its function calls, the `is_error` results; a token or cost sum only when every
+/// observation reported it (else 0, as `harness::metrics` answers none), a compaction's
+/// summary included.
+fn own_totals(entries: &[harness_types::session::Entry]) -> UsageTotals {
+    use harness_types::message::{AgentMessage, ContentBlock, Usage};
+    let mut t = UsageTotals::default();
+    let (mut input, mut output, mut cost) = (Some(0u64), Some(0u64), Some(0f64));
+    let add =
+        |u: &Usage, input: &mut Option<u64>, output: &mut Option<u64>, cost: &mut Option<f64>| {
+            *input = input.zip(u.input).map(|(a, b)| a + b);
+            *output = output.zip(u.output).map(|(a, b)| a + b);
+            *cost = cost.zip(u.cost_usd).map(|(a, b)| a + b);
+        };
+    for e in entries {
+        match &e.message {
+            Some(AgentMessage::Assistant(a)) => {
+                t.turns += 1;
+                t.function_calls += a
+                    .content
+                    .iter()
+                    .filter(|b| matches!(b, ContentBlock::FunctionCall { .. }))
+                    .count() as u64;
+                add(
+                    &a.usage.clone().unwrap_or_default(),
+                    &mut input,
+                    &mut output,
+                    &mut cost,
+                );
+            }
+            Some(AgentMessage::FunctionResult(r)) if r.is_error => t.function_call_errors += 1,
+            None => {
+                let usage = e
+                    .custom
+                    .as_ref()
+                    .filter(|c| c.custom_type == harness_types::context::COMPACTION_ENTRY)
+                    .and_then(|c| c.data.get("usage"))
+                    .and_then(|u| serde_json::from_value::<Usage>(u.clone()).ok());
+                if let Some(u) = usage {
+                    add(&u, &mut input, &mut output, &mut cost);
+                }
+            }
+            _ => {}
+        }
+    }
+    t.input_tokens = input.unwrap_or(0);
+    t.output_tokens = output.unwrap_or(0);
+    t.cost_usd = cost.unwrap_or(0.0);
+    t
 }
 
 fn internal(e: serde_json::Error) -> harness_types::HarnessError {
