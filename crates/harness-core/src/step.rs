@@ -574,6 +574,14 @@ impl Harness {
         });
         if overflowed && !cancel.is_cancelled() {
             let (mut req, extras) = again;
+            // What the refused request carried, in bytes (which bound tokens).
+            let request_bytes = context::byte_bound(&req.messages)
+                + req.system_prompt.as_ref().map_or(0, |p| p.len() as u64)
+                + req
+                    .tools
+                    .iter()
+                    .map(|t| (t.description.len() + t.parameters.to_string().len()) as u64)
+                    .sum::<u64>();
             *guard = Some(self.inner.locks.lock(&sid).await);
             let held_back = context_tokens / 4 + REASSEMBLY_SLACK;
             let retry = self
@@ -598,6 +606,18 @@ impl Harness {
                         &mut ctx.pending,
                     )
                     .await;
+            }
+            let still = generation.as_ref().is_ok_and(|g| {
+                !g.has_partial()
+                    && g.error.as_ref().is_some_and(|e| {
+                        e.kind == harness_types::message::ErrorKind::ContextOverflow
+                    })
+            });
+            if still {
+                *guard = Some(self.inner.locks.lock(&sid).await);
+                self.exclude_dominant_message(rec, &window, request_bytes)
+                    .await?;
+                drop(guard.take());
             }
         }
         let observed = match &generation {
@@ -1020,6 +1040,41 @@ impl Harness {
         else {
             return Ok(());
         };
+        self.append_custom(
+            &rec.session_id,
+            format!("e_{}_{}_excluded", rec.turn_id, rec.step),
+            context::EXCLUDED_ENTRY,
+            json!({"entry_id": entry_id, "detail": detail}),
+            &rec.turn_id,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// After the server refused the prompt as over its window twice: when the latest user
+    /// message is most of the prompt (by bytes, which bound tokens), it is what does not fit a
+    /// window nobody told the loop, and it is left out of later requests like a message refused
+    /// as too large, so the session's next message is not refused with it.
+    async fn exclude_dominant_message(
+        &self,
+        rec: &TurnRecord,
+        window: &Window,
+        request_bytes: u64,
+    ) -> Result<()> {
+        let Some(at) = window
+            .messages
+            .iter()
+            .rposition(|m| matches!(m, AgentMessage::User(_)))
+        else {
+            return Ok(());
+        };
+        let bytes = context::byte_bound(std::slice::from_ref(&window.messages[at]));
+        let (Some(entry_id), true) = (window.entry_ids.get(at), bytes * 2 > request_bytes) else {
+            return Ok(());
+        };
+        let detail = format!(
+            "context/message_too_large: message {at} of the request (~{bytes} bytes, most of the prompt) was refused by the server as over its window twice; it is left out of later requests: send it shorter or in parts, or tell harness the window (--context-window)"
+        );
         self.append_custom(
             &rec.session_id,
             format!("e_{}_{}_excluded", rec.turn_id, rec.step),

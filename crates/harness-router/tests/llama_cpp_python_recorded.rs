@@ -593,6 +593,14 @@ fn digits() -> String {
 /// A loop with the context manager, on the `llamacpp` provider at `url`, whose server runs with
 /// a 2,048-token window (what `--context-window 2048` sets).
 async fn small_runtime(router: &Router) -> (Harness, SessionStore, tempfile::TempDir) {
+    runtime_with_window(router, 2048).await
+}
+
+/// [`small_runtime`] with the window the loop is told (`default_context_window`).
+async fn runtime_with_window(
+    router: &Router,
+    window: u64,
+) -> (Harness, SessionStore, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
     let bus = EmbeddedBus::new(store.clone()).unwrap();
@@ -605,7 +613,7 @@ async fn small_runtime(router: &Router) -> (Harness, SessionStore, tempfile::Tem
         shared,
         HarnessConfig {
             stream_coalesce_ms: 0,
-            default_context_window: 2048,
+            default_context_window: window,
             ..HarnessConfig::default()
         },
     );
@@ -1067,8 +1075,8 @@ async fn a_second_refusal_fails_the_turn_as_an_overflow() {
     .with_http(http());
     cfg.wire.tokenize = harness_router::providers::Tokenize::None;
     router.add_provider(cfg.build());
-    let (harness, _sessions, _dir) = small_runtime(&router).await;
-    let (_, s) = send_model(
+    let (harness, sessions, _dir) = small_runtime(&router).await;
+    let (sid, s) = send_model(
         &harness,
         "gemma-3-270m-refused-twice",
         None,
@@ -1084,4 +1092,55 @@ async fn a_second_refusal_fails_the_turn_as_an_overflow() {
         "{failure:?}"
     );
     assert_eq!(server.chat_bodies().len(), 2, "one retry only");
+    // "Say hello." is a sliver of the refused request (the system prompt is most of it): it
+    // is not the message to blame, and stays.
+    let entries = sessions.all_entries(&sid, true).unwrap();
+    assert!(!entries.iter().any(|e| e
+        .custom
+        .as_ref()
+        .is_some_and(|c| c.custom_type == "context_excluded")));
+}
+
+#[tokio::test]
+async fn a_message_the_server_refuses_twice_under_an_unknown_window_is_left_out_and_the_session_goes_on(
+) {
+    // Nobody told the loop the window (the shipped default), and the server cannot count: the
+    // dense message goes out, is refused (recorded), reassembled, refused again.
+    let mut recorded = exchanges("digits_overflow_stream");
+    recorded.extend(exchanges("digits_overflow_stream"));
+    recorded.extend(exchanges("plain_stream"));
+    let server = Replay::start(recorded).await;
+    let router = Router::new();
+    let mut cfg = ProviderConfig::new(
+        "llamacpp",
+        ProviderKind::OpenaiCompatible,
+        &format!("{}/v1", server.url),
+        None,
+    )
+    .with_http(http());
+    cfg.wire.tokenize = harness_router::providers::Tokenize::None;
+    router.add_provider(cfg.build());
+    let (harness, _sessions, _dir) = runtime_with_window(&router, 200_000).await;
+    let model = "gemma-3-270m-unknown-window";
+    let (sid, s) = send_model(&harness, model, None, &digits(), SendOptions::default()).await;
+    assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
+    assert_eq!(s.failure.unwrap().kind, Some(ErrorKind::ContextOverflow));
+    assert_eq!(server.chat_bodies().len(), 2);
+    let (_, s) = send_model(
+        &harness,
+        model,
+        Some(&sid),
+        "Say hi.",
+        SendOptions::default(),
+    )
+    .await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    let bodies = server.chat_bodies();
+    assert_eq!(bodies.len(), 3);
+    let sent = bodies[2]["messages"].to_string();
+    assert!(
+        !sent.contains(&digits()[..64]),
+        "the refused message was sent again"
+    );
+    assert!(sent.contains("Say hi."));
 }
