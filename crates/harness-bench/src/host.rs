@@ -47,4 +47,13 @@ pub trait Host: Send + Sync {
 
     /// Fails when this build cannot run on an iii engine (checked before any phase runs).
     fn check_iii(&self, url: &str) -> anyhow::Result<()>;
+
+    /// What hands the memory the process's allocator keeps free back to the OS, on the thread
+    /// that calls it, so that the RSS the idle-RAM phase reads is live memory, not what the
+    /// allocator happened to keep (the binary's allocator holds freed pages per thread and
+    /// only lets go of them on that thread's later activity, which an idle process has none
+    /// of). The bench calls it on every runtime worker. None: nothing to do.
+    fn memory_release(&self) -> Option<fn()> {
+        None
+    }
 }

@@ -95,9 +95,12 @@
 //!   yardstick are null there (the engine gives no durability point; see [`III_NOTES`]); the
 //!   rest is measured the same way, so the two reports compare key by key.
 //! * **RAM per idle session** (`idle_session_bytes`): fsync off; N sessions with one completed
-//!   turn each (64 at a time); resident set (`VmRSS`, after `malloc_trim`) after minus before,
-//!   divided by N. It includes SQLite's page caches growing with the database;
-//!   `idle_session_marginal_bytes` is the slope over the second half only.
+//!   turn each (64 at a time); resident set (`VmRSS`) after minus before, divided by N. Each
+//!   read follows the allocators' release of their free pages (the host's, on every runtime
+//!   worker, and `malloc_trim`): without it the figure moved by a third run to run with what
+//!   mimalloc's threads happened to keep. It includes SQLite's page caches growing with the
+//!   database (`idle_sqlite_heap_*_bytes`); `idle_session_marginal_bytes` is the slope over the
+//!   second half only. An explicit `--idle-sessions N` is measured whole (cap 12 ms a session).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -261,6 +264,9 @@ impl Plan {
         };
         if let Some(n) = args.idle_sessions {
             p.idle_sessions = n.max(2);
+            // A count asked for is measured whole: a busy machine fills 10,000 sessions in
+            // 20-40 s, and a figure over a tenth of them is not the figure asked for.
+            p.idle_cap = p.idle_cap.max(Duration::from_millis(12 * n as u64));
         }
         if let Some(s) = args.cell_secs {
             p.cell = Duration::from_secs_f64(s.max(0.1));
@@ -1112,8 +1118,33 @@ fn trim_heap() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn trim_heap() {}
 
-async fn settled_rss() -> u64 {
+/// Runs the host's memory release on every worker of the runtime (each frees what its own
+/// thread holds): one task per worker, held at a barrier until all of them ran, so no worker
+/// runs two.
+async fn release_free_memory(host: &dyn Host) {
+    let Some(release) = host.memory_release() else {
+        return;
+    };
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    let barrier = Arc::new(std::sync::Barrier::new(workers));
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                release();
+                barrier.wait();
+            })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    release();
+}
+
+async fn settled_rss(host: &dyn Host) -> u64 {
     tokio::time::sleep(Duration::from_millis(100)).await;
+    release_free_memory(host).await;
     trim_heap();
     rss_bytes().unwrap_or(0)
 }
@@ -1124,6 +1155,10 @@ struct IdleRam {
     marginal_bytes: f64,
     rss_before: u64,
     rss_after: u64,
+    /// SQLite's own heap (every connection's page cache, statements, schema) at the same two
+    /// moments: the share of the RSS the store's connections hold.
+    sqlite_before: i64,
+    sqlite_after: i64,
 }
 
 /// Fills `n` sessions (one completed turn each, 64 in flight) until done or `cap` runs out.
@@ -1160,16 +1195,18 @@ async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
     // Warm-up: the runtime's fixed costs (threads, connections, statement caches) land before the baseline.
     fill_sessions(&d, 100, Duration::from_secs(2)).await?;
     rig.queue_idle().await?;
-    let rss_before = settled_rss().await;
+    let rss_before = settled_rss(at.host).await;
+    let sqlite_before = harness_store::Store::sqlite_heap_bytes();
     let cap_end = Instant::now() + plan.idle_cap;
     let half = plan.idle_sessions / 2;
     let made_half = fill_sessions(&d, half, plan.idle_cap).await?;
     rig.queue_idle().await?;
-    let rss_half = settled_rss().await;
+    let rss_half = settled_rss(at.host).await;
     let left = cap_end.saturating_duration_since(Instant::now());
     let made_rest = fill_sessions(&d, plan.idle_sessions - half, left).await?;
     rig.queue_idle().await?;
-    let rss_after = settled_rss().await;
+    let rss_after = settled_rss(at.host).await;
+    let sqlite_after = harness_store::Store::sqlite_heap_bytes();
     let sessions = made_half + made_rest;
     if sessions < plan.idle_sessions {
         progress(&format!("  time cap reached: measured {sessions} sessions"));
@@ -1187,6 +1224,8 @@ async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
         marginal_bytes: per(rss_after as i64 - rss_half as i64, made_rest),
         rss_before,
         rss_after,
+        sqlite_before,
+        sqlite_after,
     };
     rig.close().await;
     Ok(out)
@@ -2415,6 +2454,8 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
         "idle_sessions": ram.sessions,
         "idle_rss_before_bytes": ram.rss_before,
         "idle_rss_after_bytes": ram.rss_after,
+        "idle_sqlite_heap_before_bytes": ram.sqlite_before,
+        "idle_sqlite_heap_after_bytes": ram.sqlite_after,
         "targets_met": targets.iter().map(|t| (t.key.to_string(), json!(t.met))).collect::<Map<String, Value>>(),
         "method": {
             "overhead": "concurrency 1, fsync off, text steps: step handler wall time minus time awaiting the store (session::*, state::*, enqueue, publish, barrier)",
@@ -2425,7 +2466,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
             "call_overhead": "p50(call step - time awaiting the bench::noop bus call) - p50(paired text step: text turns run by the same runtime right after each call turn); call_overhead_loop_us_p50 takes the store's time out of both as well; call_breakdown: per-operation calls and mean us per call step vs per paired text step",
             "fsyncs_per_function_step": "fresh runtime, fsync on: turns of 8 and of 2 call steps alternate; fsyncs from send returning to the queue idle and the WAL synced, per turn; (mean 8-call turn - mean 2-call turn) / 6, so the final max_turns step and per-turn costs cancel; fsyncs_per_function_turn is the 8-call turn's total",
             "router": "harness_router::bench::frame_latency: local Anthropic-format SSE server; per frame: server writes an event's bytes -> parsed frame out of the router's frame channel, one event in flight (target on its p50, socket included); router_socket_*: the same on a raw TcpStream; router_frame_added_us_p50 = difference of medians; per request: Router::chat -> request read by the server, plus the server's last byte -> the ack",
-            "idle_session_bytes": "fsync off: (VmRSS after - before, after malloc_trim) / sessions with one completed turn each",
+            "idle_session_bytes": "fsync off: (VmRSS after - before) / sessions with one completed turn each; each VmRSS read after the allocator's free pages went back to the OS (mimalloc collected on every runtime worker, malloc_trim for SQLite's heap); idle_sqlite_heap_*: SQLite's own heap at the same moments",
             "long_session_step_ratio": "concurrency 1, fsync off: text steps alternating between sessions of ~10 entries and of ~1,000 (user messages appended through session::append, each session stepped before measuring); p50 whole step on the long sessions / p50 on the short ones; long_session_overhead_ratio the same with store time taken out",
             "assemble": "the long-session phase's steps: the context::assemble bus call as the step awaits it (in-process: the typed call, nothing serialized; on an engine: request and answer serialisation included), p50 per step; on sessions of ~10 entries, of ~1,000, and of ~1,000 whose head a compaction record (written through session::append, as the loop writes it) already summarizes, keeping the last 8 entries; assemble_summarized_ratio = summarized / 10-entry",
             "reference": "same run, bench directory: fsync_us_p50 = fdatasync after a 4 KiB append; sqlite_commit_us_p50 = one small INSERT committed by bare SQLite (WAL, synchronous=FULL: it fsyncs); sqlite_commit_nosync_us_p50 = the same with synchronous=OFF (its CPU cost); ratios: times per bare commit (CPU) or per fsync (disk), steps/s times the fsync time (steps per fsync's worth of time)",

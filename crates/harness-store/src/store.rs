@@ -465,6 +465,13 @@ impl Store {
         }
     }
 
+    /// Bytes SQLite's allocator holds now, for every connection of the process (page caches,
+    /// prepared statements, schemas): the part of the process's memory the stores cost.
+    pub fn sqlite_heap_bytes() -> i64 {
+        // SAFETY: reads SQLite's global memory counter; no pointer is passed.
+        unsafe { rusqlite::ffi::sqlite3_memory_used() }
+    }
+
     /// Starts counting, from now on, which table or index each page the commits write to the
     /// WAL belongs to (`on`), or stops. Costs the writer a read of each frame's header: for
     /// profiles and the bench, not for serving.
