@@ -342,6 +342,7 @@ impl Harness {
                     continue;
                 }
             }
+            let started = self.marking().then(crate::trace::now_us);
             let call = self.inner.bus.call(
                 &hook.function_id,
                 out.payload.clone(),
@@ -352,28 +353,54 @@ impl Harness {
                 Ok(Err(e)) => Err(e.to_string()),
                 Err(_) => Err(format!("timed out after {} ms", hook.timeout.as_millis())),
             };
+            // The hook's span (`crate::trace`), with what its answer decided.
+            let mark = |decision: &'static str| {
+                if let Some(start_us) = started {
+                    self.mark_hook(
+                        &out.payload,
+                        crate::trace::HookFacts {
+                            point: point.name(),
+                            function_id: hook.function_id.clone(),
+                            decision,
+                            start_us,
+                            end_us: crate::trace::now_us(),
+                        },
+                    );
+                }
+            };
             // A hook's answer is parsed strictly: an answer that is not a decision this loop
             // knows is a failure of that hook, handled by its `on_error` rule like any other.
             // Post-generate hooks only observe: what they answer is not read.
             let answer = match answer {
-                Ok(_) if point == HookPoint::PostGenerate => continue,
+                Ok(_) if point == HookPoint::PostGenerate => {
+                    mark("observed");
+                    continue;
+                }
                 other => other.and_then(|v| HookAnswer::parse(&hook.function_id, v)),
             };
             let answer = match answer {
                 Ok(a) => a,
-                Err(why) => match hook.on_error {
-                    OnError::FailOpen => {
-                        tracing::warn!(hook = %hook.function_id, point = point.name(), "hook failed, skipped (fail_open): {why}");
-                        continue;
+                Err(why) => {
+                    mark("failed");
+                    match hook.on_error {
+                        OnError::FailOpen => {
+                            tracing::warn!(hook = %hook.function_id, point = point.name(), "hook failed, skipped (fail_open): {why}");
+                            continue;
+                        }
+                        OnError::FailClosed => {
+                            out.decision =
+                                Decision::Deny(format!("hook {} failed: {why}", hook.function_id));
+                            out.retry_prompt = hook.retry_prompt.clone();
+                            return Ok(out);
+                        }
                     }
-                    OnError::FailClosed => {
-                        out.decision =
-                            Decision::Deny(format!("hook {} failed: {why}", hook.function_id));
-                        out.retry_prompt = hook.retry_prompt.clone();
-                        return Ok(out);
-                    }
-                },
+                }
             };
+            mark(match answer.decision {
+                HookDecision::Deny if point.may_deny() => "deny",
+                HookDecision::Hold if point.may_hold() => "hold",
+                _ => "continue",
+            });
             if let Some(notes) = answer.annotations {
                 out.annotations.extend(notes);
             }

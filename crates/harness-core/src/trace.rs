@@ -111,7 +111,7 @@ pub struct Telemetry {
 
 /// What this process measured of one step: wall-clock µs. A step that ran elsewhere (before a
 /// restart) has none, and its spans take the transcript's timestamps instead.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepMarks {
     /// Deliveries of the step this process ran.
     pub runs: u32,
@@ -120,6 +120,19 @@ pub struct StepMarks {
     pub gen_start: Option<i64>,
     pub first_chunk: Option<i64>,
     pub gen_end: Option<i64>,
+    /// The hook calls of the step, in order.
+    pub hooks: Vec<HookFacts>,
+}
+
+/// One hook call: `harness.hook {point}`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HookFacts {
+    pub point: &'static str,
+    pub function_id: String,
+    /// `continue|deny|hold|failed|observed`.
+    pub decision: &'static str,
+    pub start_us: i64,
+    pub end_us: i64,
 }
 
 /// Step timings by turn, bounded: a turn that never ends here (it moved to another process)
@@ -309,6 +322,8 @@ pub struct StepFacts {
     pub redelivered: bool,
     /// The step wrote a compaction record (its context was summarized).
     pub compacted: bool,
+    /// The hook calls this process ran for the step.
+    pub hooks: Vec<HookFacts>,
     pub generation: Option<GenFacts>,
     pub calls: Vec<CallFacts>,
 }
@@ -525,6 +540,7 @@ pub(crate) fn facts(
             .and_then(|p| Some(mark?.start - p.end?))
             .filter(|d| *d >= 0);
         steps.push(StepFacts {
+            hooks: mark.map(|mk| mk.hooks.clone()).unwrap_or_default(),
             handoff_us,
             index: n,
             start_us: start,
@@ -732,6 +748,31 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
             }
             out.push(call);
         }
+        for (i, h) in s.hooks.iter().enumerate() {
+            let mut hook = span(
+                derived_span_id(&ctx.turn_span_id, &format!("hook/{}/{i}", s.index)),
+                &step_id,
+                format!("harness.hook {}", h.point),
+                SpanKind::Internal,
+                h.start_us,
+                h.end_us,
+            );
+            hook.attributes
+                .push(str_attr("harness.hook.point", h.point));
+            hook.attributes
+                .push(str_attr("harness.hook.function", h.function_id.clone()));
+            hook.attributes
+                .push(str_attr("harness.hook.decision", h.decision));
+            if h.decision == "failed" {
+                let e = SpanError {
+                    error_type: "harness.hook_failed".into(),
+                    message: format!("hook {} failed", h.function_id),
+                };
+                note(&e, &mut step_error);
+                hook.error = Some(e);
+            }
+            out.push(hook);
+        }
         if let Some(e) = step_error {
             error_spans += 1;
             step.error = Some(e);
@@ -875,6 +916,16 @@ impl crate::Harness {
             s.first_chunk = first;
             s.gen_end = Some(now);
         });
+    }
+
+    /// A hook call of the turn and step its envelope names (none: not a turn's hook).
+    pub(crate) fn mark_hook(&self, envelope: &serde_json::Value, hook: HookFacts) {
+        let Some(m) = self.marks() else { return };
+        let (Some(turn_id), Some(step)) = (envelope["turn_id"].as_str(), envelope["step"].as_u64())
+        else {
+            return;
+        };
+        m.step(turn_id, step, |s| s.hooks.push(hook));
     }
 
     /// Whether generations are timed (telemetry is installed).

@@ -315,6 +315,36 @@ async fn one_turn_with_a_call_is_one_trace_of_steps_generations_and_the_call() {
     assert_eq!(m["traces"]["error_span_count"], 0, "{m}");
 }
 
+/// A bound hook's call is a `harness.hook {point}` span of the step it ran in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hook_call_is_a_span_of_its_step_with_its_decision() {
+    let rx = Receiver::start().await;
+    let fx = Fixtures::new(json!([
+        {"id": "fx::forecast", "response": {"sky": "sunny"}},
+        {"id": "hook::allow", "response": {"decision": "continue"}}
+    ]));
+    let mut extra = fx.args();
+    extra.extend(["--otlp-endpoint".to_string(), rx.url.clone()]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let server = Server::start(&weather_script(), &extra).await;
+    server
+        .ok(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "hook::allow",
+                   "config": {"functions": ["fx::*"]}}),
+        )
+        .await;
+    weather_turn(&server, "s_hooked").await;
+    let spans = rx.trace_of("s_hooked").await;
+    let step0 = one(&spans, |s| s.name == "harness.step 0", "step 0");
+    let hook = one(&spans, |s| s.name.starts_with("harness.hook "), "hook span");
+    assert_eq!(hook.parent, step0.span_id);
+    assert_eq!(hook.attr("harness.hook.function"), "hook::allow");
+    assert_eq!(hook.attr("harness.hook.decision"), "continue");
+    assert_eq!(hook.status, 0);
+    assert!(hook.start >= step0.start && hook.end <= step0.end);
+}
+
 /// Scenario 7: no attribute anywhere carries the user's text, the reply or the call's
 /// arguments and result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
