@@ -57,6 +57,8 @@ pub struct SpanRecord {
     pub attributes: Vec<(&'static str, AttrValue)>,
     /// Status `ERROR`: the stable `error.type` and the public one-sentence summary.
     pub error: Option<SpanError>,
+    /// Spans this one points at without being their child: (trace id, span id).
+    pub links: Vec<(String, String)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -307,6 +309,9 @@ pub struct TurnFacts {
     pub started_us: i64,
     pub ended_us: i64,
     pub steps: Vec<StepFacts>,
+    /// A sub-agent whose parent turn had ended before it did (a detached spawn): its outcome
+    /// cannot reach the parent's spans, which are exported already.
+    pub parent_ended: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -553,6 +558,7 @@ pub(crate) fn facts(
         start = end.max(start);
     }
     TurnFacts {
+        parent_ended: false,
         root: rec.depth == 0,
         status: rec.status,
         reason: reason_of(rec),
@@ -607,6 +613,7 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
         end_us: end,
         attributes: Vec::new(),
         error: None,
+        links: Vec::new(),
     };
     let mut first_error: Option<SpanError> = None;
     let mut error_spans: i64 = 0;
@@ -791,6 +798,7 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
         end_us: f.ended_us.max(f.started_us),
         attributes: Vec::new(),
         error: None,
+        links: Vec::new(),
     };
     let a = &mut turn.attributes;
     a.push(str_attr("gen_ai.operation.name", "invoke_agent"));
@@ -807,6 +815,12 @@ pub(crate) fn spans(ctx: &TraceCtx, rec: &TurnRecord, f: &TurnFacts) -> Vec<Span
     if let Some(p) = &rec.parent {
         a.push(str_attr("harness.parent.session_id", p.session_id.clone()));
         a.push(str_attr("harness.parent.turn_id", p.turn_id.clone()));
+    }
+    if f.parent_ended {
+        a.push(("harness.parent_already_ended", AttrValue::Bool(true)));
+        if let Some(parent) = &ctx.parent_span_id {
+            turn.links.push((ctx.trace_id.clone(), parent.clone()));
+        }
     }
     // The turn's own failure names the error; else the first failure under it.
     let own = f.failure.as_ref().map(|(code, summary)| SpanError {
@@ -995,7 +1009,13 @@ impl crate::Harness {
         let started = ctx.map_or(rec.created_at, |c| c.started_at_ms) * 1000;
         let lookup = |s: &str, t: &str| children.get(&(s.to_string(), t.to_string())).cloned();
         let marks = t.marks.take(&rec.turn_id);
-        let f = facts(rec, started, now_us(), &entries, &marks, &lookup);
+        let mut f = facts(rec, started, now_us(), &entries, &marks, &lookup);
+        if let (Some(link), Some(_)) = (&rec.parent, ctx) {
+            f.parent_ended = match self.load_record(&link.session_id).await {
+                Ok(Some(p)) => p.turn_id != link.turn_id || p.is_terminal(),
+                _ => true,
+            };
+        }
         if let Some(o) = &t.observer {
             o.turn_finished(&f);
         }

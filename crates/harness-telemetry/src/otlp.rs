@@ -331,6 +331,16 @@ impl OtlpSink {
 /// A loop span as the SDK's `SpanData`; `None` for ids that are not hex of the right length.
 fn span_data(s: SpanRecord, scope: &InstrumentationScope) -> Option<SpanData> {
     let trace_id = TraceId::from_bytes(hex_id::<16>(&s.trace_id)?);
+    let links: Vec<(TraceId, SpanId)> = s
+        .links
+        .iter()
+        .filter_map(|(t, sp)| {
+            Some((
+                TraceId::from_bytes(hex_id::<16>(t)?),
+                SpanId::from_bytes(hex_id::<8>(sp)?),
+            ))
+        })
+        .collect();
     let span_id = SpanId::from_bytes(hex_id::<8>(&s.span_id)?);
     let parent = s
         .parent_span_id
@@ -344,6 +354,19 @@ fn span_data(s: SpanRecord, scope: &InstrumentationScope) -> Option<SpanData> {
         .map(|(k, v)| KeyValue::new(*k, value(v)))
         .collect();
     let mut events = SpanEvents::default();
+    let mut span_links = SpanLinks::default();
+    span_links.links = links
+        .into_iter()
+        .map(|(t, sp)| {
+            opentelemetry::trace::Link::with_context(SpanContext::new(
+                t,
+                sp,
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ))
+        })
+        .collect();
     let status = match &s.error {
         Some(e) => {
             attributes.push(KeyValue::new("error.type", e.error_type.clone()));
@@ -380,7 +403,7 @@ fn span_data(s: SpanRecord, scope: &InstrumentationScope) -> Option<SpanData> {
         attributes,
         dropped_attributes_count: 0,
         events,
-        links: SpanLinks::default(),
+        links: span_links,
         status,
         instrumentation_scope: scope.clone(),
     })
@@ -473,6 +496,7 @@ mod tests {
                 error_type: "rate_limited".into(),
                 message: "The provider is rate limiting requests.".into(),
             }),
+            links: vec![],
         };
         let d = span_data(span.clone(), &scope).unwrap();
         assert_eq!(d.span_kind, SpanKind::Client);

@@ -40,6 +40,8 @@ struct Got {
     status: i32,
     events: Vec<String>,
     service: String,
+    /// (trace id, span id) of each link.
+    links: Vec<(String, String)>,
 }
 
 impl Got {
@@ -104,6 +106,11 @@ impl Receiver {
                             status: s.status.as_ref().map_or(0, |st| st.code),
                             events: s.events.iter().map(|e| e.name.clone()).collect(),
                             service: service.clone(),
+                            links: s
+                                .links
+                                .iter()
+                                .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                                .collect(),
                         });
                     }
                 }
@@ -445,6 +452,8 @@ async fn a_waiting_spawn_puts_the_child_turn_under_the_spawn_span_in_the_same_tr
     );
     assert_eq!(child_turn.attr("harness.parent.session_id"), "s_trip");
     assert_eq!(child_turn.attr("harness.turn.depth"), 1);
+    assert_eq!(child_turn.attr("harness.parent_already_ended"), &Value::Null);
+    assert!(child_turn.links.is_empty());
     assert_eq!(root.status, 0);
 }
 
@@ -520,6 +529,62 @@ async fn a_failed_child_stamps_its_spawn_the_parent_step_and_the_root_as_errors(
     assert_eq!(m["traces"]["trace_count"], 1, "{m}");
     assert_eq!(m["traces"]["span_count"], spans.len(), "{m}");
     assert_eq!(m["traces"]["error_span_count"], errors, "{m}");
+}
+
+/// A detached child that fails after its parent's turn ended cannot restamp the parent's
+/// exported spans: it says so, and links the spawn span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detached_child_failing_after_its_parent_ended_links_the_spawn_instead() {
+    let rx = Receiver::start().await;
+    let script = script(vec![
+        json!({"match": {"last_user_text": "^fire and forget"},
+               "content": [{"type": "function_call", "id": "s1", "function_id": "harness::spawn",
+                            "arguments": {"task": "slow child work", "options": {"detach": true}}}]}),
+        json!({"match": {"last_user_text": "^slow child"}, "delay_ms": 1500,
+               "error": {"kind": "permanent", "message": "gave up"}, "repeat": true}),
+        text_gen(None, "Started it.", 0, true),
+    ]);
+    let server = Server::start(&script, &["--otlp-endpoint", &rx.url]).await;
+    let sent = server
+        .ok(
+            "harness::send",
+            json!({"session_id": "s_detached", "message": "fire and forget", "model": "demo", "provider": "scripted",
+                   "options": {"functions": {"allow": ["harness::spawn"], "expose": "native"}}}),
+        )
+        .await;
+    let s = server
+        .wait_turn("s_detached", sent["turn_id"].as_str().unwrap())
+        .await;
+    assert_eq!(s["status"], "completed", "{s}");
+    let tree = server
+        .ok("harness::session-tree", json!({"session_id": "s_detached"}))
+        .await;
+    let child = child_session(&tree);
+    let spans = rx.trace_of("s_detached").await;
+    let root = one(
+        &spans,
+        |s| s.attr("iii.session.id") == "s_detached" && s.name.starts_with("invoke_agent"),
+        "root",
+    );
+    assert_eq!(root.status, 0, "the parent ended before the child failed");
+    let spawn = one(
+        &spans,
+        |s| s.name == "execute_tool harness::spawn",
+        "spawn span",
+    );
+    let child_turn = wait_for("the child's turn span", WAIT, || async {
+        rx.spans().into_iter().find(|s| {
+            s.name.starts_with("invoke_agent") && s.attr("iii.session.id") == child.as_str()
+        })
+    })
+    .await;
+    assert_eq!(child_turn.status, 2, "{child_turn:?}");
+    assert_eq!(child_turn.parent, spawn.span_id);
+    assert_eq!(child_turn.attr("harness.parent_already_ended"), true);
+    assert_eq!(
+        child_turn.links,
+        vec![(root.trace_id.clone(), spawn.span_id.clone())]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
