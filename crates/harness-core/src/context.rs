@@ -62,6 +62,41 @@ pub(crate) struct Window {
     pub bytes: u64,
     /// Whether some call in the window has no result in it (so the orphan patch has work).
     pub unresolved_calls: bool,
+    /// The step resumes a reply the provider cut: the recovery notice for this step's system
+    /// prompt (see [`resume_notice`]).
+    pub resume_notice: Option<String>,
+}
+
+/// Custom entry of a transient recovery (`{status: "recovering" | "recovered", notice, …}`).
+pub(crate) const RECOVERY_ENTRY: &str = "recovery";
+
+/// The marker after a cut text-only reply on the step that resumes it: the provider must not be
+/// handed a trailing assistant message to continue, and the instructions themselves are in the
+/// system prompt, so this says only what it is.
+pub(crate) const RESUME_MARKER: &str =
+    "[harness: automatic resume of the reply above, which was cut off; not a message from the user]";
+
+/// The recovery notice when the step reading `entries` is the one that resumes `turn_id`'s cut
+/// reply: its latest `recovering` entry comes after the turn's last assistant message. Read from
+/// the durable entry, so a redelivered step renders the same request; a later step (the entry
+/// no longer last) renders none, so the model never sees the notice as conversation.
+pub(crate) fn resume_notice(entries: &[Entry], turn_id: &str) -> Option<String> {
+    let at = entries.iter().rposition(|e| {
+        matches!(e.message, Some(AgentMessage::Assistant(_)))
+            || e.custom
+                .as_ref()
+                .is_some_and(|c| c.custom_type == RECOVERY_ENTRY)
+    })?;
+    let e = &entries[at];
+    let data = &e.custom.as_ref()?.data;
+    let own = e
+        .origin
+        .as_ref()
+        .and_then(|o| o["turn_id"].as_str())
+        .is_none_or(|t| t == turn_id);
+    (own && data["status"] == "recovering")
+        .then(|| data["notice"].as_str().map(str::to_string))
+        .flatten()
 }
 
 /// Builds the window from the transcript (custom entries included), from scratch.

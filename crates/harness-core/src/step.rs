@@ -274,7 +274,7 @@ impl Harness {
                 .append_custom(
                     &rec.session_id,
                     ids::recovery_entry(&rec.turn_id, attempt, "recovered"),
-                    "recovery",
+                    context::RECOVERY_ENTRY,
                     json!({"status": "recovered", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
                     &rec.turn_id,
                 )
@@ -438,14 +438,22 @@ impl Harness {
         let shared = std::mem::take(&mut ctx.entries);
         let upto = ctx.upto.min(shared.len());
         let new_watermark = shared[..upto].last().map(|e| e.entry_id.clone());
-        let window = self.window_of(&sid, &shared, upto, rec.watermark_entry_id.as_deref());
+        let mut window = self.window_of(&sid, &shared, upto, rec.watermark_entry_id.as_deref());
+        window.resume_notice = context::resume_notice(&shared[..upto], &rec.turn_id);
         drop(shared);
-        let system_prompt = prompt::for_step(
+        let mut system_prompt = prompt::for_step(
             rec.options.system_prompt.as_deref(),
             &sid,
             rec.options.functions.as_ref(),
             prompt::fs_root(rec.options.metadata.as_ref()),
         );
+        // The tail, so the cacheable prefix of the prompt stays the same as on other steps.
+        if let Some(notice) = &window.resume_notice {
+            system_prompt = Some(match system_prompt {
+                Some(p) => format!("{p}\n\n{notice}"),
+                None => notice.clone(),
+            });
+        }
         let mut tools = self.tool_surface(rec).await?;
         let mut response_format = None;
         if let Some(schema) = output::json_contract(&rec.options.output) {
@@ -802,31 +810,26 @@ impl Harness {
         Ok(Ok((prompt, messages)))
     }
 
-    /// The recovery record and the nudge of transient resume `attempt`.
+    /// The recovery record of transient resume `attempt`. Its notice reaches the model only in
+    /// the system prompt of the step that resumes (see [`context::resume_notice`]): stored as a
+    /// user message it read as the user's words, and small models echoed it into replies and
+    /// function arguments on every later step.
     async fn note_resume(&self, rec: &TurnRecord, attempt: u32, reason: &str) -> Result<()> {
-        let sid = rec.session_id.clone();
+        let notice = format!(
+            "Harness note (from the harness, not the user; do not quote it): the provider ended your previous \
+             reply early ({reason}). That partial reply is the last assistant message. Continue from it and \
+             give the complete answer, incorporating the partial reply. Do not repeat function calls that \
+             already have successful results."
+        );
         self.append_custom(
-            &sid,
+            &rec.session_id,
             ids::recovery_entry(&rec.turn_id, attempt, "recovering"),
-            "recovery",
+            context::RECOVERY_ENTRY,
             json!({"status": "recovering", "summary": "The provider stopped mid-answer; resuming from the partial reply.", "detail": reason,
                    "phase": "generation", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes,
-                   "partial_result_available": true, "timestamp": now_ms()}),
+                   "partial_result_available": true, "notice": notice, "timestamp": now_ms()}),
             &rec.turn_id,
         )
-        .await?;
-        let nudge = format!(
-            "The provider/router ended transiently after streaming the previous partial response: {reason}. \
-             Resume from the transcript and return the complete deliverable, incorporating the previous partial \
-             response. Do not repeat function calls that already have successful results."
-        );
-        self.append(AppendRequest {
-            session_id: sid,
-            message: Some(AgentMessage::user_text(nudge, now_ms())),
-            custom: None,
-            entry_id: Some(ids::transient_resume_entry(&rec.turn_id, attempt)),
-            origin: Some(json!({"turn_id": rec.turn_id, "recovery": true})),
-        })
         .await?;
         Ok(())
     }
@@ -939,6 +942,19 @@ impl Harness {
             let mut prompt = assembled.system_prompt;
             if !window.late_users.is_empty() {
                 changed |= context::rotate(Arc::make_mut(&mut messages), &window.late_users);
+            }
+            // A cut reply with calls is followed by their patched results instead.
+            if window.resume_notice.is_some()
+                && messages.last().is_some_and(|m| match m {
+                    AgentMessage::Assistant(a) => !a.content.iter().any(|b| {
+                        matches!(b, harness_types::message::ContentBlock::FunctionCall { .. })
+                    }),
+                    _ => false,
+                })
+            {
+                Arc::make_mut(&mut messages)
+                    .push(AgentMessage::user_text(context::RESUME_MARKER, now_ms()));
+                changed = true;
             }
             // The registry changed since this session last looked: contracts it fetched may be
             // stale. An ephemeral tail message, never persisted; the first sighting only stamps.

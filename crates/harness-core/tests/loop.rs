@@ -221,13 +221,92 @@ async fn a_transient_failure_after_partial_output_resumes_once() {
         ids.contains(&format!("e_{}_transient_recovery_1_recovered", r.turn_id)),
         "{ids:?}"
     );
-    assert!(
-        ids.contains(&format!("e_{}_transient_resume_1", r.turn_id)),
-        "{ids:?}"
-    );
-    // The partial reply is kept in its own entry.
+    // The partial reply is kept in its own entry, and the recovery notice is no user message:
+    // the transcript holds the user's message and the two replies only.
     let msgs = rt.messages(&r.session_id);
+    let roles: Vec<&str> = msgs.iter().map(|(role, _)| role.as_str()).collect();
+    assert_eq!(roles, ["user", "assistant", "assistant"], "{msgs:?}");
     assert_eq!(msgs[1], ("assistant".into(), "Partial answer ".into()));
+    let recovering = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .find(|e| e.entry_id == format!("e_{}_transient_recovery_1_recovering", r.turn_id))
+        .unwrap();
+    assert!(recovering.message.is_none());
+    let notice = recovering.custom.unwrap().data["notice"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(notice.contains("upstream reset"), "{notice}");
+    // The resumed step carries the notice at its system prompt's tail, and after the cut reply
+    // only a marker that says it is no message from the user.
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert!(!seen[0]
+        .system_prompt
+        .as_deref()
+        .unwrap_or("")
+        .contains(&notice));
+    let resumed = &seen[1];
+    assert!(
+        resumed.system_prompt.as_deref().unwrap().ends_with(&notice),
+        "{:?}",
+        resumed.system_prompt
+    );
+    let texts: Vec<(String, String)> = resumed
+        .messages
+        .iter()
+        .map(|m| {
+            (
+                m.role().to_string(),
+                harness_types::message::joined_text(m.content()),
+            )
+        })
+        .collect();
+    assert_eq!(texts[0], ("user".into(), "q".into()));
+    assert_eq!(texts[1], ("assistant".into(), "Partial answer ".into()));
+    assert_eq!(texts.len(), 3, "{texts:?}");
+    assert_eq!(texts[2].0, "user");
+    assert!(
+        texts[2].1.contains("not a message from the user"),
+        "{texts:?}"
+    );
+    assert!(
+        texts.iter().all(|(_, t)| !t.contains("upstream reset")),
+        "{texts:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_recovery_notice_is_gone_from_the_next_turn() {
+    let script = json!({"generations": [
+        {"error": {"kind": "transient", "message": "upstream reset", "after_text": "Partial answer "}},
+        {"content": [{"type": "text", "text": "Complete answer."}]},
+        {"content": [{"type": "text", "text": "Second."}]}
+    ]});
+    let rt = runtime(script, config()).await;
+    let r = rt.harness.send(send("q")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let mut next = send("again");
+    next.session_id = Some(r.session_id.clone());
+    let r2 = rt.harness.send(next).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r2.turn_id).await;
+    assert_eq!(s.result, Some(json!("Second.")));
+    let seen = rt.recorder.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3);
+    let later = &seen[2];
+    assert_eq!(later.system_prompt, seen[0].system_prompt);
+    let texts: Vec<String> = later
+        .messages
+        .iter()
+        .map(|m| harness_types::message::joined_text(m.content()))
+        .collect();
+    assert!(
+        texts
+            .iter()
+            .all(|t| !t.contains("harness") && !t.contains("upstream reset")),
+        "{texts:?}"
+    );
 }
 
 #[tokio::test]

@@ -123,6 +123,7 @@ impl WindowState {
             answered: self.answered.clone(),
             bytes: self.total_bytes,
             unresolved_calls: !self.unresolved.is_empty(),
+            resume_notice: None,
         }
     }
 
