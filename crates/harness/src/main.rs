@@ -191,8 +191,9 @@ enum Command {
         /// Talk to a running server instead of an in-process runtime.
         #[arg(long)]
         url: Option<String>,
-        /// Let the model call functions matching this glob (repeatable; default none: a plain
-        /// chat).
+        /// Let the model call functions matching this glob (repeatable). Without it a new
+        /// session is a plain chat (no functions), while a session named with --session keeps
+        /// the policy of its earlier turns (printed on stderr); naming --allow replaces it.
         #[arg(long = "allow", value_name = "GLOB")]
         allow: Vec<String>,
         /// The most tokens one reply may take (default: the model's catalog limit, 4096 for a

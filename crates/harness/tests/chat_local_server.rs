@@ -485,3 +485,28 @@ async fn a_policy_kept_from_an_earlier_run_is_said() {
         "{err}"
     );
 }
+
+/// `chat --help` says what a run without `--allow` really does: a new session allows nothing, a
+/// resumed one keeps its earlier policy.
+#[tokio::test]
+async fn the_allow_help_says_a_resumed_session_keeps_its_policy() {
+    let out = tokio::process::Command::new(BIN)
+        .args(["chat", "--help"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    let help = text(&out.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let allow = help
+        .split("--allow <GLOB>")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no --allow: {help}"));
+    assert!(!allow.contains("default none"), "{allow}");
+    assert!(
+        allow.contains("--session keeps the policy of its earlier turns"),
+        "{allow}"
+    );
+}
