@@ -10,6 +10,8 @@ use serde_json::{json, Value};
 
 use crate::runtime::{Runtime, RuntimeOptions};
 
+mod typeahead;
+
 pub struct ChatArgs {
     pub message: Option<String>,
     pub session: Option<String>,
@@ -213,6 +215,7 @@ impl Interrupt {
                 };
                 let Some(session_id) = stop else {
                     eprintln!();
+                    typeahead::release();
                     std::process::exit(130);
                 };
                 eprintln!("\n[stopping the reply; Ctrl-C again quits]");
@@ -577,9 +580,26 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             Some(t) => t,
             None if interactive => {
                 eprint!("> ");
+                // Typed during the reply: shown now, after the prompt, as if typed here.
                 let mut line = String::new();
-                if stdin.lock().read_line(&mut line)? == 0 {
-                    break;
+                match typeahead::take() {
+                    Some((typed, true)) => {
+                        eprintln!("{typed}");
+                        line = typed;
+                    }
+                    Some((start, false)) => {
+                        eprint!("{start}");
+                        let mut rest = String::new();
+                        if stdin.lock().read_line(&mut rest)? == 0 && start.is_empty() {
+                            break;
+                        }
+                        line = start + &rest;
+                    }
+                    None => {
+                        if stdin.lock().read_line(&mut line)? == 0 {
+                            break;
+                        }
+                    }
                 }
                 let line = line.trim().to_string();
                 if line == "/quit" || line == "/exit" {
@@ -592,6 +612,8 @@ pub async fn run(args: ChatArgs) -> Result<()> {
             }
             None => break,
         };
+        // Held from before the request goes out until the reply has ended.
+        let held = interactive.then(typeahead::Held::new);
         let mut payload = json!({"message": text});
         if send_model {
             payload["model"] = json!(model);
@@ -634,6 +656,7 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         }
         interrupt.follow(Some(&sid));
         let followed = source.follow(&sid, &tid, args.max_output_tokens).await;
+        drop(held);
         interrupt.follow(None);
         let (end, card) = followed?;
         if let (Some(card), true) = (card, interactive) {
@@ -707,6 +730,7 @@ async fn read_answer() -> Result<Option<String>> {
 /// Shows every pending approval of the session and asks y/N for each; the answer is sent with
 /// the digest that was shown. False when stdin ended: the approval is left pending.
 async fn answer_approvals(caller: Caller<'_>, session_id: &str) -> Result<bool> {
+    let _open = typeahead::Opened::new();
     let listed = match caller
         .call("approval::list", json!({ "session_id": session_id }))
         .await
