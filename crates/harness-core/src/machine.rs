@@ -837,11 +837,16 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
                 json!(f.text)
             });
         }
+        // A resume finishes the generation that was cut, within the same turn: the cut one is
+        // not counted, so `max_turns: 1` (one generation) still gets its answer. The resume
+        // budget bounds how often that can happen.
         if f.partial
             && err.kind.retryable()
             && rec.transient_resumes < rec.options.max_transient_resumes
-            && rec.turn_count < rec.options.max_turns
         {
+            if phase == Phase::Ready {
+                rec.turn_count = rec.turn_count.saturating_sub(1);
+            }
             rec.transient_resumes += 1;
             let note = Effect::NoteResume {
                 attempt: rec.transient_resumes,

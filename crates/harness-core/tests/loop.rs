@@ -844,3 +844,26 @@ async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
         ]
     );
 }
+
+/// With `max_turns: 1` a reply the provider cut is still resumed: the resume finishes the one
+/// generation the turn has, it is no second one.
+#[tokio::test]
+async fn a_cut_reply_is_resumed_within_max_turns_one() {
+    let script = json!({"generations": [
+        {"error": {"kind": "transient", "message": "upstream reset", "after_text": "Partial answer "}},
+        {"content": [{"type": "text", "text": "Complete answer."}]}
+    ]});
+    let rt = runtime(script, config()).await;
+    let mut req = send("q");
+    req.options = Some(SendOptions {
+        max_turns: Some(1),
+        ..Default::default()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(s.stop_reason, None);
+    assert_eq!((s.turn_count, s.transient_resumes), (1, 1));
+    assert_eq!(s.result, Some(json!("Complete answer.")));
+    assert_eq!(rt.recorder.seen.lock().unwrap().len(), 2);
+}

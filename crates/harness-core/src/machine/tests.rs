@@ -537,6 +537,39 @@ fn a_finished_generation_is_recorded_once_then_decided() {
     assert_eq!(t.effects, [NoteRecovered { attempt: 1 }, CheckSteering]);
 }
 
+/// `max_turns: 1` is one generation: a cut one and its resume are that one, so the resumed
+/// step is asked for, not stopped at `max_turns`.
+#[test]
+fn a_resume_is_part_of_the_generation_it_finishes() {
+    use Effect::*;
+    let mut cut = record(At::Ready).unwrap();
+    cut.options.max_turns = 1;
+    cut.turn_count = 0;
+    let t = next(
+        Some(cut),
+        answer(|f| {
+            f.error = provider_error(ErrorKind::Transient);
+            f.partial = true;
+        }),
+    )
+    .unwrap();
+    assert!(matches!(t.effects[0], NoteResume { attempt: 1, .. }));
+    let r = t.record.unwrap();
+    assert_eq!((r.turn_count, r.transient_resumes), (0, 1));
+    let t = next(Some(r), Input::Prepared { denied: None }).unwrap();
+    assert_eq!(t.effects, [Generate]);
+    let r = t.record.unwrap();
+    let t = next(
+        Some(r),
+        answer(|f| {
+            f.step = 2;
+        }),
+    )
+    .unwrap();
+    assert_eq!(t.effects, [NoteRecovered { attempt: 1 }, CheckSteering]);
+    assert_eq!(t.record.unwrap().turn_count, 1);
+}
+
 #[test]
 fn a_failed_generation_resumes_once_after_partial_output_and_fails_otherwise() {
     use Effect::*;
