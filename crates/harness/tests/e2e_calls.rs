@@ -247,3 +247,59 @@ async fn a_crash_while_a_released_call_runs_still_closes_it_once() {
         }
     }
 }
+
+/// `max_turns: 1` is one generation: a call that generation made and a crash interrupted is
+/// closed as interrupted and the model still hears of it (one recovery generation), instead
+/// of the turn ending on `max_turns` with nobody told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_call_with_max_turns_one_the_model_still_hears_of_it() {
+    let fx = Fixtures::new(
+        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
+    );
+    let script = script(vec![
+        json!({"match": {"last_user_text": "do the work"},
+               "content": [{"type": "function_call", "id": "c1", "function_id": "slow::work", "arguments": {"job": 1}}]}),
+        text_gen(
+            None,
+            "The job was interrupted; I will check before retrying.",
+            0,
+            true,
+        ),
+    ]);
+    let extra = fx.args();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut server = Server::start(&script, &extra).await;
+    let mut body = send_body("s_one", "do the work", &["slow::*"]);
+    body["options"]["max_turns"] = json!(1);
+    let sent = server.ok("harness::send", body).await;
+    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    wait_for("the fixture log to show the call", WAIT, || async {
+        (invocations(&fx.log()).get("c1") == Some(&1)).then_some(())
+    })
+    .await;
+    server.kill();
+    server.restart().await;
+    let status = server.wait_turn("s_one", &turn_id).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(status["stop_reason"], Value::Null, "{status}");
+    assert_eq!(
+        status["result"], "The job was interrupted; I will check before retrying.",
+        "{status}"
+    );
+    assert_eq!(status["turn_count"], 1, "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    let entries = server.transcript("s_one", false).await;
+    assert_every_call_closed(&entries);
+    let result = entries
+        .iter()
+        .find(|e| e["message"]["role"] == "function_result")
+        .unwrap();
+    assert_eq!(
+        result["message"]["details"]["error"], "interrupted",
+        "{result}"
+    );
+}

@@ -275,6 +275,14 @@ impl Harness {
         let text =
             "interrupted: executed at most once, result unknown (restart during execution); \
                     verify its effect before repeating it";
+        // The interrupted result belongs to the generation that made the call: the model hears
+        // of it in a generation not counted against `max_turns` (so `max_turns: 1` is not ended
+        // unheard), taken from the recovery budget so a call that brings the process down every
+        // time cannot loop. Before the close, which persists it with the call's state.
+        if rec.transient_resumes < rec.options.max_transient_resumes && rec.turn_count > 0 {
+            rec.turn_count -= 1;
+            rec.transient_resumes += 1;
+        }
         let turn_id = rec.turn_id.clone();
         self.close_call(
             rec,
