@@ -813,8 +813,11 @@ async fn writes_once_idle(rt: &Rt) -> u64 {
 async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
     // The embedded runtime's transactional session functions, as `harness serve` registers them;
     // no partial write of the streamed reply, however slow the machine.
+    // Usage announcements write once at a milestone turn (the second turn is one); they are
+    // counted by `usage.rs`'s own tests, not here.
     let config = HarnessConfig {
         stream_coalesce_ms: 60_000,
+        usage_reporting: false,
         ..config()
     };
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config).await;

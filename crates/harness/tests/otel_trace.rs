@@ -452,7 +452,10 @@ async fn a_waiting_spawn_puts_the_child_turn_under_the_spawn_span_in_the_same_tr
     );
     assert_eq!(child_turn.attr("harness.parent.session_id"), "s_trip");
     assert_eq!(child_turn.attr("harness.turn.depth"), 1);
-    assert_eq!(child_turn.attr("harness.parent_already_ended"), &Value::Null);
+    assert_eq!(
+        child_turn.attr("harness.parent_already_ended"),
+        &Value::Null
+    );
     assert!(child_turn.links.is_empty());
     assert_eq!(root.status, 0);
 }
