@@ -375,7 +375,9 @@ impl Printer {
         if topic == "harness::turn-completed" && data["payload"]["turn_id"] == json!(self.turn_id) {
             let p = &data["payload"];
             if let Some(line) = usage_line(self.usage.values()) {
-                eprintln!("{line}");
+                // The reply on stdout has no newline yet: in a terminal the line would be glued
+                // to its last word.
+                eprintln!("\n{line}");
             }
             if p["reason"] == "max_turns" {
                 println!(
