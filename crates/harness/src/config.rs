@@ -286,21 +286,49 @@ impl Effective {
     }
 }
 
+/// The OTLP endpoint export will use when the standard `OTEL_*` variables decide it, with
+/// their name as its source: they win over the key, so showing the key alone would mislead.
+fn otel_override(configured: Option<&str>) -> Option<(Value, String)> {
+    if std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true")) {
+        return Some((Value::Null, "env OTEL_SDK_DISABLED=true".into()));
+    }
+    match harness_telemetry::OtlpConfig::resolve(None, configured) {
+        Ok(Some(c))
+            if !matches!(
+                c.source,
+                harness_telemetry::EndpointSource::ConfigFile
+                    | harness_telemetry::EndpointSource::Flag
+            ) =>
+        {
+            Some((Value::String(c.endpoint), c.source.as_str().to_string()))
+        }
+        _ => None,
+    }
+}
+
 /// `harness config show`: one `key: value  # source` line per key (valid YAML), or JSON.
 pub fn show(effective: &Effective, json: bool) -> anyhow::Result<String> {
     let values = serde_json::to_value(&effective.config)?;
-    let Value::Object(values) = values else {
+    let Value::Object(mut values) = values else {
         anyhow::bail!("configuration does not serialize to an object");
+    };
+    let otel = otel_override(effective.config.otel_endpoint.as_deref());
+    if let Some((value, _)) = &otel {
+        values.insert("otel_endpoint".into(), value.clone());
+    }
+    let source_of = |key: &str| match &otel {
+        Some((_, source)) if key == "otel_endpoint" => source.clone(),
+        _ => effective
+            .sources
+            .get(key)
+            .map(ToString::to_string)
+            .unwrap_or_else(|| "default".into()),
     };
     if json {
         let out: Map<String, Value> = values
             .into_iter()
             .map(|(k, v)| {
-                let source = effective
-                    .sources
-                    .get(&k)
-                    .map(ToString::to_string)
-                    .unwrap_or_else(|| "default".into());
+                let source = source_of(&k);
                 let v = redacted(&k, v);
                 (k, serde_json::json!({"value": v, "source": source}))
             })
@@ -309,11 +337,7 @@ pub fn show(effective: &Effective, json: bool) -> anyhow::Result<String> {
     }
     let mut out = String::new();
     for (key, value) in values {
-        let source = effective
-            .sources
-            .get(&key)
-            .map(ToString::to_string)
-            .unwrap_or_else(|| "default".into());
+        let source = source_of(&key);
         let value = redacted(&key, value);
         let inert = NOT_YET_ACTED_ON.iter().any(|(k, _)| *k == key);
         let note = if inert { ", not acted on yet" } else { "" };

@@ -46,7 +46,15 @@ step_visibility_timeout_ms: 600000
 fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     let mut cmd = Command::new(BIN);
     cmd.args(args).stdin(Stdio::null());
-    for key in ["HARNESS_MAX_DEPTH", "HARNESS_DEFAULT_MAX_TURNS"] {
+    for key in [
+        "HARNESS_MAX_DEPTH",
+        "HARNESS_DEFAULT_MAX_TURNS",
+        "OTEL_SDK_DISABLED",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    ] {
         cmd.env_remove(key);
     }
     let out = cmd.envs(env.iter().copied()).output().unwrap();
@@ -428,4 +436,35 @@ fn config_show_lists_the_shell_sandbox_keys() {
     );
     assert_ne!(rc, 0);
     assert!(err.contains("shell_exec_unconfined"), "{err}");
+}
+
+/// The standard `OTEL_*` variables win over `otel_endpoint`, so `config show` names the endpoint
+/// export will really use and the variable it came from; `OTEL_SDK_DISABLED` says none is used.
+#[test]
+fn config_show_names_the_otlp_endpoint_in_force_and_its_variable() {
+    let (rc, out, err) = cli_env(
+        &["config", "show"],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")],
+    );
+    assert_eq!(rc, 0, "{err}");
+    assert!(
+        out.contains(
+            "otel_endpoint: \"http://127.0.0.1:4318/v1/traces\"  # env OTEL_EXPORTER_OTLP_ENDPOINT"
+        ),
+        "{out}"
+    );
+    let (rc, out, err) = cli_env(
+        &["config", "show"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+            ("OTEL_SDK_DISABLED", "true"),
+        ],
+    );
+    assert_eq!(rc, 0, "{err}");
+    assert!(
+        out.contains("otel_endpoint: null  # env OTEL_SDK_DISABLED=true"),
+        "{out}"
+    );
+    let (_, out, _) = cli_env(&["config", "show"], &[]);
+    assert!(out.contains("otel_endpoint: null  # default"), "{out}");
 }
