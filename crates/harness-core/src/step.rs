@@ -1056,6 +1056,11 @@ impl Harness {
         else {
             return Ok(());
         };
+        self.exclude_entry(rec, entry_id, detail).await
+    }
+
+    /// Writes the `EXCLUDED_ENTRY` that leaves `entry_id` out of the session's later windows.
+    async fn exclude_entry(&self, rec: &TurnRecord, entry_id: &str, detail: &str) -> Result<()> {
         self.append_custom(
             &rec.session_id,
             format!("e_{}_{}_excluded", rec.turn_id, rec.step),
@@ -1091,15 +1096,7 @@ impl Harness {
         let detail = format!(
             "context/message_too_large: message {at} of the request (~{bytes} bytes, most of the prompt) was refused by the server as over its window twice; it is left out of later requests: send it shorter or in parts, or tell harness the window (--context-window)"
         );
-        self.append_custom(
-            &rec.session_id,
-            format!("e_{}_{}_excluded", rec.turn_id, rec.step),
-            context::EXCLUDED_ENTRY,
-            json!({"entry_id": entry_id, "detail": detail}),
-            &rec.turn_id,
-        )
-        .await
-        .map(|_| ())
+        self.exclude_entry(rec, entry_id, &detail).await
     }
 
     /// `context::assemble` on the bus, its errors classified; the small fallback when no
