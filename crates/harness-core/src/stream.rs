@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use harness_types::fold::FrameFold;
 use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
 use harness_types::router::{ChatAck, ChatCall, ChatRequest, Frame};
 use harness_types::session::{UpdateMessageRequest, UpdateMessageResponse};
@@ -37,70 +38,21 @@ impl Generation {
     }
 }
 
-/// Folds frames into content blocks; a function call's arguments arrive as JSON text in pieces.
+/// The answer as it streams: its blocks (one fold for the router and the loop) and its usage.
 struct Accumulator {
     content: Vec<ContentBlock>,
-    args_text: String,
+    fold: FrameFold,
     usage: Option<harness_types::message::Usage>,
 }
 
 impl Accumulator {
+    /// True when the content changed, so a partial write is due.
     fn apply(&mut self, frame: &Frame) -> bool {
-        match frame {
-            Frame::TextStart => self.content.push(ContentBlock::text("")),
-            Frame::TextDelta { delta } => match self.content.last_mut() {
-                Some(ContentBlock::Text { text }) => text.push_str(delta),
-                _ => self.content.push(ContentBlock::text(delta.clone())),
-            },
-            Frame::ThinkingStart => self.content.push(ContentBlock::Thinking {
-                text: String::new(),
-                signature: None,
-            }),
-            Frame::ThinkingDelta { delta } => match self.content.last_mut() {
-                Some(ContentBlock::Thinking { text, .. }) => text.push_str(delta),
-                _ => self.content.push(ContentBlock::Thinking {
-                    text: delta.clone(),
-                    signature: None,
-                }),
-            },
-            Frame::ThinkingEnd { signature } => {
-                if let Some(ContentBlock::Thinking { signature: s, .. }) = self.content.last_mut() {
-                    *s = signature.clone();
-                }
-            }
-            Frame::FunctionCallStart { id, function_id } => {
-                self.args_text.clear();
-                self.content.push(ContentBlock::FunctionCall {
-                    id: id.clone(),
-                    function_id: function_id.clone(),
-                    // Until the call ends its arguments are incomplete: marked so they can never
-                    // be executed if the stream breaks here.
-                    arguments: json!({"_partial": true}),
-                });
-            }
-            Frame::FunctionCallDelta { delta } => {
-                self.args_text.push_str(delta);
-                return false;
-            }
-            Frame::FunctionCallEnd => {
-                let parsed = if self.args_text.trim().is_empty() {
-                    json!({})
-                } else {
-                    serde_json::from_str::<Value>(&self.args_text)
-                        .unwrap_or_else(|_| json!({"_raw": self.args_text.clone()}))
-                };
-                if let Some(ContentBlock::FunctionCall { arguments, .. }) = self.content.last_mut()
-                {
-                    *arguments = parsed;
-                }
-            }
-            Frame::Usage { usage } => {
-                self.usage = Some(usage.clone());
-                return false;
-            }
-            _ => return false,
+        if let Frame::Usage { usage } = frame {
+            self.usage = Some(usage.clone());
+            return false;
         }
-        true
+        self.fold.apply(&mut self.content, frame)
     }
 }
 
@@ -187,7 +139,7 @@ impl Harness {
         let coalesce = Duration::from_millis(c.stream_coalesce_ms);
         let mut acc = Accumulator {
             content: Vec::new(),
-            args_text: String::new(),
+            fold: FrameFold::default(),
             usage: None,
         };
         let mut terminal: Option<Frame> = None;

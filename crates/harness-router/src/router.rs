@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use async_trait::async_trait;
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler, LocalHandler, LocalValue};
 use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
+use harness_types::fold::FrameFold;
 use harness_types::parse::parse_payload;
 use harness_types::router::{
     AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatCall, ChatRequest, Frame,
@@ -128,8 +129,7 @@ fn block_chars(b: &ContentBlock) -> usize {
 pub struct FrameWriter {
     ctx: CallContext,
     partial: AssistantMessage,
-    /// Arguments text of the function call being streamed.
-    args_text: String,
+    fold: FrameFold,
     started: bool,
     output: bool,
     chat: ChatContext,
@@ -151,7 +151,7 @@ impl FrameWriter {
                 warnings: None,
                 timestamp: now_ms(),
             },
-            args_text: String::new(),
+            fold: FrameFold::default(),
             started: false,
             output: false,
             chat: ChatContext::default(),
@@ -199,65 +199,8 @@ impl FrameWriter {
     }
 
     fn fold(&mut self, frame: &Frame) {
-        let content = &mut self.partial.content;
-        match frame {
-            Frame::TextStart => {
-                content.push(ContentBlock::text(""));
-                self.output = true;
-            }
-            Frame::TextDelta { delta } => {
-                match content.last_mut() {
-                    Some(ContentBlock::Text { text }) => text.push_str(delta),
-                    _ => content.push(ContentBlock::text(delta.clone())),
-                }
-                self.output = true;
-            }
-            Frame::ThinkingStart => {
-                content.push(ContentBlock::Thinking {
-                    text: String::new(),
-                    signature: None,
-                });
-                self.output = true;
-            }
-            Frame::ThinkingDelta { delta } => {
-                match content.last_mut() {
-                    Some(ContentBlock::Thinking { text, .. }) => text.push_str(delta),
-                    _ => content.push(ContentBlock::Thinking {
-                        text: delta.clone(),
-                        signature: None,
-                    }),
-                }
-                self.output = true;
-            }
-            Frame::ThinkingEnd { signature } => {
-                if let Some(ContentBlock::Thinking { signature: s, .. }) = content.last_mut() {
-                    *s = signature.clone();
-                }
-            }
-            Frame::FunctionCallStart { id, function_id } => {
-                self.args_text.clear();
-                content.push(ContentBlock::FunctionCall {
-                    id: id.clone(),
-                    function_id: function_id.clone(),
-                    // Incomplete until `functioncall_end`: marked so it can never run.
-                    arguments: json!({"_partial": true}),
-                });
-                self.output = true;
-            }
-            Frame::FunctionCallDelta { delta } => self.args_text.push_str(delta),
-            Frame::FunctionCallEnd => {
-                let parsed = if self.args_text.trim().is_empty() {
-                    json!({})
-                } else {
-                    serde_json::from_str::<Value>(&self.args_text)
-                        .unwrap_or_else(|_| json!({"_raw": self.args_text.clone()}))
-                };
-                if let Some(ContentBlock::FunctionCall { arguments, .. }) = content.last_mut() {
-                    *arguments = parsed;
-                }
-            }
-            _ => {}
-        }
+        // Ends only complete a block a start already counted as output.
+        self.output |= self.fold.apply(&mut self.partial.content, frame);
     }
 
     /// Keeps a block that has no frame (redacted thinking: opaque, replayed verbatim).
@@ -285,7 +228,7 @@ impl FrameWriter {
         if !self.output {
             self.partial.content.clear();
             self.partial.usage = None;
-            self.args_text.clear();
+            self.fold.clear();
         }
     }
 
@@ -301,7 +244,7 @@ impl FrameWriter {
                 + if message.content.iter().any(|b| {
                     matches!(b, ContentBlock::FunctionCall { arguments, .. } if arguments.get("_partial").is_some())
                 }) {
-                    self.args_text.len()
+                    self.fold.pending_args_len()
                 } else {
                     0
                 };

@@ -13,6 +13,7 @@ pub mod context;
 pub mod digest;
 pub mod directory;
 pub mod error;
+pub mod fold;
 pub mod ids;
 pub mod message;
 pub mod parse;
