@@ -9,7 +9,6 @@
 //! the provider reported.
 
 use harness_types::message::Usage;
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::harness::{Harness, Result};
@@ -18,30 +17,8 @@ use crate::record::TurnRecord;
 /// What a generation may reserve when the turn sets no output cap.
 const DEFAULT_OUTPUT_RESERVATION: u64 = 4096;
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Budget {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_total_tokens: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_cost_usd: Option<f64>,
-    /// The turn whose ledger this budget spends from.
-    pub ledger: String,
-}
-
-/// Tokens and USD spent.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Spend {
-    #[serde(default)]
-    pub tokens: u64,
-    #[serde(default)]
-    pub cost_usd: f64,
-}
-
-impl Spend {
-    pub fn is_zero(&self) -> bool {
-        self.tokens == 0 && self.cost_usd == 0.0
-    }
-}
+// The types live with the turn record they are stored in.
+pub use harness_machine::record::{Budget, Spend};
 
 /// USD per million tokens, from a catalog row.
 #[derive(Clone, Copy, Debug, Default)]

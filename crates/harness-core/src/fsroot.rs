@@ -9,28 +9,13 @@
 use std::path::{Path, PathBuf};
 
 use harness_types::HarnessError;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 /// The argument stamped onto scoped calls.
 pub(crate) const FIELD: &str = "fs_scope";
 
-/// Where a root came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum FsBoundary {
-    /// Named by the send or spawn that started the work.
-    Workspace,
-    /// The configuration's `default_filesystem_root`.
-    ConfiguredRoots,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct FsRoot {
-    /// Absolute, resolved (no symlinks) when it was frozen.
-    pub root: String,
-    pub boundary: FsBoundary,
-}
+// The types live with the turn record they are frozen in.
+pub use harness_machine::record::{FsBoundary, FsRoot};
 
 /// Functions that work inside the turn's root.
 pub(crate) fn scoped(function_id: &str) -> bool {

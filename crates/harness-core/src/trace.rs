@@ -20,27 +20,11 @@ use harness_types::api::{SessionTraces, TracesSummary, TurnStatus};
 use harness_types::ids;
 use harness_types::message::{AgentMessage, ContentBlock, StopReason, Usage};
 use harness_types::session::Entry;
-use serde::{Deserialize, Serialize};
 
 use crate::record::{CallCheckpoint, TurnRecord};
 
-/// A turn's trace context, stored in its record at send.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TraceCtx {
-    /// 32 lowercase hex digits.
-    pub trace_id: String,
-    /// 16 lowercase hex digits.
-    pub turn_span_id: String,
-    /// The caller's span (`traceparent`) or the parent turn's spawn span.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parent_span_id: Option<String>,
-    /// The parent came from outside this process tree (a `traceparent` header).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub remote_parent: bool,
-    /// Decided once at send: every step and every sub-agent agrees.
-    pub sampled: bool,
-    pub started_at_ms: i64,
-}
+/// A turn's trace context, stored in its record at send (a type of the record's crate).
+pub use harness_machine::record::TraceCtx;
 
 /// One finished span, in the loop's own terms; the exporter turns it into OTLP.
 #[derive(Clone, Debug, PartialEq)]
@@ -248,48 +232,42 @@ pub fn call_span_id(turn_span_id: &str, call_id: &str) -> String {
     derived_span_id(turn_span_id, &format!("call/{call_id}"))
 }
 
-impl TraceCtx {
-    /// A new trace, or the caller's (`traceparent`), or the parent turn's (`parent` = the
-    /// parent's context and the spawn call's id).
-    pub(crate) fn seed(
-        sink: &dyn SpanSink,
-        parent: Option<(&TraceCtx, &str)>,
-        now: i64,
-    ) -> TraceCtx {
-        let turn_span_id = random_hex(16);
-        if let Some((p, call_id)) = parent {
-            return TraceCtx {
-                trace_id: p.trace_id.clone(),
-                parent_span_id: Some(call_span_id(&p.turn_span_id, call_id)),
-                remote_parent: false,
-                sampled: p.sampled,
-                turn_span_id,
-                started_at_ms: now,
-            };
-        }
-        let caller = TRACEPARENT
-            .try_with(|v| v.clone())
-            .ok()
-            .and_then(|v| parse_traceparent(&v));
-        match caller {
-            Some((trace_id, span_id, sampled)) => TraceCtx {
+/// A new trace, or the caller's (`traceparent`), or the parent turn's (`parent` = the
+/// parent's context and the spawn call's id).
+fn seed_ctx(sink: &dyn SpanSink, parent: Option<(&TraceCtx, &str)>, now: i64) -> TraceCtx {
+    let turn_span_id = random_hex(16);
+    if let Some((p, call_id)) = parent {
+        return TraceCtx {
+            trace_id: p.trace_id.clone(),
+            parent_span_id: Some(call_span_id(&p.turn_span_id, call_id)),
+            remote_parent: false,
+            sampled: p.sampled,
+            turn_span_id,
+            started_at_ms: now,
+        };
+    }
+    let caller = TRACEPARENT
+        .try_with(|v| v.clone())
+        .ok()
+        .and_then(|v| parse_traceparent(&v));
+    match caller {
+        Some((trace_id, span_id, sampled)) => TraceCtx {
+            trace_id,
+            turn_span_id,
+            parent_span_id: Some(span_id),
+            remote_parent: true,
+            sampled,
+            started_at_ms: now,
+        },
+        None => {
+            let trace_id = random_hex(32);
+            TraceCtx {
+                sampled: sink.sample_root(&trace_id),
                 trace_id,
                 turn_span_id,
-                parent_span_id: Some(span_id),
-                remote_parent: true,
-                sampled,
+                parent_span_id: None,
+                remote_parent: false,
                 started_at_ms: now,
-            },
-            None => {
-                let trace_id = random_hex(32);
-                TraceCtx {
-                    sampled: sink.sample_root(&trace_id),
-                    trace_id,
-                    turn_span_id,
-                    parent_span_id: None,
-                    remote_parent: false,
-                    started_at_ms: now,
-                }
             }
         }
     }
@@ -890,7 +868,7 @@ impl crate::Harness {
             }
         }
         let now = harness_types::now_ms();
-        rec.trace = Some(TraceCtx::seed(
+        rec.trace = Some(seed_ctx(
             sink.as_ref(),
             parent.as_ref().map(|(c, id)| (c, id.as_str())),
             now,

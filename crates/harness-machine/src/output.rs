@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 /// The synthetic tool of the fallback mode.
-pub(crate) const SUBMIT_RESULT: &str = "submit_result";
+pub const SUBMIT_RESULT: &str = "submit_result";
 
 /// Nudges after which an invalid result fails the turn, unless the send says otherwise.
-pub(crate) const DEFAULT_MAX_VALIDATION_RETRIES: u32 = 2;
+pub const DEFAULT_MAX_VALIDATION_RETRIES: u32 = 2;
 
 /// How the contract reaches the model, chosen at the turn's first generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,14 +43,14 @@ pub struct Submitted {
 }
 
 /// The schema of a JSON contract (`Some(None)`: any JSON value); `None` for text.
-pub(crate) fn json_contract(contract: &OutputContract) -> Option<Option<&Value>> {
+pub fn json_contract(contract: &OutputContract) -> Option<Option<&Value>> {
     match contract {
         OutputContract::Text => None,
         OutputContract::Json { schema } => Some(schema.as_ref()),
     }
 }
 
-pub(crate) fn submit_result_tool(schema: Option<&Value>) -> ToolSpec {
+pub fn submit_result_tool(schema: Option<&Value>) -> ToolSpec {
     ToolSpec {
         name: SUBMIT_RESULT.into(),
         description: "Submit this turn's final result. Call it exactly once, when the work is done: its arguments ARE the result and must satisfy the schema.".into(),
@@ -58,7 +58,7 @@ pub(crate) fn submit_result_tool(schema: Option<&Value>) -> ToolSpec {
     }
 }
 
-pub(crate) fn response_format(schema: Option<&Value>) -> Value {
+pub fn response_format(schema: Option<&Value>) -> Value {
     let mut v = json!({"type": "json"});
     if let Some(s) = schema {
         v["schema"] = s.clone();
@@ -67,7 +67,7 @@ pub(crate) fn response_format(schema: Option<&Value>) -> Value {
 }
 
 /// Checks a value against the contract's schema: the first ten violations, or an invalid schema.
-pub(crate) fn validate(schema: Option<&Value>, value: &Value) -> Result<(), String> {
+pub fn validate(schema: Option<&Value>, value: &Value) -> Result<(), String> {
     let Some(schema) = schema else {
         return Ok(());
     };
@@ -96,7 +96,7 @@ pub(crate) fn validate(schema: Option<&Value>, value: &Value) -> Result<(), Stri
 }
 
 /// The value of a native-mode answer: its trimmed text as JSON (a fenced block is unwrapped).
-pub(crate) fn parse_text(text: &str) -> Result<Value, String> {
+pub fn parse_text(text: &str) -> Result<Value, String> {
     let t = text.trim();
     let t = t
         .strip_prefix("```json")
@@ -107,7 +107,7 @@ pub(crate) fn parse_text(text: &str) -> Result<Value, String> {
     serde_json::from_str(t).map_err(|e| format!("result is not valid JSON: {e}"))
 }
 
-pub(crate) fn nudge(error: &str) -> String {
+pub fn nudge(error: &str) -> String {
     format!(
         "Your previous result was not accepted: {error}. Please provide a corrected result that satisfies the required output contract."
     )
@@ -115,10 +115,7 @@ pub(crate) fn nudge(error: &str) -> String {
 
 /// The step's result under the contract: the submitted value (fallback), or the answer's text
 /// parsed (native); `Err` carries why it was refused and the raw value, kept if the turn fails.
-pub(crate) fn verdict(
-    rec: &crate::record::TurnRecord,
-    text: &str,
-) -> Result<Value, (String, Value)> {
+pub fn verdict(rec: &crate::record::TurnRecord, text: &str) -> Result<Value, (String, Value)> {
     let schema = json_contract(&rec.options.output).flatten();
     if let Some(s) = rec.submitted.as_ref().filter(|s| s.step == rec.step) {
         return match &s.error {
@@ -134,7 +131,7 @@ pub(crate) fn verdict(
         .map_err(|e| (e, json!(text)))
 }
 
-pub(crate) const NO_SUBMIT: &str =
+pub const NO_SUBMIT: &str =
     "this turn must produce its result by calling submit_result; no submit_result call was made";
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ pub struct TurnOptions {
     pub output: OutputContract,
     /// Token and spend limits, shared with sub-agents through one ledger.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub budget: Option<crate::budget::Budget>,
+    pub budget: Option<Budget>,
     /// Nudges an invalid result gets (None: the default, 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_validation_retries: Option<u32>,
@@ -44,7 +44,7 @@ pub struct TurnOptions {
     pub reasoning: Option<Reasoning>,
     /// Where the turn's `fs::*` and `shell::*` calls work (None: they are refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub filesystem: Option<crate::fsroot::FsRoot>,
+    pub filesystem: Option<FsRoot>,
     /// The agent profile frozen into `system_prompt` (sticky with the prompt).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<FrozenAgent>,
@@ -592,8 +592,8 @@ pub struct TurnRecord {
     pub submitted: Option<crate::output::Submitted>,
     /// What this turn's generations used, as the provider reported it (priced from the catalog
     /// where the provider gave no cost).
-    #[serde(default, skip_serializing_if = "crate::budget::Spend::is_zero")]
-    pub spent: crate::budget::Spend,
+    #[serde(default, skip_serializing_if = "Spend::is_zero")]
+    pub spent: Spend,
     /// The step whose `harness::ask` was accepted: the turn ends on the question, and a
     /// redelivered step still does (and still refuses a second ask).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -601,9 +601,9 @@ pub struct TurnRecord {
     /// Repairs already noted this turn (the same repair is noted once).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub noted_repairs: Vec<String>,
-    /// The turn's trace context (`crate::trace`), set at send only when spans are exported.
+    /// The turn's trace context (harness-core's `trace`), set at send only when spans are exported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trace: Option<crate::trace::TraceCtx>,
+    pub trace: Option<TraceCtx>,
     #[serde(default)]
     pub created_at: i64,
     #[serde(default)]
@@ -646,6 +646,69 @@ impl TurnRecord {
             .map(|(id, _)| id.clone())
             .collect()
     }
+}
+
+/// A turn's token and spend limits (`max_total_tokens`, `max_cost_usd`), shared with its
+/// sub-agents through one ledger (harness-core's `budget`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Budget {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_total_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd: Option<f64>,
+    /// The turn whose ledger this budget spends from.
+    pub ledger: String,
+}
+
+/// Tokens and USD spent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spend {
+    #[serde(default)]
+    pub tokens: u64,
+    #[serde(default)]
+    pub cost_usd: f64,
+}
+
+impl Spend {
+    pub fn is_zero(&self) -> bool {
+        self.tokens == 0 && self.cost_usd == 0.0
+    }
+}
+
+/// Where a root came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FsBoundary {
+    /// Named by the send or spawn that started the work.
+    Workspace,
+    /// The configuration's `default_filesystem_root`.
+    ConfiguredRoots,
+}
+
+/// A turn's filesystem root (harness-core's `fsroot` stamps it onto scoped calls).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct FsRoot {
+    /// Absolute, resolved (no symlinks) when it was frozen.
+    pub root: String,
+    pub boundary: FsBoundary,
+}
+
+/// A turn's trace context, stored in its record at send (harness-core's `trace` builds it).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceCtx {
+    /// 32 lowercase hex digits.
+    pub trace_id: String,
+    /// 16 lowercase hex digits.
+    pub turn_span_id: String,
+    /// The caller's span (`traceparent`) or the parent turn's spawn span.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_span_id: Option<String>,
+    /// The parent came from outside this process tree (a `traceparent` header).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub remote_parent: bool,
+    /// Decided once at send: every step and every sub-agent agrees.
+    pub sampled: bool,
+    pub started_at_ms: i64,
 }
 
 /// First 30 characters of the triggering user text, whitespace collapsed.

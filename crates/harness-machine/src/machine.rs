@@ -81,7 +81,7 @@ use crate::record::{
 
 /// What the machine reads off a record besides its status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Phase {
+pub enum Phase {
     /// Running; this step has not asked the model yet.
     Ready,
     /// Running; this step recorded the model's answer (its calls may still be open).
@@ -93,7 +93,7 @@ pub(crate) enum Phase {
     Cancelled,
 }
 
-pub(crate) fn phase(rec: &TurnRecord) -> Phase {
+pub fn phase(rec: &TurnRecord) -> Phase {
     match rec.status {
         TurnStatus::Running if rec.generated.as_ref().is_some_and(|g| g.step == rec.step) => {
             Phase::Generated
@@ -108,7 +108,7 @@ pub(crate) fn phase(rec: &TurnRecord) -> Phase {
 
 /// A new turn, as `harness::send` (or a spawn) asks for it.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Seed {
+pub struct Seed {
     pub session_id: String,
     pub turn_id: String,
     pub options: TurnOptions,
@@ -122,7 +122,7 @@ pub(crate) struct Seed {
 
 /// Why the context could not be sent.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum ContextRefusal {
+pub enum ContextRefusal {
     /// `context::assemble` could not fit the history (its diagnostic).
     Overflow(String),
     /// Nothing to send.
@@ -143,14 +143,14 @@ pub(crate) enum ContextRefusal {
 
 /// A function call of the model's answer, as the step planned it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct CallRef {
+pub struct CallRef {
     pub id: String,
     pub function_id: String,
 }
 
 /// How one generation ended, as the stream folded it.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Finished {
+pub struct Finished {
     pub turn_id: String,
     pub step: u64,
     /// The provider's failure, if the generation failed.
@@ -172,7 +172,7 @@ pub(crate) struct Finished {
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Input {
+pub enum Input {
     /// A user message for this session, taken under the session lock. `parked`: the send's
     /// lock-free path already put it in the steering queue. `seed` is the turn to start if no
     /// turn runs.
@@ -231,7 +231,7 @@ pub(crate) enum Input {
 
 /// The I/O a transition asks for, carried out by the shell in order.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Effect {
+pub enum Effect {
     /// Append the send's message to the transcript.
     AppendUser,
     /// Put the send's message in the steering queue for the next step.
@@ -289,7 +289,7 @@ pub(crate) enum Effect {
 
 /// A transition: the record as it now is (`None`: there is none) and what to do.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Transition {
+pub struct Transition {
     pub record: Option<TurnRecord>,
     pub effects: Vec<Effect>,
 }
@@ -297,7 +297,7 @@ pub(crate) struct Transition {
 /// An input the record's phase does not accept.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("harness/internal_error: the turn machine refuses {input} in phase {phase:?}")]
-pub(crate) struct Illegal {
+pub struct Illegal {
     pub phase: Option<Phase>,
     pub input: &'static str,
 }
@@ -327,7 +327,7 @@ impl Input {
 }
 
 /// A fresh `running` record at step 0.
-pub(crate) fn seeded(seed: Seed) -> TurnRecord {
+pub fn seeded(seed: Seed) -> TurnRecord {
     TurnRecord {
         turn_id: seed.turn_id,
         session_id: seed.session_id,
@@ -376,7 +376,7 @@ fn failure(code: &str, phase: FailurePhase, summary: &str, detail: Option<String
 }
 
 /// The failure of a generation the provider ended with an error.
-pub(crate) fn generation_failure(err: &GenerationError) -> Failure {
+pub fn generation_failure(err: &GenerationError) -> Failure {
     let summary = match err.kind {
         ErrorKind::AuthExpired => "The provider rejected the credentials.",
         ErrorKind::RateLimited => "The provider is rate limiting requests; try again shortly.",
@@ -446,7 +446,7 @@ fn skip(rec: Option<TurnRecord>) -> Transition {
 
 /// The one transition function. `rec` is the session's turn record as the shell read it (under
 /// the session lock, except for `Send`'s lock-free probe and `StopRequested`).
-pub(crate) fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> {
+pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> {
     let phase_now = rec.as_ref().map(phase);
     let illegal = |input: &Input| Illegal {
         phase: phase_now,
@@ -872,7 +872,7 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
     to(rec, effects)
 }
 
-pub(crate) fn max_turns_text(max_turns: u32) -> String {
+pub fn max_turns_text(max_turns: u32) -> String {
     format!("max_turns ({max_turns}) reached; ending the turn.")
 }
 

@@ -1,0 +1,11 @@
+//! The harness loop's decisions, without its I/O: the turn machine ([`machine`]), the call
+//! machine ([`call`]), the typed turn record they act on ([`record`]) and the output contract's
+//! pure checks ([`output`]).
+//!
+//! Nothing in this crate awaits or touches a bus, a store or a clock: its dependencies leave no
+//! way to, so "pure" is checked by the compiler. `harness-core` gathers inputs, asks these
+//! machines, and carries out the effects they return.
+
+pub mod machine;
+pub mod output;
+pub mod record;
