@@ -11,6 +11,7 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use harness_types::now_ms;
 use rusqlite::{params, Connection};
 use serde_json::Value;
 
@@ -118,13 +119,6 @@ impl Journal {
             }
         }
     }
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@ use std::sync::{Arc, MutexGuard, Weak};
 use std::time::Duration;
 
 use harness_bus::{BusError, CallContext, FunctionDef, QueueDef};
+use harness_types::digest::fnv1a;
+use harness_types::now_ms;
 use iii_sdk::protocol::RegisterTriggerInput;
 use iii_sdk::TriggerAction;
 use serde_json::{json, Value};
@@ -391,6 +393,7 @@ impl IiiBus {
                     Some(other) => other.to_string(),
                     None => String::new(),
                 };
+                // The shard of a group must be the same in every worker process and build.
                 shard_topic(
                     queue,
                     (fnv1a(group.as_bytes()) % u64::from(n.max(1))) as u32,
@@ -457,18 +460,4 @@ impl IiiBus {
 /// The topic of shard `i` of a queue.
 fn shard_topic(queue: &str, i: u32) -> String {
     format!("{queue}.{i}")
-}
-
-/// FNV-1a: the shard of a group must be the same in every worker process and every build.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }

@@ -52,7 +52,7 @@ pub fn insert_event_text_in(
              VALUES (?1, ?2, ?3, ?4, ?5)
              ON CONFLICT(dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING",
         )?
-        .execute((session_id, topic, text, dedupe_key, crate::now_ms()))?;
+        .execute((session_id, topic, text, dedupe_key, harness_types::now_ms()))?;
     Ok((changed > 0).then(|| conn.last_insert_rowid()))
 }
 

@@ -77,7 +77,7 @@ fn upsert_in(conn: &Connection, scope: &str, key: &str, text: &str) -> Result<i6
              ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
              RETURNING rowid",
         )?
-        .query_row((scope, key, text, crate::now_ms()), |r| r.get(0))?)
+        .query_row((scope, key, text, harness_types::now_ms()), |r| r.get(0))?)
 }
 
 /// Deletes one value; returns it if it existed.

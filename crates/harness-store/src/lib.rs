@@ -35,14 +35,6 @@ pub use writer::after_commit;
 /// The connection a [`Store::write`] closure runs on, for crates that build such closures.
 pub use rusqlite::Connection;
 
-/// Wall-clock milliseconds since the Unix epoch (timestamps stored in rows).
-pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
 /// Best-effort text of a panic payload, for error messages.
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {

@@ -118,7 +118,7 @@ pub fn enqueue_text_in(
         "INSERT INTO queue_messages(queue, grp, function_id, payload, attempts, status, enqueued_at)
          VALUES (?1, ?2, ?3, ?4, 0, 'ready', ?5)",
     )?
-    .execute((queue, group, function_id, text, crate::now_ms()))?;
+    .execute((queue, group, function_id, text, harness_types::now_ms()))?;
     Ok(conn.last_insert_rowid())
 }
 
