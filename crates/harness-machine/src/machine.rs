@@ -18,51 +18,59 @@
 //! `Advance` = step + 1, status `running`, effects `SaveRecord, EnqueueStep`.
 //! `Finish(x)` = the terminal status `x` with its reason on the record, effect `Finalize`.
 //!
-//! | phase | input | next phase | effects |
-//! |---|---|---|---|
-//! | none, or terminal | `Send` | Ready (new turn) | `AppendUser`¹, `SaveRecord`, `EnqueueStep` |
-//! | Ready, Generated | `Send` | same | `ParkMessage`¹ (steering for the next step) |
-//! | Parked | `Send` | Parked | `AppendUser`¹ (the next generation sees it) |
-//! | Ready (step 0) | `EnqueueFailed` | Failed | `Finalize` |
-//! | none | `RecordMissing` (session known) | Failed (`turn_record_lost`) | `Finalize` |
-//! | none | `RecordMissing` (session unknown) | none | `Skip` |
-//! | any | `StepDelivered` for another turn or step | same | `Skip` |
-//! | terminal | `StepDelivered` | same | `RepeatTerminalEffects`, `Skip` |
-//! | Parked | `StepDelivered` | Parked | `Skip` |
-//! | Ready, aborted | `StepDelivered` | Cancelled | `Finalize` |
-//! | Ready | `StepDelivered` | Ready | `Prepare` |
-//! | Generated | `StepDelivered` | Generated | `ResumeAtCalls` |
-//! | Ready | `Prepared` (pre-turn denied) | Failed (`pre_turn_denied`) | `Finalize` |
-//! | Ready | `Prepared`, `max_turns` used up | Ready | `NoteMaxTurns`, `PostTurn` |
-//! | Ready | `PostTurnChecked` (pass / deny) | Completed (`max_turns`) / Failed | `Finalize` |
-//! | Ready | `Prepared` | Ready | `Generate` |
-//! | Ready | `ContextRefused` | Failed (overflow, empty, pre-generate denied, compaction failed, context manager failed) | `Finalize` |
-//! | Ready | `StopObserved` | Cancelled | `Finalize` |
-//! | Ready, Generated | `GenerationFinished`, aborted or stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
-//! | Ready, Generated | `GenerationFinished`, error after partial output, resumable | Running (Advance) | `NoteResume`, Advance |
-//! | Ready, Generated | `GenerationFinished`, error | Failed (the provider's class) | `Finalize` |
-//! | Ready, Generated | `GenerationFinished`, calls | Generated | [`NoteRecovered`], `DispatchCalls` |
-//! | Ready, Generated | `GenerationFinished`, text only | Generated | [`NoteRecovered`], `CheckSteering` |
-//! | Generated | `SteeringChecked` (waiting) | Running (Advance) | Advance |
-//! | Generated | `SteeringChecked` (none), text contract | Generated | `PostTurn` (the text) |
-//! | Generated | `SteeringChecked` (none), JSON contract | Generated | `ValidateOutput` |
-//! | Generated | `OutputChecked`, valid | Generated | `PostTurn` (the value) |
-//! | Generated | `OutputChecked` invalid, or `PostTurnChecked` denied, retries left | Running (Advance) | `NoteNudge`, Advance |
-//! | Generated | the same, no retry left | Failed (`output_contract_invalid`, raw kept) | `Finalize` |
-//! | Generated | `PostTurnChecked`, passed | Completed (the result) | `Finalize` |
-//! | Generated | `CallsClosed`, stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
-//! | Generated | `CallsClosed`, some pending | Parked | `SaveRecord`, `SetAwaiting` |
-//! | Generated | `CallsClosed`, all closed, a result submitted | Generated | `ValidateOutput` |
-//! | Generated | `CallsClosed`, all closed, an ask accepted | Generated | `CheckSteering` |
-//! | Generated | `CallsClosed`, all closed | Running (Advance) | Advance |
-//! | Parked | `CallSettled`, none pending | Running (Advance) | Advance |
-//! | Parked | `CallSettled`, some pending | Parked | — |
-//! | Running, Parked | `StopRequested` | same | `AbortGeneration` |
-//! | Running, Parked | `Stop` | Cancelled | `CloseOpenCalls`, `Finalize`, `Barrier`, `StopChildren` |
-//! | terminal | `Stop`, `StopRequested` | same | — |
-//! | Running | `Recover` | same | `EnqueueStep` |
-//! | Parked | `Recover` | Parked | `CloseInterrupted` (then `CallSettled`) |
-//! | Running, Parked | `InternalError` | Failed (`turn_internal`) | `Finalize` |
+//! | row | phase | input | next phase | effects |
+//! |---|---|---|---|---|
+//! | T01 | none, or terminal | `Send` | Ready (new turn) | `AppendUser`¹, `SaveRecord`, `EnqueueStep` |
+//! | T02 | Ready, Generated | `Send` | same | `ParkMessage`¹ (steering for the next step) |
+//! | T03 | Parked | `Send` | Parked | `AppendUser`¹ (the next generation sees it) |
+//! | T04 | Ready (step 0) | `EnqueueFailed` | Failed | `Finalize` |
+//! | T05 | none | `RecordMissing` (session known) | Failed (`turn_record_lost`) | `Finalize` |
+//! | T06 | none | `RecordMissing` (session unknown) | none | `Skip` |
+//! | T07 | any | `StepDelivered` for another turn or step | same | `Skip` |
+//! | T08 | terminal | `StepDelivered` | same | `RepeatTerminalEffects`, `Skip` |
+//! | T09 | Parked | `StepDelivered` | Parked | `Skip` |
+//! | T10 | Ready, aborted | `StepDelivered` | Cancelled | `Finalize` |
+//! | T11 | Ready | `StepDelivered` | Ready | `Prepare` |
+//! | T12 | Generated | `StepDelivered` | Generated | `ResumeAtCalls` |
+//! | T13 | Ready | `Prepared` (pre-turn denied) | Failed (`pre_turn_denied`) | `Finalize` |
+//! | T14 | Ready | `Prepared`, `max_turns` used up | Ready | `NoteMaxTurns`, `PostTurn` |
+//! | T15 | Ready | `PostTurnChecked`, passed | Completed (`max_turns`) | `Finalize` |
+//! | T16 | Ready | `PostTurnChecked`, denied | Failed (`output_contract_invalid`) | `Finalize` |
+//! | T17 | Ready | `Prepared` | Ready | `Generate` |
+//! | T18 | Ready | `ContextRefused` | Failed (overflow, empty, pre-generate denied, budget, compaction failed, context manager failed) | `Finalize` |
+//! | T19 | Ready | `StopObserved` | Cancelled | `Finalize` |
+//! | T20 | Ready, Generated | `GenerationFinished`, aborted or stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
+//! | T21 | Ready, Generated | `GenerationFinished`, error after partial output, resumable | Running (Advance) | `NoteResume`, Advance |
+//! | T22 | Ready, Generated | `GenerationFinished`, error | Failed (the provider's class) | `Finalize` |
+//! | T23 | Ready, Generated | `GenerationFinished`, calls | Generated | [`NoteRecovered`], `DispatchCalls` |
+//! | T24 | Ready, Generated | `GenerationFinished`, text only | Generated | [`NoteRecovered`], `CheckSteering` |
+//! | T25 | Generated | `SteeringChecked` (waiting) | Running (Advance) | Advance |
+//! | T26 | Generated | `SteeringChecked` (none), text contract | Generated | `PostTurn` (the text) |
+//! | T27 | Generated | `SteeringChecked` (none), JSON contract | Generated | `ValidateOutput` |
+//! | T28 | Generated | `OutputChecked`, valid | Generated | `PostTurn` (the value) |
+//! | T29 | Generated | `OutputChecked` invalid, or `PostTurnChecked` denied, retries left | Running (Advance) | `NoteNudge`, Advance |
+//! | T30 | Generated | the same, no retry left | Failed (`output_contract_invalid`, raw kept) | `Finalize` |
+//! | T31 | Generated | `PostTurnChecked`, passed | Completed (the result) | `Finalize` |
+//! | T32 | Generated | `CallsClosed`, stopped | Cancelled | `CloseOpenCalls`, `Finalize` |
+//! | T33 | Generated | `CallsClosed`, some pending | Parked | `SaveRecord`, `SetAwaiting` |
+//! | T34 | Generated | `CallsClosed`, all closed, a result submitted | Generated | `ValidateOutput` |
+//! | T35 | Generated | `CallsClosed`, all closed, an ask accepted | Generated | `CheckSteering` |
+//! | T36 | Generated | `CallsClosed`, all closed | Running (Advance) | Advance |
+//! | T37 | Parked | `CallSettled`, none pending | Running (Advance) | Advance |
+//! | T38 | Parked | `CallSettled`, some pending | Parked | — |
+//! | T39 | Running, Parked | `StopRequested` | same | `AbortGeneration` |
+//! | T40 | Running, Parked | `Stop` | Cancelled | `CloseOpenCalls`, `Finalize`, `Barrier`, `StopChildren` |
+//! | T41 | terminal, or another turn named | `Stop`, `StopRequested` | same | — |
+//! | T42 | Running | `Recover` | same | `EnqueueStep` |
+//! | T43 | Parked | `Recover` | Parked | `CloseInterrupted` (then `CallSettled`) |
+//! | T44 | Running, Parked | `InternalError` | Failed (`turn_internal`) | `Finalize` |
+//! | T45 | none | `Stop`, `StopRequested`, `CallSettled` | none | — |
+//! | T46 | none | `GenerationFinished` (the record vanished) | none | `Skip` |
+//! | T47 | any | `GenerationFinished` of another turn or step, or terminal | same | `Skip` |
+//! | T48 | terminal | `CallSettled` | same | — |
+//! | T49 | Ready, Generated | `CallSettled` (the step that parked it parks or advances) | same | — |
+//! | T50 | terminal | `Recover` | same | — |
+//! | T51 | terminal, or another turn | `InternalError` | same | — |
 //!
 //! ¹ unless the send already parked the message on its lock-free path.
 //!
@@ -78,6 +86,70 @@ use crate::record::{
     CallState, Failure, FailurePhase, GeneratedStep, GenerationError, TurnOptions, TurnRecord,
     TurnStopReason,
 };
+
+/// Every row of the table, with what it says (the coverage report lists them).
+pub const ROWS: &[(&str, &str)] = &[
+    ("T01", "send: a new turn"),
+    ("T02", "send while running: parked as steering"),
+    ("T03", "send while parked: appended"),
+    ("T04", "the first step could not be enqueued"),
+    ("T05", "record missing, session known: turn_record_lost"),
+    ("T06", "record missing, session unknown: skip"),
+    ("T07", "a step of another turn or step: skip"),
+    (
+        "T08",
+        "a step of a terminal turn: repeat its terminal effects",
+    ),
+    ("T09", "a step while parked: skip"),
+    ("T10", "a step of an aborted turn: cancelled"),
+    ("T11", "a step: prepare"),
+    (
+        "T12",
+        "a redelivered step that generated: resume at its calls",
+    ),
+    ("T13", "pre-turn denied"),
+    ("T14", "max_turns used up: notice, post-turn"),
+    ("T15", "max_turns notice passed: completed"),
+    ("T16", "max_turns notice denied: failed"),
+    ("T17", "prepared: generate"),
+    ("T18", "context refused: failed"),
+    ("T19", "stop observed before the generation: cancelled"),
+    ("T20", "generation stopped: cancelled"),
+    ("T21", "generation cut, resumable: resume"),
+    ("T22", "generation failed"),
+    ("T23", "generation with calls: dispatch"),
+    ("T24", "text-only generation: check steering"),
+    ("T25", "steering waits: advance"),
+    ("T26", "no steering, text: post-turn"),
+    ("T27", "no steering, JSON contract: validate"),
+    ("T28", "output valid: post-turn"),
+    ("T29", "result refused, retries left: nudge"),
+    ("T30", "result refused, no retry left: failed"),
+    ("T31", "post-turn passed: completed"),
+    ("T32", "calls closed by a stop: cancelled"),
+    ("T33", "calls closed, some pending: parked"),
+    ("T34", "calls closed, a result submitted: validate"),
+    ("T35", "calls closed, an ask accepted: check steering"),
+    ("T36", "calls closed: advance"),
+    ("T37", "parked, last call settled: advance"),
+    ("T38", "parked, a call settled, others pending"),
+    ("T39", "stop requested: abort the generation"),
+    ("T40", "stop: cancelled"),
+    ("T41", "stop of a terminal or another turn: nothing"),
+    ("T42", "recovery of a running turn: enqueue its step"),
+    ("T43", "recovery of a parked turn: close interrupted calls"),
+    ("T44", "internal error: failed"),
+    ("T45", "no record: stop or settle does nothing"),
+    ("T46", "no record after the generation: skip"),
+    ("T47", "a generation of a stale step or ended turn: skip"),
+    ("T48", "a settle of an ended turn: nothing"),
+    ("T49", "a settle while the step runs: nothing"),
+    ("T50", "recovery of an ended turn: nothing"),
+    (
+        "T51",
+        "an internal error of an ended or another turn: nothing",
+    ),
+];
 
 /// What the machine reads off a record besides its status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -292,6 +364,8 @@ pub enum Effect {
 pub struct Transition {
     pub record: Option<TurnRecord>,
     pub effects: Vec<Effect>,
+    /// The row of the table that decided it.
+    pub row: &'static str,
 }
 
 /// An input the record's phase does not accept.
@@ -426,7 +500,14 @@ fn to(rec: TurnRecord, effects: Vec<Effect>) -> Transition {
     Transition {
         record: Some(rec),
         effects,
+        row: "",
     }
+}
+
+/// `t`, decided by table row `row`.
+fn at(row: &'static str, mut t: Transition) -> Transition {
+    t.row = row;
+    t
 }
 
 fn finish(rec: TurnRecord) -> Transition {
@@ -441,12 +522,19 @@ fn skip(rec: Option<TurnRecord>) -> Transition {
     Transition {
         record: rec,
         effects: vec![Effect::Skip],
+        row: "",
     }
 }
 
 /// The one transition function. `rec` is the session's turn record as the shell read it (under
 /// the session lock, except for `Send`'s lock-free probe and `StopRequested`).
 pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> {
+    let t = decide(rec, input)?;
+    crate::coverage::hit("turn", t.row);
+    Ok(t)
+}
+
+fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> {
     let phase_now = rec.as_ref().map(phase);
     let illegal = |input: &Input| Illegal {
         phase: phase_now,
@@ -454,7 +542,7 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
     };
     let Some(rec) = rec else {
         return match input {
-            Input::Send { parked, seed } => Ok(start(parked, *seed)),
+            Input::Send { parked, seed } => Ok(at("T01", start(parked, *seed))),
             Input::RecordMissing {
                 session_id,
                 turn_id,
@@ -464,7 +552,7 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                 now,
             } => {
                 if !session_exists {
-                    return Ok(skip(None));
+                    return Ok(at("T06", skip(None)));
                 }
                 // A store that can lose recent writes (an iii engine's) lost a live turn's record.
                 // It is never rebuilt from the transcript (that could run calls again): the turn
@@ -480,7 +568,7 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                     now,
                 });
                 lost.step = step;
-                Ok(finish(fail(
+                Ok(at("T05", finish(fail(
                     lost,
                     failure(
                         "harness.turn_record_lost",
@@ -488,16 +576,17 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                         "The turn's state was lost by the store, so the turn was ended; send the message again to continue.",
                         Some(format!("no turn record for this session at step {step} of turn {turn_id}")),
                     ),
-                )))
+                ))))
             }
             Input::Stop { .. } | Input::StopRequested { .. } | Input::CallSettled => {
                 Ok(Transition {
                     record: None,
                     effects: vec![],
+                    row: "T45",
                 })
             }
             // The record vanished while the model streamed: nothing is left to decide on.
-            Input::GenerationFinished(_) => Ok(skip(None)),
+            Input::GenerationFinished(_) => Ok(at("T46", skip(None))),
             other => Err(illegal(&other)),
         };
     };
@@ -505,26 +594,33 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
     let terminal = rec.is_terminal();
     match input {
         Input::Send { parked, seed } => Ok(match phase {
-            _ if terminal => start(parked, *seed),
-            Phase::Ready | Phase::Generated => to(
-                rec,
-                if parked {
-                    vec![]
-                } else {
-                    vec![Effect::ParkMessage]
-                },
+            _ if terminal => at("T01", start(parked, *seed)),
+            Phase::Ready | Phase::Generated => at(
+                "T02",
+                to(
+                    rec,
+                    if parked {
+                        vec![]
+                    } else {
+                        vec![Effect::ParkMessage]
+                    },
+                ),
             ),
-            _ => to(
-                rec,
-                if parked {
-                    vec![]
-                } else {
-                    vec![Effect::AppendUser]
-                },
+            _ => at(
+                "T03",
+                to(
+                    rec,
+                    if parked {
+                        vec![]
+                    } else {
+                        vec![Effect::AppendUser]
+                    },
+                ),
             ),
         }),
-        Input::EnqueueFailed { detail } if phase == Phase::Ready && rec.step == 0 => {
-            Ok(finish(fail(
+        Input::EnqueueFailed { detail } if phase == Phase::Ready && rec.step == 0 => Ok(at(
+            "T04",
+            finish(fail(
                 rec,
                 failure(
                     "harness.turn_unschedulable",
@@ -532,35 +628,41 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                     "The turn could not be scheduled.",
                     Some(detail),
                 ),
-            )))
-        }
+            )),
+        )),
         Input::StepDelivered { turn_id, step } => {
             Ok(if rec.turn_id != turn_id || rec.step != step {
-                skip(Some(rec))
+                at("T07", skip(Some(rec)))
             } else if terminal {
-                to(rec, vec![Effect::RepeatTerminalEffects, Effect::Skip])
+                at(
+                    "T08",
+                    to(rec, vec![Effect::RepeatTerminalEffects, Effect::Skip]),
+                )
             } else {
                 match phase {
-                    Phase::Parked => skip(Some(rec)),
-                    Phase::Ready if rec.abort => finish(cancel(rec)),
-                    Phase::Generated => to(rec, vec![Effect::ResumeAtCalls]),
+                    Phase::Parked => at("T09", skip(Some(rec))),
+                    Phase::Ready if rec.abort => at("T10", finish(cancel(rec))),
+                    Phase::Generated => at("T12", to(rec, vec![Effect::ResumeAtCalls])),
                     _ => {
                         let first_step = rec.step == 0 && rec.turn_count == 0;
-                        to(rec, vec![Effect::Prepare { first_step }])
+                        at("T11", to(rec, vec![Effect::Prepare { first_step }]))
                     }
                 }
             })
         }
         Input::Prepared { denied } if phase == Phase::Ready => Ok(match denied {
-            Some(reason) => finish(fail(
-                rec,
-                failure(
-                    "harness.pre_turn_denied",
-                    FailurePhase::PreTurn,
-                    "A hook refused to start this turn.",
-                    Some(format!("pre_turn hook denied: {reason}")),
-                ),
-            )),
+            Some(reason) => at(
+                "T13",
+                finish(fail(
+                    rec,
+                    failure(
+                        "harness.pre_turn_denied",
+                        FailurePhase::PreTurn,
+                        "A hook refused to start this turn.",
+                        Some(format!("pre_turn hook denied: {reason}")),
+                    ),
+                )),
+            ),
             None if rec.turn_count >= rec.options.max_turns => {
                 let text = max_turns_text(rec.options.max_turns);
                 let mut rec = rec;
@@ -568,9 +670,9 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                 let gate = Effect::PostTurn {
                     result: json!(text),
                 };
-                to(rec, vec![Effect::NoteMaxTurns, gate])
+                at("T14", to(rec, vec![Effect::NoteMaxTurns, gate]))
             }
-            None => to(rec, vec![Effect::Generate]),
+            None => at("T17", to(rec, vec![Effect::Generate])),
         }),
         Input::ContextRefused(why) if phase == Phase::Ready => {
             let f = match why {
@@ -620,13 +722,13 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                     Some(detail),
                 ),
             };
-            Ok(finish(fail(rec, f)))
+            Ok(at("T18", finish(fail(rec, f))))
         }
-        Input::StopObserved if phase == Phase::Ready => Ok(finish(cancel(rec))),
+        Input::StopObserved if phase == Phase::Ready => Ok(at("T19", finish(cancel(rec)))),
         Input::GenerationFinished(f) => {
             if rec.turn_id != f.turn_id || rec.step != f.step || terminal {
                 // A stop finalized the turn while the model streamed, or the step is stale.
-                return Ok(skip(Some(rec)));
+                return Ok(at("T47", skip(Some(rec))));
             }
             if !matches!(phase, Phase::Ready | Phase::Generated) {
                 return Err(illegal(&Input::GenerationFinished(f)));
@@ -635,17 +737,17 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
         }
         Input::SteeringChecked { waiting, text } if phase == Phase::Generated => Ok(if waiting {
             // Steering arrived while the model was answering: it gets to react.
-            advance(rec, vec![])
+            at("T25", advance(rec, vec![]))
         } else if output::json_contract(&rec.options.output).is_some() {
-            to(rec, vec![Effect::ValidateOutput])
+            at("T27", to(rec, vec![Effect::ValidateOutput]))
         } else {
             let gate = Effect::PostTurn {
                 result: json!(text),
             };
-            to(rec, vec![gate])
+            at("T26", to(rec, vec![gate]))
         }),
         Input::OutputChecked { verdict } if phase == Phase::Generated => Ok(match verdict {
-            Ok(result) => to(rec, vec![Effect::PostTurn { result }]),
+            Ok(result) => at("T28", to(rec, vec![Effect::PostTurn { result }])),
             Err((error, raw)) => {
                 let text = output::nudge(&error);
                 refused(rec, error, text, raw)
@@ -653,7 +755,7 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
         }),
         Input::PostTurnChecked { result, denied } if phase == Phase::Generated => {
             Ok(match denied {
-                None => finish(complete(rec, result)),
+                None => at("T31", finish(complete(rec, result))),
                 Some((reason, retry_prompt)) => {
                     let text = match retry_prompt {
                         Some(p) => p
@@ -668,7 +770,7 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
         }
         // The max_turns notice at the start of a step: there is no generation left to re-prompt.
         Input::PostTurnChecked { result, denied } if phase == Phase::Ready => Ok(match denied {
-            None => finish(complete(rec, result)),
+            None => at("T15", finish(complete(rec, result))),
             Some((reason, _)) => {
                 let mut rec = fail(
                     rec,
@@ -680,57 +782,66 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                     ),
                 );
                 rec.result = Some(result);
-                finish(rec)
+                at("T16", finish(rec))
             }
         }),
         Input::CallsClosed { stopped, unreached } if phase == Phase::Generated => Ok(if stopped {
-            to(
-                cancel(rec),
-                vec![Effect::CloseOpenCalls { unreached }, Effect::Finalize],
+            at(
+                "T32",
+                to(
+                    cancel(rec),
+                    vec![Effect::CloseOpenCalls { unreached }, Effect::Finalize],
+                ),
             )
         } else if rec.has_pending() {
             let mut rec = rec;
             rec.status = TurnStatus::AwaitingFunctions;
-            to(rec, vec![Effect::SaveRecord, Effect::SetAwaiting])
+            at(
+                "T33",
+                to(rec, vec![Effect::SaveRecord, Effect::SetAwaiting]),
+            )
         } else if rec.submitted.as_ref().is_some_and(|s| s.step == rec.step) {
             // A submitted result is checked first: it ends the turn or earns a nudge.
-            to(rec, vec![Effect::ValidateOutput])
+            at("T34", to(rec, vec![Effect::ValidateOutput]))
         } else if rec.ask_step == Some(rec.step) {
             // The turn ends on the question, like a text-only answer (steering still advances).
-            to(rec, vec![Effect::CheckSteering])
+            at("T35", to(rec, vec![Effect::CheckSteering]))
         } else {
-            advance(rec, vec![])
+            at("T36", advance(rec, vec![]))
         }),
-        Input::CallSettled if terminal => Ok(stay(rec)),
+        Input::CallSettled if terminal => Ok(at("T48", stay(rec))),
         Input::CallSettled if phase == Phase::Parked => Ok(if rec.has_pending() {
-            stay(rec)
+            at("T38", stay(rec))
         } else {
-            advance(rec, vec![])
+            at("T37", advance(rec, vec![]))
         }),
         // A settle while the step that parked it still runs: that step parks or advances.
-        Input::CallSettled => Ok(stay(rec)),
+        Input::CallSettled => Ok(at("T49", stay(rec))),
         Input::StopRequested { turn_id } => {
             Ok(if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
-                stay(rec)
+                at("T41", stay(rec))
             } else {
-                to(rec, vec![Effect::AbortGeneration])
+                at("T39", to(rec, vec![Effect::AbortGeneration]))
             })
         }
         Input::Stop { turn_id } => Ok(if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
-            stay(rec)
+            at("T41", stay(rec))
         } else {
-            to(
-                cancel(rec),
-                vec![
-                    Effect::CloseOpenCalls { unreached: vec![] },
-                    Effect::Finalize,
-                    Effect::Barrier,
-                    Effect::StopChildren,
-                ],
+            at(
+                "T40",
+                to(
+                    cancel(rec),
+                    vec![
+                        Effect::CloseOpenCalls { unreached: vec![] },
+                        Effect::Finalize,
+                        Effect::Barrier,
+                        Effect::StopChildren,
+                    ],
+                ),
             )
         }),
         Input::Recover => Ok(match phase {
-            Phase::Ready | Phase::Generated => to(rec, vec![Effect::EnqueueStep]),
+            Phase::Ready | Phase::Generated => at("T42", to(rec, vec![Effect::EnqueueStep])),
             Phase::Parked => {
                 let interrupted: Vec<String> = rec
                     .calls
@@ -738,22 +849,25 @@ pub fn next(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal
                     .filter(|(_, c)| c.state() == CallState::Triggered)
                     .map(|(id, _)| id.clone())
                     .collect();
-                to(rec, vec![Effect::CloseInterrupted(interrupted)])
+                at("T43", to(rec, vec![Effect::CloseInterrupted(interrupted)]))
             }
-            _ => stay(rec),
+            _ => at("T50", stay(rec)),
         }),
         Input::InternalError { turn_id, detail } => Ok(if terminal || rec.turn_id != turn_id {
-            stay(rec)
+            at("T51", stay(rec))
         } else {
-            finish(fail(
-                rec,
-                failure(
-                    "harness.turn_internal",
-                    FailurePhase::Execution,
-                    "The turn stopped on an internal error.",
-                    Some(detail),
-                ),
-            ))
+            at(
+                "T44",
+                finish(fail(
+                    rec,
+                    failure(
+                        "harness.turn_internal",
+                        FailurePhase::Execution,
+                        "The turn stopped on an internal error.",
+                        Some(detail),
+                    ),
+                )),
+            )
         }),
         other => Err(illegal(&other)),
     }
@@ -773,7 +887,7 @@ fn refused(rec: TurnRecord, error: String, nudge: String, raw: Value) -> Transit
             attempt: rec.validation_retries,
             text: nudge,
         };
-        return advance(rec, vec![note]);
+        return at("T29", advance(rec, vec![note]));
     }
     let mut rec = fail(
         rec,
@@ -785,7 +899,7 @@ fn refused(rec: TurnRecord, error: String, nudge: String, raw: Value) -> Transit
         ),
     );
     rec.result = Some(raw);
-    finish(rec)
+    at("T30", finish(rec))
 }
 
 fn compact(v: &Value) -> String {
@@ -824,9 +938,12 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
             .into_iter()
             .filter(|c| !rec.calls.contains_key(&c.id))
             .collect();
-        return to(
-            cancel(rec),
-            vec![Effect::CloseOpenCalls { unreached }, Effect::Finalize],
+        return at(
+            "T20",
+            to(
+                cancel(rec),
+                vec![Effect::CloseOpenCalls { unreached }, Effect::Finalize],
+            ),
         );
     }
     if let Some(err) = &f.error {
@@ -852,10 +969,10 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
                 attempt: rec.transient_resumes,
                 reason: err.message.clone(),
             };
-            return advance(rec, vec![note]);
+            return at("T21", advance(rec, vec![note]));
         }
         let failed = generation_failure(err);
-        return finish(fail(rec, failed));
+        return at("T22", finish(fail(rec, failed)));
     }
     let mut effects = Vec::with_capacity(2);
     if rec.transient_resumes > 0 {
@@ -863,13 +980,15 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
             attempt: rec.transient_resumes,
         });
     }
-    if !f.calls.is_empty() {
+    let row = if !f.calls.is_empty() {
         let cut = f.at_length.then_some("the reply hit the output limit");
         effects.push(Effect::DispatchCalls { cut });
+        "T23"
     } else {
         effects.push(Effect::CheckSteering);
-    }
-    to(rec, effects)
+        "T24"
+    };
+    at(row, to(rec, effects))
 }
 
 pub fn max_turns_text(max_turns: u32) -> String {
