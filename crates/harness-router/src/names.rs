@@ -19,6 +19,8 @@
 
 use std::collections::HashMap;
 
+use harness_types::digest::fnv1a_hex;
+
 /// The longest name both APIs accept.
 pub const MAX_NAME: usize = 64;
 
@@ -26,15 +28,6 @@ const HASH_SUFFIX: usize = 2 + 16; // "_h" + 16 hex digits
 
 fn valid_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_' || c == '-'
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in bytes {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    h
 }
 
 /// True when `name` has the shape of a hashed name.
@@ -77,7 +70,7 @@ pub fn encode(id: &str) -> String {
     if prefix.is_empty() {
         prefix.push('f');
     }
-    format!("{prefix}_h{:016x}", fnv1a(id.as_bytes()))
+    format!("{prefix}_h{}", fnv1a_hex(id.as_bytes()))
 }
 
 /// The id of a readable name (`__` → `::`); `None` for hashed names.
@@ -180,6 +173,8 @@ mod tests {
         // Readable names never look hashed, so the forms cannot meet.
         assert!(!looks_hashed(&encode("a::b")));
         assert_ne!(encode("a_::b"), encode("a::_b"));
+        // A model sees, and transcripts keep, the hashed name: its bytes are pinned.
+        assert_eq!(encode("a b"), "a_b_he63f991904833892");
     }
 
     #[test]

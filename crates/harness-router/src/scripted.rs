@@ -130,7 +130,7 @@ impl Script {
         }
         Ok(Script {
             generations,
-            digest: fnv_hex(text.as_bytes()),
+            digest: harness_types::digest::fnv1a_hex(text.as_bytes()),
         })
     }
 
@@ -163,15 +163,6 @@ fn with_request_id(block: &ContentBlock, request_id: &str) -> ContentBlock {
         },
         other => other.clone(),
     }
-}
-
-fn fnv_hex(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in bytes {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}")
 }
 
 #[derive(Default)]
