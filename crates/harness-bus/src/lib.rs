@@ -15,6 +15,7 @@ pub mod embedded;
 mod engine_functions;
 pub mod error;
 pub mod local;
+pub mod typed;
 
 pub use bus::{
     commit_one_by_one, Binding, Bus, BusWrite, CallContext, FrameSink, FunctionDef, Handler,

@@ -150,3 +150,56 @@ async fn wrong_types_timeouts_and_panics_are_errors_not_crashes() {
     .unwrap_err();
     assert!(err.message.contains("panicked"), "{err}");
 }
+
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct AddRequest {
+    a: u64,
+    b: u64,
+}
+
+#[derive(Debug, PartialEq, serde::Serialize, schemars::JsonSchema)]
+struct AddResponse {
+    sum: u64,
+}
+
+#[tokio::test]
+async fn a_typed_function_parses_strictly_answers_json_and_moves_values_in_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = open(dir.path());
+    let offset = 100u64;
+    harness_bus::typed::register_with_local(
+        &bus,
+        FunctionDef::new("t::add", "adds"),
+        offset,
+        |offset: u64, r: AddRequest| async move {
+            Ok::<_, harness_types::HarnessError>(AddResponse {
+                sum: offset + r.a + r.b,
+            })
+        },
+    );
+    assert_eq!(
+        bus.call("t::add", json!({"a": 1, "b": 2}), None)
+            .await
+            .unwrap(),
+        json!({"sum": 103})
+    );
+    let err = bus
+        .call("t::add", json!({"a": 1, "b": 2, "c": 3}), None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains('c'), "names the field: {err}");
+    let def = bus.function_def("t::add").unwrap();
+    assert_eq!(def.request_schema.unwrap()["required"], json!(["a", "b"]));
+    let h = bus.local_handler("t::add").expect("a local side");
+    let out: AddResponse = local::invoke(
+        h.as_ref(),
+        "t::add",
+        Box::new(AddRequest { a: 5, b: 6 }),
+        CallContext::default(),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out, AddResponse { sum: 111 });
+}

@@ -4,11 +4,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use harness_bus::{BusError, CallContext, FunctionDef, Handler, TriggerTypeDef};
+use harness_bus::typed::{self, schema};
+use harness_bus::{FunctionDef, TriggerTypeDef};
 use harness_types::api::*;
 use harness_types::parse::parse_payload;
 use harness_types::HarnessError;
-use schemars::{schema_for, JsonSchema};
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
@@ -16,10 +17,7 @@ use serde_json::Value;
 use crate::harness::Harness;
 use crate::topics;
 
-fn schema<T: JsonSchema>() -> Value {
-    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
-}
-
+/// A `harness::*` function: `f` gets a handle on the harness and the parsed request.
 fn register_fn<Req, Resp, F, Fut>(h: &Harness, def: FunctionDef, f: F)
 where
     Req: DeserializeOwned + JsonSchema + Send + 'static,
@@ -27,20 +25,7 @@ where
     F: Fn(Harness, Req) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Resp, HarnessError>> + Send + 'static,
 {
-    let def = def.schemas(schema::<Req>(), schema::<Resp>());
-    let harness = h.clone();
-    let f = Arc::new(f);
-    let handler = move |payload: Value, _ctx: CallContext| {
-        let harness = harness.clone();
-        let f = f.clone();
-        async move {
-            let req: Req = parse_payload(payload)?;
-            let resp = f(harness, req).await?;
-            serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
-        }
-    };
-    h.bus()
-        .register_function(def, Arc::new(handler) as Arc<dyn Handler>);
+    typed::register(h.bus().as_ref(), def, h.clone(), f);
 }
 
 /// The `harness::on-config-change` payload.

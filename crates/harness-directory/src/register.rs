@@ -1,22 +1,15 @@
 //! The `directory::*` functions on the bus: the readers, and the operator's writers
 //! (`create`/`update`), which harness-core's wall refuses to every model.
 
-use std::sync::Arc;
-
-use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
+use harness_bus::typed;
+use harness_bus::{Bus, FunctionDef};
 use harness_types::directory::{ListRequest, NameRequest};
-use harness_types::parse::parse_payload;
 use harness_types::HarnessError;
-use schemars::{schema_for, JsonSchema};
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::{Directory, DirectoryError, Kind, WriteRequest};
-
-fn schema<T: JsonSchema>() -> Value {
-    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
-}
 
 fn register_fn<Req, Resp>(
     bus: &dyn Bus,
@@ -26,20 +19,13 @@ fn register_fn<Req, Resp>(
     f: fn(&Directory, Req) -> Result<Resp, DirectoryError>,
 ) where
     Req: DeserializeOwned + JsonSchema + Send + 'static,
-    Resp: Serialize + JsonSchema + 'static,
+    Resp: Serialize + JsonSchema + Send + 'static,
 {
-    let dir = dir.clone();
-    let handler = move |payload: Value, _ctx: CallContext| {
-        let dir = dir.clone();
-        async move {
-            let req: Req = parse_payload(payload)?;
-            let resp = f(&dir, req).map_err(HarnessError::from)?;
-            serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
-        }
-    };
-    bus.register_function(
-        FunctionDef::new(id, description).schemas(schema::<Req>(), schema::<Resp>()),
-        Arc::new(handler) as Arc<dyn Handler>,
+    typed::register(
+        bus,
+        FunctionDef::new(id, description),
+        dir.clone(),
+        move |d: Directory, req: Req| std::future::ready(f(&d, req).map_err(HarnessError::from)),
     );
 }
 
@@ -92,25 +78,17 @@ pub fn register(bus: &dyn Bus, dir: &Directory) {
             Kind::Skill => ("skills", "a skill"),
         };
         for (verb, must_exist) in [("create", false), ("update", true)] {
-            let dir = dir.clone();
-            let handler = move |payload: Value, _ctx: CallContext| {
-                let dir = dir.clone();
-                async move {
-                    let req: WriteRequest = parse_payload(payload)?;
-                    let resp = dir
-                        .write(kind, &req, must_exist)
-                        .map_err(HarnessError::from)?;
-                    serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
-                }
-            };
             let description = format!(
                 "Operator only: {verb} {what}, from the whole file (`content`) or `body` with `front_matter`; checked as a read checks it, written atomically, read by the next send. {}",
                 if must_exist { "Refused when it does not exist." } else { "Refused when it exists." }
             );
-            bus.register_function(
-                FunctionDef::new(format!("directory::{id}::{verb}"), description)
-                    .schemas(schema::<WriteRequest>(), schema::<crate::WriteResponse>()),
-                Arc::new(handler) as Arc<dyn Handler>,
+            typed::register(
+                bus,
+                FunctionDef::new(format!("directory::{id}::{verb}"), description),
+                dir.clone(),
+                move |d: Directory, req: WriteRequest| {
+                    std::future::ready(d.write(kind, &req, must_exist).map_err(HarnessError::from))
+                },
             );
         }
     }

@@ -3,25 +3,20 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use harness_bus::{
-    Bus, BusError, CallContext, EmbeddedBus, FunctionDef, Handler, LocalHandler, LocalValue,
-    TxAnswer, TxWrite, TypedRequest,
-};
+use harness_bus::typed;
+use harness_bus::{Bus, EmbeddedBus, FunctionDef, TxAnswer, TxWrite, TypedRequest};
 use harness_store::{Connection, StoreError};
 use harness_types::parse::parse_payload;
 use harness_types::session::*;
 use harness_types::HarnessError;
-use schemars::{schema_for, JsonSchema};
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::store::{set_status_in, update_message_in, PreparedAppend, SessionStore};
 
-fn schema<T: JsonSchema>() -> Value {
-    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
-}
-
+/// A `session::*` function, hidden from default discovery, callable in-process without JSON.
 fn register_one<Req, Resp, F, Fut>(
     bus: &dyn Bus,
     sessions: &SessionStore,
@@ -34,35 +29,8 @@ fn register_one<Req, Resp, F, Fut>(
     F: Fn(SessionStore, Req) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Resp, HarnessError>> + Send + 'static,
 {
-    let def = FunctionDef::new(id, description)
-        .schemas(schema::<Req>(), schema::<Resp>())
-        .internal();
-    let f = Arc::new(f);
-    let handler = {
-        let (sessions, f) = (sessions.clone(), f.clone());
-        move |payload: Value, _ctx: CallContext| {
-            let (sessions, f) = (sessions.clone(), f.clone());
-            async move {
-                let req: Req = parse_payload(payload)?;
-                let resp = f(sessions, req).await?;
-                serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
-            }
-        }
-    };
-    // In-process callers (the loop reads `session::changes` every step) pass `Req` and take
-    // `Resp` as they are: no JSON either way.
-    let function_id = id.to_string();
-    let sessions = sessions.clone();
-    let local = move |payload: LocalValue, _ctx: CallContext| {
-        let (sessions, f) = (sessions.clone(), f.clone());
-        let req = harness_bus::local::take::<Req>(&function_id, payload);
-        async move { Ok(Box::new(f(sessions, req?).await?) as LocalValue) }
-    };
-    bus.register_function_with_local(
-        def,
-        Arc::new(handler) as Arc<dyn Handler>,
-        Arc::new(local) as Arc<dyn LocalHandler>,
-    );
+    let def = FunctionDef::new(id, description).internal();
+    typed::register_with_local(bus, def, sessions.clone(), f);
 }
 
 /// Registers `session::create`, `ensure`, `get`, `append`, `update-message`, `messages`,
