@@ -1,5 +1,8 @@
 //! KV state round-trips.
 
+mod common;
+
+use common::kv_keys;
 use harness_store::{kv_delete_in, kv_get_in, kv_set_in, Durability, Store};
 use serde_json::json;
 
@@ -295,12 +298,7 @@ async fn absent_keys_and_empty_scopes_are_remembered_until_an_insert() {
         })
         .await
         .unwrap();
-    let keys: Vec<String> = store
-        .kv_list("q")
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
+    let keys = kv_keys(&store, "q");
     assert_eq!(keys, ["x", "y"]);
 
     // Deleted again, then found empty and inserted in the same batch as a failing op.

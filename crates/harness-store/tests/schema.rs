@@ -1,6 +1,9 @@
 //! A store written with the version 1 layout opens after the upgrade with every row, id and
 //! dedupe key intact, and keeps working.
 
+mod common;
+
+use common::kv_keys;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -105,12 +108,7 @@ async fn a_version_1_store_opens_with_everything_in_it() {
     // State.
     let s1 = store.kv_get("harness_turn", "s1").unwrap().unwrap();
     assert_eq!(s1["prompt"].as_str().unwrap().len(), 3000);
-    let listed: Vec<String> = store
-        .kv_list("harness_turn")
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
+    let listed = kv_keys(&store, "harness_turn");
     assert_eq!(listed, vec!["s1", "s2"]);
     store
         .kv_set("harness_turn", "s2", &json!({"n": 3}))

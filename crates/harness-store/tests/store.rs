@@ -1,5 +1,8 @@
 //! Writer batching, savepoint isolation, visibility and the durability barrier.
 
+mod common;
+
+use common::kv_keys;
 use std::pin::pin;
 use std::sync::Arc;
 
@@ -79,12 +82,7 @@ async fn failing_op_rolls_back_only_itself() {
         before + 2,
         "gate batch + one batch for a, b, p, d"
     );
-    let listed: Vec<String> = store
-        .kv_list("s")
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
+    let listed = kv_keys(&store, "s");
     assert_eq!(listed, vec!["a", "d"]);
     // The writer survived the panic.
     store.kv_set("s", "after", &json!(true)).await.unwrap();
@@ -258,12 +256,7 @@ async fn a_failing_replayable_op_rolls_back_only_itself_and_the_others_run_again
     assert!(matches!(&out[1], Err(StoreError::Invalid(m)) if m.contains("b fails")));
     assert!(matches!(&out[2], Err(StoreError::Invalid(m)) if m.contains("panicked")));
     assert_eq!(out[3].as_ref().unwrap(), &"d");
-    let listed: Vec<String> = store
-        .kv_list("s")
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
+    let listed = kv_keys(&store, "s");
     assert_eq!(listed, vec!["a", "d"]);
     assert_eq!(
         store.kv_get("runs", "a").unwrap(),
