@@ -1,0 +1,119 @@
+//! Step→step handoff (enqueue returned → next step starts), and fsyncs per text step.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use harness_store::Durability;
+use harness_types::api::SendOptions;
+
+use crate::plan::Plan;
+use crate::probe::lock;
+use crate::rig::{At, Rig, ScriptKind, TURNS_PER_SESSION};
+use crate::stats::{percentile_us, progress, sorted};
+
+/// `max_turns` of a handoff turn: 8 generations + the step that ends the turn = 9 steps.
+pub(crate) const HANDOFF_MAX_TURNS: u32 = 8;
+
+pub(crate) struct Handoff {
+    pub(crate) samples: usize,
+    pub(crate) p50: f64,
+    pub(crate) p99: f64,
+    pub(crate) send_p50: f64,
+}
+
+pub(crate) async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> Result<Handoff> {
+    let label = if durability == Durability::Full {
+        "on"
+    } else {
+        "off"
+    };
+    progress(&format!(
+        "step→step handoff ({} turns of {} steps, fsync {label})",
+        plan.handoff_turns,
+        HANDOFF_MAX_TURNS + 1
+    ));
+    let rig = Rig::open(at, ScriptKind::Calls, durability).await?;
+    let d = rig.driver();
+    let options = || {
+        Some(SendOptions {
+            max_turns: Some(HANDOFF_MAX_TURNS),
+            ..SendOptions::default()
+        })
+    };
+    for _ in 0..3 {
+        d.call_turn(options()).await?;
+    }
+    rig.queue_idle().await?;
+    rig.probe.track_handoff.store(true, Ordering::Relaxed);
+    let deadline = Instant::now() + plan.handoff_cap;
+    for _ in 0..plan.handoff_turns {
+        if Instant::now() > deadline {
+            break;
+        }
+        d.call_turn(options()).await?;
+    }
+    rig.queue_idle().await?;
+    rig.probe.track_handoff.store(false, Ordering::Relaxed);
+    let steps = sorted(std::mem::take(&mut *lock(&rig.probe.handoff_step_ns)));
+    let sends = sorted(std::mem::take(&mut *lock(&rig.probe.handoff_send_ns)));
+    if steps.is_empty() {
+        bail!("no step→step handoff was measured (did the turns run more than one step?)");
+    }
+    let out = Handoff {
+        samples: steps.len(),
+        p50: percentile_us(&steps, 0.5),
+        p99: percentile_us(&steps, 0.99),
+        send_p50: percentile_us(&sends, 0.5),
+    };
+    rig.close().await;
+    progress(&format!(
+        "  = step→step handoff p50 {:.2} ms p99 {:.2} ms; send→step 0 p50 {:.2} ms ({} samples)",
+        out.p50 / 1e3,
+        out.p99 / 1e3,
+        out.send_p50 / 1e3,
+        out.samples
+    ));
+    Ok(out)
+}
+
+pub(crate) struct Fsyncs {
+    pub(crate) turns: usize,
+    pub(crate) per_step: f64,
+    pub(crate) per_send: f64,
+}
+
+pub(crate) async fn fsyncs(at: At<'_>, plan: &Plan) -> Result<Fsyncs> {
+    progress(&format!(
+        "fsyncs per text step ({} turns, concurrency 1, fsync on)",
+        plan.fsync_turns
+    ));
+    let rig = Rig::open(at, ScriptKind::Text, Durability::Full).await?;
+    let d = rig.driver();
+    d.text_loop(Instant::now() + plan.fsync_cap, 10).await?;
+    rig.queue_idle().await?;
+    let (mut in_send, mut in_step, mut turns) = (0u64, 0u64, 0usize);
+    let mut session: Option<String> = None;
+    let deadline = Instant::now() + plan.fsync_cap;
+    while turns < plan.fsync_turns && Instant::now() < deadline {
+        let s0 = rig.fsyncs().unwrap_or(0);
+        let (sid, turn_id) = d.send(session.take(), None).await?;
+        let s1 = rig.fsyncs().unwrap_or(0);
+        d.probe.wait(&turn_id).await?;
+        rig.queue_idle().await?;
+        let s2 = rig.fsyncs().unwrap_or(0);
+        in_send += s1 - s0;
+        in_step += s2 - s1;
+        turns += 1;
+        if turns % TURNS_PER_SESSION as usize != 0 {
+            session = Some(sid);
+        }
+    }
+    rig.close().await;
+    let n = turns.max(1) as f64;
+    Ok(Fsyncs {
+        turns,
+        per_step: in_step as f64 / n,
+        per_send: in_send as f64 / n,
+    })
+}

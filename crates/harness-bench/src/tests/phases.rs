@@ -1,0 +1,219 @@
+//! Each phase on a tiny budget gives sane numbers.
+
+use harness_store::Durability;
+
+use super::{at, percentiles, positive, SERIAL};
+use crate::plan::Plan;
+use crate::rig::NOOP_FN;
+
+#[test]
+fn the_reference_measures_a_positive_fsync_and_commit() {
+    let _serial = SERIAL.blocking_lock();
+    let dir = tempfile::tempdir().unwrap();
+    let r = crate::reference::measure(dir.path()).unwrap();
+    positive("fsync_us", r.fsync_us);
+    positive("commit_us", r.commit_us);
+    positive("commit_nosync_us", r.commit_nosync_us);
+    positive("serial_fsyncs_per_sec", r.serial_fsyncs_per_sec());
+    // It cleans up after itself: the bench directory holds no reference files afterwards.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_each_cost_some_bytes_and_not_a_megabyte() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan {
+        // Enough sessions that their memory stands out of the page granularity of the RSS.
+        idle_sessions: 300,
+        ..Plan::tiny()
+    };
+    let ram = crate::idle::idle_ram(at(dir.path()), &plan).await.unwrap();
+    assert_eq!(
+        ram.sessions, plan.idle_sessions,
+        "the time cap cut the fill"
+    );
+    positive("idle bytes per session", ram.bytes_per_session);
+    assert!(
+        ram.bytes_per_session < 1024.0 * 1024.0,
+        "{} B per idle session",
+        ram.bytes_per_session
+    );
+    assert!(ram.rss_after > ram.rss_before);
+    assert!(ram.sqlite_after > 0, "SQLite's heap was not read");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loop_overhead_is_the_step_less_its_store_time() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan::tiny();
+    let o = crate::overhead::overhead(at(dir.path()), &plan)
+        .await
+        .unwrap();
+    assert_eq!(o.steps, plan.overhead_steps);
+    percentiles("overhead", o.overhead_p50, o.overhead_p99);
+    percentiles("step", o.step_p50, o.step_p99);
+    positive("store p50", o.store_p50);
+    assert!(
+        o.overhead_p50 <= o.step_p50,
+        "overhead p50 {} above the whole step's {}",
+        o.overhead_p50,
+        o.step_p50
+    );
+    positive("store ops per step", o.store_ops_per_step);
+    positive("empty commit p50", o.store_write_p50.unwrap());
+    positive(
+        "empty commit after idle p50",
+        o.store_write_idle_p50.unwrap(),
+    );
+    positive("wall per turn", o.wall_per_turn_us);
+    assert!(o.cpu_per_turn_us.is_finite() && o.cpu_per_turn_us >= 0.0);
+    // Store operations and the loop's timed calls are told apart, and both are seen.
+    assert!(o
+        .store_breakdown
+        .iter()
+        .all(|(op, _, _)| crate::probe::is_store_op(op)));
+    assert!(o
+        .loop_breakdown
+        .iter()
+        .all(|(op, _, _)| !crate::probe::is_store_op(op)));
+    assert!(
+        o.loop_breakdown
+            .iter()
+            .any(|(op, _, _)| op == "router::chat"),
+        "no router::chat in {:?}",
+        o.loop_breakdown
+    );
+    assert!(!o.store_breakdown.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoffs_are_measured_with_fsync_on_and_off() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan::tiny();
+    for durability in [Durability::Full, Durability::Normal] {
+        let h = crate::handoff::handoff(at(dir.path()), &plan, durability)
+            .await
+            .unwrap();
+        // Every measured turn hands off between each of its steps.
+        let per_turn = crate::handoff::HANDOFF_MAX_TURNS as usize;
+        assert!(
+            h.samples >= plan.handoff_turns * per_turn,
+            "{} handoffs over {} turns",
+            h.samples,
+            plan.handoff_turns
+        );
+        percentiles("handoff", h.p50, h.p99);
+        positive("send handoff", h.send_p50);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_text_step_and_its_send_each_fsync() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan::tiny();
+    let f = crate::handoff::fsyncs(at(dir.path()), &plan).await.unwrap();
+    assert_eq!(f.turns, plan.fsync_turns);
+    positive("fsyncs per text step", f.per_step);
+    positive("fsyncs per send", f.per_send);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan::tiny();
+    let c = crate::calls::function_calls(at(dir.path()), &plan)
+        .await
+        .unwrap();
+    assert!(c.steps >= plan.function_steps, "{} call steps", c.steps);
+    assert!(c.text_steps > 0);
+    percentiles("call step", c.step_p50, c.step_p99);
+    positive("target", c.target_p50);
+    positive("call step less its target", c.net_p50);
+    positive("paired text step", c.text_step_p50);
+    positive("call step with fsync on", c.fsync_step_p50);
+    assert!(c.fsync_turns >= plan.function_fsync_turns);
+    positive("fsyncs per function turn", c.fsyncs_per_turn.unwrap());
+    assert!(c.fsyncs_per_step.unwrap().is_finite());
+    let noop = c
+        .breakdown
+        .iter()
+        .find(|r| r.op == NOOP_FN)
+        .expect("the target in the breakdown");
+    assert_eq!(
+        noop.call_n, 1.0,
+        "a measured call step calls its target once"
+    );
+    assert_eq!(noop.text_n, 0.0, "a text step calls no target");
+    assert!(!noop.store);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_and_short_sessions_both_step_and_assemble() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan::tiny();
+    let l = crate::long_session::long_session(at(dir.path()), &plan)
+        .await
+        .unwrap();
+    assert_eq!(l.samples, plan.long_turns);
+    positive("short step", l.short_step_p50);
+    positive("long step", l.long_step_p50);
+    positive("short overhead", l.short_overhead_p50);
+    positive("long overhead", l.long_overhead_p50);
+    positive("step ratio", l.step_ratio());
+    positive("overhead ratio", l.overhead_ratio());
+    positive("assemble on 10 entries", l.short_assemble_p50);
+    positive("assemble on long sessions", l.long_assemble_p50);
+    positive("assemble on summarized ones", l.summarized_assemble_p50);
+    positive("summarized assemble ratio", l.summarized_assemble_ratio());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_cell_counts_steps_fsyncs_and_wal_pages_by_table() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan::tiny();
+    let cell = crate::throughput::throughput(at(dir.path()), &plan, 10, true)
+        .await
+        .unwrap();
+    assert!(cell.steps >= 10, "{} steps by 10 sessions", cell.steps);
+    positive("steps/s", cell.rate());
+    positive("fsyncs per step", cell.fsyncs_per_step().unwrap());
+    let store = cell.store.as_ref().unwrap();
+    assert!(store.commits > 0 && store.writes >= store.commits);
+    assert!(store.wal_frames > 0);
+    assert!(store.busy_ns > 0);
+    let by_table = store.by_table.as_ref().expect("WAL pages by table");
+    assert!(by_table.frame_bytes > 0);
+    // The tables' pages account for the cell's WAL pages. Not to the page: the count by table
+    // is read a moment after the store's counter, and a queue ack may commit in between.
+    let (sum, total) = (by_table.pages() as f64, store.wal_frames as f64);
+    assert!(
+        (sum - total).abs() <= total * 0.05 + 2.0,
+        "pages by table sum to {sum}, the WAL grew by {total}"
+    );
+
+    let figures = cell.store_json();
+    let wal_pages = figures["wal_pages"].as_f64().unwrap();
+    positive("WAL pages per step", wal_pages);
+    positive("WAL bytes per step", figures["wal_bytes"].as_f64().unwrap());
+    let per_table: f64 = figures["wal_pages_by_table"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    assert!(
+        (per_table - wal_pages).abs() <= wal_pages * 0.05 + 0.01,
+        "per-table pages per step sum to {per_table}, WAL pages per step are {wal_pages}"
+    );
+    let writer = cell.writer_json();
+    let busy = writer["busy"].as_f64().unwrap();
+    assert!(busy > 0.0 && busy.is_finite(), "writer busy share {busy}");
+    assert!(writer["checkpoint"].as_f64().unwrap() <= busy);
+}
