@@ -34,7 +34,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 pub use approvals::{Approvals, DECIDED, REQUESTED};
-pub use digest::{approval_id, canonical, digest};
+pub use digest::{approval_id, digest};
 pub use error::ApprovalError;
 pub use types::*;
 

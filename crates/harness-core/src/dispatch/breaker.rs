@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use harness_types::digest::{canonical, fnv1a_hex};
 use serde_json::Value;
 
 use crate::record::FailedCall;
@@ -10,35 +11,9 @@ use crate::record::FailedCall;
 /// Failures before the breaker answers.
 pub(crate) const TRIP_AFTER: u32 = 2;
 
-/// FNV-1a, 64 bit: a stable digest (std's hasher is randomly seeded per process).
-pub(crate) fn digest(text: &str) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in text.as_bytes() {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}")
-}
-
-/// JSON with object keys sorted at every level, so equal values have equal text.
-pub(crate) fn canonical(value: &Value) -> String {
-    fn sort(v: &Value) -> Value {
-        match v {
-            Value::Object(m) => {
-                let sorted: BTreeMap<&String, Value> =
-                    m.iter().map(|(k, v)| (k, sort(v))).collect();
-                Value::Object(sorted.into_iter().map(|(k, v)| (k.clone(), v)).collect())
-            }
-            Value::Array(a) => Value::Array(a.iter().map(sort).collect()),
-            other => other.clone(),
-        }
-    }
-    sort(value).to_string()
-}
-
 /// The breaker key of a call, on the arguments as the model wrote them.
 pub(crate) fn key(function_id: &str, arguments: &Value) -> String {
-    digest(&format!("{function_id}\u{0}{}", canonical(arguments)))
+    fnv1a_hex(format!("{function_id}\u{0}{}", canonical(arguments)).as_bytes())
 }
 
 pub(crate) fn tripped(ledger: &BTreeMap<String, FailedCall>, key: &str) -> bool {
@@ -57,7 +32,7 @@ pub(crate) fn record(
         ledger.remove(key);
         return;
     }
-    let error = digest(error_text);
+    let error = fnv1a_hex(error_text.as_bytes());
     match ledger.get_mut(key) {
         Some(f) if f.error == error => f.count += 1,
         _ => {
@@ -79,6 +54,14 @@ mod tests {
             k,
             key("a::b", &json!({"y": [1, 2], "x": 1})),
             "key order does not matter"
+        );
+        // Keys and error digests are stored in turn records: pinned to harness-types' FNV value.
+        assert_eq!(
+            key(
+                "fs::write",
+                &json!({"path": "/a", "opts": {"y": [1, {"b": 2, "a": "é"}], "x": 1}})
+            ),
+            "acbe195bb0a27786"
         );
         record(&mut l, &k, true, "boom");
         assert!(!tripped(&l, &k));
