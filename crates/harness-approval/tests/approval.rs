@@ -623,3 +623,18 @@ async fn the_hold_and_the_decision_are_events_of_the_session_without_the_argumen
     );
     rt.wait_terminal(&sid, &tid).await;
 }
+
+// Digests and ids are stored with every approval and quoted back by the approver, so their bytes
+// are pinned here to values computed outside Rust.
+#[test]
+fn stored_digests_and_ids_keep_their_bytes() {
+    let args = json!({"path": "/a", "opts": {"y": [1, {"b": 2, "a": "é"}], "x": 1}});
+    assert_eq!(
+        digest("fs::write", &args),
+        "sha256:c7a5fa421a9a26e4a3850a0ce5e47acc3bc1923f3fba66c895bb02cd0bcdfe35"
+    );
+    assert_eq!(
+        approval_id("s1", "t1", "c1"),
+        "ap_285997606117265010751e19933737ef"
+    );
+}
