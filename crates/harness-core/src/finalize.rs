@@ -11,16 +11,13 @@ use harness_types::{ids, now_ms};
 use serde_json::json;
 
 use crate::harness::{Harness, Result, StepWrites};
-use crate::machine::{self, Input, Seed};
+use crate::interpret::Carry;
+use crate::machine::{Input, Seed};
 use crate::record::{Failure, TurnRecord};
 
 impl Harness {
-    /// Carries out `Effect::Finalize` for a record the machine made terminal.
-    pub(crate) async fn finalize(&self, rec: &mut TurnRecord) -> Result<()> {
-        self.finalize_after(rec, StepWrites::default()).await
-    }
-
-    /// [`Harness::finalize`] with `held` (writes the step held back) at the head of its batch.
+    /// Carries out `Effect::Finalize` for a record the machine made terminal, with `held` (the
+    /// writes the run held back) at the head of its batch.
     pub(crate) async fn finalize_after(
         &self,
         rec: &mut TurnRecord,
@@ -105,14 +102,8 @@ impl Harness {
             parked: true,
             seed: Box::new(seed),
         };
-        let t = machine::next(Some(prev.clone()), input).map_err(crate::step::illegal)?;
-        let Some(mut rec) = t.record else {
-            return Ok(());
-        };
-        for effect in t.effects {
-            // Boxed: applying a transition may finalize, and finalizing may reseed.
-            Box::pin(self.apply(&mut rec, effect)).await?;
-        }
+        // Boxed: a run may finalize, and finalizing may reseed.
+        Box::pin(self.run(Some(prev.clone()), input, &mut Carry::default())).await?;
         Ok(())
     }
 }

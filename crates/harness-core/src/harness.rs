@@ -142,7 +142,7 @@ impl TranscriptCache {
 /// A step's writes, collected in order and applied by [`Harness::commit`] as one batch. Each
 /// builder mirrors the one-shot helper of the same name, with the same ids and payloads, so a
 /// replayed step writes the same thing either way.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct StepWrites {
     writes: Vec<BusWrite>,
 }
@@ -473,57 +473,6 @@ impl Harness {
             }
         }
         Ok(())
-    }
-
-    /// Re-enqueues the current step of every `running` record. A crash between persisting a
-    /// record and enqueueing its step would otherwise strand the turn; a step that was in fact
-    /// still queued runs once and the duplicate is dropped by the stale guard.
-    async fn redrive_running(&self) -> Result<()> {
-        let records = self
-            .inner
-            .bus
-            .state_list(TURN_SCOPE)
-            .await
-            .map_err(bus_err)?;
-        let mut redriven = 0;
-        for (_, value) in records {
-            let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {
-                continue;
-            };
-            if !rec.is_terminal() && self.recover(&rec.session_id).await? {
-                redriven += 1;
-            }
-        }
-        if redriven > 0 {
-            tracing::info!(redriven, "re-enqueued the current step of running turns");
-        }
-        Ok(())
-    }
-
-    /// A turn a crash may have left without a queued step: a running one gets its current step
-    /// again; a parked one whose release was cut gets the interrupted result for a call left
-    /// `triggered` (it may have run, once) and runs on if nothing is pending. Returns whether a
-    /// step was enqueued.
-    async fn recover(&self, session_id: &str) -> Result<bool> {
-        let _guard = self.inner.locks.lock(session_id).await;
-        let Some(rec) = self.load_record(session_id).await? else {
-            return Ok(false);
-        };
-        let t = crate::machine::next(Some(rec), crate::machine::Input::Recover)
-            .map_err(crate::step::illegal)?;
-        let Some(mut rec) = t.record else {
-            return Ok(false);
-        };
-        let mut enqueued = false;
-        for effect in t.effects {
-            enqueued |= effect == crate::machine::Effect::EnqueueStep;
-            let closing = matches!(effect, crate::machine::Effect::CloseInterrupted(_));
-            self.apply(&mut rec, effect).await?;
-            if closing {
-                enqueued |= self.resume_if_settled(&mut rec).await?;
-            }
-        }
-        Ok(enqueued)
     }
 
     // --- typed bus helpers ---------------------------------------------------------------

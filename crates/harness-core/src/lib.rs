@@ -27,10 +27,12 @@ pub mod grants;
 mod harness;
 mod hooks;
 mod identity;
+mod interpret;
 mod locks;
 // The machines and the record live in `harness-machine`; their old paths stay.
 pub(crate) use harness_machine::{machine, output, record};
 mod prompt;
+mod recover;
 mod send;
 mod spawn;
 mod status;

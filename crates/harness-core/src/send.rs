@@ -2,17 +2,16 @@
 
 use harness_types::api::{SendOptions, SendRequest, SendResponse, TurnStatus};
 use harness_types::message::AgentMessage;
-use harness_types::session::{
-    AppendRequest, CreateRequest, CreateResponse, EnsureRequest, EnsureResponse,
-};
+use harness_types::session::{CreateRequest, CreateResponse, EnsureRequest, EnsureResponse};
 use harness_types::{ids, now_ms, ErrorCode, HarnessError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::fsroot;
-use crate::harness::{Harness, Result, StepWrites};
+use crate::harness::{Harness, Result};
 use crate::identity::PromptFields;
-use crate::machine::{self, Effect, Input, Seed};
+use crate::interpret::{Carry, Outgoing};
+use crate::machine::{Input, Seed};
 use crate::record::{message_preview, Reasoning, TurnOptions, TurnRecord};
 use crate::steering::QueuedMessage;
 use crate::IDEM_SCOPE;
@@ -165,16 +164,21 @@ fn validate_options(o: &SendOptions) -> Result<()> {
 
 impl Harness {
     pub async fn send(&self, req: SendRequest) -> Result<SendResponse> {
-        self.deliver(req, None).await
+        self.accept(req, None).await
     }
 
-    /// The send path, shared with spawn: `lineage` gives a child its frozen options, depth and
+    /// A sub-agent's first message: `lineage` gives the child its frozen options, depth and
     /// parent link instead of inheriting them from the session.
-    pub(crate) async fn deliver(
+    pub(crate) async fn send_child(
         &self,
         req: SendRequest,
-        lineage: Option<Lineage>,
+        lineage: Lineage,
     ) -> Result<SendResponse> {
+        self.accept(req, Some(lineage)).await
+    }
+
+    /// The send path of both.
+    async fn accept(&self, req: SendRequest, lineage: Option<Lineage>) -> Result<SendResponse> {
         let message = normalize_message(req.message.clone())?;
         let options = req.options.clone().unwrap_or_default();
         validate_options(&options)?;
@@ -332,99 +336,19 @@ impl Harness {
             parked,
             seed: Box::new(seed),
         };
-        let t = machine::next(prev, input).map_err(crate::step::illegal)?;
-        let Some(mut rec) = t.record else {
-            return Err(HarnessError::internal("a send left no turn record"));
-        };
-        if rec.turn_id == new_turn {
-            self.seed_trace(&mut rec).await;
-        }
-        let mut effects = t.effects.into_iter().peekable();
-        while let Some(effect) = effects.next() {
-            match effect {
-                Effect::AppendUser if effects.peek() == Some(&Effect::SaveRecord) => {
-                    // The message and the record that answers it: one batch.
-                    effects.next();
-                    let persist = |rec: &mut TurnRecord, step: bool| -> Result<StepWrites> {
-                        let mut batch = StepWrites::default();
-                        if let Some(text) = correction.as_ref().filter(|_| rec.turn_id == new_turn)
-                        {
-                            batch.append(user_append(
-                                &session_id,
-                                AgentMessage::user_text(text.clone(), now_ms()),
-                                &format!("{entry_id}_skills"),
-                                &rec.turn_id,
-                            ))?;
-                        }
-                        batch.append(user_append(
-                            &session_id,
-                            message.clone(),
-                            &entry_id,
-                            &rec.turn_id,
-                        ))?;
-                        batch.save_record(rec)?;
-                        if step {
-                            batch.enqueue_step(rec)?;
-                        }
-                        Ok(batch)
-                    };
-                    // The first step joins the batch too: one write instead of two, and on the
-                    // embedded store no moment where a running record waits for a step that is
-                    // not queued. When that batch fails (the queue refused the step), the
-                    // message and record are written alone and the step goes the usual way
-                    // (`EnqueueStep`: its retries, and a failed turn if they all fail). The
-                    // append is idempotent by entry id, so a bus that applied part of the
-                    // batch before failing is written again harmlessly.
-                    let mut joined = false;
-                    if effects.peek() == Some(&Effect::EnqueueStep) {
-                        match self.commit(persist(&mut rec, true)?).await {
-                            Ok(_) => joined = true,
-                            Err(e) => tracing::debug!(
-                                session = %session_id,
-                                "send: the batch with its step failed, writing it apart: {e}"
-                            ),
-                        }
-                    }
-                    if joined {
-                        effects.next();
-                    } else {
-                        self.commit(persist(&mut rec, false)?).await?;
-                    }
-                    if joined || effects.peek() == Some(&Effect::EnqueueStep) {
-                        crate::failpoint::hit("after_send_persisted");
-                    }
-                }
-                Effect::AppendUser => {
-                    self.append_user(&session_id, message.clone(), &entry_id, &rec.turn_id)
-                        .await?
-                }
-                Effect::ParkMessage => self.park(&session_id, message.clone(), &entry_id).await?,
-                Effect::SaveRecord => {
-                    self.save_record(&mut rec).await?;
-                    if effects.peek() == Some(&Effect::EnqueueStep) {
-                        crate::failpoint::hit("after_send_persisted");
-                    }
-                }
-                Effect::EnqueueStep => {
-                    if let Err(e) = self.enqueue_step(&rec).await {
-                        // Never leave a `running` record that no step will ever pick up: the turn
-                        // ends failed, with its error record and `turn-completed`.
-                        let input = Input::EnqueueFailed {
-                            detail: e.to_string(),
-                        };
-                        let t = machine::next(Some(rec), input).map_err(crate::step::illegal)?;
-                        if let Some(mut rec) = t.record {
-                            for effect in t.effects {
-                                self.apply(&mut rec, effect).await?;
-                            }
-                        }
-                        self.barrier().await?;
-                        return Err(e);
-                    }
-                }
-                other => self.apply(&mut rec, other).await?,
-            }
-        }
+        // The message, the record that answers it and the first step: one batch (see
+        // `interpret.rs`, which writes them apart if the queue refuses it).
+        let mut carry = Carry::sending(Outgoing {
+            session_id: session_id.clone(),
+            message,
+            entry_id: entry_id.clone(),
+            new_turn: new_turn.clone(),
+            correction,
+        });
+        let rec = self
+            .run(prev, input, &mut carry)
+            .await?
+            .ok_or_else(|| HarnessError::internal("a send left no turn record"))?;
         let response = if rec.turn_id == new_turn {
             SendResponse {
                 session_id: session_id.clone(),
@@ -725,18 +649,6 @@ impl Harness {
         Ok(pruned)
     }
 
-    async fn append_user(
-        &self,
-        session_id: &str,
-        message: AgentMessage,
-        entry_id: &str,
-        turn_id: &str,
-    ) -> Result<()> {
-        self.append(user_append(session_id, message, entry_id, turn_id))
-            .await?;
-        Ok(())
-    }
-
     /// Resolves the options the next turn would run with. Explicit fields win; omitted ones are
     /// inherited from the previous turn (model, provider, policy, prompt, reasoning).
     async fn freeze_options(
@@ -980,22 +892,6 @@ fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {
         merged: Some(true),
         queued: queued.then_some(true),
         ..SendResponse::default()
-    }
-}
-
-/// The append of a sent message under its entry id.
-fn user_append(
-    session_id: &str,
-    message: AgentMessage,
-    entry_id: &str,
-    turn_id: &str,
-) -> AppendRequest {
-    AppendRequest {
-        session_id: session_id.to_string(),
-        message: Some(message),
-        custom: None,
-        entry_id: Some(entry_id.to_string()),
-        origin: Some(json!({ "turn_id": turn_id })),
     }
 }
 

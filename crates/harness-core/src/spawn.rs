@@ -299,13 +299,13 @@ impl Harness {
             options: Some(SendOptions::default()),
         };
         let out = self
-            .deliver(
+            .send_child(
                 send,
-                Some(Lineage {
+                Lineage {
                     options,
                     depth,
                     parent: link,
-                }),
+                },
             )
             .await?;
         Ok(SpawnResponse {

@@ -1,15 +1,16 @@
-//! One durable step (`harness::turn`): the shell around the turn machine.
+//! One durable step (`harness::turn`): the shell around the turn machine, and the stages the
+//! interpreter (`interpret.rs`) runs for it.
 //!
-//! The step feeds [`machine::next`] what it finds and carries out what the machine answers, in
-//! order. Its stages are effects: `Prepare` (drain steering, first-step event, pre-turn hooks),
-//! `Generate` (context → pre-generate hooks → pre-append the assistant entry → stream with the
+//! The shell reads the record under the session lock and hands the delivery to the machine.
+//! The stages are effects: `Prepare` (drain steering, first-step event, pre-turn hooks),
+//! `Generate` (context, in `step/assemble.rs` → pre-append the assistant entry → stream with the
 //! session lock released → post-generate hooks), `ResumeAtCalls` (a redelivered step re-reads
-//! the answer it recorded) and `DispatchCalls`; each ends by feeding the machine its next input.
+//! the answer it recorded) and `DispatchCalls`; each ends with the machine's next input.
 
 use harness_types::api::{TurnStartedEvent, TurnStatus, TurnStepPayload, TurnStepResult};
 use harness_types::message::{AgentMessage, AssistantMessage, StopReason};
 use harness_types::router::ChatRequest;
-use harness_types::session::{AppendRequest, Entry, SessionStatus};
+use harness_types::session::{AppendRequest, SessionStatus};
 use harness_types::{ids, now_ms, HarnessError};
 use serde_json::{json, Value};
 
@@ -18,8 +19,8 @@ use crate::dispatch::{plan_calls, Dispatched};
 use crate::failpoint;
 use crate::harness::{Harness, Result, StepWrites};
 use crate::hooks::{self, Decision, HookPoint};
-use crate::locks::SessionGuard;
-use crate::machine::{self, CallRef, ContextRefusal, Effect, Finished, Input};
+use crate::interpret::Carry;
+use crate::machine::{CallRef, ContextRefusal, Finished, Input};
 use crate::output;
 use crate::prompt;
 use crate::record::TurnRecord;
@@ -52,260 +53,81 @@ impl Harness {
     /// Runs one step. Stale and duplicate deliveries are acknowledged and dropped.
     pub async fn step(&self, payload: TurnStepPayload) -> Result<TurnStepResult> {
         let sid = payload.session_id.clone();
-        let mut guard = Some(self.inner.locks.lock(&sid).await);
+        let mut carry = Carry::locked(self.inner.locks.lock(&sid).await);
+        carry.advance_point = Some("after_advance_persisted");
         let rec = self.load_record(&sid).await?;
         let input = match &rec {
             Some(_) => Input::StepDelivered {
                 turn_id: payload.turn_id.clone(),
                 step: payload.step,
             },
-            None => Input::RecordMissing {
-                session_id: sid.clone(),
-                turn_id: payload.turn_id.clone(),
-                step: payload.step,
-                depth: payload.depth,
-                session_exists: self.session_exists(&sid).await?,
-                now: now_ms(),
-            },
-        };
-        if rec.is_none() {
-            tracing::warn!(session = %sid, turn = %payload.turn_id, "a step found no turn record");
-        }
-        let mut ctx = StepCtx::default();
-        let mut rec = rec;
-        let mut input = Some(input);
-        let mut skipped_delivery = false;
-        while let Some(i) = input.take() {
-            let t = machine::next(rec.take(), i).map_err(illegal)?;
-            rec = t.record;
-            let mut effects = t.effects.into_iter().peekable();
-            let mut reloaded = None;
-            while let Some(effect) = effects.next() {
-                let advancing =
-                    effect == Effect::SaveRecord && effects.peek() == Some(&Effect::EnqueueStep);
-                let Some(r) = rec.as_mut() else {
-                    skipped_delivery = true;
-                    continue;
-                };
-                if !self.may_hold_writes(&effect).await? {
-                    self.flush(&mut ctx).await?;
-                }
-                match effect {
-                    Effect::Skip => skipped_delivery = true,
-                    Effect::Prepare { first_step } => {
-                        input = Some(self.prepare(r, first_step, &mut ctx).await?);
-                    }
-                    Effect::Generate => {
-                        let (now, next) = self.generate_stage(r, &mut guard, &mut ctx).await?;
-                        reloaded = Some(now);
-                        input = Some(next);
-                    }
-                    Effect::ResumeAtCalls => {
-                        input = Some(self.resume_at_calls(r, &mut ctx).await?);
-                    }
-                    Effect::DispatchCalls { cut } => {
-                        let message = ctx.message.as_ref().ok_or_else(|| {
-                            HarnessError::internal("dispatch without a generation")
-                        })?;
-                        let expose = r.options.expose();
-                        let calls = plan_calls(&message.content, expose);
-                        let cancel = self.signal(&r.turn_id);
-                        let stopped = self.dispatch_calls(r, &calls, cut, &cancel).await?
-                            == Dispatched::Cancelled;
-                        let unreached = calls
-                            .iter()
-                            .filter(|c| !r.calls.contains_key(&c.id))
-                            .map(|c| CallRef {
-                                id: c.id.clone(),
-                                function_id: c.function_id.clone(),
-                            })
-                            .collect();
-                        input = Some(Input::CallsClosed { stopped, unreached });
-                    }
-                    Effect::PostTurn { result } => {
-                        input = Some(self.post_turn(r, result).await?);
-                    }
-                    Effect::ValidateOutput => {
-                        let text = ctx
-                            .message
-                            .as_ref()
-                            .map(|m| harness_types::message::joined_text(&m.content))
-                            .unwrap_or_default();
-                        input = Some(Input::OutputChecked {
-                            verdict: output::verdict(r, &text),
-                        });
-                    }
-                    Effect::CheckSteering => {
-                        let waiting = !self.queued(&sid).await?.is_empty();
-                        let text = ctx
-                            .message
-                            .as_ref()
-                            .map(|m| harness_types::message::joined_text(&m.content))
-                            .unwrap_or_default();
-                        input = Some(Input::SteeringChecked { waiting, text });
-                    }
-                    Effect::Finalize => {
-                        let held = std::mem::take(&mut ctx.pending);
-                        self.finalize_after(r, held).await?;
-                    }
-                    Effect::SaveRecord if advancing => {
-                        // The record and its next step go as one batch with what the step held
-                        // back (one commit instead of three).
-                        effects.next();
-                        let mut batch = std::mem::take(&mut ctx.pending);
-                        batch.save_record(r)?;
-                        batch.enqueue_step(r)?;
-                        self.commit(batch).await?;
-                        failpoint::hit("after_advance_persisted");
-                    }
-                    other => self.apply(r, other).await?,
-                }
-                if let Some(now) = reloaded.take() {
-                    // The machine decides the rest on the record as the stream left it.
-                    rec = now;
-                    break;
+            None => {
+                tracing::warn!(session = %sid, turn = %payload.turn_id, "a step found no turn record");
+                Input::RecordMissing {
+                    session_id: sid.clone(),
+                    turn_id: payload.turn_id.clone(),
+                    step: payload.step,
+                    depth: payload.depth,
+                    session_exists: self.session_exists(&sid).await?,
+                    now: now_ms(),
                 }
             }
-        }
-        // A skipped generation (a stop ended the turn while the model streamed) still leaves
-        // its answer in the transcript.
-        self.flush(&mut ctx).await?;
-        Ok(match rec {
-            Some(r) if !skipped_delivery => done(&r),
+        };
+        Ok(match self.run(rec, input, &mut carry).await? {
+            Some(r) if !carry.skipped => done(&r),
             _ => skipped(&sid),
         })
     }
 
-    /// Whether `effect` may run while the step still holds writes back (`StepCtx::pending`):
-    /// effects that only read the step's own state, and the post-turn gate when no hook sees
-    /// it. Anything that lets another party look at the session (hooks, calls, events), or
-    /// writes on its own, runs after they are committed; `Finalize` and an advance take them
-    /// into their own batch.
-    async fn may_hold_writes(&self, effect: &Effect) -> Result<bool> {
-        Ok(match effect {
-            Effect::Skip
-            | Effect::CheckSteering
-            | Effect::ValidateOutput
-            | Effect::Finalize
-            | Effect::SaveRecord
-            | Effect::Prepare { .. }
-            | Effect::Generate => true,
-            Effect::PostTurn { .. } => self.hooks(HookPoint::PostTurn).await?.is_empty(),
-            _ => false,
-        })
-    }
-
-    /// Commits what the step held back, if anything.
-    async fn flush(&self, ctx: &mut StepCtx) -> Result<()> {
-        if ctx.pending.is_empty() {
+    /// Fails the current turn of a session after an unexpected step error.
+    pub(crate) async fn fail_turn(
+        &self,
+        payload: &TurnStepPayload,
+        err: &HarnessError,
+    ) -> Result<()> {
+        let mut carry = Carry::locked(self.inner.locks.lock(&payload.session_id).await);
+        let Some(rec) = self.load_record(&payload.session_id).await? else {
             return Ok(());
-        }
-        self.commit(std::mem::take(&mut ctx.pending))
-            .await
-            .map(|_| ())
+        };
+        let input = Input::InternalError {
+            turn_id: payload.turn_id.clone(),
+            detail: err.to_string(),
+        };
+        self.run(Some(rec), input, &mut carry).await.map(|_| ())
     }
 
-    /// The effects every shell carries out the same way.
-    pub(crate) async fn apply(&self, rec: &mut TurnRecord, effect: Effect) -> Result<()> {
-        match effect {
-            Effect::SaveRecord => self.save_record(rec).await,
-            Effect::EnqueueStep => self.enqueue_step(rec).await,
-            Effect::Finalize => self.finalize(rec).await,
-            Effect::RepeatTerminalEffects => self.repeat_terminal_effects(rec).await,
-            Effect::NoteMaxTurns => {
-                let text = machine::max_turns_text(rec.options.max_turns);
-                self.append_custom(
-                    &rec.session_id,
-                    ids::max_turns_entry(&rec.turn_id),
-                    "notice",
-                    json!({"reason": "max_turns", "message": text}),
-                    &rec.turn_id,
-                )
-                .await
-                .map(|_| ())
-            }
-            Effect::NoteResume { attempt, reason } => {
-                self.note_resume(rec, attempt, &reason).await
-            }
-            Effect::NoteRecovered { attempt } => self
-                .append_custom(
-                    &rec.session_id,
-                    ids::recovery_entry(&rec.turn_id, attempt, "recovered"),
-                    context::RECOVERY_ENTRY,
-                    json!({"status": "recovered", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
-                    &rec.turn_id,
-                )
-                .await
-                .map(|_| ()),
-            Effect::NoteNudge { attempt, text } => self
-                .append(AppendRequest {
-                    session_id: rec.session_id.clone(),
-                    message: Some(AgentMessage::user_text(text, now_ms())),
-                    custom: None,
-                    entry_id: Some(ids::nudge_entry(&rec.turn_id, attempt)),
-                    origin: Some(json!({"turn_id": rec.turn_id, "validation": true})),
-                })
-                .await
-                .map(|_| ()),
-            Effect::SetAwaiting => {
-                self.set_status(
-                    &rec.session_id,
-                    SessionStatus::Working,
-                    Some("awaiting functions"),
-                )
-                .await
-            }
-            Effect::Barrier => self.barrier().await,
-            Effect::AbortGeneration => {
-                self.fire_signal(&rec.turn_id);
-                // The generation in flight, if any, is the one of the current step.
-                let request_id = ids::request_id(&rec.turn_id, rec.step);
-                let _ = self
-                    .inner
-                    .bus
-                    .call(
-                        "router::abort",
-                        json!({ "request_id": request_id }),
-                        Some(std::time::Duration::from_secs(2)),
-                    )
-                    .await;
-                Ok(())
-            }
-            Effect::StopChildren => {
-                self.stop_children(rec).await;
-                Ok(())
-            }
-            Effect::CloseOpenCalls { unreached } => self.close_open_calls(rec, unreached).await,
-            Effect::CloseInterrupted(ids) => {
-                for id in ids {
-                    let function_id = rec
-                        .calls
-                        .get(&id)
-                        .map(|c| c.function_id().to_string())
-                        .unwrap_or_default();
-                    let call = crate::dispatch::PlannedCall {
-                        id,
-                        function_id,
-                        arguments: Value::Null,
-                        intent: None,
-                    };
-                    self.close_interrupted(rec, &call).await?;
-                }
-                Ok(())
-            }
-            other => Err(HarnessError::internal(format!(
-                "the turn machine asked this shell for {other:?}, which only another shell carries out"
-            ))),
-        }
+    /// Stage `DispatchCalls`: closes the calls of the answer; a stop ends the ones not reached.
+    pub(crate) async fn dispatch_stage(
+        &self,
+        r: &mut TurnRecord,
+        cut: Option<&str>,
+        carry: &mut Carry,
+    ) -> Result<Input> {
+        let message = carry
+            .message
+            .as_ref()
+            .ok_or_else(|| HarnessError::internal("dispatch without a generation"))?;
+        let calls = plan_calls(&message.content, r.options.expose());
+        let cancel = self.signal(&r.turn_id);
+        let stopped = self.dispatch_calls(r, &calls, cut, &cancel).await? == Dispatched::Cancelled;
+        let unreached = calls
+            .iter()
+            .filter(|c| !r.calls.contains_key(&c.id))
+            .map(|c| CallRef {
+                id: c.id.clone(),
+                function_id: c.function_id.clone(),
+            })
+            .collect();
+        Ok(Input::CallsClosed { stopped, unreached })
     }
 
     /// Stage `Prepare`: steering, the working status, the first step's event and pre-turn
     /// hooks.
-    async fn prepare(
+    pub(crate) async fn prepare(
         &self,
         rec: &mut TurnRecord,
         first_step: bool,
-        ctx: &mut StepCtx,
+        carry: &mut Carry,
     ) -> Result<Input> {
         let sid = rec.session_id.clone();
         // A step redelivered mid-generation finds its assistant entry already there: it rebuilds
@@ -326,8 +148,8 @@ impl Harness {
                 }
             }
         }
-        ctx.entries = entries;
-        ctx.upto = upto;
+        carry.entries = entries;
+        carry.upto = upto;
         // The status and, on the first step, the turn-started event: one write.
         let mut batch = StepWrites::default();
         batch.set_status(&sid, SessionStatus::Working, Some("preparing context"))?;
@@ -354,10 +176,10 @@ impl Harness {
             None => false,
         };
         if !observed {
-            ctx.pending.extend(batch);
+            carry.pending.extend(batch);
             return Ok(Input::Prepared { denied: None });
         }
-        self.flush(ctx).await?;
+        self.flush(carry).await?;
         self.commit(batch).await?;
         let Some(ev) = started else {
             return Ok(Input::Prepared { denied: None });
@@ -385,15 +207,14 @@ impl Harness {
     /// Stage `Generate`: context, pre-generate hooks, the pre-appended assistant entry, the
     /// stream (with the session lock released, so `stop` can land), post-generate hooks. Answers
     /// the record as it is after the stream (re-read under the lock) and the next input.
-    async fn generate_stage(
+    pub(crate) async fn generate_stage(
         &self,
         rec: &mut TurnRecord,
-        guard: &mut Option<SessionGuard>,
-        ctx: &mut StepCtx,
+        carry: &mut Carry,
     ) -> Result<(Option<TurnRecord>, Input)> {
         let sid = rec.session_id.clone();
-        let shared = std::mem::take(&mut ctx.entries);
-        let upto = ctx.upto.min(shared.len());
+        let shared = std::mem::take(&mut carry.entries);
+        let upto = carry.upto.min(shared.len());
         let new_watermark = shared[..upto].last().map(|e| e.entry_id.clone());
         let mut window = self.window_of(&sid, &shared, upto, rec.watermark_entry_id.as_deref());
         window.resume_notice = context::resume_notice(&shared[..upto], &rec.turn_id);
@@ -457,7 +278,7 @@ impl Harness {
 
         // The assistant entry exists before the first token, so a replay reuses it.
         let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
-        let mut batch = std::mem::take(&mut ctx.pending);
+        let mut batch = std::mem::take(&mut carry.pending);
         batch.append(AppendRequest {
             session_id: sid.clone(),
             message: Some(AgentMessage::Assistant(AssistantMessage {
@@ -517,7 +338,7 @@ impl Harness {
         let again = (req.clone(), extras.clone());
 
         // Generate with the lock released, so `stop` can land mid-stream.
-        drop(guard.take());
+        drop(carry.guard.take());
         let mut generation = self
             .generate(
                 req,
@@ -525,7 +346,7 @@ impl Harness {
                 &sid,
                 &entry_id,
                 cancel.clone(),
-                &mut ctx.pending,
+                &mut carry.pending,
             )
             .await;
         // The server measured the prompt over its window (our count was low): assembled once
@@ -547,12 +368,12 @@ impl Harness {
                     .iter()
                     .map(|t| (t.description.len() + t.parameters.to_string().len()) as u64)
                     .sum::<u64>();
-            *guard = Some(self.inner.locks.lock(&sid).await);
+            carry.guard = Some(self.inner.locks.lock(&sid).await);
             let held_back = context_tokens / 4 + REASSEMBLY_SLACK;
             let retry = self
                 .assemble_context(rec, &window, unassembled_prompt, &req.tools, held_back)
                 .await?;
-            drop(guard.take());
+            drop(carry.guard.take());
             if let Ok(p) = retry {
                 tracing::debug!(session = %sid, "the server refused ~{context_tokens} tokens as over its window; reassembled to ~{}", p.tokens);
                 if let Some(usage) = &p.compaction_usage {
@@ -568,7 +389,7 @@ impl Harness {
                         &sid,
                         &entry_id,
                         cancel.clone(),
-                        &mut ctx.pending,
+                        &mut carry.pending,
                     )
                     .await;
             }
@@ -579,10 +400,10 @@ impl Harness {
                     })
             });
             if still {
-                *guard = Some(self.inner.locks.lock(&sid).await);
+                carry.guard = Some(self.inner.locks.lock(&sid).await);
                 self.exclude_dominant_message(rec, &window, request_bytes)
                     .await?;
-                drop(guard.take());
+                drop(carry.guard.take());
             }
         }
         let observed = match &generation {
@@ -591,7 +412,7 @@ impl Harness {
         };
         if observed {
             // The hooks may read the transcript: the answer is there first.
-            self.flush(ctx).await?;
+            self.flush(carry).await?;
         }
         if let (Ok(g), true) = (&generation, observed) {
             let mut env = hooks::envelope(
@@ -608,7 +429,7 @@ impl Harness {
                 .run_hooks(HookPoint::PostGenerate, env, None, None)
                 .await;
         }
-        *guard = Some(self.inner.locks.lock(&sid).await);
+        carry.guard = Some(self.inner.locks.lock(&sid).await);
         let generation = generation?;
         // The record as it is now: a stop may have finalized it while the model streamed. The
         // contract's mode was chosen above and is written with the next record write.
@@ -629,14 +450,18 @@ impl Harness {
             generation,
             &cancel,
             Some((new_watermark, Some(self.functions_generation()))),
-            ctx,
+            carry,
         );
         Ok((now, input))
     }
 
     /// Stage `ResumeAtCalls`: redelivered after the model had answered; the answer is read back
     /// from its entry, never asked for again.
-    async fn resume_at_calls(&self, rec: &mut TurnRecord, ctx: &mut StepCtx) -> Result<Input> {
+    pub(crate) async fn resume_at_calls(
+        &self,
+        rec: &mut TurnRecord,
+        carry: &mut Carry,
+    ) -> Result<Input> {
         let entry_id = ids::assistant_entry(&rec.turn_id, rec.step);
         let message = self
             .transcript(&rec.session_id)
@@ -659,13 +484,13 @@ impl Harness {
             Generation { message, error },
             &cancel,
             None,
-            ctx,
+            carry,
         ))
     }
 
     /// The post-turn gate: the hooks see the result the turn would complete with; the first deny
     /// (or a broken fail-closed hook) refuses it.
-    async fn post_turn(&self, rec: &TurnRecord, result: Value) -> Result<Input> {
+    pub(crate) async fn post_turn(&self, rec: &TurnRecord, result: Value) -> Result<Input> {
         if self.hooks(HookPoint::PostTurn).await?.is_empty() {
             return Ok(Input::PostTurnChecked {
                 result,
@@ -720,67 +545,6 @@ impl Harness {
             .await?;
         Ok(session.is_some())
     }
-
-    /// The recovery record of transient resume `attempt`. Its notice reaches the model only in
-    /// the system prompt of the step that resumes (see [`context::resume_notice`]): stored as a
-    /// user message it read as the user's words, and small models echoed it into replies and
-    /// function arguments on every later step.
-    async fn note_resume(&self, rec: &TurnRecord, attempt: u32, reason: &str) -> Result<()> {
-        let notice = format!(
-            "Harness note (from the harness, not the user; do not quote it): the provider ended your previous \
-             reply early ({reason}). That partial reply is the last assistant message. Continue from it and \
-             give the complete answer, incorporating the partial reply. Do not repeat function calls that \
-             already have successful results."
-        );
-        self.append_custom(
-            &rec.session_id,
-            ids::recovery_entry(&rec.turn_id, attempt, "recovering"),
-            context::RECOVERY_ENTRY,
-            json!({"status": "recovering", "summary": "The provider stopped mid-answer; resuming from the partial reply.", "detail": reason,
-                   "phase": "generation", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes,
-                   "partial_result_available": true, "notice": notice, "timestamp": now_ms()}),
-            &rec.turn_id,
-        )
-        .await?;
-        Ok(())
-    }
-
-    /// Fails the current turn of a session after an unexpected step error.
-    pub(crate) async fn fail_turn(
-        &self,
-        payload: &TurnStepPayload,
-        err: &HarnessError,
-    ) -> Result<()> {
-        let _guard = self.inner.locks.lock(&payload.session_id).await;
-        let Some(rec) = self.load_record(&payload.session_id).await? else {
-            return Ok(());
-        };
-        let input = Input::InternalError {
-            turn_id: payload.turn_id.clone(),
-            detail: err.to_string(),
-        };
-        let t = machine::next(Some(rec), input).map_err(illegal)?;
-        if let Some(mut rec) = t.record {
-            for effect in t.effects {
-                self.apply(&mut rec, effect).await?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// What a step carries from one stage to the next.
-#[derive(Default)]
-struct StepCtx {
-    /// The transcript the context is built from: its first `upto` entries.
-    entries: std::sync::Arc<Vec<Entry>>,
-    upto: usize,
-    /// The model's answer of this step.
-    message: Option<AssistantMessage>,
-    /// Writes held back to go with the step's next commit: the status of `Prepare` and the
-    /// answer's final content. Nothing outside the step can tell (`may_hold_writes`); a crash
-    /// before they are committed leaves a step that has not generated yet, which is redone.
-    pending: StepWrites,
 }
 
 /// The machine's input for a generation that ended; keeps the answer for the next stages.
@@ -789,7 +553,7 @@ fn finished(
     generation: Generation,
     cancel: &CancellationToken,
     seen: Option<(Option<String>, Option<u64>)>,
-    ctx: &mut StepCtx,
+    carry: &mut Carry,
 ) -> Input {
     let partial = generation.error.is_some() && generation.has_partial();
     let message = generation.message;
@@ -813,10 +577,9 @@ fn finished(
         at_length: message.stop_reason == StopReason::Length,
         seen,
     }));
-    ctx.message = Some(message);
+    carry.message = Some(message);
     input
 }
 
-pub(crate) fn illegal(e: machine::Illegal) -> HarnessError {
-    HarnessError::internal(e.to_string())
-}
+/// Kept for the shells that still import it from here.
+pub(crate) use crate::interpret::illegal;

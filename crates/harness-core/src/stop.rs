@@ -1,48 +1,43 @@
 //! `harness::stop`: durable abort plus cancelling the generation in flight.
 
-use harness_types::api::{StopRequest, StopResponse};
+use harness_types::api::{StopRequest, StopResponse, TurnStatus};
 use harness_types::session::SessionStatus;
 
 use crate::harness::{Harness, Result};
-use crate::machine::{self, Effect, Input};
-use crate::step::illegal;
-use harness_types::api::TurnStatus;
+use crate::interpret::Carry;
+use crate::machine::Input;
 
 impl Harness {
     pub async fn stop(&self, req: StopRequest) -> Result<StopResponse> {
+        let not_stopping = Ok(StopResponse { stopping: false });
         let Some(rec) = self.load_record(&req.session_id).await? else {
             // Nothing to stop; make sure the session does not look busy.
             let _ = self
                 .set_status(&req.session_id, SessionStatus::Idle, None)
                 .await;
-            return Ok(StopResponse { stopping: false });
+            return not_stopping;
         };
         // First cut the generation, lock-free: the step does not hold the lock while streaming.
         let turn_id = rec.turn_id.clone();
+        let mut carry = Carry::default();
         let input = Input::StopRequested {
             turn_id: req.turn_id.clone(),
         };
-        let t = machine::next(Some(rec), input).map_err(illegal)?;
-        let Some(mut rec) = t.record else {
-            return Ok(StopResponse { stopping: false });
-        };
-        if t.effects.is_empty() {
-            return Ok(StopResponse { stopping: false });
+        self.run(Some(rec), input, &mut carry).await?;
+        if carry.carried == 0 {
+            return not_stopping;
         }
-        for effect in t.effects {
-            self.apply(&mut rec, effect).await?;
-        }
-        let guard = self.inner.locks.lock(&req.session_id).await;
+        let mut carry = Carry::locked(self.inner.locks.lock(&req.session_id).await);
         let Some(rec) = self.load_record(&req.session_id).await? else {
-            return Ok(StopResponse { stopping: false });
+            return not_stopping;
         };
         if rec.turn_id != turn_id {
-            return Ok(StopResponse { stopping: false });
+            return not_stopping;
         }
         if rec.is_terminal() {
             // The step saw the signal first (mid-call) and finalized the cancel itself.
             let cancelled = rec.status == TurnStatus::Cancelled;
-            drop(guard);
+            drop(carry);
             if cancelled {
                 self.stop_children(&rec).await;
             }
@@ -50,30 +45,14 @@ impl Harness {
                 stopping: cancelled,
             });
         }
-        let t = machine::next(
-            Some(rec),
-            Input::Stop {
-                turn_id: Some(turn_id),
-            },
-        )
-        .map_err(illegal)?;
-        let Some(mut rec) = t.record else {
-            return Ok(StopResponse { stopping: false });
+        let input = Input::Stop {
+            turn_id: Some(turn_id),
         };
-        for effect in t.effects {
-            if effect == Effect::StopChildren {
-                // Never while holding the parent's lock.
-                self.stop_children(&rec).await;
-                continue;
-            }
-            self.apply(&mut rec, effect).await?;
-        }
-        drop(guard);
+        self.run(Some(rec), input, &mut carry).await?;
         Ok(StopResponse { stopping: true })
     }
 
-    /// Cascades a stop to the sub-agents this turn started, one session lock at a time (never
-    /// while holding the parent's).
+    /// Cascades a stop to the sub-agents this turn started, one session lock at a time.
     pub(crate) async fn stop_children(&self, rec: &crate::record::TurnRecord) {
         for c in rec.calls.values() {
             if let Some(child) = c.child() {

@@ -497,7 +497,6 @@ impl Harness {
             _ => self.config().default_context_window,
         }
     }
-
 }
 
 /// An [`AssembleRequest`] serialized from what the step already holds: a long history is not
@@ -542,4 +541,3 @@ impl AssembleRequestRef<'_> {
         }
     }
 }
-
