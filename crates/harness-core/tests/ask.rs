@@ -3,7 +3,7 @@
 mod support;
 
 use harness_bus::{Bus, CallContext, FunctionDef};
-use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, TurnStatus};
+use harness_types::api::TurnStatus;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use support::*;
@@ -19,19 +19,6 @@ fn asking(matcher: &str, calls: Vec<(&str, Value)>) -> Value {
         content.push(json!({"type": "function_call", "id": id, "function_id": "harness::ask", "arguments": args}));
     }
     json!({"match": {"last_user_text": matcher}, "content": content})
-}
-
-fn allowing(text: &str) -> harness_types::api::SendRequest {
-    let mut req = send(text);
-    req.options = Some(SendOptions {
-        functions: Some(FunctionPolicy {
-            allow: vec!["*".into()],
-            deny: vec![],
-            expose: ExposeMode::Native,
-        }),
-        ..Default::default()
-    });
-    req
 }
 
 #[tokio::test]
@@ -62,7 +49,11 @@ async fn an_accepted_ask_ends_the_turn_on_the_question_without_another_model_cal
         )
         .await
         .unwrap();
-    let r = rt.harness.send(allowing("decide for me")).await.unwrap();
+    let r = rt
+        .harness
+        .send(allowing("decide for me", &["*"]))
+        .await
+        .unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Let me ask you.")));
@@ -104,7 +95,11 @@ async fn a_broken_limit_is_refused_with_its_field_and_the_turn_goes_on() {
         config(),
     )
     .await;
-    let r = rt.harness.send(allowing("decide for me")).await.unwrap();
+    let r = rt
+        .harness
+        .send(allowing("decide for me", &["*"]))
+        .await
+        .unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.result, Some(json!("asked in text instead")));
     let result = &rt.results(&r.session_id)[0];
@@ -132,7 +127,11 @@ async fn a_sub_agent_cannot_ask_and_a_direct_call_is_refused() {
         config(),
     )
     .await;
-    let r = rt.harness.send(allowing("delegate it")).await.unwrap();
+    let r = rt
+        .harness
+        .send(allowing("delegate it", &["*"]))
+        .await
+        .unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
     let refused = &rt.results(&child.session_id)[0];

@@ -5,33 +5,11 @@ mod support;
 use std::sync::atomic::Ordering;
 
 use harness_core::{CallReconciliation, HarnessConfig};
-use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, TurnStatus};
+use harness_types::api::{ExposeMode, TurnStatus};
 use harness_types::message::ContentBlock;
 use harness_types::AgentMessage;
 use serde_json::{json, Value};
 use support::*;
-
-fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
-    json!({"match": {"last_user_text": matcher},
-           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
-}
-
-fn text_gen(text: &str) -> Value {
-    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
-}
-
-fn allowing(text: &str, allow: &[&str], expose: ExposeMode) -> harness_types::api::SendRequest {
-    let mut req = send(text);
-    req.options = Some(SendOptions {
-        functions: Some(FunctionPolicy {
-            allow: allow.iter().map(|s| s.to_string()).collect(),
-            deny: vec![],
-            expose,
-        }),
-        ..Default::default()
-    });
-    req
-}
 
 #[tokio::test]
 async fn a_deny_all_policy_sends_no_tools_and_agent_trigger_sends_one() {
@@ -40,7 +18,7 @@ async fn a_deny_all_policy_sends_no_tools_and_agent_trigger_sends_one() {
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
     let b = rt
         .harness
-        .send(allowing("with tools", &["*"], ExposeMode::AgentTrigger))
+        .send(allowing_as("with tools", &["*"], ExposeMode::AgentTrigger))
         .await
         .unwrap();
     rt.wait_terminal(&b.session_id, &b.turn_id).await;
@@ -68,7 +46,7 @@ async fn native_exposure_lists_allowed_functions_sorted_with_their_schemas() {
     rt.register("shell::exec", None, |_| json!({}));
     let r = rt
         .harness
-        .send(allowing(
+        .send(allowing_as(
             "tools please",
             &["weather::*", "engine::functions::*"],
             ExposeMode::Native,
@@ -112,7 +90,7 @@ async fn discovery_through_agent_trigger_only_shows_callable_functions() {
     rt.register("shell::exec", None, |_| json!({}));
     let r = rt
         .harness
-        .send(allowing(
+        .send(allowing_as(
             "discover",
             &["weather::*", "engine::functions::*"],
             ExposeMode::AgentTrigger,
@@ -157,7 +135,7 @@ async fn stringified_json_arguments_are_repaired_and_the_repair_is_noted() {
     });
     let r = rt
         .harness
-        .send(allowing("sum these", &["math::*"], ExposeMode::Native))
+        .send(allowing_as("sum these", &["math::*"], ExposeMode::Native))
         .await
         .unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
@@ -210,7 +188,7 @@ async fn the_third_identical_failing_call_is_answered_by_the_breaker() {
     );
     let r = rt
         .harness
-        .send(allowing("flaky", &["net::*"], ExposeMode::Native))
+        .send(allowing_as("flaky", &["net::*"], ExposeMode::Native))
         .await
         .unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
@@ -241,7 +219,7 @@ async fn an_oversized_result_is_elided_in_the_transcript_and_the_next_context() 
     rt.register("db::dump", None, |_| json!({"rows": vec!["row"; 2000]}));
     let r = rt
         .harness
-        .send(allowing("dump", &["db::*"], ExposeMode::Native))
+        .send(allowing_as("dump", &["db::*"], ExposeMode::Native))
         .await
         .unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
@@ -278,7 +256,7 @@ async fn degraded_and_targetless_calls_are_refused_without_running_anything() {
     let calls = rt.register("fs::write", None, |_| json!({}));
     let r = rt
         .harness
-        .send(allowing("go", &["*"], ExposeMode::AgentTrigger))
+        .send(allowing_as("go", &["*"], ExposeMode::AgentTrigger))
         .await
         .unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
@@ -315,7 +293,11 @@ async fn a_send_while_a_function_runs_returns_at_once_and_steers_the_next_step()
     }
     let r = rt
         .harness
-        .send(allowing("start the job", &["job::*"], ExposeMode::Native))
+        .send(allowing_as(
+            "start the job",
+            &["job::*"],
+            ExposeMode::Native,
+        ))
         .await
         .unwrap();
     started.notified().await;
@@ -344,7 +326,7 @@ async fn a_registry_change_is_announced_once_to_a_session_that_may_call_function
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
     let a = rt
         .harness
-        .send(allowing("first", &["*"], ExposeMode::AgentTrigger))
+        .send(allowing_as("first", &["*"], ExposeMode::AgentTrigger))
         .await
         .unwrap();
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
@@ -392,7 +374,7 @@ async fn arguments_repair_could_not_fix_get_one_diagnosis_naming_fields_and_type
     );
     let r = rt
         .harness
-        .send(allowing("store it", &["db::*"], ExposeMode::Native))
+        .send(allowing_as("store it", &["db::*"], ExposeMode::Native))
         .await
         .unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
@@ -436,7 +418,7 @@ async fn malformed_arguments_are_named_apart_from_cut_ones() {
     let calls = rt.register("fs::write", None, |_| json!({}));
     let r = rt
         .harness
-        .send(allowing("go", &["*"], ExposeMode::Native))
+        .send(allowing_as("go", &["*"], ExposeMode::Native))
         .await
         .unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;

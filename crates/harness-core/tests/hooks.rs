@@ -6,35 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use harness_bus::{Bus, CallContext, FunctionDef};
-use harness_types::api::{
-    ExposeMode, FunctionPolicy, ResolveAction, ResolveRequest, SendOptions, SweepRequest,
-    TurnStatus,
-};
+use harness_types::api::{ResolveAction, ResolveRequest, SweepRequest, TurnStatus};
 use harness_types::message::ContentBlock;
 use serde_json::{json, Value};
 use support::*;
-
-fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
-    json!({"match": {"last_user_text": matcher},
-           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
-}
-
-fn text_gen(text: &str) -> Value {
-    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
-}
-
-fn allowing(text: &str) -> harness_types::api::SendRequest {
-    let mut req = send(text);
-    req.options = Some(SendOptions {
-        functions: Some(FunctionPolicy {
-            allow: vec!["*".into()],
-            deny: vec![],
-            expose: ExposeMode::Native,
-        }),
-        ..Default::default()
-    });
-    req
-}
 
 /// A hook function that records what it saw and answers with `answer(seen)`.
 fn hook<F>(rt: &Rt, id: &str, answer: F) -> Arc<Mutex<Vec<Value>>>
@@ -142,7 +117,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let s = rt.status(&r.session_id).await.unwrap();
     assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
@@ -209,7 +184,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     assert_eq!(
         mutator.lock().unwrap()[0]["call"]["arguments"]["text"],
@@ -242,7 +217,7 @@ async fn deliver_settles_a_held_call_with_the_given_result() {
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
     hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
     bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let out = rt
         .harness
@@ -275,7 +250,7 @@ async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation(
     rt.register("fs::write", None, |_| json!({"ok": true}));
     hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
     bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let mut steer = send("also add a footer");
     steer.session_id = Some(r.session_id.clone());
@@ -360,7 +335,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "reason": "read-only day"}),
     );
     bind(&rt, "pre-trigger", "policy::no", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
     let result = &rt.results(&r.session_id)[0];
@@ -379,7 +354,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "mutations": {"content": [{"type": "text", "text": "redacted"}]}}),
     );
     bind(&rt, "post-trigger", "post::rewrite", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(
@@ -395,7 +370,11 @@ async fn deny_at_each_point() {
         |_| json!({"mutations": {"content": [{"type": "text", "text": "redacted"}], "is_error": true}}),
     );
     bind(&rt2, "post-trigger", "post::rewrite", json!({}), json!({})).await;
-    let r = rt2.harness.send(allowing("write it")).await.unwrap();
+    let r = rt2
+        .harness
+        .send(allowing("write it", &["*"]))
+        .await
+        .unwrap();
     rt2.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt2.results(&r.session_id)[0];
     assert_eq!(
@@ -423,7 +402,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(result.details["error"], "hook_denied");
@@ -455,7 +434,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
 
@@ -463,7 +442,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
     bind(&rt, "post-trigger", "nobody::home", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(!rt.results(&r.session_id)[0].is_error);
@@ -530,7 +509,7 @@ async fn the_sweep_expires_a_stale_pending_call_but_never_a_hold() {
     rt.register("fs::write", None, |_| json!({"ok": true}));
     hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
     bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     // Make c2 a legacy parked call (no holder) that has waited too long; c1 stays a hold.
     let mut rec = rt
@@ -604,7 +583,7 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
         let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
         hook(&rt, "odd::hook", move |_| json!({"decision": decision}));
         bind(&rt, "pre-trigger", "odd::hook", json!({}), json!({})).await;
-        let r = rt.harness.send(allowing("write it")).await.unwrap();
+        let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
         rt.wait_terminal(&r.session_id, &r.turn_id).await;
         let result = &rt.results(&r.session_id)[0];
         assert_eq!(result.details["error"], "hook_denied", "{decision}");
@@ -631,7 +610,7 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
         |_| json!({"decision": "block", "mutations": {"is_error": true}}),
     );
     bind(&rt, "post-trigger", "odd::hook", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     let result = &rt.results(&r.session_id)[0];
@@ -709,7 +688,7 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     // The hook already saw the turn's root, not the model's.
@@ -816,7 +795,7 @@ async fn a_release_grants_the_held_call_one_shot_roots() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it")).await.unwrap();
+    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let shared = tempfile::tempdir().unwrap();
     let shared_root = std::fs::canonicalize(shared.path())

@@ -11,10 +11,6 @@ use harness_types::api::{SendOptions, SendRequest, SpawnRequest, SystemPromptStr
 use serde_json::{json, Value};
 use support::*;
 
-fn text_gen(text: &str) -> Value {
-    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
-}
-
 fn write(root: &Path, rel: &str, text: &str) {
     let p = root.join(rel);
     std::fs::create_dir_all(p.parent().unwrap()).unwrap();

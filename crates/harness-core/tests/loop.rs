@@ -10,10 +10,6 @@ use harness_types::ErrorCode;
 use serde_json::json;
 use support::*;
 
-fn text_gen(text: &str) -> serde_json::Value {
-    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
-}
-
 #[tokio::test]
 async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
     let rt = runtime(

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, TriggerTypeDef};
 use harness_types::api::{
-    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionStatus, ExposeMode, FunctionPolicy,
-    SendOptions, SendRequest, TurnStatus,
+    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionStatus, SendRequest, TurnStatus,
 };
 use harness_types::message::{joined_text, FunctionResultMessage};
 use harness_types::AgentMessage;
@@ -28,17 +27,10 @@ fn done() -> Value {
     json!({"repeat": true, "content": [{"type": "text", "text": "done"}]})
 }
 
-fn allowing(text: &str, session_id: &str, allow: &[&str]) -> SendRequest {
-    let mut req = send(text);
+/// [`allowing`] in the session `session_id`.
+fn allowing_in(text: &str, session_id: &str, allow: &[&str]) -> SendRequest {
+    let mut req = support::allowing(text, allow);
     req.session_id = Some(session_id.into());
-    req.options = Some(SendOptions {
-        functions: Some(FunctionPolicy {
-            allow: allow.iter().map(|s| s.to_string()).collect(),
-            deny: vec![],
-            expose: ExposeMode::Native,
-        }),
-        ..Default::default()
-    });
     req
 }
 
@@ -121,7 +113,7 @@ async fn a_model_allowed_everything_causes_no_generation_of_its_own() {
 
     let r = rt
         .harness
-        .send(allowing("reach out", "s_reach", &["*"]))
+        .send(allowing_in("reach out", "s_reach", &["*"]))
         .await
         .unwrap();
     let end = rt.wait_terminal(&r.session_id, &r.turn_id).await;
@@ -213,7 +205,7 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
 
     let r = rt
         .harness
-        .send(allowing(
+        .send(allowing_in(
             "bind it",
             "s_bind",
             &[
@@ -378,7 +370,7 @@ async fn what_a_model_appends_is_marked_by_its_call_and_never_a_users_words() {
     .await;
     let r = rt
         .harness
-        .send(allowing("note this", "s_note", &["session::*"]))
+        .send(allowing_in("note this", "s_note", &["session::*"]))
         .await
         .unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;

@@ -2,18 +2,24 @@
 
 #![allow(dead_code)] // each test binary uses a different part of it
 
+pub mod embedded;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness_bus::{Bus, EmbeddedBus};
+use harness_bus::EmbeddedBus;
 use harness_core::{Harness, HarnessConfig};
 use harness_router::scripted::{Script, ScriptedProvider};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
-use harness_types::api::{SendRequest, StatusReport, StatusRequest};
+use harness_store::Store;
+use harness_types::api::{
+    ExposeMode, FunctionPolicy, SendOptions, SendRequest, StatusReport, StatusRequest,
+};
 use harness_types::session::Entry;
 use serde_json::{json, Value};
+
+use embedded::{embedded, Embedded};
 
 pub struct Rt {
     pub harness: Harness,
@@ -64,12 +70,13 @@ pub async fn unstarted_runtime(script: Value, config: HarnessConfig) -> Rt {
 }
 
 async fn runtime_with(script: Value, config: HarnessConfig, start: bool) -> Rt {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let sessions = SessionStore::open(store.clone()).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let Embedded {
+        store,
+        bus,
+        shared,
+        sessions,
+        dir,
+    } = embedded().await;
     let router = Router::new();
     let script = Script::from_json(&script.to_string()).unwrap();
     let recorder = Arc::new(Recorder {
@@ -99,6 +106,36 @@ pub fn config() -> HarnessConfig {
         stream_coalesce_ms: 0,
         ..HarnessConfig::default()
     }
+}
+
+/// A scripted generation that answers a user text matching `matcher` with one function call.
+pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
+}
+
+/// A scripted generation that answers every request with `text`.
+pub fn text_gen(text: &str) -> Value {
+    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
+}
+
+/// [`send`] with the functions matching `allow` offered as native tools.
+pub fn allowing(text: &str, allow: &[&str]) -> SendRequest {
+    allowing_as(text, allow, ExposeMode::Native)
+}
+
+/// [`send`] with the functions matching `allow` offered as `expose` says.
+pub fn allowing_as(text: &str, allow: &[&str], expose: ExposeMode) -> SendRequest {
+    let mut req = send(text);
+    req.options = Some(SendOptions {
+        functions: Some(FunctionPolicy {
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            deny: vec![],
+            expose,
+        }),
+        ..Default::default()
+    });
+    req
 }
 
 pub fn send(message: &str) -> SendRequest {

@@ -12,12 +12,16 @@ use harness_core::{Harness, HarnessConfig};
 use harness_router::scripted::{Script, ScriptedProvider};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
+use harness_store::Store;
 use harness_types::api::{StatusReport, StatusRequest, TurnStatus};
 use harness_types::message::FunctionResultMessage;
 use harness_types::session::Entry;
 use harness_types::AgentMessage;
 use serde_json::{json, Value};
+
+#[path = "../../../harness-core/tests/support/embedded.rs"]
+mod embedded;
+use embedded::{embedded, Embedded};
 
 pub struct Rt {
     pub harness: Harness,
@@ -30,12 +34,13 @@ pub struct Rt {
 }
 
 pub async fn runtime(script: Value, approve: &[&str]) -> Rt {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let sessions = SessionStore::open(store.clone()).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let Embedded {
+        store,
+        bus,
+        shared,
+        sessions,
+        dir,
+    } = embedded().await;
     let router = Router::new();
     let script = Script::from_json(&script.to_string()).unwrap();
     router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
