@@ -7,13 +7,15 @@ use std::time::Instant;
 use harness_types::api::*;
 use harness_types::message::ContentBlock;
 use harness_types::{now_ms, HarnessError};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
-use crate::dispatch::{self, CallEnd, PlannedCall, Policy, Refusal, Run};
+use harness_machine::call::{self, CallEffect, CallInput, CallPhase, Resolution};
+
+use crate::dispatch::{self, CallEnd, Flight, PlannedCall, Policy, Refusal};
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::machine::{self, Effect, Input};
-use crate::record::{CallCheckpoint, HoldPoint, TurnRecord, Wait};
+use crate::record::{CallCheckpoint, HeldResult, TurnRecord, Wait};
 use crate::step::illegal;
 use crate::TURN_SCOPE;
 
@@ -51,84 +53,82 @@ impl Harness {
         if rec.turn_id != req.turn_id || rec.is_terminal() {
             return Ok(not_resolved());
         }
-        let Some(CallCheckpoint::Pending {
-            function_id, wait, ..
-        }) = rec.calls.get(&req.function_call_id).cloned()
-        else {
-            return Ok(not_resolved());
-        };
-        let (arguments, annotations, reconciled) = match &wait {
-            Wait::Hold(h) => (
-                h.arguments.clone(),
-                h.annotations.clone(),
-                h.reconciled.clone(),
-            ),
-            Wait::Child { origin, .. } => (Value::Null, origin.clone(), None),
-            Wait::Result => (Value::Null, None, None),
-        };
+        let checkpoint = rec.calls.get(&req.function_call_id).cloned();
+        let phase = CallPhase::of(checkpoint.as_ref());
         let call = PlannedCall {
             id: req.function_call_id.clone(),
-            function_id: function_id.clone(),
-            arguments,
+            function_id: checkpoint
+                .as_ref()
+                .map(|c| c.function_id().to_string())
+                .unwrap_or_default(),
+            arguments: checkpoint
+                .as_ref()
+                .and_then(|c| c.hold())
+                .map(|h| h.arguments.clone())
+                .unwrap_or(Value::Null),
             intent: None,
         };
-        let annotations = match annotations {
-            Some(Value::Object(m)) => m,
-            _ => Map::new(),
+        let mut flight = Flight::new(&call, None);
+        let action = match req.action.unwrap_or_default() {
+            ResolveAction::Deliver => Resolution::Deliver,
+            ResolveAction::Execute => Resolution::Execute,
         };
-        let origin = dispatch::origin(&rec.turn_id, &annotations, reconciled.as_ref());
-        match (req.action.unwrap_or_default(), wait) {
-            (ResolveAction::Deliver, _) => {
-                self.close_pending(
-                    &mut rec,
-                    &call,
-                    req.content
+        if let Some(CallCheckpoint::Pending { wait, .. }) = checkpoint {
+            let annotations = match wait {
+                Wait::Hold(hold) => {
+                    flight.run.arguments = hold.arguments;
+                    flight.reconciled = hold.reconciled;
+                    // A released pre-trigger hold runs from the holder on, with its repairs;
+                    // a post-trigger one appends the result it kept.
+                    flight.run.changes = flight
+                        .reconciled
                         .clone()
-                        .unwrap_or_else(|| vec![ContentBlock::text("")]),
-                    req.details.clone().unwrap_or(Value::Null),
-                    req.is_error.unwrap_or(false),
-                    origin,
-                )
-                .await?;
-            }
-            (ResolveAction::Execute, Wait::Hold(hold)) if hold.point == HoldPoint::PostTrigger => {
-                // The target already ran: its held result is appended as it was.
-                let held = hold.result.unwrap_or(Value::Null);
-                let content = serde_json::from_value(held["content"].clone()).unwrap_or_default();
-                self.close_pending(
-                    &mut rec,
-                    &call,
-                    content,
-                    held["details"].clone(),
-                    held["is_error"].as_bool().unwrap_or(false),
-                    origin,
-                )
-                .await?;
-            }
-            (ResolveAction::Execute, Wait::Hold(hold)) => {
-                let changes = hold
-                    .reconciled
-                    .and_then(|r| serde_json::from_value(r).ok())
-                    .unwrap_or_default();
-                let run = Run {
-                    arguments: call.arguments.clone(),
-                    changes,
-                    annotations,
-                    breaker_key: hold.breaker_key.unwrap_or_default(),
-                    after: Some(hold.holder),
-                    grants: released,
-                };
-                let cancel = self.signal(&rec.turn_id);
-                if self.run_call(&mut rec, &call, run, &cancel).await? == CallEnd::Held {
-                    self.barrier().await?;
-                    return Ok(ResolveResponse {
-                        resolved: true,
-                        turn_resumed: false,
-                    });
+                        .and_then(|r| serde_json::from_value(r).ok())
+                        .unwrap_or_default();
+                    flight.run.breaker_key = hold.breaker_key.unwrap_or_default();
+                    flight.run.after = Some(hold.holder);
+                    flight.run.grants = released;
+                    flight.result = hold.result;
+                    hold.annotations
                 }
+                Wait::Child { origin, .. } => origin,
+                Wait::Result => None,
+            };
+            if let Some(Value::Object(m)) = annotations {
+                flight.run.annotations = m;
             }
-            // Nothing holds it: there is nothing to execute, only a result to deliver.
-            (ResolveAction::Execute, _) => return Ok(not_resolved()),
+        }
+        if action == Resolution::Deliver {
+            flight.result = Some(HeldResult {
+                content: req
+                    .content
+                    .clone()
+                    .unwrap_or_else(|| vec![ContentBlock::text("")]),
+                details: req.details.clone().unwrap_or(Value::Null),
+                is_error: req.is_error.unwrap_or(false),
+            });
+        }
+        // Only a released pre-trigger hold can reach its target: the turn's stop signal is
+        // taken (and so registered) for that alone.
+        let cancel = if action == Resolution::Execute && matches!(phase, CallPhase::Held(_)) {
+            self.signal(&rec.turn_id)
+        } else {
+            tokio_util::sync::CancellationToken::new()
+        };
+        let input = CallInput::Resolve(action);
+        match self
+            .drive_call(&mut rec, &mut flight, phase, input, &cancel)
+            .await?
+        {
+            CallEnd::NotResolved => return Ok(not_resolved()),
+            CallEnd::Held => {
+                self.barrier().await?;
+                return Ok(ResolveResponse {
+                    resolved: true,
+                    turn_resumed: false,
+                });
+            }
+            CallEnd::Closed | CallEnd::Cancelled | CallEnd::Skipped => {}
         }
         let resumed = self.resume_if_settled(&mut rec).await?;
         self.barrier().await?;
@@ -136,19 +136,6 @@ impl Harness {
             resolved: true,
             turn_resumed: resumed,
         })
-    }
-
-    async fn close_pending(
-        &self,
-        rec: &mut TurnRecord,
-        call: &PlannedCall,
-        content: Vec<ContentBlock>,
-        details: Value,
-        is_error: bool,
-        origin: Value,
-    ) -> Result<()> {
-        self.append_result(rec, call, content, details, is_error, origin)
-            .await
     }
 
     /// A parked turn whose last pending call was settled runs its next step. Returns whether
@@ -198,94 +185,124 @@ impl Harness {
                 continue;
             }
             for (call_id, cp) in &rec.calls {
-                let CallCheckpoint::Pending {
-                    since,
-                    timeout_ms,
-                    wait,
-                    ..
-                } = cp
-                else {
-                    continue;
+                let (since, timeout_ms) = match cp {
+                    CallCheckpoint::Pending {
+                        since, timeout_ms, ..
+                    } => (*since, *timeout_ms),
+                    _ => (None, None),
                 };
-                if matches!(wait, Wait::Hold(_)) {
-                    continue;
-                }
                 let timeout = timeout_ms.unwrap_or(self.config().default_pending_timeout_ms) as i64;
                 let expired = now - since.unwrap_or(now) >= timeout;
-                if let Wait::Child { child, .. } = wait {
-                    // A waiting spawn follows its child's record first; past its wait guard it is
-                    // answered once with a timeout and the child is stopped (its late result then
-                    // finds the call closed and changes nothing).
+                let phase = CallPhase::of(Some(cp));
+                let mut effects = call::next(phase, CallInput::Swept { expired })
+                    .map_err(dispatch::illegal_call)?
+                    .effects;
+                let child = cp.child();
+                if effects.first() == Some(&CallEffect::ReadChild) {
+                    let Some(child) = child else { continue };
+                    // A waiting spawn follows its child's record first; past its wait guard it
+                    // is answered once with a timeout and the child is stopped (its late
+                    // result then finds the call closed and changes nothing).
                     let settled = self
                         .child_settlement(
                             &child.session_id,
                             Some(child.turn_id.as_str()).filter(|t| !t.is_empty()),
                         )
                         .await?;
-                    let timed_out = settled.is_none();
-                    let (content, is_error, details) = match settled {
-                        Some(outcome) => outcome,
-                        None if expired => (
-                            vec![ContentBlock::text(format!(
+                    let read = CallInput::ChildRead {
+                        settled: settled.is_some(),
+                        expired,
+                    };
+                    effects = call::next(phase, read)
+                        .map_err(dispatch::illegal_call)?
+                        .effects;
+                    if let Some((content, is_error, details)) = settled {
+                        if effects.contains(&CallEffect::DeliverOutcome) {
+                            let delivered = self
+                                .deliver_pending(
+                                    &session_id,
+                                    &rec.turn_id,
+                                    call_id,
+                                    content,
+                                    is_error,
+                                    details,
+                                )
+                                .await?;
+                            resolved += u32::from(delivered);
+                        }
+                        continue;
+                    }
+                }
+                for effect in effects {
+                    match (effect, child) {
+                        (CallEffect::DeliverTimeout, Some(child)) => {
+                            let content = vec![ContentBlock::text(format!(
                                 "the sub-agent in session {} did not finish within {timeout} ms; it was stopped",
                                 child.session_id
-                            ))],
-                            true,
-                            json!({"error": Refusal::PendingTimeout, "child_session_id": child.session_id,
-                                   "child_turn_id": child.turn_id}),
-                        ),
-                        None => continue,
-                    };
-                    let out = self
-                        .resolve(ResolveRequest {
-                            session_id: session_id.clone(),
-                            turn_id: rec.turn_id.clone(),
-                            function_call_id: call_id.clone(),
-                            action: Some(ResolveAction::Deliver),
-                            content: Some(content),
-                            is_error: Some(is_error),
-                            details: Some(details),
-                            fs_scope: None,
-                        })
-                        .await?;
-                    if out.resolved {
-                        resolved += 1;
-                    }
-                    if timed_out {
-                        let stop = StopRequest {
-                            session_id: child.session_id.clone(),
-                            turn_id: Some(child.turn_id.clone()).filter(|t| !t.is_empty()),
-                        };
-                        if let Err(e) = self.stop(stop).await {
-                            tracing::warn!(child = %child.session_id, "cannot stop a timed-out sub-agent: {e}");
+                            ))];
+                            let details = json!({"error": Refusal::PendingTimeout, "child_session_id": child.session_id,
+                                   "child_turn_id": child.turn_id});
+                            let delivered = self
+                                .deliver_pending(&session_id, &rec.turn_id, call_id, content, true, details)
+                                .await?;
+                            resolved += u32::from(delivered);
+                        }
+                        (CallEffect::DeliverTimeout, None) => {
+                            let content = vec![ContentBlock::text(format!(
+                                "pending call timed out after {} ms without a result",
+                                timeout
+                            ))];
+                            let details = json!({"error": Refusal::PendingTimeout});
+                            let delivered = self
+                                .deliver_pending(&session_id, &rec.turn_id, call_id, content, true, details)
+                                .await?;
+                            resolved += u32::from(delivered);
+                        }
+                        (CallEffect::StopChild, Some(child)) => {
+                            let stop = StopRequest {
+                                session_id: child.session_id.clone(),
+                                turn_id: Some(child.turn_id.clone()).filter(|t| !t.is_empty()),
+                            };
+                            if let Err(e) = self.stop(stop).await {
+                                tracing::warn!(child = %child.session_id, "cannot stop a timed-out sub-agent: {e}");
+                            }
+                        }
+                        (other, _) => {
+                            return Err(HarnessError::internal(format!(
+                                "the call machine asked the sweep for {other:?}, which it cannot carry out for call {call_id}"
+                            )))
                         }
                     }
-                    continue;
-                }
-                if !expired {
-                    continue;
-                }
-                let out = self
-                    .resolve(ResolveRequest {
-                        session_id: session_id.clone(),
-                        turn_id: rec.turn_id.clone(),
-                        function_call_id: call_id.clone(),
-                        action: Some(ResolveAction::Deliver),
-                        content: Some(vec![ContentBlock::text(format!(
-                            "pending call timed out after {} ms without a result",
-                            timeout
-                        ))]),
-                        is_error: Some(true),
-                        details: Some(json!({"error": Refusal::PendingTimeout})),
-                        fs_scope: None,
-                    })
-                    .await?;
-                if out.resolved {
-                    resolved += 1;
                 }
             }
         }
         Ok(SweepResponse { ok: true, resolved })
+    }
+
+    /// A pending call's result, delivered as a resolve would (under the session's lock, through
+    /// the call machine). Returns whether it settled the call.
+    async fn deliver_pending(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        call_id: &str,
+        content: Vec<ContentBlock>,
+        is_error: bool,
+        details: Value,
+    ) -> Result<bool> {
+        let out = self
+            .resolve(ResolveRequest {
+                session_id: session_id.to_string(),
+                turn_id: turn_id.to_string(),
+                function_call_id: call_id.to_string(),
+                action: Some(ResolveAction::Deliver),
+                content: Some(content),
+                is_error: Some(is_error),
+                details: Some(details),
+                fs_scope: None,
+            })
+            .await?;
+        Ok(out.resolved)
     }
 
     /// What a waiting spawn gets from its child's record: the outcome once the child's turn

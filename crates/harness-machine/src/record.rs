@@ -167,13 +167,38 @@ pub struct Hold {
     /// The arguments as mutated up to and including the holder.
     pub arguments: Value,
     /// A post-trigger hold keeps the target's result: a release appends it, never re-runs.
-    pub result: Option<Value>,
+    pub result: Option<HeldResult>,
     /// Repairs made before the hold (they go into the result's origin).
     pub reconciled: Option<Value>,
     /// Hook annotations gathered before the hold.
     pub annotations: Option<Value>,
     /// The breaker key of the call as the model wrote it.
     pub breaker_key: Option<String>,
+}
+
+/// A call's result as the post-trigger hooks left it, kept by a post-trigger hold until its
+/// release appends it (stored as `held_result`: `{content, details, is_error}`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeldResult {
+    pub content: Vec<harness_types::message::ContentBlock>,
+    pub details: Value,
+    pub is_error: bool,
+}
+
+impl HeldResult {
+    /// Read the way every earlier version read it back: what is missing or unreadable is
+    /// empty content, null details, not an error.
+    pub fn from_stored(v: &Value) -> HeldResult {
+        HeldResult {
+            content: serde_json::from_value(v["content"].clone()).unwrap_or_default(),
+            details: v["details"].clone(),
+            is_error: v["is_error"].as_bool().unwrap_or(false),
+        }
+    }
+
+    pub fn to_stored(&self) -> Value {
+        serde_json::json!({"content": self.content, "details": self.details, "is_error": self.is_error})
+    }
 }
 
 /// A `harness::spawn` call's child turn.
@@ -275,7 +300,7 @@ pub mod wire {
     use serde::{Deserialize, Serialize};
     use serde_json::Value;
 
-    use super::{CallCheckpoint, CallState, ChildLink, Hold, HoldPoint, Wait};
+    use super::{CallCheckpoint, CallState, ChildLink, HeldResult, Hold, HoldPoint, Wait};
 
     #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
     pub struct Checkpoint {
@@ -336,7 +361,7 @@ pub mod wire {
                             holder: holder.clone(),
                             point: w.held_point.unwrap_or(HoldPoint::PreTrigger),
                             arguments: w.held_arguments.clone().unwrap_or(Value::Null),
-                            result: w.held_result.clone(),
+                            result: w.held_result.as_ref().map(HeldResult::from_stored),
                             reconciled: w.reconciled.clone(),
                             annotations: w.annotations.clone(),
                             breaker_key: w.breaker_key.clone(),
@@ -389,7 +414,7 @@ pub mod wire {
                             w.held_by = Some(h.holder);
                             w.held_point = Some(h.point);
                             w.held_arguments = Some(h.arguments);
-                            w.held_result = h.result;
+                            w.held_result = h.result.as_ref().map(HeldResult::to_stored);
                             w.reconciled = h.reconciled;
                             w.annotations = h.annotations;
                             w.breaker_key = h.breaker_key;
@@ -746,7 +771,7 @@ mod tests {
             "calls": {
                 "held": {"state": "pending", "function_id": "fs::write", "held_by": "approval::gate",
                          "held_point": "post_trigger", "held_arguments": {"path": "a"},
-                         "held_result": {"content": [], "is_error": false}, "pending_at": 5,
+                         "held_result": {"content": [{"type": "text", "text": "ok"}], "details": {"n": 1}, "is_error": true}, "pending_at": 5,
                          "reconciled": [{"path": "/x"}], "annotations": {"k": 1}, "breaker_key": "bk"},
                 "child": {"state": "pending", "function_id": "harness::spawn", "child_session_id": "c",
                           "child_turn_id": "ct", "pending_at": 6, "pending_timeout_ms": 100,
@@ -764,7 +789,11 @@ mod tests {
             (hold.holder.as_str(), hold.point),
             ("approval::gate", HoldPoint::PostTrigger)
         );
-        assert!(hold.result.is_some());
+        let held = hold.result.as_ref().expect("the kept result");
+        assert_eq!(
+            (held.content.len(), &held.details, held.is_error),
+            (1, &serde_json::json!({"n": 1}), true)
+        );
         match &rec.calls["child"] {
             CallCheckpoint::Pending {
                 timeout_ms: Some(100),
@@ -797,6 +826,22 @@ mod tests {
         );
         assert_eq!(back["failure"], old["failure"]);
         assert_eq!(back["stop_reason"], old["stop_reason"]);
+    }
+
+    #[test]
+    fn a_held_result_reads_back_the_way_earlier_versions_read_it() {
+        let read = |v| HeldResult::from_stored(&v);
+        let h = read(serde_json::json!({"is_error": "yes", "content": "not blocks"}));
+        assert_eq!(
+            h,
+            HeldResult {
+                content: vec![],
+                details: Value::Null,
+                is_error: false
+            }
+        );
+        let stored = serde_json::json!({"content": [{"type": "text", "text": "t"}], "details": null, "is_error": true});
+        assert_eq!(read(stored.clone()).to_stored(), stored);
     }
 
     #[test]

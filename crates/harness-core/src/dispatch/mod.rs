@@ -18,6 +18,7 @@ mod cap;
 pub(crate) mod policy;
 pub mod provenance;
 mod reconcile;
+mod run;
 pub(crate) mod tools;
 pub mod wall;
 
@@ -32,12 +33,13 @@ use tokio_util::sync::CancellationToken;
 
 pub(crate) use policy::Policy;
 pub use reconcile::Change;
+pub(crate) use run::{illegal as illegal_call, Flight};
 
 use crate::config::CallReconciliation;
 use crate::failpoint;
 use crate::harness::{Harness, Result};
-use crate::hooks::{self, Decision, HookPoint};
 use crate::record::{CallCheckpoint, CallState, HoldPoint, TurnRecord, Wait};
+use harness_machine::call::{self, CallEffect, CallInput, CallPhase};
 
 /// One call as the model wrote it, unwrapped from `agent_trigger` when needed.
 #[derive(Clone, Debug)]
@@ -148,55 +150,7 @@ pub(crate) fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
     (vec![ContentBlock::text(value.to_string())], is_error)
 }
 
-/// Why a call was closed without a result of its target: the `details.error` the model and
-/// the transcript read (the serde names are the strings earlier versions wrote).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Refusal {
-    /// Found `triggered` after a restart: it may have run, once; it never runs again.
-    Interrupted,
-    /// `agent_trigger` without a target function.
-    AgentTriggerNoTarget,
-    /// Its arguments were cut short (stream broke, output limit).
-    DegradedArguments,
-    /// The dispatch policy does not allow it.
-    PolicyDenied,
-    /// It failed twice with these arguments and the same error.
-    RepeatedFailure,
-    /// A pre-trigger hook denied it.
-    HookDenied,
-    /// A stop landed while the target ran.
-    Cancelled,
-    /// A `submit_result` value the output contract refused.
-    InvalidResult,
-    /// The control-plane wall: no model may call it, whatever its policy says.
-    ControlPlane,
-    /// A pending call waited past its timeout.
-    PendingTimeout,
-    /// A waiting spawn's child can no longer be followed.
-    ChildLost,
-    /// An entry a function call may not write (a user or system message, a loop record).
-    ForbiddenEntry,
-}
-
-impl Refusal {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Refusal::Interrupted => "interrupted",
-            Refusal::AgentTriggerNoTarget => "agent_trigger_no_target",
-            Refusal::DegradedArguments => "degraded_arguments",
-            Refusal::PolicyDenied => "policy_denied",
-            Refusal::RepeatedFailure => "repeated_failure",
-            Refusal::HookDenied => "hook_denied",
-            Refusal::Cancelled => "cancelled",
-            Refusal::InvalidResult => "invalid_result",
-            Refusal::ControlPlane => "control_plane",
-            Refusal::PendingTimeout => "pending_timeout",
-            Refusal::ChildLost => "child_lost",
-            Refusal::ForbiddenEntry => "forbidden_entry",
-        }
-    }
-}
+pub use harness_machine::call::Refusal;
 
 /// What a model reads when the policy refuses its call.
 pub(crate) fn policy_refusal(function_id: &str) -> String {
@@ -230,7 +184,12 @@ pub fn model_verdict(
 pub(crate) enum CallEnd {
     Closed,
     Held,
+    /// The stop signal ended the step's dispatch.
     Cancelled,
+    /// Already closed or parked: left as it was.
+    Skipped,
+    /// A resolve found nothing it could settle.
+    NotResolved,
 }
 
 /// What a call runs with once it passed the checks before the hooks.
@@ -265,13 +224,23 @@ impl Closing {
 }
 
 impl Harness {
-    /// Closes a call found `triggered` after a restart: it may have run, once; it never runs
-    /// again.
+    /// Closes a call that recovery found `triggered`, as the call machine says.
     pub(crate) async fn close_interrupted(
         &self,
         rec: &mut TurnRecord,
         call: &PlannedCall,
     ) -> Result<()> {
+        let phase = CallPhase::of(rec.calls.get(&call.id));
+        let mut flight = Flight::new(call, None);
+        let never = CancellationToken::new();
+        self.drive_call(rec, &mut flight, phase, CallInput::Recover, &never)
+            .await
+            .map(drop)
+    }
+
+    /// The interrupted result of a call found `triggered`: it may have run, once; it never runs
+    /// again.
+    async fn interrupted(&self, rec: &mut TurnRecord, call: &PlannedCall) -> Result<()> {
         let text =
             "interrupted: executed at most once, result unknown (restart during execution); \
                     verify its effect before repeating it";
@@ -338,7 +307,15 @@ impl Harness {
             .map(|(id, c)| (id.clone(), c.clone()))
             .collect();
         let mut closing = Vec::new();
+        let stops = |phase: CallPhase| -> Result<bool> {
+            let t = call::next(phase, CallInput::Stop).map_err(run::illegal)?;
+            Ok(t.effects
+                .contains(&CallEffect::Close(call::Closing::Cancelled)))
+        };
         for (id, cp) in open {
+            if !stops(CallPhase::of(Some(&cp)))? {
+                continue;
+            }
             let f = cp.function_id().to_string();
             let text = match &cp {
                 CallCheckpoint::Triggered { .. } => format!(
@@ -360,6 +337,9 @@ impl Harness {
             closing.push((id, f, text));
         }
         for c in unreached {
+            if !stops(CallPhase::Planned)? {
+                continue;
+            }
             let text = format!(
                 "function {} was not run: the turn was stopped first",
                 c.function_id
@@ -497,8 +477,6 @@ impl Harness {
         cut: Option<&str>,
         cancel: &CancellationToken,
     ) -> Result<Dispatched> {
-        let policy = Policy::new(rec.options.functions.as_ref());
-        let turn_id = rec.turn_id.clone();
         // A submitted result is taken after the other calls of its message have run.
         let submits = |c: &&PlannedCall| c.function_id == crate::output::SUBMIT_RESULT;
         let ordered = calls
@@ -506,372 +484,20 @@ impl Harness {
             .filter(|c| !submits(c))
             .chain(calls.iter().filter(submits));
         for call in ordered {
-            match rec.calls.get(&call.id).map(CallCheckpoint::state) {
-                Some(CallState::Done) | Some(CallState::Pending) => continue,
-                Some(CallState::Triggered) => {
-                    self.close_interrupted(rec, call).await?;
-                    continue;
-                }
-                None => {}
-            }
-            if cancel.is_cancelled() {
-                return Ok(Dispatched::Cancelled);
-            }
-            if call.function_id == crate::output::SUBMIT_RESULT
-                && crate::output::json_contract(&rec.options.output).is_some()
-                && !degraded(&call.arguments)
-                && cut.is_none()
-            {
-                // The contract's own tool: answered here, never dispatched.
-                self.answer_submit(rec, call).await?;
-                continue;
-            }
-            if call.function_id == tools::AGENT_TRIGGER {
-                let text = "agent_trigger needs a target: call it as {\"function\": \"<function id>\", \"description\": \"…\", \"payload\": {…}}";
-                self.close_call(
-                    rec,
-                    call,
-                    Closing::refusal(call, &turn_id, Refusal::AgentTriggerNoTarget, text.into()),
-                )
-                .await?;
-                continue;
-            }
-            if degraded(&call.arguments) || cut.is_some() {
-                // A call that arrived whole but does not parse is malformed, not cut short.
-                let text = if cut.is_none() && call.arguments.get("_raw").is_some() {
-                    format!("function {} was not run: its arguments are not valid JSON (a string with a raw line break or tab, an unclosed quote, ...); send the call again as one JSON object", call.function_id)
-                } else {
-                    let why = cut.unwrap_or("the stream broke mid-call");
-                    format!("function {} was not run: its arguments were cut short ({why}); send the complete call again", call.function_id)
-                };
-                self.close_call(
-                    rec,
-                    call,
-                    Closing::refusal(call, &turn_id, Refusal::DegradedArguments, text),
-                )
-                .await?;
-                continue;
-            }
-            if let Some(text) = self.walled(rec, &call.function_id, &call.arguments).await? {
-                self.close_call(
-                    rec,
-                    call,
-                    Closing::refusal(call, &turn_id, Refusal::ControlPlane, text),
-                )
-                .await?;
-                continue;
-            }
-            if let Err(text) = provenance::check(&call.function_id, &call.arguments) {
-                self.close_call(
-                    rec,
-                    call,
-                    Closing::refusal(call, &turn_id, Refusal::ForbiddenEntry, text),
-                )
-                .await?;
-                continue;
-            }
-            if !policy.allows(&call.function_id) {
-                let text = policy_refusal(&call.function_id);
-                self.close_call(
-                    rec,
-                    call,
-                    Closing::refusal(call, &turn_id, Refusal::PolicyDenied, text),
-                )
-                .await?;
-                continue;
-            }
-            let key = breaker::key(&call.function_id, &call.arguments);
-            if breaker::tripped(&rec.failed_calls, &key) {
-                let text = format!(
-                    "function {} already failed twice with these exact arguments and the same error; it was not run again. \
-                     Change the arguments or the approach.",
-                    call.function_id
-                );
-                let mut c = Closing::refusal(call, &turn_id, Refusal::RepeatedFailure, text);
-                c.details["count"] = json!(breaker::TRIP_AFTER);
-                self.close_call(rec, call, c).await?;
-                continue;
-            }
-            let (arguments, changes) = self.reconcile(call).await;
-            if call.function_id == crate::ask::ASK {
-                // Answered here: never dispatched, and no hook is consulted.
-                self.answer_ask(rec, call, &arguments, &key).await?;
-                continue;
-            }
-            let run = Run {
-                arguments,
-                changes,
-                annotations: Map::new(),
-                breaker_key: key,
-                after: None,
-                grants: Vec::new(),
+            let phase = CallPhase::of(rec.calls.get(&call.id));
+            let reached = CallInput::Reached {
+                stopped: cancel.is_cancelled(),
             };
-            if self.run_call(rec, call, run, cancel).await? == CallEnd::Cancelled {
+            let mut flight = Flight::new(call, cut);
+            if self
+                .drive_call(rec, &mut flight, phase, reached, cancel)
+                .await?
+                == CallEnd::Cancelled
+            {
                 return Ok(Dispatched::Cancelled);
             }
         }
         Ok(Dispatched::All)
-    }
-}
-
-impl Harness {
-    /// From the pre-trigger chain to the appended result: the part of the pipeline a released
-    /// call runs too.
-    pub(crate) async fn run_call(
-        &self,
-        rec: &mut TurnRecord,
-        call: &PlannedCall,
-        run: Run,
-        cancel: &CancellationToken,
-    ) -> Result<CallEnd> {
-        let turn_id = rec.turn_id.clone();
-        let Run {
-            arguments,
-            changes,
-            mut annotations,
-            breaker_key,
-            after,
-            grants: released,
-        } = run;
-        // The turn's root and the session's grants (read now: a revoke holds from the next
-        // call), over whatever the model wrote (§4.10); again after the hooks below.
-        let grants = if crate::fsroot::scoped(&call.function_id) && rec.options.filesystem.is_some()
-        {
-            let mut g = self.session_grants(&rec.session_id).await?;
-            g.extend(
-                released
-                    .into_iter()
-                    .filter(|r| !g.contains(r))
-                    .collect::<Vec<_>>(),
-            );
-            g
-        } else {
-            Vec::new()
-        };
-        let mut arguments = arguments;
-        crate::fsroot::stamp(
-            &call.function_id,
-            &mut arguments,
-            rec.options.filesystem.as_ref(),
-            &grants,
-        );
-        let mut payload = hooks::envelope(
-            HookPoint::PreTrigger,
-            &rec.session_id,
-            &turn_id,
-            rec.step,
-            rec.depth,
-            rec.options.metadata.as_ref(),
-        );
-        payload["call"] =
-            json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
-        let chain = self
-            .run_hooks(
-                HookPoint::PreTrigger,
-                payload,
-                Some(&call.function_id),
-                after.as_deref(),
-            )
-            .await?;
-        annotations.extend(chain.annotations);
-        let mut arguments = chain.payload["call"]["arguments"].clone();
-        crate::fsroot::stamp(
-            &call.function_id,
-            &mut arguments,
-            rec.options.filesystem.as_ref(),
-            &grants,
-        );
-        let reconciled =
-            (!changes.is_empty()).then(|| serde_json::to_value(&changes).unwrap_or(Value::Null));
-        match chain.decision {
-            Decision::Deny(reason) => {
-                let mut c = Closing::refusal(
-                    call,
-                    &turn_id,
-                    Refusal::HookDenied,
-                    format!(
-                        "function {} was denied by a hook: {reason}",
-                        call.function_id
-                    ),
-                );
-                c.details["message"] = json!(reason);
-                c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
-                self.close_call(rec, call, c).await?;
-                return Ok(CallEnd::Closed);
-            }
-            Decision::Hold(holder) => {
-                let hold = Hold {
-                    holder,
-                    point: HookPoint::PreTrigger,
-                    arguments,
-                    result: None,
-                    reconciled,
-                    annotations,
-                    breaker_key,
-                };
-                return self.park_call(rec, call, hold).await;
-            }
-            Decision::Continue => {}
-        }
-
-        if call.function_id == crate::spawn::SPAWN {
-            // No target: the loop starts the child itself.
-            let origin = origin(&turn_id, &annotations, reconciled.as_ref());
-            return self.spawn_from_call(rec, call, arguments, origin).await;
-        }
-
-        // Reconciliation and hooks may have changed the arguments since the check at dispatch (a
-        // released hold was never checked with its final arguments): check what will run.
-        let unchanged = after.is_none() && arguments == call.arguments;
-        if !unchanged {
-            let refused = match self.walled(rec, &call.function_id, &arguments).await? {
-                Some(text) => Some((Refusal::ControlPlane, text)),
-                None => provenance::check(&call.function_id, &arguments)
-                    .err()
-                    .map(|text| (Refusal::ForbiddenEntry, text)),
-            };
-            if let Some((why, text)) = refused {
-                let mut c = Closing::refusal(call, &turn_id, why, text);
-                c.origin = origin(&turn_id, &annotations, reconciled.as_ref());
-                self.close_call(rec, call, c).await?;
-                return Ok(CallEnd::Closed);
-            }
-        }
-        // Who wrote an entry, who owns a binding: the loop's to say, after every hook.
-        provenance::mark(
-            &call.function_id,
-            &mut arguments,
-            &rec.session_id,
-            &turn_id,
-            &call.id,
-        );
-
-        // Checkpoint before the side effect, durably: after a crash this call never runs again.
-        let cp = CallCheckpoint::Triggered {
-            function_id: call.function_id.clone(),
-            breaker_key: Some(breaker_key.clone()),
-        };
-        rec.calls.insert(call.id.clone(), cp);
-        self.save_record(rec).await?;
-        self.barrier().await?;
-        failpoint::hit("after_call_triggered");
-        let metadata =
-            json!({"function_call_id": call.id, "session_id": rec.session_id, "turn_id": turn_id});
-        let invoke = self.inner.bus.call_with_metadata(
-            &call.function_id,
-            arguments.clone(),
-            Some(Duration::from_millis(self.config().dispatch_timeout_ms)),
-            metadata,
-        );
-        let outcome = tokio::select! {
-            outcome = invoke => Some(outcome),
-            _ = cancel.cancelled() => None,
-        };
-        failpoint::hit("after_call_target");
-        let Some(outcome) = outcome else {
-            let text = format!(
-                "function {} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone",
-                call.function_id
-            );
-            self.close_call(
-                rec,
-                call,
-                Closing::refusal(call, &turn_id, Refusal::Cancelled, text),
-            )
-            .await?;
-            return Ok(CallEnd::Cancelled);
-        };
-        let policy = Policy::new(rec.options.functions.as_ref());
-        let (content, details, is_error) = match outcome {
-            Ok(value) => {
-                let value = self
-                    .filter_discovery(&call.function_id, &policy, value)
-                    .await;
-                let (content, is_error) = normalize(&value);
-                (content, value, is_error)
-            }
-            Err(e) => (
-                vec![ContentBlock::text(e.to_string())],
-                json!({"error": {"code": e.code, "message": e.message}}),
-                true,
-            ),
-        };
-        breaker::record(
-            &mut rec.failed_calls,
-            &breaker_key,
-            is_error,
-            &serde_json::to_string(&content).unwrap_or_default(),
-        );
-
-        // post-trigger: may rewrite the result, or hold it for a decision.
-        let mut payload = hooks::envelope(
-            HookPoint::PostTrigger,
-            &rec.session_id,
-            &turn_id,
-            rec.step,
-            rec.depth,
-            rec.options.metadata.as_ref(),
-        );
-        payload["call"] =
-            json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
-        payload["result"] = json!({"function_call_id": call.id, "function_id": call.function_id, "content": content, "is_error": is_error, "details": details});
-        let chain = self
-            .run_hooks(
-                HookPoint::PostTrigger,
-                payload,
-                Some(&call.function_id),
-                None,
-            )
-            .await?;
-        annotations.extend(chain.annotations);
-        let result = &chain.payload["result"];
-        let mut content: Vec<ContentBlock> =
-            serde_json::from_value(result["content"].clone()).unwrap_or(content);
-        let mut details = result["details"].clone();
-        let is_error = result["is_error"].as_bool().unwrap_or(is_error);
-
-        if !changes.is_empty() {
-            let fresh: Vec<String> = changes
-                .iter()
-                .map(|c| format!("{}{}", call.function_id, c.path))
-                .filter(|k| !rec.noted_repairs.contains(k))
-                .collect();
-            if !fresh.is_empty() && !call.function_id.starts_with("engine::functions::") {
-                if let Some(text) = reconcile::note(&changes) {
-                    content.push(ContentBlock::text(text));
-                }
-                rec.noted_repairs.extend(fresh);
-            }
-        }
-        if is_error {
-            if let Some(note) = self.diagnosis(rec, &call.function_id, &arguments).await {
-                content.push(ContentBlock::text(note));
-            }
-        }
-        if let Some((c, d)) = cap::cap(self.config().max_result_bytes, &content, &details) {
-            content = c;
-            details = d;
-        }
-        if let Decision::Hold(holder) = chain.decision {
-            // The target ran; the result waits for the holder's decision and is appended on
-            // release, never produced by a second run.
-            let result =
-                Some(json!({"content": content, "details": details, "is_error": is_error}));
-            let hold = Hold {
-                holder,
-                point: HookPoint::PostTrigger,
-                arguments,
-                result,
-                reconciled,
-                annotations,
-                breaker_key,
-            };
-            return self.park_call(rec, call, hold).await;
-        }
-        let origin = origin(&turn_id, &annotations, reconciled.as_ref());
-        self.append_result(rec, call, content, details, is_error, origin)
-            .await?;
-        Ok(CallEnd::Closed)
     }
 }
 
@@ -1048,50 +674,6 @@ impl Harness {
             }
         }
         Ok(false)
-    }
-}
-
-/// A hook's hold on a call, as checkpointed.
-struct Hold {
-    holder: String,
-    point: HookPoint,
-    arguments: Value,
-    /// Post-trigger holds keep the target's result.
-    result: Option<Value>,
-    reconciled: Option<Value>,
-    annotations: Map<String, Value>,
-    breaker_key: String,
-}
-
-impl Harness {
-    /// Checkpoints a held call `pending`; the turn parks once its other calls are closed.
-    async fn park_call(
-        &self,
-        rec: &mut TurnRecord,
-        call: &PlannedCall,
-        hold: Hold,
-    ) -> Result<CallEnd> {
-        let point = match hold.point {
-            HookPoint::PostTrigger => HoldPoint::PostTrigger,
-            _ => HoldPoint::PreTrigger,
-        };
-        let cp = CallCheckpoint::Pending {
-            function_id: call.function_id.clone(),
-            since: Some(now_ms()),
-            timeout_ms: None,
-            wait: Wait::Hold(Box::new(crate::record::Hold {
-                holder: hold.holder,
-                point,
-                arguments: hold.arguments,
-                result: hold.result,
-                reconciled: hold.reconciled,
-                annotations: Some(Value::Object(hold.annotations)),
-                breaker_key: Some(hold.breaker_key),
-            })),
-        };
-        rec.calls.insert(call.id.clone(), cp);
-        self.save_record(rec).await?;
-        Ok(CallEnd::Held)
     }
 }
 
