@@ -3,7 +3,7 @@
 
 use harness_session::SessionStore;
 use harness_store::{Durability, Store};
-use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, StopReason, Usage};
+use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, Usage};
 use harness_types::session::*;
 use serde_json::json;
 
@@ -36,19 +36,11 @@ async fn add(s: &SessionStore, sid: &str, message: AgentMessage) {
 
 fn reply(model: &str, provider: &str, cost: f64) -> AgentMessage {
     AgentMessage::Assistant(AssistantMessage {
-        content: vec![ContentBlock::text("ok")],
-        model: model.into(),
-        provider: provider.into(),
-        stop_reason: StopReason::End,
         usage: Some(Usage {
             cost_usd: Some(cost),
             ..Default::default()
         }),
-        error_kind: None,
-        error_message: None,
-        native_stop_reason: None,
-        warnings: None,
-        timestamp: 1,
+        ..AssistantMessage::ended(vec![ContentBlock::text("ok")], model, provider, 1)
     })
 }
 

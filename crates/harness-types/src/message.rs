@@ -153,6 +153,30 @@ pub struct AssistantMessage {
     pub timestamp: i64,
 }
 
+impl AssistantMessage {
+    /// A reply of `model` at `provider` that ended normally (`StopReason::End`) with nothing
+    /// else reported: no usage, error, native stop reason or warnings.
+    pub fn ended(
+        content: Vec<ContentBlock>,
+        model: impl Into<String>,
+        provider: impl Into<String>,
+        timestamp: i64,
+    ) -> Self {
+        AssistantMessage {
+            content,
+            model: model.into(),
+            provider: provider.into(),
+            stop_reason: StopReason::End,
+            usage: None,
+            error_kind: None,
+            error_message: None,
+            native_stop_reason: None,
+            warnings: None,
+            timestamp,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FunctionResultMessage {
     pub function_call_id: String,
