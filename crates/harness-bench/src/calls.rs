@@ -21,19 +21,25 @@ pub(crate) const FUNCTION_SHORT_MAX_TURNS: u32 = 2;
 /// paired text step.
 pub(crate) struct OpRow {
     pub(crate) op: String,
+    /// Charged as store time.
     pub(crate) store: bool,
+    /// Calls and mean µs per call step.
     pub(crate) call_n: f64,
     pub(crate) call_us: f64,
+    /// Calls and mean µs per paired text step.
     pub(crate) text_n: f64,
     pub(crate) text_us: f64,
 }
 
+/// Steps that each run one call, against text steps run alongside; times in µs.
 pub(crate) struct Calls {
     /// Call steps and paired text steps measured (fsync off).
     pub(crate) steps: usize,
     pub(crate) text_steps: usize,
+    /// The whole call step.
     pub(crate) step_p50: f64,
     pub(crate) step_p99: f64,
+    /// Time awaiting the target (`bench::noop`).
     pub(crate) target_p50: f64,
     /// p50 of (call step − its target time).
     pub(crate) net_p50: f64,
@@ -41,6 +47,7 @@ pub(crate) struct Calls {
     /// p50 of (step − target − store) for call steps, (step − store) for text steps.
     pub(crate) loop_p50: f64,
     pub(crate) text_loop_p50: f64,
+    /// Time awaiting the store, and the store operations, per call step and per text step.
     pub(crate) store_p50: f64,
     pub(crate) text_store_p50: f64,
     pub(crate) store_ops_per_step: f64,
@@ -49,7 +56,7 @@ pub(crate) struct Calls {
     pub(crate) breakdown: Vec<OpRow>,
     /// Whole call step with fsync on.
     pub(crate) fsync_step_p50: f64,
-    /// None on iii (no fsync counter: see [`Rig::fsyncs`]).
+    /// None on iii (no fsync counter: see `Rig::fsyncs`).
     pub(crate) fsyncs_per_step: Option<f64>,
     pub(crate) fsyncs_per_turn: Option<f64>,
     /// Turns of each length in the fsync measurement.

@@ -15,10 +15,14 @@ use crate::stats::{percentile_us, progress, sorted};
 /// `max_turns` of a handoff turn: 8 generations + the step that ends the turn = 9 steps.
 pub(crate) const HANDOFF_MAX_TURNS: u32 = 8;
 
+/// Times in µs.
 pub(crate) struct Handoff {
+    /// Step→step handoffs measured.
     pub(crate) samples: usize,
+    /// A step's enqueue returned → the next step's handler starts.
     pub(crate) p50: f64,
     pub(crate) p99: f64,
+    /// The send's enqueue returned → step 0 starts.
     pub(crate) send_p50: f64,
 }
 
@@ -77,9 +81,12 @@ pub(crate) async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> 
     Ok(out)
 }
 
+/// fsyncs of one-step text turns at concurrency 1.
 pub(crate) struct Fsyncs {
     pub(crate) turns: usize,
+    /// From the send's answer to the queue idle again (the step and its ack), per turn.
     pub(crate) per_step: f64,
+    /// The send's own, per turn.
     pub(crate) per_send: f64,
 }
 

@@ -62,9 +62,12 @@ pub(crate) async fn settled_rss(host: &dyn Host) -> u64 {
 }
 
 pub(crate) struct IdleRam {
+    /// Sessions filled (each with one completed turn).
     pub(crate) sessions: usize,
+    /// RSS growth over all of them, and over the second half only, per session.
     pub(crate) bytes_per_session: f64,
     pub(crate) marginal_bytes: f64,
+    /// RSS before the first session and after the last.
     pub(crate) rss_before: u64,
     pub(crate) rss_after: u64,
     /// SQLite's own heap (every connection's page cache, statements, schema) at the same two

@@ -8,7 +8,7 @@
 //! runtime exactly as `harness serve` (or `harness worker`, with `--iii`) would. Every phase
 //! opens a fresh runtime in its own temporary directory (under `--dir`, default the system temp
 //! dir; fsync numbers are only meaningful on a real disk), with the bus wrapped in a
-//! [`ProbeBus`]: a pass-through that
+//! `ProbeBus` (`probe.rs`): a pass-through that
 //!
 //! * times every `harness::turn` delivery (one step) from handler start to handler end;
 //! * inside a step, adds up the time spent awaiting the store: `session::*` and `state::*` calls,
@@ -92,7 +92,7 @@
 //!   temporary directory) and the same probe wrapped around the bus; `bench::noop` is registered
 //!   on the engine too, so call steps go through it. The queue's drain is seen as steps enqueued
 //!   = steps handled (the engine's depth is not visible). The fsync figures and the empty-commit
-//!   yardstick are null there (the engine gives no durability point; see [`III_NOTES`]); the
+//!   yardstick are null there (the engine gives no durability point; see `III_NOTES` in `report/`); the
 //!   rest is measured the same way, so the two reports compare key by key.
 //! * **RAM per idle session** (`idle_session_bytes`): fsync off; N sessions with one completed
 //!   turn each (64 at a time); resident set (`VmRSS`) after minus before, divided by N. Each

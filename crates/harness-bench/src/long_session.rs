@@ -18,10 +18,14 @@ const LONG_PHASE_SESSIONS: usize = 4;
 /// Entries of the short sessions (before their turns); the long ones have `Plan::long_entries`.
 const SHORT_ENTRIES: usize = 10;
 
+/// Steps on short and on long sessions; times in µs.
 pub(crate) struct LongSession {
+    /// Steps measured on the long sessions.
     pub(crate) samples: usize,
+    /// The whole step.
     pub(crate) short_step_p50: f64,
     pub(crate) long_step_p50: f64,
+    /// The step less its time awaiting the store.
     pub(crate) short_overhead_p50: f64,
     pub(crate) long_overhead_p50: f64,
     /// `context::assemble` as the step awaits it, p50 µs: 10-entry, 1,000-entry, and 1,000-entry

@@ -11,12 +11,17 @@ use crate::probe::{is_store_op, lock};
 use crate::rig::{At, Rig, ScriptKind};
 use crate::stats::{cpu_time_us, op_means, percentile_us, progress, sorted};
 
+/// Text steps at concurrency 1, fsync off; times in µs.
 pub(crate) struct Overhead {
+    /// Steps sampled.
     pub(crate) steps: usize,
+    /// The step less its time awaiting the store.
     pub(crate) overhead_p50: f64,
     pub(crate) overhead_p99: f64,
+    /// The whole step.
     pub(crate) step_p50: f64,
     pub(crate) step_p99: f64,
+    /// Time awaiting the store, and the store operations awaited, per step.
     pub(crate) store_p50: f64,
     pub(crate) store_ops_per_step: f64,
     /// One empty commit of the embedded store (None on iii: the loop's store is the engine).
@@ -116,28 +121,25 @@ pub(crate) async fn overhead(at: At<'_>, plan: &Plan) -> Result<Overhead> {
 /// `n` empty commits back to back, then `n / 4` after 1 ms of idleness each (the writer thread
 /// and the waiting worker are parked and must be woken, as between the store calls of a step);
 /// sorted ns.
-pub(crate) async fn store_writes(
-    store: &harness_store::Store,
-    n: usize,
-) -> Result<(Vec<u64>, Vec<u64>)> {
+async fn store_writes(store: &harness_store::Store, n: usize) -> Result<(Vec<u64>, Vec<u64>)> {
     let mut writes = Vec::with_capacity(n);
     for _ in 0..n {
-        let t = Instant::now();
-        store
-            .write(|_| Ok(()))
-            .await
-            .map_err(|e| anyhow!("store write: {e}"))?;
-        writes.push(t.elapsed().as_nanos() as u64);
+        writes.push(empty_commit_ns(store).await?);
     }
     let mut idle_writes = Vec::with_capacity(n / 4);
     for _ in 0..n / 4 {
         tokio::time::sleep(Duration::from_millis(1)).await;
-        let t = Instant::now();
-        store
-            .write(|_| Ok(()))
-            .await
-            .map_err(|e| anyhow!("store write: {e}"))?;
-        idle_writes.push(t.elapsed().as_nanos() as u64);
+        idle_writes.push(empty_commit_ns(store).await?);
     }
     Ok((sorted(writes), sorted(idle_writes)))
+}
+
+/// One empty commit of the store, timed.
+async fn empty_commit_ns(store: &harness_store::Store) -> Result<u64> {
+    let t = Instant::now();
+    store
+        .write(|_| Ok(()))
+        .await
+        .map_err(|e| anyhow!("store write: {e}"))?;
+    Ok(t.elapsed().as_nanos() as u64)
 }

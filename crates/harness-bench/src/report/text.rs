@@ -18,6 +18,11 @@ fn us(x: f64) -> String {
     format!("{x:.1} µs")
 }
 
+/// Two times, as "a / b".
+fn us_pair(a: f64, b: f64) -> String {
+    format!("{} / {}", us(a), us(b))
+}
+
 fn na() -> String {
     "n/a".to_string()
 }
@@ -157,7 +162,7 @@ impl Report<'_> {
             info("loop overhead per step, p99", us(over.overhead_p99)),
             info(
                 "whole step (store included), p50 / p99",
-                format!("{} / {}", us(over.step_p50), us(over.step_p99)),
+                us_pair(over.step_p50, over.step_p99),
             ),
             info(
                 "store time per step, p50 (ops per step)",
@@ -166,23 +171,19 @@ impl Report<'_> {
             info(
                 "one empty store commit, p50 (back to back / after 1 ms idle)",
                 match (over.store_write_p50, over.store_write_idle_p50) {
-                    (Some(a), Some(b)) => format!("{} / {}", us(a), us(b)),
+                    (Some(a), Some(b)) => us_pair(a, b),
                     _ => na(),
                 },
             ),
             info("step→step handoff, p99 (fsync on)", us(hand.p99)),
             info(
                 "step→step handoff, p50 / p99 (fsync off)",
-                format!("{} / {}", us(hand_nofsync.p50), us(hand_nofsync.p99)),
+                us_pair(hand_nofsync.p50, hand_nofsync.p99),
             ),
             info("send → step 0 handoff, p50 (fsync on)", us(hand.send_p50)),
             info(
                 "one turn at concurrency 1: wall / process CPU (fsync off)",
-                format!(
-                    "{} / {}",
-                    us(over.wall_per_turn_us),
-                    us(over.cpu_per_turn_us)
-                ),
+                us_pair(over.wall_per_turn_us, over.cpu_per_turn_us),
             ),
         ]);
         rows.extend(CONCURRENCIES.iter().map(|&c| {
@@ -194,13 +195,13 @@ impl Report<'_> {
         rows.extend(CONCURRENCIES.iter().map(|&c| {
             info(
                 format!("process CPU per step, {c} sessions (fsync on / off)"),
-                format!("{} / {}", us(r.cpu(c, true)), us(r.cpu(c, false))),
+                us_pair(r.cpu(c, true), r.cpu(c, false)),
             )
         }));
         rows.extend([
             info(
                 format!("function-call step, whole, p50 / p99 (fsync off, {FUNCTION_MAX_TURNS} calls a turn)"),
-                format!("{} / {}", us(calls.step_p50), us(calls.step_p99)),
+                us_pair(calls.step_p50, calls.step_p99),
             ),
             info(
                 "overhead per call excl. target, p50 (vs paired text step)",
@@ -246,11 +247,7 @@ impl Report<'_> {
             ),
             info(
                 "raw socket baseline per frame, p50 / p99",
-                format!(
-                    "{} / {}",
-                    us(router.socket_baseline_us.p50),
-                    us(router.socket_baseline_us.p99)
-                ),
+                us_pair(router.socket_baseline_us.p50, router.socket_baseline_us.p99),
             ),
             info(
                 "router added per frame over the raw socket, p50",
@@ -258,11 +255,7 @@ impl Report<'_> {
             ),
             info(
                 "router per request (request out + ack back), p50 / p99",
-                format!(
-                    "{} / {}",
-                    us(router.per_request_us.p50),
-                    us(router.per_request_us.p99)
-                ),
+                us_pair(router.per_request_us.p50, router.per_request_us.p99),
             ),
             info(
                 "fsyncs per send",
@@ -377,7 +370,7 @@ impl Report<'_> {
             ),
             (
                 "step on a 1,000-entry session vs a 10-entry one, p50",
-                format!("{} / {}", us(long.long_step_p50), us(long.short_step_p50)),
+                us_pair(long.long_step_p50, long.short_step_p50),
             ),
         ]
         .into_iter()
