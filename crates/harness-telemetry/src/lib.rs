@@ -4,6 +4,7 @@
 
 pub mod metrics;
 pub mod otlp;
+mod otlp_http;
 
 use std::sync::Arc;
 

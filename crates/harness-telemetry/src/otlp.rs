@@ -7,10 +7,10 @@
 //! Pitfall (found while choosing the client): the batch processor exports on its own thread
 //! through `futures_executor::block_on`, outside any Tokio runtime. With the exporter's async
 //! `reqwest-client` feature the first export panics ("there is no reactor running, must be
-//! called from the context of a Tokio 1.x runtime") and `shutdown()` then fails. The
-//! `reqwest-blocking-client` feature exports fine there, so that is the one used. The blocking
-//! client must also not be created or dropped on a Tokio worker thread, hence the exporter is
-//! built on a plain thread.
+//! called from the context of a Tokio 1.x runtime") and `shutdown()` then fails. A blocking
+//! client exports fine there, so that is the one used (`otlp_http`: reqwest's, the version the
+//! workspace already links). The blocking client must also not be created or dropped on a Tokio
+//! worker thread, hence the exporter is built on a plain thread.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -22,7 +22,7 @@ use opentelemetry::trace::{
     Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
 };
 use opentelemetry::{InstrumentationScope, KeyValue, Value};
-use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, SpanData, SpanEvents, SpanExporter, SpanLinks,
@@ -36,6 +36,8 @@ pub const QUEUE_SPANS: usize = 2048;
 pub const FLUSH_CAP: Duration = Duration::from_secs(5);
 /// Export failures are logged at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(60);
+/// One export's whole HTTP exchange at most.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
@@ -232,14 +234,15 @@ impl OtlpSink {
         let endpoint = cfg.endpoint.clone();
         let shared = Arc::new(Shared::default());
         let s = shared.clone();
-        // Already installed (by an earlier runtime of this process, or anyone else) is fine.
-        let _ = rustls::crypto::ring::default_provider().install_default();
         let processor = std::thread::spawn(move || {
+            let client = crate::otlp_http::BlockingHttp::new(EXPORT_TIMEOUT)
+                .map_err(|e| TelemetryError::Start(e.to_string()))?;
             let exporter = opentelemetry_otlp::SpanExporter::builder()
                 .with_http()
+                .with_http_client(client)
                 .with_protocol(Protocol::HttpBinary)
                 .with_endpoint(endpoint)
-                .with_timeout(Duration::from_secs(10))
+                .with_timeout(EXPORT_TIMEOUT)
                 .build()
                 .map_err(|e| TelemetryError::Start(e.to_string()))?;
             let batch = BatchConfigBuilder::default()
