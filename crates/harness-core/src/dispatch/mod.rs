@@ -38,7 +38,7 @@ pub(crate) use run::{illegal as illegal_call, Flight};
 use crate::config::CallReconciliation;
 use crate::failpoint;
 use crate::harness::{Harness, Result};
-use crate::record::{CallCheckpoint, CallState, HoldPoint, TurnRecord, Wait};
+use crate::record::{CallCheckpoint, HoldPoint, TurnRecord, Wait};
 use harness_machine::call::{self, CallEffect, CallInput, CallPhase};
 
 /// One call as the model wrote it, unwrapped from `agent_trigger` when needed.
@@ -300,10 +300,10 @@ impl Harness {
         unreached: Vec<crate::machine::CallRef>,
     ) -> Result<()> {
         let turn_id = rec.turn_id.clone();
+        // Every call is put to the machine: it closes what is open and leaves what is done.
         let open: Vec<(String, CallCheckpoint)> = rec
             .calls
             .iter()
-            .filter(|(_, c)| c.state() != CallState::Done)
             .map(|(id, c)| (id.clone(), c.clone()))
             .collect();
         let mut closing = Vec::new();
