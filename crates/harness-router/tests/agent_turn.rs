@@ -9,13 +9,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::embedded::{embedded, Embedded};
 use common::*;
-use harness_bus::{Bus, CallContext, EmbeddedBus, FunctionDef};
+use harness_bus::{CallContext, FunctionDef};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{ProviderConfig, ProviderKind};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
 use harness_types::api::{FunctionPolicy, SendOptions, SendRequest, StatusRequest, TurnStatus};
 use serde_json::{json, Value};
 
@@ -27,12 +27,12 @@ struct Rt {
 }
 
 async fn runtime(mock: &Mock, id: &str, kind: ProviderKind, suffix: &str) -> Rt {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let sessions = SessionStore::open(store.clone()).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let Embedded {
+        shared,
+        sessions,
+        dir,
+        ..
+    } = embedded().await;
     let router = Router::new();
     let key = (kind != ProviderKind::OpenaiCompatible).then_some(KEY);
     router.add_provider(

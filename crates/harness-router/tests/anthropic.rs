@@ -284,25 +284,18 @@ async fn thinking_with_signature_and_redacted_thinking_are_replayed_verbatim() {
 async fn thinking_from_another_provider_is_not_replayed() {
     let mock = Mock::start(vec![text_reply(&["ok"])]).await;
     let r = router_for(&mock);
-    let mut foreign = harness_types::message::AssistantMessage {
-        content: vec![
+    let foreign = harness_types::message::AssistantMessage::ended(
+        vec![
             ContentBlock::Thinking {
                 text: "hmm".into(),
                 signature: Some("{\"id\":\"rs_1\"}".into()),
             },
             ContentBlock::text("earlier answer"),
         ],
-        model: "gpt-5".into(),
-        provider: "openai-responses".into(),
-        stop_reason: StopReason::End,
-        usage: None,
-        error_kind: None,
-        error_message: None,
-        native_stop_reason: None,
-        warnings: None,
-        timestamp: 1,
-    };
-    foreign.timestamp = 1;
+        "gpt-5",
+        "openai-responses",
+        1,
+    );
     let req = request(
         "anthropic",
         MODEL,

@@ -14,17 +14,19 @@
 //! session going on, an output contract answered with grammar-constrained JSON, the server's
 //! own token counts, and a server killed mid-stream.
 
+mod common;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness_bus::{Bus, CallContext, EmbeddedBus, FunctionDef};
+use common::embedded::{embedded, Embedded};
+use harness_bus::{CallContext, FunctionDef};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{HttpOptions, ProviderConfig, ProviderKind};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
 use harness_types::api::{SendOptions, SendRequest, StatusReport, StatusRequest, TurnStatus};
 use harness_types::message::{AgentMessage, ContentBlock, StopReason};
 use harness_types::router::{ChatRequest, Frame, ToolSpec};
@@ -161,12 +163,12 @@ struct Rt {
 }
 
 async fn runtime(url: &str) -> Rt {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let sessions = SessionStore::open(store.clone()).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let Embedded {
+        shared,
+        sessions,
+        dir,
+        ..
+    } = embedded().await;
     let router = Router::new();
     let http = HttpOptions {
         idle_timeout: Duration::from_secs(120),

@@ -5,17 +5,15 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::embedded::{embedded, Embedded};
 use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
 use common::{chat, http, request, user, Run};
-use harness_bus::{Bus, EmbeddedBus};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{ProviderConfig, ProviderKind, WirePatch};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
 use harness_types::api::{SendOptions, SendRequest, StatusRequest, TurnStatus};
 use harness_types::message::{
     AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason,
@@ -208,12 +206,12 @@ async fn an_interrupted_function_call_is_never_complete() {
 
 /// A loop with the `llamacpp` provider at `url` and a function `math::add`.
 async fn runtime(url: &str) -> (Harness, SessionStore, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let sessions = SessionStore::open(store.clone()).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let Embedded {
+        shared,
+        sessions,
+        dir,
+        ..
+    } = embedded().await;
     harness_router::register(shared.as_ref(), &llamacpp(url, None));
     let harness = Harness::new(
         shared,
@@ -531,18 +529,7 @@ async fn the_window_probe_asks_the_server_once_and_keeps_the_catch_all_row_when_
 }
 
 fn run_text(text: &str) -> AssistantMessage {
-    AssistantMessage {
-        content: vec![ContentBlock::text(text)],
-        model: MODEL.into(),
-        provider: "llamacpp".into(),
-        stop_reason: StopReason::End,
-        usage: None,
-        error_kind: None,
-        error_message: None,
-        native_stop_reason: None,
-        warnings: None,
-        timestamp: 1,
-    }
+    AssistantMessage::ended(vec![ContentBlock::text(text)], MODEL, "llamacpp", 1)
 }
 
 /// The text a recorded stream carried: its `delta.content` pieces in order.
@@ -601,12 +588,12 @@ async fn runtime_with_window(
     router: &Router,
     window: u64,
 ) -> (Harness, SessionStore, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let sessions = SessionStore::open(store.clone()).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let Embedded {
+        shared,
+        sessions,
+        dir,
+        ..
+    } = embedded().await;
     harness_router::register(shared.as_ref(), router);
     harness_context::register(shared.clone());
     let harness = Harness::new(

@@ -9,6 +9,9 @@
 
 pub mod recorded;
 
+#[path = "../../../harness-core/tests/support/embedded.rs"]
+pub mod embedded;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
