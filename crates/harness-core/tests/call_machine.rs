@@ -1,0 +1,295 @@
+//! Rows of the call machine (and the turn rows around them) that the other suites do not take:
+//! a stop while a target runs, a post-trigger hold and its release, a rewrite into the wall, a
+//! stop of a parked turn with a done call, and the sweep following a waiting spawn.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use harness_bus::{Bus, CallContext, FunctionDef};
+use harness_types::api::{
+    ResolveAction, ResolveRequest, ResolveResponse, SendResponse, StopRequest, SweepRequest,
+    TurnStatus,
+};
+use serde_json::{json, Value};
+use support::*;
+
+/// A hook function answering `answer(payload)`; returns how many times it ran.
+fn hook<F>(rt: &Rt, id: &str, answer: F) -> Arc<Mutex<Vec<Value>>>
+where
+    F: Fn(&Value) -> Value + Send + Sync + 'static,
+{
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let answer = Arc::new(answer);
+    rt.bus.register_function(
+        FunctionDef::new(id, "test hook"),
+        Arc::new(move |p: Value, _ctx: CallContext| {
+            log.lock().unwrap().push(p.clone());
+            let out = answer(&p);
+            async move { Ok(out) }
+        }),
+    );
+    seen
+}
+
+async fn bind(rt: &Rt, point: &str, function_id: &str, config: Value) {
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": format!("harness::hook::{point}"), "function_id": function_id, "config": config, "metadata": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn wait_status(rt: &Rt, session_id: &str, status: TurnStatus) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rt
+        .status(session_id)
+        .await
+        .is_some_and(|s| s.status == status)
+    {
+        assert!(Instant::now() < deadline, "never {status:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn resolve(rt: &Rt, r: &SendResponse, call: &str, action: ResolveAction) -> ResolveResponse {
+    rt.harness
+        .resolve(ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: call.into(),
+            action: Some(action),
+            content: None,
+            is_error: None,
+            details: None,
+            fs_scope: None,
+        })
+        .await
+        .unwrap()
+}
+
+async fn stop(rt: &Rt, session_id: &str) {
+    rt.harness
+        .stop(StopRequest {
+            session_id: session_id.into(),
+            turn_id: None,
+        })
+        .await
+        .unwrap();
+}
+
+fn result_text(rt: &Rt, session_id: &str, call: &str) -> String {
+    let r = rt
+        .results(session_id)
+        .into_iter()
+        .find(|r| r.function_call_id == call)
+        .unwrap_or_else(|| panic!("no result for {call}"));
+    serde_json::to_string(&r.content).unwrap()
+}
+
+#[tokio::test]
+async fn a_stop_while_the_target_runs_cancels_the_call_then_the_turn() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^work", "c1", "slow::op", json!({})), text_gen("done")]}),
+        config(),
+    )
+    .await;
+    let entered = Arc::new(AtomicBool::new(false));
+    let flag = entered.clone();
+    rt.register_async("slow::op", None, move |_| {
+        flag.store(true, Ordering::SeqCst);
+        // Answers only when the dispatch timeout gives up on it: the stop comes first.
+        std::future::pending::<Value>()
+    });
+    let r = rt
+        .harness
+        .send(allowing("work", &["slow::*"]))
+        .await
+        .unwrap();
+    until("the target runs", || entered.load(Ordering::SeqCst)).await;
+    stop(&rt, &r.session_id).await;
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+    let text = result_text(&rt, &r.session_id, "c1");
+    assert!(text.contains("cancelled by a stop while it ran"), "{text}");
+    assert_eq!(rt.results(&r.session_id).len(), 1, "one result, no second");
+}
+
+#[tokio::test]
+async fn a_post_trigger_hold_keeps_the_result_and_its_release_appends_it_without_a_second_run() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^write", "c1", "x::write", json!({"n": 1})), text_gen("written")]}),
+        config(),
+    )
+    .await;
+    let runs = rt.register("x::write", None, |_| json!("wrote 1 byte"));
+    let held = hook(&rt, "review::hold", |_| json!({"decision": "hold"}));
+    bind(&rt, "post-trigger", "review::hold", json!({})).await;
+    let r = rt.harness.send(allowing("write", &["x::*"])).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the target ran before the hold"
+    );
+    assert!(
+        rt.results(&r.session_id).is_empty(),
+        "nothing appended while held"
+    );
+
+    let out = resolve(&rt, &r, "c1", ResolveAction::Execute).await;
+    assert!(out.resolved && out.turn_resumed, "{out:?}");
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "a release never runs it again"
+    );
+    assert_eq!(held.lock().unwrap().len(), 1);
+    let text = result_text(&rt, &r.session_id, "c1");
+    assert!(text.contains("wrote 1 byte"), "the kept result: {text}");
+}
+
+#[tokio::test]
+async fn a_hook_rewrite_into_the_wall_is_refused_on_the_second_check_and_never_runs() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^note", "c1", "state::get", json!({"scope": "notes", "key": "k"})), text_gen("ok")]}),
+        config(),
+    )
+    .await;
+    hook(&rt, "rewrite::scope", |p| {
+        let mut args = p["call"]["arguments"].clone();
+        args["scope"] = json!("harness_turn");
+        json!({"decision": "continue", "mutations": {"arguments": args}})
+    });
+    bind(&rt, "pre-trigger", "rewrite::scope", json!({})).await;
+    let r = rt
+        .harness
+        .send(allowing("note", &["state::*"]))
+        .await
+        .unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    let result = rt
+        .results(&r.session_id)
+        .into_iter()
+        .find(|r| r.function_call_id == "c1")
+        .unwrap();
+    assert!(result.is_error);
+    assert_eq!(result.details["error"], "control_plane", "{result:?}");
+    assert!(
+        serde_json::to_string(&result.content)
+            .unwrap()
+            .contains("belongs to the harness"),
+        "{result:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_stop_of_a_parked_turn_closes_the_held_call_and_leaves_the_done_one() {
+    let rt = runtime(
+        json!({"generations": [
+            {"match": {"last_user_text": "^both"}, "content": [
+                {"type": "function_call", "id": "c1", "function_id": "x::free", "arguments": {}},
+                {"type": "function_call", "id": "c2", "function_id": "x::guarded", "arguments": {}}
+            ]},
+            text_gen("ok")
+        ]}),
+        config(),
+    )
+    .await;
+    rt.register("x::free", None, |_| json!("free ran"));
+    let guarded = rt.register("x::guarded", None, |_| json!("guarded ran"));
+    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
+    bind(
+        &rt,
+        "pre-trigger",
+        "guard::hold",
+        json!({"functions": ["x::guarded"]}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("both", &["x::*"])).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    stop(&rt, &r.session_id).await;
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+    assert!(result_text(&rt, &r.session_id, "c1").contains("free ran"));
+    let c2 = result_text(&rt, &r.session_id, "c2");
+    assert!(c2.contains("guard::hold held the call"), "{c2}");
+    assert_eq!(guarded.load(Ordering::SeqCst), 0);
+    assert_eq!(rt.results(&r.session_id).len(), 2, "one result per call");
+}
+
+#[tokio::test]
+async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost() {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^delegate", json!({"task": "count slowly"})),
+            text(Some("^count slowly"), &"one two three four five six seven eight nine ten ".repeat(10), 20),
+            text(None, "the child is gone", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt.harness.send(orchestrating("delegate")).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let parent = rt.status(&r.session_id).await.unwrap();
+    assert_eq!(parent.pending_function_calls, vec!["s1".to_string()]);
+    let parent_rec: Value = rt
+        .bus
+        .state_get(harness_core::TURN_SCOPE, &r.session_id)
+        .await
+        .unwrap()
+        .unwrap();
+    let child_session = parent_rec["calls"]["s1"]["child_session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // A waiting spawn has no target to execute: only a delivered result settles it.
+    let out = resolve(&rt, &r, "s1", ResolveAction::Execute).await;
+    assert!(!out.resolved, "{out:?}");
+    // The child still streams: the sweep reads it and leaves the call waiting.
+    let swept = rt
+        .harness
+        .sweep_pending(SweepRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(swept.resolved, 0);
+    assert_eq!(
+        rt.status(&r.session_id).await.unwrap().status,
+        TurnStatus::AwaitingFunctions
+    );
+
+    // The child's record is lost (a store that drops recent writes): the sweep answers the
+    // call with child_lost, and the parent goes on.
+    rt.bus
+        .state_delete(harness_core::TURN_SCOPE, &child_session)
+        .await
+        .unwrap();
+    let swept = rt
+        .harness
+        .sweep_pending(SweepRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(swept.resolved, 1);
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    let text = result_text(&rt, &r.session_id, "s1");
+    assert!(text.contains("child_lost"), "{text}");
+}
