@@ -290,7 +290,6 @@ impl Server {
                 (running, pid)
             }
             Transport::Http { url, headers } => {
-                crate::ensure_tls_provider();
                 let mut custom = std::collections::HashMap::new();
                 for (k, v) in headers {
                     // Checked when the configuration was read.
@@ -302,7 +301,9 @@ impl Server {
                 }
                 let config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
                     .custom_headers(custom);
-                let transport = StreamableHttpClientTransport::from_config(config);
+                let http =
+                    crate::http::Http::new().map_err(|e| start(format!("no HTTP client: {e}")))?;
+                let transport = StreamableHttpClientTransport::with_client(http, config);
                 let running = client
                     .serve_with_ct(transport, ct)
                     .await

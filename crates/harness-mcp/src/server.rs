@@ -17,24 +17,36 @@
 //! decides approvals and sends messages. Nothing here is offered to a model: the loop's
 //! dispatch never reaches these tools, and they reach the loop only through the functions
 //! named above, whose own checks apply.
+//!
+//! The protocol is served here rather than by rmcp's server side (which would link a second
+//! `schemars` into the binary): newline-delimited JSON-RPC 2.0 over stdin/stdout, the
+//! `initialize` lifecycle, `ping`, `tools/list` and `tools/call`, with rmcp's `model` types for
+//! every parameter and result. Requests are answered concurrently, each as soon as it is done.
+//! A client that opens with `server/discover` (the handshake-less lifecycle) is told the method
+//! does not exist, which is how such a client learns to fall back to `initialize`.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
-    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    CallToolRequestParams, CallToolResult, ContentBlock, ErrorCode, Implementation,
+    InitializeRequestParams, ListToolsResult, ProtocolVersion, ServerCapabilities, ServerConfig,
+    Tool, ToolsCapability,
 };
-use rmcp::service::RequestContext;
-use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
+use rmcp::ErrorData;
 use serde_json::{json, Map, Value};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc;
 
 use crate::error::McpError;
 
 /// The name this server gives in its handshake. The MCP client refuses a server of this name,
 /// so configuring `harness mcp` as an MCP server cannot hand a model the operator's tools.
 pub const SERVER_NAME: &str = "harness";
+
+/// The longest request line read; a longer one is answered as an invalid request and skipped.
+pub const MAX_LINE: usize = 16 * 1024 * 1024;
 
 /// Boxed future of a [`Caller`].
 pub type CallFuture<'a> = Pin<Box<dyn Future<Output = Result<Value, String>> + Send + 'a>>;
@@ -147,16 +159,128 @@ impl HarnessServer {
 
     /// Serves over this process's stdin/stdout until the client goes away.
     pub async fn serve_stdio(self) -> Result<(), McpError> {
-        let err = |message: String| McpError::Request {
-            server: "harness".into(),
-            message,
+        self.serve(tokio::io::stdin(), tokio::io::stdout()).await
+    }
+
+    /// Serves one client: a JSON-RPC message per line in, one per line out, until `input`
+    /// ends. Requests still running then are answered before this returns.
+    pub async fn serve<R, W>(self, input: R, output: W) -> Result<(), McpError>
+    where
+        R: AsyncRead + Unpin + Send,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let server = Arc::new(self);
+        let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+        let writer = tokio::spawn(async move {
+            let mut output = output;
+            while let Some(message) = rx.recv().await {
+                let mut line = serde_json::to_vec(&message).unwrap_or_default();
+                line.push(b'\n');
+                output.write_all(&line).await?;
+                output.flush().await?;
+            }
+            Ok::<(), std::io::Error>(())
+        });
+        let mut input = BufReader::new(input);
+        let mut running = tokio::task::JoinSet::new();
+        let read = loop {
+            while running.try_join_next().is_some() {}
+            let line = match next_line(&mut input, MAX_LINE).await {
+                Ok(Some(line)) => line,
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            };
+            let message = match line {
+                Line::TooLong => Err(ErrorData::invalid_request(
+                    format!("a message longer than {MAX_LINE} bytes"),
+                    None,
+                )),
+                Line::Text(text) if text.iter().all(u8::is_ascii_whitespace) => continue,
+                Line::Text(text) => serde_json::from_slice::<Value>(&text)
+                    .map_err(|e| ErrorData::parse_error(format!("not JSON: {e}"), None)),
+            };
+            let incoming = match message.and_then(Incoming::read) {
+                Ok(incoming) => incoming,
+                Err(e) => {
+                    let _ = tx.send(reply(Value::Null, Err(e)));
+                    continue;
+                }
+            };
+            if let Incoming::Request { id, method, params } = incoming {
+                let (server, tx) = (server.clone(), tx.clone());
+                running.spawn(async move {
+                    let _ = tx.send(reply(id, server.answer(&method, params).await));
+                });
+            }
+            // Notifications (initialized, cancelled, progress) and answers to requests this
+            // server never sends need nothing from it.
         };
-        let running = self
-            .serve(rmcp::transport::stdio())
+        while running.join_next().await.is_some() {}
+        drop(tx);
+        let written = writer
             .await
-            .map_err(|e| err(e.to_string()))?;
-        running.waiting().await.map_err(|e| err(e.to_string()))?;
-        Ok(())
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        read.and(written).map_err(|e| McpError::Request {
+            server: SERVER_NAME.into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The answer to one request: its result, or the JSON-RPC error.
+    async fn answer(&self, method: &str, params: Option<Value>) -> Result<Value, ErrorData> {
+        fn params_of<T: serde::de::DeserializeOwned>(
+            params: Option<Value>,
+        ) -> Result<T, ErrorData> {
+            serde_json::from_value(params.unwrap_or_else(|| json!({})))
+                .map_err(|e| ErrorData::invalid_params(format!("params: {e}"), None))
+        }
+        let result = match method {
+            "initialize" => {
+                let client: InitializeRequestParams = params_of(params)?;
+                let info = self
+                    .info()
+                    .with_protocol_version(negotiate(&client.protocol_version));
+                serde_json::to_value(info)
+            }
+            "ping" => Ok(json!({})),
+            "tools/list" => {
+                serde_json::to_value(ListToolsResult::with_all_items(self.tools.clone()))
+            }
+            "tools/call" => {
+                let request: CallToolRequestParams = params_of(params)?;
+                let arguments = request.arguments.unwrap_or_default();
+                let result = match self.run(&request.name, arguments).await? {
+                    Err(e) => CallToolResult::error(vec![ContentBlock::text(e)]),
+                    Ok(value) => {
+                        let text = serde_json::to_string_pretty(&value).unwrap_or_default();
+                        let mut r = CallToolResult::success(vec![ContentBlock::text(text)]);
+                        if value.is_object() {
+                            r.structured_content = Some(value);
+                        }
+                        r
+                    }
+                };
+                serde_json::to_value(result)
+            }
+            other => {
+                return Err(ErrorData::new(
+                    ErrorCode::METHOD_NOT_FOUND,
+                    format!("method '{other}' is not served here"),
+                    None,
+                ))
+            }
+        };
+        result.map_err(|e| ErrorData::internal_error(e.to_string(), None))
+    }
+
+    fn info(&self) -> ServerConfig {
+        let mut capabilities = ServerCapabilities::default();
+        capabilities.tools = Some(ToolsCapability::default());
+        ServerConfig::new(capabilities)
+            .with_server_info(Implementation::new(SERVER_NAME, env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Drive a harness agent loop: send a message, follow it with status, answer its questions, decide held function calls.",
+            )
     }
 
     /// `Err` = a protocol error (unknown tool); `Ok(Err)` = the harness refused (shown to the
@@ -200,44 +324,129 @@ impl HarnessServer {
     }
 }
 
-impl ServerHandler for HarnessServer {
-    fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
-            .with_server_info(Implementation::new(SERVER_NAME, env!("CARGO_PKG_VERSION")))
-            .with_instructions(
-                "Drive a harness agent loop: send a message, follow it with status, answer its questions, decide held function calls.",
-            )
+/// The version answered to `initialize`: the client's own when it is a known one that still
+/// has the handshake, else the newest that has it (the client then decides whether it can
+/// speak that).
+fn negotiate(requested: &ProtocolVersion) -> ProtocolVersion {
+    if requested.has_initialize() && ProtocolVersion::KNOWN_VERSIONS.contains(requested) {
+        requested.clone()
+    } else {
+        ProtocolVersion::LATEST_WITH_INITIALIZE
     }
+}
 
-    async fn list_tools(
-        &self,
-        _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
-    ) -> Result<ListToolsResult, ErrorData> {
-        Ok(ListToolsResult::with_all_items(self.tools.clone()))
-    }
+/// One message from the client, as far as this server cares.
+enum Incoming {
+    Request {
+        id: Value,
+        method: String,
+        params: Option<Value>,
+    },
+    /// A notification, or an answer to a request (this server sends none).
+    Other,
+}
 
-    fn get_tool(&self, name: &str) -> Option<Tool> {
-        self.tools.iter().find(|t| t.name == name).cloned()
-    }
-
-    async fn call_tool(
-        &self,
-        request: CallToolRequestParams,
-        _context: RequestContext<RoleServer>,
-    ) -> Result<CallToolResponse, ErrorData> {
-        let arguments = request.arguments.unwrap_or_default();
-        let result = match self.run(&request.name, arguments).await? {
-            Err(e) => CallToolResult::error(vec![ContentBlock::text(e)]),
-            Ok(value) => {
-                let text = serde_json::to_string_pretty(&value).unwrap_or_default();
-                let mut r = CallToolResult::success(vec![ContentBlock::text(text)]);
-                if value.is_object() {
-                    r.structured_content = Some(value);
-                }
-                r
-            }
+impl Incoming {
+    fn read(message: Value) -> Result<Incoming, ErrorData> {
+        let Value::Object(mut m) = message else {
+            return Err(ErrorData::invalid_request(
+                "a message must be one JSON-RPC object (batches are not part of MCP)",
+                None,
+            ));
         };
-        Ok(result.into())
+        if m.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+            return Err(ErrorData::invalid_request("jsonrpc: must be \"2.0\"", None));
+        }
+        let Some(method) = m.get("method").cloned() else {
+            return Ok(Incoming::Other);
+        };
+        let Value::String(method) = method else {
+            return Err(ErrorData::invalid_request("method: must be a string", None));
+        };
+        let Some(id) = m.remove("id") else {
+            return Ok(Incoming::Other);
+        };
+        if !(id.is_string() || id.is_i64() || id.is_u64()) {
+            return Err(ErrorData::invalid_request(
+                "id: must be a string or an integer",
+                None,
+            ));
+        }
+        Ok(Incoming::Request {
+            id,
+            method,
+            params: m.remove("params"),
+        })
+    }
+}
+
+fn reply(id: Value, answer: Result<Value, ErrorData>) -> Value {
+    match answer {
+        Ok(result) => json!({"jsonrpc": "2.0", "id": id, "result": result}),
+        Err(error) => json!({"jsonrpc": "2.0", "id": id, "error": error}),
+    }
+}
+
+enum Line {
+    Text(Vec<u8>),
+    /// Longer than the limit; what there was of it has been skipped.
+    TooLong,
+}
+
+/// The next line of `input` (without its `\n`); `None` at the end. A line over `max` bytes is
+/// read to its end and dropped, never held in memory.
+async fn next_line<R: AsyncBufRead + Unpin>(
+    input: &mut R,
+    max: usize,
+) -> std::io::Result<Option<Line>> {
+    let mut line = Vec::new();
+    let mut too_long = false;
+    loop {
+        let available = input.fill_buf().await?;
+        if available.is_empty() {
+            return Ok(match (too_long, line.is_empty()) {
+                (true, _) => Some(Line::TooLong),
+                (false, true) => None,
+                (false, false) => Some(Line::Text(line)),
+            });
+        }
+        let (take, end) = match available.iter().position(|b| *b == b'\n') {
+            Some(at) => (at, true),
+            None => (available.len(), false),
+        };
+        if !too_long && line.len() + take <= max {
+            line.extend_from_slice(&available[..take]);
+        } else {
+            too_long = true;
+            line = Vec::new();
+        }
+        input.consume(take + usize::from(end));
+        if end {
+            return Ok(Some(if too_long {
+                Line::TooLong
+            } else {
+                Line::Text(line)
+            }));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_line_over_the_limit_is_skipped_whole_and_the_next_one_read() {
+        // A reader that hands out three bytes at a time, so lines span its buffer.
+        let input = b"abc\n0123456789\nxyz\n\nlast".as_slice();
+        let mut input = BufReader::with_capacity(3, input);
+        let mut got = Vec::new();
+        while let Some(line) = next_line(&mut input, 5).await.unwrap() {
+            got.push(match line {
+                Line::Text(t) => String::from_utf8(t).unwrap(),
+                Line::TooLong => "<too long>".into(),
+            });
+        }
+        assert_eq!(got, ["abc", "<too long>", "xyz", "", "last"]);
     }
 }
