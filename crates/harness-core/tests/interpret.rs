@@ -1,0 +1,84 @@
+//! The interpreter batches a run's plain writes: a step's notices, its record and its next step
+//! go to the store as one write, not one each.
+
+mod support;
+
+use std::time::Duration;
+
+use harness_core::HarnessConfig;
+use harness_types::api::TurnStatus;
+use serde_json::json;
+use support::*;
+
+/// Store writes once the turn queue is empty (a step's ack is the last write of a turn).
+async fn writes_once_idle(rt: &Rt) -> u64 {
+    writes_when_idle(rt).await
+}
+
+/// After one turn on another session: what starting the runtime writes is not counted.
+async fn warmed(rt: &Rt) -> u64 {
+    let r = rt.harness.send(send("warm up")).await.unwrap();
+    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    writes_when_idle(rt).await
+}
+
+async fn writes_when_idle(rt: &Rt) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let queued: i64 = rt
+            .store
+            .read(|c| Ok(c.query_row("SELECT COUNT(*) FROM queue_messages", [], |r| r.get(0))?))
+            .unwrap();
+        if queued == 0 {
+            return rt.store.stats().writes;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the queue never emptied"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// No partial writes of a streamed reply, no usage announcements: only the loop's own writes.
+fn quiet() -> HarnessConfig {
+    HarnessConfig {
+        stream_coalesce_ms: 60_000,
+        usage_reporting: false,
+        ..config()
+    }
+}
+
+#[tokio::test]
+async fn a_reply_the_provider_cut_is_resumed_with_its_notice_record_and_step_in_one_write() {
+    // Stateless (`repeat`): the resumed request ends on the resume marker, not on "q", so the
+    // script needs no durable assignment (which would be a store write of the provider's).
+    let script = json!({"generations": [
+        {"repeat": true, "match": {"last_user_text": "^q$"},
+         "error": {"kind": "transient", "message": "upstream reset", "after_text": "Partial answer "}},
+        {"repeat": true, "content": [{"type": "text", "text": "Complete answer."}]}
+    ]});
+    let rt = runtime(script, quiet()).await;
+    harness_session::register_transactional(&rt.bus, &rt.sessions);
+    let before = warmed(&rt).await;
+    let r = rt.harness.send(send("q")).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!((s.status, s.transient_resumes), (TurnStatus::Completed, 1));
+    let writes = writes_once_idle(&rt).await - before;
+    // The new session: 1. The send (message, record, first step): 1. Each of the two steps:
+    // its start (status, event, assistant entry), its end (the cut answer with the recovery
+    // notice, the record and the next step; then the terminal batch), its ack: 3 each.
+    // Written one by one (before the interpreter), the cut step's answer, its notice and its
+    // advance were three writes: 10 in all.
+    assert_eq!(writes, 8, "{writes} store writes for a resumed turn");
+    let recovering = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .filter(|e| {
+            e.custom
+                .as_ref()
+                .is_some_and(|c| c.data["status"] == "recovering")
+        })
+        .count();
+    assert_eq!(recovering, 1, "the notice is written, once");
+}
