@@ -11,40 +11,41 @@ use std::process::Output;
 
 use recorded::{fixture, Replay, LLAMA_CPP_PYTHON};
 
+#[path = "common/chat_env.rs"]
+mod chat_env;
+
+use chat_env::chat_in;
+
 const BIN: &str = env!("CARGO_BIN_EXE_harness");
 
-const PROVIDER_VARS: [&str; 12] = [
-    "ANTHROPIC_API_KEY",
-    "ANTHROPIC_BASE_URL",
-    "OPENAI_API_KEY",
-    "OPENAI_BASE_URL",
-    "OPENAI_COMPATIBLE_BASE_URL",
-    "OPENAI_COMPATIBLE_API_KEY",
-    "OPENAI_COMPATIBLE_PRESET",
-    "LLAMACPP_BASE_URL",
-    "LLAMACPP_API_KEY",
-    "HARNESS_ROUTER_CONFIG",
-    "HARNESS_MODEL_CATALOG",
-    "HARNESS_DATA_DIR",
-];
+/// `harness chat` on the `llamacpp` provider (see [`chat_in`]).
+fn chat_command(
+    dir: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, String)],
+) -> tokio::process::Command {
+    let llamacpp = ["--provider", "llamacpp", "--model", "gemma-3-270m"];
+    tokio::process::Command::from(chat_in(dir, &[&llamacpp[..], args].concat(), env))
+}
+
+/// [`chat_command`] with its stdin, stdout and stderr piped.
+fn chat_piped(
+    dir: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, String)],
+) -> tokio::process::Command {
+    let mut cmd = chat_command(dir, args, env);
+    cmd.stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    cmd
+}
 
 async fn chat(dir: &std::path::Path, args: &[&str], env: &[(&str, String)]) -> Output {
-    let mut cmd = tokio::process::Command::new(BIN);
-    cmd.arg("chat")
-        .args(["--provider", "llamacpp", "--model", "gemma-3-270m"])
-        .args(args)
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .args(["--durability", "normal"])
-        .env("XDG_CONFIG_HOME", dir.join("config"))
-        .env("HOME", dir);
-    for v in PROVIDER_VARS {
-        cmd.env_remove(v);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().await.expect("run harness chat")
+    chat_command(dir, args, env)
+        .output()
+        .await
+        .expect("run harness chat")
 }
 
 fn text(b: &[u8]) -> String {
@@ -219,25 +220,9 @@ async fn chat_typed(
     typed: &str,
 ) -> Output {
     use tokio::io::AsyncWriteExt;
-    let mut cmd = tokio::process::Command::new(BIN);
-    cmd.arg("chat")
-        .args(["--provider", "llamacpp", "--model", "gemma-3-270m"])
-        .args(args)
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .args(["--durability", "normal"])
-        .env("XDG_CONFIG_HOME", dir.join("config"))
-        .env("HOME", dir)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    for v in PROVIDER_VARS {
-        cmd.env_remove(v);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("run harness chat");
+    let mut child = chat_piped(dir, args, env)
+        .spawn()
+        .expect("run harness chat");
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(typed.as_bytes()).await.unwrap();
     drop(stdin);
@@ -345,24 +330,8 @@ async fn ctrl_c_stops_the_reply_and_a_second_one_quits() {
     let f = fixture(LLAMA_CPP_PYTHON, "plain_stream");
     // Slow enough that the reply is still streaming when the signal comes.
     let server = Replay::start_paced(f.exchanges, std::time::Duration::from_millis(400)).await;
-    let mut cmd = tokio::process::Command::new(BIN);
-    cmd.arg("chat")
-        .args(["--provider", "llamacpp", "--model", "gemma-3-270m"])
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .args(["--durability", "normal"])
-        .env("XDG_CONFIG_HOME", dir.path().join("config"))
-        .env("HOME", dir.path())
-        .env("LLAMACPP_BASE_URL", format!("{}/v1", server.url))
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    for v in PROVIDER_VARS {
-        if v != "LLAMACPP_BASE_URL" {
-            cmd.env_remove(v);
-        }
-    }
-    let mut child = cmd.spawn().unwrap();
+    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let mut child = chat_piped(dir.path(), &[], &env).spawn().unwrap();
     let pid = child.id().unwrap().to_string();
     let mut stdin = child.stdin.take().unwrap();
     let mut err = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();

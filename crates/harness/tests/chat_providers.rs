@@ -5,41 +5,15 @@
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::process::{Command, Output};
+use std::process::Output;
 
-const BIN: &str = env!("CARGO_BIN_EXE_harness");
+#[path = "common/chat_env.rs"]
+mod chat_env;
 
-/// Variables that would configure a provider from the developer's environment.
-const PROVIDER_VARS: [&str; 10] = [
-    "ANTHROPIC_API_KEY",
-    "ANTHROPIC_BASE_URL",
-    "OPENAI_API_KEY",
-    "OPENAI_BASE_URL",
-    "OPENAI_COMPATIBLE_BASE_URL",
-    "OPENAI_COMPATIBLE_API_KEY",
-    "OPENAI_COMPATIBLE_PRESET",
-    "HARNESS_ROUTER_CONFIG",
-    "HARNESS_MODEL_CATALOG",
-    "HARNESS_DATA_DIR",
-];
+use chat_env::chat_in;
 
 fn chat(dir: &std::path::Path, args: &[&str], env: &[(&str, String)]) -> Output {
-    let mut cmd = Command::new(BIN);
-    cmd.arg("chat")
-        .args(args)
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--durability")
-        .arg("normal")
-        .env("XDG_CONFIG_HOME", dir.join("config"))
-        .env("HOME", dir);
-    for v in PROVIDER_VARS {
-        cmd.env_remove(v);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run harness chat")
+    chat_in(dir, args, env).output().expect("run harness chat")
 }
 
 fn text(b: &[u8]) -> String {

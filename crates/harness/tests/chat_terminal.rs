@@ -10,21 +10,12 @@ use std::time::{Duration, Instant};
 
 use recorded::{fixture, Replay, LLAMA_CPP_PYTHON};
 
-const BIN: &str = env!("CARGO_BIN_EXE_harness");
+#[path = "common/chat_env.rs"]
+mod chat_env;
 
-const PROVIDER_VARS: [&str; 11] = [
-    "ANTHROPIC_API_KEY",
-    "ANTHROPIC_BASE_URL",
-    "OPENAI_API_KEY",
-    "OPENAI_BASE_URL",
-    "OPENAI_COMPATIBLE_BASE_URL",
-    "OPENAI_COMPATIBLE_API_KEY",
-    "OPENAI_COMPATIBLE_PRESET",
-    "LLAMACPP_API_KEY",
-    "HARNESS_ROUTER_CONFIG",
-    "HARNESS_MODEL_CATALOG",
-    "HARNESS_DATA_DIR",
-];
+use chat_env::PROVIDER_VARS;
+
+const BIN: &str = env!("CARGO_BIN_EXE_harness");
 
 /// A tmux server of the test's own (its socket in the temp dir), killed when dropped.
 struct Tmux {
