@@ -179,13 +179,24 @@ fn text_key(text: &str) -> u64 {
     h.finish()
 }
 
-/// Server counts remembered across calls, by (provider, model, text). A server that cannot
-/// count is remembered by the router (it answers `null` at once), not here.
-type ServerCache = HashMap<(String, String, u64), u64>;
+/// Server counts remembered across calls: per model (`provider\0model`), by [`text_key`]. A
+/// server that cannot count is remembered by the router (it answers `null` at once), not here.
+type ServerCache = HashMap<String, HashMap<u64, u64>>;
+
+/// Models whose server counts are remembered; past it they are all forgotten.
+const COUNTED_MODELS: usize = 64;
 
 fn server_cache() -> &'static Mutex<ServerCache> {
     static CACHE: OnceLock<Mutex<ServerCache>> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Whether the model's server counts at all (`router::count-tokens` with no texts).
+async fn server_can_count(bus: &dyn Bus, model: &ModelRef) -> bool {
+    let probe = serde_json::json!({"provider": model.provider, "model": model.id, "texts": []});
+    bus.call("router::count-tokens", probe, Some(Duration::from_secs(10)))
+        .await
+        .is_ok_and(|can| can["counts"].is_array())
 }
 
 /// The texts of `history` and the system prompt counted by the model's server
@@ -197,8 +208,21 @@ pub async fn server_counts(
     history: &[AgentMessage],
     system_prompt: Option<&str>,
 ) -> Option<ServerCounts> {
-    let provider = model.provider.clone().unwrap_or_default();
-    let cache_key = |k: u64| (provider.clone(), model.id.clone(), k);
+    let model_key = format!(
+        "{}\u{0}{}",
+        model.provider.as_deref().unwrap_or_default(),
+        model.id
+    );
+    let counted_before = server_cache()
+        .lock()
+        .ok()?
+        .get(&model_key)
+        .is_some_and(|m| !m.is_empty());
+    // Most servers cannot count: asked before the history is walked, or every step of such a
+    // session hashed and looked up every text of its history to learn it again.
+    if !counted_before && !server_can_count(bus, model).await {
+        return None;
+    }
     let mut texts: Vec<&str> = system_prompt.into_iter().collect();
     for m in history.iter().filter(|m| m.is_model_visible()) {
         for b in m.content() {
@@ -214,35 +238,36 @@ pub async fn server_counts(
             }
         }
     }
-    texts.retain(|t| !t.is_empty());
     let mut known = HashMap::new();
-    let mut missing: Vec<&str> = Vec::new();
+    let mut missing: Vec<(u64, &str)> = Vec::new();
     {
         let cache = server_cache().lock().ok()?;
-        for t in &texts {
+        let counted = cache.get(&model_key);
+        for t in texts.into_iter().filter(|t| !t.is_empty()) {
             let k = text_key(t);
-            match cache.get(&cache_key(k)) {
+            if known.contains_key(&k) {
+                continue;
+            }
+            match counted.and_then(|c| c.get(&k)) {
                 Some(n) => {
                     known.insert(k, *n);
                 }
-                None if !known.contains_key(&k) && !missing.contains(t) => missing.push(t),
-                None => {}
+                None => {
+                    // Marks the text as seen, so a repeated one is asked once.
+                    known.insert(k, 0);
+                    missing.push((k, t));
+                }
             }
         }
     }
     if !missing.is_empty() {
-        // Asked first whether the server counts at all: most cannot, and a history is not sent
-        // at every step to learn that again.
-        let probe = serde_json::json!({"provider": model.provider, "model": model.id, "texts": []});
-        let can = bus
-            .call("router::count-tokens", probe, Some(Duration::from_secs(10)))
-            .await
-            .ok()?;
-        if !can["counts"].is_array() {
+        // A server that counted before may have gone (or been replaced by one that cannot).
+        if counted_before && !server_can_count(bus, model).await {
             return None;
         }
+        let texts: Vec<&str> = missing.iter().map(|(_, t)| *t).collect();
         let req =
-            serde_json::json!({"provider": model.provider, "model": model.id, "texts": missing});
+            serde_json::json!({"provider": model.provider, "model": model.id, "texts": texts});
         let answer = bus
             .call("router::count-tokens", req, Some(Duration::from_secs(60)))
             .await
@@ -252,13 +277,16 @@ pub async fn server_counts(
             return None;
         }
         let mut cache = server_cache().lock().ok()?;
-        if cache.len() >= CACHE_CAP {
+        if !cache.contains_key(&model_key) && cache.len() >= COUNTED_MODELS {
             cache.clear();
         }
-        for (t, n) in missing.iter().zip(counts) {
-            let k = text_key(t);
-            cache.insert(cache_key(k), n);
-            known.insert(k, n);
+        let counted = cache.entry(model_key).or_default();
+        if counted.len() >= CACHE_CAP {
+            counted.clear();
+        }
+        for ((k, _), n) in missing.iter().zip(counts) {
+            counted.insert(*k, n);
+            known.insert(*k, n);
         }
     }
     Some(Arc::new(known))
