@@ -144,7 +144,10 @@ fn calls_of(m: &AgentMessage) -> impl Iterator<Item = (&str, &str)> {
 /// after the previous step (the model answered without seeing them) move after it, so the
 /// provider is not handed a trailing assistant message to continue. The opening message never
 /// moves. Returns whether anything moved.
-pub(crate) fn rotate(messages: &mut Vec<AgentMessage>, late_users: &[AgentMessage]) -> bool {
+///
+/// The list is shared with the session's kept window: it is copied only when something moves,
+/// or every step that found a new user message copied the whole history.
+pub(crate) fn rotate(messages: &mut Arc<Vec<AgentMessage>>, late_users: &[AgentMessage]) -> bool {
     let Some(last) = messages.last() else {
         return false;
     };
@@ -160,6 +163,7 @@ pub(crate) fn rotate(messages: &mut Vec<AgentMessage>, late_users: &[AgentMessag
     if late.is_empty() {
         return false;
     }
+    let messages = Arc::make_mut(messages);
     let mut moved = Vec::with_capacity(late.len());
     for i in late.into_iter().rev() {
         moved.push(messages.remove(i));
@@ -208,24 +212,29 @@ impl Orphan {
 /// Gives every function call without a result in `messages` a synthetic one right after its
 /// assistant message (the context copy only; the transcript is untouched). `answered` holds the
 /// call ids with a result anywhere in the transcript. Returns whether anything was added.
-pub(crate) fn patch_orphans(messages: &mut Vec<AgentMessage>, answered: &HashSet<String>) -> bool {
-    let present: HashSet<String> = messages
+///
+/// Like [`rotate`], the shared list is copied only when a result is added.
+pub(crate) fn patch_orphans(
+    messages: &mut Arc<Vec<AgentMessage>>,
+    answered: &HashSet<String>,
+) -> bool {
+    let present: HashSet<&str> = messages
         .iter()
         .filter_map(|m| match m {
-            AgentMessage::FunctionResult(r) => Some(r.function_call_id.clone()),
+            AgentMessage::FunctionResult(r) => Some(r.function_call_id.as_str()),
             _ => None,
         })
         .collect();
-    let mut out = Vec::with_capacity(messages.len());
-    let mut patched = false;
-    for m in messages.drain(..) {
-        let mut synthetic = Vec::new();
-        if let AgentMessage::Assistant(a) = &m {
-            let cut = matches!(a.stop_reason, StopReason::Error | StopReason::Aborted);
-            for (id, function_id) in calls_of(&m) {
-                if present.contains(id) {
-                    continue;
-                }
+    // (index of the assistant message, its synthetic results), oldest first.
+    let mut patches: Vec<(usize, Vec<AgentMessage>)> = Vec::new();
+    for (at, m) in messages.iter().enumerate() {
+        let AgentMessage::Assistant(a) = m else {
+            continue;
+        };
+        let cut = matches!(a.stop_reason, StopReason::Error | StopReason::Aborted);
+        let synthetic: Vec<AgentMessage> = calls_of(m)
+            .filter(|(id, _)| !present.contains(id))
+            .map(|(id, function_id)| {
                 let why = if answered.contains(id) {
                     Orphan::Elided
                 } else if cut {
@@ -233,22 +242,30 @@ pub(crate) fn patch_orphans(messages: &mut Vec<AgentMessage>, answered: &HashSet
                 } else {
                     Orphan::Interrupted
                 };
-                synthetic.push(AgentMessage::FunctionResult(FunctionResultMessage {
+                AgentMessage::FunctionResult(FunctionResultMessage {
                     function_call_id: id.to_string(),
                     function_id: function_id.to_string(),
                     content: vec![ContentBlock::text(why.text())],
                     details: json!({"error": why.error()}),
                     is_error: why != Orphan::Elided,
                     timestamp: a.timestamp,
-                }));
-            }
+                })
+            })
+            .collect();
+        if !synthetic.is_empty() {
+            patches.push((at, synthetic));
         }
-        out.push(m);
-        patched |= !synthetic.is_empty();
-        out.extend(synthetic);
     }
-    *messages = out;
-    patched
+    drop(present);
+    if patches.is_empty() {
+        return false;
+    }
+    let list = Arc::make_mut(messages);
+    // From the last patch back, so the earlier indexes stay valid.
+    for (at, synthetic) in patches.into_iter().rev() {
+        list.splice(at + 1..at + 1, synthetic);
+    }
+    true
 }
 
 /// Bytes of a message's text: no tokenizer yields more tokens than bytes, so a history whose

@@ -93,24 +93,50 @@ fn the_window_starts_at_the_tail_anchor_with_the_opening_message_first() {
 
 #[test]
 fn late_user_messages_rotate_after_a_call_less_answer() {
-    let mut m = vec![
+    let mut m = Arc::new(vec![
         user("open"),
         user("sent while the model answered"),
         assistant(&[], StopReason::End),
-    ];
+    ]);
     let late = [m[1].clone()];
     assert!(rotate(&mut m, &late));
     assert_eq!(m[2], user("sent while the model answered"));
     assert!(matches!(m[1], AgentMessage::Assistant(_)));
     // The opening message never moves, and an answer with calls is left alone.
-    let mut m = vec![user("open"), assistant(&[], StopReason::End)];
+    let mut m = Arc::new(vec![user("open"), assistant(&[], StopReason::End)]);
     assert!(!rotate(&mut m, &[user("open")]));
-    let mut m = vec![
+    let mut m = Arc::new(vec![
         user("open"),
         user("late"),
         assistant(&["a"], StopReason::FunctionCall),
-    ];
+    ]);
     assert!(!rotate(&mut m, &[user("late")]));
+}
+
+#[test]
+fn a_list_shared_with_the_kept_window_is_copied_only_when_it_changes() {
+    let kept = Arc::new(vec![
+        user("open"),
+        assistant(&["a"], StopReason::FunctionCall),
+        result("a"),
+        user("late"),
+    ]);
+    let mut m = kept.clone();
+    // Ends on a user message: nothing moves; every call has its result: nothing is patched.
+    assert!(!rotate(&mut m, &[user("late")]));
+    assert!(!patch_orphans(&mut m, &HashSet::new()));
+    assert!(Arc::ptr_eq(&m, &kept));
+    // A change is made on a copy: the kept list stays as it was.
+    let kept = Arc::new(vec![
+        user("open"),
+        user("late"),
+        assistant(&[], StopReason::End),
+    ]);
+    let mut m = kept.clone();
+    assert!(rotate(&mut m, &[user("late")]));
+    assert!(!Arc::ptr_eq(&m, &kept));
+    assert_eq!(kept[1], user("late"));
+    assert_eq!(m[2], user("late"));
 }
 
 fn patched_text(m: &AgentMessage) -> (String, bool, Value) {
@@ -127,13 +153,13 @@ fn patched_text(m: &AgentMessage) -> (String, bool, Value) {
 #[test]
 fn orphans_get_the_text_of_what_happened_to_them() {
     let answered: HashSet<String> = ["elided".to_string(), "done".to_string()].into();
-    let mut m = vec![
+    let mut m = Arc::new(vec![
         user("open"),
         assistant(&["elided", "done"], StopReason::FunctionCall),
         result("done"),
         assistant(&["ran"], StopReason::FunctionCall),
         assistant(&["cut"], StopReason::Error),
-    ];
+    ]);
     assert!(patch_orphans(&mut m, &answered));
     // Each synthetic result sits right after its assistant message.
     assert_eq!(m.len(), 8);

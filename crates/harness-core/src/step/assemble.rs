@@ -214,7 +214,7 @@ impl Harness {
             let mut changed = false;
             let mut prompt = assembled.system_prompt;
             if !window.late_users.is_empty() {
-                changed |= context::rotate(Arc::make_mut(&mut messages), &window.late_users);
+                changed |= context::rotate(&mut messages, &window.late_users);
             }
             // A cut reply with calls is followed by their patched results instead.
             if window.resume_notice.is_some()
@@ -255,7 +255,7 @@ impl Harness {
             // The window knows when every call it holds has its result; the context manager's
             // own list (compacted) and the hooks' are checked.
             if !assembled.unchanged || hooked || window.unresolved_calls {
-                changed |= context::patch_orphans(Arc::make_mut(&mut messages), &window.answered);
+                changed |= context::patch_orphans(&mut messages, &window.answered);
             }
             if messages.is_empty() {
                 return Ok(Err(ContextRefusal::Empty));
