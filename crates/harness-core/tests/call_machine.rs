@@ -293,3 +293,46 @@ async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost
     let text = result_text(&rt, &r.session_id, "s1");
     assert!(text.contains("child_lost"), "{text}");
 }
+
+#[tokio::test]
+async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a_delivery() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^wait", "c1", "x::slow", json!({})), text_gen("done")]}),
+        config(),
+    )
+    .await;
+    rt.register("x::slow", None, |_| json!("never used"));
+    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
+    bind(&rt, "pre-trigger", "guard::hold", json!({})).await;
+    let r = rt.harness.send(allowing("wait", &["x::*"])).await.unwrap();
+    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    // An older version's parked call: pending, with neither a holder nor a child.
+    let mut rec = rt
+        .bus
+        .state_get(harness_core::TURN_SCOPE, &r.session_id)
+        .await
+        .unwrap()
+        .unwrap();
+    rec["calls"]["c1"]["held_by"] = Value::Null;
+    rec["calls"]["c1"]["pending_at"] = json!(harness_types::now_ms());
+    rt.bus
+        .state_set(harness_core::TURN_SCOPE, &r.session_id, rec)
+        .await
+        .unwrap();
+
+    let swept = rt
+        .harness
+        .sweep_pending(SweepRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(swept.resolved, 0, "not past its timeout");
+    let out = resolve(&rt, &r, "c1", ResolveAction::Execute).await;
+    assert!(!out.resolved, "nothing holds it, so nothing runs: {out:?}");
+    let out = resolve(&rt, &r, "c1", ResolveAction::Deliver).await;
+    assert!(out.resolved && out.turn_resumed, "{out:?}");
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    let results = rt.results(&r.session_id);
+    assert_eq!(results.len(), 1);
+    assert!(!results[0].is_error, "the delivered (empty) result");
+}

@@ -1,0 +1,100 @@
+//! Rows of the turn machine the other suites do not take: a stop while the model streams, a
+//! message sent while a turn runs, and the `max_turns` notice refused by a post-turn hook.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use harness_bus::{Bus, CallContext, FunctionDef};
+use harness_types::api::{SendOptions, StopRequest, TurnStatus};
+use serde_json::{json, Value};
+use support::*;
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_stop_while_the_model_streams_cancels_the_turn() {
+    let long = "word ".repeat(400);
+    let rt = runtime(json!({"generations": [text(None, &long, 20)]}), config()).await;
+    let r = rt.harness.send(send("talk")).await.unwrap();
+    until("the generation started", || {
+        !rt.recorder.seen.lock().unwrap().is_empty()
+    })
+    .await;
+    rt.harness
+        .stop(StopRequest {
+            session_id: r.session_id.clone(),
+            turn_id: Some(r.turn_id.clone()),
+        })
+        .await
+        .unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+}
+
+#[tokio::test]
+async fn a_message_sent_while_the_model_streams_steers_the_same_turn() {
+    let long = "word ".repeat(60);
+    let rt = runtime(
+        json!({"generations": [
+            text(Some("^first"), &long, 20),
+            text(Some("^second"), "heard the second", 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let a = rt.harness.send(send("first")).await.unwrap();
+    until("the generation started", || {
+        !rt.recorder.seen.lock().unwrap().is_empty()
+    })
+    .await;
+    let mut second = send("second");
+    second.session_id = Some(a.session_id.clone());
+    let b = rt.harness.send(second).await.unwrap();
+    assert_eq!(b.turn_id, a.turn_id, "the running turn takes it");
+    let s = rt.wait_terminal(&a.session_id, &a.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(s.result, Some(json!("heard the second")));
+}
+
+#[tokio::test]
+async fn the_max_turns_notice_refused_by_a_post_turn_hook_fails_the_turn_keeping_the_notice() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("never")]}),
+        config(),
+    )
+    .await;
+    rt.register("x::f", None, |_| json!("ran"));
+    rt.bus.register_function(
+        FunctionDef::new("gate::never", "test hook"),
+        Arc::new(|_p: Value, _ctx: CallContext| async move {
+            Ok(json!({"decision": "deny", "reason": "not good enough"}))
+        }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::post-turn", "function_id": "gate::never", "config": {}, "metadata": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let mut req = allowing("go", &["x::*"]);
+    req.options = Some(SendOptions {
+        max_turns: Some(1),
+        ..req.options.unwrap()
+    });
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Failed);
+    let failure = s.failure.expect("a cause");
+    assert_eq!(failure.code, "harness.output_contract_invalid");
+    assert_eq!(rt.recorder.seen.lock().unwrap().len(), 1, "one generation");
+}
