@@ -5,13 +5,10 @@
 mod support;
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use harness_bus::Bus;
-use harness_types::api::{
-    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionStatus, ExposeMode, FunctionPolicy,
-    SendOptions,
-};
+use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions};
 use serde_json::{json, Value};
 use support::*;
 
@@ -253,30 +250,7 @@ async fn the_sessions_grants_are_stamped_per_call_and_deleted_with_the_session()
     )
     .await
     .unwrap();
-    let op = rt
-        .harness
-        .delete_session_tree(DeleteTreeRequest {
-            session_id: "g1".into(),
-            attempt: None,
-        })
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let s = rt
-            .harness
-            .delete_session_tree_status(DeleteTreeStatusRequest {
-                operation_id: op.operation_id.clone(),
-            })
-            .await
-            .unwrap();
-        if s.status != DeletionStatus::Deleting {
-            assert_eq!(s.status, DeletionStatus::Completed, "{s:?}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "deletion never ended");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    rt.delete_tree("g1").await;
     assert_eq!(
         rt.bus
             .state_get("harness_filesystem_grants", "g1")

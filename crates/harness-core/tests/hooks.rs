@@ -136,11 +136,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
         1,
         "the holder is not re-run on release"
     );
-    let entry = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == format!("e_{}_c1", r.turn_id))
-        .unwrap();
+    let entry = rt.entry(&r.session_id, &format!("e_{}_c1", r.turn_id));
     assert_eq!(
         entry.origin.unwrap()["guard"],
         "held",
@@ -288,11 +284,7 @@ async fn deny_at_each_point() {
     let r = rt.harness.send(send("hi")).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
-    let err = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
-        .unwrap();
+    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     assert_eq!(
         err.custom.as_ref().unwrap().data["code"],
         "harness.pre_turn_denied"
@@ -316,11 +308,7 @@ async fn deny_at_each_point() {
     bind(&rt, "pre-generate", "policy::no", json!({}), json!({})).await;
     let r = rt.harness.send(send("hi")).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
-    let err = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
-        .unwrap();
+    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     assert_eq!(
         err.custom.unwrap().data["code"],
         "harness.pre_generate_denied"

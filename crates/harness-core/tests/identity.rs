@@ -277,12 +277,7 @@ async fn an_extends_cycle_is_refused_naming_the_chain() {
         err.to_string().starts_with("harness/invalid_request: options.agent: agents/bad.md: reasoning_effort: unknown variant `huge`"),
         "{err}"
     );
-    let listed = rt.bus.call("session::list", json!({}), None).await.unwrap();
-    assert_eq!(
-        listed["sessions"].as_array().map(Vec::len),
-        Some(0),
-        "{listed}"
-    );
+    rt.assert_no_sessions().await;
 }
 
 #[tokio::test]

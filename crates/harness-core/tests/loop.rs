@@ -223,11 +223,10 @@ async fn a_transient_failure_after_partial_output_resumes_once() {
     let roles: Vec<&str> = msgs.iter().map(|(role, _)| role.as_str()).collect();
     assert_eq!(roles, ["user", "assistant", "assistant"], "{msgs:?}");
     assert_eq!(msgs[1], ("assistant".into(), "Partial answer ".into()));
-    let recovering = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == format!("e_{}_transient_recovery_1_recovering", r.turn_id))
-        .unwrap();
+    let recovering = rt.entry(
+        &r.session_id,
+        &format!("e_{}_transient_recovery_1_recovering", r.turn_id),
+    );
     assert!(recovering.message.is_none());
     let notice = recovering.custom.unwrap().data["notice"]
         .as_str()
@@ -318,11 +317,7 @@ async fn a_failure_with_no_output_fails_the_turn_without_spending_the_resume_bud
         s.result_error.as_deref(),
         Some("The provider failed temporarily.")
     );
-    let err = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
-        .unwrap();
+    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     let data = err.custom.unwrap().data;
     assert_eq!(data["phase"], "generation");
     assert_eq!(data["detail"], "503 from upstream");
@@ -340,11 +335,7 @@ async fn a_conversation_that_does_not_fit_fails_cleanly() {
     let r = rt.harness.send(send(&"word ".repeat(400))).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
-    let err = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == format!("e_{}_error", r.turn_id))
-        .unwrap();
+    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     let data = err.custom.unwrap().data;
     assert_eq!(data["code"], "harness.context_overflow");
     assert!(data["detail"]
@@ -381,11 +372,7 @@ async fn calls_are_denied_without_a_policy_and_max_turns_ends_the_turn() {
     assert!(results
         .iter()
         .all(|f| f.is_error && f.details["error"] == "policy_denied"));
-    let notice = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == format!("e_{}_max_turns", r.turn_id))
-        .unwrap();
+    let notice = rt.entry(&r.session_id, &format!("e_{}_max_turns", r.turn_id));
     assert_eq!(
         notice.custom.unwrap().data["message"],
         "max_turns (1) reached; ending the turn."
@@ -452,11 +439,7 @@ async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
         .unwrap();
     let s = rt.wait_terminal(&r.session_id, "t_lost").await;
     assert_eq!(s.status, TurnStatus::Failed);
-    let err = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find(|e| e.entry_id == "e_t_lost_error")
-        .unwrap();
+    let err = rt.entry(&r.session_id, "e_t_lost_error");
     assert_eq!(err.custom.unwrap().data["code"], "harness.turn_record_lost");
     // The session goes on: the next send needs a model again and starts a fresh turn.
     let mut next = send("again");
@@ -677,12 +660,7 @@ async fn unknown_and_unsupported_fields_are_refused_by_name_never_dropped() {
         .to_string();
     assert!(e.contains("display.icon"), "{e}");
     // Nothing was started by any of them.
-    let listed = rt.bus.call("session::list", json!({}), None).await.unwrap();
-    assert_eq!(
-        listed["sessions"].as_array().map(Vec::len),
-        Some(0),
-        "{listed}"
-    );
+    rt.assert_no_sessions().await;
 }
 
 #[tokio::test]

@@ -4,12 +4,9 @@
 mod support;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, TriggerTypeDef};
-use harness_types::api::{
-    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionStatus, SendRequest, TurnStatus,
-};
+use harness_types::api::{SendRequest, TurnStatus};
 use harness_types::message::{joined_text, FunctionResultMessage};
 use harness_types::AgentMessage;
 use serde_json::{json, Value};
@@ -310,30 +307,7 @@ async fn a_binding_left_behind_goes_at_start_up_and_with_its_session() {
     );
 
     let kept = plant(&rt, &b.session_id, &b.turn_id).await;
-    let op = rt
-        .harness
-        .delete_session_tree(DeleteTreeRequest {
-            session_id: b.session_id.clone(),
-            attempt: None,
-        })
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let s = rt
-            .harness
-            .delete_session_tree_status(DeleteTreeStatusRequest {
-                operation_id: op.operation_id.clone(),
-            })
-            .await
-            .unwrap();
-        if s.status != DeletionStatus::Deleting {
-            assert_eq!(s.status, DeletionStatus::Completed, "{s:?}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "deletion never ended");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    rt.delete_tree(&b.session_id).await;
     let ids: Vec<String> = bindings_of(&rt, "test::tick")
         .await
         .into_iter()

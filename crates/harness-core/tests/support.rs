@@ -304,6 +304,58 @@ impl Rt {
         self.sessions.all_entries(session_id, true).unwrap()
     }
 
+    /// The entry `entry_id` of the session.
+    pub fn entry(&self, session_id: &str, entry_id: &str) -> Entry {
+        self.entries(session_id)
+            .into_iter()
+            .find(|e| e.entry_id == entry_id)
+            .unwrap_or_else(|| panic!("no entry {entry_id} in {session_id}"))
+    }
+
+    /// Deletes the session tree of `session_id` and waits until the deletion completed.
+    pub async fn delete_tree(&self, session_id: &str) {
+        use harness_types::api::{DeleteTreeRequest, DeleteTreeStatusRequest, DeletionStatus};
+        let op = self
+            .harness
+            .delete_session_tree(DeleteTreeRequest {
+                session_id: session_id.into(),
+                attempt: None,
+            })
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = self
+                .harness
+                .delete_session_tree_status(DeleteTreeStatusRequest {
+                    operation_id: op.operation_id.clone(),
+                })
+                .await
+                .unwrap();
+            if s.status != DeletionStatus::Deleting {
+                assert_eq!(s.status, DeletionStatus::Completed, "{s:?}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "deletion never ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// No session exists (nothing a refused request could have started).
+    pub async fn assert_no_sessions(&self) {
+        use harness_bus::Bus;
+        let listed = self
+            .bus
+            .call("session::list", json!({}), None)
+            .await
+            .unwrap();
+        assert_eq!(
+            listed["sessions"].as_array().map(Vec::len),
+            Some(0),
+            "{listed}"
+        );
+    }
+
     /// `(role, text)` of every message entry.
     pub fn messages(&self, session_id: &str) -> Vec<(String, String)> {
         self.entries(session_id)
