@@ -162,6 +162,52 @@ fn validate_options(o: &SendOptions) -> Result<()> {
     Ok(())
 }
 
+/// A send's fields, checked before anything is read or written.
+struct Checked {
+    message: AgentMessage,
+    options: SendOptions,
+    /// The filesystem root the send names (never a child's: it has its parent's part).
+    named_root: Option<fsroot::FsRoot>,
+}
+
+/// Every field check of a send. A send merged into a running turn never reaches the point
+/// where options are frozen, so nothing there may swallow a bad field silently.
+fn check(req: &SendRequest, child: bool) -> Result<Checked> {
+    let message = normalize_message(req.message.clone())?;
+    let options = req.options.clone().unwrap_or_default();
+    validate_options(&options)?;
+    let named_root = match (&options.filesystem_root, child) {
+        (Some(p), false) => Some(fsroot::explicit("options.filesystem_root", p)?),
+        _ => None,
+    };
+    if req.model.as_deref() == Some("") {
+        return Err(HarnessError::invalid_field("model", "must not be empty"));
+    }
+    for (field, value) in [
+        ("session_id", &req.session_id),
+        ("idempotency_key", &req.idempotency_key),
+    ] {
+        if value.as_deref() == Some("") {
+            return Err(HarnessError::invalid_field(field, "must not be empty"));
+        }
+    }
+    Ok(Checked {
+        message,
+        options,
+        named_root,
+    })
+}
+
+/// What the lock-free path did with a send.
+enum Steered {
+    /// Not a running turn: the locked path decides.
+    No,
+    /// Parked for a turn that ended meanwhile: the new turn's first step drains it.
+    Parked,
+    /// Parked for the running turn, which takes it at its next step.
+    Merged(SendResponse),
+}
+
 impl Harness {
     pub async fn send(&self, req: SendRequest) -> Result<SendResponse> {
         self.accept(req, None).await
@@ -177,157 +223,45 @@ impl Harness {
         self.accept(req, Some(lineage)).await
     }
 
-    /// The send path of both.
+    /// The send path of both: checks, dedupe, steering a running turn lock-free, then under
+    /// the session lock the next turn's options and the machine.
     async fn accept(&self, req: SendRequest, lineage: Option<Lineage>) -> Result<SendResponse> {
-        let message = normalize_message(req.message.clone())?;
-        let options = req.options.clone().unwrap_or_default();
-        validate_options(&options)?;
-        let named_root = match (&options.filesystem_root, &lineage) {
-            (Some(p), None) => Some(fsroot::explicit("options.filesystem_root", p)?),
-            _ => None,
-        };
-        // Checked here, not only where options are frozen: a send merged into a running turn
-        // never reaches that point and must not swallow a bad field silently.
-        if req.model.as_deref() == Some("") {
-            return Err(HarnessError::invalid_field("model", "must not be empty"));
+        let checked = check(&req, lineage.is_some())?;
+        if let Some(done) = self.deduplicated(&req).await? {
+            return Ok(done);
         }
-        if let Some(id) = &req.session_id {
-            if id.is_empty() {
-                return Err(HarnessError::invalid_field(
-                    "session_id",
-                    "must not be empty",
-                ));
-            }
-        }
-        if let Some(key) = &req.idempotency_key {
-            if key.is_empty() {
-                return Err(HarnessError::invalid_field(
-                    "idempotency_key",
-                    "must not be empty",
-                ));
-            }
-            if let Some(row) = self.idem_row(key).await? {
-                return Ok(SendResponse {
-                    session_id: row.session_id,
-                    turn_id: row.turn_id,
-                    accepted: true,
-                    deduplicated: Some(true),
-                    ..SendResponse::default()
-                });
-            }
-        }
-        // A fresh id cannot be a deleted one; a named session or a spawn's parent may be.
-        if let Some(id) = &req.session_id {
-            self.refuse_tombstoned("session_id", id).await?;
-        }
-        if let Some(parent) = lineage.as_ref().and_then(|l| l.parent.as_ref()) {
-            self.refuse_tombstoned("parent", &parent.session_id).await?;
-        }
-        if lineage.is_none() && (options.agent.is_some() || options.skills.is_some()) {
-            self.check_identity_change(&req, &options).await?;
-        }
+        self.refuse_unsendable(&req, &checked.options, lineage.as_ref())
+            .await?;
         let session_id = req.session_id.clone().unwrap_or_else(ids::new_session_id);
         let entry_id = match &req.idempotency_key {
             Some(key) => ids::idempotent_user_entry(key),
             None => ids::new_entry_id(),
         };
-        let preview = message_preview(&message.text());
-
-        // Fast path: a running turn takes steering without the session lock, which its step may
-        // hold for as long as a function runs. The message is parked first, then the record is
-        // read again: if the turn ended in between, the locked path below starts a new turn whose
-        // first step drains it.
-        let mut parked = false;
-        if req.session_id.is_some() {
-            if let Some(rec) = self.load_record(&session_id).await? {
-                if rec.status == TurnStatus::Running {
-                    refuse_root_change(&rec, named_root.as_ref())?;
-                    self.park(&session_id, message.clone(), &entry_id).await?;
-                    parked = true;
-                    if let Some(now) = self
-                        .load_record(&session_id)
-                        .await?
-                        .filter(|r| !r.is_terminal())
-                    {
-                        let response = merged(&session_id, now.turn_id, true);
-                        return self.answer_send(&req, response, entry_id).await;
-                    }
-                }
-            }
-        }
-
+        let parked = match self.steer(&req, &checked, &session_id, &entry_id).await? {
+            Steered::Merged(response) => return self.answer_send(&req, response, entry_id).await,
+            Steered::Parked => true,
+            Steered::No => false,
+        };
         let _guard = self.inner.locks.lock(&session_id).await;
-        // Re-check under the lock: two sends with one key racing must not both append.
-        if let Some(key) = &req.idempotency_key {
-            if let Some(row) = self.idem_row(key).await? {
-                return Ok(SendResponse {
-                    session_id: row.session_id,
-                    turn_id: row.turn_id,
-                    accepted: true,
-                    deduplicated: Some(true),
-                    ..SendResponse::default()
-                });
-            }
+        // Again under the lock: two sends with one key racing must not both append.
+        if let Some(done) = self.deduplicated(&req).await? {
+            return Ok(done);
         }
         let prev = match &req.session_id {
             Some(id) => self.load_record(id).await?,
             None => None,
         };
         if let Some(p) = prev.as_ref().filter(|p| !p.is_terminal()) {
-            refuse_root_change(p, named_root.as_ref())?;
+            refuse_root_change(p, checked.named_root.as_ref())?;
         }
-        let mut frozen = match &lineage {
-            Some(l) => l.options.clone(),
-            None => self.freeze_options(&req, &options, prev.as_ref()).await?,
-        };
-        // A new turn on the prompt the session froze earlier: a changed skills catalog is told
-        // as a user-role correction before the message, never by rewriting the prompt.
-        let mut correction = None;
-        if let Some(p) = prev.as_ref().filter(|p| p.is_terminal()) {
-            let inherited = frozen.system_prompt == p.options.system_prompt
-                && frozen.prompt_shape == p.options.prompt_shape;
-            if inherited && lineage.is_none() {
-                frozen.skills_seen = p.options.skills_seen.clone();
-                if let Some((text, now)) = self.skills_catalog_correction(&p.options, &frozen).await
-                {
-                    correction = Some(text);
-                    frozen.skills_seen = Some(now);
-                }
-            }
-        }
-        // Chosen (and refused for a model the catalog does not know) before anything is kept.
-        let applied = match (&options.reasoning, &lineage) {
-            (Some(_), None) => Some(self.lowest_reasoning(&frozen).await?),
-            _ => None,
-        };
-        let req = match options.agent {
-            Some(_) => with_agent_metadata(req, &frozen),
+        let (seed, correction, applied) = self
+            .seed(&req, &checked, &session_id, prev.as_ref(), lineage)
+            .await?;
+        let req = match checked.options.agent {
+            Some(_) => with_agent_metadata(req, &seed.options),
             None => req,
         };
         self.ensure_session(&req, &session_id).await?;
-
-        let (depth, parent) = match &lineage {
-            Some(l) => (l.depth, l.parent.clone()),
-            None => (
-                prev.as_ref().map_or(0, |p| p.depth),
-                prev.as_ref().and_then(|p| p.parent.clone()),
-            ),
-        };
-        let seed = Seed {
-            session_id: session_id.clone(),
-            turn_id: ids::new_turn_id(),
-            options: frozen,
-            depth,
-            parent,
-            preview,
-            functions_generation: prev.as_ref().and_then(|p| p.functions_generation),
-            now: now_ms(),
-        };
-        let mut seed = seed;
-        if let Some(b) = seed.options.budget.as_mut().filter(|b| b.ledger.is_empty()) {
-            // A root budget's ledger is the turn that set it; its sub-agents share it.
-            b.ledger = seed.turn_id.clone();
-        }
         let new_turn = seed.turn_id.clone();
         let steering = prev
             .as_ref()
@@ -340,7 +274,7 @@ impl Harness {
         // `interpret.rs`, which writes them apart if the queue refuses it).
         let mut carry = Carry::sending(Outgoing {
             session_id: session_id.clone(),
-            message,
+            message: checked.message,
             entry_id: entry_id.clone(),
             new_turn: new_turn.clone(),
             correction,
@@ -351,7 +285,7 @@ impl Harness {
             .ok_or_else(|| HarnessError::internal("a send left no turn record"))?;
         let response = if rec.turn_id == new_turn {
             SendResponse {
-                session_id: session_id.clone(),
+                session_id,
                 turn_id: new_turn,
                 accepted: true,
                 reasoning: applied,
@@ -361,6 +295,141 @@ impl Harness {
             merged(&session_id, rec.turn_id, steering || parked)
         };
         self.answer_send(&req, response, entry_id).await
+    }
+
+    /// The answer of an earlier send with the same idempotency key, if one was kept.
+    async fn deduplicated(&self, req: &SendRequest) -> Result<Option<SendResponse>> {
+        let Some(key) = &req.idempotency_key else {
+            return Ok(None);
+        };
+        Ok(self.idem_row(key).await?.map(|row| SendResponse {
+            session_id: row.session_id,
+            turn_id: row.turn_id,
+            accepted: true,
+            deduplicated: Some(true),
+            ..SendResponse::default()
+        }))
+    }
+
+    /// A deleted session or parent takes no message (a fresh id cannot be a deleted one), and
+    /// a send may not change a session's identity (see [`Harness::check_identity_change`]).
+    async fn refuse_unsendable(
+        &self,
+        req: &SendRequest,
+        options: &SendOptions,
+        lineage: Option<&Lineage>,
+    ) -> Result<()> {
+        if let Some(id) = &req.session_id {
+            self.refuse_tombstoned("session_id", id).await?;
+        }
+        if let Some(parent) = lineage.and_then(|l| l.parent.as_ref()) {
+            self.refuse_tombstoned("parent", &parent.session_id).await?;
+        }
+        if lineage.is_none() && (options.agent.is_some() || options.skills.is_some()) {
+            self.check_identity_change(req, options).await?;
+        }
+        Ok(())
+    }
+
+    /// The fast path: a running turn takes steering without the session lock, which its step
+    /// may hold for as long as a function runs. The message is parked first, then the record
+    /// is read again: if the turn ended in between, the locked path starts a new turn whose
+    /// first step drains it.
+    async fn steer(
+        &self,
+        req: &SendRequest,
+        checked: &Checked,
+        session_id: &str,
+        entry_id: &str,
+    ) -> Result<Steered> {
+        if req.session_id.is_none() {
+            return Ok(Steered::No);
+        }
+        match self.load_record(session_id).await? {
+            Some(rec) if rec.status == TurnStatus::Running => {
+                refuse_root_change(&rec, checked.named_root.as_ref())?;
+            }
+            _ => return Ok(Steered::No),
+        }
+        self.park(session_id, checked.message.clone(), entry_id)
+            .await?;
+        Ok(
+            match self
+                .load_record(session_id)
+                .await?
+                .filter(|r| !r.is_terminal())
+            {
+                Some(now) => Steered::Merged(merged(session_id, now.turn_id, true)),
+                None => Steered::Parked,
+            },
+        )
+    }
+
+    /// The turn this send would start: its frozen options (a child's come with its lineage),
+    /// depth and parent; the skills correction to tell before the message; the reasoning
+    /// applied. Chosen (and refused for a model the catalog does not know) before anything is
+    /// kept.
+    async fn seed(
+        &self,
+        req: &SendRequest,
+        checked: &Checked,
+        session_id: &str,
+        prev: Option<&TurnRecord>,
+        lineage: Option<Lineage>,
+    ) -> Result<(
+        Seed,
+        Option<String>,
+        Option<harness_types::api::AppliedReasoning>,
+    )> {
+        let options = &checked.options;
+        let mut correction = None;
+        let mut applied = None;
+        let (mut frozen, depth, parent) = match lineage {
+            Some(l) => (l.options, l.depth, l.parent),
+            None => {
+                let mut frozen = self.freeze_options(req, options, prev).await?;
+                // A new turn on the prompt the session froze earlier: a changed skills catalog
+                // is told as a user-role correction before the message, never by rewriting
+                // the prompt.
+                if let Some(p) = prev.filter(|p| p.is_terminal()) {
+                    if frozen.system_prompt == p.options.system_prompt
+                        && frozen.prompt_shape == p.options.prompt_shape
+                    {
+                        frozen.skills_seen = p.options.skills_seen.clone();
+                        if let Some((text, now)) =
+                            self.skills_catalog_correction(&p.options, &frozen).await
+                        {
+                            correction = Some(text);
+                            frozen.skills_seen = Some(now);
+                        }
+                    }
+                }
+                if options.reasoning.is_some() {
+                    applied = Some(self.lowest_reasoning(&frozen).await?);
+                }
+                (
+                    frozen,
+                    prev.map_or(0, |p| p.depth),
+                    prev.and_then(|p| p.parent.clone()),
+                )
+            }
+        };
+        let turn_id = ids::new_turn_id();
+        if let Some(b) = frozen.budget.as_mut().filter(|b| b.ledger.is_empty()) {
+            // A root budget's ledger is the turn that set it; its sub-agents share it.
+            b.ledger = turn_id.clone();
+        }
+        let seed = Seed {
+            session_id: session_id.to_string(),
+            turn_id,
+            options: frozen,
+            depth,
+            parent,
+            preview: message_preview(&checked.message.text()),
+            functions_generation: prev.and_then(|p| p.functions_generation),
+            now: now_ms(),
+        };
+        Ok((seed, correction, applied))
     }
 
     /// What `reasoning: "lowest"` applies to the turn's model, from its catalog row (the
