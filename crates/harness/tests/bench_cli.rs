@@ -1,8 +1,10 @@
 //! `harness bench --quick --json` runs end to end and prints one JSON object with the documented
 //! keys. Shapes only: the numbers depend on the machine, so no thresholds are asserted.
 
-use std::process::Command;
+#[path = "common/bench.rs"]
+mod bench;
 
+use bench::quick_bench;
 use serde_json::Value;
 
 fn positive(report: &Value, key: &str) -> f64 {
@@ -18,27 +20,7 @@ fn positive(report: &Value, key: &str) -> f64 {
 #[test]
 fn bench_quick_json_prints_every_metric() {
     let dir = tempfile::tempdir().unwrap();
-    // Smaller than --quick alone so the debug build stays well under a minute.
-    let out = Command::new(env!("CARGO_BIN_EXE_harness"))
-        .args([
-            "bench",
-            "--quick",
-            "--json",
-            "--idle-sessions",
-            "300",
-            "--cell-secs",
-            "0.4",
-        ])
-        .arg("--dir")
-        .arg(dir.path())
-        .env("HARNESS_LOG", "error")
-        .output()
-        .expect("run harness bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench failed: {stderr}");
-    let report: Value = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
+    let (report, _) = quick_bench(dir.path(), &[]);
     assert!(report.is_object());
 
     for key in [
@@ -118,7 +100,7 @@ fn bench_quick_json_prints_every_metric() {
 #[cfg(not(feature = "iii"))]
 #[test]
 fn bench_iii_mode_fails_clearly() {
-    let out = Command::new(env!("CARGO_BIN_EXE_harness"))
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harness"))
         .args(["bench", "--iii", "ws://127.0.0.1:49134"])
         .output()
         .expect("run harness bench");

@@ -4,7 +4,7 @@
 mod common;
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use common::*;
@@ -42,16 +42,6 @@ impl Fixtures {
         v.extend(extra.iter().map(|s| s.to_string()));
         v
     }
-}
-
-/// The logged invocations, one JSON value per line.
-fn invocations(log: &Path) -> Vec<Value> {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("fixture log line is JSON"))
-        .collect()
 }
 
 fn write_args(n: u32) -> Value {
@@ -107,44 +97,6 @@ async fn pending(api: &Api, sid: &str) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-/// Every function_call in the transcript has exactly one function_result.
-fn assert_every_call_closed(entries: &[Value]) {
-    let mut calls: Vec<String> = vec![];
-    let mut results: Vec<String> = vec![];
-    for e in entries {
-        for b in e["message"]["content"].as_array().into_iter().flatten() {
-            if b["type"] == "function_call" {
-                calls.push(b["id"].as_str().unwrap().to_string());
-            }
-        }
-        if e["message"]["role"] == "function_result" {
-            results.push(
-                e["message"]["function_call_id"]
-                    .as_str()
-                    .unwrap()
-                    .to_string(),
-            );
-        }
-    }
-    calls.sort();
-    results.sort();
-    assert_eq!(
-        calls,
-        results,
-        "every call closed exactly once:\n{}",
-        render(entries)
-    );
-}
-
-fn result_of<'a>(entries: &'a [Value], call: &str) -> &'a Value {
-    entries
-        .iter()
-        .find(|e| {
-            e["message"]["role"] == "function_result" && e["message"]["function_call_id"] == call
-        })
-        .unwrap_or_else(|| panic!("no result for {call}:\n{}", render(entries)))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
     let fx = Fixtures::new();
@@ -168,7 +120,10 @@ async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
     );
     assert_eq!(a["arguments"], write_args(1));
     assert!(a["digest"].as_str().unwrap().starts_with("sha256:"), "{a}");
-    assert!(invocations(&fx.log()).is_empty(), "nothing ran while held");
+    assert!(
+        logged_invocations(&fx.log()).is_empty(),
+        "nothing ran while held"
+    );
 
     server.kill();
     server.restart().await;
@@ -177,7 +132,7 @@ async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
     let after = pending(&server.api(), &sid).await;
     assert_eq!(after, before, "the approval is still listed, unchanged");
     wait_parked(&server.api(), &sid, "c1").await;
-    assert!(invocations(&fx.log()).is_empty());
+    assert!(logged_invocations(&fx.log()).is_empty());
 
     // Bound to what was shown: another digest is refused and consumes nothing.
     let mut wrong =
@@ -213,7 +168,7 @@ async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
     );
     assert!(pending(&server.api(), &sid).await.is_empty());
 
-    let log = invocations(&fx.log());
+    let log = logged_invocations(&fx.log());
     assert_eq!(log.len(), 1, "the target ran exactly once: {log:?}");
     assert_eq!(log[0]["function_call_id"], "c1");
     assert_eq!(log[0]["function_id"], "fixture::write");
@@ -225,13 +180,7 @@ async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
     assert_eq!(r["message"]["is_error"], false, "{r}");
     assert_eq!(r["origin"]["approval_id"], a["approval_id"], "{r}");
 
-    let events = server
-        .events(&sid, None)
-        .await
-        .until_turn_completed(&tid)
-        .await;
-    assert_eq!(check_turn_lifecycle(&events), vec![tid.clone()]);
-    check_entries_added_once(&events);
+    server.assert_one_clean_turn(&sid, &tid).await;
 }
 
 /// A stop writes the results of the calls it closes in the same batch as the cancelled record:
@@ -257,18 +206,7 @@ async fn a_stop_killed_before_its_batch_leaves_nothing_half_written() {
     let _ = server
         .try_ok("harness::stop", json!({ "session_id": sid }))
         .await;
-    wait_for("the failpoint to kill the server", WAIT, || {
-        let dead = server.exited();
-        async move { dead.then_some(()) }
-    })
-    .await;
-    assert!(
-        server
-            .log()
-            .contains("failpoint after_calls_closed: killing the process"),
-        "the process died at the failpoint:\n{}",
-        server.log()
-    );
+    server.wait_killed_at("after_calls_closed").await;
 
     server.set_env("HARNESS_FAILPOINT", None);
     server.start_again().await;
@@ -292,14 +230,11 @@ async fn a_stop_killed_before_its_batch_leaves_nothing_half_written() {
     assert_every_call_closed(&entries);
     let r = result_of(&entries, "c1");
     assert_eq!(r["message"]["is_error"], true, "{r}");
-    assert!(invocations(&fx.log()).is_empty(), "the held call never ran");
-    let events = server
-        .events(&sid, None)
-        .await
-        .until_turn_completed(&tid)
-        .await;
-    assert_eq!(check_turn_lifecycle(&events), vec![tid.clone()]);
-    check_entries_added_once(&events);
+    assert!(
+        logged_invocations(&fx.log()).is_empty(),
+        "the held call never ran"
+    );
+    server.assert_one_clean_turn(&sid, &tid).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -335,7 +270,7 @@ async fn restarting_without_approve_unbinds_the_gate_and_leftover_approvals_stay
         .ok("harness::send", send_body(Some(&sid), "write again"))
         .await);
     assert_eq!(server.wait_turn(&sid, &tid2).await["status"], "completed");
-    let calls: Vec<String> = invocations(&fx.log())
+    let calls: Vec<String> = logged_invocations(&fx.log())
         .iter()
         .map(|v| v["function_call_id"].as_str().unwrap().to_string())
         .collect();
@@ -424,7 +359,7 @@ async fn harness_chat_shows_the_approval_and_takes_y_or_n() {
         out.trim_end().ends_with("written"),
         "the reply follows: {out}"
     );
-    let log = invocations(&fx.log());
+    let log = logged_invocations(&fx.log());
     assert_eq!(log.len(), 1, "{log:?}");
     assert_eq!(log[0]["function_call_id"], "c1");
     assert_eq!(log[0]["arguments"], write_args(1));
@@ -441,7 +376,11 @@ async fn harness_chat_shows_the_approval_and_takes_y_or_n() {
         "{out}"
     );
     assert!(out.contains("[denied]"), "{out}");
-    assert_eq!(invocations(&fx.log()).len(), 1, "a denied call never runs");
+    assert_eq!(
+        logged_invocations(&fx.log()).len(),
+        1,
+        "a denied call never runs"
+    );
     let entries = server.transcript(&sid, false).await;
     assert_every_call_closed(&entries);
     let r = result_of(&entries, "c2");
@@ -464,5 +403,5 @@ async fn harness_chat_leaves_the_approval_pending_when_stdin_ends() {
     let all = server.ok("approval::list", json!({})).await;
     let approvals = all["approvals"].as_array().unwrap();
     assert_eq!(approvals.len(), 1, "{all}");
-    assert!(invocations(&fx.log()).is_empty());
+    assert!(logged_invocations(&fx.log()).is_empty());
 }

@@ -22,8 +22,10 @@ async fn wait_settled(server: &Server, session_id: &str) -> Value {
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_while_the_target_runs_the_call_runs_once_and_is_closed_as_interrupted() {
+/// A server whose model calls `slow::work` (it takes 10 s) on "do the work" and then says the
+/// job was interrupted; `body` is sent, and the server is SIGKILLed while the call runs and
+/// started again. Returns the server, the fixtures and the turn's id.
+async fn killed_while_slow_work_runs(body: Value) -> (Server, Fixtures, String) {
     let fx = Fixtures::new(
         json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
     );
@@ -40,12 +42,7 @@ async fn killed_while_the_target_runs_the_call_runs_once_and_is_closed_as_interr
     let extra = fx.args();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut server = Server::start(&script, &extra).await;
-    let sent = server
-        .ok(
-            "harness::send",
-            send_body("s_slow", "do the work", &["slow::*"]),
-        )
-        .await;
+    let sent = server.ok("harness::send", body).await;
     let turn_id = sent["turn_id"].as_str().unwrap().to_string();
     wait_for("the fixture log to show the call", WAIT, || async {
         (invocations(&fx.log()).get("c1") == Some(&1)).then_some(())
@@ -53,6 +50,13 @@ async fn killed_while_the_target_runs_the_call_runs_once_and_is_closed_as_interr
     .await;
     server.kill();
     server.restart().await;
+    (server, fx, turn_id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_while_the_target_runs_the_call_runs_once_and_is_closed_as_interrupted() {
+    let (server, fx, turn_id) =
+        killed_while_slow_work_runs(send_body("s_slow", "do the work", &["slow::*"])).await;
     let status = server.wait_turn("s_slow", &turn_id).await;
     assert_eq!(status["status"], "completed", "{status}");
     assert_eq!(
@@ -62,10 +66,7 @@ async fn killed_while_the_target_runs_the_call_runs_once_and_is_closed_as_interr
     );
     let entries = server.transcript("s_slow", false).await;
     assert_every_call_closed(&entries);
-    let result = entries
-        .iter()
-        .find(|e| e["message"]["role"] == "function_result")
-        .unwrap();
+    let result = result_of(&entries, "c1");
     assert_eq!(result["message"]["is_error"], true);
     assert_eq!(
         result["message"]["details"]["error"], "interrupted",
@@ -253,32 +254,9 @@ async fn a_crash_while_a_released_call_runs_still_closes_it_once() {
 /// of the turn ending on `max_turns` with nobody told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_call_with_max_turns_one_the_model_still_hears_of_it() {
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
-    );
-    let script = script(vec![
-        json!({"match": {"last_user_text": "do the work"},
-               "content": [{"type": "function_call", "id": "c1", "function_id": "slow::work", "arguments": {"job": 1}}]}),
-        text_gen(
-            None,
-            "The job was interrupted; I will check before retrying.",
-            0,
-            true,
-        ),
-    ]);
-    let extra = fx.args();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut server = Server::start(&script, &extra).await;
     let mut body = send_body("s_one", "do the work", &["slow::*"]);
     body["options"]["max_turns"] = json!(1);
-    let sent = server.ok("harness::send", body).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    wait_for("the fixture log to show the call", WAIT, || async {
-        (invocations(&fx.log()).get("c1") == Some(&1)).then_some(())
-    })
-    .await;
-    server.kill();
-    server.restart().await;
+    let (server, fx, turn_id) = killed_while_slow_work_runs(body).await;
     let status = server.wait_turn("s_one", &turn_id).await;
     assert_eq!(status["status"], "completed", "{status}");
     assert_eq!(status["stop_reason"], Value::Null, "{status}");
@@ -294,10 +272,7 @@ async fn killed_mid_call_with_max_turns_one_the_model_still_hears_of_it() {
     );
     let entries = server.transcript("s_one", false).await;
     assert_every_call_closed(&entries);
-    let result = entries
-        .iter()
-        .find(|e| e["message"]["role"] == "function_result")
-        .unwrap();
+    let result = result_of(&entries, "c1");
     assert_eq!(
         result["message"]["details"]["error"], "interrupted",
         "{result}"

@@ -181,13 +181,7 @@ async fn crash_right_after_send() {
         (Some("assistant"), reply)
     );
 
-    let events = server
-        .events(&sid, None)
-        .await
-        .until_turn_completed(&tid)
-        .await;
-    assert_eq!(check_turn_lifecycle(&events), vec![tid.clone()]);
-    check_entries_added_once(&events);
+    server.assert_one_clean_turn(&sid, &tid).await;
 }
 
 const SESSIONS: usize = 10;
@@ -398,21 +392,8 @@ message can arrive in the middle of it and wait in the queue for the next step";
     let mut server = Server::start(&script, &["--stream-coalesce-ms", "0"]).await;
     let sent = server.send(None, "start").await;
     let (sid, tid) = (id(&sent, "session_id"), id(&sent, "turn_id"));
-    {
-        let (api, sid) = (server.api(), sid.clone());
-        wait_for("the first reply streaming", WAIT, move || {
-            let (api, sid) = (api.clone(), sid.clone());
-            async move {
-                let entries = api.transcript(&sid, false).await;
-                let text = entries
-                    .iter()
-                    .find(|e| role_of(e) == Some("assistant"))
-                    .map(text_of)?;
-                (!text.is_empty() && text != long).then_some(())
-            }
-        })
-        .await;
-    }
+    // The first reply is streaming.
+    wait_partial(&server.api(), &sid, long, 1).await;
     let steer = server.send(Some(&sid), "steer").await;
     assert_eq!(steer["merged"], true, "{steer}");
     assert_eq!(steer["turn_id"], json!(tid));
@@ -436,13 +417,7 @@ message can arrive in the middle of it and wait in the queue for the next step";
         render(&entries)
     );
     assert_eq!(status["queued"], 0, "nothing left in the queue");
-    let events = server
-        .events(&sid, None)
-        .await
-        .until_turn_completed(&tid)
-        .await;
-    assert_eq!(check_turn_lifecycle(&events), vec![tid]);
-    check_entries_added_once(&events);
+    server.assert_one_clean_turn(&sid, &tid).await;
 }
 
 /// An idempotency key still deduplicates after a SIGKILL: the retry gets the original ids and

@@ -14,6 +14,20 @@ fn two_spawns() -> Value {
     ]})
 }
 
+/// Polls `harness::delete-session-tree-status` until the operation is no longer deleting.
+async fn deletion_ended(server: &Server, operation_id: &str) -> Value {
+    wait_for("the deletion to end", WAIT, || async {
+        let s = server
+            .ok(
+                "harness::delete-session-tree-status",
+                json!({ "operation_id": operation_id }),
+            )
+            .await;
+        (s["status"] != "deleting").then_some(s)
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deletion_killed_between_two_members_resumes_and_deletes_each_once() {
     let script = script(vec![
@@ -65,31 +79,11 @@ async fn a_deletion_killed_between_two_members_resumes_and_deletes_each_once() {
         assert_eq!(op["attempt"], 1);
         assert_eq!(op["operation_id"], operation_id);
     }
-    wait_for("the failpoint to kill the server", WAIT, || {
-        let dead = server.exited();
-        async move { dead.then_some(()) }
-    })
-    .await;
-    assert!(
-        server
-            .log()
-            .contains("failpoint after_member_deleted: killing the process"),
-        "the process died at the failpoint:\n{}",
-        server.log()
-    );
+    server.wait_killed_at("after_member_deleted").await;
 
     server.set_env("HARNESS_FAILPOINT", None);
     server.start_again().await;
-    let done = wait_for("the deletion to end", WAIT, || async {
-        let s = server
-            .ok(
-                "harness::delete-session-tree-status",
-                json!({"operation_id": operation_id}),
-            )
-            .await;
-        (s["status"] != "deleting").then_some(s)
-    })
-    .await;
+    let done = deletion_ended(&server, &operation_id).await;
     assert_eq!(done["status"], "completed", "{done}");
     assert_eq!(done["attempt"], 1, "a resumed attempt keeps its number");
     let deleted: Vec<String> = done["deleted_session_ids"]
@@ -138,16 +132,7 @@ async fn a_deleted_sessions_id_is_refused_with_410_naming_the_tombstone() {
         .ok("harness::delete-session-tree", json!({"session_id": sid}))
         .await;
     let operation_id = op["operation_id"].as_str().unwrap().to_string();
-    let done = wait_for("the deletion to end", WAIT, || async {
-        let s = server
-            .ok(
-                "harness::delete-session-tree-status",
-                json!({"operation_id": operation_id}),
-            )
-            .await;
-        (s["status"] != "deleting").then_some(s)
-    })
-    .await;
+    let done = deletion_ended(&server, &operation_id).await;
     assert_eq!(done["status"], "completed", "{done}");
 
     let year = {

@@ -354,10 +354,7 @@ async fn the_model_sees_both_ends_of_both_streams_under_the_result_cap() {
         .await;
     assert_eq!(status["status"], "completed", "{status}");
     let entries = server.transcript("s_noise", false).await;
-    let result = entries
-        .iter()
-        .find(|e| e["message"]["role"] == "function_result")
-        .expect("a result");
+    let result = result_of(&entries, "n1");
     let text = result_text(result);
     assert!(
         result["message"]["details"].get("result_capped").is_none(),

@@ -273,10 +273,7 @@ async fn stopping_the_turn_kills_the_commands_whole_process_group() {
     .await;
     let entries = server.transcript("s_stop", false).await;
     assert_every_call_closed(&entries);
-    let result = entries
-        .iter()
-        .find(|e| e["message"]["role"] == "function_result")
-        .unwrap();
+    let result = result_of(&entries, "c1");
     assert_eq!(
         result["message"]["details"]["error"], "cancelled",
         "{result}"

@@ -4,12 +4,13 @@
 //! Shapes only: the double is not a real engine and the machine varies, so no thresholds.
 #![cfg(feature = "iii")]
 
+#[path = "common/bench.rs"]
+mod bench;
 mod iii_engine;
 
 use std::collections::BTreeSet;
-use std::path::Path;
-use std::process::Command;
 
+use bench::quick_bench;
 use iii_engine::Engine;
 use serde_json::Value;
 
@@ -47,32 +48,6 @@ const FIXED_OBJECTS: &[&str] = &[
     "method",
 ];
 
-/// Runs `harness bench --quick --json` with small sizes (as tests/bench_cli.rs), plus `extra`.
-fn bench(dir: &Path, extra: &[&str]) -> (Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_harness"))
-        .args([
-            "bench",
-            "--quick",
-            "--json",
-            "--idle-sessions",
-            "300",
-            "--cell-secs",
-            "0.4",
-        ])
-        .args(extra)
-        .arg("--dir")
-        .arg(dir)
-        .env("HARNESS_LOG", "error")
-        .output()
-        .expect("run harness bench");
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "bench {extra:?} failed: {stderr}");
-    let report: Value = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
-    (report, stderr)
-}
-
 fn keys(v: &Value) -> BTreeSet<String> {
     v.as_object()
         .map(|o| o.keys().cloned().collect())
@@ -100,13 +75,13 @@ async fn bench_iii_reports_the_in_process_figures() {
     // The bench process blocks; the engine double runs on this test's runtime meanwhile.
     let (iii, iii_stderr) = {
         let (url, dir) = (url.clone(), iii_dir.path().to_path_buf());
-        tokio::task::spawn_blocking(move || bench(&dir, &["--iii", &url]))
+        tokio::task::spawn_blocking(move || quick_bench(&dir, &["--iii", &url]))
             .await
             .expect("bench --iii")
     };
     let (embedded, _) = {
         let dir = emb_dir.path().to_path_buf();
-        tokio::task::spawn_blocking(move || bench(&dir, &[]))
+        tokio::task::spawn_blocking(move || quick_bench(&dir, &[]))
             .await
             .expect("bench in-process")
     };

@@ -214,6 +214,22 @@ impl Server {
         }
     }
 
+    /// Waits until the process died at the failpoint `name` (set in `HARNESS_FAILPOINT`), as
+    /// its log says.
+    pub async fn wait_killed_at(&mut self, name: &str) {
+        wait_for("the failpoint to kill the server", WAIT, || {
+            let dead = self.exited();
+            async move { dead.then_some(()) }
+        })
+        .await;
+        assert!(
+            self.log()
+                .contains(&format!("failpoint {name}: killing the process")),
+            "the process died at the failpoint:\n{}",
+            self.log()
+        );
+    }
+
     /// Starts the server again after it died on its own.
     pub async fn start_again(&mut self) {
         self.kill();
@@ -387,6 +403,18 @@ impl Api {
     /// Opens the session's SSE event stream, resuming after `last_event_id` when given.
     pub async fn events(&self, session_id: &str, last_event_id: Option<i64>) -> EventStream {
         EventStream::open(&self.url(), session_id, last_event_id).await
+    }
+
+    /// Reads the session's events from the start to turn `turn_id`'s turn-completed: that turn
+    /// is the only one with a lifecycle there, and no entry was announced twice.
+    pub async fn assert_one_clean_turn(&self, session_id: &str, turn_id: &str) {
+        let events = self
+            .events(session_id, None)
+            .await
+            .until_turn_completed(turn_id)
+            .await;
+        assert_eq!(check_turn_lifecycle(&events), vec![turn_id.to_string()]);
+        check_entries_added_once(&events);
     }
 }
 

@@ -66,16 +66,32 @@ impl Fixtures {
     }
 }
 
+/// The invocations logged so far, one JSON value per line of the fixture log.
+pub fn logged_invocations(log: &Path) -> Vec<Value> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("fixture log line is JSON"))
+        .collect()
+}
+
 /// Invocations logged so far, by function_call_id.
 pub fn invocations(log: &Path) -> HashMap<String, usize> {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
     let mut out = HashMap::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let v: Value = serde_json::from_str(line).expect("fixture log line is JSON");
+    for v in logged_invocations(log) {
         *out.entry(v["function_call_id"].as_str().unwrap_or("?").to_string())
             .or_insert(0) += 1;
     }
     out
+}
+
+/// The transcript entry holding the result of call `call`.
+pub fn result_of<'a>(entries: &'a [Value], call: &str) -> &'a Value {
+    entries
+        .iter()
+        .find(|e| role_of(e) == Some("function_result") && e["message"]["function_call_id"] == call)
+        .unwrap_or_else(|| panic!("no result for {call}:\n{}", render(entries)))
 }
 
 /// The joined text blocks of an entry's message.
