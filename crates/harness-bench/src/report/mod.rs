@@ -53,26 +53,42 @@ pub(crate) struct Target {
     /// None where the figure does not apply (fsync counts on iii).
     value: Option<f64>,
     unit: &'static str,
-    target: &'static str,
+    /// The target as the table says it ("≤ 150 µs").
+    target: String,
     met: Option<bool>,
+}
+
+/// Which side of its target a figure must stay on.
+#[derive(Clone, Copy)]
+enum Bound {
+    AtMost(f64),
+    AtLeast(f64),
 }
 
 impl Target {
     fn new(
-        key: &'static str,
-        label: &'static str,
-        value: Option<f64>,
-        unit: &'static str,
-        target: &'static str,
-        met: impl Fn(f64) -> bool,
+        (key, label, value, unit, bound): (
+            &'static str,
+            &'static str,
+            Option<f64>,
+            &'static str,
+            Bound,
+        ),
     ) -> Target {
+        let (sign, limit) = match bound {
+            Bound::AtMost(x) => ("≤", x),
+            Bound::AtLeast(x) => ("≥", x),
+        };
         Target {
             key,
             label,
             value,
             unit,
-            target,
-            met: value.map(met),
+            target: format!("{sign} {limit} {unit}").trim_end().to_string(),
+            met: value.map(|v| match bound {
+                Bound::AtMost(x) => v <= x,
+                Bound::AtLeast(x) => v >= x,
+            }),
         }
     }
 }
@@ -145,80 +161,72 @@ impl Results {
 }
 
 impl Report<'_> {
-    pub(crate) fn targets(&self) -> [Target; 8] {
+    pub(crate) fn targets(&self) -> Vec<Target> {
+        use Bound::{AtLeast, AtMost};
         let r = &self.results;
         // Through an engine a handoff is an enqueue and a delivery, two hops away: its own target.
-        let handoff_target = if self.mode.is_iii() {
-            ("≤ 5000 µs", 5000.0)
-        } else {
-            ("≤ 1000 µs", 1000.0)
-        };
+        let handoff = if self.mode.is_iii() { 5000.0 } else { 1000.0 };
         [
-            Target::new(
+            (
                 "overhead_us_p50",
                 "loop overhead per step, p50",
                 Some(r.over.overhead_p50),
                 "µs",
-                "≤ 150 µs",
-                |v| v <= 150.0,
+                AtMost(150.0),
             ),
-            Target::new(
+            (
                 "handoff_us_p50",
                 "step→step handoff, p50 (fsync on)",
                 Some(r.hand.p50),
                 "µs",
-                handoff_target.0,
-                |v| v <= handoff_target.1,
+                AtMost(handoff),
             ),
-            Target::new(
+            (
                 "steps_per_sec.200.fsync",
                 "durable steps/s, 200 sessions, fsync on",
                 Some(r.rate(200, true)),
                 "/s",
-                "≥ 10000 /s",
-                |v| v >= 10_000.0,
+                AtLeast(10_000.0),
             ),
-            Target::new(
+            (
                 "fsyncs_per_text_step",
                 "fsyncs per text step",
                 r.text_fsyncs.as_ref().map(|f| f.per_step),
                 "",
-                "≤ 1",
-                |v| v <= 1.0,
+                AtMost(1.0),
             ),
-            Target::new(
+            (
                 "fsyncs_per_function_step",
                 "fsyncs per function step",
                 r.calls.fsyncs_per_step,
                 "",
-                "≤ 2",
-                |v| v <= 2.0,
+                AtMost(2.0),
             ),
-            Target::new(
+            (
                 "router_frame_us_p50",
                 "router, socket bytes → frame in the loop, p50",
                 Some(r.router.per_frame_us.p50),
                 "µs",
-                "≤ 50 µs",
-                |v| v <= 50.0,
+                AtMost(50.0),
             ),
-            Target::new(
+            (
                 "long_session_step_ratio",
                 "step on a 1,000-entry session vs a 10-entry one, p50",
                 Some(r.long.step_ratio()),
                 "×",
-                "≤ 1.5 ×",
-                |v| v <= 1.5,
+                AtMost(1.5),
             ),
-            Target::new(
+            (
                 "idle_session_bytes",
                 "RAM per idle session",
                 Some(r.ram.bytes_per_session),
                 "B",
-                "≤ 4096 B",
-                |v| v <= 4096.0,
+                AtMost(4096.0),
             ),
         ]
+        .into_iter()
+        .map(Target::new)
+        .collect()
     }
 
     fn build(&self) -> &'static str {

@@ -155,7 +155,7 @@ impl Report<'_> {
                     Some(false) => "NO",
                     None => "n/a",
                 };
-                (t.label.into(), value, t.target.into(), met.into())
+                (t.label.into(), value, t.target.clone(), met.into())
             })
             .collect();
         rows.extend([

@@ -2,7 +2,6 @@
 //! runtime wired as the binary wires it (minus the tools no phase calls). The tests assert that
 //! the numbers are sane and the report whole, never how fast anything is: the machine is shared.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
@@ -13,7 +12,7 @@ use harness_router::scripted::{Script, ScriptedProvider};
 use harness_router::Router;
 use harness_session::SessionStore;
 use harness_store::Store;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, MutexGuard};
 
 use crate::host::{Host, Opened, RigSpec};
 use crate::rig::{At, Mode};
@@ -82,12 +81,28 @@ impl Host for TestHost {
 /// running beside would move.
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
-/// Where a test's phases open their runtimes: in-process, under `base`.
-fn at(base: &Path) -> At<'_> {
-    At {
-        mode: Mode::Embedded,
-        base,
-        host: &TestHost,
+/// A test's turn at measuring: the others wait, and its phases' stores go in a directory of
+/// its own.
+struct Bench {
+    _serial: MutexGuard<'static, ()>,
+    dir: tempfile::TempDir,
+}
+
+impl Bench {
+    async fn new() -> Bench {
+        Bench {
+            _serial: SERIAL.lock().await,
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// Where the phases open their runtimes: in-process, in this test's directory.
+    fn at(&self) -> At<'_> {
+        At {
+            mode: Mode::Embedded,
+            base: self.dir.path(),
+            host: &TestHost,
+        }
     }
 }
 

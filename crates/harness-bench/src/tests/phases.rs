@@ -2,7 +2,7 @@
 
 use harness_store::Durability;
 
-use super::{at, percentiles, positive, SERIAL};
+use super::{percentiles, positive, Bench, SERIAL};
 use crate::plan::Plan;
 use crate::rig::NOOP_FN;
 
@@ -21,14 +21,13 @@ fn the_reference_measures_a_positive_fsync_and_commit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sessions_each_cost_some_bytes_and_not_a_megabyte() {
-    let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
+    let bench = Bench::new().await;
     let plan = Plan {
         // Enough sessions that their memory stands out of the page granularity of the RSS.
         idle_sessions: 300,
         ..Plan::tiny()
     };
-    let ram = crate::idle::idle_ram(at(dir.path()), &plan).await.unwrap();
+    let ram = crate::idle::idle_ram(bench.at(), &plan).await.unwrap();
     assert_eq!(
         ram.sessions, plan.idle_sessions,
         "the time cap cut the fill"
@@ -45,12 +44,9 @@ async fn idle_sessions_each_cost_some_bytes_and_not_a_megabyte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_loop_overhead_is_the_step_less_its_store_time() {
-    let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
+    let bench = Bench::new().await;
     let plan = Plan::tiny();
-    let o = crate::overhead::overhead(at(dir.path()), &plan)
-        .await
-        .unwrap();
+    let o = crate::overhead::overhead(bench.at(), &plan).await.unwrap();
     assert_eq!(o.steps, plan.overhead_steps);
     percentiles("overhead", o.overhead_p50, o.overhead_p99);
     percentiles("step", o.step_p50, o.step_p99);
@@ -90,11 +86,10 @@ async fn the_loop_overhead_is_the_step_less_its_store_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoffs_are_measured_with_fsync_on_and_off() {
-    let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
+    let bench = Bench::new().await;
     let plan = Plan::tiny();
     for durability in [Durability::Full, Durability::Normal] {
-        let h = crate::handoff::handoff(at(dir.path()), &plan, durability)
+        let h = crate::handoff::handoff(bench.at(), &plan, durability)
             .await
             .unwrap();
         // Every measured turn hands off between each of its steps.
@@ -112,10 +107,9 @@ async fn handoffs_are_measured_with_fsync_on_and_off() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_durable_text_step_and_its_send_each_fsync() {
-    let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
+    let bench = Bench::new().await;
     let plan = Plan::tiny();
-    let f = crate::handoff::fsyncs(at(dir.path()), &plan).await.unwrap();
+    let f = crate::handoff::fsyncs(bench.at(), &plan).await.unwrap();
     assert_eq!(f.turns, plan.fsync_turns);
     positive("fsyncs per text step", f.per_step);
     positive("fsyncs per send", f.per_send);
@@ -123,10 +117,9 @@ async fn a_durable_text_step_and_its_send_each_fsync() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
-    let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
+    let bench = Bench::new().await;
     let plan = Plan::tiny();
-    let c = crate::calls::function_calls(at(dir.path()), &plan)
+    let c = crate::calls::function_calls(bench.at(), &plan)
         .await
         .unwrap();
     assert!(c.steps >= plan.function_steps, "{} call steps", c.steps);
@@ -154,10 +147,9 @@ async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_and_short_sessions_both_step_and_assemble() {
-    let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
+    let bench = Bench::new().await;
     let plan = Plan::tiny();
-    let l = crate::long_session::long_session(at(dir.path()), &plan)
+    let l = crate::long_session::long_session(bench.at(), &plan)
         .await
         .unwrap();
     assert_eq!(l.samples, plan.long_turns);
@@ -175,10 +167,9 @@ async fn long_and_short_sessions_both_step_and_assemble() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_durable_cell_counts_steps_fsyncs_and_wal_pages_by_table() {
-    let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
+    let bench = Bench::new().await;
     let plan = Plan::tiny();
-    let cell = crate::throughput::throughput(at(dir.path()), &plan, 10, true)
+    let cell = crate::throughput::throughput(bench.at(), &plan, 10, true)
         .await
         .unwrap();
     assert!(cell.steps >= 10, "{} steps by 10 sessions", cell.steps);
