@@ -98,3 +98,103 @@ async fn the_max_turns_notice_refused_by_a_post_turn_hook_fails_the_turn_keeping
     assert_eq!(failure.code, "harness.output_contract_invalid");
     assert_eq!(rt.recorder.seen.lock().unwrap().len(), 1, "one generation");
 }
+
+#[tokio::test]
+async fn a_step_delivered_again_while_its_turn_is_parked_changes_nothing() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("finished")]}),
+        config(),
+    )
+    .await;
+    let runs = rt.register("x::f", None, |_| json!("ran"));
+    rt.bus.register_function(
+        FunctionDef::new("guard::hold", "test hook"),
+        Arc::new(|_p: Value, _ctx: CallContext| async move { Ok(json!({"decision": "hold"})) }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {}, "metadata": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rt.status(&r.session_id).await.map(|s| s.status) != Some(TurnStatus::AwaitingFunctions) {
+        assert!(Instant::now() < deadline, "never parked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The parked step, delivered again (a queue redelivers what was not acked in time); the
+    // release's step comes after it in the session's FIFO.
+    rt.bus
+        .enqueue(
+            harness_core::TURN_QUEUE,
+            "harness::turn",
+            json!({"session_id": r.session_id, "turn_id": r.turn_id, "step": 0, "depth": 0}),
+        )
+        .await
+        .unwrap();
+    until("the queue took it", || {
+        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
+    })
+    .await;
+    assert_eq!(
+        rt.status(&r.session_id).await.unwrap().status,
+        TurnStatus::AwaitingFunctions,
+        "still parked"
+    );
+    let out = rt
+        .harness
+        .resolve(harness_types::api::ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: Some(harness_types::api::ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+            fs_scope: None,
+        })
+        .await
+        .unwrap();
+    assert!(out.resolved);
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(s.result, Some(json!("finished")));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(rt.results(&r.session_id).len(), 1);
+    assert_eq!(
+        rt.recorder.seen.lock().unwrap().len(),
+        2,
+        "no extra generation"
+    );
+}
+
+#[tokio::test]
+async fn a_step_of_a_session_that_does_not_exist_is_dropped_without_a_trace() {
+    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    rt.bus
+        .enqueue(
+            harness_core::TURN_QUEUE,
+            "harness::turn",
+            json!({"session_id": "s_never_made", "turn_id": "t_x", "step": 3, "depth": 0}),
+        )
+        .await
+        .unwrap();
+    until("the queue took it", || {
+        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
+    })
+    .await;
+    assert!(
+        rt.status("s_never_made").await.is_none(),
+        "no turn was made up"
+    );
+    let record = rt
+        .bus
+        .state_get(harness_core::TURN_SCOPE, "s_never_made")
+        .await
+        .unwrap();
+    assert_eq!(record, None);
+    assert!(rt.recorder.seen.lock().unwrap().is_empty(), "no generation");
+}
