@@ -198,3 +198,92 @@ async fn a_step_of_a_session_that_does_not_exist_is_dropped_without_a_trace() {
     assert_eq!(record, None);
     assert!(rt.recorder.seen.lock().unwrap().is_empty(), "no generation");
 }
+
+#[tokio::test]
+async fn a_turn_record_lost_while_the_model_streams_is_not_written_back() {
+    let long = "word ".repeat(100);
+    let rt = runtime(json!({"generations": [text(None, &long, 5)]}), config()).await;
+    let r = rt.harness.send(send("talk")).await.unwrap();
+    until("the generation started", || {
+        !rt.recorder.seen.lock().unwrap().is_empty()
+    })
+    .await;
+    // A store that can lose recent writes (an iii engine's) dropped the record mid-stream.
+    rt.bus
+        .state_delete(harness_core::TURN_SCOPE, &r.session_id)
+        .await
+        .unwrap();
+    until("the step ended", || {
+        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
+    })
+    .await;
+    let record = rt
+        .bus
+        .state_get(harness_core::TURN_SCOPE, &r.session_id)
+        .await
+        .unwrap();
+    assert_eq!(record, None, "nothing rebuilt a record from the stream");
+    assert_eq!(
+        rt.recorder.seen.lock().unwrap().len(),
+        1,
+        "no second generation"
+    );
+}
+
+#[tokio::test]
+async fn a_running_record_marked_aborted_is_cancelled_by_its_next_step() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("finished")]}),
+        config(),
+    )
+    .await;
+    rt.register("x::f", None, |_| json!("ran"));
+    rt.bus.register_function(
+        FunctionDef::new("guard::hold", "test hook"),
+        Arc::new(|_p: Value, _ctx: CallContext| async move { Ok(json!({"decision": "hold"})) }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {}, "metadata": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rt.status(&r.session_id).await.map(|s| s.status) != Some(TurnStatus::AwaitingFunctions) {
+        assert!(Instant::now() < deadline, "never parked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // What an earlier version could leave: the next step pending on a record marked aborted
+    // but still running.
+    let mut rec = rt
+        .bus
+        .state_get(harness_core::TURN_SCOPE, &r.session_id)
+        .await
+        .unwrap()
+        .unwrap();
+    rec["status"] = json!("running");
+    rec["abort"] = json!(true);
+    rec["step"] = json!(1);
+    rt.bus
+        .state_set(harness_core::TURN_SCOPE, &r.session_id, rec)
+        .await
+        .unwrap();
+    rt.bus
+        .enqueue(
+            harness_core::TURN_QUEUE,
+            "harness::turn",
+            json!({"session_id": r.session_id, "turn_id": r.turn_id, "step": 1, "depth": 0}),
+        )
+        .await
+        .unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+    assert_eq!(
+        rt.recorder.seen.lock().unwrap().len(),
+        1,
+        "no generation after the abort"
+    );
+}
