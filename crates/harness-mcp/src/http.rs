@@ -234,8 +234,10 @@ impl StreamableHttpClient for Http {
             return Ok(StreamableHttpPostResponse::Accepted);
         }
         if !status.is_success() {
-            // A JSON-RPC error in a failed answer is the server's answer to the request.
-            if media.as_deref() == Some(JSON) && !status.is_server_error() {
+            // A JSON-RPC error in a failed answer is the server's answer to the request (a 429
+            // is classified by its status alone).
+            if media.as_deref() == Some(JSON) && status != StatusCode::TOO_MANY_REQUESTS {
+                let retry_after = header(&response, http::header::RETRY_AFTER);
                 let body = match body_within(response, limits.max_json_response_size).await? {
                     Ok(body) => body,
                     Err(_) => {
@@ -248,9 +250,15 @@ impl StreamableHttpClient for Http {
                     Ok(m @ ServerJsonRpcMessage::Error(_)) => {
                         Ok(StreamableHttpPostResponse::Json(m, new_session))
                     }
-                    _ => Err(StreamableHttpError::UnexpectedServerResponse(
-                        format!("HTTP {status}: {}", String::from_utf8_lossy(&body)).into(),
+                    _ if status.is_server_error() => Err(StreamableHttpError::HttpStatus(
+                        HttpStatusError::new(status.as_u16(), retry_after),
                     )),
+                    _ => {
+                        let shown = &body[..body.len().min(limits.max_error_response_size)];
+                        Err(StreamableHttpError::UnexpectedServerResponse(
+                            format!("HTTP {status}: {}", String::from_utf8_lossy(shown)).into(),
+                        ))
+                    }
                 };
             }
             return Err(failed(response, &limits).await);
@@ -464,6 +472,269 @@ impl<E: std::error::Error + Send + Sync + 'static> Stream for EventLimit<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::{HeaderMap, Method};
+    use serde_json::json;
+    use std::sync::Mutex;
+
+    type Seen = Arc<Mutex<Vec<(Method, HeaderMap)>>>;
+
+    /// A server on loopback that answers what the request's `x-want` header names.
+    async fn server() -> (String, Seen) {
+        let seen: Seen = Arc::default();
+        let record = seen.clone();
+        let app = axum::Router::new().fallback(move |method: Method, headers: HeaderMap| {
+            let record = record.clone();
+            async move {
+                let want = headers
+                    .get("x-want")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string();
+                record.lock().unwrap().push((method, headers));
+                let rpc_error =
+                    r#"{"jsonrpc":"2.0","id":1,"error":{"code":-32602,"message":"bad"}}"#;
+                let (status, headers, body): (u16, Vec<(&str, &str)>, String) = match want.as_str()
+                {
+                    "accepted" => (202, vec![], String::new()),
+                    "json" => (
+                        200,
+                        vec![("content-type", "application/json"), (SESSION_ID, "s-2")],
+                        r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.into(),
+                    ),
+                    "sse" => (
+                        200,
+                        vec![("content-type", "text/event-stream")],
+                        "id: e1\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\n\n".into(),
+                    ),
+                    "401" => (
+                        401,
+                        vec![("www-authenticate", "Bearer realm=\"mcp\"")],
+                        String::new(),
+                    ),
+                    "403" => (
+                        403,
+                        vec![(
+                            "www-authenticate",
+                            "Bearer error=\"insufficient_scope\", scope=\"tools:call\"",
+                        )],
+                        String::new(),
+                    ),
+                    "404" => (404, vec![], "no such thing".into()),
+                    "400-rpc" => (
+                        400,
+                        vec![("content-type", "application/json")],
+                        rpc_error.into(),
+                    ),
+                    "500-rpc" => (
+                        500,
+                        vec![("content-type", "application/json")],
+                        rpc_error.into(),
+                    ),
+                    "503" => (503, vec![("retry-after", "7")], "busy".into()),
+                    "429" => (
+                        429,
+                        vec![("content-type", "application/json")],
+                        rpc_error.into(),
+                    ),
+                    "big" => (
+                        200,
+                        vec![("content-type", "application/json")],
+                        format!("\"{}\"", "x".repeat(200)),
+                    ),
+                    "html" => (200, vec![("content-type", "text/html")], "<p>hi</p>".into()),
+                    _ => (405, vec![], String::new()),
+                };
+                let mut r = axum::response::Response::builder().status(status);
+                for (k, v) in headers {
+                    r = r.header(k, v);
+                }
+                r.body(axum::body::Body::from(body)).unwrap()
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (format!("http://{addr}/mcp"), seen)
+    }
+
+    fn want(what: &str) -> HashMap<HeaderName, HeaderValue> {
+        HashMap::from([(
+            HeaderName::from_static("x-want"),
+            HeaderValue::from_str(what).unwrap(),
+        )])
+    }
+
+    fn ping() -> ClientJsonRpcMessage {
+        serde_json::from_value(json!({"jsonrpc": "2.0", "id": 1, "method": "ping"})).unwrap()
+    }
+
+    async fn post(
+        http: &Http,
+        url: &str,
+        what: &str,
+        session: Option<&str>,
+    ) -> Result<StreamableHttpPostResponse, Error> {
+        let mut limits = StreamableHttpResponseLimits::default();
+        limits.max_json_response_size = 100;
+        http.post_message_with_response_limits(
+            url.into(),
+            ping(),
+            session.map(Into::into),
+            None,
+            want(what),
+            limits,
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_post_carries_the_session_the_token_and_the_configured_headers() {
+        let (url, seen) = server().await;
+        let http = Http::new().unwrap();
+        let r = http
+            .post_message(
+                url.as_str().into(),
+                ping(),
+                Some("s-1".into()),
+                Some("tok".into()),
+                want("accepted"),
+            )
+            .await
+            .unwrap();
+        assert!(matches!(r, StreamableHttpPostResponse::Accepted), "{r:?}");
+        let (method, headers) = seen.lock().unwrap().pop().unwrap();
+        let h = |k: &str| headers.get(k).unwrap().to_str().unwrap().to_string();
+        assert_eq!(method, Method::POST);
+        assert_eq!(h("mcp-session-id"), "s-1");
+        assert_eq!(h("authorization"), "Bearer tok");
+        assert_eq!(h("x-want"), "accepted");
+        assert_eq!(h("content-type"), "application/json");
+        assert!(
+            h("accept").contains("application/json") && h("accept").contains("text/event-stream")
+        );
+
+        // A header the protocol sets itself cannot be configured over it.
+        let mut clash = want("accepted");
+        clash.insert(http::header::ACCEPT, HeaderValue::from_static("text/html"));
+        let e = http
+            .post_message(url.as_str().into(), ping(), None, None, clash)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, StreamableHttpError::ReservedHeaderConflict(ref h) if h == "accept"),
+            "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn answers_are_classified_as_the_transport_expects() {
+        let (url, _) = server().await;
+        let http = Http::new().unwrap();
+        match post(&http, &url, "json", None).await.unwrap() {
+            StreamableHttpPostResponse::Json(ServerJsonRpcMessage::Response(_), session) => {
+                assert_eq!(session.as_deref(), Some("s-2"))
+            }
+            other => panic!("{other:?}"),
+        }
+        match post(&http, &url, "sse", None).await.unwrap() {
+            StreamableHttpPostResponse::Sse(events, _) => {
+                let events: Vec<_> = events.collect().await;
+                assert_eq!(events.len(), 1, "{events:?}");
+                let e = events[0].as_ref().unwrap();
+                assert_eq!(e.id.as_deref(), Some("e1"));
+                assert!(e.data.as_deref().unwrap().contains("\"result\""));
+            }
+            other => panic!("{other:?}"),
+        }
+        for what in ["400-rpc", "500-rpc"] {
+            match post(&http, &url, what, None).await.unwrap() {
+                StreamableHttpPostResponse::Json(ServerJsonRpcMessage::Error(e), _) => {
+                    assert_eq!(e.error.message, "bad")
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        let err = |what: &'static str, session: Option<&'static str>| {
+            let (http, url) = (http.clone(), url.clone());
+            async move { post(&http, &url, what, session).await.unwrap_err() }
+        };
+        match err("401", None).await {
+            StreamableHttpError::AuthRequired(e) => {
+                assert_eq!(e.www_authenticate_header, "Bearer realm=\"mcp\"")
+            }
+            other => panic!("{other}"),
+        }
+        match err("403", None).await {
+            StreamableHttpError::InsufficientScope(e) => {
+                assert_eq!(e.get_required_scope(), Some("tools:call"))
+            }
+            other => panic!("{other}"),
+        }
+        assert!(matches!(
+            err("404", Some("s-1")).await,
+            StreamableHttpError::SessionExpired
+        ));
+        match err("404", None).await {
+            StreamableHttpError::UnexpectedServerResponse(m) => {
+                assert!(m.contains("404") && m.contains("no such thing"), "{m}")
+            }
+            other => panic!("{other}"),
+        }
+        match err("503", None).await {
+            StreamableHttpError::HttpStatus(e) => {
+                assert_eq!((e.status, e.retry_after.as_deref()), (503, Some("7")))
+            }
+            other => panic!("{other}"),
+        }
+        assert!(
+            matches!(err("429", None).await, StreamableHttpError::HttpStatus(e) if e.status == 429)
+        );
+        assert!(matches!(
+            err("big", None).await,
+            StreamableHttpError::ResponseBodyTooLarge { max_size: 100 }
+        ));
+        assert!(matches!(
+            err("html", None).await,
+            StreamableHttpError::UnexpectedContentType(Some(ref t)) if t == "text/html"
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_server_without_streams_or_session_deletion_says_so() {
+        let (url, seen) = server().await;
+        let http = Http::new().unwrap();
+        let e = http
+            .get_stream(
+                url.as_str().into(),
+                Some("s-1".into()),
+                Some("e9".into()),
+                None,
+                want("405"),
+            )
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, StreamableHttpError::ServerDoesNotSupportSse),
+            "{e}"
+        );
+        let (method, headers) = seen.lock().unwrap().pop().unwrap();
+        assert_eq!(method, Method::GET);
+        assert_eq!(headers.get("last-event-id").unwrap(), "e9");
+        assert_eq!(headers.get("accept").unwrap(), "text/event-stream");
+        let e = http
+            .delete_session(url.as_str().into(), "s-1".into(), None, want("405"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, StreamableHttpError::ServerDoesNotSupportDeleteSession),
+            "{e}"
+        );
+        http.delete_session(url.as_str().into(), "s-1".into(), None, want("accepted"))
+            .await
+            .unwrap();
+        assert_eq!(seen.lock().unwrap().pop().unwrap().0, Method::DELETE);
+    }
 
     fn limited(chunks: &[&'static str], max: usize) -> Vec<Result<String, String>> {
         let inner = futures::stream::iter(
