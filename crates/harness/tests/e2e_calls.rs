@@ -26,19 +26,8 @@ async fn wait_settled(server: &Server, session_id: &str) -> Value {
 /// job was interrupted; `body` is sent, and the server is SIGKILLed while the call runs and
 /// started again. Returns the server, the fixtures and the turn's id.
 async fn killed_while_slow_work_runs(body: Value) -> (Server, Fixtures, String) {
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
-    );
-    let script = script(vec![
-        json!({"match": {"last_user_text": "do the work"},
-               "content": [{"type": "function_call", "id": "c1", "function_id": "slow::work", "arguments": {"job": 1}}]}),
-        text_gen(
-            None,
-            "The job was interrupted; I will check before retrying.",
-            0,
-            true,
-        ),
-    ]);
+    let fx = slow_work(10_000);
+    let script = slow_work_script(vec![]);
     let extra = fx.args();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut server = Server::start(&script, &extra).await;
@@ -260,10 +249,7 @@ async fn killed_mid_call_with_max_turns_one_the_model_still_hears_of_it() {
     let status = server.wait_turn("s_one", &turn_id).await;
     assert_eq!(status["status"], "completed", "{status}");
     assert_eq!(status["stop_reason"], Value::Null, "{status}");
-    assert_eq!(
-        status["result"], "The job was interrupted; I will check before retrying.",
-        "{status}"
-    );
+    assert_eq!(status["result"], INTERRUPTED_REPLY, "{status}");
     assert_eq!(status["turn_count"], 1, "{status}");
     assert_eq!(
         invocations(&fx.log()),

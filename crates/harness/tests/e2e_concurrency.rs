@@ -203,10 +203,8 @@ async fn hundred_sessions_in_parallel() {
     }
     for (i, sid) in done {
         let entries = server.transcript(&sid, false).await;
-        let got: Vec<(Option<&str>, String)> =
-            entries.iter().map(|e| (role_of(e), text_of(e))).collect();
         assert_eq!(
-            got,
+            dialogue(&entries),
             vec![
                 (Some("user"), format!("hello {i}")),
                 (Some("assistant"), "hello back".to_string())

@@ -403,10 +403,8 @@ message can arrive in the middle of it and wait in the queue for the next step";
     let status = server.wait_turn(&sid, &tid).await;
     assert_eq!(status["status"], "completed", "{status}");
     let entries = server.transcript(&sid, false).await;
-    let got: Vec<(Option<&str>, String)> =
-        entries.iter().map(|e| (role_of(e), text_of(e))).collect();
     assert_eq!(
-        got,
+        dialogue(&entries),
         vec![
             (Some("user"), "start".to_string()),
             (Some("assistant"), long.to_string()),
@@ -441,10 +439,8 @@ async fn idempotent_send_across_a_crash() {
     let again = server.ok("harness::send", req).await;
     assert_eq!(again["deduplicated"], true, "{again}");
     let entries = server.transcript(&sid, false).await;
-    let got: Vec<(Option<&str>, String)> =
-        entries.iter().map(|e| (role_of(e), text_of(e))).collect();
     assert_eq!(
-        got,
+        dialogue(&entries),
         vec![
             (Some("user"), "webhook".to_string()),
             (Some("assistant"), "once only".to_string())

@@ -515,25 +515,10 @@ async fn engine_crash_mid_call(window: FlushWindow) {
         }
         FlushWindow::After => 9000,
     };
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": delay_ms}]),
-    );
+    let fx = slow_work(delay_ms);
     let extra = fx.args();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let worker = WorkerProc::start(
-        &engine,
-        &script(vec![
-            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
-            text_gen(
-                None,
-                "The job was interrupted; I will check first.",
-                0,
-                true,
-            ),
-        ]),
-        &extra,
-    )
-    .await;
+    let worker = WorkerProc::start(&engine, &slow_work_script(vec![]), &extra).await;
     let hooked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let h = hooked.clone();
     engine.register_local("guard::count", move |_| {
@@ -616,25 +601,10 @@ async fn engine_crash_mid_call(window: FlushWindow) {
 async fn a_worker_killed_with_the_engine_gets_the_lost_turn_back_from_its_sqlite_copy() {
     let engine = Engine::start().await;
     engine.hold_flush();
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 4000}]),
-    );
+    let fx = slow_work(4000);
     let extra = fx.args();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut worker = WorkerProc::start(
-        &engine,
-        &script(vec![
-            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
-            text_gen(
-                None,
-                "The job was interrupted; I will check first.",
-                0,
-                true,
-            ),
-        ]),
-        &extra,
-    )
-    .await;
+    let mut worker = WorkerProc::start(&engine, &slow_work_script(vec![]), &extra).await;
     // What a crash keeps: everything up to here, nothing of the turn.
     engine.flush();
     let sent = engine.send("s_both", "do the work", &["slow::*"]).await;

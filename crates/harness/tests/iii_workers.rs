@@ -28,23 +28,12 @@ use serde_json::{json, Value};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_worker_s_turns_are_finished_by_the_standby_within_5s_and_nothing_runs_twice() {
     let engine = Engine::start().await;
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
-    );
+    let fx = slow_work(10_000);
     let extra = fx.args();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut first = WorkerProc::start(
         &engine,
-        &script(vec![
-            text_gen(Some("hello"), "Earlier answer.", 0, true),
-            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
-            text_gen(
-                None,
-                "The job was interrupted; I will check before retrying.",
-                0,
-                true,
-            ),
-        ]),
+        &slow_work_script(vec![text_gen(Some("hello"), "Earlier answer.", 0, true)]),
         &extra,
     )
     .await;

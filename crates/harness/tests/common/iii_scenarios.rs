@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::iii_engine::worker::{WorkerProc, WAIT};
 use crate::iii_engine::Engine;
@@ -29,26 +29,11 @@ pub async fn killed_mid_call(
     args: &[&str],
     started: impl FnOnce(&WorkerProc),
 ) -> Vec<Value> {
-    let fx = Fixtures::new(
-        json!([{"id": "slow::work", "description": "takes a while", "response": {"done": true}, "delay_ms": 10000}]),
-    );
+    let fx = slow_work(10_000);
     let extra = fx.args();
     let mut extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     extra.extend(args);
-    let mut worker = WorkerProc::start(
-        engine,
-        &script(vec![
-            call_gen("do the work", "c1", "slow::work", json!({"job": 1})),
-            text_gen(
-                None,
-                "The job was interrupted; I will check before retrying.",
-                0,
-                true,
-            ),
-        ]),
-        &extra,
-    )
-    .await;
+    let mut worker = WorkerProc::start(engine, &slow_work_script(vec![]), &extra).await;
     started(&worker);
     let sent = engine.send(session, "do the work", &["slow::*"]).await;
     let turn_id = sent["turn_id"].as_str().unwrap().to_string();

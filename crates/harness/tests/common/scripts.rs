@@ -27,6 +27,29 @@ pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) ->
            "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
 }
 
+/// What the model of [`slow_work_script`] says once it heard its call was interrupted.
+pub const INTERRUPTED_REPLY: &str = "The job was interrupted; I will check before retrying.";
+
+/// The fixture function `slow::work`, answering after `delay_ms`: long enough for a test to kill
+/// a process while the call runs.
+pub fn slow_work(delay_ms: u64) -> Fixtures {
+    Fixtures::new(json!([{"id": "slow::work", "description": "takes a while",
+                          "response": {"done": true}, "delay_ms": delay_ms}]))
+}
+
+/// A model that answers `before` as scripted, calls `slow::work` (call `c1`) on "do the work",
+/// and then says [`INTERRUPTED_REPLY`].
+pub fn slow_work_script(mut before: Vec<Value>) -> Value {
+    before.push(call_gen(
+        "do the work",
+        "c1",
+        "slow::work",
+        json!({"job": 1}),
+    ));
+    before.push(text_gen(None, INTERRUPTED_REPLY, 0, true));
+    script(before)
+}
+
 pub fn script(generations: Vec<Value>) -> Value {
     json!({ "generations": generations })
 }
@@ -92,6 +115,11 @@ pub fn result_of<'a>(entries: &'a [Value], call: &str) -> &'a Value {
         .iter()
         .find(|e| role_of(e) == Some("function_result") && e["message"]["function_call_id"] == call)
         .unwrap_or_else(|| panic!("no result for {call}:\n{}", render(entries)))
+}
+
+/// `(role, text)` of every entry, for comparing a whole transcript at once.
+pub fn dialogue(entries: &[Value]) -> Vec<(Option<&str>, String)> {
+    entries.iter().map(|e| (role_of(e), text_of(e))).collect()
 }
 
 /// The joined text blocks of an entry's message.
