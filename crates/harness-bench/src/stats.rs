@@ -6,6 +6,7 @@ use std::path::Path;
 
 use crate::probe::StepSample;
 
+/// The `q` quantile of sorted ns samples (nearest rank), in µs; 0 without samples.
 pub(crate) fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
     if sorted_ns.is_empty() {
         return 0.0;

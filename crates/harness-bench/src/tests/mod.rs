@@ -19,6 +19,7 @@ use crate::rig::{At, Mode};
 
 mod phases;
 mod report;
+mod units;
 
 /// Opens each phase's runtime in-process: store, embedded bus (wrapped in the probe), sessions,
 /// context, the scripted router and the loop.
