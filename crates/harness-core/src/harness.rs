@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harness_bus::{Bus, BusError, BusWrite, QueueDef, TypedRequest};
+use harness_bus::{Bus, BusError, BusWrite, TypedRequest};
 use harness_types::api::TurnStepPayload;
 use harness_types::session::*;
 use harness_types::HarnessError;
@@ -68,16 +68,16 @@ pub(crate) struct TranscriptCache {
 }
 
 pub(crate) struct CachedTranscript {
-    mark: i64,
-    entries: Arc<Vec<Entry>>,
+    pub(crate) mark: i64,
+    pub(crate) entries: Arc<Vec<Entry>>,
     /// The window of the last step and the lowest entry index changed since it was built.
     window: Option<WindowState>,
-    dirty_from: usize,
+    pub(crate) dirty_from: usize,
     used: u64,
 }
 
 impl CachedTranscript {
-    fn new(mark: Option<i64>, entries: Arc<Vec<Entry>>) -> CachedTranscript {
+    pub(crate) fn new(mark: Option<i64>, entries: Arc<Vec<Entry>>) -> CachedTranscript {
         CachedTranscript {
             mark: mark.unwrap_or(i64::MIN),
             entries,
@@ -91,11 +91,11 @@ impl CachedTranscript {
 impl TranscriptCache {
     /// Takes the session's copy out, so the reader extends it in place (no copy of the history)
     /// while a concurrent reader of the same session, rare under the session lock, reads afresh.
-    fn take(&mut self, session_id: &str) -> Option<CachedTranscript> {
+    pub(crate) fn take(&mut self, session_id: &str) -> Option<CachedTranscript> {
         self.sessions.remove(session_id)
     }
 
-    fn put(&mut self, session_id: &str, mut cached: CachedTranscript) {
+    pub(crate) fn put(&mut self, session_id: &str, mut cached: CachedTranscript) {
         self.clock += 1;
         if let Some(old) = self.sessions.get(session_id) {
             if old.mark >= cached.mark {
@@ -263,27 +263,6 @@ fn step_payload(rec: &TurnRecord) -> TurnStepPayload {
     }
 }
 
-/// Folds changed entries into a transcript kept in `seq` order: an entry already there is
-/// replaced (an update), a new one is inserted at its place (almost always the end). Answers the
-/// lowest index it touched (`entries.len()` when nothing changed).
-fn merge_changes(entries: &mut Vec<Entry>, changed: Vec<Entry>) -> usize {
-    let mut lowest = usize::MAX;
-    for e in changed {
-        let at = match entries.binary_search_by_key(&e.seq, |x| x.seq) {
-            Ok(at) => {
-                entries[at] = e;
-                at
-            }
-            Err(at) => {
-                entries.insert(at, e);
-                at
-            }
-        };
-        lowest = lowest.min(at);
-    }
-    lowest.min(entries.len())
-}
-
 pub(crate) type Result<T> = std::result::Result<T, HarnessError>;
 
 fn bus_err(e: BusError) -> HarnessError {
@@ -352,77 +331,6 @@ impl Harness {
         Ok(())
     }
 
-    /// Ensures the `harness-turn` queue (failing loudly if it cannot be) and redrives turns a
-    /// crash left `running` without a queued step. Call after `register`.
-    pub async fn start(&self) -> Result<()> {
-        let c = self.config();
-        self.inner
-            .bus
-            .define_queue(QueueDef {
-                queue: TURN_QUEUE.into(),
-                message_group_field: "session_id".into(),
-                concurrency: c.queue_concurrency,
-                max_retries: 3,
-                backoff_ms: 1000,
-                visibility_timeout_ms: c.step_visibility_timeout_ms,
-            })
-            .await
-            .map_err(|e| {
-                HarnessError::dependency(format!("cannot ensure the {TURN_QUEUE} queue: {e}"))
-            })?;
-        self.inner
-            .bus
-            .define_queue(QueueDef {
-                queue: crate::DELETION_QUEUE.into(),
-                message_group_field: "operation_id".into(),
-                concurrency: 2,
-                max_retries: 3,
-                backoff_ms: 1000,
-                // A step waits up to its attempt's deadline (120 s) for turns to end.
-                visibility_timeout_ms: 180_000,
-            })
-            .await
-            .map_err(|e| {
-                HarnessError::dependency(format!(
-                    "cannot ensure the {} queue: {e}",
-                    crate::DELETION_QUEUE
-                ))
-            })?;
-        self.ensure_sweep().await?;
-        self.follow_registry().await;
-        self.redrive_running().await?;
-        self.redrive_deletions().await?;
-        // A model's binding ends with its turn; one a crash left behind goes now.
-        if let Err(e) = self.sweep_model_bindings().await {
-            tracing::warn!("could not sweep the bindings of ended turns: {e}");
-        }
-        // Settle what a crash may have left waiting (children that ended, expired calls).
-        self.sweep_pending(Default::default()).await.map(|_| ())
-    }
-
-    /// On an engine that announces registry changes (`engine::functions-available`), binds
-    /// `harness::on-functions-change` to it once; elsewhere there is nothing to follow.
-    async fn follow_registry(&self) {
-        let bus = &self.inner.bus;
-        let bound = bus
-            .bindings("engine::functions-available")
-            .await
-            .map(|b| {
-                b.iter()
-                    .any(|b| b.function_id == "harness::on-functions-change")
-            })
-            .unwrap_or(false);
-        if !bound {
-            let _ = bus
-                .call(
-                    "engine::register_trigger",
-                    serde_json::json!({"trigger_type": "engine::functions-available", "function_id": "harness::on-functions-change", "config": {}}),
-                    self.session_timeout(),
-                )
-                .await;
-        }
-    }
-
     /// The registry generation steps compare against what a turn last acknowledged.
     pub(crate) fn functions_generation(&self) -> u64 {
         self.inner
@@ -436,48 +344,9 @@ impl Harness {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Binds `harness::sweep-pending` to the `cron` trigger with the configured expression,
-    /// replacing a binding with another expression (new first, then the old one goes).
-    async fn ensure_sweep(&self) -> Result<()> {
-        let bus = &self.inner.bus;
-        let expression = self.config().sweep_expression.clone();
-        let existing: Vec<harness_bus::Binding> = bus
-            .bindings("cron")
-            .await
-            .map_err(bus_err)?
-            .into_iter()
-            .filter(|b| b.function_id == "harness::sweep-pending")
-            .collect();
-        let mut keep = existing
-            .iter()
-            .any(|b| b.config["expression"] == expression);
-        if !keep {
-            bus.call(
-                "engine::register_trigger",
-                serde_json::json!({"trigger_type": "cron", "function_id": "harness::sweep-pending", "config": {"expression": expression}}),
-                self.session_timeout(),
-            )
-            .await
-            .map_err(|e| HarnessError::invalid(format!("sweep_expression: {}", e.message)))?;
-            keep = true;
-        }
-        for b in existing {
-            if keep && b.config["expression"] != expression {
-                let _ = bus
-                    .call(
-                        "engine::unregister_trigger",
-                        serde_json::json!({"id": b.id}),
-                        self.session_timeout(),
-                    )
-                    .await;
-            }
-        }
-        Ok(())
-    }
-
     // --- typed bus helpers ---------------------------------------------------------------
 
-    fn session_timeout(&self) -> Option<Duration> {
+    pub(crate) fn session_timeout(&self) -> Option<Duration> {
         Some(Duration::from_millis(self.config().session_timeout_ms))
     }
 
@@ -621,141 +490,6 @@ impl Harness {
         Ok(())
     }
 
-    /// Every entry of the session (custom records included), in `seq` order. Reads only what
-    /// changed since this process last read the session (see [`Harness::transcript_shared`]).
-    pub(crate) async fn transcript(&self, session_id: &str) -> Result<Vec<Entry>> {
-        Ok(self.transcript_shared(session_id).await?.as_ref().clone())
-    }
-
-    /// `session::changes`, in-process when the transcript store is (no JSON either way). The
-    /// outer error is the bus's; the inner one an answer of the wrong shape.
-    async fn changes(
-        &self,
-        req: ChangesRequest,
-    ) -> std::result::Result<Result<ChangesResponse>, harness_bus::BusError> {
-        const ID: &str = "session::changes";
-        let timeout = Duration::from_millis(self.config().session_timeout_ms);
-        if let Some(local) = self.inner.bus.local_handler(ID) {
-            let ctx = harness_bus::CallContext::default();
-            return harness_bus::local::invoke(local.as_ref(), ID, Box::new(req), ctx, timeout)
-                .await
-                .map(Ok);
-        }
-        let payload = match serde_json::to_value(&req) {
-            Ok(payload) => payload,
-            Err(e) => return Ok(Err(HarnessError::internal(e.to_string()))),
-        };
-        let answer = self.inner.bus.call(ID, payload, Some(timeout)).await?;
-        Ok(serde_json::from_value(answer).map_err(|e| {
-            HarnessError::dependency(format!("{ID} answered an unexpected shape: {e}"))
-        }))
-    }
-
-    /// [`Harness::transcript`] without the copy: the returned list is shared with the
-    /// per-session cache, so a step on a long session costs its new entries, not its history.
-    /// Asks `session::changes` for the entries appended or updated since the cached mark (one
-    /// indexed read when nothing changed); without that function (another transcript store),
-    /// reads the whole transcript every time.
-    pub(crate) async fn transcript_shared(&self, session_id: &str) -> Result<Arc<Vec<Entry>>> {
-        let cached = self
-            .inner
-            .transcripts
-            .lock()
-            .expect("transcripts lock")
-            .take(session_id);
-        let mut mark = cached.as_ref().map(|c| c.mark);
-        let mut cached = cached.unwrap_or_else(|| CachedTranscript::new(None, Arc::default()));
-        loop {
-            let req = ChangesRequest {
-                session_id: session_id.to_string(),
-                after: mark,
-                limit: Some(500),
-            };
-            let page: ChangesResponse = match self.changes(req).await {
-                Ok(page) => page?,
-                Err(e) if e.is_not_found() => {
-                    return self.transcript_paged(session_id).await.map(Arc::new)
-                }
-                Err(e) => return Err(bus_err(e)),
-            };
-            let touched = merge_changes(Arc::make_mut(&mut cached.entries), page.entries);
-            cached.dirty_from = cached.dirty_from.min(touched);
-            mark = Some(page.mark);
-            if !page.more {
-                break;
-            }
-        }
-        let entries = cached.entries.clone();
-        if let Some(mark) = mark {
-            cached.mark = mark;
-            self.inner
-                .transcripts
-                .lock()
-                .expect("transcripts lock")
-                .put(session_id, cached);
-        }
-        Ok(entries)
-    }
-
-    /// The window a step over `entries` (the first `upto` of the session's transcript) hands
-    /// the context manager: the session's kept window brought up to date when `entries` is the
-    /// cached copy, one built from scratch otherwise (a redelivered step that stops short of
-    /// its own assistant entry, a copy another reader replaced).
-    pub(crate) fn window_of(
-        &self,
-        session_id: &str,
-        entries: &Arc<Vec<Entry>>,
-        upto: usize,
-        watermark: Option<&str>,
-    ) -> Window {
-        if upto >= entries.len() {
-            let kept = self
-                .inner
-                .transcripts
-                .lock()
-                .expect("transcripts lock")
-                .window(session_id, entries, watermark);
-            if let Some(w) = kept {
-                return w;
-            }
-        }
-        crate::context::window(&entries[..upto.min(entries.len())], watermark)
-    }
-
-    /// Drops this process's copy of a session's transcript (the session is gone).
-    pub(crate) fn forget_transcript(&self, session_id: &str) {
-        self.inner
-            .transcripts
-            .lock()
-            .expect("transcripts lock")
-            .take(session_id);
-    }
-
-    /// Every entry, paging through `session::messages` (the whole history, every time).
-    async fn transcript_paged(&self, session_id: &str) -> Result<Vec<Entry>> {
-        let mut out = Vec::new();
-        let mut cursor = None;
-        loop {
-            let page: MessagesResponse = self
-                .call(
-                    "session::messages",
-                    &MessagesRequest {
-                        session_id: session_id.to_string(),
-                        include_custom: true,
-                        limit: Some(500),
-                        cursor,
-                        after_entry_id: None,
-                    },
-                )
-                .await?;
-            out.extend(page.messages);
-            match page.next_cursor {
-                Some(c) => cursor = Some(c),
-                None => return Ok(out),
-            }
-        }
-    }
-
     pub(crate) fn judge_paused(&self) -> bool {
         let until = self
             .inner
@@ -812,18 +546,6 @@ mod tests {
             origin: None,
             revision,
         }
-    }
-
-    #[test]
-    fn changes_merge_in_seq_order_and_replace_updates() {
-        let mut entries = vec![entry(1, 0), entry(2, 0)];
-        let lowest = merge_changes(&mut entries, vec![entry(4, 0), entry(2, 1), entry(3, 0)]);
-        let got: Vec<(i64, i64)> = entries.iter().map(|e| (e.seq, e.revision)).collect();
-        assert_eq!(got, [(1, 0), (2, 1), (3, 0), (4, 0)]);
-        // The update of seq 2 is the lowest change: a kept window is redone from there.
-        assert_eq!(lowest, 1);
-        assert_eq!(merge_changes(&mut entries, vec![entry(5, 0)]), 4);
-        assert_eq!(merge_changes(&mut entries, Vec::new()), entries.len());
     }
 
     #[test]

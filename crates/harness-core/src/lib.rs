@@ -35,12 +35,14 @@ mod prompt;
 mod recover;
 mod send;
 mod spawn;
+mod start;
 mod status;
 mod steering;
 mod step;
 mod stop;
 mod stream;
 pub mod trace;
+mod transcript;
 mod tree;
 pub mod usage;
 
