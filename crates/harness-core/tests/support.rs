@@ -19,6 +19,7 @@ use harness_types::api::{
 use harness_types::session::Entry;
 use serde_json::{json, Value};
 
+pub use embedded::config;
 use embedded::{embedded, Embedded};
 
 pub struct Rt {
@@ -98,13 +99,6 @@ async fn runtime_with(script: Value, config: HarnessConfig, start: bool) -> Rt {
         bus,
         recorder,
         _dir: dir,
-    }
-}
-
-pub fn config() -> HarnessConfig {
-    HarnessConfig {
-        stream_coalesce_ms: 0,
-        ..HarnessConfig::default()
     }
 }
 

@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::embedded::{embedded, Embedded};
+use common::embedded::{config, embedded, start_loop, Embedded};
 use common::*;
 use harness_bus::{CallContext, FunctionDef};
-use harness_core::{Harness, HarnessConfig};
+use harness_core::Harness;
 use harness_router::providers::{ProviderConfig, ProviderKind};
 use harness_router::Router;
 use harness_session::SessionStore;
@@ -53,15 +53,7 @@ async fn runtime(mock: &Mock, id: &str, kind: ProviderKind, suffix: &str) -> Rt 
             }
         }),
     );
-    let harness = Harness::new(
-        shared,
-        HarnessConfig {
-            stream_coalesce_ms: 0,
-            ..HarnessConfig::default()
-        },
-    );
-    harness_core::register(&harness);
-    harness.start().await.unwrap();
+    let harness = start_loop(shared, config()).await;
     Rt {
         harness,
         sessions,

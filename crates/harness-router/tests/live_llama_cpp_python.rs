@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::embedded::{embedded, Embedded};
+use common::embedded::{config, embedded, start_loop, Embedded};
 use harness_bus::{CallContext, FunctionDef};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{HttpOptions, ProviderConfig, ProviderKind};
@@ -31,7 +31,6 @@ use harness_types::api::{SendOptions, SendRequest, StatusReport, StatusRequest, 
 use harness_types::message::{AgentMessage, ContentBlock, StopReason};
 use harness_types::router::{ChatRequest, Frame, ToolSpec};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 const MODEL: &str = "gemma-3-270m";
 const N_CTX: u64 = 2048;
@@ -196,17 +195,15 @@ async fn runtime(url: &str) -> Rt {
             }
         }),
     );
-    let harness = Harness::new(
+    let harness = start_loop(
         shared,
         HarnessConfig {
-            stream_coalesce_ms: 0,
             // What `harness chat --context-window` sets: the server runs with this n_ctx.
             default_context_window: N_CTX,
-            ..HarnessConfig::default()
+            ..config()
         },
-    );
-    harness_core::register(&harness);
-    harness.start().await.unwrap();
+    )
+    .await;
     Rt {
         harness,
         sessions,
@@ -313,24 +310,6 @@ fn assert_no_cut_reply_marked_end(rt: &Rt, session: &str) -> usize {
     cut
 }
 
-async fn router_chat(router: &Router, req: ChatRequest) -> Vec<Frame> {
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    router
-        .chat(
-            req,
-            CallContext {
-                frames: Some(tx),
-                metadata: Value::Null,
-            },
-        )
-        .await;
-    let mut frames = Vec::new();
-    while let Ok(v) = rx.try_recv() {
-        frames.push(serde_json::from_value::<Frame>(v).unwrap());
-    }
-    frames
-}
-
 fn request(messages: Vec<AgentMessage>) -> ChatRequest {
     ChatRequest {
         request_id: "live:0".into(),
@@ -401,7 +380,7 @@ async fn a_real_llama_cpp_python_server() {
     req.provider_options = Some(
         json!({"llamacpp": {"tool_choice": {"type": "function", "function": {"name": "math__add"}}}}),
     );
-    let frames = router_chat(&rt.router, req.clone()).await;
+    let frames = common::chat(&rt.router, req.clone()).await.frames;
     let Some(Frame::Done { message }) = frames.last().cloned() else {
         panic!("the forced call failed: {:?}", frames.last());
     };
@@ -433,7 +412,7 @@ async fn a_real_llama_cpp_python_server() {
         }),
     ]);
     replay.request_id = "live:1".into();
-    let frames = router_chat(&rt.router, replay).await;
+    let frames = common::chat(&rt.router, replay).await.frames;
     match frames.last() {
         Some(Frame::Done { message }) => say(&format!(
             "replay: done, stop {:?}, text {:?}",

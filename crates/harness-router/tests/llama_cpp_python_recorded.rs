@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::embedded::{embedded, Embedded};
+use common::embedded::{config, embedded, start_loop, Embedded};
 use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
 use common::{chat, http, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
@@ -213,16 +213,14 @@ async fn runtime(url: &str) -> (Harness, SessionStore, tempfile::TempDir) {
         ..
     } = embedded().await;
     harness_router::register(shared.as_ref(), &llamacpp(url, None));
-    let harness = Harness::new(
+    let harness = start_loop(
         shared,
         HarnessConfig {
-            stream_coalesce_ms: 0,
             default_context_window: 4096,
-            ..HarnessConfig::default()
+            ..config()
         },
-    );
-    harness_core::register(&harness);
-    harness.start().await.unwrap();
+    )
+    .await;
     (harness, sessions, dir)
 }
 
@@ -596,16 +594,14 @@ async fn runtime_with_window(
     } = embedded().await;
     harness_router::register(shared.as_ref(), router);
     harness_context::register(shared.clone());
-    let harness = Harness::new(
+    let harness = start_loop(
         shared,
         HarnessConfig {
-            stream_coalesce_ms: 0,
             default_context_window: window,
-            ..HarnessConfig::default()
+            ..config()
         },
-    );
-    harness_core::register(&harness);
-    harness.start().await.unwrap();
+    )
+    .await;
     (harness, sessions, dir)
 }
 

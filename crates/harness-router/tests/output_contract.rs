@@ -5,16 +5,13 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::embedded::{config, embedded, start_loop, Embedded};
 use common::*;
-use harness_bus::{Bus, EmbeddedBus};
-use harness_core::{Harness, HarnessConfig};
+use harness_core::Harness;
 use harness_router::providers::{ProviderConfig, ProviderKind};
 use harness_router::Router;
-use harness_session::SessionStore;
-use harness_store::{Durability, Store};
 use harness_types::api::{
     OutputContract, SendOptions, SendRequest, StatusReport, StatusRequest, TurnStatus,
 };
@@ -41,12 +38,7 @@ fn answer(text: &str) -> Reply {
 
 /// The loop with the OpenAI adapter pointed at `mock`.
 async fn harness_for(mock: &Mock) -> (Harness, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus);
-    let sessions = SessionStore::open(store).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let Embedded { shared, dir, .. } = embedded().await;
     let router = Router::new();
     router.add_provider(
         ProviderConfig::new(
@@ -59,15 +51,7 @@ async fn harness_for(mock: &Mock) -> (Harness, tempfile::TempDir) {
         .build(),
     );
     harness_router::register(shared.as_ref(), &router);
-    let harness = Harness::new(
-        shared,
-        HarnessConfig {
-            stream_coalesce_ms: 0,
-            ..HarnessConfig::default()
-        },
-    );
-    harness_core::register(&harness);
-    harness.start().await.unwrap();
+    let harness = start_loop(shared, config()).await;
     (harness, dir)
 }
 

@@ -1,11 +1,12 @@
 //! What every in-process loop test starts from: a store in a temporary directory, the embedded
-//! bus over it, and the session store with `session::*` registered. The test crates of
-//! harness-approval and harness-router include this file by `#[path]`, so a change to how the
-//! stack is opened is made once.
+//! bus over it, and the session store with `session::*` registered; then the loop itself. The
+//! test crates of harness-approval and harness-router include this file by `#[path]`, so a
+//! change to how the stack is opened is made once.
 
 use std::sync::Arc;
 
 use harness_bus::{Bus, EmbeddedBus};
+use harness_core::{Harness, HarnessConfig};
 use harness_session::SessionStore;
 use harness_store::{Durability, Store};
 
@@ -32,4 +33,20 @@ pub async fn embedded() -> Embedded {
         sessions,
         dir,
     }
+}
+
+/// The loop's configuration in tests: frames are not coalesced, so a test sees each one.
+pub fn config() -> HarnessConfig {
+    HarnessConfig {
+        stream_coalesce_ms: 0,
+        ..HarnessConfig::default()
+    }
+}
+
+/// The loop on `shared` with `config`, its functions registered, started.
+pub async fn start_loop(shared: Arc<dyn Bus>, config: HarnessConfig) -> Harness {
+    let harness = Harness::new(shared, config);
+    harness_core::register(&harness);
+    harness.start().await.unwrap();
+    harness
 }
