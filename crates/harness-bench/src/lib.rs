@@ -101,6 +101,12 @@
 //!   mimalloc's threads happened to keep. It includes SQLite's page caches growing with the
 //!   database (`idle_sqlite_heap_*_bytes`); `idle_session_marginal_bytes` is the slope over the
 //!   second half only. An explicit `--idle-sessions N` is measured whole (cap 12 ms a session).
+//!
+//! Layout: one module per phase (`idle`, `overhead`, `handoff`, `calls`, `long_session`,
+//! `router`, `throughput`), each returning its figures; `probe` and `rig` (a runtime in a
+//! temporary directory and the driver of its turns) under them; `report` turns the results into
+//! the JSON object or the table. [`run`] only sequences the phases. The tests (`tests/`) run
+//! every phase on a tiny budget and check its figures for sanity, never for speed.
 
 use std::path::PathBuf;
 use std::time::Instant;

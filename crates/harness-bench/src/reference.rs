@@ -42,11 +42,11 @@ fn p50(mut ns: Vec<u64>) -> f64 {
 
 /// Measures the reference in `dir` (a fresh subdirectory, removed afterwards).
 pub fn measure(dir: &Path) -> Result<Reference> {
-    let dir = dir.join(format!("harness-bench-reference-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let out = measure_in(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    out
+    let dir = tempfile::Builder::new()
+        .prefix("harness-bench-reference-")
+        .tempdir_in(dir)
+        .with_context(|| format!("cannot create a directory in {}", dir.display()))?;
+    measure_in(dir.path())
 }
 
 fn measure_in(dir: &Path) -> Result<Reference> {
