@@ -33,6 +33,7 @@ mod locks;
 pub(crate) use harness_machine::{machine, output, record};
 mod prompt;
 mod recover;
+mod retention;
 mod send;
 mod spawn;
 mod start;
