@@ -49,11 +49,7 @@ async fn an_accepted_ask_ends_the_turn_on_the_question_without_another_model_cal
         )
         .await
         .unwrap();
-    let r = rt
-        .harness
-        .send(allowing("decide for me", &["*"]))
-        .await
-        .unwrap();
+    let r = rt.send(allowing("decide for me", &["*"])).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Let me ask you.")));
@@ -80,7 +76,7 @@ async fn an_accepted_ask_ends_the_turn_on_the_question_without_another_model_cal
     // The user's answer is simply the next message, and starts the next turn.
     let mut answer = send("Approach: End the turn");
     answer.session_id = Some(r.session_id.clone());
-    let next = rt.harness.send(answer).await.unwrap();
+    let next = rt.send(answer).await;
     assert_ne!(next.turn_id, r.turn_id);
     rt.wait_terminal(&r.session_id, &next.turn_id).await;
 }
@@ -95,11 +91,7 @@ async fn a_broken_limit_is_refused_with_its_field_and_the_turn_goes_on() {
         config(),
     )
     .await;
-    let r = rt
-        .harness
-        .send(allowing("decide for me", &["*"]))
-        .await
-        .unwrap();
+    let r = rt.send(allowing("decide for me", &["*"])).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.result, Some(json!("asked in text instead")));
     let result = &rt.results(&r.session_id)[0];
@@ -127,11 +119,7 @@ async fn a_sub_agent_cannot_ask_and_a_direct_call_is_refused() {
         config(),
     )
     .await;
-    let r = rt
-        .harness
-        .send(allowing("delegate it", &["*"]))
-        .await
-        .unwrap();
+    let r = rt.send(allowing("delegate it", &["*"])).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
     let refused = &rt.results(&child.session_id)[0];

@@ -14,13 +14,11 @@ use support::*;
 #[tokio::test]
 async fn a_deny_all_policy_sends_no_tools_and_agent_trigger_sends_one() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let a = rt.harness.send(send("plain chat")).await.unwrap();
+    let a = rt.send(send("plain chat")).await;
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
     let b = rt
-        .harness
         .send(allowing_as("with tools", &["*"], ExposeMode::AgentTrigger))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&b.session_id, &b.turn_id).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     assert!(seen[0].tools.is_empty(), "deny-all: no tools at all");
@@ -45,14 +43,12 @@ async fn native_exposure_lists_allowed_functions_sorted_with_their_schemas() {
     rt.register("weather::forecast", None, |_| json!({}));
     rt.register("shell::exec", None, |_| json!({}));
     let r = rt
-        .harness
         .send(allowing_as(
             "tools please",
             &["weather::*", "engine::functions::*"],
             ExposeMode::Native,
         ))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let names: Vec<&str> = seen[0].tools.iter().map(|t| t.name.as_str()).collect();
@@ -89,14 +85,12 @@ async fn discovery_through_agent_trigger_only_shows_callable_functions() {
     rt.register("weather::now", None, |_| json!({}));
     rt.register("shell::exec", None, |_| json!({}));
     let r = rt
-        .harness
         .send(allowing_as(
             "discover",
             &["weather::*", "engine::functions::*"],
             ExposeMode::AgentTrigger,
         ))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     let ids: Vec<&str> = result.details["functions"]
@@ -134,10 +128,8 @@ async fn stringified_json_arguments_are_repaired_and_the_repair_is_noted() {
         json!({"sum": p["numbers"].as_array().map(|a| a.iter().filter_map(Value::as_i64).sum::<i64>())})
     });
     let r = rt
-        .harness
         .send(allowing_as("sum these", &["math::*"], ExposeMode::Native))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(
         *got.lock().unwrap(),
@@ -187,10 +179,8 @@ async fn the_third_identical_failing_call_is_answered_by_the_breaker() {
         |_| json!({"content": [{"type": "text", "text": "connection refused"}], "is_error": true}),
     );
     let r = rt
-        .harness
         .send(allowing_as("flaky", &["net::*"], ExposeMode::Native))
-        .await
-        .unwrap();
+        .await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(
@@ -218,10 +208,8 @@ async fn an_oversized_result_is_elided_in_the_transcript_and_the_next_context() 
     let rt = runtime(script, cfg).await;
     rt.register("db::dump", None, |_| json!({"rows": vec!["row"; 2000]}));
     let r = rt
-        .harness
         .send(allowing_as("dump", &["db::*"], ExposeMode::Native))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     let text = result.content[0].as_text().unwrap().to_string();
@@ -255,10 +243,8 @@ async fn degraded_and_targetless_calls_are_refused_without_running_anything() {
     let rt = runtime(script, config()).await;
     let calls = rt.register("fs::write", None, |_| json!({}));
     let r = rt
-        .harness
         .send(allowing_as("go", &["*"], ExposeMode::AgentTrigger))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let results = rt.results(&r.session_id);
     assert_eq!(results[0].details["error"], "agent_trigger_no_target");
@@ -292,14 +278,12 @@ async fn a_send_while_a_function_runs_returns_at_once_and_steers_the_next_step()
         );
     }
     let r = rt
-        .harness
         .send(allowing_as(
             "start the job",
             &["job::*"],
             ExposeMode::Native,
         ))
-        .await
-        .unwrap();
+        .await;
     started.notified().await;
     // The step holds the session while the function runs; the send must not wait for it.
     let mut steer = send("meanwhile, add a note");
@@ -325,10 +309,8 @@ async fn a_registry_change_is_announced_once_to_a_session_that_may_call_function
     use harness_bus::Bus;
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
     let a = rt
-        .harness
         .send(allowing_as("first", &["*"], ExposeMode::AgentTrigger))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
     rt.bus
         .call("harness::on-functions-change", json!({}), None)
@@ -337,7 +319,7 @@ async fn a_registry_change_is_announced_once_to_a_session_that_may_call_function
     for text in ["second", "third"] {
         let mut next = send(text);
         next.session_id = Some(a.session_id.clone());
-        let r = rt.harness.send(next).await.unwrap();
+        let r = rt.send(next).await;
         rt.wait_terminal(&r.session_id, &r.turn_id).await;
     }
     let seen = rt.recorder.seen.lock().unwrap().clone();
@@ -373,10 +355,8 @@ async fn arguments_repair_could_not_fix_get_one_diagnosis_naming_fields_and_type
         |_| json!({"content": [{"type": "text", "text": "bad request"}], "is_error": true}),
     );
     let r = rt
-        .harness
         .send(allowing_as("store it", &["db::*"], ExposeMode::Native))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let results = rt.results(&r.session_id);
     assert_eq!(results.len(), 2);
@@ -416,11 +396,7 @@ async fn malformed_arguments_are_named_apart_from_cut_ones() {
     ]});
     let rt = runtime(script, config()).await;
     let calls = rt.register("fs::write", None, |_| json!({}));
-    let r = rt
-        .harness
-        .send(allowing_as("go", &["*"], ExposeMode::Native))
-        .await
-        .unwrap();
+    let r = rt.send(allowing_as("go", &["*"], ExposeMode::Native)).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let results = rt.results(&r.session_id);
     let text = |i: usize| harness_types::message::joined_text(&results[i].content);

@@ -41,10 +41,8 @@ fn with_mode(
 async fn a_mode_heads_the_prompt_stays_with_the_session_and_agent_removes_it() {
     let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
     let r = rt
-        .harness
         .send(with_mode("plan the release", Some(Mode::Plan), None))
-        .await
-        .unwrap();
+        .await;
     let sid = r.session_id.clone();
     assert_eq!(
         rt.wait_terminal(&sid, &r.turn_id).await.result,
@@ -58,20 +56,14 @@ async fn a_mode_heads_the_prompt_stays_with_the_session_and_agent_removes_it() {
     );
 
     // Sticky: a send naming no prompt field keeps the mode.
-    let r = rt
-        .harness
-        .send(with_mode("go on", None, Some(&sid)))
-        .await
-        .unwrap();
+    let r = rt.send(with_mode("go on", None, Some(&sid))).await;
     rt.wait_terminal(&sid, &r.turn_id).await;
     assert_eq!(prompts(&rt, &sid)[1], first);
 
     // Naming another mode swaps only the paragraph; the rest of the prompt is the same bytes.
     let r = rt
-        .harness
         .send(with_mode("what is it?", Some(Mode::Ask), Some(&sid)))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&sid, &r.turn_id).await;
     let asked = prompts(&rt, &sid)[2].clone();
     assert!(asked.starts_with("Operating mode: ask."), "{asked}");
@@ -81,10 +73,8 @@ async fn a_mode_heads_the_prompt_stays_with_the_session_and_agent_removes_it() {
 
     // `agent` is the ordinary loop: no paragraph at all.
     let r = rt
-        .harness
         .send(with_mode("do it", Some(Mode::Agent), Some(&sid)))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&sid, &r.turn_id).await;
     let agent = prompts(&rt, &sid)[3].clone();
     assert!(
@@ -108,7 +98,7 @@ async fn a_mode_with_a_disabled_prompt_is_refused_by_name() {
         system_prompt_strategy: Some(SystemPromptStrategy::Disabled),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let e = rt
         .harness
@@ -215,7 +205,7 @@ async fn max_children_limits_the_childs_own_fan_out() {
         config(),
     )
     .await;
-    let r = rt.harness.send(orchestrating("lead")).await.unwrap();
+    let r = rt.send(orchestrating("lead")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let lead = rt
         .harness
@@ -262,7 +252,7 @@ async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
         config(),
     )
     .await;
-    let r = rt.harness.send(send("long please")).await.unwrap();
+    let r = rt.send(send("long please")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
 
     let lean = status_of(&rt, &r.session_id, false).await;
@@ -289,7 +279,7 @@ async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
     assert!(verbose["max_transient_resumes"].is_u64(), "{verbose}");
 
     // A short result is the same in both.
-    let r = rt.harness.send(send("brief")).await.unwrap();
+    let r = rt.send(send("brief")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(
         status_of(&rt, &r.session_id, false).await["result"],
@@ -302,7 +292,7 @@ async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
         system_prompt_strategy: Some(SystemPromptStrategy::Disabled),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let lean = status_of(&rt, &r.session_id, false).await;
     assert_eq!(
@@ -334,7 +324,7 @@ async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
         }),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let call = |id: &str| json!({"session_id": r.session_id, "call": {"id": id, "function_id": "t::echo", "arguments": {"x": 1}}});
     let ran = rt
@@ -412,7 +402,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
         .await
         .unwrap();
     assert_eq!(out["created"], true);
-    let first = rt.harness.send(send("hello")).await.unwrap();
+    let first = rt.send(send("hello")).await;
     rt.wait_terminal(&first.session_id, &first.turn_id).await;
     assert!(prompts(&rt, &first.session_id)[0].starts_with("You are the house identity, v1."));
 
@@ -424,7 +414,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
         )
         .await
         .unwrap();
-    let second = rt.harness.send(send("hello again")).await.unwrap();
+    let second = rt.send(send("hello again")).await;
     rt.wait_terminal(&second.session_id, &second.turn_id).await;
     let p = prompts(&rt, &second.session_id).remove(0);
     assert!(p.starts_with("You are the house identity, v2."), "{p}");
@@ -438,7 +428,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
         }),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let results = rt.results(&r.session_id);
     let refused = results
@@ -473,7 +463,7 @@ async fn reasoning_lowest_is_reported_on_the_send_and_its_bad_combinations_refus
         req
     };
     // The scripted catalog row says the model thinks and lists no efforts: minimal.
-    let r = rt.harness.send(lowest("m", "scripted")).await.unwrap();
+    let r = rt.send(lowest("m", "scripted")).await;
     let applied = serde_json::to_value(r.reasoning.clone()).unwrap();
     assert_eq!(
         applied,
@@ -481,11 +471,7 @@ async fn reasoning_lowest_is_reported_on_the_send_and_its_bad_combinations_refus
     );
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     // A send that names no effort keeps it and reports nothing new.
-    let again = rt
-        .harness
-        .send(with_mode("more", None, Some(&r.session_id)))
-        .await
-        .unwrap();
+    let again = rt.send(with_mode("more", None, Some(&r.session_id))).await;
     assert!(again.reasoning.is_none());
 
     let e = rt.harness.send(lowest("m", "nowhere")).await.unwrap_err();
@@ -556,7 +542,7 @@ async fn the_judges_repair_is_noted_in_the_calls_result() {
         }),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(painted.load(std::sync::atomic::Ordering::SeqCst), 1);
     let result = rt
@@ -590,7 +576,7 @@ async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
         )
         .await
         .unwrap();
-    let r = rt.harness.send(send("hi")).await.unwrap();
+    let r = rt.send(send("hi")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let preview = rt
         .bus
@@ -642,7 +628,7 @@ async fn a_changed_preloaded_contract_is_named_in_a_tail_notice() {
         agent: Some("echoer".into()),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let sid = r.session_id.clone();
     rt.wait_terminal(&sid, &r.turn_id).await;
     let last_user_texts = |rt: &Rt| -> Vec<String> {
@@ -670,11 +656,7 @@ async fn a_changed_preloaded_contract_is_named_in_a_tail_notice() {
         |p| p,
     );
     rt.register("t::later", None, |p| p);
-    let r = rt
-        .harness
-        .send(with_mode("again", None, Some(&sid)))
-        .await
-        .unwrap();
+    let r = rt.send(with_mode("again", None, Some(&sid))).await;
     rt.wait_terminal(&sid, &r.turn_id).await;
     let texts = last_user_texts(&rt);
     let notice = texts
@@ -715,7 +697,7 @@ async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
         }
     };
     skill("create", "style", "House style.").await;
-    let r = rt.harness.send(send("first")).await.unwrap();
+    let r = rt.send(send("first")).await;
     let sid = r.session_id.clone();
     rt.wait_terminal(&sid, &r.turn_id).await;
     let corrections = |rt: &Rt| -> Vec<String> {
@@ -726,21 +708,13 @@ async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
             .collect()
     };
     // Nothing changed: a second turn gets no correction.
-    let r = rt
-        .harness
-        .send(with_mode("second", None, Some(&sid)))
-        .await
-        .unwrap();
+    let r = rt.send(with_mode("second", None, Some(&sid))).await;
     rt.wait_terminal(&sid, &r.turn_id).await;
     assert!(corrections(&rt).is_empty());
 
     skill("create", "deploy", "How to ship.").await;
     skill("update", "style", "House style, v2.").await;
-    let r = rt
-        .harness
-        .send(with_mode("third", None, Some(&sid)))
-        .await
-        .unwrap();
+    let r = rt.send(with_mode("third", None, Some(&sid))).await;
     rt.wait_terminal(&sid, &r.turn_id).await;
     let got = corrections(&rt);
     assert_eq!(got.len(), 1, "{got:?}");
@@ -762,11 +736,7 @@ async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
     assert_eq!(p[0], p[2], "the frozen prompt is untouched");
 
     // Told once: the next turn has nothing new to correct.
-    let r = rt
-        .harness
-        .send(with_mode("fourth", None, Some(&sid)))
-        .await
-        .unwrap();
+    let r = rt.send(with_mode("fourth", None, Some(&sid))).await;
     rt.wait_terminal(&sid, &r.turn_id).await;
     assert_eq!(corrections(&rt).len(), 1);
 }
@@ -777,7 +747,7 @@ async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
 #[tokio::test]
 async fn a_direct_spawns_display_parent_lists_the_child_and_names_it_on_its_events() {
     let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
-    let parent = rt.harness.send(send("host")).await.unwrap();
+    let parent = rt.send(send("host")).await;
     rt.wait_terminal(&parent.session_id, &parent.turn_id).await;
     let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Value>::new()));
     let log = heard.clone();

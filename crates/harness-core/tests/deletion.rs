@@ -141,11 +141,7 @@ async fn deleting_a_running_tree_cancels_every_member_and_deletes_children_first
         config(),
     )
     .await;
-    let r = rt
-        .harness
-        .send(orchestrating("plan the trip"))
-        .await
-        .unwrap();
+    let r = rt.send(orchestrating("plan the trip")).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     let child = loop {
         if let Some(c) = children(&rt, &r.session_id).await.into_iter().next() {
@@ -185,7 +181,7 @@ async fn deleting_a_running_tree_cancels_every_member_and_deletes_children_first
 #[tokio::test]
 async fn a_failed_attempt_keeps_the_data_and_is_retried_under_the_next_attempt() {
     let rt = runtime(json!({"generations": [text(None, "hi", 0)]}), config()).await;
-    let r = rt.harness.send(send("hello")).await.unwrap();
+    let r = rt.send(send("hello")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
 
     // The transcript store refuses to confirm the delete: the attempt fails, data kept.

@@ -71,7 +71,7 @@ fn targets(rt: &Rt) -> Seen {
 }
 
 async fn run(rt: &Rt, req: harness_types::api::SendRequest) -> String {
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
     r.session_id
@@ -168,10 +168,8 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
         }
     });
     let r = rt
-        .harness
         .send(send_with("slow", None, Some(dir.path().to_str().unwrap())))
-        .await
-        .unwrap();
+        .await;
     // While the call runs, a send naming another root is refused, not merged silently.
     let e = rt
         .harness
@@ -185,14 +183,12 @@ async fn bad_roots_are_refused_by_field_and_a_live_turn_keeps_its_root() {
     assert!(e.message.starts_with("options.filesystem_root:"), "{e}");
     assert!(e.message.contains("live turn"), "{e}");
     // Naming the same root is fine.
-    rt.harness
-        .send(send_with(
-            "more",
-            Some(&r.session_id),
-            Some(dir.path().to_str().unwrap()),
-        ))
-        .await
-        .unwrap();
+    rt.send(send_with(
+        "more",
+        Some(&r.session_id),
+        Some(dir.path().to_str().unwrap()),
+    ))
+    .await;
     release.send_replace(true);
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
 }

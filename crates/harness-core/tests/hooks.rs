@@ -117,7 +117,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let s = rt.status(&r.session_id).await.unwrap();
     assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
@@ -180,7 +180,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     assert_eq!(
         mutator.lock().unwrap()[0]["call"]["arguments"]["text"],
@@ -213,7 +213,7 @@ async fn deliver_settles_a_held_call_with_the_given_result() {
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
     hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
     bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let out = rt
         .harness
@@ -246,11 +246,11 @@ async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation(
     rt.register("fs::write", None, |_| json!({"ok": true}));
     hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
     bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let mut steer = send("also add a footer");
     steer.session_id = Some(r.session_id.clone());
-    let s = rt.harness.send(steer).await.unwrap();
+    let s = rt.send(steer).await;
     assert_eq!(
         (s.merged, s.queued, s.turn_id.clone()),
         (Some(true), None, r.turn_id.clone())
@@ -281,7 +281,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "reason": "quota exhausted"}),
     );
     bind(&rt, "pre-turn", "policy::no", json!({}), json!({})).await;
-    let r = rt.harness.send(send("hi")).await.unwrap();
+    let r = rt.send(send("hi")).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
@@ -306,7 +306,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "reason": "off hours"}),
     );
     bind(&rt, "pre-generate", "policy::no", json!({}), json!({})).await;
-    let r = rt.harness.send(send("hi")).await.unwrap();
+    let r = rt.send(send("hi")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     assert_eq!(
@@ -323,7 +323,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "reason": "read-only day"}),
     );
     bind(&rt, "pre-trigger", "policy::no", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
     let result = &rt.results(&r.session_id)[0];
@@ -342,7 +342,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "mutations": {"content": [{"type": "text", "text": "redacted"}]}}),
     );
     bind(&rt, "post-trigger", "post::rewrite", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(
@@ -358,11 +358,7 @@ async fn deny_at_each_point() {
         |_| json!({"mutations": {"content": [{"type": "text", "text": "redacted"}], "is_error": true}}),
     );
     bind(&rt2, "post-trigger", "post::rewrite", json!({}), json!({})).await;
-    let r = rt2
-        .harness
-        .send(allowing("write it", &["*"]))
-        .await
-        .unwrap();
+    let r = rt2.send(allowing("write it", &["*"])).await;
     rt2.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt2.results(&r.session_id)[0];
     assert_eq!(
@@ -390,7 +386,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(result.details["error"], "hook_denied");
@@ -422,7 +418,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
 
@@ -430,7 +426,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
     bind(&rt, "post-trigger", "nobody::home", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(!rt.results(&r.session_id)[0].is_error);
@@ -464,7 +460,7 @@ async fn pre_generate_extends_the_prompt_and_appends_messages() {
         json!({"inject_prompt": "Answer in English."}),
     )
     .await;
-    let r = rt.harness.send(send("hi")).await.unwrap();
+    let r = rt.send(send("hi")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let prompt = seen[0].system_prompt.clone().unwrap();
@@ -497,7 +493,7 @@ async fn the_sweep_expires_a_stale_pending_call_but_never_a_hold() {
     rt.register("fs::write", None, |_| json!({"ok": true}));
     hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
     bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     // Make c2 a legacy parked call (no holder) that has waited too long; c1 stays a hold.
     let mut rec = rt
@@ -571,7 +567,7 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
         let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
         hook(&rt, "odd::hook", move |_| json!({"decision": decision}));
         bind(&rt, "pre-trigger", "odd::hook", json!({}), json!({})).await;
-        let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+        let r = rt.send(allowing("write it", &["*"])).await;
         rt.wait_terminal(&r.session_id, &r.turn_id).await;
         let result = &rt.results(&r.session_id)[0];
         assert_eq!(result.details["error"], "hook_denied", "{decision}");
@@ -598,7 +594,7 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
         |_| json!({"decision": "block", "mutations": {"is_error": true}}),
     );
     bind(&rt, "post-trigger", "odd::hook", json!({}), json!({})).await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     let result = &rt.results(&r.session_id)[0];
@@ -634,7 +630,7 @@ async fn a_post_turn_deny_reprompts_with_its_retry_prompt_then_the_result_comple
         json!({}),
     )
     .await;
-    let r = rt.harness.send(send("summarize this")).await.unwrap();
+    let r = rt.send(send("summarize this")).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("a longer summary")));
@@ -676,7 +672,7 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     // The hook already saw the turn's root, not the model's.
@@ -713,7 +709,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
     for n in 0..4 {
         let mut req = send(&format!("note {n}: {}", "n".repeat(4_000)));
         req.session_id = session.clone();
-        let r = rt.harness.send(req).await.unwrap();
+        let r = rt.send(req).await;
         let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
         assert_eq!(s.status, TurnStatus::Completed, "{:?}", s.result_error);
         session = Some(r.session_id);
@@ -727,7 +723,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
     bind(&rt, "pre-generate", "ctx::big", json!({}), json!({})).await;
     let mut req = send("note 4: short");
     req.session_id = session.clone();
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed, "{:?}", s.result_error);
     let seen = rt.recorder.seen.lock().unwrap().clone();
@@ -746,7 +742,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
     size.store(40_000, std::sync::atomic::Ordering::SeqCst);
     let mut req = send("note 5: short");
     req.session_id = session;
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let error = rt
@@ -783,7 +779,7 @@ async fn a_release_grants_the_held_call_one_shot_roots() {
         json!({}),
     )
     .await;
-    let r = rt.harness.send(allowing("write it", &["*"])).await.unwrap();
+    let r = rt.send(allowing("write it", &["*"])).await;
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let shared = tempfile::tempdir().unwrap();
     let shared_root = std::fs::canonicalize(shared.path())

@@ -79,7 +79,7 @@ fn agent_send(message: &str, agent: &str) -> SendRequest {
 }
 
 async fn run(rt: &Rt, req: SendRequest) -> String {
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     r.session_id
 }
@@ -636,7 +636,7 @@ async fn a_sub_agent_of_a_profiled_turn_runs_under_the_same_profile_unless_its_p
             allow: vec!["harness::spawn".into()],
             ..Default::default()
         });
-        let r = rt.harness.send(req).await.unwrap();
+        let r = rt.send(req).await;
         rt.wait_terminal(&r.session_id, &r.turn_id).await;
     }
     let seen = rt.recorder.seen.lock().unwrap().clone();

@@ -17,7 +17,7 @@ async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
         config(),
     )
     .await;
-    let r = rt.harness.send(send("hello")).await.unwrap();
+    let r = rt.send(send("hello")).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Hello back, friend.")));
@@ -44,7 +44,7 @@ async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
 #[tokio::test]
 async fn the_assistant_entry_id_is_deterministic() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let r = rt.harness.send(send("hi")).await.unwrap();
+    let r = rt.send(send("hi")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let ids: Vec<String> = rt
         .entries(&r.session_id)
@@ -62,9 +62,9 @@ async fn a_repeated_idempotency_key_appends_nothing() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
     let mut req = send("once");
     req.idempotency_key = Some("hook:42".into());
-    let a = rt.harness.send(req.clone()).await.unwrap();
+    let a = rt.send(req.clone()).await;
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
-    let b = rt.harness.send(req).await.unwrap();
+    let b = rt.send(req).await;
     assert_eq!(b.deduplicated, Some(true));
     assert_eq!(
         (b.session_id.clone(), b.turn_id.clone()),
@@ -93,10 +93,10 @@ async fn a_follow_up_send_inherits_the_model_and_a_new_session_needs_one() {
     let err = rt.harness.send(no_model.clone()).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::InvalidRequest);
     assert!(err.message.starts_with("model:"), "{err}");
-    let a = rt.harness.send(send("hi")).await.unwrap();
+    let a = rt.send(send("hi")).await;
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
     no_model.session_id = Some(a.session_id.clone());
-    let b = rt.harness.send(no_model).await.unwrap();
+    let b = rt.send(no_model).await;
     assert_ne!(b.turn_id, a.turn_id);
     assert_eq!(
         rt.wait_terminal(&b.session_id, &b.turn_id).await.status,
@@ -111,7 +111,7 @@ async fn a_send_during_a_running_step_is_queued_and_steers_the_same_turn() {
         {"match": {"last_user_text": "second"}, "content": [{"type": "text", "text": "answer two"}]}
     ]});
     let rt = runtime(script, config()).await;
-    let a = rt.harness.send(send("first")).await.unwrap();
+    let a = rt.send(send("first")).await;
     // Wait until the step is streaming (the assistant entry exists), then steer.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !rt
@@ -124,7 +124,7 @@ async fn a_send_during_a_running_step_is_queued_and_steers_the_same_turn() {
     }
     let mut second = send("second");
     second.session_id = Some(a.session_id.clone());
-    let b = rt.harness.send(second).await.unwrap();
+    let b = rt.send(second).await;
     assert_eq!(
         (b.merged, b.queued, b.turn_id.clone()),
         (Some(true), Some(true), a.turn_id.clone())
@@ -147,7 +147,7 @@ async fn a_send_during_a_running_step_is_queued_and_steers_the_same_turn() {
 async fn stop_cancels_a_streaming_generation() {
     let script = json!({"generations": [{"chunk_delay_ms": 200, "content": [{"type": "text", "text": "a b c d e f g h i j k l m n o p"}]}]});
     let rt = runtime(script, config()).await;
-    let r = rt.harness.send(send("go")).await.unwrap();
+    let r = rt.send(send("go")).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !rt
         .messages(&r.session_id)
@@ -199,7 +199,7 @@ async fn a_transient_failure_after_partial_output_resumes_once() {
         {"content": [{"type": "text", "text": "Complete answer."}]}
     ]});
     let rt = runtime(script, config()).await;
-    let r = rt.harness.send(send("q")).await.unwrap();
+    let r = rt.send(send("q")).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.transient_resumes, 1);
@@ -280,11 +280,11 @@ async fn the_recovery_notice_is_gone_from_the_next_turn() {
         {"content": [{"type": "text", "text": "Second."}]}
     ]});
     let rt = runtime(script, config()).await;
-    let r = rt.harness.send(send("q")).await.unwrap();
+    let r = rt.send(send("q")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let mut next = send("again");
     next.session_id = Some(r.session_id.clone());
-    let r2 = rt.harness.send(next).await.unwrap();
+    let r2 = rt.send(next).await;
     let s = rt.wait_terminal(&r.session_id, &r2.turn_id).await;
     assert_eq!(s.result, Some(json!("Second.")));
     let seen = rt.recorder.seen.lock().unwrap().clone();
@@ -309,7 +309,7 @@ async fn a_failure_with_no_output_fails_the_turn_without_spending_the_resume_bud
     let script =
         json!({"generations": [{"error": {"kind": "transient", "message": "503 from upstream"}}]});
     let rt = runtime(script, config()).await;
-    let r = rt.harness.send(send("q")).await.unwrap();
+    let r = rt.send(send("q")).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     assert_eq!(s.transient_resumes, 0);
@@ -332,7 +332,7 @@ async fn a_conversation_that_does_not_fit_fails_cleanly() {
         ..config()
     };
     let rt = runtime(json!({"generations": [text_gen("ok")]}), cfg).await;
-    let r = rt.harness.send(send(&"word ".repeat(400))).await.unwrap();
+    let r = rt.send(send(&"word ".repeat(400))).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
@@ -355,7 +355,7 @@ async fn calls_are_denied_without_a_policy_and_max_turns_ends_the_turn() {
         max_turns: Some(1),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.stop_reason.as_deref(), Some("max_turns"));
@@ -409,7 +409,7 @@ async fn an_allowed_call_runs_once_and_its_result_reaches_the_model() {
         }),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("It is 5.")));
@@ -422,7 +422,7 @@ async fn an_allowed_call_runs_once_and_its_result_reaches_the_model() {
 async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
     use harness_bus::Bus;
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let r = rt.harness.send(send("hi")).await.unwrap();
+    let r = rt.send(send("hi")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     // A store that lost recent writes: the record is gone while a step of a new turn is queued.
     rt.bus
@@ -444,7 +444,7 @@ async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
     // The session goes on: the next send needs a model again and starts a fresh turn.
     let mut next = send("again");
     next.session_id = Some(r.session_id.clone());
-    let n = rt.harness.send(next).await.unwrap();
+    let n = rt.send(next).await;
     assert_eq!(
         rt.wait_terminal(&n.session_id, &n.turn_id).await.status,
         TurnStatus::Completed
@@ -512,7 +512,7 @@ async fn a_bad_field_is_refused_even_when_the_send_would_merge() {
     let script =
         json!({"generations": [{"delay_ms": 2000, "content": [{"type": "text", "text": "slow"}]}]});
     let rt = runtime(script, config()).await;
-    let r = rt.harness.send(send("first")).await.unwrap();
+    let r = rt.send(send("first")).await;
     let mut bad = send("second");
     bad.session_id = Some(r.session_id.clone());
     bad.model = Some(String::new());
@@ -580,7 +580,7 @@ async fn a_binding_sees_one_turn_completed_when_a_finished_step_is_delivered_aga
         )
         .await
         .unwrap();
-    let r = rt.harness.send(send("hello")).await.unwrap();
+    let r = rt.send(send("hello")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while seen.load(Ordering::SeqCst) == 0 {
@@ -672,7 +672,7 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
         max_output_tokens: Some(500),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     assert!(
@@ -698,7 +698,7 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
         max_output_tokens: Some(500),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     assert_eq!(
         rt.wait_terminal(&r.session_id, &r.turn_id).await.status,
         TurnStatus::Completed
@@ -796,12 +796,12 @@ async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
     };
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config).await;
     harness_session::register_transactional(&rt.bus, &rt.sessions);
-    let first = rt.harness.send(send("hello")).await.unwrap();
+    let first = rt.send(send("hello")).await;
     rt.wait_terminal(&first.session_id, &first.turn_id).await;
     let before = writes_once_idle(&rt).await;
     let mut req = send("again");
     req.session_id = Some(first.session_id.clone());
-    let second = rt.harness.send(req).await.unwrap();
+    let second = rt.send(req).await;
     assert_eq!(
         rt.wait_terminal(&second.session_id, &second.turn_id)
             .await
@@ -836,7 +836,7 @@ async fn a_cut_reply_is_resumed_within_max_turns_one() {
         max_turns: Some(1),
         ..Default::default()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.stop_reason, None);

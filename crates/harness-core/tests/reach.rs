@@ -108,11 +108,7 @@ async fn a_model_allowed_everything_causes_no_generation_of_its_own() {
         |_| json!({"c": 1}),
     );
 
-    let r = rt
-        .harness
-        .send(allowing_in("reach out", "s_reach", &["*"]))
-        .await
-        .unwrap();
+    let r = rt.send(allowing_in("reach out", "s_reach", &["*"])).await;
     let end = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(end.status, TurnStatus::Completed);
 
@@ -201,7 +197,6 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
     let cron_before = bindings_of(&rt, "cron").await;
 
     let r = rt
-        .harness
         .send(allowing_in(
             "bind it",
             "s_bind",
@@ -212,8 +207,7 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
                 "state::*",
             ],
         ))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
 
     assert_refused(
@@ -275,9 +269,9 @@ async fn a_binding_left_behind_goes_at_start_up_and_with_its_session() {
     let rt = runtime(json!({"generations": [done()]}), config()).await;
     tick_type(&rt);
     rt.register("notes::ping", None, |_| json!("pong"));
-    let a = rt.harness.send(send("one")).await.unwrap();
+    let a = rt.send(send("one")).await;
     rt.wait_terminal(&a.session_id, &a.turn_id).await;
-    let b = rt.harness.send(send("two")).await.unwrap();
+    let b = rt.send(send("two")).await;
     rt.wait_terminal(&b.session_id, &b.turn_id).await;
     let operators = rt
         .bus
@@ -343,10 +337,8 @@ async fn what_a_model_appends_is_marked_by_its_call_and_never_a_users_words() {
     )
     .await;
     let r = rt
-        .harness
         .send(allowing_in("note this", "s_note", &["session::*"]))
-        .await
-        .unwrap();
+        .await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
 
     let user = result(&rt, "s_note", "a1");

@@ -60,7 +60,7 @@ async fn a_detached_spawn_answers_with_the_child_ids_at_once() {
         config(),
     )
     .await;
-    let r = rt.harness.send(orchestrating("start it")).await.unwrap();
+    let r = rt.send(orchestrating("start it")).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.result, Some(json!("started it")));
     let result = &rt.results(&r.session_id)[0];
@@ -93,7 +93,7 @@ async fn guards_answer_the_model_instead_of_spawning() {
         cfg,
     )
     .await;
-    let r = rt.harness.send(orchestrating("go")).await.unwrap();
+    let r = rt.send(orchestrating("go")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     assert!(result.is_error);
@@ -109,7 +109,7 @@ async fn guards_answer_the_model_instead_of_spawning() {
         cfg,
     )
     .await;
-    let r = rt.harness.send(orchestrating("go")).await.unwrap();
+    let r = rt.send(orchestrating("go")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(
         rt.results(&r.session_id)[0].details["error"],
@@ -121,7 +121,7 @@ async fn guards_answer_the_model_instead_of_spawning() {
         config(),
     )
     .await;
-    let r = rt.harness.send(orchestrating("go")).await.unwrap();
+    let r = rt.send(orchestrating("go")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(result.details["error"], "harness/invalid_request");
@@ -146,7 +146,7 @@ async fn stopping_the_parent_stops_the_child() {
         config(),
     )
     .await;
-    let r = rt.harness.send(orchestrating("research it")).await.unwrap();
+    let r = rt.send(orchestrating("research it")).await;
     wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
     let out = rt
@@ -287,7 +287,7 @@ async fn stop_closes_every_open_call_of_a_turn_parked_on_two_children_and_a_hold
         .as_mut()
         .unwrap()
         .allow = vec!["harness::spawn".into(), "fs::write".into()];
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let before = rt.status(&r.session_id).await.unwrap();
     assert_eq!(before.pending_function_calls.len(), 3, "{before:?}");
@@ -352,7 +352,7 @@ async fn a_spawn_past_its_pending_timeout_resumes_the_parent_once_and_stops_the_
         config(),
     )
     .await;
-    let r = rt.harness.send(orchestrating("research it")).await.unwrap();
+    let r = rt.send(orchestrating("research it")).await;
     wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -416,12 +416,12 @@ async fn a_turn_may_reuse_only_its_own_tree() {
     // An unrelated top-level session.
     let mut other = send("hello");
     other.session_id = Some("x_top".into());
-    let o = rt.harness.send(other).await.unwrap();
+    let o = rt.send(other).await;
     rt.wait_terminal("x_top", &o.turn_id).await;
 
     let mut req = orchestrating("reuse test");
     req.session_id = Some("p_sess".into());
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     rt.wait_terminal("p_sess", &r.turn_id).await;
     let results = rt.results("p_sess");
     let by_id = |id: &str| results.iter().find(|m| m.function_call_id == id).unwrap();

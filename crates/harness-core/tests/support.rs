@@ -182,16 +182,17 @@ pub async fn trip_with_one_child() -> (Rt, harness_types::api::SendResponse) {
         config(),
     )
     .await;
-    let r = rt
-        .harness
-        .send(orchestrating("plan the trip"))
-        .await
-        .unwrap();
+    let r = rt.send(orchestrating("plan the trip")).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     (rt, r)
 }
 
 impl Rt {
+    /// `harness::send`, which the test expects to be accepted.
+    pub async fn send(&self, req: SendRequest) -> harness_types::api::SendResponse {
+        self.harness.send(req).await.unwrap()
+    }
+
     pub async fn status(&self, session_id: &str) -> Option<StatusReport> {
         self.harness
             .status(StatusRequest {
