@@ -49,8 +49,7 @@ async fn an_accepted_ask_ends_the_turn_on_the_question_without_another_model_cal
         )
         .await
         .unwrap();
-    let r = rt.send(allowing("decide for me", &["*"])).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(allowing("decide for me", &["*"])).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Let me ask you.")));
     assert_eq!(
@@ -91,8 +90,7 @@ async fn a_broken_limit_is_refused_with_its_field_and_the_turn_goes_on() {
         config(),
     )
     .await;
-    let r = rt.send(allowing("decide for me", &["*"])).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(allowing("decide for me", &["*"])).await;
     assert_eq!(s.result, Some(json!("asked in text instead")));
     let result = &rt.results(&r.session_id)[0];
     assert!(result.is_error);
@@ -119,8 +117,7 @@ async fn a_sub_agent_cannot_ask_and_a_direct_call_is_refused() {
         config(),
     )
     .await;
-    let r = rt.send(allowing("delegate it", &["*"])).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(allowing("delegate it", &["*"])).await;
     let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
     let refused = &rt.results(&child.session_id)[0];
     assert!(refused.is_error);

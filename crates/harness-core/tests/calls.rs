@@ -319,8 +319,7 @@ async fn a_registry_change_is_announced_once_to_a_session_that_may_call_function
     for text in ["second", "third"] {
         let mut next = send(text);
         next.session_id = Some(a.session_id.clone());
-        let r = rt.send(next).await;
-        rt.wait_terminal(&r.session_id, &r.turn_id).await;
+        rt.run(next).await;
     }
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let last_text = |i: usize| seen[i].messages.last().unwrap().text();
@@ -396,8 +395,7 @@ async fn malformed_arguments_are_named_apart_from_cut_ones() {
     ]});
     let rt = runtime(script, config()).await;
     let calls = rt.register("fs::write", None, |_| json!({}));
-    let r = rt.send(allowing_as("go", &["*"], ExposeMode::Native)).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(allowing_as("go", &["*"], ExposeMode::Native)).await;
     let results = rt.results(&r.session_id);
     let text = |i: usize| harness_types::message::joined_text(&results[i].content);
     assert!(text(0).contains("not valid JSON"), "{}", text(0));

@@ -98,8 +98,7 @@ async fn a_mode_with_a_disabled_prompt_is_refused_by_name() {
         system_prompt_strategy: Some(SystemPromptStrategy::Disabled),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(req).await;
     let e = rt
         .harness
         .send(with_mode("y", Some(Mode::Ask), Some(&r.session_id)))
@@ -205,8 +204,7 @@ async fn max_children_limits_the_childs_own_fan_out() {
         config(),
     )
     .await;
-    let r = rt.send(orchestrating("lead")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(orchestrating("lead")).await;
     let lead = rt
         .harness
         .session_tree(SessionTreeRequest {
@@ -252,8 +250,7 @@ async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
         config(),
     )
     .await;
-    let r = rt.send(send("long please")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("long please")).await;
 
     let lean = status_of(&rt, &r.session_id, false).await;
     let shown = lean["result"].as_str().unwrap();
@@ -279,8 +276,7 @@ async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
     assert!(verbose["max_transient_resumes"].is_u64(), "{verbose}");
 
     // A short result is the same in both.
-    let r = rt.send(send("brief")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("brief")).await;
     assert_eq!(
         status_of(&rt, &r.session_id, false).await["result"],
         "short"
@@ -292,8 +288,7 @@ async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
         system_prompt_strategy: Some(SystemPromptStrategy::Disabled),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(req).await;
     let lean = status_of(&rt, &r.session_id, false).await;
     assert_eq!(
         lean["context"],
@@ -324,8 +319,7 @@ async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
         }),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(req).await;
     let call = |id: &str| json!({"session_id": r.session_id, "call": {"id": id, "function_id": "t::echo", "arguments": {"x": 1}}});
     let ran = rt
         .bus
@@ -428,8 +422,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
         }),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(req).await;
     let results = rt.results(&r.session_id);
     let refused = results
         .iter()
@@ -542,8 +535,7 @@ async fn the_judges_repair_is_noted_in_the_calls_result() {
         }),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(req).await;
     assert_eq!(painted.load(std::sync::atomic::Ordering::SeqCst), 1);
     let result = rt
         .results(&r.session_id)
@@ -576,8 +568,7 @@ async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
         )
         .await
         .unwrap();
-    let r = rt.send(send("hi")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("hi")).await;
     let preview = rt
         .bus
         .call(

@@ -181,8 +181,7 @@ async fn deleting_a_running_tree_cancels_every_member_and_deletes_children_first
 #[tokio::test]
 async fn a_failed_attempt_keeps_the_data_and_is_retried_under_the_next_attempt() {
     let rt = runtime(json!({"generations": [text(None, "hi", 0)]}), config()).await;
-    let r = rt.send(send("hello")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("hello")).await;
 
     // The transcript store refuses to confirm the delete: the attempt fails, data kept.
     rt.register("session::delete", None, |_| json!({"gone": "maybe"}));

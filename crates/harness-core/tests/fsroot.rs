@@ -71,8 +71,7 @@ fn targets(rt: &Rt) -> Seen {
 }
 
 async fn run(rt: &Rt, req: harness_types::api::SendRequest) -> String {
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
     r.session_id
 }

@@ -207,8 +207,7 @@ async fn the_sessions_grants_are_stamped_per_call_and_deleted_with_the_session()
     let run = |text: &'static str| {
         let rt = &rt;
         async move {
-            let r = rt.send(send_in(text, "g1", root_s)).await;
-            rt.wait_terminal(&r.session_id, &r.turn_id).await;
+            rt.run(send_in(text, "g1", root_s)).await;
         }
     };
     call(

@@ -281,8 +281,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "reason": "quota exhausted"}),
     );
     bind(&rt, "pre-turn", "policy::no", json!({}), json!({})).await;
-    let r = rt.send(send("hi")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(send("hi")).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     assert_eq!(
@@ -306,8 +305,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "reason": "off hours"}),
     );
     bind(&rt, "pre-generate", "policy::no", json!({}), json!({})).await;
-    let r = rt.send(send("hi")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("hi")).await;
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     assert_eq!(
         err.custom.unwrap().data["code"],
@@ -323,8 +321,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "reason": "read-only day"}),
     );
     bind(&rt, "pre-trigger", "policy::no", json!({}), json!({})).await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(
@@ -342,8 +339,7 @@ async fn deny_at_each_point() {
         |_| json!({"decision": "deny", "mutations": {"content": [{"type": "text", "text": "redacted"}]}}),
     );
     bind(&rt, "post-trigger", "post::rewrite", json!({}), json!({})).await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(
         rt.results(&r.session_id)[0].content,
@@ -386,8 +382,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
         json!({}),
     )
     .await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(allowing("write it", &["*"])).await;
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(result.details["error"], "hook_denied");
     assert!(
@@ -418,16 +413,14 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
         json!({}),
     )
     .await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
 
     // A missing post-trigger hook function is skipped (fail_open by default).
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
     bind(&rt, "post-trigger", "nobody::home", json!({}), json!({})).await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(!rt.results(&r.session_id)[0].is_error);
 }
@@ -460,8 +453,7 @@ async fn pre_generate_extends_the_prompt_and_appends_messages() {
         json!({"inject_prompt": "Answer in English."}),
     )
     .await;
-    let r = rt.send(send("hi")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("hi")).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let prompt = seen[0].system_prompt.clone().unwrap();
     assert!(
@@ -567,8 +559,7 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
         let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
         hook(&rt, "odd::hook", move |_| json!({"decision": decision}));
         bind(&rt, "pre-trigger", "odd::hook", json!({}), json!({})).await;
-        let r = rt.send(allowing("write it", &["*"])).await;
-        rt.wait_terminal(&r.session_id, &r.turn_id).await;
+        let (r, _) = rt.run(allowing("write it", &["*"])).await;
         let result = &rt.results(&r.session_id)[0];
         assert_eq!(result.details["error"], "hook_denied", "{decision}");
         assert!(
@@ -594,8 +585,7 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
         |_| json!({"decision": "block", "mutations": {"is_error": true}}),
     );
     bind(&rt, "post-trigger", "odd::hook", json!({}), json!({})).await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     let result = &rt.results(&r.session_id)[0];
     assert!(
@@ -630,8 +620,7 @@ async fn a_post_turn_deny_reprompts_with_its_retry_prompt_then_the_result_comple
         json!({}),
     )
     .await;
-    let r = rt.send(send("summarize this")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(send("summarize this")).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("a longer summary")));
     let seen = seen.lock().unwrap().clone();
@@ -672,8 +661,7 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
         json!({}),
     )
     .await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (_, s) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(s.status, TurnStatus::Completed);
     // The hook already saw the turn's root, not the model's.
     assert_eq!(
@@ -709,8 +697,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
     for n in 0..4 {
         let mut req = send(&format!("note {n}: {}", "n".repeat(4_000)));
         req.session_id = session.clone();
-        let r = rt.send(req).await;
-        let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+        let (r, s) = rt.run(req).await;
         assert_eq!(s.status, TurnStatus::Completed, "{:?}", s.result_error);
         session = Some(r.session_id);
     }
@@ -723,8 +710,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
     bind(&rt, "pre-generate", "ctx::big", json!({}), json!({})).await;
     let mut req = send("note 4: short");
     req.session_id = session.clone();
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (_, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Completed, "{:?}", s.result_error);
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let last = seen.last().unwrap();
@@ -742,8 +728,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
     size.store(40_000, std::sync::atomic::Ordering::SeqCst);
     let mut req = send("note 5: short");
     req.session_id = session;
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let error = rt
         .entries(&r.session_id)

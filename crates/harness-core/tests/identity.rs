@@ -79,8 +79,7 @@ fn agent_send(message: &str, agent: &str) -> SendRequest {
 }
 
 async fn run(rt: &Rt, req: SendRequest) -> String {
-    let r = rt.send(req).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(req).await;
     r.session_id
 }
 
@@ -636,8 +635,7 @@ async fn a_sub_agent_of_a_profiled_turn_runs_under_the_same_profile_unless_its_p
             allow: vec!["harness::spawn".into()],
             ..Default::default()
         });
-        let r = rt.send(req).await;
-        rt.wait_terminal(&r.session_id, &r.turn_id).await;
+        rt.run(req).await;
     }
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let child_prompt = |task: &str| {

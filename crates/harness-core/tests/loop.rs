@@ -17,8 +17,7 @@ async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
         config(),
     )
     .await;
-    let r = rt.send(send("hello")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(send("hello")).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Hello back, friend.")));
     assert_eq!(
@@ -44,8 +43,7 @@ async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
 #[tokio::test]
 async fn the_assistant_entry_id_is_deterministic() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let r = rt.send(send("hi")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("hi")).await;
     let ids: Vec<String> = rt
         .entries(&r.session_id)
         .into_iter()
@@ -199,8 +197,7 @@ async fn a_transient_failure_after_partial_output_resumes_once() {
         {"content": [{"type": "text", "text": "Complete answer."}]}
     ]});
     let rt = runtime(script, config()).await;
-    let r = rt.send(send("q")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(send("q")).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.transient_resumes, 1);
     assert_eq!(s.result, Some(json!("Complete answer.")));
@@ -280,8 +277,7 @@ async fn the_recovery_notice_is_gone_from_the_next_turn() {
         {"content": [{"type": "text", "text": "Second."}]}
     ]});
     let rt = runtime(script, config()).await;
-    let r = rt.send(send("q")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("q")).await;
     let mut next = send("again");
     next.session_id = Some(r.session_id.clone());
     let r2 = rt.send(next).await;
@@ -309,8 +305,7 @@ async fn a_failure_with_no_output_fails_the_turn_without_spending_the_resume_bud
     let script =
         json!({"generations": [{"error": {"kind": "transient", "message": "503 from upstream"}}]});
     let rt = runtime(script, config()).await;
-    let r = rt.send(send("q")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(send("q")).await;
     assert_eq!(s.status, TurnStatus::Failed);
     assert_eq!(s.transient_resumes, 0);
     assert_eq!(
@@ -332,8 +327,7 @@ async fn a_conversation_that_does_not_fit_fails_cleanly() {
         ..config()
     };
     let rt = runtime(json!({"generations": [text_gen("ok")]}), cfg).await;
-    let r = rt.send(send(&"word ".repeat(400))).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(send(&"word ".repeat(400))).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     let data = err.custom.unwrap().data;
@@ -355,8 +349,7 @@ async fn calls_are_denied_without_a_policy_and_max_turns_ends_the_turn() {
         max_turns: Some(1),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.stop_reason.as_deref(), Some("max_turns"));
     assert_eq!(s.turn_count, 1);
@@ -409,8 +402,7 @@ async fn an_allowed_call_runs_once_and_its_result_reaches_the_model() {
         }),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("It is 5.")));
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
@@ -422,8 +414,7 @@ async fn an_allowed_call_runs_once_and_its_result_reaches_the_model() {
 async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
     use harness_bus::Bus;
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let r = rt.send(send("hi")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("hi")).await;
     // A store that lost recent writes: the record is gone while a step of a new turn is queued.
     rt.bus
         .state_delete("harness_turn", &r.session_id)
@@ -580,8 +571,7 @@ async fn a_binding_sees_one_turn_completed_when_a_finished_step_is_delivered_aga
         )
         .await
         .unwrap();
-    let r = rt.send(send("hello")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(send("hello")).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while seen.load(Ordering::SeqCst) == 0 {
         assert!(
@@ -672,8 +662,7 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
         max_output_tokens: Some(500),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Failed);
     assert!(
         rt.recorder.seen.lock().unwrap().is_empty(),
@@ -836,8 +825,7 @@ async fn a_cut_reply_is_resumed_within_max_turns_one() {
         max_turns: Some(1),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (_, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.stop_reason, None);
     assert_eq!((s.turn_count, s.transient_resumes), (1, 1));

@@ -38,8 +38,7 @@ async fn an_invalid_result_is_nudged_and_the_valid_one_completes_the_turn_with_i
         config(),
     )
     .await;
-    let r = rt.send(contract("plan a trip")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(contract("plan a trip")).await;
     assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
     assert_eq!(s.result, Some(json!({"city": "Oslo", "days": 2})));
     let events = rt.completed_events(&r.session_id, &r.turn_id).await;
@@ -84,8 +83,7 @@ async fn three_invalid_results_fail_the_turn_with_the_raw_value_kept() {
         config(),
     )
     .await;
-    let r = rt.send(contract("plan a trip")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(contract("plan a trip")).await;
     assert_eq!(s.status, TurnStatus::Failed);
     assert_eq!(
         s.result,

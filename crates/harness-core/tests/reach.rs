@@ -108,8 +108,7 @@ async fn a_model_allowed_everything_causes_no_generation_of_its_own() {
         |_| json!({"c": 1}),
     );
 
-    let r = rt.send(allowing_in("reach out", "s_reach", &["*"])).await;
-    let end = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (_, end) = rt.run(allowing_in("reach out", "s_reach", &["*"])).await;
     assert_eq!(end.status, TurnStatus::Completed);
 
     for id in ["c1", "c3", "c4"] {

@@ -60,8 +60,7 @@ async fn a_detached_spawn_answers_with_the_child_ids_at_once() {
         config(),
     )
     .await;
-    let r = rt.send(orchestrating("start it")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(orchestrating("start it")).await;
     assert_eq!(s.result, Some(json!("started it")));
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(result.details["detached"], true);
@@ -93,8 +92,7 @@ async fn guards_answer_the_model_instead_of_spawning() {
         cfg,
     )
     .await;
-    let r = rt.send(orchestrating("go")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(orchestrating("go")).await;
     let result = &rt.results(&r.session_id)[0];
     assert!(result.is_error);
     assert_eq!(result.details["error"], "harness/spawn_depth_exceeded");
@@ -109,8 +107,7 @@ async fn guards_answer_the_model_instead_of_spawning() {
         cfg,
     )
     .await;
-    let r = rt.send(orchestrating("go")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(orchestrating("go")).await;
     assert_eq!(
         rt.results(&r.session_id)[0].details["error"],
         "harness/spawn_fanout_exceeded"
@@ -121,8 +118,7 @@ async fn guards_answer_the_model_instead_of_spawning() {
         config(),
     )
     .await;
-    let r = rt.send(orchestrating("go")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(orchestrating("go")).await;
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(result.details["error"], "harness/invalid_request");
     assert!(

@@ -182,8 +182,7 @@ pub async fn trip_with_one_child() -> (Rt, harness_types::api::SendResponse) {
         config(),
     )
     .await;
-    let r = rt.send(orchestrating("plan the trip")).await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt.run(orchestrating("plan the trip")).await;
     (rt, r)
 }
 
@@ -191,6 +190,13 @@ impl Rt {
     /// `harness::send`, which the test expects to be accepted.
     pub async fn send(&self, req: SendRequest) -> harness_types::api::SendResponse {
         self.harness.send(req).await.unwrap()
+    }
+
+    /// [`Rt::send`], then waits for the turn to end: the send's answer and the final status.
+    pub async fn run(&self, req: SendRequest) -> (harness_types::api::SendResponse, StatusReport) {
+        let r = self.send(req).await;
+        let s = self.wait_terminal(&r.session_id, &r.turn_id).await;
+        (r, s)
     }
 
     pub async fn status(&self, session_id: &str) -> Option<StatusReport> {
