@@ -225,6 +225,14 @@ async fn a_stop_of_a_parked_turn_closes_the_held_call_and_leaves_the_done_one() 
     .await;
     let r = rt.harness.send(allowing("both", &["x::*"])).await.unwrap();
     wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    // Only a pending call can be resolved: not the done one, not one the answer never made.
+    for call in ["c1", "c9"] {
+        for action in [ResolveAction::Execute, ResolveAction::Deliver] {
+            let out = resolve(&rt, &r, call, action).await;
+            assert!(!out.resolved, "{call} {action:?}: {out:?}");
+        }
+    }
+    assert_eq!(rt.results(&r.session_id).len(), 1, "nothing delivered");
     stop(&rt, &r.session_id).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
