@@ -344,3 +344,75 @@ async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a
     assert_eq!(results.len(), 1);
     assert!(!results[0].is_error, "the delivered (empty) result");
 }
+
+#[tokio::test]
+async fn a_stop_between_two_calls_leaves_the_second_unrun_and_closes_it() {
+    let rt = runtime(
+        json!({"generations": [
+            {"match": {"last_user_text": "^both"}, "content": [
+                {"type": "function_call", "id": "c1", "function_id": "x::first", "arguments": {}},
+                {"type": "function_call", "id": "c2", "function_id": "x::second", "arguments": {}}
+            ]},
+            text_gen("ok")
+        ]}),
+        config(),
+    )
+    .await;
+    rt.register("x::first", None, |_| json!("first ran"));
+    let second = rt.register("x::second", None, |_| json!("second ran"));
+    // The stop's first half cuts the generation through router::abort right after it fires
+    // the turn's signal: seeing that call is seeing the signal fired.
+    let aborted = Arc::new(AtomicBool::new(false));
+    let seen = aborted.clone();
+    rt.bus.register_function(
+        FunctionDef::new("router::abort", "test abort"),
+        Arc::new(move |_p: Value, _ctx: CallContext| {
+            seen.store(true, Ordering::SeqCst);
+            async move { Ok(json!({"aborted": false})) }
+        }),
+    );
+    // After the first call ran, its post-trigger hook stops the turn and waits for the signal.
+    let harness = rt.harness.clone();
+    let flag = aborted.clone();
+    rt.bus.register_function(
+        FunctionDef::new("stop::between", "test hook"),
+        Arc::new(move |p: Value, _ctx: CallContext| {
+            let harness = harness.clone();
+            let flag = flag.clone();
+            async move {
+                let session_id = p["session_id"].as_str().unwrap_or_default().to_string();
+                tokio::spawn(async move {
+                    let _ = harness
+                        .stop(StopRequest {
+                            session_id,
+                            turn_id: None,
+                        })
+                        .await;
+                });
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !flag.load(Ordering::SeqCst) && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Ok(json!({"decision": "continue"}))
+            }
+        }),
+    );
+    bind(
+        &rt,
+        "post-trigger",
+        "stop::between",
+        json!({"functions": ["x::first"]}),
+    )
+    .await;
+    let r = rt.harness.send(allowing("both", &["x::*"])).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+    assert!(aborted.load(Ordering::SeqCst), "the stop fired");
+    assert!(result_text(&rt, &r.session_id, "c1").contains("first ran"));
+    let c2 = result_text(&rt, &r.session_id, "c2");
+    assert!(
+        c2.contains("was not run: the turn was stopped first"),
+        "{c2}"
+    );
+    assert_eq!(second.load(Ordering::SeqCst), 0, "the second never ran");
+}
