@@ -5,11 +5,12 @@
 //! leaves. The run asks [`machine::next`], carries out the effects in order, feeds the machine
 //! the input a stage ends with, and repeats until the machine has nothing more to ask.
 //!
-//! Writes are batched here and nowhere else: a plain write (the record, a notice, the awaiting
-//! status, a user message) joins [`Carry::pending`], and the batch is committed as one store
-//! write right before the first effect that lets another party look at the session (hooks,
-//! calls, events, a barrier) or at the end of the run. A record and its next step always go in
-//! one batch; `Finalize` takes the batch into its own.
+//! The run decides when writes are committed: a plain write (the record, a notice, the
+//! awaiting status, a user message, what a stage holds back) joins [`Carry::pending`], and the
+//! batch is committed as one store write right before the first effect that lets another party
+//! look at the session (hooks, calls, events, a barrier) or at the end of the run. A record and
+//! its next step always go in one batch; `Finalize` and the assistant entry's pre-append take
+//! the batch into their own.
 
 use harness_types::message::{AgentMessage, AssistantMessage};
 use harness_types::session::{AppendRequest, Entry, SessionStatus};
