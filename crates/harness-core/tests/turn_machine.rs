@@ -287,3 +287,75 @@ async fn a_running_record_marked_aborted_is_cancelled_by_its_next_step() {
         "no generation after the abort"
     );
 }
+
+#[tokio::test]
+async fn a_stop_landing_before_the_next_generation_cancels_without_asking_the_model() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("never")]}),
+        config(),
+    )
+    .await;
+    rt.register("x::f", None, |_| json!("ran"));
+    // The stop's first half cuts the generation through router::abort right after it fires
+    // the turn's signal: seeing that call is seeing the signal fired.
+    let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = aborted.clone();
+    rt.bus.register_function(
+        FunctionDef::new("router::abort", "test abort"),
+        Arc::new(move |_p: Value, _ctx: CallContext| {
+            seen.store(true, std::sync::atomic::Ordering::SeqCst);
+            async move { Ok(json!({"aborted": false})) }
+        }),
+    );
+    // Before the second generation, a pre-generate hook stops the turn and waits for the
+    // signal.
+    let harness = rt.harness.clone();
+    let flag = aborted.clone();
+    rt.bus.register_function(
+        FunctionDef::new("stop::before", "test hook"),
+        Arc::new(move |p: Value, _ctx: CallContext| {
+            let harness = harness.clone();
+            let flag = flag.clone();
+            async move {
+                if p["step"] == 1 {
+                    let session_id = p["session_id"].as_str().unwrap_or_default().to_string();
+                    tokio::spawn(async move {
+                        let _ = harness
+                            .stop(StopRequest {
+                                session_id,
+                                turn_id: None,
+                            })
+                            .await;
+                    });
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while !flag.load(std::sync::atomic::Ordering::SeqCst)
+                        && Instant::now() < deadline
+                    {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+                Ok(json!({"decision": "continue"}))
+            }
+        }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-generate", "function_id": "stop::before", "config": {}, "metadata": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+    assert!(
+        aborted.load(std::sync::atomic::Ordering::SeqCst),
+        "the stop fired"
+    );
+    assert_eq!(
+        rt.recorder.seen.lock().unwrap().len(),
+        1,
+        "the model was not asked again"
+    );
+}
