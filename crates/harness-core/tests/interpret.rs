@@ -82,3 +82,39 @@ async fn a_reply_the_provider_cut_is_resumed_with_its_notice_record_and_step_in_
         .count();
     assert_eq!(recovering, 1, "the notice is written, once");
 }
+
+/// The store writes of a turn whose first step calls a function and whose second step is
+/// allowed (`max_turns: 2`) or not (`max_turns: 1`).
+async fn turn_writes(max_turns: u32) -> (u64, harness_types::api::StatusReport) {
+    // Used once each (a durable assignment per generation: one write of the provider's).
+    let script = json!({"generations": [
+        call_gen("go", "c1", "t::f", json!({})),
+        {"content": [{"type": "text", "text": "done"}]}
+    ]});
+    let rt = runtime(script, quiet()).await;
+    harness_session::register_transactional(&rt.bus, &rt.sessions);
+    rt.register("t::f", None, |_| json!({"ok": true}));
+    let before = writes_when_idle(&rt).await;
+    let mut req = allowing_as("go", &["t::*"], harness_types::api::ExposeMode::Native);
+    req.options.as_mut().unwrap().max_turns = Some(max_turns);
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    (writes_once_idle(&rt).await - before, s)
+}
+
+#[tokio::test]
+async fn a_step_past_max_turns_writes_its_notice_with_the_terminal_record() {
+    let (capped, s) = turn_writes(1).await;
+    assert_eq!(s.stop_reason.as_deref(), Some("max_turns"));
+    let (free, s) = turn_writes(2).await;
+    assert_eq!(
+        (s.status, s.result),
+        (TurnStatus::Completed, Some(json!("done")))
+    );
+    // The same first step either way. The second: with room, its start, its end and its
+    // ack, plus the provider's assignment of the second generation (4); past `max_turns`,
+    // the status, the notice and the terminal record as one batch, and its ack (2). Written
+    // one by one (before the interpreter), the capped step's status and notice were two
+    // writes of their own, and both turns wrote as much.
+    assert_eq!(free - capped, 2, "capped {capped}, free {free}");
+}
