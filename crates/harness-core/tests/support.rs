@@ -211,21 +211,10 @@ impl Rt {
 
     /// Waits (with a deadline) until the session's turn `turn_id` is terminal.
     pub async fn wait_terminal(&self, session_id: &str, turn_id: &str) -> StatusReport {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(s) = self.status(session_id).await {
-                if s.turn_id.as_deref() == Some(turn_id) && s.status.is_terminal() {
-                    // The terminal side effects (records, event) follow the terminal write.
-                    self.completed_events(session_id, turn_id).await;
-                    return s;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "turn {turn_id} did not end in time"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let s = embedded::wait_turn_end(&self.harness, session_id, turn_id).await;
+        // The terminal side effects (records, event) follow the terminal write.
+        self.completed_events(session_id, turn_id).await;
+        s
     }
 
     /// Waits (with a deadline) for the turn's `harness::turn-completed`, which is published just

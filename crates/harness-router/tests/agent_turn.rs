@@ -7,16 +7,15 @@ mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use common::embedded::{config, embedded, start_loop, Embedded};
+use common::embedded::{config, embedded, start_loop, wait_turn_end, Embedded};
 use common::*;
 use harness_bus::{CallContext, FunctionDef};
 use harness_core::Harness;
 use harness_router::providers::{ProviderConfig, ProviderKind};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_types::api::{FunctionPolicy, SendOptions, SendRequest, StatusRequest, TurnStatus};
+use harness_types::api::{FunctionPolicy, SendOptions, SendRequest, TurnStatus};
 use serde_json::{json, Value};
 
 struct Rt {
@@ -81,24 +80,7 @@ async fn turn(rt: &Rt, provider: &str, model: &str) -> (Vec<(String, String)>, O
         })
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        let s = rt
-            .harness
-            .status(StatusRequest {
-                session_id: r.session_id.clone(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
-        if let Some(s) =
-            s.filter(|s| s.turn_id.as_deref() == Some(&r.turn_id) && s.status.is_terminal())
-        {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the turn did not end");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let status = wait_turn_end(&rt.harness, &r.session_id, &r.turn_id).await;
     assert_eq!(status.status, TurnStatus::Completed, "{status:?}");
     let messages = rt
         .sessions

@@ -7,14 +7,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::embedded::{config, embedded, start_loop, Embedded};
+use common::embedded::{config, embedded, start_loop, wait_turn_end, Embedded};
 use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
 use common::{chat, http, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{ProviderConfig, ProviderKind, WirePatch};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_types::api::{SendOptions, SendRequest, StatusRequest, TurnStatus};
+use harness_types::api::{SendOptions, SendRequest, TurnStatus};
 use harness_types::message::{
     AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason,
 };
@@ -244,21 +244,7 @@ async fn a_turn_whose_stream_was_interrupted_resumes_and_ends_with_a_reply_the_s
         })
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        let s = harness
-            .status(StatusRequest {
-                session_id: r.session_id.clone(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
-        if let Some(s) = s.filter(|s| s.status.is_terminal()) {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the turn did not end");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let status = wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
     assert_eq!(status.status, TurnStatus::Completed, "{status:?}");
     let replies: Vec<AssistantMessage> = sessions
         .all_entries(&r.session_id, false)
@@ -634,23 +620,8 @@ async fn send_model(
         })
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = harness
-            .status(StatusRequest {
-                session_id: r.session_id.clone(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
-        if let Some(s) =
-            s.filter(|s| s.turn_id == Some(r.turn_id.clone()) && s.status.is_terminal())
-        {
-            return (r.session_id, s);
-        }
-        assert!(Instant::now() < deadline, "the turn did not end");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let s = wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
+    (r.session_id, s)
 }
 
 #[tokio::test]

@@ -5,16 +5,12 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
-use common::embedded::{config, embedded, start_loop, Embedded};
+use common::embedded::{config, embedded, start_loop, wait_turn_end, Embedded};
 use common::*;
 use harness_core::Harness;
 use harness_router::providers::{ProviderConfig, ProviderKind};
 use harness_router::Router;
-use harness_types::api::{
-    OutputContract, SendOptions, SendRequest, StatusReport, StatusRequest, TurnStatus,
-};
+use harness_types::api::{OutputContract, SendOptions, SendRequest, StatusReport, TurnStatus};
 use serde_json::{json, Value};
 
 fn chunk(delta: Value, finish: Value) -> Step {
@@ -67,21 +63,7 @@ async fn end_of(harness: &Harness, options: SendOptions) -> StatusReport {
         })
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = harness
-            .status(StatusRequest {
-                session_id: r.session_id.clone(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
-        if let Some(s) = s.filter(|s| s.status.is_terminal()) {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "the turn did not end");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_turn_end(&harness, &r.session_id, &r.turn_id).await
 }
 
 async fn run(mock: &Mock, schema: Value) -> (StatusReport, tempfile::TempDir) {

@@ -4,11 +4,13 @@
 //! change to how the stack is opened is made once.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, EmbeddedBus};
 use harness_core::{Harness, HarnessConfig};
 use harness_session::SessionStore;
 use harness_store::{Durability, Store};
+use harness_types::api::{StatusReport, StatusRequest};
 
 pub struct Embedded {
     pub store: Store,
@@ -49,4 +51,28 @@ pub async fn start_loop(shared: Arc<dyn Bus>, config: HarnessConfig) -> Harness 
     harness_core::register(&harness);
     harness.start().await.unwrap();
     harness
+}
+
+/// Polls `harness::status` until turn `turn_id` of `session_id` is terminal (30 s at most).
+pub async fn wait_turn_end(harness: &Harness, session_id: &str, turn_id: &str) -> StatusReport {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = harness
+            .status(StatusRequest {
+                session_id: session_id.into(),
+                verbose: None,
+            })
+            .await
+            .unwrap();
+        if let Some(s) =
+            s.filter(|s| s.turn_id.as_deref() == Some(turn_id) && s.status.is_terminal())
+        {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "turn {turn_id} did not end in time"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
