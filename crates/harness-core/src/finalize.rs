@@ -23,12 +23,15 @@ impl Harness {
         rec: &mut TurnRecord,
         held: StepWrites,
     ) -> Result<()> {
-        // Steering rows still parked are delivered to the transcript; never dropped.
-        let drained = self.drain_queue(&rec.session_id, &rec.turn_id).await?;
-        // The reason, the terminal record, the session status and the event go as one batch:
-        // on the embedded bus one transaction, elsewhere in this order (each idempotent, and a
+        // Steering rows still parked are delivered to the transcript, never dropped: first in
+        // the batch, with the reason, the terminal record, the session status and the event. On
+        // the embedded bus one transaction, elsewhere in this order (each idempotent, and a
         // redelivered step that finds the record terminal repeats what follows it).
-        let mut batch = held;
+        let mut batch = StepWrites::default();
+        let drained = self
+            .drain_into(&rec.session_id, &rec.turn_id, &mut batch)
+            .await?;
+        batch.extend(held);
         let closings = self
             .inner
             .closings

@@ -243,6 +243,11 @@ impl StepWrites {
         Ok(())
     }
 
+    /// As `Bus::state_delete`.
+    pub(crate) fn state_delete(&mut self, scope: String, key: String) {
+        self.writes.push(BusWrite::StateDelete { scope, key });
+    }
+
     /// As `Bus::publish`: an event, deduplicated by `dedupe_key`.
     pub(crate) fn publish(&mut self, topic: &str, payload: Value, dedupe_key: Option<String>) {
         self.writes.push(BusWrite::Publish {

@@ -10,7 +10,7 @@ use harness_types::session::AppendRequest;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::harness::{Harness, Result};
+use crate::harness::{Harness, Result, StepWrites};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct QueuedMessage {
@@ -55,9 +55,24 @@ impl Harness {
         Ok(out)
     }
 
-    /// Appends every queued message to the transcript in arrival order. Returns how many of them
-    /// the model can see (custom messages never steer).
+    /// Appends every queued message to the transcript in arrival order, each with the removal
+    /// of its row, as one write. Returns how many of them the model can see (custom messages
+    /// never steer).
     pub(crate) async fn drain_queue(&self, session_id: &str, turn_id: &str) -> Result<usize> {
+        let mut batch = StepWrites::default();
+        let visible = self.drain_into(session_id, turn_id, &mut batch).await?;
+        self.commit(batch).await?;
+        Ok(visible)
+    }
+
+    /// [`Harness::drain_queue`] into `batch`: a row goes only with its append (the append is
+    /// idempotent on the row's entry id), so a crash before the batch commits leaves both.
+    pub(crate) async fn drain_into(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        batch: &mut StepWrites,
+    ) -> Result<usize> {
         let mut visible = 0;
         for (key, row) in self.queued(session_id).await? {
             let origin = row
@@ -67,19 +82,14 @@ impl Harness {
             if row.message.is_model_visible() {
                 visible += 1;
             }
-            self.append(AppendRequest {
+            batch.append(AppendRequest {
                 session_id: session_id.to_string(),
                 message: Some(row.message),
                 custom: None,
                 entry_id: Some(row.entry_id),
                 origin: Some(origin),
-            })
-            .await?;
-            self.inner
-                .bus
-                .state_delete(&scope(session_id), &key)
-                .await
-                .map_err(|e| e.into_harness())?;
+            })?;
+            batch.state_delete(scope(session_id), key);
         }
         Ok(visible)
     }

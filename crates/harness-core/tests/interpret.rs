@@ -118,3 +118,51 @@ async fn a_step_past_max_turns_writes_its_notice_with_the_terminal_record() {
     // writes of their own, and both turns wrote as much.
     assert_eq!(free - capped, 2, "capped {capped}, free {free}");
 }
+
+/// The store writes of a turn whose one call waits for the test; `steer` sends a message while
+/// it runs.
+async fn steered_writes(steer: bool) -> u64 {
+    // Each used once, in order, either way (one assignment write of the provider's each).
+    let script = json!({"generations": [
+        call_gen("start", "c1", "job::wait", json!({})),
+        {"content": [{"type": "text", "text": "done"}]}
+    ]});
+    let rt = runtime(script, quiet()).await;
+    harness_session::register_transactional(&rt.bus, &rt.sessions);
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    {
+        let (gate, started) = (gate.clone(), started.clone());
+        rt.register_async("job::wait", None, move |_| {
+            let (gate, started) = (gate.clone(), started.clone());
+            async move {
+                started.notify_one();
+                gate.notified().await;
+                json!({"finished": true})
+            }
+        });
+    }
+    let before = writes_when_idle(&rt).await;
+    let req = allowing_as("start", &["job::*"], harness_types::api::ExposeMode::Native);
+    let r = rt.harness.send(req).await.unwrap();
+    started.notified().await;
+    if steer {
+        let mut more = send("and one more thing");
+        more.session_id = Some(r.session_id.clone());
+        let answer = rt.harness.send(more).await.unwrap();
+        assert_eq!(answer.queued, Some(true));
+    }
+    gate.notify_one();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    writes_once_idle(&rt).await - before
+}
+
+#[tokio::test]
+async fn a_steering_message_is_delivered_with_the_removal_of_its_row_in_one_write() {
+    let plain = steered_writes(false).await;
+    let steered = steered_writes(true).await;
+    // Parking the message is its row and the `message-queued` event (2); the next step's
+    // drain appends it and removes the row in one write (1). One by one, the drain was two.
+    assert_eq!(steered - plain, 3, "plain {plain}, steered {steered}");
+}
