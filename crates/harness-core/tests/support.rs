@@ -19,7 +19,8 @@ use harness_types::api::{
 use harness_types::session::Entry;
 use serde_json::{json, Value};
 
-pub use embedded::config;
+#[allow(unused_imports)] // each test binary uses a different part of it
+pub use embedded::{call_gen, config, text_gen};
 use embedded::{embedded, Embedded};
 
 pub struct Rt {
@@ -100,17 +101,6 @@ async fn runtime_with(script: Value, config: HarnessConfig, start: bool) -> Rt {
         recorder,
         _dir: dir,
     }
-}
-
-/// A scripted generation that answers a user text matching `matcher` with one function call.
-pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
-    json!({"match": {"last_user_text": matcher},
-           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
-}
-
-/// A scripted generation that answers every request with `text`.
-pub fn text_gen(text: &str) -> Value {
-    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
 }
 
 /// [`send`] with the functions matching `allow` offered as native tools.

@@ -21,6 +21,8 @@ use serde_json::{json, Value};
 
 #[path = "../../../harness-core/tests/support/embedded.rs"]
 mod embedded;
+#[allow(unused_imports)] // each test binary uses a different part of it
+pub use embedded::{call_gen, text_gen};
 use embedded::{embedded, Embedded};
 
 pub struct Rt {
@@ -76,15 +78,6 @@ pub async fn runtime(script: Value, approve: &[&str]) -> Rt {
         approvals,
         _dir: dir,
     }
-}
-
-pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
-    json!({"match": {"last_user_text": matcher},
-           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
-}
-
-pub fn text_gen(text: &str) -> Value {
-    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
 }
 
 /// A `harness::send` payload that allows every function.
@@ -188,16 +181,7 @@ impl Rt {
 
     /// Polls (with a deadline) until turn `turn_id` is terminal.
     pub async fn wait_terminal(&self, session_id: &str, turn_id: &str) -> StatusReport {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(s) = self.status(session_id).await {
-                if s.turn_id.as_deref() == Some(turn_id) && s.status.is_terminal() {
-                    return s;
-                }
-            }
-            assert!(Instant::now() < deadline, "turn {turn_id} did not end");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        embedded::wait_turn_end(&self.harness, session_id, turn_id).await
     }
 
     pub fn entries(&self, session_id: &str) -> Vec<Entry> {

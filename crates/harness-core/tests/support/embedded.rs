@@ -11,6 +11,7 @@ use harness_core::{Harness, HarnessConfig};
 use harness_session::SessionStore;
 use harness_store::{Durability, Store};
 use harness_types::api::{StatusReport, StatusRequest};
+use serde_json::{json, Value};
 
 pub struct Embedded {
     pub store: Store,
@@ -35,6 +36,17 @@ pub async fn embedded() -> Embedded {
         sessions,
         dir,
     }
+}
+
+/// A scripted generation that answers a user text matching `matcher` with one function call.
+pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) -> Value {
+    json!({"match": {"last_user_text": matcher},
+           "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
+}
+
+/// A scripted generation that answers every request with `text`.
+pub fn text_gen(text: &str) -> Value {
+    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
 }
 
 /// The loop's configuration in tests: frames are not coalesced, so a test sees each one.
