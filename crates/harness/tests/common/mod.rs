@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
+pub mod process;
 pub mod scripts;
 pub use scripts::*;
 
@@ -202,16 +203,7 @@ impl Server {
 
     /// True once the process has exited (a failpoint killed it); reaps it.
     pub fn exited(&mut self) -> bool {
-        match self.child.as_mut() {
-            None => true,
-            Some(child) => match child.try_wait().expect("try_wait") {
-                Some(_) => {
-                    self.child = None;
-                    true
-                }
-                None => false,
-            },
-        }
+        process::exited(&mut self.child)
     }
 
     /// Waits until the process died at the failpoint `name` (set in `HARNESS_FAILPOINT`), as
@@ -238,10 +230,7 @@ impl Server {
 
     /// SIGKILL, then reap. Nothing of the process survives: no graceful shutdown runs.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill(); // SIGKILL on unix
-            let _ = child.wait();
-        }
+        process::kill(&mut self.child);
     }
 
     /// Starts the server again on the same data dir and script (on a fresh port).
@@ -367,21 +356,10 @@ impl Api {
 
     /// Every entry of a session's transcript, oldest first (pages through the cursor).
     pub async fn transcript(&self, session_id: &str, include_custom: bool) -> Vec<Value> {
-        let mut out = Vec::new();
-        let mut cursor: Option<String> = None;
-        loop {
-            let mut req =
-                json!({"session_id": session_id, "include_custom": include_custom, "limit": 100});
-            if let Some(c) = &cursor {
-                req["cursor"] = json!(c);
-            }
-            let page = self.ok("session::messages", req).await;
-            out.extend(page["messages"].as_array().cloned().unwrap_or_default());
-            match page["next_cursor"].as_str() {
-                Some(c) => cursor = Some(c.to_string()),
-                None => return out,
-            }
-        }
+        process::transcript(session_id, include_custom, |req| {
+            self.ok("session::messages", req)
+        })
+        .await
     }
 
     /// Polls `harness::status` until turn `turn_id` is terminal; returns the status.

@@ -9,6 +9,9 @@ use serde_json::{json, Value};
 
 use super::{CallError, Engine};
 
+#[path = "../common/process.rs"]
+mod process;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_harness");
 pub const WAIT: Duration = Duration::from_secs(60);
 
@@ -146,24 +149,12 @@ impl WorkerProc {
 
     /// SIGKILL, then reap.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        process::kill(&mut self.child);
     }
 
     /// True once the process has exited on its own (a failpoint); reaps it.
     pub fn exited(&mut self) -> bool {
-        match self.child.as_mut() {
-            None => true,
-            Some(c) => match c.try_wait().expect("try_wait") {
-                Some(_) => {
-                    self.child = None;
-                    true
-                }
-                None => false,
-            },
-        }
+        process::exited(&mut self.child)
     }
 
     /// Starts the worker again on the same data dir and script.
@@ -259,21 +250,10 @@ impl Engine {
 
     /// Every entry of a session's transcript, oldest first.
     pub async fn transcript(&self, session_id: &str, include_custom: bool) -> Vec<Value> {
-        let mut out = Vec::new();
-        let mut cursor: Option<String> = None;
-        loop {
-            let mut req =
-                json!({"session_id": session_id, "include_custom": include_custom, "limit": 100});
-            if let Some(c) = &cursor {
-                req["cursor"] = json!(c);
-            }
-            let page = self.ok("session::messages", req).await;
-            out.extend(page["messages"].as_array().cloned().unwrap_or_default());
-            match page["next_cursor"].as_str() {
-                Some(c) => cursor = Some(c.to_string()),
-                None => return out,
-            }
-        }
+        process::transcript(session_id, include_custom, |req| {
+            self.ok("session::messages", req)
+        })
+        .await
     }
 }
 
