@@ -373,22 +373,30 @@ async fn no_metrics_turns_the_route_off() {
     assert_eq!(resp.status(), 404);
 }
 
-/// `promtool check metrics` on a scrape: exit 0. A counter without `_total` makes the same
-/// check fail, so it has teeth. Skipped (with the reason) without `promtool`, unless
-/// `HARNESS_REQUIRE_PROMTOOL=1` (CI), which makes its absence a failure.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_promtool() {
-    let have = Command::new("promtool")
+/// Whether `tool` (from Debian's `prometheus` package) is on PATH. Without it the test says it
+/// is skipped, unless `require_var=1` (CI), which makes its absence a failure.
+fn installed(tool: &str, require_var: &str) -> bool {
+    let have = Command::new(tool)
         .arg("--version")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if !have {
-        if std::env::var("HARNESS_REQUIRE_PROMTOOL").as_deref() == Ok("1") {
-            panic!("HARNESS_REQUIRE_PROMTOOL=1 but promtool is not on PATH (apt-get install prometheus)");
+        if std::env::var(require_var).as_deref() == Ok("1") {
+            panic!("{require_var}=1 but {tool} is not on PATH (apt-get install prometheus)");
         }
-        println!("skipped: promtool is not on PATH (Debian: apt-get install prometheus)");
+        println!("skipped: {tool} is not on PATH (Debian: apt-get install prometheus)");
+    }
+    have
+}
+
+/// `promtool check metrics` on a scrape: exit 0. A counter without `_total` makes the same
+/// check fail, so it has teeth. Skipped (with the reason) without `promtool`, unless
+/// `HARNESS_REQUIRE_PROMTOOL=1` (CI), which makes its absence a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_promtool() {
+    if !installed("promtool", "HARNESS_REQUIRE_PROMTOOL") {
         return;
     }
     let check = |text: &str| {
@@ -441,17 +449,7 @@ async fn metrics_promtool() {
 /// `prometheus` on PATH, unless `HARNESS_REQUIRE_PROMETHEUS=1` (CI).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_prometheus_scrape() {
-    let have = Command::new("prometheus")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have {
-        if std::env::var("HARNESS_REQUIRE_PROMETHEUS").as_deref() == Ok("1") {
-            panic!("HARNESS_REQUIRE_PROMETHEUS=1 but prometheus is not on PATH (apt-get install prometheus)");
-        }
-        println!("skipped: prometheus is not on PATH (Debian: apt-get install prometheus)");
+    if !installed("prometheus", "HARNESS_REQUIRE_PROMETHEUS") {
         return;
     }
     let fx = Fixtures::new(json!([{"id": "fx::forecast", "response": {"sky": "sunny"}}]));

@@ -17,6 +17,8 @@ use serde_json::{json, Value};
 
 pub mod process;
 pub mod scripts;
+#[allow(unused_imports)] // each test binary uses a different part of it
+pub use process::is_terminal;
 pub use scripts::*;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_harness");
@@ -364,18 +366,7 @@ impl Api {
 
     /// Polls `harness::status` until turn `turn_id` is terminal; returns the status.
     pub async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let s = self.status(session_id).await;
-            if s["turn_id"] == json!(turn_id) && is_terminal(&s) {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "turn {turn_id} of {session_id} not terminal within {WAIT:?}; last status {s}"
-            );
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        process::wait_turn(turn_id, WAIT, || self.status(session_id)).await
     }
 
     /// Opens the session's SSE event stream, resuming after `last_event_id` when given.
@@ -411,13 +402,6 @@ impl Drop for Server {
             );
         }
     }
-}
-
-pub fn is_terminal(status: &Value) -> bool {
-    matches!(
-        status["status"].as_str(),
-        Some("completed" | "failed" | "cancelled")
-    )
 }
 
 /// Polls `f` until it returns `Some`, failing after `timeout` with `what`.

@@ -1,9 +1,10 @@
 //! What the handle of a `harness serve` (common/mod.rs) and of a `harness worker`
-//! (iii_engine/worker.rs) share: killing the process, finding it dead, and paging through a
-//! session's transcript over whatever answers the calls.
+//! (iii_engine/worker.rs) share: killing the process, finding it dead, and reading a session's
+//! transcript and turn status over whatever answers the calls.
 
 use std::future::Future;
 use std::process::Child;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -50,5 +51,34 @@ where
             Some(c) => cursor = Some(c.to_string()),
             None => return out,
         }
+    }
+}
+
+/// True for a `harness::status` answer whose turn has ended.
+pub fn is_terminal(status: &Value) -> bool {
+    matches!(
+        status["status"].as_str(),
+        Some("completed" | "failed" | "cancelled")
+    )
+}
+
+/// Polls `status` (a session's `harness::status`) until turn `turn_id` is terminal, failing
+/// after `wait`; returns that status.
+pub async fn wait_turn<F, Fut>(turn_id: &str, wait: Duration, status: F) -> Value
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Value>,
+{
+    let deadline = Instant::now() + wait;
+    loop {
+        let s = status().await;
+        if s["turn_id"] == json!(turn_id) && is_terminal(&s) {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "turn {turn_id} not terminal within {wait:?}; last status {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }

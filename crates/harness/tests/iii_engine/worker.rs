@@ -218,18 +218,7 @@ impl Engine {
 
     /// Polls until turn `turn_id` is terminal; returns the status.
     pub async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let s = self.status(session_id).await;
-            if s["turn_id"] == json!(turn_id) && is_terminal(&s) {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "turn {turn_id} not terminal within {WAIT:?}; last status {s}"
-            );
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        process::wait_turn(turn_id, WAIT, || self.status(session_id)).await
     }
 
     /// Polls until the session's turn has this status.
@@ -266,12 +255,5 @@ pub fn transient(e: &CallError) -> bool {
             | "harness/starting"
             // A real engine's answer to a call routed to a worker whose connection just died.
             | "channel_send_failed"
-    )
-}
-
-pub fn is_terminal(status: &Value) -> bool {
-    matches!(
-        status["status"].as_str(),
-        Some("completed" | "failed" | "cancelled")
     )
 }
