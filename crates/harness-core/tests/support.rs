@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use harness_bus::EmbeddedBus;
 use harness_core::{Harness, HarnessConfig};
-use harness_router::scripted::{Script, ScriptedProvider};
+use harness_router::scripted::ScriptedProvider;
 use harness_router::Router;
 use harness_session::SessionStore;
 use harness_store::Store;
@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 #[allow(unused_imports)] // each test binary uses a different part of it
 pub use embedded::{call_gen, config, text_gen};
-use embedded::{embedded, Embedded};
+use embedded::{embedded, scripted};
 
 pub struct Rt {
     pub harness: Harness,
@@ -72,34 +72,27 @@ pub async fn unstarted_runtime(script: Value, config: HarnessConfig) -> Rt {
 }
 
 async fn runtime_with(script: Value, config: HarnessConfig, start: bool) -> Rt {
-    let Embedded {
-        store,
-        bus,
-        shared,
-        sessions,
-        dir,
-    } = embedded().await;
-    let router = Router::new();
-    let script = Script::from_json(&script.to_string()).unwrap();
+    let e = embedded().await;
     let recorder = Arc::new(Recorder {
-        inner: ScriptedProvider::new(script, shared.clone()),
+        inner: scripted(&script, &e.shared),
         seen: Default::default(),
         extras: Default::default(),
     });
+    let router = Router::new();
     router.add_provider(recorder.clone());
-    harness_router::register(shared.as_ref(), &router);
-    let harness = Harness::new(shared, config);
+    harness_router::register(e.shared.as_ref(), &router);
+    let harness = Harness::new(e.shared, config);
     harness_core::register(&harness);
     if start {
         harness.start().await.unwrap();
     }
     Rt {
         harness,
-        sessions,
-        store,
-        bus,
+        sessions: e.sessions,
+        store: e.store,
+        bus: e.bus,
         recorder,
-        _dir: dir,
+        _dir: e.dir,
     }
 }
 

@@ -8,7 +8,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::embedded::{config, embedded, start_loop, wait_turn_end, Embedded};
+use common::embedded::{config, embedded, start_loop, wait_turn_end};
 use common::*;
 use harness_bus::{CallContext, FunctionDef};
 use harness_core::Harness;
@@ -26,12 +26,7 @@ struct Rt {
 }
 
 async fn runtime(mock: &Mock, id: &str, kind: ProviderKind, suffix: &str) -> Rt {
-    let Embedded {
-        shared,
-        sessions,
-        dir,
-        ..
-    } = embedded().await;
+    let e = embedded().await;
     let router = Router::new();
     let key = (kind != ProviderKind::OpenaiCompatible).then_some(KEY);
     router.add_provider(
@@ -39,10 +34,10 @@ async fn runtime(mock: &Mock, id: &str, kind: ProviderKind, suffix: &str) -> Rt 
             .with_http(http())
             .build(),
     );
-    harness_router::register(shared.as_ref(), &router);
+    harness_router::register(e.shared.as_ref(), &router);
     let calls = Arc::new(AtomicUsize::new(0));
     let seen = calls.clone();
-    shared.register_function(
+    e.shared.register_function(
         FunctionDef::new("math::add", "add two numbers"),
         Arc::new(move |p: Value, _ctx: CallContext| {
             let seen = seen.clone();
@@ -52,12 +47,12 @@ async fn runtime(mock: &Mock, id: &str, kind: ProviderKind, suffix: &str) -> Rt 
             }
         }),
     );
-    let harness = start_loop(shared, config()).await;
+    let harness = start_loop(e.shared, config()).await;
     Rt {
         harness,
-        sessions,
+        sessions: e.sessions,
         calls,
-        _dir: dir,
+        _dir: e.dir,
     }
 }
 

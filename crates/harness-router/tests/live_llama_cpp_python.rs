@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::embedded::{config, embedded, start_loop, Embedded};
+use common::embedded::{config, embedded, start_loop};
 use harness_bus::{CallContext, FunctionDef};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{HttpOptions, ProviderConfig, ProviderKind};
@@ -162,12 +162,7 @@ struct Rt {
 }
 
 async fn runtime(url: &str) -> Rt {
-    let Embedded {
-        shared,
-        sessions,
-        dir,
-        ..
-    } = embedded().await;
+    let e = embedded().await;
     let router = Router::new();
     let http = HttpOptions {
         idle_timeout: Duration::from_secs(120),
@@ -178,11 +173,11 @@ async fn runtime(url: &str) -> Rt {
             .with_http(http)
             .build(),
     );
-    harness_router::register(shared.as_ref(), &router);
-    harness_context::register(shared.clone());
+    harness_router::register(e.shared.as_ref(), &router);
+    harness_context::register(e.shared.clone());
     let calls = Arc::new(AtomicUsize::new(0));
     let seen = calls.clone();
-    shared.register_function(
+    e.shared.register_function(
         FunctionDef::new("math::add", "Add two numbers.").schemas(
             json!({"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}),
             json!({"type": "object"}),
@@ -196,7 +191,7 @@ async fn runtime(url: &str) -> Rt {
         }),
     );
     let harness = start_loop(
-        shared,
+        e.shared,
         HarnessConfig {
             // What `harness chat --context-window` sets: the server runs with this n_ctx.
             default_context_window: N_CTX,
@@ -206,10 +201,10 @@ async fn runtime(url: &str) -> Rt {
     .await;
     Rt {
         harness,
-        sessions,
+        sessions: e.sessions,
         router,
         calls,
-        _dir: dir,
+        _dir: e.dir,
     }
 }
 

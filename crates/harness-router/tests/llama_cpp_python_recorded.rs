@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::embedded::{config, embedded, start_loop, wait_turn_end, Embedded};
+use common::embedded::{config, embedded, start_loop, wait_turn_end};
 use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
 use common::{chat, http, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
@@ -206,22 +206,17 @@ async fn an_interrupted_function_call_is_never_complete() {
 
 /// A loop with the `llamacpp` provider at `url` and a function `math::add`.
 async fn runtime(url: &str) -> (Harness, SessionStore, tempfile::TempDir) {
-    let Embedded {
-        shared,
-        sessions,
-        dir,
-        ..
-    } = embedded().await;
-    harness_router::register(shared.as_ref(), &llamacpp(url, None));
+    let e = embedded().await;
+    harness_router::register(e.shared.as_ref(), &llamacpp(url, None));
     let harness = start_loop(
-        shared,
+        e.shared,
         HarnessConfig {
             default_context_window: 4096,
             ..config()
         },
     )
     .await;
-    (harness, sessions, dir)
+    (harness, e.sessions, e.dir)
 }
 
 #[tokio::test]
@@ -572,23 +567,18 @@ async fn runtime_with_window(
     router: &Router,
     window: u64,
 ) -> (Harness, SessionStore, tempfile::TempDir) {
-    let Embedded {
-        shared,
-        sessions,
-        dir,
-        ..
-    } = embedded().await;
-    harness_router::register(shared.as_ref(), router);
-    harness_context::register(shared.clone());
+    let e = embedded().await;
+    harness_router::register(e.shared.as_ref(), router);
+    harness_context::register(e.shared.clone());
     let harness = start_loop(
-        shared,
+        e.shared,
         HarnessConfig {
             default_context_window: window,
             ..config()
         },
     )
     .await;
-    (harness, sessions, dir)
+    (harness, e.sessions, e.dir)
 }
 
 async fn send_to(

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, CallContext, EmbeddedBus, FunctionDef};
 use harness_core::{Harness, HarnessConfig};
-use harness_router::scripted::{Script, ScriptedProvider};
 use harness_router::Router;
 use harness_session::SessionStore;
 use harness_store::Store;
@@ -23,7 +22,7 @@ use serde_json::{json, Value};
 mod embedded;
 #[allow(unused_imports)] // each test binary uses a different part of it
 pub use embedded::{call_gen, text_gen};
-use embedded::{embedded, Embedded};
+use embedded::{embedded, scripted, Embedded};
 
 pub struct Rt {
     pub harness: Harness,
@@ -44,8 +43,7 @@ pub async fn runtime(script: Value, approve: &[&str]) -> Rt {
         dir,
     } = embedded().await;
     let router = Router::new();
-    let script = Script::from_json(&script.to_string()).unwrap();
-    router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
+    router.add_provider(Arc::new(scripted(&script, &shared)));
     harness_router::register(shared.as_ref(), &router);
     harness_tools::register(shared.as_ref(), &harness_tools::Tools::default());
     harness_directory::register(

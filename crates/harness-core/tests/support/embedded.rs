@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, EmbeddedBus};
 use harness_core::{Harness, HarnessConfig};
+use harness_router::scripted::{Script, ScriptedProvider};
 use harness_session::SessionStore;
 use harness_store::{Durability, Store};
 use harness_types::api::{StatusReport, StatusRequest};
@@ -47,6 +48,12 @@ pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) ->
 /// A scripted generation that answers every request with `text`.
 pub fn text_gen(text: &str) -> Value {
     json!({"repeat": true, "content": [{"type": "text", "text": text}]})
+}
+
+/// The scripted provider answering from `script` (a `{"generations": [...]}` value).
+pub fn scripted(script: &Value, shared: &Arc<dyn Bus>) -> ScriptedProvider {
+    let script = Script::from_json(&script.to_string()).unwrap();
+    ScriptedProvider::new(script, shared.clone())
 }
 
 /// The loop's configuration in tests: frames are not coalesced, so a test sees each one.
