@@ -11,7 +11,7 @@ use common::embedded::{config, embedded, start_loop, wait_turn_end};
 use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
 use common::{chat, http, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
-use harness_router::providers::{ProviderConfig, ProviderKind, WirePatch};
+use harness_router::providers::{ProviderConfig, ProviderKind, Tokenize, WirePatch};
 use harness_router::Router;
 use harness_session::SessionStore;
 use harness_types::api::{SendOptions, SendRequest, TurnStatus};
@@ -32,12 +32,35 @@ fn exchanges(case: &str) -> Vec<Exchange> {
 }
 
 fn llamacpp(url: &str, wire: Option<WirePatch>) -> Router {
+    llamacpp_with(url, |cfg| cfg.wire = cfg.wire.with(wire.as_ref()))
+}
+
+/// The `llamacpp` provider at `url`, its configuration changed by `edit`.
+fn llamacpp_with(url: &str, edit: impl FnOnce(&mut ProviderConfig)) -> Router {
     let router = Router::new();
     let mut cfg = ProviderConfig::new("llamacpp", ProviderKind::OpenaiCompatible, url, None)
         .with_http(http());
-    cfg.wire = cfg.wire.with(wire.as_ref());
+    edit(&mut cfg);
     router.add_provider(cfg.build());
     router
+}
+
+/// The `llamacpp` provider at `url` that never asks the server to count tokens.
+fn uncounted(url: &str) -> Router {
+    llamacpp_with(url, |cfg| cfg.wire.tokenize = Tokenize::None)
+}
+
+/// The assistant messages of a session, oldest first.
+fn replies(sessions: &SessionStore, session_id: &str) -> Vec<AssistantMessage> {
+    sessions
+        .all_entries(session_id, false)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.message {
+            Some(AgentMessage::Assistant(a)) => Some(a),
+            _ => None,
+        })
+        .collect()
 }
 
 fn add_tool() -> ToolSpec {
@@ -241,15 +264,7 @@ async fn a_turn_whose_stream_was_interrupted_resumes_and_ends_with_a_reply_the_s
         .unwrap();
     let status = wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
     assert_eq!(status.status, TurnStatus::Completed, "{status:?}");
-    let replies: Vec<AssistantMessage> = sessions
-        .all_entries(&r.session_id, false)
-        .unwrap()
-        .into_iter()
-        .filter_map(|e| match e.message {
-            Some(AgentMessage::Assistant(a)) => Some(a),
-            _ => None,
-        })
-        .collect();
+    let replies = replies(&sessions, &r.session_id);
     assert_eq!(replies.len(), 2, "{replies:?}");
     // The cut reply is kept as what it is; the resumed one ended with the server's `length`.
     assert_eq!(replies[0].stop_reason, StopReason::Error, "{replies:?}");
@@ -681,21 +696,7 @@ async fn without_a_server_count_dense_digits_are_still_counted_as_the_server_wou
     let mut recorded = exchanges("tokenize_llamacpp_form");
     recorded.extend(exchanges("plain_stream"));
     let server = Replay::start(recorded).await;
-    let mut r = llamacpp(&format!("{}/v1", server.url), None);
-    r = {
-        let router = Router::new();
-        let mut cfg = ProviderConfig::new(
-            "llamacpp",
-            ProviderKind::OpenaiCompatible,
-            &format!("{}/v1", server.url),
-            None,
-        )
-        .with_http(http());
-        cfg.wire.tokenize = harness_router::providers::Tokenize::None;
-        router.add_provider(cfg.build());
-        drop(r);
-        router
-    };
+    let r = uncounted(&format!("{}/v1", server.url));
     let (harness, _sessions, _dir) = small_runtime(&r).await;
     let model = "gemma-3-270m-uncounted";
     let (sid, s) = send_model(&harness, model, None, &digits(), SendOptions::default()).await;
@@ -880,16 +881,7 @@ async fn two_sessions_at_once_on_the_llamacpp_preset_take_turns() {
 
     // The same two without the limit overlap on the server (what cut each other's streams).
     let server = Replay::start_paced(recorded, pace).await;
-    let router = Router::new();
-    let mut cfg = ProviderConfig::new(
-        "llamacpp",
-        ProviderKind::OpenaiCompatible,
-        &format!("{}/v1", server.url),
-        None,
-    )
-    .with_http(http());
-    cfg.concurrency = None;
-    router.add_provider(cfg.build());
+    let router = llamacpp_with(&format!("{}/v1", server.url), |cfg| cfg.concurrency = None);
     let (a, b) = tokio::join!(
         chat(&router, ask("Say hello.", 64)),
         chat(&router, ask("Say hello.", 64))
@@ -962,16 +954,7 @@ async fn a_prompt_the_server_refuses_as_over_its_window_is_reassembled_and_asked
     recorded.extend(exchanges("plain_stream"));
     let text = recorded_text(&recorded[1].body);
     let server = Replay::start(recorded).await;
-    let router = Router::new();
-    let mut cfg = ProviderConfig::new(
-        "llamacpp",
-        ProviderKind::OpenaiCompatible,
-        &format!("{}/v1", server.url),
-        None,
-    )
-    .with_http(http());
-    cfg.wire.tokenize = harness_router::providers::Tokenize::None;
-    router.add_provider(cfg.build());
+    let router = uncounted(&format!("{}/v1", server.url));
     let (harness, sessions, _dir) = small_runtime(&router).await;
     let (sid, s) = send_model(
         &harness,
@@ -990,15 +973,7 @@ async fn a_prompt_the_server_refuses_as_over_its_window_is_reassembled_and_asked
         bodies[1]["max_tokens"].as_u64().unwrap(),
     );
     assert!(second < first, "max_tokens {first} then {second}");
-    let replies: Vec<AssistantMessage> = sessions
-        .all_entries(&sid, false)
-        .unwrap()
-        .into_iter()
-        .filter_map(|e| match e.message {
-            Some(AgentMessage::Assistant(a)) => Some(a),
-            _ => None,
-        })
-        .collect();
+    let replies = replies(&sessions, &sid);
     assert_eq!(replies.len(), 1, "{replies:?}");
     assert_eq!(joined(&replies[0]), text);
 }
@@ -1009,16 +984,7 @@ async fn a_second_refusal_fails_the_turn_as_an_overflow() {
     recorded.extend(exchanges("digits_overflow_stream"));
     recorded.extend(exchanges("plain_stream"));
     let server = Replay::start(recorded).await;
-    let router = Router::new();
-    let mut cfg = ProviderConfig::new(
-        "llamacpp",
-        ProviderKind::OpenaiCompatible,
-        &format!("{}/v1", server.url),
-        None,
-    )
-    .with_http(http());
-    cfg.wire.tokenize = harness_router::providers::Tokenize::None;
-    router.add_provider(cfg.build());
+    let router = uncounted(&format!("{}/v1", server.url));
     let (harness, sessions, _dir) = small_runtime(&router).await;
     let (sid, s) = send_model(
         &harness,
@@ -1054,16 +1020,7 @@ async fn a_message_the_server_refuses_twice_under_an_unknown_window_is_left_out_
     recorded.extend(exchanges("digits_overflow_stream"));
     recorded.extend(exchanges("plain_stream"));
     let server = Replay::start(recorded).await;
-    let router = Router::new();
-    let mut cfg = ProviderConfig::new(
-        "llamacpp",
-        ProviderKind::OpenaiCompatible,
-        &format!("{}/v1", server.url),
-        None,
-    )
-    .with_http(http());
-    cfg.wire.tokenize = harness_router::providers::Tokenize::None;
-    router.add_provider(cfg.build());
+    let router = uncounted(&format!("{}/v1", server.url));
     let (harness, _sessions, _dir) = runtime_with_window(&router, 200_000).await;
     let model = "gemma-3-270m-unknown-window";
     let (sid, s) = send_model(&harness, model, None, &digits(), SendOptions::default()).await;
