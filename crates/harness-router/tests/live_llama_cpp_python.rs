@@ -22,12 +22,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::embedded::{config, embedded, start_loop};
+use common::llamacpp_send;
 use harness_bus::{CallContext, FunctionDef};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{HttpOptions, ProviderConfig, ProviderKind};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_types::api::{SendOptions, SendRequest, StatusReport, StatusRequest, TurnStatus};
+use harness_types::api::{SendOptions, StatusReport, StatusRequest, TurnStatus};
 use harness_types::message::{AgentMessage, ContentBlock, StopReason};
 use harness_types::router::{ChatRequest, Frame, ToolSpec};
 use serde_json::{json, Value};
@@ -224,14 +225,7 @@ async fn send_with(
 ) -> (String, String) {
     let r = rt
         .harness
-        .send(SendRequest {
-            session_id: session.map(str::to_string),
-            message: json!(text),
-            model: Some(MODEL.into()),
-            provider: Some("llamacpp".into()),
-            options: Some(options),
-            ..Default::default()
-        })
+        .send(llamacpp_send(MODEL, session, text, options))
         .await
         .unwrap();
     (r.session_id, r.turn_id)

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use common::embedded::{config, embedded, start_loop, wait_turn_end};
 use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
-use common::{chat, http, request, user, Run};
+use common::{chat, http, llamacpp_send, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{ProviderConfig, ProviderKind, Tokenize, WirePatch};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_types::api::{SendOptions, SendRequest, TurnStatus};
+use harness_types::api::{SendOptions, SendRequest, StatusReport, TurnStatus};
 use harness_types::message::{
     AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason,
 };
@@ -615,14 +615,7 @@ async fn send_model(
     options: SendOptions,
 ) -> (String, harness_types::api::StatusReport) {
     let r = harness
-        .send(SendRequest {
-            session_id: session.map(str::to_string),
-            message: json!(text),
-            model: Some(model.into()),
-            provider: Some("llamacpp".into()),
-            options: Some(options),
-            ..Default::default()
-        })
+        .send(llamacpp_send(model, session, text, options))
         .await
         .unwrap();
     let s = wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
@@ -946,6 +939,26 @@ async fn the_provider_row_says_how_tokens_are_counted_and_how_many_requests_go_a
     assert_eq!(row["concurrency"], Value::Null);
 }
 
+/// "Say hello." to `model` on a 2,048-token window, at a server that cannot count tokens and
+/// answers with `recorded`: the server, the sessions, the session id, the turn's end, and the
+/// directory holding the store.
+async fn say_hello_uncounted(
+    recorded: Vec<Exchange>,
+    model: &str,
+) -> (
+    Replay,
+    SessionStore,
+    String,
+    StatusReport,
+    tempfile::TempDir,
+) {
+    let server = Replay::start(recorded).await;
+    let router = uncounted(&format!("{}/v1", server.url));
+    let (harness, sessions, dir) = small_runtime(&router).await;
+    let (sid, s) = send_model(&harness, model, None, "Say hello.", SendOptions::default()).await;
+    (server, sessions, sid, s, dir)
+}
+
 #[tokio::test]
 async fn a_prompt_the_server_refuses_as_over_its_window_is_reassembled_and_asked_once_more() {
     // A server whose tokens nothing here can count, answering the first request as
@@ -953,17 +966,8 @@ async fn a_prompt_the_server_refuses_as_over_its_window_is_reassembled_and_asked
     let mut recorded = exchanges("digits_overflow_stream");
     recorded.extend(exchanges("plain_stream"));
     let text = recorded_text(&recorded[1].body);
-    let server = Replay::start(recorded).await;
-    let router = uncounted(&format!("{}/v1", server.url));
-    let (harness, sessions, _dir) = small_runtime(&router).await;
-    let (sid, s) = send_model(
-        &harness,
-        "gemma-3-270m-refused-once",
-        None,
-        "Say hello.",
-        SendOptions::default(),
-    )
-    .await;
+    let (server, sessions, sid, s, _dir) =
+        say_hello_uncounted(recorded, "gemma-3-270m-refused-once").await;
     assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
     let bodies = server.chat_bodies();
     assert_eq!(bodies.len(), 2, "asked once more, not more");
@@ -983,17 +987,8 @@ async fn a_second_refusal_fails_the_turn_as_an_overflow() {
     let mut recorded = exchanges("digits_overflow_stream");
     recorded.extend(exchanges("digits_overflow_stream"));
     recorded.extend(exchanges("plain_stream"));
-    let server = Replay::start(recorded).await;
-    let router = uncounted(&format!("{}/v1", server.url));
-    let (harness, sessions, _dir) = small_runtime(&router).await;
-    let (sid, s) = send_model(
-        &harness,
-        "gemma-3-270m-refused-twice",
-        None,
-        "Say hello.",
-        SendOptions::default(),
-    )
-    .await;
+    let (server, sessions, sid, s, _dir) =
+        say_hello_uncounted(recorded, "gemma-3-270m-refused-twice").await;
     assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
     let failure = s.failure.unwrap();
     assert_eq!(

@@ -353,6 +353,23 @@ impl Run {
     }
 }
 
+/// A `harness::send` of `text` to `model` at the `llamacpp` provider, in `session` when given.
+pub fn llamacpp_send(
+    model: &str,
+    session: Option<&str>,
+    text: &str,
+    options: harness_types::api::SendOptions,
+) -> harness_types::api::SendRequest {
+    harness_types::api::SendRequest {
+        session_id: session.map(str::to_string),
+        message: json!(text),
+        model: Some(model.into()),
+        provider: Some("llamacpp".into()),
+        options: Some(options),
+        ..Default::default()
+    }
+}
+
 /// Runs one generation and collects every frame.
 pub async fn chat(router: &Router, req: ChatRequest) -> Run {
     let (tx, mut rx) = mpsc::unbounded_channel();
