@@ -780,7 +780,7 @@ fn mcp_fixture() -> std::path::PathBuf {
     let fixture = bin.with_file_name("harness-mcp-fixture");
     assert!(
         fixture.exists(),
-        "{} is missing: build it with `cargo build -p harness-mcp --bins` (the workspace build does)",
+        "{} is missing: build it with `cargo build -p harness-mcp --features fixture --bins` (the workspace build of all targets does)",
         fixture.display()
     );
     fixture
