@@ -102,28 +102,15 @@ async fn sigkill_at_every_step_boundary_of_a_five_call_turn() {
         let extra = fx.args();
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let mut server = Server::start(&script, &extra).await;
-        server.kill();
-        server.set_env("HARNESS_FAILPOINT", Some(point));
-        server.start_again().await;
         let sid = "s_five";
         // The send itself may be cut by the failpoint: its answer does not matter.
-        let _ = server
-            .client
-            .post(format!("{}/v1/functions/harness::send", server.url()))
-            .json(&send_body(sid, "run all five", &["f::*"]))
-            .send()
+        server
+            .crash_at(
+                point,
+                "harness::send",
+                send_body(sid, "run all five", &["f::*"]),
+            )
             .await;
-        wait_for(
-            &format!("the failpoint {point} to kill the server"),
-            WAIT,
-            || {
-                let dead = server.exited();
-                async move { dead.then_some(()) }
-            },
-        )
-        .await;
-        server.set_env("HARNESS_FAILPOINT", None);
-        server.start_again().await;
         let status = wait_settled(&server, sid).await;
         assert_eq!(status["status"], "completed", "{point}: {status}");
         let ran = invocations(&fx.log());
@@ -196,26 +183,7 @@ async fn a_crash_while_a_released_call_runs_still_closes_it_once() {
         })
         .await;
         // Arm the failpoint for the release only.
-        server.kill();
-        server.set_env("HARNESS_FAILPOINT", Some(point));
-        server.start_again().await;
-        let _ = server
-            .client
-            .post(format!("{}/v1/functions/approval::decide", server.url()))
-            .json(&json!({"approval_id": approval["approval_id"], "decision": "approve", "digest": approval["digest"]}))
-            .send()
-            .await;
-        wait_for(
-            &format!("the failpoint {point} to kill the server"),
-            WAIT,
-            || {
-                let dead = server.exited();
-                async move { dead.then_some(()) }
-            },
-        )
-        .await;
-        server.set_env("HARNESS_FAILPOINT", None);
-        server.start_again().await;
+        server.crash_at(point, "approval::decide", json!({"approval_id": approval["approval_id"], "decision": "approve", "digest": approval["digest"]})).await;
         let status = server.wait_turn(sid, &turn_id).await;
         assert_eq!(status["status"], "completed", "{point}: {status}");
         let ran = invocations(&fx.log());

@@ -17,10 +17,11 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::raw_serve::RawServe;
 use common::{free_port, script, BIN, WAIT};
 use harness_router::sse::SseParser;
 use proptest::prelude::*;
@@ -120,85 +121,53 @@ fn malformed_body() -> impl Strategy<Value = Vec<u8>> {
 }
 
 /// A `harness serve` child with a scrubbed environment (no provider keys: no traffic leaves
-/// loopback). Killed on drop.
-struct Serve {
-    child: Child,
-    port: u16,
-    dir: tempfile::TempDir,
+/// loopback).
+fn serve(model: &Value, fixtures: &Value) -> RawServe {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("script.json"), model.to_string()).unwrap();
+    std::fs::write(dir.path().join("fixtures.json"), fixtures.to_string()).unwrap();
+    let port = free_port();
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "serve",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--data-dir",
+    ])
+    .arg(dir.path().join("data"))
+    .arg("--script")
+    .arg(dir.path().join("script.json"))
+    .arg("--fixtures")
+    .arg(dir.path().join("fixtures.json"))
+    .args(["--durability", "normal"])
+    .env_clear();
+    RawServe::spawn(cmd, port, dir)
 }
 
-impl Serve {
-    fn start(model: &Value, fixtures: &Value) -> Serve {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("script.json"), model.to_string()).unwrap();
-        std::fs::write(dir.path().join("fixtures.json"), fixtures.to_string()).unwrap();
-        let port = free_port();
-        let log = std::fs::File::create(dir.path().join("log")).unwrap();
-        let child = Command::new(BIN)
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--data-dir",
-            ])
-            .arg(dir.path().join("data"))
-            .arg("--script")
-            .arg(dir.path().join("script.json"))
-            .arg("--fixtures")
-            .arg(dir.path().join("fixtures.json"))
-            .args(["--durability", "normal"])
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap();
-        let mut s = Serve { child, port, dir };
-        let deadline = Instant::now() + WAIT;
-        while !s.log().contains("harness serving on") {
-            s.assert_alive();
-            assert!(
-                Instant::now() < deadline,
-                "serve did not start: {}",
-                s.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        s
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
-    }
-
-    fn assert_alive(&mut self) {
-        if let Some(status) = self.child.try_wait().unwrap() {
-            panic!("harness serve died ({status}); log:\n{}", self.log());
-        }
-    }
-
+/// Calls of functions as raw bytes, each answer parsed.
+trait Calls {
     /// POST raw bytes to a function; (status, parsed JSON body).
+    fn post(&self, function_id: &str, body: &[u8]) -> (u16, Value);
+
+    fn call(&self, function_id: &str, payload: &Value) -> (u16, Value) {
+        self.post(function_id, payload.to_string().as_bytes())
+    }
+}
+
+impl Calls for RawServe {
     fn post(&self, function_id: &str, body: &[u8]) -> (u16, Value) {
         TRIED.fetch_add(1, Ordering::Relaxed);
-        let mut conn = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
-        conn.set_read_timeout(Some(Duration::from_secs(30)))
-            .unwrap();
-        let head = format!(
-            "POST /v1/functions/{function_id} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-            self.port,
-            body.len()
+        let host = format!("127.0.0.1:{}", self.port);
+        let headers = [
+            ("Host", host.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        let (status, answer) = self.raw(
+            "POST",
+            &format!("/v1/functions/{function_id}"),
+            &headers,
+            body,
         );
-        conn.write_all(head.as_bytes()).unwrap();
-        conn.write_all(body).unwrap();
-        let mut answer = Vec::new();
-        conn.read_to_end(&mut answer)
-            .unwrap_or_else(|e| panic!("{function_id}: no answer within 30 s: {e}"));
-        let answer = String::from_utf8_lossy(&answer).into_owned();
-        let status = answer
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("{function_id}: no status line: {answer:?}"));
         let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
         // Every answer here has a length; a chunked one would need de-chunking.
         assert!(
@@ -210,17 +179,6 @@ impl Serve {
         let value = serde_json::from_str(body)
             .unwrap_or_else(|e| panic!("{function_id}: answer is not JSON ({e}): {answer}"));
         (status, value)
-    }
-
-    fn call(&self, function_id: &str, payload: &Value) -> (u16, Value) {
-        self.post(function_id, payload.to_string().as_bytes())
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -292,7 +250,7 @@ fn random_and_malformed_inputs_break_nothing() {
         }},
         "response": {"ok": true}
     }]});
-    let mut server = Serve::start(&script(generations), &fixtures);
+    let mut server = serve(&script(generations), &fixtures);
 
     // A real session, so arbitrary payloads also reach existing state.
     let (status, sent) = server.call(
@@ -469,8 +427,7 @@ fn random_and_malformed_inputs_break_nothing() {
 
     // Crash-consistent: the file is checked after a SIGKILL.
     let db = server.dir.path().join("data").join("harness.db");
-    let _ = server.child.kill();
-    let _ = server.child.wait();
+    server.kill();
     let conn = rusqlite::Connection::open(&db).unwrap();
     let check: String = conn
         .query_row("PRAGMA integrity_check", [], |r| r.get(0))

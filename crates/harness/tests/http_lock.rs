@@ -9,92 +9,30 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::raw_serve::RawServe;
 use common::{free_port, run_cli, script, text_gen, wait_for, BIN, WAIT};
 use serde_json::{json, Value};
 
-/// A `harness serve` child (demo script) on a temp data dir; killed on drop.
-struct Serve {
-    child: Child,
-    port: u16,
-    dir: tempfile::TempDir,
-}
-
-impl Serve {
-    /// Starts `serve --listen <host>:<port> <args>` with `env` (a model that answers "hi") and
-    /// waits for it to announce the bind.
-    fn start(host: &str, args: &[&str], env: &[(&str, &str)]) -> Serve {
-        let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let script_file = dir.path().join("script.json");
-        let model = script(vec![text_gen(None, "hi", 0, true)]);
-        std::fs::write(&script_file, model.to_string()).unwrap();
-        let log = std::fs::File::create(dir.path().join("log")).unwrap();
-        let child = Command::new(BIN)
-            .args(["serve", "--listen", &format!("{host}:{port}"), "--data-dir"])
-            .arg(dir.path().join("data"))
-            .arg("--script")
-            .arg(&script_file)
-            .args(args)
-            .env_remove("HARNESS_TOKEN")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap();
-        let mut s = Serve { child, port, dir };
-        let deadline = Instant::now() + WAIT;
-        while !s.log().contains("harness serving on") {
-            if let Some(status) = s.child.try_wait().unwrap() {
-                panic!("serve exited with {status}: {}", s.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "serve did not start: {}",
-                s.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        s
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// One raw HTTP/1.1 request with exactly these headers; returns (status, body).
-    fn raw(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
-        let mut conn = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
-        conn.set_read_timeout(Some(WAIT)).unwrap();
-        let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
-        for (k, v) in headers {
-            req.push_str(&format!("{k}: {v}\r\n"));
-        }
-        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-        conn.write_all(req.as_bytes()).unwrap();
-        let mut answer = String::new();
-        conn.read_to_string(&mut answer).unwrap();
-        let status = answer
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("no status line in {answer:?}"));
-        (status, answer)
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts `serve --listen <host>:<port> <args>` with `env` (a model that answers "hi") and waits
+/// for it to announce the bind.
+fn serve(host: &str, args: &[&str], env: &[(&str, &str)]) -> RawServe {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let script_file = dir.path().join("script.json");
+    let model = script(vec![text_gen(None, "hi", 0, true)]);
+    std::fs::write(&script_file, model.to_string()).unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--listen", &format!("{host}:{port}"), "--data-dir"])
+        .arg(dir.path().join("data"))
+        .arg("--script")
+        .arg(&script_file)
+        .args(args)
+        .env_remove("HARNESS_TOKEN")
+        .envs(env.iter().copied());
+    RawServe::spawn(cmd, port, dir)
 }
 
 /// The `error.code` of a JSON error answer.
@@ -177,7 +115,7 @@ fn connection_bounds_of_zero_refuse_to_start() {
 
 #[test]
 fn with_a_token_every_request_needs_it() {
-    let s = Serve::start("0.0.0.0", &[], &[("HARNESS_TOKEN", "tok-123")]);
+    let s = serve("0.0.0.0", &[], &[("HARNESS_TOKEN", "tok-123")]);
     let host = format!("127.0.0.1:{}", s.port);
     for path in ["/healthz", "/v1/functions"] {
         let (status, answer) = s.raw("GET", path, &[("Host", &host)], "");
@@ -245,7 +183,7 @@ fn with_a_token_every_request_needs_it() {
 
 #[test]
 fn a_token_is_also_required_on_loopback() {
-    let s = Serve::start("127.0.0.1", &["--token", "loop-tok"], &[]);
+    let s = serve("127.0.0.1", &["--token", "loop-tok"], &[]);
     let host = format!("127.0.0.1:{}", s.port);
     assert_eq!(s.raw("GET", "/healthz", &[("Host", &host)], "").0, 401);
     let auth = [
@@ -257,7 +195,7 @@ fn a_token_is_also_required_on_loopback() {
 
 #[test]
 fn a_foreign_host_or_origin_on_loopback_is_refused() {
-    let s = Serve::start("127.0.0.1", &[], &[]);
+    let s = serve("127.0.0.1", &[], &[]);
     let port = s.port;
     for ok in [
         format!("127.0.0.1:{port}"),
@@ -325,7 +263,7 @@ fn a_foreign_host_or_origin_on_loopback_is_refused() {
 
 #[tokio::test]
 async fn oversized_bodies_are_refused_with_413() {
-    let s = Serve::start("127.0.0.1", &["--max-body-bytes", "1024"], &[]);
+    let s = serve("127.0.0.1", &["--max-body-bytes", "1024"], &[]);
     let big = json!({"session_id": "x".repeat(2000)}).to_string();
     let client = reqwest::Client::new();
     // Declared length.
@@ -369,7 +307,7 @@ async fn oversized_bodies_are_refused_with_413() {
 
 #[tokio::test]
 async fn event_streams_per_client_are_bounded() {
-    let s = Serve::start("127.0.0.1", &["--max-streams-per-client", "2"], &[]);
+    let s = serve("127.0.0.1", &["--max-streams-per-client", "2"], &[]);
     let client = reqwest::Client::new();
     let sent: Value = client
         .post(format!("{}/v1/functions/harness::send", s.url()))
@@ -465,7 +403,7 @@ fn closed_before(conn: &mut TcpStream, deadline: Instant) -> (bool, String) {
 
 #[test]
 fn two_host_headers_are_refused_before_anything_else() {
-    let s = Serve::start("127.0.0.1", &["--token", "tok-2h"], &[]);
+    let s = serve("127.0.0.1", &["--token", "tok-2h"], &[]);
     let host = format!("127.0.0.1:{}", s.port);
     // Both ours, no token: the duplicate is named first, before the token is even looked at.
     for second in [host.clone(), "evil.example".to_string()] {
@@ -480,7 +418,7 @@ fn two_host_headers_are_refused_before_anything_else() {
 
 #[test]
 fn an_absolute_form_target_is_checked_like_host() {
-    let s = Serve::start("127.0.0.1", &[], &[]);
+    let s = serve("127.0.0.1", &[], &[]);
     let port = s.port;
     let host = format!("127.0.0.1:{port}");
     // Another host in the target, ours in Host.
@@ -527,7 +465,7 @@ fn an_absolute_form_target_is_checked_like_host() {
 
 #[test]
 fn a_connection_that_never_finishes_its_headers_is_closed() {
-    let s = Serve::start("127.0.0.1", &["--header-read-timeout-ms", "700"], &[]);
+    let s = serve("127.0.0.1", &["--header-read-timeout-ms", "700"], &[]);
     let host = format!("127.0.0.1:{}", s.port);
     let mut slow = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
     let opened = Instant::now();
@@ -560,7 +498,7 @@ fn a_connection_that_never_finishes_its_headers_is_closed() {
 
 #[test]
 fn connections_per_client_are_capped() {
-    let s = Serve::start(
+    let s = serve(
         "127.0.0.1",
         &[
             "--max-connections-per-client",
@@ -610,7 +548,7 @@ fn connections_per_client_are_capped() {
 
 #[test]
 fn sigterm_stops_the_server_even_with_an_event_stream_open() {
-    let mut s = Serve::start("127.0.0.1", &[], &[]);
+    let mut s = serve("127.0.0.1", &[], &[]);
     let host = format!("127.0.0.1:{}", s.port);
     let (status, answer) = s.raw(
         "POST",

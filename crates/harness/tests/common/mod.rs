@@ -16,6 +16,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 
 pub mod process;
+pub mod raw_serve;
 pub mod scripts;
 #[allow(unused_imports)] // each test binary uses a different part of it
 pub use process::is_terminal;
@@ -208,9 +209,10 @@ impl Server {
         process::exited(&mut self.child)
     }
 
-    /// Waits until the process died at the failpoint `name` (set in `HARNESS_FAILPOINT`), as
-    /// its log says.
-    pub async fn wait_killed_at(&mut self, name: &str) {
+    /// Waits until the process died at the failpoint `spec` (`<name>[:<n>]`, as set in
+    /// `HARNESS_FAILPOINT`), as its log says.
+    pub async fn wait_killed_at(&mut self, spec: &str) {
+        let name = spec.split(':').next().unwrap_or(spec);
         wait_for("the failpoint to kill the server", WAIT, || {
             let dead = self.exited();
             async move { dead.then_some(()) }
@@ -222,6 +224,19 @@ impl Server {
             "the process died at the failpoint:\n{}",
             self.log()
         );
+    }
+
+    /// Starts the server again with the failpoint `name` armed, calls `function_id` (its answer
+    /// may never come), waits for the process to die at the failpoint, and starts it again
+    /// disarmed.
+    pub async fn crash_at(&mut self, name: &str, function_id: &str, payload: Value) {
+        self.kill();
+        self.set_env("HARNESS_FAILPOINT", Some(name));
+        self.start_again().await;
+        let _ = self.try_ok(function_id, payload).await;
+        self.wait_killed_at(name).await;
+        self.set_env("HARNESS_FAILPOINT", None);
+        self.start_again().await;
     }
 
     /// Starts the server again after it died on its own.
