@@ -260,14 +260,12 @@ async fn the_data_directory_and_the_configuration_are_refused_even_under_the_roo
 #[tokio::test]
 async fn without_a_stamped_root_nothing_runs_and_unknown_fields_are_refused() {
     let rig = Rig::new();
-    for f in [
-        "fs::read",
-        "fs::list",
-        "fs::search",
-        "fs::write",
-        "fs::edit",
-        "shell::exec",
-    ] {
+    // Every function but `web::fetch`, which reaches no filesystem.
+    for f in harness_tools::FUNCTIONS
+        .iter()
+        .copied()
+        .filter(|f| *f != "web::fetch")
+    {
         let e = rig
             .bus
             .call(f, json!({"path": "a", "pattern": "a", "content": "", "old": "a", "new": "b", "command": "true"}), None)
