@@ -36,6 +36,19 @@ fn decide(a: &Value, decision: &str, reason: Option<&str>) -> Value {
     v
 }
 
+/// A second decision on the approval `a`, either way, is refused: it was already `how`.
+async fn assert_decided_once(rt: &Rt, a: &Value, how: &str) {
+    for decision in ["approve", "deny"] {
+        let again = rt.err("approval::decide", decide(a, decision, None)).await;
+        assert!(
+            again.starts_with(&format!(
+                "harness/invalid_request: approval_id: already decided ({how})"
+            )),
+            "{decision}: {again}"
+        );
+    }
+}
+
 /// Every function_call in the transcript has exactly one function_result.
 fn assert_every_call_closed(rt: &Rt, sid: &str) {
     let entries = rt.entries(sid);
@@ -120,15 +133,7 @@ async fn approving_runs_the_target_once_with_the_exact_arguments_and_the_turn_co
     assert_every_call_closed(&rt, &sid);
 
     // Consumed once: a second decision, either way, is refused.
-    let again = rt
-        .err("approval::decide", decide(&a, "approve", None))
-        .await;
-    assert!(
-        again.starts_with("harness/invalid_request: approval_id: already decided (approved)"),
-        "{again}"
-    );
-    let deny = rt.err("approval::decide", decide(&a, "deny", None)).await;
-    assert!(deny.contains("already decided (approved)"), "{deny}");
+    assert_decided_once(&rt, &a, "approved").await;
     assert_eq!(seen.lock().unwrap().len(), 1);
     assert!(rt.pending(&sid).await.is_empty());
     let stored = rt
@@ -170,13 +175,7 @@ async fn denying_delivers_the_denial_and_never_runs_the_target() {
     assert_eq!(r.details["reason"], "too risky");
     assert_eq!(r.details["approval_id"], a["approval_id"]);
     assert_every_call_closed(&rt, &sid);
-    let again = rt
-        .err("approval::decide", decide(&a, "approve", None))
-        .await;
-    assert!(
-        again.contains("approval_id: already decided (denied)"),
-        "{again}"
-    );
+    assert_decided_once(&rt, &a, "denied").await;
 }
 
 #[tokio::test]

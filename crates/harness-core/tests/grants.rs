@@ -47,6 +47,30 @@ async fn call(rt: &Rt, id: &str, payload: Value) -> Result<Value, String> {
         .map_err(|e| e.to_string())
 }
 
+/// `harness::filesystem::grant` of `path` to `session`, which must succeed.
+async fn grant(rt: &Rt, session: &str, path: &str) -> Value {
+    let payload = json!({"session_id": session, "path": path});
+    call(rt, "harness::filesystem::grant", payload)
+        .await
+        .unwrap()
+}
+
+/// `harness::filesystem::revoke` of `path` from `session`, which must succeed.
+async fn revoke(rt: &Rt, session: &str, path: &str) -> Value {
+    let payload = json!({"session_id": session, "path": path});
+    call(rt, "harness::filesystem::revoke", payload)
+        .await
+        .unwrap()
+}
+
+/// `harness::filesystem::<what>` (`grants`, `info`) of `session`.
+async fn fs_read(rt: &Rt, what: &str, session: &str) -> Value {
+    let id = format!("harness::filesystem::{what}");
+    call(rt, &id, json!({ "session_id": session }))
+        .await
+        .unwrap()
+}
+
 fn real(p: &std::path::Path) -> String {
     std::fs::canonicalize(p).unwrap().display().to_string()
 }
@@ -61,33 +85,15 @@ async fn grant_list_revoke_round_trip_and_refusals() {
     std::fs::create_dir_all(&shared).unwrap();
     rt.harness.set_protected_paths([data.clone()]);
 
-    let g = call(
-        &rt,
-        "harness::filesystem::grant",
-        json!({"session_id": "s1", "path": shared.join(".").display().to_string()}),
-    )
-    .await
-    .unwrap();
+    let g = grant(&rt, "s1", &shared.join(".").display().to_string()).await;
     assert_eq!(g["path"], real(&shared), "kept canonical");
     assert_eq!(g["created"], true);
-    let again = call(
-        &rt,
-        "harness::filesystem::grant",
-        json!({"session_id": "s1", "path": real(&shared)}),
-    )
-    .await
-    .unwrap();
+    let again = grant(&rt, "s1", &real(&shared)).await;
     assert_eq!(
         again["created"], false,
         "a second grant of the same path is a no-op"
     );
-    let list = call(
-        &rt,
-        "harness::filesystem::grants",
-        json!({"session_id": "s1"}),
-    )
-    .await
-    .unwrap();
+    let list = fs_read(&rt, "grants", "s1").await;
     let paths: Vec<&str> = list["grants"]
         .as_array()
         .unwrap()
@@ -95,21 +101,9 @@ async fn grant_list_revoke_round_trip_and_refusals() {
         .map(|g| g["path"].as_str().unwrap())
         .collect();
     assert_eq!(paths, vec![real(&shared).as_str()]);
-    let other = call(
-        &rt,
-        "harness::filesystem::grants",
-        json!({"session_id": "s2"}),
-    )
-    .await
-    .unwrap();
+    let other = fs_read(&rt, "grants", "s2").await;
     assert_eq!(other["grants"], json!([]), "grants are per session");
-    let info = call(
-        &rt,
-        "harness::filesystem::info",
-        json!({"session_id": "s1"}),
-    )
-    .await
-    .unwrap();
+    let info = fs_read(&rt, "info", "s1").await;
     assert_eq!(info["grants"][0]["path"], real(&shared));
     assert!(info["default_root"].is_string(), "{info}");
     let info = call(&rt, "harness::filesystem::info", json!({}))
@@ -164,22 +158,10 @@ async fn grant_list_revoke_round_trip_and_refusals() {
     .unwrap_err();
     assert!(e.contains("force"), "{e}");
 
-    let r = call(
-        &rt,
-        "harness::filesystem::revoke",
-        json!({"session_id": "s1", "path": real(&shared)}),
-    )
-    .await
-    .unwrap();
+    let r = revoke(&rt, "s1", &real(&shared)).await;
     assert_eq!(r["revoked"], true);
     assert_eq!(r["grants"], json!([]));
-    let r = call(
-        &rt,
-        "harness::filesystem::revoke",
-        json!({"session_id": "s1", "path": real(&shared)}),
-    )
-    .await
-    .unwrap();
+    let r = revoke(&rt, "s1", &real(&shared)).await;
     assert_eq!(r["revoked"], false);
     assert_eq!(
         rt.bus
@@ -210,45 +192,21 @@ async fn the_sessions_grants_are_stamped_per_call_and_deleted_with_the_session()
             rt.run(send_in(text, "g1", root_s)).await;
         }
     };
-    call(
-        &rt,
-        "harness::filesystem::grant",
-        json!({"session_id": "g1", "path": shared.path().display().to_string()}),
-    )
-    .await
-    .unwrap();
+    grant(&rt, "g1", &shared.path().display().to_string()).await;
     run("read one").await;
     assert_eq!(
         seen.lock().unwrap()[0]["fs_scope"],
         json!({"root": real(root.path()), "grants": [real(shared.path())], "boundary": "workspace"}),
         "the session's grants, not the model's '/'"
     );
-    let info = call(
-        &rt,
-        "harness::filesystem::info",
-        json!({"session_id": "g1"}),
-    )
-    .await
-    .unwrap();
+    let info = fs_read(&rt, "info", "g1").await;
     assert_eq!(info["root"]["root"], real(root.path()));
 
-    call(
-        &rt,
-        "harness::filesystem::revoke",
-        json!({"session_id": "g1", "path": real(shared.path())}),
-    )
-    .await
-    .unwrap();
+    revoke(&rt, "g1", &real(shared.path())).await;
     run("again").await;
     assert_eq!(seen.lock().unwrap()[1]["fs_scope"]["grants"], json!([]));
 
-    call(
-        &rt,
-        "harness::filesystem::grant",
-        json!({"session_id": "g1", "path": shared.path().display().to_string()}),
-    )
-    .await
-    .unwrap();
+    grant(&rt, "g1", &shared.path().display().to_string()).await;
     rt.delete_tree("g1").await;
     assert_eq!(
         rt.bus

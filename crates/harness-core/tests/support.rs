@@ -13,9 +13,7 @@ use harness_router::scripted::ScriptedProvider;
 use harness_router::Router;
 use harness_session::SessionStore;
 use harness_store::Store;
-use harness_types::api::{
-    ExposeMode, FunctionPolicy, SendOptions, SendRequest, StatusReport, StatusRequest,
-};
+use harness_types::api::{ExposeMode, FunctionPolicy, SendOptions, SendRequest, StatusReport};
 use harness_types::session::Entry;
 use serde_json::{json, Value};
 
@@ -183,13 +181,7 @@ impl Rt {
     }
 
     pub async fn status(&self, session_id: &str) -> Option<StatusReport> {
-        self.harness
-            .status(StatusRequest {
-                session_id: session_id.into(),
-                verbose: None,
-            })
-            .await
-            .unwrap()
+        embedded::status(&self.harness, session_id).await
     }
 
     /// Waits (with a deadline) until the session's turn `turn_id` is terminal.

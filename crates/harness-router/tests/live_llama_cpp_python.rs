@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::embedded::{config, embedded, start_loop};
-use common::llamacpp_send;
+use common::{llamacpp_send, replies};
 use harness_bus::{CallContext, FunctionDef};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{HttpOptions, ProviderConfig, ProviderKind};
@@ -262,25 +262,12 @@ fn error_detail(rt: &Rt, session: &str) -> Option<String> {
         .map(|c| format!("{} {}", c.data["summary"], c.data["detail"]))
 }
 
-/// The assistant messages of a session.
-fn replies(rt: &Rt, session: &str) -> Vec<harness_types::message::AssistantMessage> {
-    rt.sessions
-        .all_entries(session, false)
-        .unwrap()
-        .into_iter()
-        .filter_map(|e| match e.message {
-            Some(AgentMessage::Assistant(a)) => Some(a),
-            _ => None,
-        })
-        .collect()
-}
-
 /// No reply is stored as a normal end when it is empty, and a stream the server cut is kept
 /// as an error (the transcript does not keep the server's finish reason, so what ended `end`
 /// is checked for content). Returns how many replies were cut.
 fn assert_no_cut_reply_marked_end(rt: &Rt, session: &str) -> usize {
     let mut cut = 0;
-    for a in replies(rt, session) {
+    for a in replies(&rt.sessions, session) {
         match a.stop_reason {
             StopReason::End | StopReason::Length => assert!(
                 !harness_types::message::joined_text(&a.content)
@@ -337,7 +324,7 @@ async fn a_real_llama_cpp_python_server() {
     let (sid, tid) = send(&rt, None, "Say hello in five words.", 48).await;
     let s = wait(&rt, &sid, &tid, long).await;
     assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
-    let first = replies(&rt, &sid).pop().unwrap();
+    let first = replies(&rt.sessions, &sid).pop().unwrap();
     assert!(!harness_types::message::joined_text(&first.content)
         .trim()
         .is_empty());
@@ -357,7 +344,7 @@ async fn a_real_llama_cpp_python_server() {
     let (_, tid2) = send(&rt, Some(&sid), "And now say goodbye.", 48).await;
     let s = wait(&rt, &sid, &tid2, long).await;
     assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
-    assert_eq!(replies(&rt, &sid).len(), 2);
+    assert_eq!(replies(&rt.sessions, &sid).len(), 2);
     assert_no_cut_reply_marked_end(&rt, &sid);
     say("multi-turn: second turn completed with the history");
 
@@ -431,7 +418,7 @@ async fn a_real_llama_cpp_python_server() {
             "concurrent session {sid}: {:?} after {} resume(s), {cut} cut repl(ies) kept as errors, replies {:?}, error {:?}",
             s.status,
             s.transient_resumes,
-            replies(&rt, sid)
+            replies(&rt.sessions, sid)
                 .iter()
                 .map(|r| (r.stop_reason, r.error_message.clone()))
                 .collect::<Vec<_>>(),
@@ -452,7 +439,7 @@ async fn a_real_llama_cpp_python_server() {
             say(&format!(
                 "concurrent session {sid} on a queueing server: {:?}, replies {:?}",
                 s.status,
-                replies(&rt, sid)
+                replies(&rt.sessions, sid)
                     .iter()
                     .map(|r| r.stop_reason)
                     .collect::<Vec<_>>()
@@ -489,7 +476,7 @@ async fn a_real_llama_cpp_python_server() {
         "{s:?} {:?}",
         error_detail(&rt, &d)
     );
-    let hi = replies(&rt, &d).pop().unwrap();
+    let hi = replies(&rt.sessions, &d).pop().unwrap();
     say(&format!(
         "then \"Say hi.\": completed, stop {:?}, text {:?}",
         hi.stop_reason,
@@ -530,7 +517,7 @@ async fn a_real_llama_cpp_python_server() {
     );
     say(&format!(
         "output contract: completed after {} generation(s), result {value}",
-        replies(&rt, &c).len()
+        replies(&rt.sessions, &c).len()
     ));
 
     // 7. Counting with the server's tokenizer: what llama-cpp-python says, not an estimate.
@@ -550,7 +537,7 @@ async fn a_real_llama_cpp_python_server() {
     // 8. The server killed mid-stream: the turn does not complete with the cut reply.
     let (k, tk) = send(&rt, None, "Count from 1 to 300, one number per line.", 400).await;
     let deadline = Instant::now() + long;
-    while replies(&rt, &k)
+    while replies(&rt.sessions, &k)
         .last()
         .is_none_or(|r| harness_types::message::joined_text(&r.content).len() < 10)
     {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::embedded::{config, embedded, start_loop, wait_turn_end};
 use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
-use common::{chat, http, llamacpp_send, request, user, Run};
+use common::{chat, http, llamacpp_send, replies, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{ProviderConfig, ProviderKind, Tokenize, WirePatch};
 use harness_router::Router;
@@ -48,19 +48,6 @@ fn llamacpp_with(url: &str, edit: impl FnOnce(&mut ProviderConfig)) -> Router {
 /// The `llamacpp` provider at `url` that never asks the server to count tokens.
 fn uncounted(url: &str) -> Router {
     llamacpp_with(url, |cfg| cfg.wire.tokenize = Tokenize::None)
-}
-
-/// The assistant messages of a session, oldest first.
-fn replies(sessions: &SessionStore, session_id: &str) -> Vec<AssistantMessage> {
-    sessions
-        .all_entries(session_id, false)
-        .unwrap()
-        .into_iter()
-        .filter_map(|e| match e.message {
-            Some(AgentMessage::Assistant(a)) => Some(a),
-            _ => None,
-        })
-        .collect()
 }
 
 fn add_tool() -> ToolSpec {

@@ -12,7 +12,7 @@ use harness_core::{Harness, HarnessConfig};
 use harness_router::Router;
 use harness_session::SessionStore;
 use harness_store::Store;
-use harness_types::api::{StatusReport, StatusRequest, TurnStatus};
+use harness_types::api::{StatusReport, TurnStatus};
 use harness_types::message::FunctionResultMessage;
 use harness_types::session::Entry;
 use harness_types::AgentMessage;
@@ -152,13 +152,7 @@ impl Rt {
     }
 
     pub async fn status(&self, session_id: &str) -> Option<StatusReport> {
-        self.harness
-            .status(StatusRequest {
-                session_id: session_id.into(),
-                verbose: None,
-            })
-            .await
-            .unwrap()
+        embedded::status(&self.harness, session_id).await
     }
 
     /// Polls (with a deadline) until the session's turn reaches `status`.

@@ -72,17 +72,22 @@ pub async fn start_loop(shared: Arc<dyn Bus>, config: HarnessConfig) -> Harness 
     harness
 }
 
+/// `harness::status` of the session; `None` before its first turn.
+pub async fn status(harness: &Harness, session_id: &str) -> Option<StatusReport> {
+    harness
+        .status(StatusRequest {
+            session_id: session_id.into(),
+            verbose: None,
+        })
+        .await
+        .unwrap()
+}
+
 /// Polls `harness::status` until turn `turn_id` of `session_id` is terminal (30 s at most).
 pub async fn wait_turn_end(harness: &Harness, session_id: &str, turn_id: &str) -> StatusReport {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let s = harness
-            .status(StatusRequest {
-                session_id: session_id.into(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
+        let s = status(harness, session_id).await;
         if let Some(s) =
             s.filter(|s| s.turn_id.as_deref() == Some(turn_id) && s.status.is_terminal())
         {

@@ -370,6 +370,22 @@ pub fn llamacpp_send(
     }
 }
 
+/// The assistant messages of a session, oldest first.
+pub fn replies(
+    sessions: &harness_session::SessionStore,
+    session_id: &str,
+) -> Vec<AssistantMessage> {
+    sessions
+        .all_entries(session_id, false)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.message {
+            Some(AgentMessage::Assistant(a)) => Some(a),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Runs one generation and collects every frame.
 pub async fn chat(router: &Router, req: ChatRequest) -> Run {
     let (tx, mut rx) = mpsc::unbounded_channel();
