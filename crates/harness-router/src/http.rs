@@ -49,6 +49,8 @@ pub(crate) trait Decoder: Send {
 
 /// Connection settings shared by a provider's requests.
 pub(crate) struct Transport {
+    /// The provider id the requests go out for.
+    pub provider: String,
     pub client: reqwest::Client,
     pub policy: RetryPolicy,
     /// No byte for this long mid-stream = a stalled stream (transient).

@@ -22,10 +22,13 @@ use harness_types::router::{ChatAck, ChatRequest, Frame};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{classify_stream, parse_error_body, ProviderError};
-use crate::http::{run, Decoder, Flow, Transport};
+use crate::error::ProviderError;
+use crate::http::{Decoder, Flow, Transport};
 use crate::names::{self, ToolNames};
-use crate::providers::wire::{args_object, max_output, merge_options, namespaced, transport};
+use crate::providers::wire::{
+    args_object, collision, malformed, mapped_tools, max_output, merge_options, namespaced,
+    transport, Built, Call,
+};
 use crate::providers::{ProviderConfig, Secret};
 use crate::router::{ChatContext, FrameWriter, Provider};
 use crate::sse::SseEvent;
@@ -73,22 +76,13 @@ impl AnthropicProvider {
     }
 
     /// The request body, the name table for mapping tool names back, and warnings.
-    pub fn body(
-        &self,
-        req: &ChatRequest,
-        ctx: &ChatContext,
-    ) -> Result<(Value, ToolNames, Vec<String>), ProviderError> {
-        let mut names = ToolNames::default();
+    pub fn body(&self, req: &ChatRequest, ctx: &ChatContext) -> Built {
+        let (mut names, tools) = mapped_tools(
+            req,
+            |name, schema| json!({"name": name, "input_schema": schema}),
+            |tool| tool,
+        )?;
         let mut warnings = Vec::new();
-        let collision = super::wire::collision;
-        let mut tools = Vec::new();
-        for (name, schema, description) in super::wire::mapped_tools(req, &mut names)? {
-            let mut tool = json!({"name": name, "input_schema": schema});
-            if let Some(d) = description {
-                tool["description"] = json!(d);
-            }
-            tools.push(tool);
-        }
         let messages = self
             .messages(&req.messages, &mut names)
             .map_err(collision)?;
@@ -292,14 +286,11 @@ enum Block {
 }
 
 struct AnthropicDecoder {
-    names: ToolNames,
-    secrets: Vec<String>,
+    call: Call,
     blocks: HashMap<u64, Block>,
     signature: String,
     usage: Usage,
     stop: Option<String>,
-    model: String,
-    provider: String,
 }
 
 fn update_usage(u: &mut Usage, v: &Value) {
@@ -318,13 +309,9 @@ fn update_usage(u: &mut Usage, v: &Value) {
     }
 }
 
-fn malformed(what: &str, data: &str) -> ProviderError {
-    let cut: String = data.chars().take(200).collect();
-    ProviderError::new(
-        harness_types::ErrorKind::Transient,
-        format!("malformed {what} event from the provider: {cut}"),
-    )
-    .with_code("malformed_stream")
+/// A malformed event of type `kind`.
+fn malformed_event(kind: &str, data: &str) -> ProviderError {
+    malformed(&format!("{kind} event"), data)
 }
 
 impl Decoder for AnthropicDecoder {
@@ -334,7 +321,8 @@ impl Decoder for AnthropicDecoder {
             out.send(Frame::Ping);
             return Ok(Flow::Continue);
         }
-        let v: Value = serde_json::from_str(&ev.data).map_err(|_| malformed(kind, &ev.data))?;
+        let v: Value =
+            serde_json::from_str(&ev.data).map_err(|_| malformed_event(kind, &ev.data))?;
         let kind = if kind.is_empty() || kind == "message" {
             v["type"].as_str().unwrap_or("")
         } else {
@@ -343,10 +331,7 @@ impl Decoder for AnthropicDecoder {
         let index = v["index"].as_u64().unwrap_or(0);
         match kind {
             "message_start" => {
-                out.send(Frame::Start {
-                    model: Some(self.model.clone()),
-                    provider: Some(self.provider.clone()),
-                });
+                out.send(self.call.start());
                 update_usage(&mut self.usage, &v["message"]["usage"]);
                 out.send(Frame::Usage {
                     usage: self.usage.clone(),
@@ -382,10 +367,10 @@ impl Decoder for AnthropicDecoder {
                     "tool_use" => {
                         let name = cb["name"]
                             .as_str()
-                            .ok_or_else(|| malformed(kind, &ev.data))?;
+                            .ok_or_else(|| malformed_event(kind, &ev.data))?;
                         out.send(Frame::FunctionCallStart {
                             id: cb["id"].as_str().unwrap_or("").to_string(),
-                            function_id: self.names.id_of(name),
+                            function_id: self.call.names.id_of(name),
                         });
                         if let Some(input) = cb["input"].as_object().filter(|o| !o.is_empty()) {
                             out.send(Frame::FunctionCallDelta {
@@ -403,17 +388,17 @@ impl Decoder for AnthropicDecoder {
                 let text = |k: &str| d[k].as_str().map(str::to_string);
                 match d["type"].as_str().unwrap_or("") {
                     "text_delta" => out.send(Frame::TextDelta {
-                        delta: text("text").ok_or_else(|| malformed(kind, &ev.data))?,
+                        delta: text("text").ok_or_else(|| malformed_event(kind, &ev.data))?,
                     }),
                     "thinking_delta" => out.send(Frame::ThinkingDelta {
-                        delta: text("thinking").ok_or_else(|| malformed(kind, &ev.data))?,
+                        delta: text("thinking").ok_or_else(|| malformed_event(kind, &ev.data))?,
                     }),
                     "signature_delta" => self
                         .signature
                         .push_str(d["signature"].as_str().unwrap_or("")),
                     "input_json_delta" => {
                         let piece =
-                            text("partial_json").ok_or_else(|| malformed(kind, &ev.data))?;
+                            text("partial_json").ok_or_else(|| malformed_event(kind, &ev.data))?;
                         if !piece.is_empty() {
                             out.send(Frame::FunctionCallDelta { delta: piece });
                         }
@@ -440,7 +425,7 @@ impl Decoder for AnthropicDecoder {
                 });
             }
             "message_stop" => return Ok(Flow::End),
-            "error" => return Err(classify_stream(&parse_error_body(&v), &self.secrets)),
+            "error" => return Err(self.call.error(&v)),
             _ => {}
         }
         Ok(Flow::Continue)
@@ -462,60 +447,39 @@ impl Provider for AnthropicProvider {
         &self.id
     }
 
-    async fn chat(
-        &self,
-        req: ChatRequest,
-        mut out: FrameWriter,
-        cancel: CancellationToken,
-    ) -> ChatAck {
-        let (body, names, warnings) = match self.body(&req, out.context()) {
-            Ok(b) => b,
-            Err(e) => return out.fail(&e),
-        };
-        for w in warnings {
-            out.warn(w);
-        }
-        let Some(key) = self.key.clone() else {
-            return out.fail(
-                &ProviderError::new(
+    async fn chat(&self, req: ChatRequest, out: FrameWriter, cancel: CancellationToken) -> ChatAck {
+        let built = self.body(&req, out.context());
+        let request = |body: &Value| {
+            let Some(key) = self.key.clone() else {
+                return Err(ProviderError::new(
                     harness_types::ErrorKind::AuthExpired,
                     "no API key configured: set ANTHROPIC_API_KEY",
                 )
-                .with_code("missing_credentials"),
-            );
+                .with_code("missing_credentials"));
+            };
+            let bytes = Bytes::from(body.to_string());
+            let client = self.transport.client.clone();
+            let url = self.url.clone();
+            Ok(move || {
+                client
+                    .post(&url)
+                    .header("x-api-key", key.expose())
+                    .header("anthropic-version", ANTHROPIC_VERSION)
+                    .header("content-type", "application/json")
+                    .header("accept", "text/event-stream")
+                    .body(bytes.clone())
+            })
         };
-        let bytes = Bytes::from(body.to_string());
-        let client = self.transport.client.clone();
-        let url = self.url.clone();
-        let request = move || {
-            client
-                .post(&url)
-                .header("x-api-key", key.expose())
-                .header("anthropic-version", ANTHROPIC_VERSION)
-                .header("content-type", "application/json")
-                .header("accept", "text/event-stream")
-                .body(bytes.clone())
+        let decoder = |call| AnthropicDecoder {
+            call,
+            blocks: HashMap::new(),
+            signature: String::new(),
+            usage: Usage::default(),
+            stop: None,
         };
-        let secrets = self.transport.secrets.clone();
-        let provider = self.id.clone();
-        let model = req.model.clone();
-        run(
-            &self.transport,
-            &request,
-            || AnthropicDecoder {
-                names: names.clone(),
-                secrets: secrets.clone(),
-                blocks: HashMap::new(),
-                signature: String::new(),
-                usage: Usage::default(),
-                stop: None,
-                model: model.clone(),
-                provider: provider.clone(),
-            },
-            out,
-            cancel,
-        )
-        .await
+        self.transport
+            .stream(&req.model, built, out, cancel, request, decoder)
+            .await
     }
 
     fn describe(&self) -> Value {

@@ -20,11 +20,12 @@ use harness_types::router::{ChatAck, ChatRequest, Frame};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{classify_http, classify_stream, parse_error_body, ProviderError};
-use crate::http::{run, transport_error, Decoder, Flow, Transport};
+use crate::error::{classify_http, ProviderError};
+use crate::http::{transport_error, Decoder, Flow, Transport};
 use crate::names::ToolNames;
 use crate::providers::wire::{
-    args_object, data_url, max_output, merge_options, namespaced, result_text, transport,
+    args_object, collision, data_url, malformed, mapped_tools, max_output, merge_options,
+    namespaced, prompt_cache_key, result_text, transport, Built, Call,
 };
 use crate::providers::{
     JsonSchemaForm, ProviderConfig, ProviderKind, Secret, Tokenize, ToolChoice, WireCaps,
@@ -65,23 +66,14 @@ impl OpenAiChatProvider {
     }
 
     /// The request body and the name table for mapping tool names back.
-    pub fn body(
-        &self,
-        req: &ChatRequest,
-        ctx: &ChatContext,
-    ) -> Result<(Value, ToolNames, Vec<String>), ProviderError> {
-        let mut names = ToolNames::default();
-        let mut warnings = Vec::new();
+    pub fn body(&self, req: &ChatRequest, ctx: &ChatContext) -> Built {
         let wire = self.wire(ctx);
-        let collision = super::wire::collision;
-        let mut tools = Vec::new();
-        for (name, schema, description) in super::wire::mapped_tools(req, &mut names)? {
-            let mut f = json!({"name": name, "parameters": schema});
-            if let Some(d) = description {
-                f["description"] = json!(d);
-            }
-            tools.push(json!({"type": "function", "function": f}));
-        }
+        let (mut names, tools) = mapped_tools(
+            req,
+            |name, schema| json!({"type": "function", "function": {"name": name, "parameters": schema}}),
+            |tool| &mut tool["function"],
+        )?;
+        let mut warnings = Vec::new();
         let mut messages = Vec::new();
         if let Some(s) = req.system_prompt.as_deref().filter(|s| !s.is_empty()) {
             messages.push(json!({"role": "system", "content": s}));
@@ -171,12 +163,7 @@ impl OpenAiChatProvider {
             if req.max_output_tokens.is_some() {
                 body["max_completion_tokens"] = json!(max_output(req, ctx, 0));
             }
-            if let Some(d) = ctx
-                .extras
-                .cache_intent
-                .as_ref()
-                .and_then(|c| c.surface_digest.as_ref())
-            {
+            if let Some(d) = prompt_cache_key(ctx) {
                 body["prompt_cache_key"] = json!(d);
             }
         } else {
@@ -287,16 +274,13 @@ enum Open {
 }
 
 struct ChatDecoder {
-    names: ToolNames,
-    secrets: Vec<String>,
+    call: Call,
     open: Open,
     calls: u32,
     finish: Option<String>,
     started: bool,
     /// A text, thinking or call frame was sent.
     emitted: bool,
-    model: String,
-    provider: String,
     request_id: String,
 }
 
@@ -338,15 +322,6 @@ pub(crate) fn openai_usage(u: &Value, input_key: &str, output_key: &str) -> Usag
     }
 }
 
-fn malformed(data: &str) -> ProviderError {
-    let cut: String = data.chars().take(200).collect();
-    ProviderError::new(
-        harness_types::ErrorKind::Transient,
-        format!("malformed chunk from the provider: {cut}"),
-    )
-    .with_code("malformed_stream")
-}
-
 impl Decoder for ChatDecoder {
     fn event(&mut self, ev: &SseEvent, out: &mut FrameWriter) -> Result<Flow, ProviderError> {
         let data = ev.data.trim();
@@ -369,9 +344,9 @@ impl Decoder for ChatDecoder {
         if data.is_empty() {
             return Ok(Flow::Continue);
         }
-        let v: Value = serde_json::from_str(data).map_err(|_| malformed(data))?;
+        let v: Value = serde_json::from_str(data).map_err(|_| malformed("chunk", data))?;
         if v.get("error").is_some_and(|e| !e.is_null()) || ev.event == "error" {
-            return Err(classify_stream(&parse_error_body(&v), &self.secrets));
+            return Err(self.call.error(&v));
         }
         self.chunk(&v, out)?;
         Ok(Flow::Continue)
@@ -440,10 +415,7 @@ impl ChatDecoder {
     fn chunk(&mut self, v: &Value, out: &mut FrameWriter) -> Result<(), ProviderError> {
         if !self.started {
             self.started = true;
-            out.send(Frame::Start {
-                model: Some(self.model.clone()),
-                provider: Some(self.provider.clone()),
-            });
+            out.send(self.call.start());
         }
         if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
             let usage = openai_usage(u, "prompt_tokens", "completion_tokens");
@@ -490,7 +462,7 @@ impl ChatDecoder {
                         .unwrap_or_else(|| format!("call_{}_{}", self.request_id, self.calls));
                     out.send(Frame::FunctionCallStart {
                         id,
-                        function_id: self.names.id_of(name),
+                        function_id: self.call.names.id_of(name),
                     });
                     self.emitted = true;
                     self.open = Open::Call(index);
@@ -520,52 +492,27 @@ impl Provider for OpenAiChatProvider {
         &self.id
     }
 
-    async fn chat(
-        &self,
-        req: ChatRequest,
-        mut out: FrameWriter,
-        cancel: CancellationToken,
-    ) -> ChatAck {
-        let (body, names, warnings) = match self.body(&req, out.context()) {
-            Ok(b) => b,
-            Err(e) => return out.fail(&e),
-        };
-        for w in warnings {
-            out.warn(w);
-        }
-        let request = super::wire::bearer_sse_post(
-            self.transport.client.clone(),
-            format!("{}/chat/completions", self.base_url),
-            &body,
-            self.key.clone(),
-        );
-        let secrets = self.transport.secrets.clone();
-        let provider = self.id.clone();
-        let model = req.model.clone();
+    async fn chat(&self, req: ChatRequest, out: FrameWriter, cancel: CancellationToken) -> ChatAck {
+        let built = self.body(&req, out.context());
+        let url = format!("{}/chat/completions", self.base_url);
+        let request = |body: &Value| Ok(self.transport.bearer_sse_post(url, body, &self.key));
         let request_id: String = req
             .request_id
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
             .collect();
-        run(
-            &self.transport,
-            &request,
-            || ChatDecoder {
-                names: names.clone(),
-                secrets: secrets.clone(),
-                open: Open::None,
-                calls: 0,
-                finish: None,
-                started: false,
-                emitted: false,
-                model: model.clone(),
-                provider: provider.clone(),
-                request_id: request_id.clone(),
-            },
-            out,
-            cancel,
-        )
-        .await
+        let decoder = |call| ChatDecoder {
+            call,
+            open: Open::None,
+            calls: 0,
+            finish: None,
+            started: false,
+            emitted: false,
+            request_id: request_id.clone(),
+        };
+        self.transport
+            .stream(&req.model, built, out, cancel, request, decoder)
+            .await
     }
 
     /// Compatible servers list their models at `GET {base}/models`.
@@ -592,7 +539,7 @@ impl Provider for OpenAiChatProvider {
         if !(200..300).contains(&status) {
             return Err(hinted(classify_http(status, &text, None, None, &t.secrets)));
         }
-        let v: Value = serde_json::from_str(&text).map_err(|_| malformed(&text))?;
+        let v: Value = serde_json::from_str(&text).map_err(|_| malformed("chunk", &text))?;
         let ids = v["data"]
             .as_array()
             .or_else(|| v["models"].as_array())

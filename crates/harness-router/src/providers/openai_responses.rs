@@ -23,11 +23,11 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{classify_stream, parse_error_body, ProviderError};
-use crate::http::{run, Decoder, Flow, Transport};
-use crate::names::ToolNames;
+use crate::http::{Decoder, Flow, Transport};
 use crate::providers::openai_chat::{openai_usage, reasoning_effort};
 use crate::providers::wire::{
-    args_object, data_url, max_output, merge_options, namespaced, result_text, transport,
+    args_object, collision, data_url, malformed, mapped_tools, max_output, merge_options,
+    namespaced, prompt_cache_key, result_text, transport, Built, Call,
 };
 use crate::providers::{ProviderConfig, Secret};
 use crate::router::{ChatContext, FrameWriter, Provider};
@@ -57,23 +57,17 @@ impl OpenAiResponsesProvider {
     }
 
     /// The request body and the name table for mapping tool names back.
-    pub fn body(
-        &self,
-        req: &ChatRequest,
-        ctx: &ChatContext,
-    ) -> Result<(Value, ToolNames, Vec<String>), ProviderError> {
-        let mut names = ToolNames::default();
+    pub fn body(&self, req: &ChatRequest, ctx: &ChatContext) -> Built {
+        let shape = |name, schema| {
+            json!({
+                "type": "function",
+                "name": name,
+                "parameters": schema,
+                "strict": false,
+            })
+        };
+        let (mut names, tools) = mapped_tools(req, shape, |tool| tool)?;
         let mut warnings = Vec::new();
-        let collision = super::wire::collision;
-        let mut tools = Vec::new();
-        for (name, schema, description) in super::wire::mapped_tools(req, &mut names)? {
-            let mut tool =
-                json!({"type": "function", "name": name, "parameters": schema, "strict": false});
-            if let Some(d) = description {
-                tool["description"] = json!(d);
-            }
-            tools.push(tool);
-        }
         let mut input = Vec::new();
         for m in req.messages.iter() {
             match m {
@@ -170,12 +164,7 @@ impl OpenAiResponsesProvider {
         if reasons {
             body["include"] = json!(["reasoning.encrypted_content"]);
         }
-        if let Some(d) = ctx
-            .extras
-            .cache_intent
-            .as_ref()
-            .and_then(|c| c.surface_digest.as_ref())
-        {
+        if let Some(d) = prompt_cache_key(ctx) {
             body["prompt_cache_key"] = json!(d);
         }
         if let Some(rf) = req
@@ -214,8 +203,7 @@ enum Open {
 }
 
 struct ResponsesDecoder {
-    names: ToolNames,
-    secrets: Vec<String>,
+    call: Call,
     open: Open,
     /// Arguments were streamed for the open call (else `output_item.done` carries them).
     call_args_streamed: bool,
@@ -223,8 +211,6 @@ struct ResponsesDecoder {
     summary_parts: u32,
     calls: u32,
     stop: Option<(StopReason, Option<String>)>,
-    model: String,
-    provider: String,
 }
 
 impl ResponsesDecoder {
@@ -264,25 +250,13 @@ impl ResponsesDecoder {
     }
 }
 
-fn malformed(data: &str) -> ProviderError {
-    let cut: String = data.chars().take(200).collect();
-    ProviderError::new(
-        harness_types::ErrorKind::Transient,
-        format!("malformed event from the provider: {cut}"),
-    )
-    .with_code("malformed_stream")
-}
-
 impl Decoder for ResponsesDecoder {
     fn event(&mut self, ev: &SseEvent, out: &mut FrameWriter) -> Result<Flow, ProviderError> {
-        let v: Value = serde_json::from_str(&ev.data).map_err(|_| malformed(&ev.data))?;
+        let v: Value = serde_json::from_str(&ev.data).map_err(|_| malformed("event", &ev.data))?;
         let kind = v["type"].as_str().unwrap_or(ev.event.as_str()).to_string();
         let text = |k: &str| v[k].as_str().map(str::to_string);
         match kind.as_str() {
-            "response.created" => out.send(Frame::Start {
-                model: Some(self.model.clone()),
-                provider: Some(self.provider.clone()),
-            }),
+            "response.created" => out.send(self.call.start()),
             "response.output_item.added" => {
                 let item = &v["item"];
                 match item["type"].as_str().unwrap_or("") {
@@ -296,7 +270,7 @@ impl Decoder for ResponsesDecoder {
                                 .or_else(|| item["id"].as_str())
                                 .unwrap_or("")
                                 .to_string(),
-                            function_id: self.names.id_of(name),
+                            function_id: self.call.names.id_of(name),
                         });
                         self.open = Open::Call;
                         self.call_args_streamed = false;
@@ -306,7 +280,7 @@ impl Decoder for ResponsesDecoder {
                 }
             }
             "response.output_text.delta" | "response.refusal.delta" => {
-                let delta = text("delta").ok_or_else(|| malformed(&ev.data))?;
+                let delta = text("delta").ok_or_else(|| malformed("event", &ev.data))?;
                 self.ensure_text(out);
                 out.send(Frame::TextDelta { delta });
             }
@@ -320,12 +294,12 @@ impl Decoder for ResponsesDecoder {
                 self.summary_parts += 1;
             }
             "response.reasoning_summary_text.delta" | "response.reasoning_text.delta" => {
-                let delta = text("delta").ok_or_else(|| malformed(&ev.data))?;
+                let delta = text("delta").ok_or_else(|| malformed("event", &ev.data))?;
                 self.ensure_thinking(out);
                 out.send(Frame::ThinkingDelta { delta });
             }
             "response.function_call_arguments.delta" => {
-                let delta = text("delta").ok_or_else(|| malformed(&ev.data))?;
+                let delta = text("delta").ok_or_else(|| malformed("event", &ev.data))?;
                 if self.open == Open::Call && !delta.is_empty() {
                     self.call_args_streamed = true;
                     out.send(Frame::FunctionCallDelta { delta });
@@ -380,9 +354,9 @@ impl Decoder for ResponsesDecoder {
             "response.failed" => {
                 let r = &v["response"];
                 let body = parse_error_body(r.get("error").map_or(r, |e| e));
-                return Err(classify_stream(&body, &self.secrets));
+                return Err(classify_stream(&body, &self.call.secrets));
             }
-            "error" => return Err(classify_stream(&parse_error_body(&v), &self.secrets)),
+            "error" => return Err(self.call.error(&v)),
             _ => {}
         }
         Ok(Flow::Continue)
@@ -400,46 +374,21 @@ impl Provider for OpenAiResponsesProvider {
         &self.id
     }
 
-    async fn chat(
-        &self,
-        req: ChatRequest,
-        mut out: FrameWriter,
-        cancel: CancellationToken,
-    ) -> ChatAck {
-        let (body, names, warnings) = match self.body(&req, out.context()) {
-            Ok(b) => b,
-            Err(e) => return out.fail(&e),
+    async fn chat(&self, req: ChatRequest, out: FrameWriter, cancel: CancellationToken) -> ChatAck {
+        let built = self.body(&req, out.context());
+        let url = format!("{}/responses", self.base_url);
+        let request = |body: &Value| Ok(self.transport.bearer_sse_post(url, body, &self.key));
+        let decoder = |call| ResponsesDecoder {
+            call,
+            open: Open::None,
+            call_args_streamed: false,
+            summary_parts: 0,
+            calls: 0,
+            stop: None,
         };
-        for w in warnings {
-            out.warn(w);
-        }
-        let request = super::wire::bearer_sse_post(
-            self.transport.client.clone(),
-            format!("{}/responses", self.base_url),
-            &body,
-            self.key.clone(),
-        );
-        let secrets = self.transport.secrets.clone();
-        let provider = self.id.clone();
-        let model = req.model.clone();
-        run(
-            &self.transport,
-            &request,
-            || ResponsesDecoder {
-                names: names.clone(),
-                secrets: secrets.clone(),
-                open: Open::None,
-                call_args_streamed: false,
-                summary_parts: 0,
-                calls: 0,
-                stop: None,
-                model: model.clone(),
-                provider: provider.clone(),
-            },
-            out,
-            cancel,
-        )
-        .await
+        self.transport
+            .stream(&req.model, built, out, cancel, request, decoder)
+            .await
     }
 
     fn describe(&self) -> Value {

@@ -1,60 +1,158 @@
 //! Small pieces every adapter needs when it builds a request.
 
 use harness_types::message::ContentBlock;
-use harness_types::router::ChatRequest;
-use serde_json::{Map, Value};
+use harness_types::router::{ChatAck, ChatRequest, Frame};
+use serde_json::{json, Map, Value};
+use tokio_util::sync::CancellationToken;
 
-use crate::http::{client, Transport};
+use crate::error::{classify_stream, parse_error_body, ProviderError};
+use crate::http::{client, run, Decoder, Transport};
+use crate::names::ToolNames;
 use crate::providers::{is_loopback, ProviderConfig};
-use crate::router::ChatContext;
+use crate::router::{ChatContext, FrameWriter};
 
-/// The transport of a provider: one pooled client, its retry policy, its key as a secret.
-/// The request of an OpenAI-style streaming call: a JSON POST asking for an event stream, with
-/// the key (if any) as a bearer token. A closure, because the driver sends it again on a retry.
-pub(crate) fn bearer_sse_post(
-    client: reqwest::Client,
-    url: String,
-    body: &Value,
-    key: Option<crate::providers::Secret>,
-) -> impl Fn() -> reqwest::RequestBuilder {
-    let bytes = bytes::Bytes::from(body.to_string());
-    move || {
-        let rb = client
-            .post(&url)
-            .header("content-type", "application/json")
-            .header("accept", "text/event-stream")
-            .body(bytes.clone());
-        match &key {
-            Some(k) => rb.bearer_auth(k.expose()),
-            None => rb,
+/// What an adapter's `body` answers: the request body, the name table for mapping tool names
+/// back, and warnings for the caller.
+pub(crate) type Built = Result<(Value, ToolNames, Vec<String>), ProviderError>;
+
+/// What a stream decoder knows of its call besides the events: the name table, the secrets an
+/// in-stream error is scrubbed of, and the model and provider its start frame names.
+#[derive(Clone)]
+pub(crate) struct Call {
+    pub(crate) names: ToolNames,
+    pub(crate) secrets: Vec<String>,
+    pub(crate) model: String,
+    pub(crate) provider: String,
+}
+
+impl Call {
+    pub(crate) fn start(&self) -> Frame {
+        Frame::Start {
+            model: Some(self.model.clone()),
+            provider: Some(self.provider.clone()),
+        }
+    }
+
+    /// An error event of the stream (its JSON `v`), classified and scrubbed.
+    pub(crate) fn error(&self, v: &Value) -> ProviderError {
+        classify_stream(&parse_error_body(v), &self.secrets)
+    }
+}
+
+/// A stream event that does not parse as the API promises (`what`: the API's word for it).
+/// Transient: the next attempt usually reads a whole one.
+pub(crate) fn malformed(what: &str, data: &str) -> ProviderError {
+    let cut: String = data.chars().take(200).collect();
+    ProviderError::new(
+        harness_types::ErrorKind::Transient,
+        format!("malformed {what} from the provider: {cut}"),
+    )
+    .with_code("malformed_stream")
+}
+
+impl Transport {
+    /// One streamed call of this provider: a body that could not be built fails the call;
+    /// else its warnings go out first, then `request` (which may still refuse, e.g. without a
+    /// key) is sent and retried by [`run`], every attempt with a fresh decoder from `decoder`.
+    pub(crate) async fn stream<D, R>(
+        &self,
+        model: &str,
+        built: Built,
+        mut out: FrameWriter,
+        cancel: CancellationToken,
+        request: impl FnOnce(&Value) -> Result<R, ProviderError>,
+        decoder: impl Fn(Call) -> D,
+    ) -> ChatAck
+    where
+        D: Decoder,
+        R: Fn() -> reqwest::RequestBuilder + Send + Sync,
+    {
+        let (body, names, warnings) = match built {
+            Ok(b) => b,
+            Err(e) => return out.fail(&e),
+        };
+        for w in warnings {
+            out.warn(w);
+        }
+        let request = match request(&body) {
+            Ok(r) => r,
+            Err(e) => return out.fail(&e),
+        };
+        let call = Call {
+            names,
+            secrets: self.secrets.clone(),
+            model: model.to_string(),
+            provider: self.provider.clone(),
+        };
+        run(self, &request, || decoder(call.clone()), out, cancel).await
+    }
+
+    /// The request of an OpenAI-style streaming call: a JSON POST asking for an event stream,
+    /// with the key (if any) as a bearer token. A closure, because [`run`] sends it again on a
+    /// retry.
+    pub(crate) fn bearer_sse_post(
+        &self,
+        url: String,
+        body: &Value,
+        key: &Option<crate::providers::Secret>,
+    ) -> impl Fn() -> reqwest::RequestBuilder {
+        let client = self.client.clone();
+        let key = key.clone();
+        let bytes = bytes::Bytes::from(body.to_string());
+        move || {
+            let rb = client
+                .post(&url)
+                .header("content-type", "application/json")
+                .header("accept", "text/event-stream")
+                .body(bytes.clone());
+            match &key {
+                Some(k) => rb.bearer_auth(k.expose()),
+                None => rb,
+            }
         }
     }
 }
 
+/// `prompt_cache_key` for OpenAI: the digest of the stable prompt surface, when the caller
+/// gave one, so requests sharing that prefix land on the same cache.
+pub(crate) fn prompt_cache_key(ctx: &ChatContext) -> Option<&String> {
+    ctx.extras
+        .cache_intent
+        .as_ref()
+        .and_then(|c| c.surface_digest.as_ref())
+}
+
 /// A tool-name collision is the caller's to fix: a permanent failure.
-pub(crate) fn collision(e: crate::names::NameCollision) -> crate::error::ProviderError {
-    crate::error::ProviderError::new(harness_types::ErrorKind::Permanent, e.to_string())
+pub(crate) fn collision(e: crate::names::NameCollision) -> ProviderError {
+    ProviderError::new(harness_types::ErrorKind::Permanent, e.to_string())
         .with_code("tool_name_collision")
 }
 
-/// The request's tools as every API wants them: an API-valid name (recorded in `names`, so a
-/// call maps back to its function id), an object schema, and the description if any.
+/// The request's tools in the API's shape, and the name table that maps a call's name back to
+/// its function id: `shape` makes one of an API-valid name and an object schema; the
+/// description, if any, goes into the object `describe` picks out of it.
 pub(crate) fn mapped_tools(
     req: &ChatRequest,
-    names: &mut crate::names::ToolNames,
-) -> Result<Vec<(String, Value, Option<String>)>, crate::error::ProviderError> {
+    shape: impl Fn(String, Value) -> Value,
+    describe: impl Fn(&mut Value) -> &mut Value,
+) -> Result<(ToolNames, Vec<Value>), ProviderError> {
+    let mut names = ToolNames::default();
     let mut out = Vec::with_capacity(req.tools.len());
     for t in &req.tools {
         let mut schema = args_object(&t.parameters);
         if schema.get("type").is_none() {
             schema["type"] = Value::String("object".into());
         }
-        let description = (!t.description.is_empty()).then(|| t.description.clone());
-        out.push((names.add(&t.name).map_err(collision)?, schema, description));
+        let mut tool = shape(names.add(&t.name).map_err(collision)?, schema);
+        if !t.description.is_empty() {
+            describe(&mut tool)["description"] = json!(t.description);
+        }
+        out.push(tool);
     }
-    Ok(out)
+    Ok((names, out))
 }
 
+/// The transport of a provider: one pooled client, its retry policy, its key as a secret.
 pub(crate) fn transport(cfg: &ProviderConfig) -> Transport {
     let mut builder = reqwest::Client::builder()
         .connect_timeout(cfg.http.connect_timeout)
@@ -64,6 +162,7 @@ pub(crate) fn transport(cfg: &ProviderConfig) -> Transport {
         builder = builder.no_proxy();
     }
     Transport {
+        provider: cfg.id.clone(),
         client: builder
             .build()
             .unwrap_or_else(|_| client(cfg.http.connect_timeout)),
