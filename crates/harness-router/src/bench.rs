@@ -222,14 +222,7 @@ async fn streamed_frames(opts: &FrameLatencyOptions) -> std::io::Result<Vec<Dura
         let mut buf = Vec::new();
         read_request(&mut sock, &mut buf).await?;
         sock.write_all(&opening()).await?;
-        for i in 0..total {
-            if i > 0 && go_rx.recv().await.is_none() {
-                break;
-            }
-            let bytes = delta(i);
-            let _ = sent_tx.send(Instant::now());
-            sock.write_all(&bytes).await?;
-        }
+        paced_deltas(&mut sock, total, &mut go_rx, &sent_tx).await?;
         sock.write_all(&closing()).await?;
         sock.flush().await?;
         Ok::<_, std::io::Error>(())
@@ -276,6 +269,25 @@ async fn streamed_frames(opts: &FrameLatencyOptions) -> std::io::Result<Vec<Dura
     Ok(samples)
 }
 
+/// Writes `total` deltas, each after the reader said it took the one before (one frame in
+/// flight, so a sample is one frame's latency, not a queue's), noting when each went out.
+async fn paced_deltas(
+    sock: &mut TcpStream,
+    total: usize,
+    go: &mut mpsc::UnboundedReceiver<()>,
+    sent: &mpsc::UnboundedSender<Instant>,
+) -> std::io::Result<()> {
+    for i in 0..total {
+        if i > 0 && go.recv().await.is_none() {
+            break;
+        }
+        let bytes = delta(i);
+        let _ = sent.send(Instant::now());
+        sock.write_all(&bytes).await?;
+    }
+    Ok(())
+}
+
 async fn socket_baseline(total: usize, warmup: usize) -> std::io::Result<Vec<Duration>> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -284,14 +296,7 @@ async fn socket_baseline(total: usize, warmup: usize) -> std::io::Result<Vec<Dur
     let server = tokio::spawn(async move {
         let (mut sock, _) = listener.accept().await?;
         sock.set_nodelay(true)?;
-        for i in 0..total {
-            if i > 0 && go_rx.recv().await.is_none() {
-                break;
-            }
-            let bytes = delta(i);
-            let _ = sent_tx.send(Instant::now());
-            sock.write_all(&bytes).await?;
-        }
+        paced_deltas(&mut sock, total, &mut go_rx, &sent_tx).await?;
         Ok::<_, std::io::Error>(())
     });
     let mut client = TcpStream::connect(addr).await?;

@@ -5,15 +5,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
+use harness_bus::typed::{self, schema};
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler, LocalHandler, LocalValue};
-use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
 use harness_types::fold::FrameFold;
+use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
 use harness_types::parse::parse_payload;
 use harness_types::router::{
     AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatCall, ChatRequest, Frame,
 };
 use harness_types::{now_ms, HarnessError};
-use schemars::{schema_for, JsonSchema};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -139,18 +140,7 @@ impl FrameWriter {
     pub fn new(ctx: CallContext, model: &str, provider: &str) -> Self {
         FrameWriter {
             ctx,
-            partial: AssistantMessage {
-                content: Vec::new(),
-                model: model.to_string(),
-                provider: provider.to_string(),
-                stop_reason: StopReason::End,
-                usage: None,
-                error_kind: None,
-                error_message: None,
-                native_stop_reason: None,
-                warnings: None,
-                timestamp: now_ms(),
-            },
+            partial: AssistantMessage::ended(Vec::new(), model, provider, now_ms()),
             fold: FrameFold::default(),
             started: false,
             output: false,
@@ -781,10 +771,6 @@ fn to_value<T: Serialize>(v: &T) -> Result<Value, BusError> {
     serde_json::to_value(v).map_err(|e| BusError::internal(e.to_string()))
 }
 
-fn schema<T: JsonSchema>() -> Value {
-    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
-}
-
 /// `router::chat`'s request as a caller across the bus may send it: `ChatRequest` plus the
 /// fields it reads from the same payload (`system_sections`, `cache_intent`, `reasoning`), so the
 /// prompt-cache seam is as visible to another worker as it is in process.
@@ -852,41 +838,31 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         Arc::new(chat) as Arc<dyn Handler>,
         Arc::new(local) as Arc<dyn LocalHandler>,
     );
-    let r = router.clone();
-    let abort = move |payload: Value, _ctx: CallContext| {
-        let r = r.clone();
-        async move {
-            let req: AbortRequest = parse_payload(payload)?;
-            let aborted = r.abort(&req.request_id);
-            to_value(&AbortResponse { aborted })
-        }
-    };
-    bus.register_function(
+    typed::register(
+        bus,
         FunctionDef::new(
             "router::abort",
             "Cancel the generation with this request_id.",
-        )
-        .schemas(schema::<AbortRequest>(), schema::<AbortResponse>()),
-        Arc::new(abort) as Arc<dyn Handler>,
+        ),
+        router.clone(),
+        |r, req: AbortRequest| async move {
+            let aborted = r.abort(&req.request_id);
+            Ok::<_, BusError>(AbortResponse { aborted })
+        },
     );
-    let r = router.clone();
-    let count = move |payload: Value, _ctx: CallContext| {
-        let r = r.clone();
-        async move {
-            let req: CountRequest = parse_payload(payload)?;
-            let answer = r
-                .count_tokens(req.provider.as_deref(), &req.model, &req.texts)
-                .await;
-            to_value(&answer)
-        }
-    };
-    bus.register_function(
+    typed::register(
+        bus,
         FunctionDef::new(
             "router::count-tokens",
             "Count texts with the server's own tokenizer (llama.cpp, llama-cpp-python, vLLM); counts is null where the server cannot count.",
-        )
-        .schemas(schema::<CountRequest>(), schema::<CountAnswer>()),
-        Arc::new(count) as Arc<dyn Handler>,
+        ),
+        router.clone(),
+        |r, req: CountRequest| async move {
+            let answer = r
+                .count_tokens(req.provider.as_deref(), &req.model, &req.texts)
+                .await;
+            Ok::<_, BusError>(answer)
+        },
     );
     let r = router.clone();
     let list = move |payload: Value, _ctx: CallContext| {
@@ -909,22 +885,17 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         .schemas(schema::<ListRequest>(), json!({"type": "object"})),
         Arc::new(list) as Arc<dyn Handler>,
     );
-    let r = router.clone();
-    let get = move |payload: Value, _ctx: CallContext| {
-        let r = r.clone();
-        async move {
-            let req: GetRequest = parse_payload(payload)?;
-            let entry = r.model_entry(req.provider.as_deref(), &req.id).await;
-            to_value(&entry)
-        }
-    };
-    bus.register_function(
+    typed::register(
+        bus,
         FunctionDef::new(
             "router::models::get",
             "The catalog row of a model (context window, max output, capabilities, prices per million tokens), or null.",
-        )
-        .schemas(schema::<GetRequest>(), schema::<Option<ModelEntry>>()),
-        Arc::new(get) as Arc<dyn Handler>,
+        ),
+        router.clone(),
+        |r, req: GetRequest| async move {
+            let entry = r.model_entry(req.provider.as_deref(), &req.id).await;
+            Ok::<_, BusError>(entry)
+        },
     );
     let r = router.clone();
     let supports = move |payload: Value, _ctx: CallContext| {

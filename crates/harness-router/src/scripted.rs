@@ -322,16 +322,8 @@ impl Provider for ScriptedProvider {
         };
         let g = &self.script.generations[index];
         let mut message = AssistantMessage {
-            content: Vec::new(),
-            model: req.model.clone(),
-            provider: "scripted".into(),
             stop_reason: g.stop_reason,
-            usage: None,
-            error_kind: None,
-            error_message: None,
-            native_stop_reason: None,
-            warnings: None,
-            timestamp: now_ms(),
+            ..AssistantMessage::ended(Vec::new(), req.model.clone(), "scripted", now_ms())
         };
         let aborted = |mut message: AssistantMessage, out: FrameWriter| {
             message.stop_reason = StopReason::Aborted;
