@@ -288,21 +288,6 @@ pub(crate) struct ProbeBus {
 
 #[async_trait]
 impl Bus for ProbeBus {
-    async fn call(
-        &self,
-        function_id: &str,
-        payload: Value,
-        timeout: Option<Duration>,
-    ) -> Result<Value, BusError> {
-        let store = is_store_function(function_id);
-        timed(
-            function_id,
-            store,
-            self.inner.call(function_id, payload, timeout),
-        )
-        .await
-    }
-
     async fn call_with_metadata(
         &self,
         function_id: &str,

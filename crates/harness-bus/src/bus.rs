@@ -233,13 +233,17 @@ pub enum BusWrite {
 /// Everything the loop needs from the world outside itself.
 #[async_trait]
 pub trait Bus: Send + Sync + 'static {
-    /// Calls a function by id and waits for its answer (`timeout` None = the bus default).
+    /// Calls a function by id and waits for its answer (`timeout` None = the bus default): a
+    /// call with no metadata.
     async fn call(
         &self,
         function_id: &str,
         payload: Value,
         timeout: Option<Duration>,
-    ) -> Result<Value, BusError>;
+    ) -> Result<Value, BusError> {
+        self.call_with_metadata(function_id, payload, timeout, Value::Null)
+            .await
+    }
 
     /// Calls a function that streams frames (`router::chat`); frames arrive on `frames` while
     /// `result` is pending.
@@ -250,18 +254,15 @@ pub trait Bus: Send + Sync + 'static {
         timeout: Option<Duration>,
     ) -> Result<StreamingCall, BusError>;
 
-    /// A call carrying metadata for the callee (`function_call_id`, ...). Buses that cannot carry
-    /// metadata fall back to a plain call.
+    /// A call carrying metadata for the callee (`function_call_id`, ...; `null` for none). The
+    /// one call a bus implements: [`Bus::call`] is this with no metadata.
     async fn call_with_metadata(
         &self,
         function_id: &str,
         payload: Value,
         timeout: Option<Duration>,
         metadata: Value,
-    ) -> Result<Value, BusError> {
-        let _ = metadata;
-        self.call(function_id, payload, timeout).await
-    }
+    ) -> Result<Value, BusError>;
 
     /// Fire-and-forget call; failures are logged, never returned.
     async fn call_void(&self, function_id: &str, payload: Value);

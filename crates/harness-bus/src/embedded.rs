@@ -323,16 +323,6 @@ impl EmbeddedBus {
 
 #[async_trait]
 impl Bus for EmbeddedBus {
-    async fn call(
-        &self,
-        function_id: &str,
-        payload: Value,
-        timeout: Option<Duration>,
-    ) -> Result<Value, BusError> {
-        self.invoke(function_id, payload, CallContext::default(), timeout)
-            .await
-    }
-
     async fn call_with_metadata(
         &self,
         function_id: &str,

@@ -376,15 +376,6 @@ impl IiiBus {
 
 #[async_trait]
 impl Bus for IiiBus {
-    async fn call(
-        &self,
-        function_id: &str,
-        payload: Value,
-        timeout: Option<Duration>,
-    ) -> Result<Value, BusError> {
-        self.invoke(function_id, payload, timeout, None, None).await
-    }
-
     async fn call_with_metadata(
         &self,
         function_id: &str,
