@@ -89,6 +89,29 @@ impl Fixtures {
     }
 }
 
+/// The `slow::work` call of [`slow_work_script`] ran exactly once and the transcript closes it
+/// with its one result, an error that says the call was interrupted: that result.
+pub fn assert_slow_work_interrupted<'a>(fx: &Fixtures, entries: &'a [Value]) -> &'a Value {
+    assert_eq!(
+        invocations(&fx.log()),
+        HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    assert_every_call_closed(entries);
+    let results: Vec<&Value> = entries
+        .iter()
+        .filter(|e| role_of(e) == Some("function_result"))
+        .collect();
+    assert_eq!(results.len(), 1, "{}", render(entries));
+    let result = results[0];
+    assert_eq!(result["message"]["is_error"], true, "{result}");
+    assert_eq!(
+        result["message"]["details"]["error"], "interrupted",
+        "{result}"
+    );
+    result
+}
+
 /// The invocations logged so far, one JSON value per line of the fixture log.
 pub fn logged_invocations(log: &Path) -> Vec<Value> {
     std::fs::read_to_string(log)
