@@ -11,12 +11,10 @@ use harness_types::message::ContentBlock;
 use harness_types::{now_ms, ErrorCode, HarnessError};
 use serde_json::{json, Value};
 
-use crate::dispatch::{CallEnd, PlannedCall};
+use crate::dispatch::{CallEnd, PlannedCall, SPAWN};
 use crate::harness::{Harness, Result};
 use crate::record::{CallCheckpoint, ChildLink, TurnOptions, TurnRecord, Wait};
 use crate::send::Lineage;
-
-pub(crate) const SPAWN: &str = "harness::spawn";
 
 /// Denied to every child unless it is spawned as an orchestrator: a leaf cannot fan out.
 const LEAF_WALL: &[&str] = &["harness::spawn", "harness::send"];

@@ -35,6 +35,10 @@ pub(crate) use policy::Policy;
 pub use reconcile::Change;
 pub(crate) use run::{illegal as illegal_call, Flight};
 
+/// The function whose call starts a sub-agent instead of reaching a target (`spawn.rs` starts
+/// it); here so that dispatch and spawn do not import each other.
+pub(crate) const SPAWN: &str = "harness::spawn";
+
 use crate::config::CallReconciliation;
 use crate::failpoint;
 use crate::harness::{Harness, Result};

@@ -295,7 +295,7 @@ impl Harness {
             }
             Decision::Continue => {}
         }
-        if call.function_id == crate::spawn::SPAWN {
+        if call.function_id == super::SPAWN {
             // No target: the loop starts the child itself.
             flight.run.arguments = arguments;
             return Ok(Gate::Spawn);
