@@ -14,9 +14,9 @@ use harness_machine::call::{self, CallEffect, CallInput, CallPhase, Resolution};
 use crate::dispatch::{self, CallEnd, Flight, PlannedCall, Policy, Refusal};
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
-use crate::machine::{self, Effect, Input};
+use crate::interpret::Carry;
+use crate::machine::Input;
 use crate::record::{CallCheckpoint, HeldResult, TurnRecord, Wait};
-use crate::step::illegal;
 use crate::TURN_SCOPE;
 
 fn not_resolved() -> ResolveResponse {
@@ -130,7 +130,7 @@ impl Harness {
             }
             CallEnd::Closed | CallEnd::Cancelled | CallEnd::Skipped => {}
         }
-        let resumed = self.resume_if_settled(&mut rec).await?;
+        let resumed = self.resume_if_settled(&rec).await?;
         self.barrier().await?;
         Ok(ResolveResponse {
             resolved: true,
@@ -138,25 +138,14 @@ impl Harness {
         })
     }
 
-    /// A parked turn whose last pending call was settled runs its next step. Returns whether
-    /// it resumed.
-    pub(crate) async fn resume_if_settled(&self, rec: &mut TurnRecord) -> Result<bool> {
-        let t = machine::next(Some(rec.clone()), Input::CallSettled).map_err(illegal)?;
-        let Some(next) = t.record else {
-            return Ok(false);
-        };
-        *rec = next;
-        let resumed = t.effects.contains(&Effect::EnqueueStep);
-        let mut effects = t.effects.into_iter().peekable();
-        while let Some(effect) = effects.next() {
-            let advancing =
-                effect == Effect::SaveRecord && effects.peek() == Some(&Effect::EnqueueStep);
-            self.apply(rec, effect).await?;
-            if advancing {
-                crate::failpoint::hit("after_advance_persisted");
-            }
-        }
-        Ok(resumed)
+    /// A pending call was settled: the turn machine says whether the parked turn runs its next
+    /// step (its record and step are one write). Returns whether a step was enqueued.
+    pub(crate) async fn resume_if_settled(&self, rec: &TurnRecord) -> Result<bool> {
+        let mut carry = Carry::default();
+        carry.advance_point = Some("after_advance_persisted");
+        self.run(Some(rec.clone()), Input::CallSettled, &mut carry)
+            .await?;
+        Ok(carry.enqueued)
     }
 
     /// Settles pending calls past their timeout (hook holds never expire). Returns how many.

@@ -154,17 +154,6 @@ impl Harness {
         Ok(rec)
     }
 
-    /// Carries out one effect on its own, committed at once (for shells that have not moved
-    /// to [`Harness::run`]).
-    pub(crate) async fn apply(&self, rec: &mut TurnRecord, effect: Effect) -> Result<()> {
-        let mut carry = Carry::default();
-        if !self.may_hold_writes(&effect).await? {
-            self.flush(&mut carry).await?;
-        }
-        self.carry_out(rec, effect, &mut carry).await?;
-        self.flush(&mut carry).await
-    }
-
     /// Whether `effect` may run while the run still holds writes back: the plain writes that
     /// join the batch, effects that only read the run's own state, and the post-turn gate when
     /// no hook sees it. Anything that lets another party look at the session (hooks, calls,

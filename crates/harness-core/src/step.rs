@@ -580,6 +580,3 @@ fn finished(
     carry.message = Some(message);
     input
 }
-
-/// Kept for the shells that still import it from here.
-pub(crate) use crate::interpret::illegal;
