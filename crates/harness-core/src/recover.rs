@@ -4,8 +4,8 @@ use harness_types::HarnessError;
 
 use crate::dispatch::PlannedCall;
 use crate::harness::{Harness, Result};
-use crate::interpret::Carry;
-use crate::machine::Input;
+use crate::interpret::{illegal, Carry};
+use crate::machine::{self, Input};
 use crate::record::TurnRecord;
 use crate::TURN_SCOPE;
 
@@ -25,7 +25,10 @@ impl Harness {
             let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {
                 continue;
             };
-            if !rec.is_terminal() && self.recover(&rec.session_id).await? {
+            // Asked of the listed record first: a turn the machine leaves alone (an ended one)
+            // costs no lock and no second read.
+            let asks = machine::next(Some(rec.clone()), Input::Recover).map_err(illegal)?;
+            if !asks.effects.is_empty() && self.recover(&rec.session_id).await? {
                 redriven += 1;
             }
         }

@@ -10,45 +10,48 @@ use crate::machine::Input;
 impl Harness {
     pub async fn stop(&self, req: StopRequest) -> Result<StopResponse> {
         let not_stopping = Ok(StopResponse { stopping: false });
-        let Some(rec) = self.load_record(&req.session_id).await? else {
+        // First cut the generation, lock-free: the step does not hold the lock while streaming.
+        let rec = self.load_record(&req.session_id).await?;
+        let Some(turn_id) = rec.as_ref().map(|r| r.turn_id.clone()) else {
+            self.run(
+                None,
+                Input::StopRequested {
+                    turn_id: req.turn_id,
+                },
+                &mut Carry::default(),
+            )
+            .await?;
             // Nothing to stop; make sure the session does not look busy.
             let _ = self
                 .set_status(&req.session_id, SessionStatus::Idle, None)
                 .await;
             return not_stopping;
         };
-        // First cut the generation, lock-free: the step does not hold the lock while streaming.
-        let turn_id = rec.turn_id.clone();
         let mut carry = Carry::default();
         let input = Input::StopRequested {
             turn_id: req.turn_id.clone(),
         };
-        self.run(Some(rec), input, &mut carry).await?;
+        self.run(rec, input, &mut carry).await?;
         if carry.carried == 0 {
             return not_stopping;
         }
         let mut carry = Carry::locked(self.inner.locks.lock(&req.session_id).await);
-        let Some(rec) = self.load_record(&req.session_id).await? else {
-            return not_stopping;
-        };
-        if rec.turn_id != turn_id {
-            return not_stopping;
-        }
-        if rec.is_terminal() {
-            // The step saw the signal first (mid-call) and finalized the cancel itself.
-            let cancelled = rec.status == TurnStatus::Cancelled;
-            drop(carry);
-            if cancelled {
-                self.stop_children(&rec).await;
-            }
-            return Ok(StopResponse {
-                stopping: cancelled,
-            });
-        }
+        let rec = self.load_record(&req.session_id).await?;
         let input = Input::Stop {
-            turn_id: Some(turn_id),
+            turn_id: Some(turn_id.clone()),
         };
-        self.run(Some(rec), input, &mut carry).await?;
+        let after = self.run(rec, input, &mut carry).await?;
+        if carry.carried > 0 {
+            return Ok(StopResponse { stopping: true });
+        }
+        // The machine left it alone: the record is gone, another turn runs, or the turn ended.
+        // The step may have seen the signal first (mid-call) and finalized the cancel itself.
+        drop(carry);
+        let Some(rec) = after.filter(|r| r.turn_id == turn_id && r.status == TurnStatus::Cancelled)
+        else {
+            return not_stopping;
+        };
+        self.stop_children(&rec).await;
         Ok(StopResponse { stopping: true })
     }
 

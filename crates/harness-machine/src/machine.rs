@@ -64,15 +64,19 @@
 //! | T42 | Running | `Recover` | same | `EnqueueStep` |
 //! | T43 | Parked | `Recover` | Parked | `CloseInterrupted` (then `CallSettled`) |
 //! | T44 | Running, Parked | `InternalError` | Failed (`turn_internal`) | `Finalize` |
-//! | T45 | none | `Stop`, `StopRequested`, `CallSettled` | none | — |
+//! | T45 | none | `Stop`, `StopRequested` | none | — |
 //! | T46 | none | `GenerationFinished` (the record vanished) | none | `Skip` |
 //! | T47 | any | `GenerationFinished` of another turn or step, or terminal | same | `Skip` |
-//! | T48 | terminal | `CallSettled` | same | — |
 //! | T49 | Ready, Generated | `CallSettled` (the step that parked it parks or advances) | same | — |
 //! | T50 | terminal | `Recover` | same | — |
 //! | T51 | terminal, or another turn | `InternalError` | same | — |
 //!
 //! ¹ unless the send already parked the message on its lock-free path.
+//!
+//! There is no T48: a settle of an ended turn cannot happen. Every shell that settles a call
+//! (resolve, the sweep through it, recovery) holds the session lock and settles only calls of
+//! a turn that has not ended, and settling a call never ends a turn; so `CallSettled` on an
+//! ended turn, or on no record, is refused like any pair outside the table.
 //!
 //! Every other pair is illegal: [`next`] refuses it with [`Illegal`] and leaves the record as it
 //! was (the shells treat that as a bug to report, never as a reason to write).
@@ -139,10 +143,9 @@ pub const ROWS: &[(&str, &str)] = &[
     ("T42", "recovery of a running turn: enqueue its step"),
     ("T43", "recovery of a parked turn: close interrupted calls"),
     ("T44", "internal error: failed"),
-    ("T45", "no record: stop or settle does nothing"),
+    ("T45", "no record: a stop does nothing"),
     ("T46", "no record after the generation: skip"),
     ("T47", "a generation of a stale step or ended turn: skip"),
-    ("T48", "a settle of an ended turn: nothing"),
     ("T49", "a settle while the step runs: nothing"),
     ("T50", "recovery of an ended turn: nothing"),
     (
@@ -578,7 +581,7 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                     ),
                 ))))
             }
-            Input::Stop { .. } | Input::StopRequested { .. } | Input::CallSettled => {
+            Input::Stop { .. } | Input::StopRequested { .. } => {
                 Ok(Transition {
                     record: None,
                     effects: vec![],
@@ -809,14 +812,13 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
         } else {
             at("T36", advance(rec, vec![]))
         }),
-        Input::CallSettled if terminal => Ok(at("T48", stay(rec))),
         Input::CallSettled if phase == Phase::Parked => Ok(if rec.has_pending() {
             at("T38", stay(rec))
         } else {
             at("T37", advance(rec, vec![]))
         }),
         // A settle while the step that parked it still runs: that step parks or advances.
-        Input::CallSettled => Ok(at("T49", stay(rec))),
+        Input::CallSettled if !terminal => Ok(at("T49", stay(rec))),
         Input::StopRequested { turn_id } => {
             Ok(if terminal || turn_id.is_some_and(|t| t != rec.turn_id) {
                 at("T41", stay(rec))
