@@ -1,12 +1,13 @@
 //! Rows of the turn machine the other suites do not take: a stop while the model streams, a
-//! message sent while a turn runs, and the `max_turns` notice refused by a post-turn hook.
+//! message sent while a turn runs, the `max_turns` notice refused by a post-turn hook, a step
+//! that fails on an unexpected error, and a settle that lands before the step that parked it.
 
 mod support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness_bus::{Bus, CallContext, FunctionDef};
+use harness_bus::{Bus, BusError, CallContext, EmbeddedBus, FunctionDef};
 use harness_types::api::{SendOptions, StopRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
@@ -358,4 +359,273 @@ async fn a_stop_landing_before_the_next_generation_cancels_without_asking_the_mo
         1,
         "the model was not asked again"
     );
+}
+
+/// The turn record's status as stored, `None` without a record.
+async fn stored_status(bus: &EmbeddedBus, session_id: &str) -> Option<String> {
+    let rec = bus
+        .state_get(harness_core::TURN_SCOPE, session_id)
+        .await
+        .unwrap()?;
+    rec["status"].as_str().map(str::to_string)
+}
+
+/// Polls the stored record until its status is `want`, for at most `limit`.
+async fn until_stored(bus: &EmbeddedBus, session_id: &str, want: &str, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if stored_status(bus, session_id).await.as_deref() == Some(want) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn a_stop_of_a_session_without_a_turn_stops_nothing() {
+    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    let out = rt
+        .harness
+        .stop(StopRequest {
+            session_id: "s_no_turn".into(),
+            turn_id: None,
+        })
+        .await
+        .unwrap();
+    assert!(!out.stopping);
+    assert_eq!(stored_status(&rt.bus, "s_no_turn").await, None);
+}
+
+#[tokio::test]
+async fn a_step_failing_on_an_unexpected_error_fails_its_turn_with_the_cause() {
+    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    // The router call itself fails (not a generation the provider ended with an error): a bug
+    // or a version mismatch, which no retry mends.
+    rt.bus.register_function(
+        FunctionDef::new("router::chat", "a broken router"),
+        Arc::new(|_p: Value, _ctx: CallContext| async move {
+            Err::<Value, _>(BusError::internal("the router broke"))
+        }),
+    );
+    let r = rt.harness.send(send("talk")).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Failed);
+    let failure = s.failure.expect("a cause");
+    assert_eq!(failure.code, "harness.turn_internal");
+    assert!(
+        failure
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains("the router broke")),
+        "{failure:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_error_of_a_step_whose_turn_a_stop_ended_leaves_the_turn_cancelled() {
+    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+    let entered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = entered.clone();
+    let bus = rt.bus.clone();
+    // The router takes the request, and fails only once a stop has ended the turn.
+    rt.bus.register_function(
+        FunctionDef::new("router::chat", "a router that fails late"),
+        Arc::new(move |p: Value, _ctx: CallContext| {
+            seen.store(true, std::sync::atomic::Ordering::SeqCst);
+            let bus = bus.clone();
+            async move {
+                let sid = p["session_id"].as_str().unwrap_or_default().to_string();
+                until_stored(&bus, &sid, "cancelled", Duration::from_secs(20)).await;
+                Err::<Value, _>(BusError::internal("the router broke after the stop"))
+            }
+        }),
+    );
+    let r = rt.harness.send(send("talk")).await.unwrap();
+    until("the router took the request", || {
+        entered.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    let out = rt
+        .harness
+        .stop(StopRequest {
+            session_id: r.session_id.clone(),
+            turn_id: Some(r.turn_id.clone()),
+        })
+        .await
+        .unwrap();
+    assert!(out.stopping);
+    until("the failed step was handled", || {
+        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
+    })
+    .await;
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled, "the stop's outcome stands");
+    assert!(s.failure.is_none(), "{:?}", s.failure);
+    let errors = rt
+        .entries(&r.session_id)
+        .into_iter()
+        .filter(|e| e.entry_id == harness_types::ids::error_entry(&r.turn_id))
+        .count();
+    assert_eq!(errors, 0, "no error record for the cancelled turn");
+}
+
+#[tokio::test]
+async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_turn() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^go", "c1", "x::f", json!({}))]}),
+        config(),
+    )
+    .await;
+    let runs = rt.register("x::f", None, |_| json!("ran"));
+    // The stop's first half is held in `router::abort` (after it fired the turn's signal) until
+    // the turn has ended: the step, not the stop, takes the lock next.
+    let aborting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = aborting.clone();
+    let bus = rt.bus.clone();
+    rt.bus.register_function(
+        FunctionDef::new("router::abort", "a slow abort"),
+        Arc::new(move |_p: Value, _ctx: CallContext| {
+            seen.store(true, std::sync::atomic::Ordering::SeqCst);
+            let bus = bus.clone();
+            async move {
+                // Well within the stop's own wait for this call.
+                until_stored(&bus, "s_cut", "cancelled", Duration::from_millis(1500)).await;
+                Ok(json!({"aborted": false}))
+            }
+        }),
+    );
+    // Once the answer is streamed (the lock is free), a post-generate hook stops the turn and
+    // returns when the stop has fired the signal.
+    let harness = rt.harness.clone();
+    let flag = aborting.clone();
+    rt.bus.register_function(
+        FunctionDef::new("stop::after", "test hook"),
+        Arc::new(move |p: Value, _ctx: CallContext| {
+            let harness = harness.clone();
+            let flag = flag.clone();
+            async move {
+                let session_id = p["session_id"].as_str().unwrap_or_default().to_string();
+                tokio::spawn(async move {
+                    let _ = harness
+                        .stop(StopRequest {
+                            session_id,
+                            turn_id: None,
+                        })
+                        .await;
+                });
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !flag.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Ok(json!({"decision": "continue"}))
+            }
+        }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::post-generate", "function_id": "stop::after", "config": {}, "metadata": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let mut req = allowing("go", &["x::*"]);
+    req.session_id = Some("s_cut".into());
+    let r = rt.harness.send(req).await.unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+    assert!(
+        aborting.load(std::sync::atomic::Ordering::SeqCst),
+        "the stop fired"
+    );
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the cut answer's call never ran"
+    );
+    // The call of the cut answer is closed as not run: no call is left without a result.
+    let results = rt.results(&r.session_id);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert!(results[0].is_error);
+}
+
+#[tokio::test]
+async fn a_settle_before_the_redelivered_step_leaves_the_turn_to_that_step() {
+    let rt = runtime(
+        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("finished")]}),
+        config(),
+    )
+    .await;
+    let runs = rt.register("x::f", None, |_| json!("ran"));
+    rt.bus.register_function(
+        FunctionDef::new("guard::hold", "test hook"),
+        Arc::new(|_p: Value, _ctx: CallContext| async move { Ok(json!({"decision": "hold"})) }),
+    );
+    rt.bus
+        .call(
+            "engine::register_trigger",
+            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {}, "metadata": {}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rt.status(&r.session_id).await.map(|s| s.status) != Some(TurnStatus::AwaitingFunctions) {
+        assert!(Instant::now() < deadline, "never parked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // What a crash mid-dispatch leaves: the hold saved on a record that is still running (the
+    // step was cut before it parked), its step to be delivered again.
+    let mut rec = rt
+        .bus
+        .state_get(harness_core::TURN_SCOPE, &r.session_id)
+        .await
+        .unwrap()
+        .unwrap();
+    rec["status"] = json!("running");
+    rt.bus
+        .state_set(harness_core::TURN_SCOPE, &r.session_id, rec)
+        .await
+        .unwrap();
+    let out = rt
+        .harness
+        .resolve(harness_types::api::ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: Some(harness_types::api::ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+            fs_scope: None,
+        })
+        .await
+        .unwrap();
+    assert!(out.resolved);
+    assert!(!out.turn_resumed, "the step that runs the turn decides");
+    assert_eq!(
+        stored_status(&rt.bus, &r.session_id).await.as_deref(),
+        Some("running")
+    );
+    assert_eq!(
+        rt.bus.queues().depth(harness_core::TURN_QUEUE),
+        0,
+        "no step of its own"
+    );
+    rt.bus
+        .enqueue(
+            harness_core::TURN_QUEUE,
+            "harness::turn",
+            json!({"session_id": r.session_id, "turn_id": r.turn_id, "step": 0, "depth": 0}),
+        )
+        .await
+        .unwrap();
+    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(s.result, Some(json!("finished")));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(rt.results(&r.session_id).len(), 1);
+    assert_eq!(rt.recorder.seen.lock().unwrap().len(), 2);
 }
