@@ -45,9 +45,7 @@ async fn killed_while_slow_work_runs(body: Value) -> (Server, Fixtures, String) 
 async fn killed_while_the_target_runs_the_call_runs_once_and_is_closed_as_interrupted() {
     let (server, fx, turn_id) =
         killed_while_slow_work_runs(send_body("s_slow", "do the work", &["slow::*"])).await;
-    let status = server.wait_turn("s_slow", &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript("s_slow", false).await;
+    let entries = server.completed_transcript("s_slow", &turn_id).await;
     let result = assert_slow_work_interrupted(&fx, &entries);
     assert!(
         text_of(result).contains("at most once"),

@@ -88,9 +88,7 @@ async fn concurrent_sends_to_one_session() {
         assert_eq!(r["merged"], true, "{r}");
         assert_eq!(r["session_id"], json!(sid));
     }
-    let status = server.wait_turn(&sid, &t1).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript(&sid, false).await;
+    let entries = server.completed_transcript(&sid, &t1).await;
     let users = user_texts(&entries);
     assert_eq!(
         users.len(),
@@ -137,9 +135,7 @@ async fn concurrent_sends_to_one_session() {
         json!(t2),
         "merged into the turn the other one started"
     );
-    let status = server.wait_turn(&sid, &t2).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript(&sid, false).await;
+    let entries = server.completed_transcript(&sid, &t2).await;
     let users = user_texts(&entries);
     assert_eq!(users.len(), 5, "no message lost:\n{}", render(&entries));
     assert_eq!(
@@ -260,10 +256,7 @@ async fn steps_of_one_session_never_overlap() {
     // turn to end first, the next send starts a new one. The checks below hold either way.
     turns.dedup();
     let last_turn = turns.last().unwrap().clone();
-    let status = server.wait_turn(&sid, &last_turn).await;
-    assert_eq!(status["status"], "completed", "{status}");
-
-    let entries = server.transcript(&sid, false).await;
+    let entries = server.completed_transcript(&sid, &last_turn).await;
     let shown = render(&entries);
     // Every message sent is there once, in the order sent.
     assert_eq!(user_texts(&entries), sent, "{shown}");

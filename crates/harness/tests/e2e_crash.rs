@@ -163,9 +163,7 @@ async fn crash_right_after_send() {
     server.kill();
     server.restart().await;
 
-    let status = server.wait_turn(&sid, &tid).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript(&sid, false).await;
+    let entries = server.completed_transcript(&sid, &tid).await;
     assert_eq!(
         entries.len(),
         2,
@@ -400,9 +398,7 @@ message can arrive in the middle of it and wait in the queue for the next step";
     server.kill();
     server.restart().await;
 
-    let status = server.wait_turn(&sid, &tid).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript(&sid, false).await;
+    let entries = server.completed_transcript(&sid, &tid).await;
     assert_eq!(
         dialogue(&entries),
         vec![
@@ -414,7 +410,8 @@ message can arrive in the middle of it and wait in the queue for the next step";
         "\n{}",
         render(&entries)
     );
-    assert_eq!(status["queued"], 0, "nothing left in the queue");
+    let status = server.status(&sid).await;
+    assert_eq!(status["queued"], 0, "nothing left in the queue: {status}");
     server.assert_one_clean_turn(&sid, &tid).await;
 }
 

@@ -46,9 +46,7 @@ async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_n
     .await;
     server.kill();
     server.restart().await;
-    let status = server.wait_turn("s_shell", &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript("s_shell", false).await;
+    let entries = server.completed_transcript("s_shell", &turn_id).await;
     assert_every_call_closed(&entries);
     let results: Vec<_> = entries
         .iter()

@@ -613,9 +613,7 @@ async fn a_worker_killed_with_the_engine_gets_the_lost_turn_back_from_its_sqlite
         );
     }
     worker.restart().await;
-    let status = engine.wait_turn("s_both", &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = engine.transcript("s_both", false).await;
+    let entries = engine.completed_transcript("s_both", &turn_id).await;
     assert_slow_work_interrupted(&fx, &entries);
     assert!(
         worker.dir().join("data/iii-write-ahead.db").exists(),

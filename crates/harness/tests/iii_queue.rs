@@ -176,9 +176,7 @@ async fn the_steps_of_each_session_run_strictly_in_order_while_sessions_interlea
     }
     for (s, turn_id) in &turns {
         let session = format!("s_q_order_{s}");
-        let status = engine.wait_turn(&session, turn_id).await;
-        assert_eq!(status["status"], "completed", "{status}");
-        let entries = engine.transcript(&session, false).await;
+        let entries = engine.completed_transcript(&session, turn_id).await;
         assert_every_call_closed(&entries);
         // user, then (call, result) for steps 1..3 in order, then the text.
         let calls: Vec<String> = entries

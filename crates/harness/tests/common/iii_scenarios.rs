@@ -43,9 +43,7 @@ pub async fn killed_mid_call(
     .await;
     worker.kill();
     worker.restart().await;
-    let status = engine.wait_turn(session, &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = engine.transcript(session, false).await;
+    let entries = engine.completed_transcript(session, &turn_id).await;
     assert_slow_work_interrupted(&fx, &entries);
     let users = entries
         .iter()

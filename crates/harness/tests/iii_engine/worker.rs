@@ -216,6 +216,14 @@ impl Engine {
         }
     }
 
+    /// Waits for turn `turn_id` to end, which must be as completed; returns the session's
+    /// transcript (messages only).
+    pub async fn completed_transcript(&self, session_id: &str, turn_id: &str) -> Vec<Value> {
+        let status = self.wait_turn(session_id, turn_id).await;
+        assert_eq!(status["status"], "completed", "{status}");
+        self.transcript(session_id, false).await
+    }
+
     /// Polls until turn `turn_id` is terminal; returns the status.
     pub async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Value {
         process::wait_turn(turn_id, WAIT, || self.status(session_id)).await
