@@ -269,28 +269,7 @@ impl QueueState {
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
                  WHERE queue = +?1 AND status = 'ready' AND id > ?2 ORDER BY id",
             )?;
-            let rows = stmt.query_map((&self.name, after), |r| {
-                Ok((
-                    r.get::<_, i64>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                    r.get::<_, String>(3)?,
-                    r.get::<_, i64>(4)?,
-                ))
-            })?;
-            let mut out = Vec::new();
-            for row in rows {
-                let (id, group, function_id, payload, attempts) = row?;
-                out.push(QueueMessage {
-                    id,
-                    queue: self.name.clone(),
-                    group,
-                    function_id,
-                    payload: serde_json::from_str(&payload)?,
-                    attempt: u32::try_from(attempts).unwrap_or(u32::MAX - 1) + 1,
-                });
-            }
-            Ok(out)
+            messages(&mut stmt, (&self.name, after), &self.name, 1)
         })?;
         let Some(last) = rows.last().map(|m| m.id) else {
             return Ok(0);
@@ -414,28 +393,7 @@ impl Queues {
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
                  WHERE queue = +?1 AND status = 'dead' ORDER BY id",
             )?;
-            let rows = stmt.query_map([queue], |r| {
-                Ok((
-                    r.get::<_, i64>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                    r.get::<_, String>(3)?,
-                    r.get::<_, i64>(4)?,
-                ))
-            })?;
-            let mut out = Vec::new();
-            for row in rows {
-                let (id, group, function_id, payload, attempts) = row?;
-                out.push(QueueMessage {
-                    id,
-                    queue: queue.to_string(),
-                    group,
-                    function_id,
-                    payload: serde_json::from_str(&payload)?,
-                    attempt: u32::try_from(attempts).unwrap_or(u32::MAX),
-                });
-            }
-            Ok(out)
+            messages(&mut stmt, [queue], queue, 0)
         })
     }
 
@@ -653,6 +611,39 @@ async fn record_failure(
 fn backoff(backoff_ms: u64, attempts: u32) -> Duration {
     let shift = attempts.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
     Duration::from_millis(backoff_ms.saturating_mul(1u64 << shift))
+}
+
+/// The messages of `queue` a `SELECT id, grp, function_id, payload, attempts` answers. `attempt`
+/// is the row's `attempts` plus `next`: 1 for a message about to be delivered, 0 for a dead one
+/// (the attempts it had).
+fn messages(
+    stmt: &mut rusqlite::CachedStatement<'_>,
+    params: impl rusqlite::Params,
+    queue: &str,
+    next: u32,
+) -> Result<Vec<QueueMessage>, StoreError> {
+    let rows = stmt.query_map(params, |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, String>(2)?,
+            r.get::<_, String>(3)?,
+            r.get::<_, i64>(4)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (id, group, function_id, payload, attempts) = row?;
+        out.push(QueueMessage {
+            id,
+            queue: queue.to_string(),
+            group,
+            function_id,
+            payload: serde_json::from_str(&payload)?,
+            attempt: u32::try_from(attempts).unwrap_or(u32::MAX - next) + next,
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use crate::cache::KvCache;
 use crate::error::{io_is_full, StoreError};
 use crate::lock::Access;
 use crate::wal_pages::{PageLog, WalPages};
-use crate::writer::{writer_loop, Once, Op, Replayable};
+use crate::writer::{self, writer_loop, Closure, Op};
 use crate::{events, schema};
 
 /// How long a connection waits on a lock held by another connection (e.g. a checkpoint).
@@ -339,7 +339,7 @@ impl Store {
         R: Send + 'static,
     {
         let (tx, rx) = oneshot::channel();
-        self.submit(Box::new(Once::new(f, tx)), rx).await
+        self.submit(Box::new(writer::once(f, tx)), rx).await
     }
 
     /// [`Store::write`] for a closure that only changes the database through the connection it
@@ -354,7 +354,7 @@ impl Store {
         R: Send + 'static,
     {
         let (tx, rx) = oneshot::channel();
-        self.submit(Box::new(Replayable::new(f, tx)), rx).await
+        self.submit(Box::new(Closure::replayable(f, tx)), rx).await
     }
 
     async fn submit<R>(

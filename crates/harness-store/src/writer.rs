@@ -175,69 +175,44 @@ fn send<R>(
     let _ = tx.send(out);
 }
 
-fn out_is_full<R>(out: &Option<Result<R, StoreError>>) -> bool {
-    matches!(out, Some(Err(e)) if e.is_full())
-}
-
-/// A closure that runs at most once, in its own savepoint.
-pub(crate) struct Once<F, R> {
-    f: Option<F>,
+/// A write closure and where its answer goes. A replayable one only touches the connection, so
+/// it may run again after a rollback; any other runs at most once, in its own savepoint.
+pub(crate) struct Closure<F, R> {
+    f: F,
+    replayable: bool,
     out: Option<Result<R, StoreError>>,
     tx: oneshot::Sender<Result<R, StoreError>>,
 }
 
-impl<F, R> Once<F, R> {
-    pub(crate) fn new(f: F, tx: oneshot::Sender<Result<R, StoreError>>) -> Self {
-        Once {
-            f: Some(f),
+impl<F, R> Closure<F, R> {
+    pub(crate) fn replayable(f: F, tx: oneshot::Sender<Result<R, StoreError>>) -> Self {
+        Closure {
+            f,
+            replayable: true,
             out: None,
             tx,
         }
     }
 }
 
-impl<F, R> Op for Once<F, R>
-where
-    F: FnOnce(&Connection) -> Result<R, StoreError> + Send,
-    R: Send,
-{
-    fn run(&mut self, conn: Result<&Connection, &str>) -> bool {
-        let res = match self.f.take() {
-            Some(f) => guarded(conn, f),
-            None => Err(StoreError::Invalid("a write ran twice".into())),
-        };
-        let ok = res.is_ok();
-        self.out = Some(res);
-        ok
-    }
-
-    fn replayable(&self) -> bool {
-        false
-    }
-
-    fn failed_full(&self) -> bool {
-        out_is_full(&self.out)
-    }
-
-    fn reply(self: Box<Self>, lost: Option<Lost>) {
-        send(self.tx, self.out, lost)
-    }
-}
-
-/// A closure that only touches the connection, so it may run again after a rollback.
-pub(crate) struct Replayable<F, R> {
-    f: F,
-    out: Option<Result<R, StoreError>>,
+/// A closure that runs at most once (a second run answers an error instead).
+pub(crate) fn once<R>(
+    f: impl FnOnce(&Connection) -> Result<R, StoreError>,
     tx: oneshot::Sender<Result<R, StoreError>>,
-}
-
-impl<F, R> Replayable<F, R> {
-    pub(crate) fn new(f: F, tx: oneshot::Sender<Result<R, StoreError>>) -> Self {
-        Replayable { f, out: None, tx }
+) -> Closure<impl FnMut(&Connection) -> Result<R, StoreError>, R> {
+    let mut f = Some(f);
+    Closure {
+        f: move |conn: &Connection| match f.take() {
+            Some(f) => f(conn),
+            None => Err(StoreError::Invalid("a write ran twice".into())),
+        },
+        replayable: false,
+        out: None,
+        tx,
     }
 }
 
-impl<F, R> Op for Replayable<F, R>
+impl<F, R> Op for Closure<F, R>
 where
     F: FnMut(&Connection) -> Result<R, StoreError> + Send,
     R: Send,
@@ -250,11 +225,11 @@ where
     }
 
     fn replayable(&self) -> bool {
-        true
+        self.replayable
     }
 
     fn failed_full(&self) -> bool {
-        out_is_full(&self.out)
+        matches!(&self.out, Some(Err(e)) if e.is_full())
     }
 
     fn reply(self: Box<Self>, lost: Option<Lost>) {
@@ -381,6 +356,12 @@ struct Batch<'c> {
 
 const RUN_LOST: &str = "the batch transaction was ended inside a write; its writes were lost";
 
+/// An op that cannot run at all (no transaction, no savepoint) answers `reason`.
+fn refuse(mut op: Box<dyn Op>, reason: &str) {
+    op.run(Err(reason));
+    op.reply(None);
+}
+
 impl<'c> Batch<'c> {
     fn new(conn: &'c Connection, cache: &'c KvCache, counters: &'c Counters) -> Self {
         Batch {
@@ -393,12 +374,10 @@ impl<'c> Batch<'c> {
         }
     }
 
-    fn run(&mut self, mut op: Box<dyn Op>) {
+    fn run(&mut self, op: Box<dyn Op>) {
         if !self.in_txn {
             if let Err(e) = exec(self.conn, "BEGIN IMMEDIATE") {
-                op.run(Err(&format!("cannot begin the batch transaction: {e}")));
-                op.reply(None);
-                return;
+                return refuse(op, &format!("cannot begin the batch transaction: {e}"));
             }
             self.in_txn = true;
         }
@@ -407,8 +386,7 @@ impl<'c> Batch<'c> {
             if self.in_txn {
                 self.isolated(op);
             } else {
-                op.run(Err(RUN_LOST));
-                op.reply(None);
+                refuse(op, RUN_LOST);
             }
             return;
         }
@@ -417,9 +395,7 @@ impl<'c> Batch<'c> {
             let savepoint = !self.done.is_empty();
             if savepoint {
                 if let Err(e) = exec(self.conn, "SAVEPOINT run") {
-                    op.run(Err(&format!("cannot open a savepoint: {e}")));
-                    op.reply(None);
-                    return;
+                    return refuse(op, &format!("cannot open a savepoint: {e}"));
                 }
             }
             self.run = Some(Run {
@@ -429,14 +405,9 @@ impl<'c> Batch<'c> {
                 after: after_commit_mark(),
             });
         }
-        let ok = op.run(Ok(self.conn));
-        let full = self.saw(op.as_ref());
-        if self.conn.is_autocommit() {
-            let lost = Lost::new(RUN_LOST).full(full);
-            self.lost(lost.clone());
-            op.reply(Some(lost));
+        let Some((op, ok)) = self.attempt(op) else {
             return;
-        }
+        };
         if ok {
             self.done.push(op);
         } else {
@@ -492,24 +463,15 @@ impl<'c> Batch<'c> {
     }
 
     /// Runs `op` in its own savepoint: a failure rolls back only its changes.
-    fn isolated(&mut self, mut op: Box<dyn Op>) {
+    fn isolated(&mut self, op: Box<dyn Op>) {
         if let Err(e) = exec(self.conn, "SAVEPOINT op") {
-            op.run(Err(&format!("cannot open a savepoint: {e}")));
-            op.reply(None);
-            return;
+            return refuse(op, &format!("cannot open a savepoint: {e}"));
         }
         let fills = self.cache.pending_mark();
         let after = after_commit_mark();
-        let ok = op.run(Ok(self.conn));
-        let full = self.saw(op.as_ref());
-        if self.conn.is_autocommit() {
-            // The transaction ended under the op (it issued COMMIT/ROLLBACK, or SQLite rolled
-            // back after e.g. SQLITE_FULL): nothing of this batch is known to be committed.
-            let lost = Lost::new(RUN_LOST).full(full);
-            self.lost(lost.clone());
-            op.reply(Some(lost));
+        let Some((op, ok)) = self.attempt(op) else {
             return;
-        }
+        };
         let closed = if ok {
             exec(self.conn, "RELEASE op")
         } else {
@@ -528,6 +490,22 @@ impl<'c> Batch<'c> {
                 op.reply(Some(lost));
             }
         }
+    }
+
+    /// Runs `op` in the open transaction: the op and whether it succeeded, or `None` when the
+    /// transaction ended under it (it issued COMMIT/ROLLBACK, or SQLite rolled back after e.g.
+    /// SQLITE_FULL) and nothing of this batch is known to be committed, which every op of the
+    /// batch so far, this one included, has then been told.
+    fn attempt(&mut self, mut op: Box<dyn Op>) -> Option<(Box<dyn Op>, bool)> {
+        let ok = op.run(Ok(self.conn));
+        let full = self.saw(op.as_ref());
+        if self.conn.is_autocommit() {
+            let lost = Lost::new(RUN_LOST).full(full);
+            self.lost(lost.clone());
+            op.reply(Some(lost));
+            return None;
+        }
+        Some((op, ok))
     }
 
     /// Notes a full disk if `op`'s latest run failed for lack of space; returns whether it did.
