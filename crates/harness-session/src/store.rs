@@ -115,6 +115,19 @@ const CHANGES_FROM_START: &str = "
 /// the same transaction (with the session's id and the entry's id in it). Event ids are never
 /// reused and the single writer commits them in order, so "entries with `chg` > m" is exactly
 /// what changed after a reader saw mark m, and each of them is found from its own event.
+/// A page's `limit`: [`MAX_PAGE`] when not given; 0 or more than that is refused.
+fn page_limit(limit: Option<u32>) -> Result<u32> {
+    let limit = limit.unwrap_or(MAX_PAGE);
+    if limit == 0 || limit > MAX_PAGE {
+        return Err(HarnessError::invalid_field(
+            "limit",
+            format!("must be between 1 and {MAX_PAGE} (got {limit})"),
+        )
+        .into());
+    }
+    Ok(limit)
+}
+
 fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
     conn.execute_batch(SCHEMA)?;
     let has_chg = conn
@@ -300,13 +313,19 @@ impl SessionStore {
         &self.log
     }
 
-    /// Wakes event subscribers for the event a committed change inserted (none: nothing
-    /// changed, nobody to wake) and returns the answer.
-    fn notified<R>(&self, (response, event): (R, Option<i64>)) -> R {
+    /// Runs `f` as a replayable write, then wakes event subscribers for the event it inserted
+    /// (none: nothing changed, nobody to wake) and returns its answer.
+    async fn write_notified<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnMut(&Connection) -> std::result::Result<(R, Option<i64>), StoreError>,
+        F: Send + 'static,
+    {
+        let (response, event) = self.store.write_replayable(f).await.map_err(lower)?;
         if let Some(id) = event {
             self.store.notify_event(id);
         }
-        response
+        Ok(response)
     }
 
     pub async fn create(&self, req: CreateRequest) -> Result<CreateResponse> {
@@ -386,35 +405,20 @@ impl SessionStore {
     pub async fn append(&self, req: AppendRequest) -> Result<AppendResponse> {
         let prepared = PreparedAppend::new(req)?;
         let log = self.log.clone();
-        let response = self
-            .store
-            .write_replayable(move |conn| prepared.run(conn, &log))
+        self.write_notified(move |conn| prepared.run(conn, &log))
             .await
-            .map_err(lower)?;
-        Ok(self.notified(response))
     }
 
     /// Replaces a message's content wholesale (and usage/stop reason when given).
     pub async fn update_message(&self, req: UpdateMessageRequest) -> Result<UpdateMessageResponse> {
         let log = self.log.clone();
-        let response = self
-            .store
-            .write_replayable(move |conn| update_message_in(conn, &req, &log))
+        self.write_notified(move |conn| update_message_in(conn, &req, &log))
             .await
-            .map_err(lower)?;
-        Ok(self.notified(response))
     }
 
     /// One page of the transcript, oldest first.
     pub fn messages(&self, req: &MessagesRequest) -> Result<MessagesResponse> {
-        let limit = req.limit.unwrap_or(MAX_PAGE);
-        if limit == 0 || limit > MAX_PAGE {
-            return Err(HarnessError::invalid_field(
-                "limit",
-                format!("must be between 1 and {MAX_PAGE} (got {limit})"),
-            )
-            .into());
-        }
+        let limit = page_limit(req.limit)?;
         let after_seq: i64 = match &req.cursor {
             Some(c) => c.parse().map_err(|_| {
                 HarnessError::invalid_field(
@@ -492,14 +496,7 @@ impl SessionStore {
 
     /// The entries appended or updated after change mark `after` (see [`ChangesRequest`]).
     pub fn changes(&self, req: &ChangesRequest) -> Result<ChangesResponse> {
-        let limit = req.limit.unwrap_or(MAX_PAGE);
-        if limit == 0 || limit > MAX_PAGE {
-            return Err(HarnessError::invalid_field(
-                "limit",
-                format!("must be between 1 and {MAX_PAGE} (got {limit})"),
-            )
-            .into());
-        }
+        let limit = page_limit(req.limit)?;
         let after = req.after.unwrap_or(i64::MIN);
         if let Some(answer) = self.log.read(&req.session_id, after, limit as usize) {
             return Ok(answer);
@@ -587,12 +584,8 @@ impl SessionStore {
                 return Ok(SetStatusResponse { changed: false });
             }
         }
-        let response = self
-            .store
-            .write_replayable(move |conn| set_status_in(conn, &req))
+        self.write_notified(move |conn| set_status_in(conn, &req))
             .await
-            .map_err(lower)?;
-        Ok(self.notified(response))
     }
 
     /// Deletes a session and every entry of it in one transaction; `deleted` is false when
@@ -601,31 +594,27 @@ impl SessionStore {
     /// stream must not find a hole.
     pub async fn delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
         let log = self.log.clone();
-        let response = self
-            .store
-            .write_replayable(move |conn| {
-                if meta_in(conn, &req.session_id)?.is_none() {
-                    return Ok((DeleteResponse { deleted: false }, None));
-                }
-                conn.prepare_cached("DELETE FROM entries WHERE session_id = ?1")?
-                    .execute(params![req.session_id])?;
-                conn.prepare_cached("DELETE FROM sessions WHERE session_id = ?1")?
-                    .execute(params![req.session_id])?;
-                let event = insert_event_in(
-                    conn,
-                    Some(&req.session_id),
-                    topics::DELETED,
-                    &json!({"session_id": req.session_id}),
-                    None,
-                )?;
-                // Without an event id the mark is every change ever made (no log reopens
-                // on what the delete removed).
-                log.publish_delete(&req.session_id, event.unwrap_or(i64::MAX));
-                Ok((DeleteResponse { deleted: true }, event))
-            })
-            .await
-            .map_err(lower)?;
-        Ok(self.notified(response))
+        self.write_notified(move |conn| {
+            if meta_in(conn, &req.session_id)?.is_none() {
+                return Ok((DeleteResponse { deleted: false }, None));
+            }
+            conn.prepare_cached("DELETE FROM entries WHERE session_id = ?1")?
+                .execute(params![req.session_id])?;
+            conn.prepare_cached("DELETE FROM sessions WHERE session_id = ?1")?
+                .execute(params![req.session_id])?;
+            let event = insert_event_in(
+                conn,
+                Some(&req.session_id),
+                topics::DELETED,
+                &json!({"session_id": req.session_id}),
+                None,
+            )?;
+            // Without an event id the mark is every change ever made (no log reopens
+            // on what the delete removed).
+            log.publish_delete(&req.session_id, event.unwrap_or(i64::MAX));
+            Ok((DeleteResponse { deleted: true }, event))
+        })
+        .await
     }
 
     pub fn list(&self, req: &ListRequest) -> Result<ListResponse> {
