@@ -8,7 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::embedded::{config, embedded, start_loop, wait_turn_end};
-use common::recorded::{fixture, Exchange, Replay, LLAMA_CPP_PYTHON};
+use common::recorded::{
+    assert_asked_without_the_digits, digits, fixture, Exchange, Replay, LLAMA_CPP_PYTHON,
+};
 use common::{chat, http, llamacpp_send, replies, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{ProviderConfig, ProviderKind, Tokenize, WirePatch};
@@ -551,13 +553,6 @@ async fn a_stream_interrupted_before_any_output_is_retried_and_the_retry_is_the_
 
 // --- 8. small local models that just work (issue 29) -------------------------------------------
 
-/// 3,000 dense digits: the recorder's `DIGITS` (llama-cpp-python counts them as 3,001 tokens).
-fn digits() -> String {
-    (0..3000)
-        .map(|i| char::from(b'0' + ((i * 7) % 10) as u8))
-        .collect()
-}
-
 /// A loop with the context manager, on the `llamacpp` provider at `url`, whose server runs with
 /// a 2,048-token window (what `--context-window 2048` sets).
 async fn small_runtime(router: &Router) -> (Harness, SessionStore, tempfile::TempDir) {
@@ -648,19 +643,7 @@ async fn the_server_counts_the_tokens_and_one_oversized_first_message_does_not_s
     // for no more output than the window leaves.
     let (_, s) = send_to(&harness, Some(&sid), "Say hi.", SendOptions::default()).await;
     assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
-    let bodies = server.chat_bodies();
-    assert_eq!(bodies.len(), 1);
-    let sent = bodies[0]["messages"].to_string();
-    assert!(
-        !sent.contains(&digits()[..100]),
-        "the refused message was replayed: {sent}"
-    );
-    assert!(sent.contains("Say hi."));
-    let max_tokens = bodies[0]["max_tokens"].as_u64().unwrap();
-    assert!(
-        max_tokens < 2048,
-        "max_tokens {max_tokens} over the 2,048-token window"
-    );
+    assert_asked_without_the_digits(&server.chat_bodies());
     // The message stays in the transcript, marked as left out.
     let entries = sessions.all_entries(&sid, true).unwrap();
     assert!(entries.iter().any(|e| e

@@ -9,7 +9,7 @@ mod recorded;
 
 use std::process::Output;
 
-use recorded::{fixture, Replay, LLAMA_CPP_PYTHON};
+use recorded::{assert_asked_without_the_digits, digits, fixture, Replay, LLAMA_CPP_PYTHON};
 
 #[path = "common/chat_env.rs"]
 mod chat_env;
@@ -229,13 +229,6 @@ async fn chat_typed(
     child.wait_with_output().await.unwrap()
 }
 
-/// The recorder's 3,000 dense digits (llama-cpp-python counted 3,001 tokens).
-fn digits() -> String {
-    (0..3000)
-        .map(|i| char::from(b'0' + ((i * 7) % 10) as u8))
-        .collect()
-}
-
 /// A session whose first message is over a 2,048-token server's window: that turn is refused
 /// with the message's size (the server's own count) and the window, nothing is sent to the
 /// model, and the next "Say hi." of the same session completes without it, asking for no more
@@ -282,16 +275,7 @@ async fn a_dense_first_message_is_refused_and_the_next_message_of_the_session_co
     let stdout = text(&out.stdout);
     assert!(stdout.contains("context/message_too_large"), "{stdout}");
     assert!(stdout.contains(reply.trim()), "{stdout}");
-    let bodies = server.chat_bodies();
-    assert_eq!(bodies.len(), 1);
-    let sent = bodies[0]["messages"].to_string();
-    assert!(
-        !sent.contains(&digits()[..64]),
-        "the refused message was replayed"
-    );
-    assert!(sent.contains("Say hi."));
-    let max_tokens = bodies[0]["max_tokens"].as_u64().unwrap();
-    assert!(max_tokens < 2048, "max_tokens {max_tokens}");
+    assert_asked_without_the_digits(&server.chat_bodies());
 }
 
 /// `--tool-choice` must name a function the model is offered: checked before anything is sent,

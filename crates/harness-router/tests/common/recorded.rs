@@ -10,6 +10,31 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// The recorder's `DIGITS`: 3,000 dense digits, which llama-cpp-python counts as 3,001 tokens,
+/// over the 2,048-token window the recorded server ran with.
+pub fn digits() -> String {
+    (0..3000)
+        .map(|i| char::from(b'0' + ((i * 7) % 10) as u8))
+        .collect()
+}
+
+/// The one chat request in `bodies` went out after the dense message was refused: without it,
+/// with "Say hi.", asking for no more output than the 2,048-token window leaves.
+pub fn assert_asked_without_the_digits(bodies: &[Value]) {
+    assert_eq!(bodies.len(), 1);
+    let sent = bodies[0]["messages"].to_string();
+    assert!(
+        !sent.contains(&digits()[..64]),
+        "the refused message was replayed: {sent}"
+    );
+    assert!(sent.contains("Say hi."), "{sent}");
+    let max_tokens = bodies[0]["max_tokens"].as_u64().unwrap();
+    assert!(
+        max_tokens < 2048,
+        "max_tokens {max_tokens} over the 2,048-token window"
+    );
+}
+
 /// One recorded case: where it came from and its exchanges.
 #[derive(Clone, Debug)]
 pub struct Fixture {
