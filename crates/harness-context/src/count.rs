@@ -453,29 +453,40 @@ impl Counter {
         tools: &[ToolSpec],
         overhead: u64,
     ) {
-        let Some((at, reported)) = messages
-            .iter()
-            .enumerate()
-            .rev()
-            .find_map(|(i, m)| match m {
-                AgentMessage::Assistant(a) => a.usage.as_ref().and_then(|u| {
-                    let input = u.input.unwrap_or(0)
-                        + u.cache_read.unwrap_or(0)
-                        + u.cache_write.unwrap_or(0);
-                    (!u.estimated && input > 0).then_some((i, input))
-                }),
-                _ => None,
-            })
-        else {
+        self.calibrate_by(
+            messages.len(),
+            |i| (messages[i], known.get(i).copied().flatten()),
+            system_prompt,
+            tools,
+            overhead,
+        )
+    }
+
+    /// [`calibrate_counted`](Counter::calibrate_counted) over `len` messages given by index
+    /// (each with its raw count where known), so a caller need not collect them first.
+    pub(crate) fn calibrate_by<'m>(
+        &mut self,
+        len: usize,
+        message: impl Fn(usize) -> (&'m AgentMessage, Option<u64>),
+        system_prompt: Option<&str>,
+        tools: &[ToolSpec],
+        overhead: u64,
+    ) {
+        let Some((at, reported)) = (0..len).rev().find_map(|i| match message(i).0 {
+            AgentMessage::Assistant(a) => a.usage.as_ref().and_then(|u| {
+                let input =
+                    u.input.unwrap_or(0) + u.cache_read.unwrap_or(0) + u.cache_write.unwrap_or(0);
+                (!u.estimated && input > 0).then_some((i, input))
+            }),
+            _ => None,
+        }) else {
             return;
         };
         let counted = self.raw_preamble(system_prompt, tools)
-            + messages[..at]
-                .iter()
-                .enumerate()
-                .map(|(i, m)| match known.get(i) {
-                    Some(Some(raw)) => *raw,
-                    _ => self.raw_message(m),
+            + (0..at)
+                .map(|i| match message(i) {
+                    (_, Some(raw)) => raw,
+                    (m, None) => self.raw_message(m),
                 })
                 .sum::<u64>();
         if counted < MIN_CALIBRATION_TOKENS {

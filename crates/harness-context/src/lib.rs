@@ -21,11 +21,12 @@ use std::time::Duration;
 
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler, LocalHandler, LocalValue};
 use harness_types::context::{
-    Applied, AssembleCall, AssembleRequest, AssembleResponse, CountTokensRequest,
+    Applied, AssembleCall, AssembleOptions, AssembleRequest, AssembleResponse, CountTokensRequest,
     CountTokensResponse,
 };
 use harness_types::message::AgentMessage;
 use harness_types::parse::parse_payload;
+use harness_types::router::ToolSpec;
 use schemars::schema_for;
 use serde::Deserialize;
 use serde_json::Value;
@@ -119,6 +120,18 @@ pub async fn assemble_known(
     let mut counter = Counter::new(&req.model).with_server(server);
     let raws = count::raw_counts(&counter, o.lease_key.as_deref(), history, identities);
     let usable = o.context_window.saturating_sub(o.max_output_tokens);
+    let now = harness_types::now_ms();
+    if let Some(fit) = fits_as_sent(
+        &counter,
+        history,
+        &raws,
+        &o,
+        (req.system_prompt.as_ref(), &req.tools),
+        usable,
+        now,
+    ) {
+        return Ok(fit);
+    }
     let model = req.model;
     let sent = history.len();
     let mut items: Vec<Item<'_>> = history
@@ -138,7 +151,6 @@ pub async fn assemble_known(
         items.first().map(|i| i.message.as_ref()),
         Some(AgentMessage::User(_))
     ));
-    let now = harness_types::now_ms();
     if let Some(prev) = &o.previous_summary {
         items.insert(
             pinned,
@@ -297,6 +309,69 @@ pub async fn assemble_known(
     applied.tokens_before = Some(initial + preamble);
     applied.summarized_head_tokens = Some(head_tokens);
     Ok(respond(kept, tokens, applied, &counter))
+}
+
+/// The answer for a history whose every message is model-visible and which fits as sent
+/// (`unchanged`), from the messages' raw counts alone; `None` when it does not, and the full
+/// assembly runs. This is every step of a conversation that fits: the working list of
+/// [`assemble_known`] (a copy of each message's slot) is built only when something must change,
+/// so a step on a long history costs a pass over its counts, not a copy of it.
+fn fits_as_sent(
+    counter: &Counter,
+    history: &[AgentMessage],
+    raws: &[u64],
+    o: &AssembleOptions,
+    (system_prompt, tools): (Option<&String>, &[ToolSpec]),
+    usable: u64,
+    now: i64,
+) -> Option<AssembleResponse> {
+    if raws.len() != history.len() || !history.iter().all(AgentMessage::is_model_visible) {
+        return None;
+    }
+    // The working list is the history with a previous summary right after the opening message.
+    let summary = o
+        .previous_summary
+        .as_ref()
+        .map(|p| compact::summary_message(&p.summary, now));
+    let pinned = usize::from(matches!(history.first(), Some(AgentMessage::User(_))));
+    let at = |i: usize| -> (&AgentMessage, Option<u64>) {
+        match (&summary, i.cmp(&pinned)) {
+            (Some(s), std::cmp::Ordering::Equal) => (s, None),
+            (Some(_), std::cmp::Ordering::Greater) => (&history[i - 1], Some(raws[i - 1])),
+            _ => (&history[i], Some(raws[i])),
+        }
+    };
+    // Calibrated apart: when this does not fit, the full assembly calibrates its own list.
+    let mut counter = counter.clone();
+    let system_prompt_text = system_prompt.map(String::as_str);
+    counter.calibrate_by(
+        history.len() + usize::from(summary.is_some()),
+        at,
+        system_prompt_text,
+        tools,
+        o.request_overhead_tokens,
+    );
+    let preamble = counter.preamble(system_prompt_text, tools) + o.request_overhead_tokens;
+    let initial = raws.iter().map(|&raw| counter.apply(raw)).sum::<u64>()
+        + summary.as_ref().map_or(0, |s| counter.message(s));
+    if preamble > usable || initial > usable - preamble {
+        return None;
+    }
+    Some(AssembleResponse {
+        system_prompt: system_prompt.cloned(),
+        messages: Vec::new(),
+        unchanged: true,
+        token_count: initial + preamble,
+        usable,
+        effective_max_output_tokens: o.max_output_tokens,
+        applied: Applied {
+            initial_token_count: initial + preamble,
+            reused_summary: o.previous_summary.is_some(),
+            ..Applied::default()
+        },
+        counter: Some(counter.name()),
+        correction: Some(counter.correction()),
+    })
 }
 
 /// Registers `context::assemble` and `context::count-tokens` on `bus`. The summarizer calls

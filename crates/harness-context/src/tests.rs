@@ -194,3 +194,63 @@ async fn counts_are_reused_by_message_identity_within_a_session() {
         short
     );
 }
+
+/// A history that fits as sent is answered from its counts (`unchanged`); the same history
+/// through the full assembly (a custom message makes it not as sent) counts the same tokens
+/// with the same usage correction, the summary and the calibrating reply included.
+#[tokio::test]
+async fn a_fit_answered_from_counts_matches_the_full_assembly() {
+    use harness_types::message::{
+        AssistantMessage, ContentBlock, CustomMessage, StopReason, Usage,
+    };
+    let answered = AgentMessage::Assistant(AssistantMessage {
+        content: vec![ContentBlock::text("ok")],
+        model: "m".into(),
+        provider: "p".into(),
+        stop_reason: StopReason::End,
+        usage: Some(Usage {
+            input: Some(1_900),
+            ..Usage::default()
+        }),
+        error_kind: None,
+        error_message: None,
+        native_stop_reason: None,
+        warnings: None,
+        timestamp: 0,
+    });
+    let history = vec![
+        AgentMessage::user_text("x".repeat(3_800), 0),
+        answered,
+        AgentMessage::user_text("y".repeat(380), 0),
+    ];
+    let summarized = |messages: Vec<AgentMessage>| {
+        let mut r = req(messages, 100_000);
+        r.options.previous_summary = Some(PreviousSummary {
+            summary: "z".repeat(760),
+            summarized_head_tokens: 500,
+        });
+        r
+    };
+    let fast = assemble(None, summarized(history.clone())).await.unwrap();
+    let mut with_custom = history;
+    with_custom.push(AgentMessage::Custom(CustomMessage {
+        custom_type: "note".into(),
+        content: vec![ContentBlock::text("not for the model")],
+        display: None,
+        details: None,
+        timestamp: 0,
+    }));
+    let full = assemble(None, summarized(with_custom)).await.unwrap();
+    assert!(fast.unchanged && !full.unchanged);
+    assert_eq!(full.messages.len(), 4);
+    assert_eq!(fast.token_count, full.token_count);
+    assert_eq!(
+        fast.applied.initial_token_count,
+        full.applied.initial_token_count
+    );
+    assert!(fast.applied.reused_summary && full.applied.reused_summary);
+    let correction = fast.correction.unwrap();
+    assert_eq!(Some(correction), full.correction);
+    // The reply's usage calibrated both (1,900 reported for ~1,300 counted).
+    assert!(correction > 1.2, "{correction}");
+}

@@ -9,15 +9,15 @@ use harness_types::context::{AssembleOptions, AssembleRequest, ModelRef};
 use harness_types::message::AgentMessage;
 use serde_json::{json, Value};
 
+/// The texts of every `router::count-tokens` request, in order.
+type Asked = Arc<Mutex<Vec<Vec<String>>>>;
+
 /// A bus whose `router::count-tokens` answers `counts` (each text's length, or `null` when
 /// `counts` is false) and keeps every request's texts.
-fn bus_with_counter(
-    dir: &std::path::Path,
-    counts: bool,
-) -> (Arc<EmbeddedBus>, Arc<Mutex<Vec<Vec<String>>>>) {
+fn bus_with_counter(dir: &std::path::Path, counts: bool) -> (Arc<EmbeddedBus>, Asked) {
     let store = Store::open(&dir.join("c.db"), Durability::Normal).unwrap();
     let bus = Arc::new(EmbeddedBus::new(store).unwrap());
-    let asked: Arc<Mutex<Vec<Vec<String>>>> = Arc::default();
+    let asked: Asked = Arc::default();
     let log = asked.clone();
     bus.register_function(
         FunctionDef::new("router::count-tokens", "test counter"),
