@@ -356,11 +356,37 @@ pub(crate) fn cache_sections(
 ) -> Option<serde_json::Value> {
     let (stable, prompt) = (frozen?, prompt?);
     let rest = prompt.strip_prefix(stable)?.strip_prefix("\n\n")?;
-    let hex = harness_types::digest::sha256_hex(stable.as_bytes());
+    let hex = stable_digest(stable);
     Some(serde_json::json!({
         "system_sections": [{"text": stable, "cache_boundary": true}, {"text": rest, "cache_boundary": false}],
         "cache_intent": {"surface_digest": format!("sha256:{hex}")}
     }))
+}
+
+/// Stable prefixes whose digest is remembered (the latest ones used).
+const DIGESTS_KEPT: usize = 16;
+
+/// The SHA-256 (hex) of a frozen prefix. A session sends the same prefix (several KB) at every
+/// step, so the digests of the latest few are kept: a compare of the text instead of hashing it
+/// again on every step.
+fn stable_digest(stable: &str) -> String {
+    static KEPT: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+    if let Ok(mut kept) = KEPT.lock() {
+        if let Some(at) = kept.iter().position(|(text, _)| text == stable) {
+            let hit = kept.remove(at);
+            let hex = hit.1.clone();
+            kept.push(hit);
+            return hex;
+        }
+    }
+    let hex = harness_types::digest::sha256_hex(stable.as_bytes());
+    if let Ok(mut kept) = KEPT.lock() {
+        if kept.len() >= DIGESTS_KEPT {
+            kept.remove(0);
+        }
+        kept.push((stable.to_string(), hex.clone()));
+    }
+    hex
 }
 
 /// What `harness::status` and `turn-completed` report of the cache seam: the digest the
@@ -392,6 +418,31 @@ pub(crate) fn surface(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kept_prefix_digest_is_the_digest_of_that_prefix() {
+        let prefixes: Vec<String> = (0..DIGESTS_KEPT + 3)
+            .map(|i| format!("frozen prefix {i}"))
+            .collect();
+        // Twice over more prefixes than are kept: hits, misses and evictions all answer the
+        // text's own digest.
+        for p in prefixes
+            .iter()
+            .chain(&prefixes)
+            .chain(prefixes.iter().rev())
+        {
+            assert_eq!(
+                stable_digest(p),
+                harness_types::digest::sha256_hex(p.as_bytes()),
+                "{p}"
+            );
+        }
+        let sections = cache_sections(Some("stable"), Some("stable\n\nrest")).unwrap();
+        assert_eq!(
+            sections["cache_intent"]["surface_digest"],
+            format!("sha256:{}", harness_types::digest::sha256_hex(b"stable"))
+        );
+    }
 
     #[test]
     fn a_skills_correction_names_what_was_added_changed_and_removed() {
