@@ -38,6 +38,13 @@ impl SessionLocks {
         lock.lock_owned().await
     }
 
+    /// How many hold or wait for a session's lock (the holder counts).
+    #[cfg(test)]
+    pub(crate) fn sharers(&self, session_id: &str) -> usize {
+        let map = self.map.lock().expect("session lock map");
+        map.get(session_id).map_or(0, Weak::strong_count)
+    }
+
     #[cfg(test)]
     pub(crate) fn live(&self) -> usize {
         let map = self.map.lock().expect("session lock map");

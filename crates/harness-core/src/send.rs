@@ -915,6 +915,9 @@ fn merged(session_id: &str, turn_id: String, queued: bool) -> SendResponse {
 }
 
 #[cfg(test)]
+mod steer_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use harness_types::message::UserMessage;
