@@ -12,7 +12,7 @@ pub mod recorded;
 #[path = "../../../harness-core/tests/support/embedded.rs"]
 pub mod embedded;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -73,13 +73,7 @@ pub fn status(status: u16, headers: &[(&'static str, &str)], body: Value) -> Rep
     }
 }
 
-#[derive(Clone, Debug)]
-pub struct Recorded {
-    pub method: String,
-    pub path: String,
-    pub headers: HashMap<String, String>,
-    pub body: Value,
-}
+pub use recorded::Request as Recorded;
 
 pub struct Mock {
     pub url: String,
@@ -122,56 +116,12 @@ impl Mock {
     }
 }
 
-async fn read_request(sock: &mut TcpStream) -> std::io::Result<Option<Recorded>> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 8192];
-    let end = loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break end;
-        }
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(None);
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_string();
-    let mut lines = head.split("\r\n");
-    let first = lines.next().unwrap_or_default();
-    let mut parts = first.split(' ');
-    let method = parts.next().unwrap_or_default().to_string();
-    let path = parts.next().unwrap_or_default().to_string();
-    let headers: HashMap<String, String> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let len: usize = headers
-        .get("content-length")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let mut body = buf[end + 4..].to_vec();
-    while body.len() < len {
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            break;
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    Ok(Some(Recorded {
-        method,
-        path,
-        headers,
-        body,
-    }))
-}
-
 async fn serve(
     mut sock: TcpStream,
     requests: Arc<Mutex<Vec<Recorded>>>,
     replies: Arc<Mutex<VecDeque<Reply>>>,
 ) -> std::io::Result<()> {
-    let Some(req) = read_request(&mut sock).await? else {
+    let Some(req) = recorded::read_request(&mut sock).await? else {
         return Ok(());
     };
     requests.lock().unwrap().push(req);

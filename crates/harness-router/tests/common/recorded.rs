@@ -35,6 +35,61 @@ pub fn assert_asked_without_the_digits(bodies: &[Value]) {
     );
 }
 
+/// One HTTP/1.1 request as a test server read it: the body parsed as JSON (`null` if it is not).
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    /// Names lowercased.
+    pub headers: HashMap<String, String>,
+    pub body: Value,
+}
+
+/// Reads one request (head, then a body of its `content-length`); `None` when the client
+/// closed the connection first.
+pub async fn read_request(sock: &mut TcpStream) -> std::io::Result<Option<Request>> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let end = loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end;
+        }
+        let n = sock.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+    let mut lines = head.split("\r\n");
+    let mut first = lines.next().unwrap_or_default().split(' ');
+    let method = first.next().unwrap_or_default().to_string();
+    let path = first.next().unwrap_or_default().to_string();
+    let headers: HashMap<String, String> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let len: usize = headers
+        .get("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[end + 4..].to_vec();
+    while body.len() < len {
+        let n = sock.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    Ok(Some(Request {
+        method,
+        path,
+        headers,
+        body,
+    }))
+}
+
 /// One recorded case: where it came from and its exchanges.
 #[derive(Clone, Debug)]
 pub struct Fixture {
@@ -183,41 +238,12 @@ async fn serve(
     pace: Pace,
     (most, now): Gauge,
 ) -> std::io::Result<()> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 8192];
-    let end = loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break end;
-        }
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
+    let Some(Request {
+        method, path, body, ..
+    }) = read_request(&mut sock).await?
+    else {
+        return Ok(());
     };
-    let head = String::from_utf8_lossy(&buf[..end]).to_string();
-    let mut first = head.split("\r\n").next().unwrap_or_default().split(' ');
-    let method = first.next().unwrap_or_default().to_string();
-    let path = first.next().unwrap_or_default().to_string();
-    let headers: HashMap<String, String> = head
-        .split("\r\n")
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let len: usize = headers
-        .get("content-length")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let mut body = buf[end + 4..].to_vec();
-    while body.len() < len {
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            break;
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     asked.lock().unwrap().push(Asked {
         method: method.clone(),
         path: path.clone(),
