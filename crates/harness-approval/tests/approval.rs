@@ -90,12 +90,7 @@ async fn a_gated_call_is_held_recorded_and_listed_with_its_digest() {
     assert!(a["created_at"].as_i64().unwrap() > 0);
 
     // Durable before the hold was answered: the record is in state.
-    let stored = rt
-        .shared
-        .state_get(harness_approval::SCOPE, a["approval_id"].as_str().unwrap())
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = rt.stored(&a).await;
     assert_eq!(stored["status"], "pending");
 
     // The unfiltered list has it; another session's list does not.
@@ -136,12 +131,7 @@ async fn approving_runs_the_target_once_with_the_exact_arguments_and_the_turn_co
     assert_decided_once(&rt, &a, "approved").await;
     assert_eq!(seen.lock().unwrap().len(), 1);
     assert!(rt.pending(&sid).await.is_empty());
-    let stored = rt
-        .shared
-        .state_get(harness_approval::SCOPE, a["approval_id"].as_str().unwrap())
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = rt.stored(&a).await;
     assert_eq!(
         (stored["status"].clone(), stored["resolved"].clone()),
         (json!("approved"), json!(true))

@@ -122,6 +122,16 @@ impl Rt {
         )
     }
 
+    /// The stored record of the approval `a` (as `approval::list` showed it).
+    pub async fn stored(&self, a: &Value) -> Value {
+        let id = a["approval_id"].as_str().unwrap();
+        self.shared
+            .state_get(harness_approval::SCOPE, id)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("no record of {id}"))
+    }
+
     /// Registers a target that records its arguments.
     pub fn target(&self, id: &str) -> Seen {
         let seen: Seen = Default::default();
