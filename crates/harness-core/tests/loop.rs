@@ -435,11 +435,8 @@ async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
     // The session goes on: the next send needs a model again and starts a fresh turn.
     let mut next = send("again");
     next.session_id = Some(r.session_id.clone());
-    let n = rt.send(next).await;
-    assert_eq!(
-        rt.wait_terminal(&n.session_id, &n.turn_id).await.status,
-        TurnStatus::Completed
-    );
+    let (_, end) = rt.run(next).await;
+    assert_eq!(end.status, TurnStatus::Completed);
 }
 
 #[tokio::test]
@@ -687,11 +684,8 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
         max_output_tokens: Some(500),
         ..Default::default()
     });
-    let r = rt.send(req).await;
-    assert_eq!(
-        rt.wait_terminal(&r.session_id, &r.turn_id).await.status,
-        TurnStatus::Completed
-    );
+    let (_, end) = rt.run(req).await;
+    assert_eq!(end.status, TurnStatus::Completed);
 }
 
 /// `session::create` of the id a send generated creates the session and then answers late (a
@@ -790,13 +784,8 @@ async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
     let before = writes_once_idle(&rt).await;
     let mut req = send("again");
     req.session_id = Some(first.session_id.clone());
-    let second = rt.send(req).await;
-    assert_eq!(
-        rt.wait_terminal(&second.session_id, &second.turn_id)
-            .await
-            .status,
-        TurnStatus::Completed
-    );
+    let (second, end) = rt.run(req).await;
+    assert_eq!(end.status, TurnStatus::Completed);
     // The send's message, turn record and first step are one write; the step writes once
     // before the generation and once after it; the queue acks the step.
     assert_eq!(writes_once_idle(&rt).await - before, 4);
