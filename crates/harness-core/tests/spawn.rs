@@ -81,45 +81,41 @@ async fn a_detached_spawn_answers_with_the_child_ids_at_once() {
     );
 }
 
+/// A turn whose model spawns with `arguments` under `config`: the runtime, the session and the
+/// spawn's result (every guard answers the model instead of failing the turn).
+async fn spawn_answered(
+    config: HarnessConfig,
+    arguments: Value,
+) -> (Rt, String, harness_types::message::FunctionResultMessage) {
+    let rt = runtime(
+        json!({"generations": [spawn_gen("^go", arguments), text(None, "ok", 0)]}),
+        config,
+    )
+    .await;
+    let (r, _) = rt.run(orchestrating("go")).await;
+    let result = rt.results(&r.session_id).remove(0);
+    (rt, r.session_id, result)
+}
+
 #[tokio::test]
 async fn guards_answer_the_model_instead_of_spawning() {
-    let cfg = HarnessConfig {
+    let deep = HarnessConfig {
         max_depth: 0,
         ..config()
     };
-    let rt = runtime(
-        json!({"generations": [spawn_gen("^go", json!({"task": "sub"})), text(None, "ok", 0)]}),
-        cfg,
-    )
-    .await;
-    let (r, _) = rt.run(orchestrating("go")).await;
-    let result = &rt.results(&r.session_id)[0];
+    let (rt, sid, result) = spawn_answered(deep, json!({"task": "sub"})).await;
     assert!(result.is_error);
     assert_eq!(result.details["error"], "harness/spawn_depth_exceeded");
-    assert_eq!(rt.status(&r.session_id).await.unwrap().children.len(), 0);
+    assert_eq!(rt.status(&sid).await.unwrap().children.len(), 0);
 
-    let cfg = HarnessConfig {
+    let wide = HarnessConfig {
         max_children: 0,
         ..config()
     };
-    let rt = runtime(
-        json!({"generations": [spawn_gen("^go", json!({"task": "sub"})), text(None, "ok", 0)]}),
-        cfg,
-    )
-    .await;
-    let (r, _) = rt.run(orchestrating("go")).await;
-    assert_eq!(
-        rt.results(&r.session_id)[0].details["error"],
-        "harness/spawn_fanout_exceeded"
-    );
+    let (_, _, result) = spawn_answered(wide, json!({"task": "sub"})).await;
+    assert_eq!(result.details["error"], "harness/spawn_fanout_exceeded");
 
-    let rt = runtime(
-        json!({"generations": [spawn_gen("^go", json!({"tsak": "typo"})), text(None, "ok", 0)]}),
-        config(),
-    )
-    .await;
-    let (r, _) = rt.run(orchestrating("go")).await;
-    let result = &rt.results(&r.session_id)[0];
+    let (_, _, result) = spawn_answered(config(), json!({"tsak": "typo"})).await;
     assert_eq!(result.details["error"], "harness/invalid_request");
     assert!(
         result.content[0]
