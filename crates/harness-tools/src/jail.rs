@@ -244,16 +244,7 @@ impl Jail {
         let (id, rel) = self.relative(field, path)?;
         let flags = if write { OFlags::RDWR } else { OFlags::RDONLY };
         let (fd, real) = self.open_at(field, path, (id, &rel), flags)?;
-        let kind = file_type(&fd).map_err(|e| io_err(field, path, e))?;
-        if kind != FileType::RegularFile {
-            return Err(io_err(
-                field,
-                path,
-                format!("is not a regular file ({kind:?})"),
-            ));
-        }
-        clear_nonblock(&fd).map_err(|e| io_err(field, path, e))?;
-        Ok((File::from(fd), real))
+        Ok((regular_file(fd, field, path)?, real))
     }
 
     /// Opens an existing directory.
@@ -277,18 +268,7 @@ impl Jail {
             _ => return Err(ToolError::invalid(field, "must name a file")),
         };
         match self.open_at(field, path, (id, &rel), OFlags::WRONLY) {
-            Ok((fd, real)) => {
-                let kind = file_type(&fd).map_err(|e| io_err(field, path, e))?;
-                if kind != FileType::RegularFile {
-                    return Err(io_err(
-                        field,
-                        path,
-                        format!("is not a regular file ({kind:?})"),
-                    ));
-                }
-                clear_nonblock(&fd).map_err(|e| io_err(field, path, e))?;
-                return Ok((File::from(fd), real, false));
-            }
+            Ok((fd, real)) => return Ok((regular_file(fd, field, path)?, real, false)),
             Err(ToolError::NotFound { .. }) => {}
             Err(e) => return Err(e),
         }
@@ -430,6 +410,20 @@ fn dot_if_empty(p: &Path) -> PathBuf {
 
 pub fn file_type(fd: impl AsFd) -> rustix::io::Result<FileType> {
     Ok(FileType::from_raw_mode(rustix::fs::fstat(fd)?.st_mode))
+}
+
+/// An opened `path` as a blocking `File`; anything but a regular file is refused.
+fn regular_file(fd: OwnedFd, field: &'static str, path: &str) -> Result<File> {
+    let kind = file_type(&fd).map_err(|e| io_err(field, path, e))?;
+    if kind != FileType::RegularFile {
+        return Err(io_err(
+            field,
+            path,
+            format!("is not a regular file ({kind:?})"),
+        ));
+    }
+    clear_nonblock(&fd).map_err(|e| io_err(field, path, e))?;
+    Ok(File::from(fd))
 }
 
 fn clear_nonblock(fd: impl AsFd) -> rustix::io::Result<()> {
