@@ -5,7 +5,7 @@ mod support;
 use std::time::Duration;
 
 use harness_core::HarnessConfig;
-use harness_types::api::{FunctionPolicy, SendOptions, StopRequest, TurnStatus};
+use harness_types::api::{FunctionPolicy, SendOptions, TurnStatus};
 use harness_types::ErrorCode;
 use serde_json::json;
 use support::*;
@@ -155,14 +155,7 @@ async fn stop_cancels_a_streaming_generation() {
         assert!(std::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let out = rt
-        .harness
-        .stop(StopRequest {
-            session_id: r.session_id.clone(),
-            turn_id: None,
-        })
-        .await
-        .unwrap();
+    let out = rt.stop(&r.session_id).await;
     assert!(out.stopping);
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
@@ -172,14 +165,7 @@ async fn stop_cancels_a_streaming_generation() {
         .find(|e| e.entry_id == format!("e_{}_stopped", r.turn_id));
     assert_eq!(stopped.unwrap().custom.unwrap().data["reason"], "stopped");
     // A second stop has nothing to stop.
-    let again = rt
-        .harness
-        .stop(StopRequest {
-            session_id: r.session_id.clone(),
-            turn_id: None,
-        })
-        .await
-        .unwrap();
+    let again = rt.stop(&r.session_id).await;
     assert!(!again.stopping);
     let completed: Vec<_> = rt
         .topics(&r.session_id)

@@ -5,7 +5,7 @@ mod support;
 use std::time::Duration;
 
 use harness_core::HarnessConfig;
-use harness_types::api::{ExposeMode, FunctionPolicy, SpawnRequest, StopRequest, TurnStatus};
+use harness_types::api::{ExposeMode, FunctionPolicy, SpawnRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
 
@@ -127,13 +127,21 @@ async fn guards_answer_the_model_instead_of_spawning() {
     );
 }
 
-#[tokio::test]
-async fn stopping_the_parent_stops_the_child() {
+/// A parent parked on the child it spawned with `arguments`; the child streams its answer
+/// slowly, and the parent ends by saying `last`.
+async fn parked_on_a_slow_child(
+    arguments: Value,
+    last: &str,
+) -> (
+    Rt,
+    harness_types::api::SendResponse,
+    harness_types::api::ChildRef,
+) {
     let rt = runtime(
         json!({"generations": [
-            spawn_gen("^research", json!({"task": "dig deep"})),
+            spawn_gen("^research", arguments),
             text(Some("^dig deep"), "a b c d e f g h i j k l m n o p q r s t", 200),
-            text(None, "never", 0)
+            text(None, last, 0)
         ]}),
         config(),
     )
@@ -141,14 +149,13 @@ async fn stopping_the_parent_stops_the_child() {
     let r = rt.send(orchestrating("research it")).await;
     wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
     let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
-    let out = rt
-        .harness
-        .stop(StopRequest {
-            session_id: r.session_id.clone(),
-            turn_id: None,
-        })
-        .await
-        .unwrap();
+    (rt, r, child)
+}
+
+#[tokio::test]
+async fn stopping_the_parent_stops_the_child() {
+    let (rt, r, child) = parked_on_a_slow_child(json!({"task": "dig deep"}), "never").await;
+    let out = rt.stop(&r.session_id).await;
     assert!(out.stopping);
     assert_eq!(
         rt.wait_terminal(&r.session_id, &r.turn_id).await.status,
@@ -160,6 +167,22 @@ async fn stopping_the_parent_stops_the_child() {
             .status,
         TurnStatus::Cancelled
     );
+}
+
+/// `harness::spawn` called directly (over the bus, as a caller outside any turn) with the task
+/// "hello" and no policy.
+async fn spawn_hello(rt: &Rt) -> harness_types::api::SpawnResponse {
+    use harness_bus::Bus;
+    let out = rt
+        .bus
+        .call(
+            "harness::spawn",
+            json!({"task": "hello", "model": "m", "provider": "scripted"}),
+            None,
+        )
+        .await
+        .unwrap();
+    serde_json::from_value(out).unwrap()
 }
 
 #[tokio::test]
@@ -184,17 +207,7 @@ async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
         .await
         .unwrap_err();
     assert!(err.message.starts_with("model:"), "{err}");
-    use harness_bus::Bus;
-    let out = rt
-        .bus
-        .call(
-            "harness::spawn",
-            json!({"task": "hello", "model": "m", "provider": "scripted"}),
-            None,
-        )
-        .await
-        .unwrap();
-    let out: harness_types::api::SpawnResponse = serde_json::from_value(out).unwrap();
+    let out = spawn_hello(&rt).await;
     let s = rt
         .wait_terminal(&out.child_session_id, &out.child_turn_id)
         .await;
@@ -221,17 +234,7 @@ async fn a_direct_spawn_naming_no_policy_gets_the_configured_baseline_walled() {
     )
     .await;
     rt.register("math::add", None, |_| json!(3));
-    use harness_bus::Bus;
-    let out = rt
-        .bus
-        .call(
-            "harness::spawn",
-            json!({"task": "hello", "model": "m", "provider": "scripted"}),
-            None,
-        )
-        .await
-        .unwrap();
-    let out: harness_types::api::SpawnResponse = serde_json::from_value(out).unwrap();
+    let out = spawn_hello(&rt).await;
     rt.wait_terminal(&out.child_session_id, &out.child_turn_id)
         .await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
@@ -286,14 +289,7 @@ async fn stop_closes_every_open_call_of_a_turn_parked_on_two_children_and_a_hold
     let children = before.children.clone();
     assert_eq!(children.len(), 2);
 
-    let out = rt
-        .harness
-        .stop(StopRequest {
-            session_id: r.session_id.clone(),
-            turn_id: None,
-        })
-        .await
-        .unwrap();
+    let out = rt.stop(&r.session_id).await;
     assert!(out.stopping);
     let after = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(after.status, TurnStatus::Cancelled);
@@ -335,18 +331,11 @@ async fn stop_closes_every_open_call_of_a_turn_parked_on_two_children_and_a_hold
 
 #[tokio::test]
 async fn a_spawn_past_its_pending_timeout_resumes_the_parent_once_and_stops_the_child() {
-    let rt = runtime(
-        json!({"generations": [
-            spawn_gen("^research", json!({"task": "dig deep", "options": {"pending_timeout_ms": 1}})),
-            text(Some("^dig deep"), "a b c d e f g h i j k l m n o p q r s t", 200),
-            text(None, "gave up waiting", 0)
-        ]}),
-        config(),
+    let (rt, r, child) = parked_on_a_slow_child(
+        json!({"task": "dig deep", "options": {"pending_timeout_ms": 1}}),
+        "gave up waiting",
     )
     .await;
-    let r = rt.send(orchestrating("research it")).await;
-    wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
-    let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let out = rt.harness.sweep_pending(Default::default()).await.unwrap();

@@ -173,6 +173,17 @@ impl Rt {
         self.harness.send(req).await.unwrap()
     }
 
+    /// `harness::stop` of the session's current turn, which the test expects to be accepted.
+    pub async fn stop(&self, session_id: &str) -> harness_types::api::StopResponse {
+        self.harness
+            .stop(harness_types::api::StopRequest {
+                session_id: session_id.into(),
+                turn_id: None,
+            })
+            .await
+            .unwrap()
+    }
+
     /// [`Rt::send`], then waits for the turn to end: the send's answer and the final status.
     pub async fn run(&self, req: SendRequest) -> (harness_types::api::SendResponse, StatusReport) {
         let r = self.send(req).await;
