@@ -10,9 +10,10 @@ use crate::record::TurnRecord;
 use crate::TURN_SCOPE;
 
 impl Harness {
-    /// Re-enqueues the current step of every `running` record. A crash between persisting a
-    /// record and enqueueing its step would otherwise strand the turn; a step that was in fact
-    /// still queued runs once and the duplicate is dropped by the stale guard.
+    /// Hands every turn record to the machine as `Recover`: a running one gets its current step
+    /// again, a parked one its interrupted calls closed, an ended one nothing. A crash between
+    /// persisting a record and enqueueing its step would otherwise strand the turn; a step that
+    /// was in fact still queued runs once and the duplicate is dropped by the stale guard.
     pub(crate) async fn redrive_running(&self) -> Result<()> {
         let records = self
             .inner

@@ -12,29 +12,21 @@ impl Harness {
         let not_stopping = Ok(StopResponse { stopping: false });
         // First cut the generation, lock-free: the step does not hold the lock while streaming.
         let rec = self.load_record(&req.session_id).await?;
-        let Some(turn_id) = rec.as_ref().map(|r| r.turn_id.clone()) else {
-            self.run(
-                None,
-                Input::StopRequested {
-                    turn_id: req.turn_id,
-                },
-                &mut Carry::default(),
-            )
-            .await?;
-            // Nothing to stop; make sure the session does not look busy.
-            let _ = self
-                .set_status(&req.session_id, SessionStatus::Idle, None)
-                .await;
-            return not_stopping;
-        };
+        let turn_id = rec.as_ref().map(|r| r.turn_id.clone());
         let mut carry = Carry::default();
         let input = Input::StopRequested {
             turn_id: req.turn_id.clone(),
         };
-        self.run(rec, input, &mut carry).await?;
-        if carry.carried == 0 {
+        let after = self.run(rec, input, &mut carry).await?;
+        let Some(turn_id) = turn_id.filter(|_| carry.carried > 0) else {
+            if after.is_none() {
+                // Nothing to stop; make sure the session does not look busy.
+                let _ = self
+                    .set_status(&req.session_id, SessionStatus::Idle, None)
+                    .await;
+            }
             return not_stopping;
-        }
+        };
         let mut carry = Carry::locked(self.inner.locks.lock(&req.session_id).await);
         let rec = self.load_record(&req.session_id).await?;
         let input = Input::Stop {
