@@ -49,7 +49,7 @@ impl Host for BinaryHost {
             }
             #[cfg(feature = "iii")]
             Some(url) => {
-                use crate::runtime::Siblings;
+                use crate::runtime::{open_on_iii, Siblings};
                 use anyhow::Context as _;
                 let opts = options(&spec);
                 let mut iii = harness_iii::IiiOptions::new(url);
@@ -74,18 +74,7 @@ impl Host for BinaryHost {
                     register(&bus);
                 }
                 let shared = (spec.layer)(Arc::new(bus.clone()));
-                let rt = match Runtime::open_on_bus(opts, shared, Siblings::ALL, Vec::new()).await {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        bus.shutdown().await;
-                        return Err(e);
-                    }
-                };
-                // The public functions go up only once the loop can serve them.
-                if let Err(e) = bus.open().await {
-                    bus.shutdown().await;
-                    return Err(anyhow::anyhow!("{e}"));
-                }
+                let rt = open_on_iii(opts, &bus, shared, Siblings::ALL, Vec::new()).await?;
                 Ok(Opened {
                     harness: rt.harness.clone(),
                     store: None,

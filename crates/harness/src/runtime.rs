@@ -125,6 +125,40 @@ fn load_script(path: Option<&Path>) -> Result<Script> {
     }
 }
 
+/// Both runtimes' last steps once the siblings are registered on `bus`: telemetry (before
+/// `start`, so the turns it redrives are traced and counted too), the `harness::*` surface, the
+/// tools, the fixtures (after the tools: a fixture of the same id, for tests and demos, takes
+/// their place), `approval::*` with the gate binding for `approve` (before `start`: a
+/// redelivered step may meet the persisted binding), the loop, and last the MCP servers (a tool
+/// list that arrives announces itself through `harness::on-functions-change`; this returns at
+/// once, and a server that cannot start is logged and retried, never fatal).
+async fn start_loop(
+    harness: &Harness,
+    bus: &Arc<dyn Bus>,
+    opts: &RuntimeOptions,
+    with: &Siblings,
+    approve: Vec<String>,
+    mcp_servers: Vec<harness_mcp::ServerSpec>,
+) -> Result<(harness_telemetry::Installed, McpHub)> {
+    let telemetry = crate::telemetry::install(harness, &opts.config)?;
+    harness_core::register(harness);
+    if with.tools {
+        harness_tools::register(bus.as_ref(), &tools(opts, harness));
+    }
+    if let Some(path) = &opts.fixtures {
+        crate::fixtures::register(bus.as_ref(), path, opts.fixture_log.as_ref())?;
+    }
+    if with.approval {
+        harness_approval::install(harness.bus().clone(), approve)
+            .await
+            .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
+    }
+    harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mcp = McpHub::new(harness.bus().clone(), Default::default());
+    mcp.apply(mcp_servers).await;
+    Ok((telemetry, mcp))
+}
+
 impl Runtime {
     /// `approve`: function globs held for a human approval (`--approve`; empty = none).
     pub async fn open(opts: RuntimeOptions, approve: Vec<String>) -> Result<Runtime> {
@@ -171,25 +205,16 @@ impl Runtime {
         harness_router::register(shared.as_ref(), &router);
         let config = opts.config.clone();
         let harness = Harness::new(shared.clone(), config);
-        // Before `start`: the turns it redrives are traced and counted too.
-        let telemetry = crate::telemetry::install(&harness, &opts.config)?;
-        harness_core::register(&harness);
-        harness_tools::register(shared.as_ref(), &tools(&opts, &harness));
-        // After the tools: a fixture of the same id (tests, demos) takes their place.
-        if let Some(path) = &opts.fixtures {
-            crate::fixtures::register(shared.as_ref(), path, opts.fixture_log.as_ref())?;
-        }
-        // approval::* always (approvals left from an earlier run stay decidable); the gate binding
-        // only for `approve`. Before `start`: a redelivered step may meet the persisted binding.
-        harness_approval::install(harness.bus().clone(), approve)
-            .await
-            .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
-        harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
-        // After the loop: a tool list that arrives announces itself through
-        // `harness::on-functions-change`. Returns at once; a server that cannot start is
-        // logged and retried, never fatal.
-        let mcp = McpHub::new(harness.bus().clone(), Default::default());
-        mcp.apply(mcp_servers).await;
+        // Tools and approvals always (approvals left from an earlier run stay decidable).
+        let (telemetry, mcp) = start_loop(
+            &harness,
+            &shared,
+            &opts,
+            &Siblings::ALL,
+            approve,
+            mcp_servers,
+        )
+        .await?;
         Ok(Runtime {
             bus,
             mcp,
@@ -266,6 +291,32 @@ impl Siblings {
     }
 }
 
+/// [`Runtime::open_on_bus`] on an iii engine's bus, `shared` being it (or a layer around it),
+/// then its public functions opened: only now can the worker serve `harness::send`, the queue
+/// ensured and every sibling and internal function registered. Either failing shuts the
+/// connection down.
+#[cfg(feature = "iii")]
+pub async fn open_on_iii(
+    opts: RuntimeOptions,
+    bus: &harness_iii::IiiBus,
+    shared: Arc<dyn Bus>,
+    with: Siblings,
+    approve: Vec<String>,
+) -> Result<BusRuntime> {
+    let rt = match Runtime::open_on_bus(opts, shared, with, approve).await {
+        Ok(rt) => rt,
+        Err(e) => {
+            bus.shutdown().await;
+            return Err(e);
+        }
+    };
+    if let Err(e) = bus.open().await {
+        bus.shutdown().await;
+        return Err(anyhow::anyhow!("{e}"));
+    }
+    Ok(rt)
+}
+
 /// A runtime on a bus it was given (not the embedded one). The fields are for callers that
 /// inspect it (`harness bench --iii`).
 #[allow(dead_code)]
@@ -327,24 +378,8 @@ impl Runtime {
         }
         let harness = Harness::new(bus.clone(), opts.config.clone());
         harness.set_protected_paths(protected_paths(&opts));
-        let telemetry = crate::telemetry::install(&harness, &opts.config)?;
-        harness_core::register(&harness);
-        if with.tools {
-            harness_tools::register(bus.as_ref(), &tools(&opts, &harness));
-        }
-        // After the tools: a fixture of the same id (tests, demos) takes their place.
-        if let Some(path) = &opts.fixtures {
-            crate::fixtures::register(bus.as_ref(), path, opts.fixture_log.as_ref())?;
-        }
-        if with.approval {
-            harness_approval::install(harness.bus().clone(), approve)
-                .await
-                .map_err(|e| anyhow::anyhow!("--approve: {e}"))?;
-        }
-        harness.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
-        // As embedded: after the loop, in the background, never fatal.
-        let mcp = McpHub::new(harness.bus().clone(), Default::default());
-        mcp.apply(mcp_servers).await;
+        let (telemetry, mcp) =
+            start_loop(&harness, &bus, &opts, &with, approve, mcp_servers).await?;
         Ok(BusRuntime {
             bus,
             harness,

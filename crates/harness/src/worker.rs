@@ -12,7 +12,7 @@ use clap::ValueEnum;
 use harness_bus::Bus;
 use harness_iii::{IiiBus, IiiOptions, QueueMode, SelfCalls};
 
-use crate::runtime::{Runtime, Siblings};
+use crate::runtime::{open_on_iii, Siblings};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum QueueModeArg {
@@ -114,19 +114,7 @@ pub async fn run(args: WorkerArgs) -> Result<()> {
     let bus = IiiBus::connect(iii).await?;
     let shared: Arc<dyn Bus> = Arc::new(bus.clone());
     let approve = args.runtime.approve.clone();
-    let rt = match Runtime::open_on_bus(opts, shared.clone(), with, approve.clone()).await {
-        Ok(rt) => rt,
-        Err(e) => {
-            bus.shutdown().await;
-            return Err(e);
-        }
-    };
-    // Only now can the worker serve harness::send: the queue is ensured and the siblings and
-    // internal functions are registered.
-    if let Err(e) = bus.open().await {
-        bus.shutdown().await;
-        return Err(anyhow::anyhow!("{e}"));
-    }
+    let rt = open_on_iii(opts, &bus, shared.clone(), with, approve.clone()).await?;
     let metrics = match args.metrics_listen {
         Some(addr) => match crate::telemetry::serve_metrics(addr, rt.telemetry.clone()).await {
             Ok(task) => Some((
