@@ -106,10 +106,7 @@ async fn sigkill_at_every_step_boundary_of_a_five_call_turn() {
         );
         let entries = server.transcript(sid, false).await;
         assert_every_call_closed(&entries);
-        let users = entries
-            .iter()
-            .filter(|e| role_of(e) == Some("user"))
-            .count();
+        let users = user_texts(&entries).len();
         assert_eq!(users, 1, "{point}: one user message\n{}", render(&entries));
         let last = entries.last().unwrap();
         assert_eq!(

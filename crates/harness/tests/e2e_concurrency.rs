@@ -56,14 +56,6 @@ async fn wait_streaming(api: &Api, sid: &str, full: &str) -> Value {
     .await
 }
 
-fn user_texts(entries: &[Value]) -> Vec<String> {
-    entries
-        .iter()
-        .filter(|e| role_of(e) == Some("user"))
-        .map(text_of)
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_sends_to_one_session() {
     let long = words("long reply:", 40);

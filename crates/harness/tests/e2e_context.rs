@@ -89,11 +89,7 @@ async fn a_crash_around_the_compaction_record_loses_and_duplicates_nothing() {
         assert!(crashed, "{point}: the failpoint was never reached");
 
         let entries = server.transcript(SESSION, true).await;
-        let users: Vec<String> = entries
-            .iter()
-            .filter(|e| role_of(e) == Some("user"))
-            .map(text_of)
-            .collect();
+        let users = user_texts(&entries);
         let expected: Vec<String> = (0..TURNS)
             .map(|n| format!("turn {n}: read report {n}"))
             .collect();

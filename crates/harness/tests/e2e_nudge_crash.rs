@@ -65,9 +65,6 @@ async fn killed_while_a_nudge_generates_the_turn_resumes_with_one_nudge() {
     let entries = server.transcript(sid, false).await;
     let nudges = entries.iter().filter(|e| is_nudge(e)).count();
     assert_eq!(nudges, 1, "one nudge:\n{}", render(&entries));
-    let users = entries
-        .iter()
-        .filter(|e| role_of(e) == Some("user"))
-        .count();
+    let users = user_texts(&entries).len();
     assert_eq!(users, 2, "the message and the nudge:\n{}", render(&entries));
 }

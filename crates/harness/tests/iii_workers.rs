@@ -72,10 +72,7 @@ async fn a_sigkilled_worker_s_turns_are_finished_by_the_standby_within_5s_and_no
     );
     let entries = engine.transcript("s_takeover", false).await;
     assert_slow_work_interrupted(&fx, &entries);
-    let users = entries
-        .iter()
-        .filter(|e| role_of(e) == Some("user"))
-        .count();
+    let users = user_texts(&entries).len();
     assert_eq!(users, 1, "{}", render(&entries));
     // Nothing the first worker finished is lost.
     let before = engine.transcript("s_before", false).await;

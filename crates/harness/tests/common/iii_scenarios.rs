@@ -45,10 +45,7 @@ pub async fn killed_mid_call(
     worker.restart().await;
     let entries = engine.completed_transcript(session, &turn_id).await;
     assert_slow_work_interrupted(&fx, &entries);
-    let users = entries
-        .iter()
-        .filter(|e| role_of(e) == Some("user"))
-        .count();
+    let users = user_texts(&entries).len();
     assert_eq!(users, 1, "{}", render(&entries));
     entries
 }

@@ -145,6 +145,15 @@ pub fn dialogue(entries: &[Value]) -> Vec<(Option<&str>, String)> {
     entries.iter().map(|e| (role_of(e), text_of(e))).collect()
 }
 
+/// The texts of the user messages, oldest first.
+pub fn user_texts(entries: &[Value]) -> Vec<String> {
+    entries
+        .iter()
+        .filter(|e| role_of(e) == Some("user"))
+        .map(text_of)
+        .collect()
+}
+
 /// The joined text blocks of an entry's message.
 pub fn text_of(entry: &Value) -> String {
     entry["message"]["content"]
