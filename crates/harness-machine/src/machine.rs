@@ -581,13 +581,11 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                     ),
                 ))))
             }
-            Input::Stop { .. } | Input::StopRequested { .. } => {
-                Ok(Transition {
-                    record: None,
-                    effects: vec![],
-                    row: "T45",
-                })
-            }
+            Input::Stop { .. } | Input::StopRequested { .. } => Ok(Transition {
+                record: None,
+                effects: vec![],
+                row: "T45",
+            }),
             // The record vanished while the model streamed: nothing is left to decide on.
             Input::GenerationFinished(_) => Ok(at("T46", skip(None))),
             other => Err(illegal(&other)),
@@ -775,17 +773,8 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
         Input::PostTurnChecked { result, denied } if phase == Phase::Ready => Ok(match denied {
             None => at("T15", finish(complete(rec, result))),
             Some((reason, _)) => {
-                let mut rec = fail(
-                    rec,
-                    failure(
-                        "harness.output_contract_invalid",
-                        FailurePhase::OutputValidation,
-                        "The result did not satisfy the output contract.",
-                        Some(format!("a post_turn hook refused the result: {reason}")),
-                    ),
-                );
-                rec.result = Some(result);
-                at("T16", finish(rec))
+                let detail = format!("a post_turn hook refused the result: {reason}");
+                at("T16", finish(contract_failed(rec, detail, result)))
             }
         }),
         Input::CallsClosed { stopped, unreached } if phase == Phase::Generated => Ok(if stopped {
@@ -891,17 +880,22 @@ fn refused(rec: TurnRecord, error: String, nudge: String, raw: Value) -> Transit
         };
         return at("T29", advance(rec, vec![note]));
     }
+    at("T30", finish(contract_failed(rec, error, raw)))
+}
+
+/// The turn fails on its output contract (`detail`: why), keeping the `raw` result refused.
+fn contract_failed(rec: TurnRecord, detail: String, raw: Value) -> TurnRecord {
     let mut rec = fail(
         rec,
         failure(
             "harness.output_contract_invalid",
             FailurePhase::OutputValidation,
             "The result did not satisfy the output contract.",
-            Some(error),
+            Some(detail),
         ),
     );
     rec.result = Some(raw);
-    at("T30", finish(rec))
+    rec
 }
 
 fn compact(v: &Value) -> String {
