@@ -29,6 +29,7 @@ mod hooks;
 mod identity;
 mod interpret;
 mod locks;
+mod observe;
 // The machines and the record live in `harness-machine`; their old paths stay.
 pub(crate) use harness_machine::{machine, output, record};
 mod prompt;
