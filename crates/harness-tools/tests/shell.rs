@@ -6,7 +6,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use harness_tools::Limits;
-use serde_json::json;
+use serde_json::{json, Value};
 use support::*;
 
 /// The host pids of running processes whose command line contains `marker`. A command runs in
@@ -129,19 +129,19 @@ async fn bad_requests_are_refused_by_field() {
     assert!(e.message.contains("shell"), "{e}");
 }
 
+/// `shell::exec` of `command` in a rig with `limits`.
+async fn exec_under(limits: Limits, command: &str) -> Value {
+    let rig = Rig::with_limits(limits, |_| Vec::new());
+    rig.ok("shell::exec", json!({ "command": command })).await
+}
+
 #[tokio::test]
 async fn output_is_capped() {
     let limits = Limits {
         exec_max_output_bytes: 1000,
         ..Limits::default()
     };
-    let rig = Rig::with_limits(limits, |_| Vec::new());
-    let r = rig
-        .ok(
-            "shell::exec",
-            json!({"command": "head -c 50000 /dev/zero | tr '\\0' x"}),
-        )
-        .await;
+    let r = exec_under(limits, "head -c 50000 /dev/zero | tr '\\0' x").await;
     assert_eq!(r["stdout_truncated_bytes"], 49000);
     let shown = r["stdout"].as_str().unwrap();
     assert_eq!(shown.matches('x').count(), 1000, "{shown}");
@@ -159,13 +159,7 @@ async fn the_capture_keeps_the_head_and_the_tail() {
         exec_max_output_bytes: 200,
         ..Limits::default()
     };
-    let rig = Rig::with_limits(limits, |_| Vec::new());
-    let r = rig
-        .ok(
-            "shell::exec",
-            json!({"command": "echo FIRST-LINE; seq 1 5000; echo LAST-LINE; echo ERR-START >&2; seq 1 3000 >&2; echo ERR-END >&2"}),
-        )
-        .await;
+    let r = exec_under(limits, "echo FIRST-LINE; seq 1 5000; echo LAST-LINE; echo ERR-START >&2; seq 1 3000 >&2; echo ERR-END >&2").await;
     let t = text(&r);
     for marker in ["FIRST-LINE", "LAST-LINE", "ERR-START", "ERR-END"] {
         assert!(t.contains(marker), "{marker} missing from\n{t}");
@@ -183,14 +177,8 @@ async fn the_whole_result_fits_max_result_bytes() {
             max_result_bytes: std::sync::Arc::new(move || max),
             ..Limits::default()
         };
-        let rig = Rig::with_limits(limits, |_| Vec::new());
         // Quotes and control characters cost more once escaped: the fit measures, not guesses.
-        let r = rig
-            .ok(
-                "shell::exec",
-                json!({"command": "echo OUT-HEAD; for i in $(seq 1 3000); do printf '\"q\\t%s\"\\n' $i; done; echo OUT-TAIL; echo ERR-HEAD >&2; seq 1 20000 >&2; echo ERR-TAIL >&2"}),
-            )
-            .await;
+        let r = exec_under(limits, "echo OUT-HEAD; for i in $(seq 1 3000); do printf '\"q\\t%s\"\\n' $i; done; echo OUT-TAIL; echo ERR-HEAD >&2; seq 1 20000 >&2; echo ERR-TAIL >&2").await;
         let size = serde_json::to_string(&r["content"]).unwrap().len()
             + serde_json::to_string(&r).unwrap().len();
         assert!(size <= max, "{size} bytes exceed {max}: {r}");
