@@ -27,6 +27,8 @@ pub mod grants;
 mod harness;
 mod hooks;
 mod identity;
+#[cfg(test)]
+mod import_loops;
 mod interpret;
 mod locks;
 mod observe;
