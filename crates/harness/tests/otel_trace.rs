@@ -136,15 +136,19 @@ impl Receiver {
         self.spans.lock().unwrap().clone()
     }
 
-    /// Waits until the turn span of `session_id` arrived (exported last, at finalize), then
-    /// answers every span of its trace.
-    async fn trace_of(&self, session_id: &str) -> Vec<Got> {
-        let turn = wait_for(&format!("the turn span of {session_id}"), WAIT, || async {
+    /// Waits until the turn span of `session_id` arrived (exported last, at finalize).
+    async fn turn_span(&self, session_id: &str) -> Got {
+        wait_for(&format!("the turn span of {session_id}"), WAIT, || async {
             self.spans().into_iter().find(|s| {
                 s.name.starts_with("invoke_agent") && s.attr("iii.session.id") == session_id
             })
         })
-        .await;
+        .await
+    }
+
+    /// [`Receiver::turn_span`], then every span of its trace.
+    async fn trace_of(&self, session_id: &str) -> Vec<Got> {
+        let turn = self.turn_span(session_id).await;
         self.spans()
             .into_iter()
             .filter(|s| s.trace_id == turn.trace_id)
@@ -156,6 +160,15 @@ fn one<'a>(spans: &'a [Got], pred: impl Fn(&Got) -> bool, what: &str) -> &'a Got
     let found: Vec<&Got> = spans.iter().filter(|s| pred(s)).collect();
     assert_eq!(found.len(), 1, "exactly one {what} in {:#?}", names(spans));
     found[0]
+}
+
+/// The one `harness::spawn` call span.
+fn spawn_span(spans: &[Got]) -> &Got {
+    one(
+        spans,
+        |s| s.name == "execute_tool harness::spawn",
+        "spawn span",
+    )
 }
 
 fn names(spans: &[Got]) -> Vec<String> {
@@ -430,17 +443,8 @@ async fn a_waiting_spawn_puts_the_child_turn_under_the_spawn_span_in_the_same_tr
         |s| s.name == "invoke_agent harness" && s.attr("iii.session.id") == "s_trip",
         "root turn",
     );
-    let spawn = one(
-        &spans,
-        |s| s.name == "execute_tool harness::spawn",
-        "spawn span",
-    );
-    let child_turn = wait_for("the child's turn span", WAIT, || async {
-        rx.spans().into_iter().find(|s| {
-            s.name.starts_with("invoke_agent") && s.attr("iii.session.id") == child.as_str()
-        })
-    })
-    .await;
+    let spawn = spawn_span(&spans);
+    let child_turn = rx.turn_span(&child).await;
     assert_eq!(child_turn.trace_id, root.trace_id, "one trace for the tree");
     assert_eq!(
         child_turn.parent, spawn.span_id,
@@ -486,11 +490,7 @@ async fn a_failed_child_stamps_its_spawn_the_parent_step_and_the_root_as_errors(
         |s| s.name == "invoke_agent harness" && s.attr("iii.session.id") == child.as_str(),
         "child turn",
     );
-    let spawn = one(
-        &spans,
-        |s| s.name == "execute_tool harness::spawn",
-        "spawn span",
-    );
+    let spawn = spawn_span(&spans);
     let step = spans
         .iter()
         .find(|s| s.span_id == spawn.parent)
@@ -570,17 +570,8 @@ async fn a_detached_child_failing_after_its_parent_ended_links_the_spawn_instead
         "root",
     );
     assert_eq!(root.status, 0, "the parent ended before the child failed");
-    let spawn = one(
-        &spans,
-        |s| s.name == "execute_tool harness::spawn",
-        "spawn span",
-    );
-    let child_turn = wait_for("the child's turn span", WAIT, || async {
-        rx.spans().into_iter().find(|s| {
-            s.name.starts_with("invoke_agent") && s.attr("iii.session.id") == child.as_str()
-        })
-    })
-    .await;
+    let spawn = spawn_span(&spans);
+    let child_turn = rx.turn_span(&child).await;
     assert_eq!(child_turn.status, 2, "{child_turn:?}");
     assert_eq!(child_turn.parent, spawn.span_id);
     assert_eq!(child_turn.attr("harness.parent_already_ended"), true);
