@@ -235,6 +235,17 @@ fn forecast_fixture() -> Fixtures {
     Fixtures::new(json!([{"id": "fx::forecast", "response": {"sky": "sunny-fixture-result"}}]))
 }
 
+/// `harness serve` with the forecast fixture and the weather model, exporting to `otlp`. The
+/// fixtures are returned because they live as long as the server needs them.
+async fn weather_server(otlp: &str) -> (Fixtures, Server) {
+    let fx = forecast_fixture();
+    let mut extra = fx.args();
+    extra.extend(["--otlp-endpoint".to_string(), otlp.to_string()]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let server = Server::start(&weather_script(), &extra).await;
+    (fx, server)
+}
+
 async fn weather_turn(server: &Server, session_id: &str) {
     let sent = server
         .ok(
@@ -252,11 +263,7 @@ async fn weather_turn(server: &Server, session_id: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_turn_with_a_call_is_one_trace_of_steps_generations_and_the_call() {
     let rx = Receiver::start().await;
-    let fx = forecast_fixture();
-    let mut extra = fx.args();
-    extra.extend(["--otlp-endpoint".to_string(), rx.url.clone()]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let server = Server::start(&weather_script(), &extra).await;
+    let (_fx, server) = weather_server(&rx.url).await;
     weather_turn(&server, "s_weather").await;
     let spans = rx.trace_of("s_weather").await;
 
@@ -370,11 +377,7 @@ async fn a_hook_call_is_a_span_of_its_step_with_its_decision() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_span_carries_message_text_arguments_or_results() {
     let rx = Receiver::start().await;
-    let fx = forecast_fixture();
-    let mut extra = fx.args();
-    extra.extend(["--otlp-endpoint".to_string(), rx.url.clone()]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let server = Server::start(&weather_script(), &extra).await;
+    let (_fx, server) = weather_server(&rx.url).await;
     weather_turn(&server, "s_content").await;
     let spans = rx.trace_of("s_content").await;
     assert!(spans.len() >= 8);
@@ -672,11 +675,7 @@ async fn without_an_endpoint_fifty_turns_build_no_span() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_cut_by_sigkill_is_one_trace_with_its_redelivered_step_marked() {
     let rx = Receiver::start().await;
-    let fx = forecast_fixture();
-    let mut extra = fx.args();
-    extra.extend(["--otlp-endpoint".to_string(), rx.url.clone()]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut server = Server::start(&weather_script(), &extra).await;
+    let (_fx, mut server) = weather_server(&rx.url).await;
     server.set_env("HARNESS_FAILPOINT", Some("after_assistant_appended:1"));
     server.restart().await;
     let sent = server
@@ -841,11 +840,7 @@ async fn otel_python_receiver() {
     let url = format!("http://127.0.0.1:{port}");
 
     // Scenario 1: a turn with a call.
-    let fx = forecast_fixture();
-    let mut extra = fx.args();
-    extra.extend(["--otlp-endpoint".to_string(), url.clone()]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let server = Server::start(&weather_script(), &extra).await;
+    let (_fx, server) = weather_server(&url).await;
     weather_turn(&server, "s_py").await;
     let find = |name: &str, session: Option<&str>| {
         python_spans(&out).into_iter().find(|s| {
