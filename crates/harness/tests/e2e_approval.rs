@@ -97,16 +97,28 @@ async fn pending(api: &Api, sid: &str) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
+/// A server that holds every `fixture::*` call for approval, its model writing on "write it".
+async fn gated_server() -> (Fixtures, Server) {
     let fx = Fixtures::new();
     let extra = fx.args(&["--approve", "fixture::*"]);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut server = Server::start(&the_script(), &extra).await;
+    let server = Server::start(&the_script(), &extra).await;
+    (fx, server)
+}
+
+/// [`gated_server`] with a turn parked on its held write `c1`: the session and the turn.
+async fn parked_write() -> (Fixtures, Server, String, String) {
+    let (fx, server) = gated_server().await;
     let (sid, tid) = ids(&server
         .ok("harness::send", send_body(None, "write it"))
         .await);
     wait_parked(&server.api(), &sid, "c1").await;
+    (fx, server, sid, tid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
+    let (fx, mut server, sid, tid) = parked_write().await;
     let before = pending(&server.api(), &sid).await;
     assert_eq!(before.len(), 1, "{before:?}");
     let a = before[0].clone();
@@ -189,14 +201,7 @@ async fn a_held_call_survives_sigkill_and_runs_exactly_once_after_approval() {
 /// with one result per call and one turn-completed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_killed_before_its_batch_leaves_nothing_half_written() {
-    let fx = Fixtures::new();
-    let extra = fx.args(&["--approve", "fixture::*"]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut server = Server::start(&the_script(), &extra).await;
-    let (sid, tid) = ids(&server
-        .ok("harness::send", send_body(None, "write it"))
-        .await);
-    wait_parked(&server.api(), &sid, "c1").await;
+    let (fx, mut server, sid, tid) = parked_write().await;
 
     server.kill();
     server.set_env("HARNESS_FAILPOINT", Some("after_calls_closed"));
@@ -239,14 +244,7 @@ async fn a_stop_killed_before_its_batch_leaves_nothing_half_written() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_without_approve_unbinds_the_gate_and_leftover_approvals_stay_decidable() {
-    let fx = Fixtures::new();
-    let gated = fx.args(&["--approve", "fixture::*"]);
-    let gated: Vec<&str> = gated.iter().map(String::as_str).collect();
-    let mut server = Server::start(&the_script(), &gated).await;
-    let (sid, tid) = ids(&server
-        .ok("harness::send", send_body(None, "write it"))
-        .await);
-    wait_parked(&server.api(), &sid, "c1").await;
+    let (fx, mut server, sid, tid) = parked_write().await;
     let a = pending(&server.api(), &sid).await.remove(0);
 
     server.kill();
@@ -336,10 +334,7 @@ async fn chat(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn harness_chat_shows_the_approval_and_takes_y_or_n() {
-    let fx = Fixtures::new();
-    let extra = fx.args(&["--approve", "fixture::*"]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let server = Server::start(&the_script(), &extra).await;
+    let (fx, server) = gated_server().await;
     let url = server.url();
 
     // y: the call runs once and the reply follows.
@@ -393,10 +388,7 @@ async fn harness_chat_shows_the_approval_and_takes_y_or_n() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn harness_chat_leaves_the_approval_pending_when_stdin_ends() {
-    let fx = Fixtures::new();
-    let extra = fx.args(&["--approve", "fixture::*"]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let server = Server::start(&the_script(), &extra).await;
+    let (fx, server) = gated_server().await;
     let (code, out, err) = chat(&server.url(), None, "write it", "").await;
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("stays pending"), "{out}");
