@@ -28,6 +28,11 @@ fn chat_command(
     tokio::process::Command::from(chat_in(dir, &[&llamacpp[..], args].concat(), env))
 }
 
+/// The environment that points the `llamacpp` provider at `server`.
+fn served_by(server: &Replay) -> [(&'static str, String); 1] {
+    [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))]
+}
+
 /// [`chat_command`] with its stdin, stdout and stderr piped.
 fn chat_piped(
     dir: &std::path::Path,
@@ -104,7 +109,7 @@ async fn a_reply_cut_at_max_output_tokens_says_so() {
             "--max-output-tokens",
             "8",
         ],
-        &[("LLAMACPP_BASE_URL", format!("{}/v1", server.url))],
+        &served_by(&server),
     )
     .await;
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -175,7 +180,7 @@ async fn tool_choice_expose_and_max_turns_reach_the_request() {
             "--max-turns",
             "1",
         ],
-        &[("LLAMACPP_BASE_URL", format!("{}/v1", server.url))],
+        &served_by(&server),
     )
     .await;
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -251,7 +256,7 @@ async fn a_dense_first_message_is_refused_and_the_next_message_of_the_session_co
         })
         .collect();
     let server = Replay::start(exchanges).await;
-    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let env = served_by(&server);
     let args = ["--context-window", "2048"];
 
     // As a one-shot command: a failure, said with the size and the window.
@@ -285,7 +290,7 @@ async fn a_tool_choice_nothing_offers_exits_non_zero_before_any_request() {
     let dir = tempfile::tempdir().unwrap();
     let f = fixture(LLAMA_CPP_PYTHON, "plain_stream");
     let server = Replay::start(f.exchanges).await;
-    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let env = served_by(&server);
     let cases: [(&[&str], &str); 3] = [
         (
             &["--allow", "fs::*", "--expose", "native"],
@@ -314,7 +319,7 @@ async fn ctrl_c_stops_the_reply_and_a_second_one_quits() {
     let f = fixture(LLAMA_CPP_PYTHON, "plain_stream");
     // Slow enough that the reply is still streaming when the signal comes.
     let server = Replay::start_paced(f.exchanges, std::time::Duration::from_millis(400)).await;
-    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let env = served_by(&server);
     let mut child = chat_piped(dir.path(), &[], &env).spawn().unwrap();
     let pid = child.id().unwrap().to_string();
     let mut stdin = child.stdin.take().unwrap();
@@ -383,7 +388,7 @@ async fn a_resumed_reply_is_marked_where_it_was_cut() {
             "--max-output-tokens",
             "300",
         ],
-        &[("LLAMACPP_BASE_URL", format!("{}/v1", server.url))],
+        &served_by(&server),
     )
     .await;
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -406,7 +411,7 @@ async fn a_policy_kept_from_an_earlier_run_is_said() {
     let mut exchanges = fixture(LLAMA_CPP_PYTHON, "plain_stream").exchanges;
     exchanges.extend(fixture(LLAMA_CPP_PYTHON, "multi_turn_stream").exchanges);
     let server = Replay::start(exchanges).await;
-    let env = [("LLAMACPP_BASE_URL", format!("{}/v1", server.url))];
+    let env = served_by(&server);
     let out = chat_typed(
         dir.path(),
         &["--allow", "fs::read"],
