@@ -253,13 +253,7 @@ impl Rules<'_> {
             }
             return Ok(());
         }
-        let dir = rustix::fs::openat(
-            &fd,
-            ".",
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
-        self.grant_tree(dir, &real, access)
+        self.grant_tree(readable_dir(&fd)?, &real, access)
     }
 
     /// Grants `access` beneath the directory `dir` (whose real path is `real`), minus every
@@ -316,17 +310,21 @@ impl Rules<'_> {
             match kind {
                 FileType::Symlink => continue,
                 FileType::Directory if inside.iter().any(|p| p.starts_with(&child)) => {
-                    let sub = rustix::fs::openat(
-                        &fd,
-                        ".",
-                        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                        Mode::empty(),
-                    )?;
-                    self.grant_tree(sub, &child, access)?;
+                    self.grant_tree(readable_dir(&fd)?, &child, access)?;
                 }
                 _ => self.add(fd, access)?,
             }
         }
         Ok(())
     }
+}
+
+/// The directory an `O_PATH` descriptor names, opened again for reading its entries.
+fn readable_dir(fd: &OwnedFd) -> rustix::io::Result<OwnedFd> {
+    rustix::fs::openat(
+        fd,
+        ".",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
 }
