@@ -473,25 +473,18 @@ mod tests {
             code: None,
             message: Some("m".into()),
         };
-        assert_eq!(
-            classify_stream(&b("overloaded_error"), &[]).kind,
-            ErrorKind::Transient
-        );
-        assert_eq!(
-            classify_stream(&b("rate_limit_error"), &[]).kind,
-            ErrorKind::RateLimited
-        );
-        assert_eq!(
-            classify_stream(&b("authentication_error"), &[]).kind,
-            ErrorKind::AuthExpired
-        );
-        assert_eq!(
-            classify_stream(&b("invalid_request_error"), &[]).kind,
-            ErrorKind::Permanent
-        );
-        assert_eq!(
-            classify_stream(&b("context_length_exceeded"), &[]).kind,
-            ErrorKind::ContextOverflow
-        );
+        for (error_type, kind) in [
+            ("overloaded_error", ErrorKind::Transient),
+            ("rate_limit_error", ErrorKind::RateLimited),
+            ("authentication_error", ErrorKind::AuthExpired),
+            ("invalid_request_error", ErrorKind::Permanent),
+            ("context_length_exceeded", ErrorKind::ContextOverflow),
+        ] {
+            assert_eq!(
+                classify_stream(&b(error_type), &[]).kind,
+                kind,
+                "{error_type}"
+            );
+        }
     }
 }
