@@ -90,7 +90,7 @@ async fn a_gated_call_is_held_recorded_and_listed_with_its_digest() {
     assert!(a["created_at"].as_i64().unwrap() > 0);
 
     // Durable before the hold was answered: the record is in state.
-    let stored = rt.stored(&a).await;
+    let stored = rt.stored(a).await;
     assert_eq!(stored["status"], "pending");
 
     // The unfiltered list has it; another session's list does not.

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)] // each test binary uses a different part of it
 
+// By path, so the file resolves the same when this file is a test target of its own.
+#[path = "support/embedded.rs"]
 pub mod embedded;
 
 use std::sync::Arc;

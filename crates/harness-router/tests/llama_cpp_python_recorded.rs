@@ -600,7 +600,7 @@ async fn send_model(
         .send(llamacpp_send(model, session, text, options))
         .await
         .unwrap();
-    let s = wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
+    let s = wait_turn_end(harness, &r.session_id, &r.turn_id).await;
     (r.session_id, s)
 }
 

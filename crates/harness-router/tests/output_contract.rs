@@ -63,7 +63,7 @@ async fn end_of(harness: &Harness, options: SendOptions) -> StatusReport {
         })
         .await
         .unwrap();
-    wait_turn_end(&harness, &r.session_id, &r.turn_id).await
+    wait_turn_end(harness, &r.session_id, &r.turn_id).await
 }
 
 async fn run(mock: &Mock, schema: Value) -> (StatusReport, tempfile::TempDir) {
