@@ -5,7 +5,7 @@ use harness_types::directory::{AgentList, AgentProfile, AgentSummary, Display, S
 use serde::Deserialize;
 
 use crate::error::DirectoryError;
-use crate::{check_name, entries, frontmatter, read, Directory};
+use crate::{check_name, entries, frontmatter, Directory};
 
 /// The front matter of a profile; every field optional, unknown ones refused.
 #[derive(Debug, Default, Deserialize)]
@@ -39,11 +39,9 @@ struct Loaded {
 
 impl Directory {
     fn load_agent(&self, name: &str) -> Result<Option<Loaded>, DirectoryError> {
-        let rel = format!("agents/{name}.md");
-        let Some(text) = read(&self.root(), &rel)? else {
-            return Ok(None);
-        };
-        parse_agent(name, &rel, &text).map(Some)
+        self.load(&format!("agents/{name}.md"), |rel, text| {
+            parse_agent(name, rel, text)
+        })
     }
 
     /// Checks a profile's new text before it is written: its front matter as a read would,

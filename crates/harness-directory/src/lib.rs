@@ -43,6 +43,19 @@ impl Directory {
         self.root.read().map(|r| r.clone()).unwrap_or_default()
     }
 
+    /// The file `rel` under the root as `parse` reads it (given `rel` and the text), or `None`
+    /// when there is no such file.
+    pub(crate) fn load<T>(
+        &self,
+        rel: &str,
+        parse: impl FnOnce(&str, &str) -> Result<T, DirectoryError>,
+    ) -> Result<Option<T>, DirectoryError> {
+        let Some(text) = read(&self.root(), rel)? else {
+            return Ok(None);
+        };
+        parse(rel, &text).map(Some)
+    }
+
     /// Points the directory at another folder (a configuration change).
     pub fn set_root(&self, root: impl Into<PathBuf>) {
         if let Ok(mut r) = self.root.write() {

@@ -4,7 +4,7 @@ use harness_types::directory::{Skill, SkillList, SkillSummary};
 use serde::Deserialize;
 
 use crate::error::DirectoryError;
-use crate::{check_name, entries, frontmatter, read, Directory};
+use crate::{check_name, entries, frontmatter, Directory};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -24,11 +24,9 @@ struct SkillFrontMatter {
 
 impl Directory {
     fn load_skill(&self, name: &str) -> Result<Option<Skill>, DirectoryError> {
-        let rel = format!("skills/{name}/SKILL.md");
-        let Some(text) = read(&self.root(), &rel)? else {
-            return Ok(None);
-        };
-        parse_skill(name, &rel, &text).map(Some)
+        self.load(&format!("skills/{name}/SKILL.md"), |rel, text| {
+            parse_skill(name, rel, text)
+        })
     }
 
     /// `directory::skills::get`.
