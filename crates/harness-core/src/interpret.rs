@@ -1,9 +1,9 @@
 //! The one interpreter of the turn machine's effects.
 //!
-//! Every shell (`send`, `step`, `stop`, `recover`, a failed step, the reseed after a finalize)
-//! reads its inputs, hands the first one to [`Harness::run`] and answers from what the run
-//! leaves. The run asks [`machine::next`], carries out the effects in order, feeds the machine
-//! the input a stage ends with, and repeats until the machine has nothing more to ask.
+//! Every shell (`send`, `step`, `stop`, `resolve`, `recover`, a failed step, the reseed after a
+//! finalize) reads its inputs, hands the first one to [`Harness::run`] and answers from what the
+//! run leaves. The run asks [`machine::next`], carries out the effects in order, feeds the
+//! machine the input a stage ends with, and repeats until the machine has nothing more to ask.
 //!
 //! The run decides when writes are committed: a plain write (the record, a notice, the
 //! awaiting status, a user message, what a stage holds back) joins [`Carry::pending`], and the
