@@ -5,101 +5,12 @@
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-use harness_bus::{Bus, CallContext, FunctionDef};
-use harness_types::api::{
-    ResolveAction, ResolveRequest, ResolveResponse, SendResponse, StopRequest, SweepRequest,
-    TurnStatus,
-};
+use harness_bus::Bus;
+use harness_types::api::{ResolveAction, SweepRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
-
-/// A hook function answering `answer(payload)`; returns how many times it ran.
-fn hook<F>(rt: &Rt, id: &str, answer: F) -> Arc<Mutex<Vec<Value>>>
-where
-    F: Fn(&Value) -> Value + Send + Sync + 'static,
-{
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let log = seen.clone();
-    let answer = Arc::new(answer);
-    rt.bus.register_function(
-        FunctionDef::new(id, "test hook"),
-        Arc::new(move |p: Value, _ctx: CallContext| {
-            log.lock().unwrap().push(p.clone());
-            let out = answer(&p);
-            async move { Ok(out) }
-        }),
-    );
-    seen
-}
-
-async fn bind(rt: &Rt, point: &str, function_id: &str, config: Value) {
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": format!("harness::hook::{point}"), "function_id": function_id, "config": config, "metadata": {}}),
-            None,
-        )
-        .await
-        .unwrap();
-}
-
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !done() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-async fn wait_status(rt: &Rt, session_id: &str, status: TurnStatus) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !rt
-        .status(session_id)
-        .await
-        .is_some_and(|s| s.status == status)
-    {
-        assert!(Instant::now() < deadline, "never {status:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-async fn resolve(rt: &Rt, r: &SendResponse, call: &str, action: ResolveAction) -> ResolveResponse {
-    rt.harness
-        .resolve(ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: call.into(),
-            action: Some(action),
-            content: None,
-            is_error: None,
-            details: None,
-            fs_scope: None,
-        })
-        .await
-        .unwrap()
-}
-
-async fn stop(rt: &Rt, session_id: &str) {
-    rt.harness
-        .stop(StopRequest {
-            session_id: session_id.into(),
-            turn_id: None,
-        })
-        .await
-        .unwrap();
-}
-
-fn result_text(rt: &Rt, session_id: &str, call: &str) -> String {
-    let r = rt
-        .results(session_id)
-        .into_iter()
-        .find(|r| r.function_call_id == call)
-        .unwrap_or_else(|| panic!("no result for {call}"));
-    serde_json::to_string(&r.content).unwrap()
-}
 
 #[tokio::test]
 async fn a_stop_while_the_target_runs_cancels_the_call_then_the_turn() {
@@ -115,16 +26,12 @@ async fn a_stop_while_the_target_runs_cancels_the_call_then_the_turn() {
         // Answers only when the dispatch timeout gives up on it: the stop comes first.
         std::future::pending::<Value>()
     });
-    let r = rt
-        .harness
-        .send(allowing("work", &["slow::*"]))
-        .await
-        .unwrap();
+    let r = rt.send(allowing("work", &["slow::*"])).await;
     until("the target runs", || entered.load(Ordering::SeqCst)).await;
-    stop(&rt, &r.session_id).await;
+    rt.stop(&r.session_id).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
-    let text = result_text(&rt, &r.session_id, "c1");
+    let text = rt.result_text(&r.session_id, "c1");
     assert!(text.contains("cancelled by a stop while it ran"), "{text}");
     assert_eq!(rt.results(&r.session_id).len(), 1, "one result, no second");
 }
@@ -137,10 +44,11 @@ async fn a_post_trigger_hold_keeps_the_result_and_its_release_appends_it_without
     )
     .await;
     let runs = rt.register("x::write", None, |_| json!("wrote 1 byte"));
-    let held = hook(&rt, "review::hold", |_| json!({"decision": "hold"}));
-    bind(&rt, "post-trigger", "review::hold", json!({})).await;
-    let r = rt.harness.send(allowing("write", &["x::*"])).await.unwrap();
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let held = rt.hook("review::hold", |_| json!({"decision": "hold"}));
+    rt.bind("post-trigger", "review::hold", json!({})).await;
+    let r = rt.send(allowing("write", &["x::*"])).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
@@ -151,7 +59,7 @@ async fn a_post_trigger_hold_keeps_the_result_and_its_release_appends_it_without
         "nothing appended while held"
     );
 
-    let out = resolve(&rt, &r, "c1", ResolveAction::Execute).await;
+    let out = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(out.resolved && out.turn_resumed, "{out:?}");
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
@@ -161,7 +69,7 @@ async fn a_post_trigger_hold_keeps_the_result_and_its_release_appends_it_without
         "a release never runs it again"
     );
     assert_eq!(held.lock().unwrap().len(), 1);
-    let text = result_text(&rt, &r.session_id, "c1");
+    let text = rt.result_text(&r.session_id, "c1");
     assert!(text.contains("wrote 1 byte"), "the kept result: {text}");
 }
 
@@ -172,17 +80,13 @@ async fn a_hook_rewrite_into_the_wall_is_refused_on_the_second_check_and_never_r
         config(),
     )
     .await;
-    hook(&rt, "rewrite::scope", |p| {
+    rt.hook("rewrite::scope", |p| {
         let mut args = p["call"]["arguments"].clone();
         args["scope"] = json!("harness_turn");
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
-    bind(&rt, "pre-trigger", "rewrite::scope", json!({})).await;
-    let r = rt
-        .harness
-        .send(allowing("note", &["state::*"]))
-        .await
-        .unwrap();
+    rt.bind("pre-trigger", "rewrite::scope", json!({})).await;
+    let r = rt.send(allowing("note", &["state::*"])).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     let result = rt
@@ -215,29 +119,29 @@ async fn a_stop_of_a_parked_turn_closes_the_held_call_and_leaves_the_done_one() 
     .await;
     rt.register("x::free", None, |_| json!("free ran"));
     let guarded = rt.register("x::guarded", None, |_| json!("guarded ran"));
-    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
-    bind(
-        &rt,
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind(
         "pre-trigger",
         "guard::hold",
         json!({"functions": ["x::guarded"]}),
     )
     .await;
-    let r = rt.harness.send(allowing("both", &["x::*"])).await.unwrap();
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let r = rt.send(allowing("both", &["x::*"])).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     // Only a pending call can be resolved: not the done one, not one the answer never made.
     for call in ["c1", "c9"] {
         for action in [ResolveAction::Execute, ResolveAction::Deliver] {
-            let out = resolve(&rt, &r, call, action).await;
+            let out = rt.resolve(&r, call, action).await;
             assert!(!out.resolved, "{call} {action:?}: {out:?}");
         }
     }
     assert_eq!(rt.results(&r.session_id).len(), 1, "nothing delivered");
-    stop(&rt, &r.session_id).await;
+    rt.stop(&r.session_id).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
-    assert!(result_text(&rt, &r.session_id, "c1").contains("free ran"));
-    let c2 = result_text(&rt, &r.session_id, "c2");
+    assert!(rt.result_text(&r.session_id, "c1").contains("free ran"));
+    let c2 = rt.result_text(&r.session_id, "c2");
     assert!(c2.contains("guard::hold held the call"), "{c2}");
     assert_eq!(guarded.load(Ordering::SeqCst), 0);
     assert_eq!(rt.results(&r.session_id).len(), 2, "one result per call");
@@ -254,23 +158,19 @@ async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost
         config(),
     )
     .await;
-    let r = rt.harness.send(orchestrating("delegate")).await.unwrap();
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    let r = rt.send(orchestrating("delegate")).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     let parent = rt.status(&r.session_id).await.unwrap();
     assert_eq!(parent.pending_function_calls, vec!["s1".to_string()]);
-    let parent_rec: Value = rt
-        .bus
-        .state_get(harness_core::TURN_SCOPE, &r.session_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let parent_rec = rt.turn_record(&r.session_id).await.unwrap();
     let child_session = parent_rec["calls"]["s1"]["child_session_id"]
         .as_str()
         .unwrap()
         .to_string();
 
     // A waiting spawn has no target to execute: only a delivered result settles it.
-    let out = resolve(&rt, &r, "s1", ResolveAction::Execute).await;
+    let out = rt.resolve(&r, "s1", ResolveAction::Execute).await;
     assert!(!out.resolved, "{out:?}");
     // The child still streams: the sweep reads it and leaves the call waiting.
     let swept = rt
@@ -298,7 +198,7 @@ async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost
     assert_eq!(swept.resolved, 1);
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
-    let text = result_text(&rt, &r.session_id, "s1");
+    let text = rt.result_text(&r.session_id, "s1");
     assert!(text.contains("child_lost"), "{text}");
 }
 
@@ -310,23 +210,16 @@ async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a
     )
     .await;
     rt.register("x::slow", None, |_| json!("never used"));
-    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
-    bind(&rt, "pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.harness.send(allowing("wait", &["x::*"])).await.unwrap();
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "guard::hold", json!({})).await;
+    let r = rt.send(allowing("wait", &["x::*"])).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     // An older version's parked call: pending, with neither a holder nor a child.
-    let mut rec = rt
-        .bus
-        .state_get(harness_core::TURN_SCOPE, &r.session_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let mut rec = rt.turn_record(&r.session_id).await.unwrap();
     rec["calls"]["c1"]["held_by"] = Value::Null;
     rec["calls"]["c1"]["pending_at"] = json!(harness_types::now_ms());
-    rt.bus
-        .state_set(harness_core::TURN_SCOPE, &r.session_id, rec)
-        .await
-        .unwrap();
+    rt.set_turn_record(&r.session_id, rec).await;
 
     let swept = rt
         .harness
@@ -334,9 +227,9 @@ async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a
         .await
         .unwrap();
     assert_eq!(swept.resolved, 0, "not past its timeout");
-    let out = resolve(&rt, &r, "c1", ResolveAction::Execute).await;
+    let out = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(!out.resolved, "nothing holds it, so nothing runs: {out:?}");
-    let out = resolve(&rt, &r, "c1", ResolveAction::Deliver).await;
+    let out = rt.resolve(&r, "c1", ResolveAction::Deliver).await;
     assert!(out.resolved && out.turn_resumed, "{out:?}");
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
@@ -360,56 +253,22 @@ async fn a_stop_between_two_calls_leaves_the_second_unrun_and_closes_it() {
     .await;
     rt.register("x::first", None, |_| json!("first ran"));
     let second = rt.register("x::second", None, |_| json!("second ran"));
-    // The stop's first half cuts the generation through router::abort right after it fires
-    // the turn's signal: seeing that call is seeing the signal fired.
-    let aborted = Arc::new(AtomicBool::new(false));
-    let seen = aborted.clone();
-    rt.bus.register_function(
-        FunctionDef::new("router::abort", "test abort"),
-        Arc::new(move |_p: Value, _ctx: CallContext| {
-            seen.store(true, Ordering::SeqCst);
-            async move { Ok(json!({"aborted": false})) }
-        }),
-    );
-    // After the first call ran, its post-trigger hook stops the turn and waits for the signal.
-    let harness = rt.harness.clone();
-    let flag = aborted.clone();
-    rt.bus.register_function(
-        FunctionDef::new("stop::between", "test hook"),
-        Arc::new(move |p: Value, _ctx: CallContext| {
-            let harness = harness.clone();
-            let flag = flag.clone();
-            async move {
-                let session_id = p["session_id"].as_str().unwrap_or_default().to_string();
-                tokio::spawn(async move {
-                    let _ = harness
-                        .stop(StopRequest {
-                            session_id,
-                            turn_id: None,
-                        })
-                        .await;
-                });
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while !flag.load(Ordering::SeqCst) && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Ok(json!({"decision": "continue"}))
-            }
-        }),
-    );
-    bind(
-        &rt,
+    // After the first call ran, its post-trigger hook stops the turn and waits until the
+    // stop has fired the turn's signal.
+    let aborted = rt.watch_abort();
+    rt.stopping_hook("stop::between", aborted.clone(), |_| true);
+    rt.bind(
         "post-trigger",
         "stop::between",
         json!({"functions": ["x::first"]}),
     )
     .await;
-    let r = rt.harness.send(allowing("both", &["x::*"])).await.unwrap();
+    let r = rt.send(allowing("both", &["x::*"])).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
     assert!(aborted.load(Ordering::SeqCst), "the stop fired");
-    assert!(result_text(&rt, &r.session_id, "c1").contains("first ran"));
-    let c2 = result_text(&rt, &r.session_id, "c2");
+    assert!(rt.result_text(&r.session_id, "c1").contains("first ran"));
+    let c2 = rt.result_text(&r.session_id, "c2");
     assert!(
         c2.contains("was not run: the turn was stopped first"),
         "{c2}"

@@ -11,77 +11,6 @@ use harness_types::message::ContentBlock;
 use serde_json::{json, Value};
 use support::*;
 
-/// A hook function that records what it saw and answers with `answer(seen)`.
-fn hook<F>(rt: &Rt, id: &str, answer: F) -> Arc<Mutex<Vec<Value>>>
-where
-    F: Fn(&Value) -> Value + Send + Sync + 'static,
-{
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let log = seen.clone();
-    let answer = Arc::new(answer);
-    rt.bus.register_function(
-        FunctionDef::new(id, "test hook"),
-        Arc::new(move |p: Value, _ctx: CallContext| {
-            log.lock().unwrap().push(p.clone());
-            let out = answer(&p);
-            async move { Ok(out) }
-        }),
-    );
-    seen
-}
-
-async fn bind(rt: &Rt, point: &str, function_id: &str, config: Value, metadata: Value) -> String {
-    let out = rt
-        .bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": format!("harness::hook::{point}"), "function_id": function_id, "config": config, "metadata": metadata}),
-            None,
-        )
-        .await
-        .unwrap();
-    out["id"].as_str().unwrap().to_string()
-}
-
-async fn wait_status(rt: &Rt, session_id: &str, status: TurnStatus) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        if rt
-            .status(session_id)
-            .await
-            .is_some_and(|s| s.status == status)
-        {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "session never reached {status:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// Releases a held call.
-async fn execute(
-    rt: &Rt,
-    r: &harness_types::api::SendResponse,
-    call_id: &str,
-) -> harness_types::api::ResolveResponse {
-    rt.harness
-        .resolve(ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: call_id.into(),
-            action: Some(ResolveAction::Execute),
-            content: None,
-            is_error: None,
-            details: None,
-            fs_scope: None,
-        })
-        .await
-        .unwrap()
-}
-
 /// `args` as a scoped target receives them: with the turn's root (here the configured default,
 /// the working directory) stamped over whatever the model or a hook wrote.
 fn stamped(mut args: Value) -> Value {
@@ -104,26 +33,25 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
         got.lock().unwrap().push(p.clone());
         json!({"ok": true})
     });
-    let holder = hook(&rt, "guard::hold", |p| {
+    let holder = rt.hook("guard::hold", |p| {
         let mut args = p["call"]["arguments"].clone();
         args["path"] = json!("/sandbox/a");
         json!({"decision": "hold", "mutations": {"arguments": args}, "annotations": {"guard": "held"}})
     });
-    bind(
-        &rt,
+    rt.bind(
         "pre-trigger",
         "guard::hold",
         json!({"functions": ["fs::*"]}),
-        json!({}),
     )
     .await;
     let r = rt.send(allowing("write it", &["*"])).await;
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     let s = rt.status(&r.session_id).await.unwrap();
     assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
     assert!(target.lock().unwrap().is_empty(), "nothing runs while held");
 
-    let out = execute(&rt, &r, "c1").await;
+    let out = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(out.resolved && out.turn_resumed);
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
@@ -144,7 +72,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
     );
 
     // A second resolve is a no-op.
-    let again = execute(&rt, &r, "c1").await;
+    let again = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(!again.resolved && !again.turn_resumed);
     assert_eq!(target.lock().unwrap().len(), 1);
 }
@@ -158,30 +86,19 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
         got.lock().unwrap().push(p.clone());
         json!({"ok": true})
     });
-    let mutator = hook(&rt, "a::mutate", |p| {
+    let mutator = rt.hook("a::mutate", |p| {
         let mut args = p["call"]["arguments"].clone();
         args["text"] = json!("HI");
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
-    let holder = hook(&rt, "b::hold", |_| json!({"decision": "hold"}));
-    bind(
-        &rt,
-        "pre-trigger",
-        "b::hold",
-        json!({"priority": 20}),
-        json!({}),
-    )
-    .await;
-    bind(
-        &rt,
-        "pre-trigger",
-        "a::mutate",
-        json!({"priority": 10}),
-        json!({}),
-    )
-    .await;
+    let holder = rt.hook("b::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "b::hold", json!({"priority": 20}))
+        .await;
+    rt.bind("pre-trigger", "a::mutate", json!({"priority": 10}))
+        .await;
     let r = rt.send(allowing("write it", &["*"])).await;
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     assert_eq!(
         mutator.lock().unwrap()[0]["call"]["arguments"]["text"],
         "hi",
@@ -192,7 +109,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
         "HI",
         "the holder saw the mutation"
     );
-    let out = execute(&rt, &r, "c1").await;
+    let out = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(out.resolved);
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(
@@ -211,10 +128,11 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
 async fn deliver_settles_a_held_call_with_the_given_result() {
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
-    bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "guard::hold", json!({})).await;
     let r = rt.send(allowing("write it", &["*"])).await;
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     let out = rt
         .harness
         .resolve(ResolveRequest {
@@ -244,10 +162,11 @@ async fn deliver_settles_a_held_call_with_the_given_result() {
 async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation() {
     let rt = runtime(script_one_call(), config()).await;
     rt.register("fs::write", None, |_| json!({"ok": true}));
-    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
-    bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "guard::hold", json!({})).await;
     let r = rt.send(allowing("write it", &["*"])).await;
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     let mut steer = send("also add a footer");
     steer.session_id = Some(r.session_id.clone());
     let s = rt.send(steer).await;
@@ -259,7 +178,7 @@ async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation(
         rt.messages(&r.session_id).last().unwrap(),
         &("user".to_string(), "also add a footer".to_string())
     );
-    execute(&rt, &r, "c1").await;
+    rt.resolve(&r, "c1", ResolveAction::Execute).await;
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let last_user = seen[1].messages.iter().rev().find_map(|m| match m {
@@ -275,12 +194,11 @@ async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation(
 async fn deny_at_each_point() {
     // pre-turn
     let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
-    hook(
-        &rt,
+    rt.hook(
         "policy::no",
         |_| json!({"decision": "deny", "reason": "quota exhausted"}),
     );
-    bind(&rt, "pre-turn", "policy::no", json!({}), json!({})).await;
+    rt.bind("pre-turn", "policy::no", json!({})).await;
     let (r, s) = rt.run(send("hi")).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
@@ -299,12 +217,11 @@ async fn deny_at_each_point() {
 
     // pre-generate
     let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
-    hook(
-        &rt,
+    rt.hook(
         "policy::no",
         |_| json!({"decision": "deny", "reason": "off hours"}),
     );
-    bind(&rt, "pre-generate", "policy::no", json!({}), json!({})).await;
+    rt.bind("pre-generate", "policy::no", json!({})).await;
     let (r, _) = rt.run(send("hi")).await;
     let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
     assert_eq!(
@@ -315,12 +232,11 @@ async fn deny_at_each_point() {
     // pre-trigger: the call gets a hook_denied result, the target never runs.
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    hook(
-        &rt,
+    rt.hook(
         "policy::no",
         |_| json!({"decision": "deny", "reason": "read-only day"}),
     );
-    bind(&rt, "pre-trigger", "policy::no", json!({}), json!({})).await;
+    rt.bind("pre-trigger", "policy::no", json!({})).await;
     let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
     let result = &rt.results(&r.session_id)[0];
@@ -333,12 +249,11 @@ async fn deny_at_each_point() {
     // post-trigger: a deny is ignored, a rewrite applies.
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    hook(
-        &rt,
+    rt.hook(
         "post::rewrite",
         |_| json!({"decision": "deny", "mutations": {"content": [{"type": "text", "text": "redacted"}]}}),
     );
-    bind(&rt, "post-trigger", "post::rewrite", json!({}), json!({})).await;
+    rt.bind("post-trigger", "post::rewrite", json!({})).await;
     let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(
@@ -348,12 +263,11 @@ async fn deny_at_each_point() {
     );
     let rt2 = runtime(script_one_call(), config()).await;
     rt2.register("fs::write", None, |_| json!({"ok": true}));
-    hook(
-        &rt2,
+    rt2.hook(
         "post::rewrite",
         |_| json!({"mutations": {"content": [{"type": "text", "text": "redacted"}], "is_error": true}}),
     );
-    bind(&rt2, "post-trigger", "post::rewrite", json!({}), json!({})).await;
+    rt2.bind("post-trigger", "post::rewrite", json!({})).await;
     let r = rt2.send(allowing("write it", &["*"])).await;
     rt2.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt2.results(&r.session_id)[0];
@@ -374,14 +288,8 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
             Ok(Value::Null)
         }),
     );
-    bind(
-        &rt,
-        "pre-trigger",
-        "slow::hook",
-        json!({"timeout_ms": 50}),
-        json!({}),
-    )
-    .await;
+    rt.bind("pre-trigger", "slow::hook", json!({"timeout_ms": 50}))
+        .await;
     let (r, _) = rt.run(allowing("write it", &["*"])).await;
     let result = &rt.results(&r.session_id)[0];
     assert_eq!(result.details["error"], "hook_denied");
@@ -405,12 +313,10 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
             Ok(Value::Null)
         }),
     );
-    bind(
-        &rt,
+    rt.bind(
         "pre-trigger",
         "slow::hook",
         json!({"timeout_ms": 50, "on_error": "fail_open"}),
-        json!({}),
     )
     .await;
     rt.run(allowing("write it", &["*"])).await;
@@ -419,7 +325,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
     // A missing post-trigger hook function is skipped (fail_open by default).
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    bind(&rt, "post-trigger", "nobody::home", json!({}), json!({})).await;
+    rt.bind("post-trigger", "nobody::home", json!({})).await;
     let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(!rt.results(&r.session_id)[0].is_error);
@@ -428,7 +334,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
 #[tokio::test]
 async fn pre_generate_extends_the_prompt_and_appends_messages() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    hook(&rt, "ctx::add", |p| {
+    rt.hook("ctx::add", |p| {
         let prompt = format!(
             "{}\n\nToday is Sunday.",
             p["generate"]["system_prompt"].as_str().unwrap()
@@ -436,17 +342,10 @@ async fn pre_generate_extends_the_prompt_and_appends_messages() {
         json!({"mutations": {"system_prompt": prompt,
                              "append_messages": [{"role": "user", "content": [{"type": "text", "text": "(reminder: be brief)"}], "timestamp": 1}]}})
     });
-    let never = hook(&rt, "never::called", |_| json!({"decision": "deny"}));
-    bind(
-        &rt,
-        "pre-generate",
-        "ctx::add",
-        json!({"priority": 1}),
-        json!({}),
-    )
-    .await;
-    bind(
-        &rt,
+    let never = rt.hook("never::called", |_| json!({"decision": "deny"}));
+    rt.bind("pre-generate", "ctx::add", json!({"priority": 1}))
+        .await;
+    rt.bind_with(
         "pre-generate",
         "never::called",
         json!({"priority": 2}),
@@ -483,10 +382,11 @@ async fn the_sweep_expires_a_stale_pending_call_but_never_a_hold() {
         text_gen("done")
     ]}), HarnessConfig { default_pending_timeout_ms: 1000, ..config() }).await;
     rt.register("fs::write", None, |_| json!({"ok": true}));
-    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
-    bind(&rt, "pre-trigger", "guard::hold", json!({}), json!({})).await;
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "guard::hold", json!({})).await;
     let r = rt.send(allowing("write it", &["*"])).await;
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     // Make c2 a legacy parked call (no holder) that has waited too long; c1 stays a hold.
     let mut rec = rt
         .bus
@@ -557,8 +457,8 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
     for decision in ["Deny", "block"] {
         let rt = runtime(script_one_call(), config()).await;
         let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-        hook(&rt, "odd::hook", move |_| json!({"decision": decision}));
-        bind(&rt, "pre-trigger", "odd::hook", json!({}), json!({})).await;
+        rt.hook("odd::hook", move |_| json!({"decision": decision}));
+        rt.bind("pre-trigger", "odd::hook", json!({})).await;
         let (r, _) = rt.run(allowing("write it", &["*"])).await;
         let result = &rt.results(&r.session_id)[0];
         assert_eq!(result.details["error"], "hook_denied", "{decision}");
@@ -579,12 +479,11 @@ async fn an_unknown_hook_decision_denies_before_the_target_and_is_skipped_after_
     // ...and is skipped after it (fail_open): the target's own result is appended.
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    hook(
-        &rt,
+    rt.hook(
         "odd::hook",
         |_| json!({"decision": "block", "mutations": {"is_error": true}}),
     );
-    bind(&rt, "post-trigger", "odd::hook", json!({}), json!({})).await;
+    rt.bind("post-trigger", "odd::hook", json!({})).await;
     let (r, _) = rt.run(allowing("write it", &["*"])).await;
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     let result = &rt.results(&r.session_id)[0];
@@ -605,19 +504,17 @@ async fn a_post_turn_deny_reprompts_with_its_retry_prompt_then_the_result_comple
         config(),
     )
     .await;
-    let seen = hook(&rt, "gate::length", |p| {
+    let seen = rt.hook("gate::length", |p| {
         if p["result"].as_str().is_some_and(|r| r.len() < 10) {
             json!({"decision": "deny", "reason": "too short"})
         } else {
             json!({"decision": "continue"})
         }
     });
-    bind(
-        &rt,
+    rt.bind(
         "post-turn",
         "gate::length",
         json!({"retry_prompt": "Be longer: {reason} (you wrote '{value}')"}),
-        json!({}),
     )
     .await;
     let (r, s) = rt.run(send("summarize this")).await;
@@ -648,17 +545,15 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
         got.lock().unwrap().push(p.clone());
         json!({"ok": true})
     });
-    let seen = hook(&rt, "guard::widen", |p| {
+    let seen = rt.hook("guard::widen", |p| {
         let mut args = p["call"]["arguments"].clone();
         args["fs_scope"] = json!({"root": "/", "grants": [], "boundary": "workspace"});
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
-    bind(
-        &rt,
+    rt.bind(
         "pre-trigger",
         "guard::widen",
         json!({"functions": ["fs::*"]}),
-        json!({}),
     )
     .await;
     let (_, s) = rt.run(allowing("write it", &["*"])).await;
@@ -703,11 +598,11 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
     }
     let size = Arc::new(std::sync::atomic::AtomicUsize::new(12_000));
     let appended = size.clone();
-    hook(&rt, "ctx::big", move |_| {
+    rt.hook("ctx::big", move |_| {
         let n = appended.load(std::sync::atomic::Ordering::SeqCst);
         json!({"mutations": {"append_messages": [{"role": "user", "content": [{"type": "text", "text": format!("note from a hook: {}", "h".repeat(n))}], "timestamp": 1}]}})
     });
-    bind(&rt, "pre-generate", "ctx::big", json!({}), json!({})).await;
+    rt.bind("pre-generate", "ctx::big", json!({})).await;
     let mut req = send("note 4: short");
     req.session_id = session.clone();
     let (_, s) = rt.run(req).await;
@@ -755,17 +650,16 @@ async fn a_release_grants_the_held_call_one_shot_roots() {
         got.lock().unwrap().push(p.clone());
         json!({"ok": true})
     });
-    hook(&rt, "guard::hold", |_| json!({"decision": "hold"}));
-    bind(
-        &rt,
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind(
         "pre-trigger",
         "guard::hold",
         json!({"functions": ["fs::*"]}),
-        json!({}),
     )
     .await;
     let r = rt.send(allowing("write it", &["*"])).await;
-    wait_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     let shared = tempfile::tempdir().unwrap();
     let shared_root = std::fs::canonicalize(shared.path())
         .unwrap()

@@ -169,6 +169,15 @@ pub async fn trip_with_one_child() -> (Rt, harness_types::api::SendResponse) {
     (rt, r)
 }
 
+/// Waits (with a deadline) until `done` holds.
+pub async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 impl Rt {
     /// `harness::send`, which the test expects to be accepted.
     pub async fn send(&self, req: SendRequest) -> harness_types::api::SendResponse {
@@ -332,6 +341,185 @@ impl Rt {
             Some(0),
             "{listed}"
         );
+    }
+
+    /// Registers the hook function `id`, which records every payload it gets and answers
+    /// `answer(payload)`; the record.
+    pub fn hook<F>(&self, id: &str, answer: F) -> Arc<std::sync::Mutex<Vec<Value>>>
+    where
+        F: Fn(&Value) -> Value + Send + Sync + 'static,
+    {
+        use harness_bus::Bus;
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let answer = Arc::new(answer);
+        self.bus.register_function(
+            harness_bus::FunctionDef::new(id, "test hook"),
+            Arc::new(move |p: Value, _ctx: harness_bus::CallContext| {
+                log.lock().unwrap().push(p.clone());
+                let out = answer(&p);
+                async move { Ok(out) }
+            }),
+        );
+        seen
+    }
+
+    /// Binds `function_id` to the hook point `point` (`pre-trigger`, `post-generate`, …).
+    pub async fn bind(&self, point: &str, function_id: &str, config: Value) {
+        self.bind_with(point, function_id, config, json!({})).await
+    }
+
+    /// [`Rt::bind`] with the binding's `metadata` (an `inject_prompt`, …).
+    pub async fn bind_with(&self, point: &str, function_id: &str, config: Value, metadata: Value) {
+        use harness_bus::Bus;
+        self.bus
+            .call(
+                "engine::register_trigger",
+                json!({"trigger_type": format!("harness::hook::{point}"), "function_id": function_id, "config": config, "metadata": metadata}),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+
+    /// Registers `router::abort` to raise the returned flag. A stop calls it right after it
+    /// fired the turn's signal, so a raised flag means the signal has fired.
+    pub fn watch_abort(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        use harness_bus::Bus;
+        let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = aborted.clone();
+        self.bus.register_function(
+            harness_bus::FunctionDef::new("router::abort", "test abort"),
+            Arc::new(move |_p: Value, _ctx: harness_bus::CallContext| {
+                seen.store(true, std::sync::atomic::Ordering::SeqCst);
+                async move { Ok(json!({"aborted": false})) }
+            }),
+        );
+        aborted
+    }
+
+    /// Registers the hook function `id`: for a payload `when` accepts, it stops the payload's
+    /// session and answers `continue` once `fired` is raised (10 s at most). The stop runs in a
+    /// task of its own, since it waits for the step this hook is part of.
+    pub fn stopping_hook(
+        &self,
+        id: &str,
+        fired: Arc<std::sync::atomic::AtomicBool>,
+        when: fn(&Value) -> bool,
+    ) {
+        use harness_bus::Bus;
+        let harness = self.harness.clone();
+        self.bus.register_function(
+            harness_bus::FunctionDef::new(id, "test hook"),
+            Arc::new(move |p: Value, _ctx: harness_bus::CallContext| {
+                let harness = harness.clone();
+                let fired = fired.clone();
+                async move {
+                    if when(&p) {
+                        let session_id = p["session_id"].as_str().unwrap_or_default().to_string();
+                        tokio::spawn(async move {
+                            let _ = harness
+                                .stop(harness_types::api::StopRequest {
+                                    session_id,
+                                    turn_id: None,
+                                })
+                                .await;
+                        });
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        while !fired.load(std::sync::atomic::Ordering::SeqCst)
+                            && Instant::now() < deadline
+                        {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                    }
+                    Ok(json!({"decision": "continue"}))
+                }
+            }),
+        );
+    }
+
+    /// Waits (with a deadline) until the session's current turn has `status`.
+    pub async fn wait_status(&self, session_id: &str, status: harness_types::api::TurnStatus) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self
+            .status(session_id)
+            .await
+            .is_some_and(|s| s.status == status)
+        {
+            assert!(Instant::now() < deadline, "never {status:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// `harness::resolve` of the call `call` of `r`'s turn with `action`.
+    pub async fn resolve(
+        &self,
+        r: &harness_types::api::SendResponse,
+        call: &str,
+        action: harness_types::api::ResolveAction,
+    ) -> harness_types::api::ResolveResponse {
+        self.harness
+            .resolve(harness_types::api::ResolveRequest {
+                session_id: r.session_id.clone(),
+                turn_id: r.turn_id.clone(),
+                function_call_id: call.into(),
+                action: Some(action),
+                content: None,
+                is_error: None,
+                details: None,
+                fs_scope: None,
+            })
+            .await
+            .unwrap()
+    }
+
+    /// The content of the result of call `call`, as JSON text.
+    pub fn result_text(&self, session_id: &str, call: &str) -> String {
+        let r = self
+            .results(session_id)
+            .into_iter()
+            .find(|r| r.function_call_id == call)
+            .unwrap_or_else(|| panic!("no result for {call}"));
+        serde_json::to_string(&r.content).unwrap()
+    }
+
+    /// The session's turn record as stored; `None` without one.
+    pub async fn turn_record(&self, session_id: &str) -> Option<Value> {
+        use harness_bus::Bus;
+        self.bus
+            .state_get(harness_core::TURN_SCOPE, session_id)
+            .await
+            .unwrap()
+    }
+
+    /// Overwrites the session's turn record (what an older version or a crash could leave).
+    pub async fn set_turn_record(&self, session_id: &str, record: Value) {
+        use harness_bus::Bus;
+        self.bus
+            .state_set(harness_core::TURN_SCOPE, session_id, record)
+            .await
+            .unwrap();
+    }
+
+    /// Enqueues step `step` of the turn, as the loop (or a queue's redelivery) would.
+    pub async fn enqueue_step(&self, session_id: &str, turn_id: &str, step: u64) {
+        use harness_bus::Bus;
+        self.bus
+            .enqueue(
+                harness_core::TURN_QUEUE,
+                "harness::turn",
+                json!({"session_id": session_id, "turn_id": turn_id, "step": step, "depth": 0}),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// Waits (with a deadline) until the turn queue holds nothing.
+    pub async fn until_queue_empty(&self) {
+        until("the turn queue emptied", || {
+            self.bus.queues().depth(harness_core::TURN_QUEUE) == 0
+        })
+        .await;
     }
 
     /// `(role, text)` of every message entry.

@@ -4,27 +4,20 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, BusError, CallContext, EmbeddedBus, FunctionDef};
-use harness_types::api::{SendOptions, StopRequest, TurnStatus};
+use harness_types::api::{ResolveAction, SendOptions, StopRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
-
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !done() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 #[tokio::test]
 async fn a_stop_while_the_model_streams_cancels_the_turn() {
     let long = "word ".repeat(400);
     let rt = runtime(json!({"generations": [text(None, &long, 20)]}), config()).await;
-    let r = rt.harness.send(send("talk")).await.unwrap();
+    let r = rt.send(send("talk")).await;
     until("the generation started", || {
         !rt.recorder.seen.lock().unwrap().is_empty()
     })
@@ -51,14 +44,14 @@ async fn a_message_sent_while_the_model_streams_steers_the_same_turn() {
         config(),
     )
     .await;
-    let a = rt.harness.send(send("first")).await.unwrap();
+    let a = rt.send(send("first")).await;
     until("the generation started", || {
         !rt.recorder.seen.lock().unwrap().is_empty()
     })
     .await;
     let mut second = send("second");
     second.session_id = Some(a.session_id.clone());
-    let b = rt.harness.send(second).await.unwrap();
+    let b = rt.send(second).await;
     assert_eq!(b.turn_id, a.turn_id, "the running turn takes it");
     let s = rt.wait_terminal(&a.session_id, &a.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
@@ -73,26 +66,17 @@ async fn the_max_turns_notice_refused_by_a_post_turn_hook_fails_the_turn_keeping
     )
     .await;
     rt.register("x::f", None, |_| json!("ran"));
-    rt.bus.register_function(
-        FunctionDef::new("gate::never", "test hook"),
-        Arc::new(|_p: Value, _ctx: CallContext| async move {
-            Ok(json!({"decision": "deny", "reason": "not good enough"}))
-        }),
+    rt.hook(
+        "gate::never",
+        |_| json!({"decision": "deny", "reason": "not good enough"}),
     );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::post-turn", "function_id": "gate::never", "config": {}, "metadata": {}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.bind("post-turn", "gate::never", json!({})).await;
     let mut req = allowing("go", &["x::*"]);
     req.options = Some(SendOptions {
         max_turns: Some(1),
         ..req.options.unwrap()
     });
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let failure = s.failure.expect("a cause");
@@ -108,62 +92,26 @@ async fn a_step_delivered_again_while_its_turn_is_parked_changes_nothing() {
     )
     .await;
     let runs = rt.register("x::f", None, |_| json!("ran"));
-    rt.bus.register_function(
-        FunctionDef::new("guard::hold", "test hook"),
-        Arc::new(|_p: Value, _ctx: CallContext| async move { Ok(json!({"decision": "hold"})) }),
-    );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {}, "metadata": {}}),
-            None,
-        )
-        .await
-        .unwrap();
-    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while rt.status(&r.session_id).await.map(|s| s.status) != Some(TurnStatus::AwaitingFunctions) {
-        assert!(Instant::now() < deadline, "never parked");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "guard::hold", json!({})).await;
+    let r = rt.send(allowing("go", &["x::*"])).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     // The parked step, delivered again (a queue redelivers what was not acked in time); the
     // release's step comes after it in the session's FIFO.
-    rt.bus
-        .enqueue(
-            harness_core::TURN_QUEUE,
-            "harness::turn",
-            json!({"session_id": r.session_id, "turn_id": r.turn_id, "step": 0, "depth": 0}),
-        )
-        .await
-        .unwrap();
-    until("the queue took it", || {
-        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
-    })
-    .await;
+    rt.enqueue_step(&r.session_id, &r.turn_id, 0).await;
+    rt.until_queue_empty().await;
     assert_eq!(
         rt.status(&r.session_id).await.unwrap().status,
         TurnStatus::AwaitingFunctions,
         "still parked"
     );
-    let out = rt
-        .harness
-        .resolve(harness_types::api::ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: "c1".into(),
-            action: Some(harness_types::api::ResolveAction::Execute),
-            content: None,
-            is_error: None,
-            details: None,
-            fs_scope: None,
-        })
-        .await
-        .unwrap();
+    let out = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(out.resolved);
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("finished")));
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(rt.results(&r.session_id).len(), 1);
     assert_eq!(
         rt.recorder.seen.lock().unwrap().len(),
@@ -183,19 +131,12 @@ async fn a_step_of_a_session_that_does_not_exist_is_dropped_without_a_trace() {
         )
         .await
         .unwrap();
-    until("the queue took it", || {
-        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
-    })
-    .await;
+    rt.until_queue_empty().await;
     assert!(
         rt.status("s_never_made").await.is_none(),
         "no turn was made up"
     );
-    let record = rt
-        .bus
-        .state_get(harness_core::TURN_SCOPE, "s_never_made")
-        .await
-        .unwrap();
+    let record = rt.turn_record("s_never_made").await;
     assert_eq!(record, None);
     assert!(rt.recorder.seen.lock().unwrap().is_empty(), "no generation");
 }
@@ -204,7 +145,7 @@ async fn a_step_of_a_session_that_does_not_exist_is_dropped_without_a_trace() {
 async fn a_turn_record_lost_while_the_model_streams_is_not_written_back() {
     let long = "word ".repeat(100);
     let rt = runtime(json!({"generations": [text(None, &long, 5)]}), config()).await;
-    let r = rt.harness.send(send("talk")).await.unwrap();
+    let r = rt.send(send("talk")).await;
     until("the generation started", || {
         !rt.recorder.seen.lock().unwrap().is_empty()
     })
@@ -214,15 +155,8 @@ async fn a_turn_record_lost_while_the_model_streams_is_not_written_back() {
         .state_delete(harness_core::TURN_SCOPE, &r.session_id)
         .await
         .unwrap();
-    until("the step ended", || {
-        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
-    })
-    .await;
-    let record = rt
-        .bus
-        .state_get(harness_core::TURN_SCOPE, &r.session_id)
-        .await
-        .unwrap();
+    rt.until_queue_empty().await;
+    let record = rt.turn_record(&r.session_id).await;
     assert_eq!(record, None, "nothing rebuilt a record from the stream");
     assert_eq!(
         rt.recorder.seen.lock().unwrap().len(),
@@ -239,47 +173,19 @@ async fn a_running_record_marked_aborted_is_cancelled_by_its_next_step() {
     )
     .await;
     rt.register("x::f", None, |_| json!("ran"));
-    rt.bus.register_function(
-        FunctionDef::new("guard::hold", "test hook"),
-        Arc::new(|_p: Value, _ctx: CallContext| async move { Ok(json!({"decision": "hold"})) }),
-    );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {}, "metadata": {}}),
-            None,
-        )
-        .await
-        .unwrap();
-    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while rt.status(&r.session_id).await.map(|s| s.status) != Some(TurnStatus::AwaitingFunctions) {
-        assert!(Instant::now() < deadline, "never parked");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "guard::hold", json!({})).await;
+    let r = rt.send(allowing("go", &["x::*"])).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     // What an earlier version could leave: the next step pending on a record marked aborted
     // but still running.
-    let mut rec = rt
-        .bus
-        .state_get(harness_core::TURN_SCOPE, &r.session_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let mut rec = rt.turn_record(&r.session_id).await.unwrap();
     rec["status"] = json!("running");
     rec["abort"] = json!(true);
     rec["step"] = json!(1);
-    rt.bus
-        .state_set(harness_core::TURN_SCOPE, &r.session_id, rec)
-        .await
-        .unwrap();
-    rt.bus
-        .enqueue(
-            harness_core::TURN_QUEUE,
-            "harness::turn",
-            json!({"session_id": r.session_id, "turn_id": r.turn_id, "step": 1, "depth": 0}),
-        )
-        .await
-        .unwrap();
+    rt.set_turn_record(&r.session_id, rec).await;
+    rt.enqueue_step(&r.session_id, &r.turn_id, 1).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
     assert_eq!(
@@ -297,63 +203,15 @@ async fn a_stop_landing_before_the_next_generation_cancels_without_asking_the_mo
     )
     .await;
     rt.register("x::f", None, |_| json!("ran"));
-    // The stop's first half cuts the generation through router::abort right after it fires
-    // the turn's signal: seeing that call is seeing the signal fired.
-    let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let seen = aborted.clone();
-    rt.bus.register_function(
-        FunctionDef::new("router::abort", "test abort"),
-        Arc::new(move |_p: Value, _ctx: CallContext| {
-            seen.store(true, std::sync::atomic::Ordering::SeqCst);
-            async move { Ok(json!({"aborted": false})) }
-        }),
-    );
-    // Before the second generation, a pre-generate hook stops the turn and waits for the
-    // signal.
-    let harness = rt.harness.clone();
-    let flag = aborted.clone();
-    rt.bus.register_function(
-        FunctionDef::new("stop::before", "test hook"),
-        Arc::new(move |p: Value, _ctx: CallContext| {
-            let harness = harness.clone();
-            let flag = flag.clone();
-            async move {
-                if p["step"] == 1 {
-                    let session_id = p["session_id"].as_str().unwrap_or_default().to_string();
-                    tokio::spawn(async move {
-                        let _ = harness
-                            .stop(StopRequest {
-                                session_id,
-                                turn_id: None,
-                            })
-                            .await;
-                    });
-                    let deadline = Instant::now() + Duration::from_secs(10);
-                    while !flag.load(std::sync::atomic::Ordering::SeqCst)
-                        && Instant::now() < deadline
-                    {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                }
-                Ok(json!({"decision": "continue"}))
-            }
-        }),
-    );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-generate", "function_id": "stop::before", "config": {}, "metadata": {}}),
-            None,
-        )
-        .await
-        .unwrap();
-    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
+    // Before the second generation, a pre-generate hook stops the turn and waits until the
+    // stop has fired the turn's signal.
+    let aborted = rt.watch_abort();
+    rt.stopping_hook("stop::before", aborted.clone(), |p| p["step"] == 1);
+    rt.bind("pre-generate", "stop::before", json!({})).await;
+    let r = rt.send(allowing("go", &["x::*"])).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
-    assert!(
-        aborted.load(std::sync::atomic::Ordering::SeqCst),
-        "the stop fired"
-    );
+    assert!(aborted.load(Ordering::SeqCst), "the stop fired");
     assert_eq!(
         rt.recorder.seen.lock().unwrap().len(),
         1,
@@ -408,7 +266,7 @@ async fn a_step_failing_on_an_unexpected_error_fails_its_turn_with_the_cause() {
             Err::<Value, _>(BusError::internal("the router broke"))
         }),
     );
-    let r = rt.harness.send(send("talk")).await.unwrap();
+    let r = rt.send(send("talk")).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let failure = s.failure.expect("a cause");
@@ -425,14 +283,14 @@ async fn a_step_failing_on_an_unexpected_error_fails_its_turn_with_the_cause() {
 #[tokio::test]
 async fn an_error_of_a_step_whose_turn_a_stop_ended_leaves_the_turn_cancelled() {
     let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
-    let entered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let entered = Arc::new(AtomicBool::new(false));
     let seen = entered.clone();
     let bus = rt.bus.clone();
     // The router takes the request, and fails only once a stop has ended the turn.
     rt.bus.register_function(
         FunctionDef::new("router::chat", "a router that fails late"),
         Arc::new(move |p: Value, _ctx: CallContext| {
-            seen.store(true, std::sync::atomic::Ordering::SeqCst);
+            seen.store(true, Ordering::SeqCst);
             let bus = bus.clone();
             async move {
                 let sid = p["session_id"].as_str().unwrap_or_default().to_string();
@@ -441,9 +299,9 @@ async fn an_error_of_a_step_whose_turn_a_stop_ended_leaves_the_turn_cancelled() 
             }
         }),
     );
-    let r = rt.harness.send(send("talk")).await.unwrap();
+    let r = rt.send(send("talk")).await;
     until("the router took the request", || {
-        entered.load(std::sync::atomic::Ordering::SeqCst)
+        entered.load(Ordering::SeqCst)
     })
     .await;
     let out = rt
@@ -455,10 +313,7 @@ async fn an_error_of_a_step_whose_turn_a_stop_ended_leaves_the_turn_cancelled() 
         .await
         .unwrap();
     assert!(out.stopping);
-    until("the failed step was handled", || {
-        rt.bus.queues().depth(harness_core::TURN_QUEUE) == 0
-    })
-    .await;
+    rt.until_queue_empty().await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled, "the stop's outcome stands");
     assert!(s.failure.is_none(), "{:?}", s.failure);
@@ -480,13 +335,13 @@ async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_t
     let runs = rt.register("x::f", None, |_| json!("ran"));
     // The stop's first half is held in `router::abort` (after it fired the turn's signal) until
     // the turn has ended: the step, not the stop, takes the lock next.
-    let aborting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let aborting = Arc::new(AtomicBool::new(false));
     let seen = aborting.clone();
     let bus = rt.bus.clone();
     rt.bus.register_function(
         FunctionDef::new("router::abort", "a slow abort"),
         Arc::new(move |_p: Value, _ctx: CallContext| {
-            seen.store(true, std::sync::atomic::Ordering::SeqCst);
+            seen.store(true, Ordering::SeqCst);
             let bus = bus.clone();
             async move {
                 // Well within the stop's own wait for this call.
@@ -497,50 +352,16 @@ async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_t
     );
     // Once the answer is streamed (the lock is free), a post-generate hook stops the turn and
     // returns when the stop has fired the signal.
-    let harness = rt.harness.clone();
-    let flag = aborting.clone();
-    rt.bus.register_function(
-        FunctionDef::new("stop::after", "test hook"),
-        Arc::new(move |p: Value, _ctx: CallContext| {
-            let harness = harness.clone();
-            let flag = flag.clone();
-            async move {
-                let session_id = p["session_id"].as_str().unwrap_or_default().to_string();
-                tokio::spawn(async move {
-                    let _ = harness
-                        .stop(StopRequest {
-                            session_id,
-                            turn_id: None,
-                        })
-                        .await;
-                });
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while !flag.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Ok(json!({"decision": "continue"}))
-            }
-        }),
-    );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::post-generate", "function_id": "stop::after", "config": {}, "metadata": {}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.stopping_hook("stop::after", aborting.clone(), |_| true);
+    rt.bind("post-generate", "stop::after", json!({})).await;
     let mut req = allowing("go", &["x::*"]);
     req.session_id = Some("s_cut".into());
-    let r = rt.harness.send(req).await.unwrap();
+    let r = rt.send(req).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
-    assert!(
-        aborting.load(std::sync::atomic::Ordering::SeqCst),
-        "the stop fired"
-    );
+    assert!(aborting.load(Ordering::SeqCst), "the stop fired");
     assert_eq!(
-        runs.load(std::sync::atomic::Ordering::SeqCst),
+        runs.load(Ordering::SeqCst),
         0,
         "the cut answer's call never ran"
     );
@@ -558,51 +379,17 @@ async fn a_settle_before_the_redelivered_step_leaves_the_turn_to_that_step() {
     )
     .await;
     let runs = rt.register("x::f", None, |_| json!("ran"));
-    rt.bus.register_function(
-        FunctionDef::new("guard::hold", "test hook"),
-        Arc::new(|_p: Value, _ctx: CallContext| async move { Ok(json!({"decision": "hold"})) }),
-    );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold", "config": {}, "metadata": {}}),
-            None,
-        )
-        .await
-        .unwrap();
-    let r = rt.harness.send(allowing("go", &["x::*"])).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while rt.status(&r.session_id).await.map(|s| s.status) != Some(TurnStatus::AwaitingFunctions) {
-        assert!(Instant::now() < deadline, "never parked");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
+    rt.bind("pre-trigger", "guard::hold", json!({})).await;
+    let r = rt.send(allowing("go", &["x::*"])).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     // What a crash mid-dispatch leaves: the hold saved on a record that is still running (the
     // step was cut before it parked), its step to be delivered again.
-    let mut rec = rt
-        .bus
-        .state_get(harness_core::TURN_SCOPE, &r.session_id)
-        .await
-        .unwrap()
-        .unwrap();
+    let mut rec = rt.turn_record(&r.session_id).await.unwrap();
     rec["status"] = json!("running");
-    rt.bus
-        .state_set(harness_core::TURN_SCOPE, &r.session_id, rec)
-        .await
-        .unwrap();
-    let out = rt
-        .harness
-        .resolve(harness_types::api::ResolveRequest {
-            session_id: r.session_id.clone(),
-            turn_id: r.turn_id.clone(),
-            function_call_id: "c1".into(),
-            action: Some(harness_types::api::ResolveAction::Execute),
-            content: None,
-            is_error: None,
-            details: None,
-            fs_scope: None,
-        })
-        .await
-        .unwrap();
+    rt.set_turn_record(&r.session_id, rec).await;
+    let out = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(out.resolved);
     assert!(!out.turn_resumed, "the step that runs the turn decides");
     assert_eq!(
@@ -614,18 +401,11 @@ async fn a_settle_before_the_redelivered_step_leaves_the_turn_to_that_step() {
         0,
         "no step of its own"
     );
-    rt.bus
-        .enqueue(
-            harness_core::TURN_QUEUE,
-            "harness::turn",
-            json!({"session_id": r.session_id, "turn_id": r.turn_id, "step": 0, "depth": 0}),
-        )
-        .await
-        .unwrap();
+    rt.enqueue_step(&r.session_id, &r.turn_id, 0).await;
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("finished")));
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(rt.results(&r.session_id).len(), 1);
     assert_eq!(rt.recorder.seen.lock().unwrap().len(), 2);
 }
