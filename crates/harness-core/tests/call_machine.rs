@@ -46,9 +46,7 @@ async fn a_post_trigger_hold_keeps_the_result_and_its_release_appends_it_without
     let runs = rt.register("x::write", None, |_| json!("wrote 1 byte"));
     let held = rt.hook("review::hold", |_| json!({"decision": "hold"}));
     rt.bind("post-trigger", "review::hold", json!({})).await;
-    let r = rt.send(allowing("write", &["x::*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    let r = rt.send_parked(allowing("write", &["x::*"])).await;
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
@@ -119,16 +117,8 @@ async fn a_stop_of_a_parked_turn_closes_the_held_call_and_leaves_the_done_one() 
     .await;
     rt.register("x::free", None, |_| json!("free ran"));
     let guarded = rt.register("x::guarded", None, |_| json!("guarded ran"));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind(
-        "pre-trigger",
-        "guard::hold",
-        json!({"functions": ["x::guarded"]}),
-    )
-    .await;
-    let r = rt.send(allowing("both", &["x::*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    rt.hold_calls(json!({"functions": ["x::guarded"]})).await;
+    let r = rt.send_parked(allowing("both", &["x::*"])).await;
     // Only a pending call can be resolved: not the done one, not one the answer never made.
     for call in ["c1", "c9"] {
         for action in [ResolveAction::Execute, ResolveAction::Deliver] {
@@ -158,9 +148,7 @@ async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost
         config(),
     )
     .await;
-    let r = rt.send(orchestrating("delegate")).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    let r = rt.send_parked(orchestrating("delegate")).await;
     let parent = rt.status(&r.session_id).await.unwrap();
     assert_eq!(parent.pending_function_calls, vec!["s1".to_string()]);
     let parent_rec = rt.turn_record(&r.session_id).await.unwrap();
@@ -210,11 +198,8 @@ async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a
     )
     .await;
     rt.register("x::slow", None, |_| json!("never used"));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind("pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.send(allowing("wait", &["x::*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("wait", &["x::*"])).await;
     // An older version's parked call: pending, with neither a holder nor a child.
     let mut rec = rt.turn_record(&r.session_id).await.unwrap();
     rec["calls"]["c1"]["held_by"] = Value::Null;

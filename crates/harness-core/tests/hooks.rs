@@ -44,9 +44,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
         json!({"functions": ["fs::*"]}),
     )
     .await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    let r = rt.send_parked(allowing("write it", &["*"])).await;
     let s = rt.status(&r.session_id).await.unwrap();
     assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
     assert!(target.lock().unwrap().is_empty(), "nothing runs while held");
@@ -96,9 +94,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
         .await;
     rt.bind("pre-trigger", "a::mutate", json!({"priority": 10}))
         .await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    let r = rt.send_parked(allowing("write it", &["*"])).await;
     assert_eq!(
         mutator.lock().unwrap()[0]["call"]["arguments"]["text"],
         "hi",
@@ -128,11 +124,8 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
 async fn deliver_settles_a_held_call_with_the_given_result() {
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind("pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("write it", &["*"])).await;
     let out = rt
         .harness
         .resolve(ResolveRequest {
@@ -162,11 +155,8 @@ async fn deliver_settles_a_held_call_with_the_given_result() {
 async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation() {
     let rt = runtime(script_one_call(), config()).await;
     rt.register("fs::write", None, |_| json!({"ok": true}));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind("pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("write it", &["*"])).await;
     let mut steer = send("also add a footer");
     steer.session_id = Some(r.session_id.clone());
     let s = rt.send(steer).await;
@@ -382,11 +372,8 @@ async fn the_sweep_expires_a_stale_pending_call_but_never_a_hold() {
         text_gen("done")
     ]}), HarnessConfig { default_pending_timeout_ms: 1000, ..config() }).await;
     rt.register("fs::write", None, |_| json!({"ok": true}));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind("pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("write it", &["*"])).await;
     // Make c2 a legacy parked call (no holder) that has waited too long; c1 stays a hold.
     let mut rec = rt
         .bus
@@ -650,16 +637,8 @@ async fn a_release_grants_the_held_call_one_shot_roots() {
         got.lock().unwrap().push(p.clone());
         json!({"ok": true})
     });
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind(
-        "pre-trigger",
-        "guard::hold",
-        json!({"functions": ["fs::*"]}),
-    )
-    .await;
-    let r = rt.send(allowing("write it", &["*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    rt.hold_calls(json!({"functions": ["fs::*"]})).await;
+    let r = rt.send_parked(allowing("write it", &["*"])).await;
     let shared = tempfile::tempdir().unwrap();
     let shared_root = std::fs::canonicalize(shared.path())
         .unwrap()

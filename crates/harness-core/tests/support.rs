@@ -382,6 +382,24 @@ impl Rt {
             .unwrap();
     }
 
+    /// Binds `guard::hold` to `pre-trigger`: every call `config` selects is held before its
+    /// target runs, until a resolve settles it.
+    pub async fn hold_calls(&self, config: Value) {
+        self.hook("guard::hold", |_| json!({"decision": "hold"}));
+        self.bind("pre-trigger", "guard::hold", config).await;
+    }
+
+    /// [`Rt::send`], then waits until the turn is parked on its calls.
+    pub async fn send_parked(&self, req: SendRequest) -> harness_types::api::SendResponse {
+        let r = self.send(req).await;
+        self.wait_status(
+            &r.session_id,
+            harness_types::api::TurnStatus::AwaitingFunctions,
+        )
+        .await;
+        r
+    }
+
     /// Registers `router::abort` to raise the returned flag. A stop calls it right after it
     /// fired the turn's signal, so a raised flag means the signal has fired.
     pub fn watch_abort(&self) -> Arc<std::sync::atomic::AtomicBool> {

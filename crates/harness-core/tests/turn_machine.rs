@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,15 +13,32 @@ use harness_types::api::{ResolveAction, SendOptions, StopRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
 
+/// A runtime whose model calls `x::f` (as `c1`) on "go", then answers `then`; how often
+/// `x::f` ran.
+async fn calling_f(then: &str) -> (Rt, Arc<AtomicUsize>) {
+    let rt = runtime(
+        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen(then)]}),
+        config(),
+    )
+    .await;
+    let runs = rt.register("x::f", None, |_| json!("ran"));
+    (rt, runs)
+}
+
+/// Waits until the model was asked once.
+async fn until_generating(rt: &Rt) {
+    until("the generation started", || {
+        !rt.recorder.seen.lock().unwrap().is_empty()
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_stop_while_the_model_streams_cancels_the_turn() {
     let long = "word ".repeat(400);
     let rt = runtime(json!({"generations": [text(None, &long, 20)]}), config()).await;
     let r = rt.send(send("talk")).await;
-    until("the generation started", || {
-        !rt.recorder.seen.lock().unwrap().is_empty()
-    })
-    .await;
+    until_generating(&rt).await;
     rt.harness
         .stop(StopRequest {
             session_id: r.session_id.clone(),
@@ -45,10 +62,7 @@ async fn a_message_sent_while_the_model_streams_steers_the_same_turn() {
     )
     .await;
     let a = rt.send(send("first")).await;
-    until("the generation started", || {
-        !rt.recorder.seen.lock().unwrap().is_empty()
-    })
-    .await;
+    until_generating(&rt).await;
     let mut second = send("second");
     second.session_id = Some(a.session_id.clone());
     let b = rt.send(second).await;
@@ -60,12 +74,7 @@ async fn a_message_sent_while_the_model_streams_steers_the_same_turn() {
 
 #[tokio::test]
 async fn the_max_turns_notice_refused_by_a_post_turn_hook_fails_the_turn_keeping_the_notice() {
-    let rt = runtime(
-        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("never")]}),
-        config(),
-    )
-    .await;
-    rt.register("x::f", None, |_| json!("ran"));
+    let (rt, _) = calling_f("never").await;
     rt.hook(
         "gate::never",
         |_| json!({"decision": "deny", "reason": "not good enough"}),
@@ -86,17 +95,9 @@ async fn the_max_turns_notice_refused_by_a_post_turn_hook_fails_the_turn_keeping
 
 #[tokio::test]
 async fn a_step_delivered_again_while_its_turn_is_parked_changes_nothing() {
-    let rt = runtime(
-        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("finished")]}),
-        config(),
-    )
-    .await;
-    let runs = rt.register("x::f", None, |_| json!("ran"));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind("pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.send(allowing("go", &["x::*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    let (rt, runs) = calling_f("finished").await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("go", &["x::*"])).await;
     // The parked step, delivered again (a queue redelivers what was not acked in time); the
     // release's step comes after it in the session's FIFO.
     rt.enqueue_step(&r.session_id, &r.turn_id, 0).await;
@@ -146,10 +147,7 @@ async fn a_turn_record_lost_while_the_model_streams_is_not_written_back() {
     let long = "word ".repeat(100);
     let rt = runtime(json!({"generations": [text(None, &long, 5)]}), config()).await;
     let r = rt.send(send("talk")).await;
-    until("the generation started", || {
-        !rt.recorder.seen.lock().unwrap().is_empty()
-    })
-    .await;
+    until_generating(&rt).await;
     // A store that can lose recent writes (an iii engine's) dropped the record mid-stream.
     rt.bus
         .state_delete(harness_core::TURN_SCOPE, &r.session_id)
@@ -167,17 +165,9 @@ async fn a_turn_record_lost_while_the_model_streams_is_not_written_back() {
 
 #[tokio::test]
 async fn a_running_record_marked_aborted_is_cancelled_by_its_next_step() {
-    let rt = runtime(
-        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("finished")]}),
-        config(),
-    )
-    .await;
-    rt.register("x::f", None, |_| json!("ran"));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind("pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.send(allowing("go", &["x::*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    let (rt, _) = calling_f("finished").await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("go", &["x::*"])).await;
     // What an earlier version could leave: the next step pending on a record marked aborted
     // but still running.
     let mut rec = rt.turn_record(&r.session_id).await.unwrap();
@@ -197,12 +187,7 @@ async fn a_running_record_marked_aborted_is_cancelled_by_its_next_step() {
 
 #[tokio::test]
 async fn a_stop_landing_before_the_next_generation_cancels_without_asking_the_model() {
-    let rt = runtime(
-        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("never")]}),
-        config(),
-    )
-    .await;
-    rt.register("x::f", None, |_| json!("ran"));
+    let (rt, _) = calling_f("never").await;
     // Before the second generation, a pre-generate hook stops the turn and waits until the
     // stop has fired the turn's signal.
     let aborted = rt.watch_abort();
@@ -373,17 +358,9 @@ async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_t
 
 #[tokio::test]
 async fn a_settle_before_the_redelivered_step_leaves_the_turn_to_that_step() {
-    let rt = runtime(
-        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen("finished")]}),
-        config(),
-    )
-    .await;
-    let runs = rt.register("x::f", None, |_| json!("ran"));
-    rt.hook("guard::hold", |_| json!({"decision": "hold"}));
-    rt.bind("pre-trigger", "guard::hold", json!({})).await;
-    let r = rt.send(allowing("go", &["x::*"])).await;
-    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
-        .await;
+    let (rt, runs) = calling_f("finished").await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("go", &["x::*"])).await;
     // What a crash mid-dispatch leaves: the hold saved on a record that is still running (the
     // step was cut before it parked), its step to be delivered again.
     let mut rec = rt.turn_record(&r.session_id).await.unwrap();
