@@ -20,6 +20,17 @@ fn stamped(mut args: Value) -> Value {
     args
 }
 
+/// Registers `fs::write`, which answers ok and records the arguments of each run.
+fn recording_write(rt: &Rt) -> Arc<Mutex<Vec<Value>>> {
+    let target = Arc::new(Mutex::new(Vec::new()));
+    let got = target.clone();
+    rt.register("fs::write", None, move |p| {
+        got.lock().unwrap().push(p.clone());
+        json!({"ok": true})
+    });
+    target
+}
+
 fn script_one_call() -> Value {
     json!({"generations": [call_gen("write", "c1", "fs::write", json!({"path": "/tmp/a", "text": "hi"})), text_gen("written")]})
 }
@@ -27,12 +38,7 @@ fn script_one_call() -> Value {
 #[tokio::test]
 async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_after_release() {
     let rt = runtime(script_one_call(), config()).await;
-    let target = Arc::new(Mutex::new(Vec::new()));
-    let got = target.clone();
-    rt.register("fs::write", None, move |p| {
-        got.lock().unwrap().push(p.clone());
-        json!({"ok": true})
-    });
+    let target = recording_write(&rt);
     let holder = rt.hook("guard::hold", |p| {
         let mut args = p["call"]["arguments"].clone();
         args["path"] = json!("/sandbox/a");
@@ -78,12 +84,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
 #[tokio::test]
 async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both() {
     let rt = runtime(script_one_call(), config()).await;
-    let target = Arc::new(Mutex::new(Vec::new()));
-    let got = target.clone();
-    rt.register("fs::write", None, move |p| {
-        got.lock().unwrap().push(p.clone());
-        json!({"ok": true})
-    });
+    let target = recording_write(&rt);
     let mutator = rt.hook("a::mutate", |p| {
         let mut args = p["call"]["arguments"].clone();
         args["text"] = json!("HI");
@@ -526,12 +527,7 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
         text_gen("written")
     ]});
     let rt = runtime(script, config()).await;
-    let target = Arc::new(Mutex::new(Vec::new()));
-    let got = target.clone();
-    rt.register("fs::write", None, move |p| {
-        got.lock().unwrap().push(p.clone());
-        json!({"ok": true})
-    });
+    let target = recording_write(&rt);
     let seen = rt.hook("guard::widen", |p| {
         let mut args = p["call"]["arguments"].clone();
         args["fs_scope"] = json!({"root": "/", "grants": [], "boundary": "workspace"});
@@ -631,12 +627,7 @@ async fn a_hook_that_outgrows_the_slack_gets_one_reassembly_then_a_clean_overflo
 #[tokio::test]
 async fn a_release_grants_the_held_call_one_shot_roots() {
     let rt = runtime(script_one_call(), config()).await;
-    let target = Arc::new(Mutex::new(Vec::new()));
-    let got = target.clone();
-    rt.register("fs::write", None, move |p| {
-        got.lock().unwrap().push(p.clone());
-        json!({"ok": true})
-    });
+    let target = recording_write(&rt);
     rt.hold_calls(json!({"functions": ["fs::*"]})).await;
     let r = rt.send_parked(allowing("write it", &["*"])).await;
     let shared = tempfile::tempdir().unwrap();

@@ -3,41 +3,16 @@
 
 mod support;
 
-use std::time::Duration;
-
 use harness_core::HarnessConfig;
 use harness_types::api::TurnStatus;
 use serde_json::json;
 use support::*;
 
-/// Store writes once the turn queue is empty (a step's ack is the last write of a turn).
-async fn writes_once_idle(rt: &Rt) -> u64 {
-    writes_when_idle(rt).await
-}
-
 /// After one turn on another session: what starting the runtime writes is not counted.
 async fn warmed(rt: &Rt) -> u64 {
     let r = rt.harness.send(send("warm up")).await.unwrap();
     rt.wait_terminal(&r.session_id, &r.turn_id).await;
-    writes_when_idle(rt).await
-}
-
-async fn writes_when_idle(rt: &Rt) -> u64 {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let queued: i64 = rt
-            .store
-            .read(|c| Ok(c.query_row("SELECT COUNT(*) FROM queue_messages", [], |r| r.get(0))?))
-            .unwrap();
-        if queued == 0 {
-            return rt.store.stats().writes;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the queue never emptied"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    rt.writes_once_idle().await
 }
 
 /// No partial writes of a streamed reply, no usage announcements: only the loop's own writes.
@@ -64,7 +39,7 @@ async fn a_reply_the_provider_cut_is_resumed_with_its_notice_record_and_step_in_
     let r = rt.harness.send(send("q")).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!((s.status, s.transient_resumes), (TurnStatus::Completed, 1));
-    let writes = writes_once_idle(&rt).await - before;
+    let writes = rt.writes_once_idle().await - before;
     // The new session: 1. The send (message, record, first step): 1. Each of the two steps:
     // its start (status, event, assistant entry), its end (the cut answer with the recovery
     // notice, the record and the next step; then the terminal batch), its ack: 3 each.
@@ -94,12 +69,12 @@ async fn turn_writes(max_turns: u32) -> (u64, harness_types::api::StatusReport) 
     let rt = runtime(script, quiet()).await;
     harness_session::register_transactional(&rt.bus, &rt.sessions);
     rt.register("t::f", None, |_| json!({"ok": true}));
-    let before = writes_when_idle(&rt).await;
+    let before = rt.writes_once_idle().await;
     let mut req = allowing_as("go", &["t::*"], harness_types::api::ExposeMode::Native);
     req.options.as_mut().unwrap().max_turns = Some(max_turns);
     let r = rt.harness.send(req).await.unwrap();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
-    (writes_once_idle(&rt).await - before, s)
+    (rt.writes_once_idle().await - before, s)
 }
 
 #[tokio::test]
@@ -142,7 +117,7 @@ async fn steered_writes(steer: bool) -> u64 {
             }
         });
     }
-    let before = writes_when_idle(&rt).await;
+    let before = rt.writes_once_idle().await;
     let req = allowing_as("start", &["job::*"], harness_types::api::ExposeMode::Native);
     let r = rt.harness.send(req).await.unwrap();
     started.notified().await;
@@ -155,7 +130,7 @@ async fn steered_writes(steer: bool) -> u64 {
     gate.notify_one();
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
-    writes_once_idle(&rt).await - before
+    rt.writes_once_idle().await - before
 }
 
 #[tokio::test]

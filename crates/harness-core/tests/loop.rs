@@ -733,25 +733,6 @@ async fn a_create_that_answered_late_is_not_retried_into_already_exists() {
     );
 }
 
-/// Store writes until the turn queue is empty (the step's ack is the last write of a turn).
-async fn writes_once_idle(rt: &Rt) -> u64 {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let queued: i64 = rt
-            .store
-            .read(|c| Ok(c.query_row("SELECT COUNT(*) FROM queue_messages", [], |r| r.get(0))?))
-            .unwrap();
-        if queued == 0 {
-            return rt.store.stats().writes;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the queue never emptied"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
     // The embedded runtime's transactional session functions, as `harness serve` registers them;
@@ -767,14 +748,14 @@ async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
     harness_session::register_transactional(&rt.bus, &rt.sessions);
     let first = rt.send(send("hello")).await;
     rt.wait_terminal(&first.session_id, &first.turn_id).await;
-    let before = writes_once_idle(&rt).await;
+    let before = rt.writes_once_idle().await;
     let mut req = send("again");
     req.session_id = Some(first.session_id.clone());
     let (second, end) = rt.run(req).await;
     assert_eq!(end.status, TurnStatus::Completed);
     // The send's message, turn record and first step are one write; the step writes once
     // before the generation and once after it; the queue acks the step.
-    assert_eq!(writes_once_idle(&rt).await - before, 4);
+    assert_eq!(rt.writes_once_idle().await - before, 4);
     assert_eq!(
         rt.messages(&second.session_id),
         vec![

@@ -540,6 +540,23 @@ impl Rt {
         .await;
     }
 
+    /// The store's write count once the turn queue is empty (a step's ack is the last write
+    /// of a turn).
+    pub async fn writes_once_idle(&self) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let queued: i64 = self
+                .store
+                .read(|c| Ok(c.query_row("SELECT COUNT(*) FROM queue_messages", [], |r| r.get(0))?))
+                .unwrap();
+            if queued == 0 {
+                return self.store.stats().writes;
+            }
+            assert!(Instant::now() < deadline, "the queue never emptied");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// `(role, text)` of every message entry.
     pub fn messages(&self, session_id: &str) -> Vec<(String, String)> {
         self.entries(session_id)
