@@ -5,6 +5,7 @@
 
 use harness_types::api::{FunctionPolicy, SystemPromptStrategy};
 use harness_types::directory::SkillSummary;
+use harness_types::router::{CacheIntent, ChatExtras, SystemSection};
 use serde_json::Value;
 
 use crate::record::PromptShape;
@@ -350,17 +351,20 @@ pub(crate) fn fs_root(metadata: Option<&Value>) -> Option<&str> {
 /// The cache seam of a step's prompt: when the prompt still starts with the frozen prefix, the
 /// router gets it as two sections (the stable one marked as a cache boundary) plus a digest of
 /// the stable text, so providers with prompt caching reuse it across steps and turns.
-pub(crate) fn cache_sections(
-    frozen: Option<&str>,
-    prompt: Option<&str>,
-) -> Option<serde_json::Value> {
+pub(crate) fn cache_sections(frozen: Option<&str>, prompt: Option<&str>) -> Option<ChatExtras> {
     let (stable, prompt) = (frozen?, prompt?);
     let rest = prompt.strip_prefix(stable)?.strip_prefix("\n\n")?;
-    let hex = stable_digest(stable);
-    Some(serde_json::json!({
-        "system_sections": [{"text": stable, "cache_boundary": true}, {"text": rest, "cache_boundary": false}],
-        "cache_intent": {"surface_digest": format!("sha256:{hex}")}
-    }))
+    let section = |text: &str, cache_boundary| SystemSection {
+        text: text.to_string(),
+        cache_boundary,
+    };
+    Some(ChatExtras {
+        system_sections: Some(vec![section(stable, true), section(rest, false)]),
+        cache_intent: Some(CacheIntent {
+            surface_digest: Some(format!("sha256:{}", stable_digest(stable))),
+        }),
+        reasoning: None,
+    })
 }
 
 /// Stable prefixes whose digest is remembered (the latest ones used).
@@ -394,7 +398,7 @@ fn stable_digest(stable: &str) -> String {
 pub(crate) fn surface(
     enabled: bool,
     stable: Option<&str>,
-    sections: Option<&serde_json::Value>,
+    digest: Option<&str>,
 ) -> harness_types::api::PromptSurface {
     let fallback = |why: &str| harness_types::api::PromptSurface {
         prompt_surface_digest: None,
@@ -406,7 +410,7 @@ pub(crate) fn surface(
     if stable.is_none_or(str::is_empty) {
         return fallback("no_stable_prefix");
     }
-    match sections.and_then(|s| s["cache_intent"]["surface_digest"].as_str()) {
+    match digest {
         Some(d) => harness_types::api::PromptSurface {
             prompt_surface_digest: Some(d.to_string()),
             prompt_sections_fallback: None,
@@ -439,8 +443,8 @@ mod tests {
         }
         let sections = cache_sections(Some("stable"), Some("stable\n\nrest")).unwrap();
         assert_eq!(
-            sections["cache_intent"]["surface_digest"],
-            format!("sha256:{}", harness_types::digest::sha256_hex(b"stable"))
+            sections.surface_digest(),
+            Some(format!("sha256:{}", harness_types::digest::sha256_hex(b"stable")).as_str())
         );
     }
 
@@ -496,15 +500,15 @@ mod tests {
     fn cache_sections_split_at_the_frozen_prefix() {
         let s =
             cache_sections(Some("identity"), Some("identity\n\nYour session id is s.")).unwrap();
+        // The wire shape a router across the bus reads, field for field.
+        let wire = serde_json::to_value(&s).unwrap();
         assert_eq!(
-            s["system_sections"][0],
+            wire["system_sections"][0],
             serde_json::json!({"text": "identity", "cache_boundary": true})
         );
-        assert_eq!(s["system_sections"][1]["text"], "Your session id is s.");
-        assert!(s["cache_intent"]["surface_digest"]
-            .as_str()
-            .unwrap()
-            .starts_with("sha256:"));
+        assert_eq!(wire["system_sections"][1]["text"], "Your session id is s.");
+        assert_eq!(wire["system_sections"][1]["cache_boundary"], false);
+        assert!(s.surface_digest().unwrap().starts_with("sha256:"));
         assert!(cache_sections(Some("identity"), Some("rewritten by a hook")).is_none());
         assert!(cache_sections(None, Some("x")).is_none());
     }

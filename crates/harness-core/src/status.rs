@@ -37,13 +37,9 @@ impl Harness {
         let context = rec.prompt_surface.clone().or_else(|| {
             let stable = rec.options.stable_prefix();
             let enabled = self.config().prompt_cache_sections;
-            let sections = stable.map(|s| {
-                serde_json::json!({"cache_intent": {"surface_digest": format!(
-                    "sha256:{}",
-                    harness_types::digest::sha256_hex(s.as_bytes())
-                )}})
-            });
-            Some(crate::prompt::surface(enabled, stable, sections.as_ref()))
+            let digest = stable
+                .map(|s| format!("sha256:{}", harness_types::digest::sha256_hex(s.as_bytes())));
+            Some(crate::prompt::surface(enabled, stable, digest.as_deref()))
         });
         Ok(Some(StatusReport {
             session_id: rec.session_id.clone(),

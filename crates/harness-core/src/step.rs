@@ -281,18 +281,12 @@ impl Harness {
         let mut batch = std::mem::take(&mut carry.pending);
         batch.append(AppendRequest {
             session_id: sid.clone(),
-            message: Some(AgentMessage::Assistant(AssistantMessage {
-                content: vec![],
-                model: rec.options.model.clone(),
-                provider: rec.options.provider.clone().unwrap_or_default(),
-                stop_reason: StopReason::End,
-                usage: None,
-                error_kind: None,
-                error_message: None,
-                native_stop_reason: None,
-                warnings: None,
-                timestamp: now_ms(),
-            })),
+            message: Some(AgentMessage::Assistant(AssistantMessage::ended(
+                vec![],
+                rec.options.model.clone(),
+                rec.options.provider.clone().unwrap_or_default(),
+                now_ms(),
+            ))),
             custom: None,
             entry_id: Some(entry_id.clone()),
             origin: Some(json!({"turn_id": rec.turn_id})),
@@ -303,24 +297,18 @@ impl Harness {
         // Not persisted here: `stop` derives the request id from `(turn_id, step)`, so the step
         // saves a store round trip; the next record write carries it for status readers.
         rec.stream_request_id = Some(request_id.clone());
-        let mut extras = serde_json::Map::new();
-        let sections = self
+        let mut extras = self
             .config()
             .prompt_cache_sections
             .then(|| prompt::cache_sections(rec.options.stable_prefix(), system_prompt.as_deref()))
-            .flatten();
+            .flatten()
+            .unwrap_or_default();
         rec.prompt_surface = Some(prompt::surface(
             self.config().prompt_cache_sections,
             rec.options.stable_prefix(),
-            sections.as_ref(),
+            extras.surface_digest(),
         ));
-        if let Some(Value::Object(sections)) = sections {
-            extras.extend(sections);
-        }
-        if let Some(r) = &rec.options.reasoning {
-            extras.insert("reasoning".into(), json!(r));
-        }
-        let extras = Value::Object(extras);
+        extras.reasoning = rec.options.reasoning.map(|r| r.as_str().to_string());
         let req = ChatRequest {
             request_id,
             session_id: Some(sid.clone()),

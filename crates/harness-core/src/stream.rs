@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use harness_types::fold::FrameFold;
 use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
-use harness_types::router::{ChatAck, ChatCall, ChatRequest, Frame};
+use harness_types::router::{ChatAck, ChatCall, ChatExtras, ChatRequest, Frame};
 use harness_types::session::{UpdateMessageRequest, UpdateMessageResponse};
 use harness_types::HarnessError;
 use serde_json::{json, Value};
@@ -79,7 +79,7 @@ impl Harness {
     pub(crate) async fn generate(
         &self,
         req: ChatRequest,
-        extras: Value,
+        extras: ChatExtras,
         session_id: &str,
         entry_id: &str,
         cancel: CancellationToken,
@@ -96,10 +96,6 @@ impl Harness {
         let mut call = match self.inner.bus.local_handler("router::chat") {
             // In-process: the conversation moves to the router instead of being serialized.
             Some(local) => {
-                let extras = match extras {
-                    Value::Object(x) => x,
-                    _ => serde_json::Map::new(),
-                };
                 let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
                 let ctx = harness_bus::CallContext {
                     frames: Some(tx),
@@ -123,12 +119,9 @@ impl Harness {
                 harness_bus::StreamingCall { frames, result }
             }
             None => {
-                let mut payload = serde_json::to_value(&req)
+                let payload = extras
+                    .payload(&req)
                     .map_err(|e| HarnessError::internal(e.to_string()))?;
-                // Fields the router reads beside the request (cache sections, `reasoning`).
-                if let (Value::Object(p), Value::Object(x)) = (&mut payload, extras) {
-                    p.extend(x);
-                }
                 self.inner
                     .bus
                     .call_streaming("router::chat", payload, Some(timeout))

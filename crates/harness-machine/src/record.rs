@@ -134,6 +134,13 @@ impl Reasoning {
             _ => None,
         }
     }
+
+    /// The value as the send option and `router::chat` spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reasoning::Lowest => "lowest",
+        }
+    }
 }
 
 /// The state of a call, as the checkpoint's variant says it.

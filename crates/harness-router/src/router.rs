@@ -13,6 +13,7 @@ use harness_types::parse::parse_payload;
 use harness_types::router::{
     AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatCall, ChatRequest, Frame,
 };
+pub use harness_types::router::{CacheIntent, ChatExtras, SystemSection};
 use harness_types::{now_ms, HarnessError};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -21,36 +22,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::catalog::{Capability, Catalog, LowestReasoning, ModelEntry};
 use crate::error::ProviderError;
-
-/// One section of the system prompt (spec §11 `system_sections`): the stable prefix is marked
-/// `cache_boundary`, so cache-aware providers put their cache marker there.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct SystemSection {
-    pub text: String,
-    #[serde(default)]
-    pub cache_boundary: bool,
-}
-
-/// `cache_intent` of spec §11: a digest naming the stable prompt prefix.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct CacheIntent {
-    #[serde(default)]
-    pub surface_digest: Option<String>,
-}
-
-/// `router::chat` request fields that `ChatRequest` does not carry yet (spec §11), read from
-/// the same payload: a caller that sends them gets prompt-cache sections and `reasoning:
-/// "lowest"`; one that does not loses nothing.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct ChatExtras {
-    #[serde(default)]
-    pub system_sections: Option<Vec<SystemSection>>,
-    #[serde(default)]
-    pub cache_intent: Option<CacheIntent>,
-    /// `"lowest"`: the least reasoning the model allows (from the catalog).
-    #[serde(default)]
-    pub reasoning: Option<String>,
-}
 
 /// What the router knows about a request beyond the request itself, handed to the provider
 /// through its [`FrameWriter`].
@@ -821,12 +792,7 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         let r = r.clone();
         async move {
             let call: ChatCall = harness_bus::local::take("router::chat", payload)?;
-            let extras: ChatExtras = if call.extras.is_empty() {
-                ChatExtras::default()
-            } else {
-                parse_payload(Value::Object(call.extras))?
-            };
-            Ok(Box::new(r.chat_with(call.request, extras, ctx).await) as LocalValue)
+            Ok(Box::new(r.chat_with(call.request, call.extras, ctx).await) as LocalValue)
         }
     };
     bus.register_function_with_local(

@@ -20,12 +20,61 @@ pub struct ToolSpec {
 }
 
 /// `router::chat` as an in-process call: the request moves instead of being serialized, with
-/// the fields the router reads beside it (`system_sections`, `cache_intent`, `reasoning`) as
-/// they would sit in the JSON payload.
+/// the fields the router reads beside it, already typed.
 #[derive(Clone, Debug)]
 pub struct ChatCall {
     pub request: ChatRequest,
-    pub extras: serde_json::Map<String, serde_json::Value>,
+    pub extras: ChatExtras,
+}
+
+/// One section of the system prompt (spec §11 `system_sections`): the stable prefix is marked
+/// `cache_boundary`, so cache-aware providers put their cache marker there.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SystemSection {
+    pub text: String,
+    #[serde(default)]
+    pub cache_boundary: bool,
+}
+
+/// `cache_intent` of spec §11: a digest naming the stable prompt prefix.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CacheIntent {
+    #[serde(default)]
+    pub surface_digest: Option<String>,
+}
+
+/// `router::chat` request fields that `ChatRequest` does not carry (spec §11). On the wire they
+/// sit at the top level of the same payload as the request's own fields, which is why they are
+/// a type of their own and not fields of `ChatRequest`: a caller that sends them gets
+/// prompt-cache sections and `reasoning: "lowest"`; one that does not loses nothing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ChatExtras {
+    #[serde(default)]
+    pub system_sections: Option<Vec<SystemSection>>,
+    #[serde(default)]
+    pub cache_intent: Option<CacheIntent>,
+    /// `"lowest"`: the least reasoning the model allows (from the catalog).
+    #[serde(default)]
+    pub reasoning: Option<String>,
+}
+
+impl ChatExtras {
+    /// The digest `cache_intent` names, when there is one.
+    pub fn surface_digest(&self) -> Option<&str> {
+        self.cache_intent.as_ref()?.surface_digest.as_deref()
+    }
+
+    /// The payload `router::chat` takes across the bus: the request's fields and these beside
+    /// them, at the top level.
+    pub fn payload(&self, request: &ChatRequest) -> serde_json::Result<Value> {
+        let mut payload = serde_json::to_value(request)?;
+        // Only the fields that are set: the published schema documents them with `default:
+        // null`, which is why absence is not spelled by `skip_serializing_if`.
+        if let (Value::Object(p), Value::Object(x)) = (&mut payload, serde_json::to_value(self)?) {
+            p.extend(x.into_iter().filter(|(_, v)| !v.is_null()));
+        }
+        Ok(payload)
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
@@ -155,4 +204,44 @@ pub struct AbortRequest {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct AbortResponse {
     pub aborted: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> ChatRequest {
+        ChatRequest {
+            request_id: "t:0".into(),
+            session_id: None,
+            model: "m".into(),
+            provider: None,
+            system_prompt: None,
+            messages: Arc::new(vec![]),
+            tools: vec![],
+            thinking_level: None,
+            max_output_tokens: None,
+            provider_options: None,
+            response_format: None,
+        }
+    }
+
+    /// Across the bus the extras sit at the top level beside the request's own fields, and a
+    /// field that is not set is absent (not `null`), as a caller without them sends it.
+    #[test]
+    fn the_payload_puts_set_extras_beside_the_request() {
+        let extras = ChatExtras {
+            reasoning: Some("lowest".into()),
+            ..ChatExtras::default()
+        };
+        let payload = extras.payload(&request()).unwrap();
+        assert_eq!(payload["model"], "m");
+        assert_eq!(payload["reasoning"], "lowest");
+        assert!(payload.get("system_sections").is_none(), "{payload}");
+        assert!(payload.get("cache_intent").is_none(), "{payload}");
+        let back: ChatExtras = serde_json::from_value(payload).unwrap();
+        assert_eq!(back, extras);
+        let plain = ChatExtras::default().payload(&request()).unwrap();
+        assert_eq!(plain, serde_json::to_value(request()).unwrap());
+    }
 }
