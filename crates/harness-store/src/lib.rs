@@ -18,6 +18,7 @@ pub mod events;
 pub mod kv;
 mod lock;
 pub mod queue;
+mod queue_inbox;
 mod schema;
 pub mod store;
 mod wal_pages;

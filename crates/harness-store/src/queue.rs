@@ -35,6 +35,7 @@ use tokio::sync::{watch, Notify};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::error::{StoreError, STORAGE_FULL};
+use crate::queue_inbox::{InsertedRow, Taken};
 use crate::store::Store;
 
 /// How long `shutdown` lets in-flight deliveries finish before aborting them (their rows stay in
@@ -119,7 +120,17 @@ pub fn enqueue_text_in(
          VALUES (?1, ?2, ?3, ?4, 0, 'ready', ?5)",
     )?
     .execute((queue, group, function_id, text, harness_types::now_ms()))?;
-    Ok(conn.last_insert_rowid())
+    let id = conn.last_insert_rowid();
+    crate::queue_inbox::pend(
+        queue,
+        InsertedRow {
+            id,
+            group: group.to_string(),
+            function_id: function_id.to_string(),
+            payload: text.to_string(),
+        },
+    );
+    Ok(id)
 }
 
 /// All queues of one store.
@@ -259,22 +270,34 @@ impl QueueState {
         lock(&self.config).clone()
     }
 
-    /// Merges ready rows with id > last scanned into the index and wakes the dispatcher.
-    /// (`+?1`: see `events::EVENTS_AFTER`; a bare parameter re-prepares on every scan.)
+    /// Merges ready rows with id > last scanned into the index and wakes the dispatcher: the
+    /// rows the writer handed over when it can vouch for all of them (`queue_inbox.rs`), else
+    /// read from the table.
     fn scan(&self, store: &Store) -> Result<usize, StoreError> {
         let mut scanned = lock(&self.scanned);
         let after = *scanned;
-        let rows = store.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT id, grp, function_id, payload, attempts FROM queue_messages
-                 WHERE queue = +?1 AND status = 'ready' AND id > ?2 ORDER BY id",
-            )?;
-            messages(&mut stmt, (&self.name, after), &self.name, 1)
-        })?;
-        let Some(last) = rows.last().map(|m| m.id) else {
-            return Ok(0);
+        let inbox = store.queue_inbox();
+        let handed = match inbox.take(&self.name, after) {
+            Taken::Rows(rows, upto) => self.parse_handed(rows).map(|rows| (rows, upto)),
+            Taken::Unknown => None,
         };
-        *scanned = last;
+        let rows = match handed {
+            Some((rows, upto)) => {
+                *scanned = upto;
+                rows
+            }
+            None => {
+                // Every row up to it committed before the read starts: the read sees them.
+                let seen = inbox.seen();
+                let rows = self.read_ready(store, after)?;
+                *scanned = rows.last().map_or(after, |m| m.id).max(seen).max(after);
+                inbox.forget_through(&self.name, *scanned);
+                rows
+            }
+        };
+        if rows.is_empty() {
+            return Ok(0);
+        }
         let n = rows.len();
         {
             let mut index = lock(&self.index);
@@ -285,6 +308,56 @@ impl QueueState {
         drop(scanned);
         self.wake.notify_one();
         Ok(n)
+    }
+
+    /// Rows handed over by the writer, or `None` if a payload does not parse (the table read
+    /// then answers as it always did).
+    fn parse_handed(&self, rows: Vec<InsertedRow>) -> Option<Vec<QueueMessage>> {
+        rows.into_iter()
+            .map(|r| {
+                Some(QueueMessage {
+                    id: r.id,
+                    queue: self.name.clone(),
+                    group: r.group,
+                    function_id: r.function_id,
+                    payload: serde_json::from_str(&r.payload).ok()?,
+                    attempt: 1,
+                })
+            })
+            .collect()
+    }
+
+    /// The queue's ready rows with id > `after`, oldest first.
+    /// (`+?1`: see `events::EVENTS_AFTER`; a bare parameter re-prepares on every scan.)
+    fn read_ready(&self, store: &Store, after: i64) -> Result<Vec<QueueMessage>, StoreError> {
+        store.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT id, grp, function_id, payload, attempts FROM queue_messages
+                 WHERE queue = +?1 AND status = 'ready' AND id > ?2 ORDER BY id",
+            )?;
+            let rows = stmt.query_map((&self.name, after), |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, String>(3)?,
+                    r.get::<_, i64>(4)?,
+                ))
+            })?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (id, group, function_id, payload, attempts) = row?;
+                out.push(QueueMessage {
+                    id,
+                    queue: self.name.clone(),
+                    group,
+                    function_id,
+                    payload: serde_json::from_str(&payload)?,
+                    attempt: u32::try_from(attempts).unwrap_or(u32::MAX - 1) + 1,
+                });
+            }
+            Ok(out)
+        })
     }
 }
 

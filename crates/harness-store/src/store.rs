@@ -148,6 +148,8 @@ struct Inner {
     /// Latest committed event id (see `events.rs` for why a watch channel).
     events_tx: watch::Sender<i64>,
     kv_cache: Arc<KvCache>,
+    /// The queue rows the writer inserted, for the queues' wakes (`queue_inbox.rs`).
+    queue_inbox: Arc<crate::queue_inbox::QueueInbox>,
     page_log: Arc<PageLog>,
     /// One value per type for crates that keep an in-memory copy of what this store holds
     /// ([`Store::shared`]).
@@ -262,13 +264,16 @@ impl Store {
         // The writer is a dedicated OS thread, not a tokio task: SQLite calls block (and a
         // checkpoint can take a while), and a single owner of the write connection needs no lock.
         let (writer_tx, writer_rx) = mpsc::channel::<Box<dyn Op>>();
+        let queue_inbox = Arc::new(crate::queue_inbox::QueueInbox::default());
         let writer = {
             let counters = counters.clone();
             let cache = kv_cache.clone();
+            let inbox = queue_inbox.clone();
             std::thread::Builder::new()
                 .name("harness-store-writer".into())
                 .spawn(move || {
                     crate::cache::install_writer(cache.clone());
+                    crate::queue_inbox::install_writer(inbox);
                     writer_loop(conn, writer_rx, &counters, &cache)
                 })?
         };
@@ -298,6 +303,7 @@ impl Store {
                 }),
                 events_tx: watch::channel(last_event).0,
                 kv_cache,
+                queue_inbox,
                 page_log,
                 shared: Mutex::default(),
                 _lock: lock,
@@ -536,6 +542,10 @@ impl Store {
 
     pub(crate) fn kv_cache(&self) -> &KvCache {
         &self.inner.kv_cache
+    }
+
+    pub(crate) fn queue_inbox(&self) -> &crate::queue_inbox::QueueInbox {
+        &self.inner.queue_inbox
     }
 
     pub(crate) fn events_sender(&self) -> &watch::Sender<i64> {
