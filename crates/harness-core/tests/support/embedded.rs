@@ -1,7 +1,7 @@
 //! What every in-process loop test starts from: a store in a temporary directory, the embedded
 //! bus over it, and the session store with `session::*` registered; then the loop itself. The
-//! test crates of harness-approval and harness-router include this file by `#[path]`, so a
-//! change to how the stack is opened is made once.
+//! test crates of harness-approval, harness-mcp and harness-router include this file by
+//! `#[path]`, so a change to how the stack is opened is made once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

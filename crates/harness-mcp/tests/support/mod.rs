@@ -8,16 +8,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, EmbeddedBus};
-use harness_core::{Harness, HarnessConfig};
+use harness_core::Harness;
 use harness_mcp::{Backoff, McpHub, ServerSpec, ServerStatus, Transport};
-use harness_router::scripted::{Script, ScriptedProvider};
 use harness_router::Router;
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
-use harness_types::api::{StatusReport, StatusRequest};
+use harness_types::api::StatusReport;
 use harness_types::message::FunctionResultMessage;
 use harness_types::AgentMessage;
 use serde_json::{json, Value};
+
+#[path = "../../../harness-core/tests/support/embedded.rs"]
+mod embedded;
+pub use embedded::text_gen;
+use embedded::{config, embedded, scripted, start_loop, wait_turn_end};
 
 pub const FIXTURE: &str = env!("CARGO_BIN_EXE_harness-mcp-fixture");
 
@@ -52,33 +55,19 @@ pub struct Rt {
 }
 
 pub async fn runtime(script: Value, servers: Vec<ServerSpec>) -> Rt {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("t.db"), Durability::Normal).unwrap();
-    let bus = EmbeddedBus::new(store.clone()).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
-    let sessions = SessionStore::open(store.clone()).await.unwrap();
-    harness_session::register(shared.as_ref(), &sessions);
+    let e = embedded().await;
     let router = Router::new();
-    let script = Script::from_json(&script.to_string()).unwrap();
-    router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
-    harness_router::register(shared.as_ref(), &router);
-    let harness = Harness::new(
-        shared.clone(),
-        HarnessConfig {
-            stream_coalesce_ms: 0,
-            ..HarnessConfig::default()
-        },
-    );
-    harness_core::register(&harness);
-    harness.start().await.unwrap();
-    let hub = McpHub::new(shared, FAST);
+    router.add_provider(Arc::new(scripted(&script, &e.shared)));
+    harness_router::register(e.shared.as_ref(), &router);
+    let harness = start_loop(e.shared.clone(), config()).await;
+    let hub = McpHub::new(e.shared, FAST);
     hub.apply(servers).await;
     Rt {
         harness,
-        sessions,
-        bus,
+        sessions: e.sessions,
+        bus: e.bus,
         hub,
-        _dir: dir,
+        _dir: e.dir,
     }
 }
 
@@ -88,10 +77,6 @@ pub fn call_gen(matcher: &str, calls: Vec<(&str, &str, Value)>) -> Value {
         .map(|(id, f, args)| json!({"type": "function_call", "id": id, "function_id": f, "arguments": args}))
         .collect();
     json!({"match": {"last_user_text": matcher}, "content": content})
-}
-
-pub fn text_gen(text: &str) -> Value {
-    json!({"repeat": true, "content": [{"type": "text", "text": text}]})
 }
 
 pub fn send(text: &str, allow: &[&str]) -> Value {
@@ -140,24 +125,8 @@ impl Rt {
         let r = self.call("harness::send", payload).await;
         let sid = r["session_id"].as_str().unwrap().to_string();
         let tid = r["turn_id"].as_str().unwrap().to_string();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let s = self
-                .harness
-                .status(StatusRequest {
-                    session_id: sid.clone(),
-                    verbose: None,
-                })
-                .await
-                .unwrap();
-            if let Some(s) =
-                s.filter(|s| s.turn_id.as_deref() == Some(&tid) && s.status.is_terminal())
-            {
-                return (sid, s);
-            }
-            assert!(Instant::now() < deadline, "turn {tid} did not end");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let s = wait_turn_end(&self.harness, &sid, &tid).await;
+        (sid, s)
     }
 
     pub fn results(&self, session_id: &str) -> Vec<FunctionResultMessage> {
