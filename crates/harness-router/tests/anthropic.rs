@@ -175,10 +175,6 @@ async fn tool_calls_stream_split_arguments_under_their_function_ids() {
     let mut req = request("anthropic", MODEL, vec![user("add 2 and 3")]);
     req.tools = vec![add_tool()];
     let run = chat(&r, req).await;
-    assert!(run.frames.contains(&Frame::FunctionCallStart {
-        id: "toolu_01".into(),
-        function_id: "math::add".into()
-    }));
     let deltas: Vec<&str> = run
         .frames
         .iter()
@@ -188,16 +184,8 @@ async fn tool_calls_stream_split_arguments_under_their_function_ids() {
         })
         .collect();
     assert_eq!(deltas, ["{\"a\": ", "2, \"b\"", ": 3}"]);
-    let m = run.done();
-    assert_eq!(m.stop_reason, StopReason::FunctionCall);
-    assert_eq!(
-        m.content[1],
-        ContentBlock::FunctionCall {
-            id: "toolu_01".into(),
-            function_id: "math::add".into(),
-            arguments: json!({"a": 2, "b": 3})
-        }
-    );
+    let m = run.add_call("toolu_01");
+    assert_eq!(m.content.len(), 2, "{:?}", m.content);
     let body = &mock.bodies()[0];
     assert_eq!(body["tools"][0]["name"], "math__add");
     assert_eq!(
@@ -476,15 +464,8 @@ async fn a_slow_stream_is_aborted_by_router_abort() {
     steps.push(Step::Hang);
     let mock = Mock::start(vec![Reply::Stream(steps)]).await;
     let r = router_for(&mock);
-    let (frames, took) = abort_mid_stream(&r, request("anthropic", MODEL, vec![user("hi")])).await;
-    assert!(took < Duration::from_secs(2), "{took:?}");
-    match frames.last().unwrap() {
-        Frame::Done { message } => {
-            assert_eq!(message.stop_reason, StopReason::Aborted);
-            assert_eq!(message.content, vec![ContentBlock::text("slow ")]);
-        }
-        other => panic!("{other:?}"),
-    }
+    let message = abort_mid_stream(&r, request("anthropic", MODEL, vec![user("hi")])).await;
+    assert_eq!(message.content, vec![ContentBlock::text("slow ")]);
 }
 
 /// text → function call → result → text, and the second request replays the first exchange in

@@ -3,13 +3,10 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use harness_router::providers::ProviderKind;
 use harness_types::api::ThinkingLevel;
-use harness_types::message::{ContentBlock, StopReason};
-use harness_types::router::Frame;
+use harness_types::message::ContentBlock;
 use harness_types::ErrorKind;
 use serde_json::{json, Value};
 
@@ -138,20 +135,7 @@ async fn tool_calls_stream_split_arguments_under_their_function_ids() {
     req.tools = vec![add_tool()];
     req.max_output_tokens = Some(500);
     let run = chat(&r, req).await;
-    assert!(run.frames.contains(&Frame::FunctionCallStart {
-        id: "call_abc".into(),
-        function_id: "math::add".into()
-    }));
-    let m = run.done();
-    assert_eq!(m.stop_reason, StopReason::FunctionCall);
-    assert_eq!(
-        m.content,
-        vec![ContentBlock::FunctionCall {
-            id: "call_abc".into(),
-            function_id: "math::add".into(),
-            arguments: json!({"a": 2, "b": 3})
-        }]
-    );
+    assert_eq!(run.add_call("call_abc").content.len(), 1, "the call alone");
     let body = &mock.bodies()[0];
     assert_eq!(body["tools"][0]["type"], "function");
     assert_eq!(body["tools"][0]["function"]["name"], "math__add");
@@ -281,15 +265,8 @@ async fn a_slow_stream_is_aborted_by_router_abort() {
     ])])
     .await;
     let r = router_for(&mock);
-    let (frames, took) = abort_mid_stream(&r, request("openai", MODEL, vec![user("hi")])).await;
-    assert!(took < Duration::from_secs(2), "{took:?}");
-    match frames.last().unwrap() {
-        Frame::Done { message } => {
-            assert_eq!(message.stop_reason, StopReason::Aborted);
-            assert_eq!(message.content, vec![ContentBlock::text("slow")]);
-        }
-        other => panic!("{other:?}"),
-    }
+    let message = abort_mid_stream(&r, request("openai", MODEL, vec![user("hi")])).await;
+    assert_eq!(message.content, vec![ContentBlock::text("slow")]);
 }
 
 #[tokio::test]

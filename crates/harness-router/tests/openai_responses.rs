@@ -4,13 +4,11 @@
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use common::*;
 use harness_router::providers::ProviderKind;
 use harness_types::api::ThinkingLevel;
 use harness_types::message::{ContentBlock, StopReason};
-use harness_types::router::Frame;
 use harness_types::ErrorKind;
 use serde_json::{json, Value};
 
@@ -203,20 +201,7 @@ async fn function_calls_stream_split_arguments_under_their_function_ids() {
     req.tools = vec![add_tool()];
     req.max_output_tokens = Some(1000);
     let run = chat(&r, req).await;
-    assert!(run.frames.contains(&Frame::FunctionCallStart {
-        id: "call_1".into(),
-        function_id: "math::add".into()
-    }));
-    let m = run.done();
-    assert_eq!(m.stop_reason, StopReason::FunctionCall);
-    assert_eq!(
-        m.content,
-        vec![ContentBlock::FunctionCall {
-            id: "call_1".into(),
-            function_id: "math::add".into(),
-            arguments: json!({"a": 2, "b": 3})
-        }]
-    );
+    assert_eq!(run.add_call("call_1").content.len(), 1, "the call alone");
     let body = &mock.bodies()[0];
     assert_eq!(
         body["tools"][0],
@@ -311,16 +296,8 @@ async fn a_slow_stream_is_aborted_by_router_abort() {
     s.push(Step::Hang);
     let mock = Mock::start(vec![Reply::Stream(s)]).await;
     let r = router_for(&mock);
-    let (frames, took) =
-        abort_mid_stream(&r, request("openai-responses", MODEL, vec![user("hi")])).await;
-    assert!(took < Duration::from_secs(2), "{took:?}");
-    match frames.last().unwrap() {
-        Frame::Done { message } => {
-            assert_eq!(message.stop_reason, StopReason::Aborted);
-            assert_eq!(message.content, vec![ContentBlock::text("slow")]);
-        }
-        other => panic!("{other:?}"),
-    }
+    let message = abort_mid_stream(&r, request("openai-responses", MODEL, vec![user("hi")])).await;
+    assert_eq!(message.content, vec![ContentBlock::text("slow")]);
 }
 
 #[tokio::test]

@@ -20,7 +20,9 @@ use harness_bus::CallContext;
 use harness_router::providers::{HttpOptions, ProviderConfig, ProviderKind};
 use harness_router::retry::RetryPolicy;
 use harness_router::Router;
-use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage};
+use harness_types::message::{
+    AgentMessage, AssistantMessage, ContentBlock, FunctionResultMessage, StopReason,
+};
 use harness_types::router::{ChatAck, ChatRequest, Frame, ToolSpec};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -295,6 +297,30 @@ impl Run {
             .collect()
     }
 
+    /// The finished reply of a run that called `math::add` with `{"a": 2, "b": 3}` as call
+    /// `id`, its last block: the call was announced by a start frame and ended the reply.
+    pub fn add_call(&self, id: &str) -> AssistantMessage {
+        assert!(
+            self.frames.contains(&Frame::FunctionCallStart {
+                id: id.into(),
+                function_id: "math::add".into()
+            }),
+            "{:?}",
+            self.kinds()
+        );
+        let m = self.done();
+        assert_eq!(m.stop_reason, StopReason::FunctionCall);
+        assert_eq!(
+            m.content.last(),
+            Some(&ContentBlock::FunctionCall {
+                id: id.into(),
+                function_id: "math::add".into(),
+                arguments: json!({"a": 2, "b": 3})
+            })
+        );
+        m
+    }
+
     /// Exactly one terminal frame, and it is last.
     pub fn assert_one_terminal(&self) {
         let n = self.frames.iter().filter(|f| f.is_terminal()).count();
@@ -374,9 +400,10 @@ pub fn bus_with(router: &Router) -> (harness_bus::EmbeddedBus, tempfile::TempDir
     (bus, dir)
 }
 
-/// Streams `req` through `router::chat` on the bus, calls `router::abort` once the first text
-/// delta arrived, and returns every frame plus how long the abort took to end the stream.
-pub async fn abort_mid_stream(router: &Router, req: ChatRequest) -> (Vec<Frame>, Duration) {
+/// Streams `req` through `router::chat` on the bus and calls `router::abort` once the first
+/// text delta arrived; checks that the stream then ended within 2 s as an aborted reply, which
+/// it returns.
+pub async fn abort_mid_stream(router: &Router, req: ChatRequest) -> AssistantMessage {
     use harness_bus::Bus;
     let (bus, _dir) = bus_with(router);
     let request_id = req.request_id.clone();
@@ -421,5 +448,11 @@ pub async fn abort_mid_stream(router: &Router, req: ChatRequest) -> (Vec<Frame>,
     let took = aborted_at.expect("a text delta arrived").elapsed();
     let ack: ChatAck = serde_json::from_value(result.await.unwrap().unwrap()).unwrap();
     assert!(ack.ok);
-    (frames, took)
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    match frames.last() {
+        Some(Frame::Done { message }) if message.stop_reason == StopReason::Aborted => {
+            message.clone()
+        }
+        other => panic!("expected an aborted done, got {other:?}"),
+    }
 }
