@@ -516,13 +516,9 @@ async fn a_send_that_cannot_schedule_its_turn_fails_it_with_an_error_record_and_
     let events = rt.completed_events("s_unscheduled", &turn_id).await;
     assert_eq!(events.len(), 1);
     assert_eq!(events[0]["status"], "failed");
-    let error = rt
-        .entries("s_unscheduled")
-        .into_iter()
-        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
-        .expect("the error record");
-    assert_eq!(error.data["code"], "harness.turn_unschedulable");
-    assert_eq!(error.data["phase"], "scheduling");
+    let error = rt.error_record("s_unscheduled");
+    assert_eq!(error["code"], "harness.turn_unschedulable");
+    assert_eq!(error["phase"], "scheduling");
     assert_eq!(
         rt.messages("s_unscheduled"),
         vec![("user".into(), "hello".into())],
@@ -651,14 +647,10 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
         rt.recorder.seen.lock().unwrap().is_empty(),
         "no provider call"
     );
-    let error = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
-        .unwrap();
-    assert_eq!(error.data["code"], "harness.budget_exceeded");
-    assert_eq!(error.data["phase"], "budget_preflight");
-    assert!(error.data["detail"]
+    let error = rt.error_record(&r.session_id);
+    assert_eq!(error["code"], "harness.budget_exceeded");
+    assert_eq!(error["phase"], "budget_preflight");
+    assert!(error["detail"]
         .as_str()
         .unwrap()
         .starts_with("max_total_tokens:"));

@@ -90,14 +90,10 @@ async fn three_invalid_results_fail_the_turn_with_the_raw_value_kept() {
         Some(json!("Oslo, two days")),
         "the raw value is kept"
     );
-    let error = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
-        .unwrap();
-    assert_eq!(error.data["code"], "harness.output_contract_invalid");
-    assert_eq!(error.data["phase"], "output_validation");
-    assert!(error.data["detail"]
+    let error = rt.error_record(&r.session_id);
+    assert_eq!(error["code"], "harness.output_contract_invalid");
+    assert_eq!(error["phase"], "output_validation");
+    assert!(error["detail"]
         .as_str()
         .unwrap()
         .contains("no submit_result call was made"));

@@ -557,6 +557,15 @@ impl Rt {
         }
     }
 
+    /// The data of the session's first error record (a failed turn writes one).
+    pub fn error_record(&self, session_id: &str) -> Value {
+        self.entries(session_id)
+            .into_iter()
+            .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
+            .unwrap_or_else(|| panic!("no error record in {session_id}"))
+            .data
+    }
+
     /// `(role, text)` of every message entry.
     pub fn messages(&self, session_id: &str) -> Vec<(String, String)> {
         self.entries(session_id)
