@@ -7,13 +7,6 @@ use serde_json::{json, Value};
 
 pub(crate) const ASK: &str = "harness::ask";
 
-pub(crate) const NO_HUMAN: &str = "harness::ask needs a human to answer and none is attached to this turn (sub-agent or structured-output turn); report blocked with your question instead";
-pub(crate) const ONE_PER_STEP: &str =
-    "only one harness::ask per step; put all your questions (up to 4) in one call";
-pub(crate) const OUTSIDE_A_TURN: &str =
-    "harness::ask only works inside an agent turn: call it from a model turn, not directly";
-pub(crate) const SHOWN: &str = "The questions are now shown to the user as a card of options. Their answer arrives as their next message. Do not repeat the questions in text. End your turn now.";
-
 /// Whitespace-only counts as empty; limits count characters, not bytes.
 fn length(field: &str, value: &str, min: usize, max: Option<usize>) -> Result<(), String> {
     let n = value.trim().chars().count();

@@ -13,6 +13,7 @@ use std::sync::Arc;
 mod window;
 pub(crate) use window::WindowState;
 
+use crate::texts;
 use harness_types::context::{
     AssembleRequest, AssembleResponse, CompactionRecord, PreviousSummary, OVERFLOW_PREFIX,
 };
@@ -73,8 +74,7 @@ pub(crate) const RECOVERY_ENTRY: &str = "recovery";
 /// The marker after a cut text-only reply on the step that resumes it: the provider must not be
 /// handed a trailing assistant message to continue, and the instructions themselves are in the
 /// system prompt, so this says only what it is.
-pub(crate) const RESUME_MARKER: &str =
-    "[harness: automatic resume of the reply above, which was cut off; not a message from the user]";
+pub(crate) const RESUME_MARKER: &str = texts::RESUME_MARKER;
 
 /// The recovery notice when the step reading `entries` is the one that resumes `turn_id`'s cut
 /// reply: its latest `recovering` entry comes after the turn's last assistant message. Read from
@@ -187,16 +187,9 @@ pub(crate) enum Orphan {
 impl Orphan {
     fn text(self) -> &'static str {
         match self {
-            Orphan::Interrupted => {
-                "result unknown: the call was interrupted after dispatch; it ran at most once — verify its effect before repeating it"
-            }
-            Orphan::Elided => {
-                "result elided from the assembled context (compaction): the call ran and its result is in the transcript; \
-                 the summary above carries what mattered — call it again if you need the details"
-            }
-            Orphan::NeverDispatched => {
-                "not executed: the reply was cut off before this call could be dispatched, so it never ran — issue it again if it is still needed"
-            }
+            Orphan::Interrupted => texts::CALL_INTERRUPTED,
+            Orphan::Elided => texts::CALL_ELIDED,
+            Orphan::NeverDispatched => texts::CALL_NEVER_DISPATCHED,
         }
     }
 

@@ -17,6 +17,7 @@ use crate::hooks::{self, Decision, HookPoint};
 use crate::interpret::Carry;
 use crate::machine::Input;
 use crate::record::{CallCheckpoint, HeldResult, TurnRecord, Wait};
+use crate::texts;
 use crate::TURN_SCOPE;
 
 fn not_resolved() -> ResolveResponse {
@@ -225,9 +226,9 @@ impl Harness {
                 for effect in effects {
                     match (effect, child) {
                         (CallEffect::DeliverTimeout, Some(child)) => {
-                            let content = vec![ContentBlock::text(format!(
-                                "the sub-agent in session {} did not finish within {timeout} ms; it was stopped",
-                                child.session_id
+                            let content = vec![ContentBlock::text(texts::child_timed_out(
+                                &child.session_id,
+                                timeout,
                             ))];
                             let details = json!({"error": Refusal::PendingTimeout, "child_session_id": child.session_id,
                                    "child_turn_id": child.turn_id});
@@ -237,10 +238,8 @@ impl Harness {
                             resolved += u32::from(delivered);
                         }
                         (CallEffect::DeliverTimeout, None) => {
-                            let content = vec![ContentBlock::text(format!(
-                                "pending call timed out after {} ms without a result",
-                                timeout
-                            ))];
+                            let content =
+                                vec![ContentBlock::text(texts::pending_timed_out(timeout))];
                             let details = json!({"error": Refusal::PendingTimeout});
                             let delivered = self
                                 .deliver_pending(&session_id, &rec.turn_id, call_id, content, true, details)
@@ -378,10 +377,7 @@ impl Harness {
             Decision::Deny(reason) => {
                 return Ok(refuse(
                     Refusal::HookDenied.as_str(),
-                    format!(
-                        "function {} was denied by a hook: {reason}",
-                        call.function_id
-                    ),
+                    texts::hook_denied(&call.function_id, &reason),
                 ))
             }
             Decision::Hold(holder) => {

@@ -14,6 +14,7 @@ use crate::harness::{Harness, Result, StepWrites};
 use crate::interpret::Carry;
 use crate::machine::{Input, Seed};
 use crate::record::{Failure, TurnRecord};
+use crate::texts;
 
 impl Harness {
     /// Carries out `Effect::Finalize` for a record the machine made terminal, with `held` (the
@@ -138,7 +139,7 @@ fn terminal_records(batch: &mut StepWrites, rec: &TurnRecord) -> Result<()> {
             sid,
             ids::stopped_entry(&rec.turn_id),
             "notice",
-            json!({"reason": "stopped", "message": "stopped by user."}),
+            json!({"reason": "stopped", "message": texts::STOPPED_BY_USER}),
             &rec.turn_id,
         ),
         _ => Ok(()),
@@ -157,7 +158,7 @@ fn after_terminal(batch: &mut StepWrites, rec: &TurnRecord) -> Result<TurnComple
         }
         TurnStatus::Cancelled => {
             batch.set_status(sid, SessionStatus::Done, Some("stopped"))?;
-            Some("stopped by user.".to_string())
+            Some(texts::STOPPED_BY_USER.to_string())
         }
         _ => {
             batch.set_status(sid, SessionStatus::Done, None)?;

@@ -87,7 +87,7 @@ pub fn register(h: &Harness) {
             "Ask the user a decision with discrete options, shown as a card: 1-4 questions, 2-4 options each (the UI adds a free-text Other). The turn ends on the question; the answer arrives as the user's next message. Only inside a model turn.",
         ),
         |_h, _req: AskRequest| async move {
-            Err::<AskResponse, _>(HarnessError::invalid(crate::ask::OUTSIDE_A_TURN))
+            Err::<AskResponse, _>(HarnessError::invalid(crate::texts::ASK_OUTSIDE_A_TURN))
         },
     );
     register_fn(

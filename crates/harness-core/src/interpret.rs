@@ -22,6 +22,7 @@ use crate::hooks::HookPoint;
 use crate::locks::SessionGuard;
 use crate::machine::{self, Effect, Input};
 use crate::record::TurnRecord;
+use crate::texts;
 
 /// A refusal of the machine is a bug in a shell, never a reason to write.
 pub(crate) fn illegal(e: machine::Illegal) -> HarnessError {
@@ -264,7 +265,7 @@ impl Harness {
                 Next::Go
             }
             Effect::NoteMaxTurns => {
-                let text = machine::max_turns_text(r.options.max_turns);
+                let text = texts::max_turns_reached(r.options.max_turns);
                 carry.pending.append_custom(
                     &r.session_id,
                     ids::max_turns_entry(&r.turn_id),
@@ -429,17 +430,12 @@ fn user_append(
 /// user message it read as the user's words, and small models echoed it into replies and
 /// function arguments on every later step.
 fn note_resume(batch: &mut StepWrites, rec: &TurnRecord, attempt: u32, reason: &str) -> Result<()> {
-    let notice = format!(
-        "Harness note (from the harness, not the user; do not quote it): the provider ended your previous \
-         reply early ({reason}). That partial reply is the last assistant message. Continue from it and \
-         give the complete answer, incorporating the partial reply. Do not repeat function calls that \
-         already have successful results."
-    );
+    let notice = texts::resume_notice(reason);
     batch.append_custom(
         &rec.session_id,
         ids::recovery_entry(&rec.turn_id, attempt, "recovering"),
         crate::context::RECOVERY_ENTRY,
-        json!({"status": "recovering", "summary": "The provider stopped mid-answer; resuming from the partial reply.", "detail": reason,
+        json!({"status": "recovering", "summary": texts::RECOVERING_SUMMARY, "detail": reason,
                "phase": "generation", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes,
                "partial_result_available": true, "notice": notice, "timestamp": now_ms()}),
         &rec.turn_id,

@@ -34,6 +34,9 @@ mod locks;
 mod observe;
 // The machines and the record live in `harness-machine`; their old paths stay.
 pub(crate) use harness_machine::{machine, output, record};
+
+/// Every text the loop writes for a person or the model to read.
+pub use harness_machine::texts;
 mod prompt;
 mod recover;
 mod retention;

@@ -1,6 +1,7 @@
 //! The harness loop's decisions, without its I/O: the turn machine ([`machine`]), the call
 //! machine ([`call`]), the typed turn record they act on ([`record`]) and the output contract's
-//! pure checks ([`output`]). [`coverage`] counts the table rows a run takes, when asked to.
+//! pure checks ([`output`]), and every text the loop writes for a person or the model
+//! ([`texts`]). [`coverage`] counts the table rows a run takes, when asked to.
 //!
 //! Nothing in this crate awaits or touches a bus, a store or a clock: its dependencies leave no
 //! way to, so "pure" is checked by the compiler (the one file it may write is the coverage
@@ -12,3 +13,4 @@ pub mod coverage;
 pub mod machine;
 pub mod output;
 pub mod record;
+pub mod texts;

@@ -82,7 +82,7 @@
 //! was (the shells treat that as a bug to report, never as a reason to write).
 
 use harness_types::api::{ParentLink, TurnStatus};
-use harness_types::message::{ContentBlock, ErrorKind};
+use harness_types::message::ContentBlock;
 use serde_json::{json, Value};
 
 use crate::output;
@@ -90,6 +90,7 @@ use crate::record::{
     CallState, Failure, FailurePhase, GeneratedStep, GenerationError, TurnOptions, TurnRecord,
     TurnStopReason,
 };
+use crate::texts;
 
 /// Every row of the table, with what it says (the coverage report lists them).
 pub const ROWS: &[(&str, &str)] = &[
@@ -454,13 +455,7 @@ fn failure(code: &str, phase: FailurePhase, summary: &str, detail: Option<String
 
 /// The failure of a generation the provider ended with an error.
 pub fn generation_failure(err: &GenerationError) -> Failure {
-    let summary = match err.kind {
-        ErrorKind::AuthExpired => "The provider rejected the credentials.",
-        ErrorKind::RateLimited => "The provider is rate limiting requests; try again shortly.",
-        ErrorKind::ContextOverflow => "The conversation is too long for the model.",
-        ErrorKind::Transient => "The provider failed temporarily.",
-        ErrorKind::Permanent => "The provider rejected this request.",
-    };
+    let summary = texts::provider_failure(err.kind);
     Failure {
         code: err.code.clone(),
         phase: FailurePhase::Generation,
@@ -571,15 +566,18 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                     now,
                 });
                 lost.step = step;
-                Ok(at("T05", finish(fail(
-                    lost,
-                    failure(
-                        "harness.turn_record_lost",
-                        FailurePhase::Execution,
-                        "The turn's state was lost by the store, so the turn was ended; send the message again to continue.",
-                        Some(format!("no turn record for this session at step {step} of turn {turn_id}")),
-                    ),
-                ))))
+                Ok(at(
+                    "T05",
+                    finish(fail(
+                        lost,
+                        failure(
+                            "harness.turn_record_lost",
+                            FailurePhase::Execution,
+                            texts::TURN_RECORD_LOST,
+                            Some(texts::turn_record_lost_detail(step, &turn_id)),
+                        ),
+                    )),
+                ))
             }
             Input::Stop { .. } | Input::StopRequested { .. } => Ok(Transition {
                 record: None,
@@ -626,7 +624,7 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                 failure(
                     "harness.turn_unschedulable",
                     FailurePhase::Scheduling,
-                    "The turn could not be scheduled.",
+                    texts::TURN_UNSCHEDULABLE,
                     Some(detail),
                 ),
             )),
@@ -659,13 +657,13 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                     failure(
                         "harness.pre_turn_denied",
                         FailurePhase::PreTurn,
-                        "A hook refused to start this turn.",
-                        Some(format!("pre_turn hook denied: {reason}")),
+                        texts::PRE_TURN_DENIED,
+                        Some(texts::pre_turn_denied_detail(&reason)),
                     ),
                 )),
             ),
             None if rec.turn_count >= rec.options.max_turns => {
-                let text = max_turns_text(rec.options.max_turns);
+                let text = texts::max_turns_reached(rec.options.max_turns);
                 let mut rec = rec;
                 rec.stop_reason = Some(TurnStopReason::MaxTurns);
                 let gate = Effect::PostTurn {
@@ -680,31 +678,31 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                 ContextRefusal::Overflow(detail) => failure(
                     "harness.context_overflow",
                     FailurePhase::ContextAssembly,
-                    "The conversation no longer fits the model's context window.",
+                    texts::CONTEXT_OVERFLOW,
                     Some(detail),
                 ),
                 ContextRefusal::Empty => failure(
                     "harness.empty_context",
                     FailurePhase::ContextAssembly,
-                    "There was nothing to send to the model.",
+                    texts::EMPTY_CONTEXT,
                     None,
                 ),
                 ContextRefusal::Denied(reason) => failure(
                     "harness.pre_generate_denied",
                     FailurePhase::PreGenerate,
-                    "A hook refused this generation.",
-                    Some(format!("pre_generate hook denied: {reason}")),
+                    texts::PRE_GENERATE_DENIED,
+                    Some(texts::pre_generate_denied_detail(&reason)),
                 ),
                 ContextRefusal::OverflowAfterHooks(detail) => failure(
                     "harness.context_overflow",
                     FailurePhase::PreGenerate,
-                    "The conversation no longer fits the model's context window.",
+                    texts::CONTEXT_OVERFLOW,
                     Some(detail),
                 ),
                 ContextRefusal::Budget(detail) => failure(
                     "harness.budget_exceeded",
                     FailurePhase::BudgetPreflight,
-                    "The turn's budget would be exceeded by its next generation.",
+                    texts::BUDGET_EXCEEDED,
                     Some(detail),
                 ),
                 ContextRefusal::Compaction(detail) => Failure {
@@ -712,14 +710,14 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                     ..failure(
                         "harness.context_compaction_failed",
                         FailurePhase::ContextAssembly,
-                        "The conversation had to be summarized to fit and the summary could not be written.",
+                        texts::COMPACTION_FAILED,
                         Some(detail),
                     )
                 },
                 ContextRefusal::Manager(detail) => failure(
                     "harness.context_manager_failed",
                     FailurePhase::ContextAssembly,
-                    "The context manager could not assemble this conversation.",
+                    texts::CONTEXT_MANAGER_FAILED,
                     Some(detail),
                 ),
             };
@@ -750,7 +748,7 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
         Input::OutputChecked { verdict } if phase == Phase::Generated => Ok(match verdict {
             Ok(result) => at("T28", to(rec, vec![Effect::PostTurn { result }])),
             Err((error, raw)) => {
-                let text = output::nudge(&error);
+                let text = texts::output_nudge(&error);
                 refused(rec, error, text, raw)
             }
         }),
@@ -762,9 +760,9 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                         Some(p) => p
                             .replace("{reason}", &reason)
                             .replace("{value}", &compact(&result)),
-                        None => output::nudge(&reason),
+                        None => texts::output_nudge(&reason),
                     };
-                    let error = format!("a post_turn hook refused the result: {reason}");
+                    let error = texts::post_turn_refused(&reason);
                     refused(rec, error, text, result)
                 }
             })
@@ -773,7 +771,7 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
         Input::PostTurnChecked { result, denied } if phase == Phase::Ready => Ok(match denied {
             None => at("T15", finish(complete(rec, result))),
             Some((reason, _)) => {
-                let detail = format!("a post_turn hook refused the result: {reason}");
+                let detail = texts::post_turn_refused(&reason);
                 at("T16", finish(contract_failed(rec, detail, result)))
             }
         }),
@@ -854,7 +852,7 @@ fn decide(rec: Option<TurnRecord>, input: Input) -> Result<Transition, Illegal> 
                     failure(
                         "harness.turn_internal",
                         FailurePhase::Execution,
-                        "The turn stopped on an internal error.",
+                        texts::TURN_INTERNAL,
                         Some(detail),
                     ),
                 )),
@@ -890,7 +888,7 @@ fn contract_failed(rec: TurnRecord, detail: String, raw: Value) -> TurnRecord {
         failure(
             "harness.output_contract_invalid",
             FailurePhase::OutputValidation,
-            "The result did not satisfy the output contract.",
+            texts::OUTPUT_CONTRACT_INVALID,
             Some(detail),
         ),
     );
@@ -977,7 +975,7 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
         });
     }
     let row = if !f.calls.is_empty() {
-        let cut = f.at_length.then_some("the reply hit the output limit");
+        let cut = f.at_length.then_some(texts::CUT_AT_OUTPUT_LIMIT);
         effects.push(Effect::DispatchCalls { cut });
         "T23"
     } else {
@@ -985,10 +983,6 @@ fn generation_finished(mut rec: TurnRecord, phase: Phase, f: Finished) -> Transi
         "T24"
     };
     at(row, to(rec, effects))
-}
-
-pub fn max_turns_text(max_turns: u32) -> String {
-    format!("max_turns ({max_turns}) reached; ending the turn.")
 }
 
 #[cfg(test)]

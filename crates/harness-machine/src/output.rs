@@ -15,6 +15,8 @@ use harness_types::router::ToolSpec;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::texts;
+
 /// The synthetic tool of the fallback mode.
 pub const SUBMIT_RESULT: &str = "submit_result";
 
@@ -53,7 +55,7 @@ pub fn json_contract(contract: &OutputContract) -> Option<Option<&Value>> {
 pub fn submit_result_tool(schema: Option<&Value>) -> ToolSpec {
     ToolSpec {
         name: SUBMIT_RESULT.into(),
-        description: "Submit this turn's final result. Call it exactly once, when the work is done: its arguments ARE the result and must satisfy the schema.".into(),
+        description: texts::SUBMIT_RESULT_DESCRIPTION.into(),
         parameters: schema.cloned().unwrap_or_else(|| json!({"type": "object"})),
     }
 }
@@ -72,7 +74,7 @@ pub fn validate(schema: Option<&Value>, value: &Value) -> Result<(), String> {
         return Ok(());
     };
     let validator = jsonschema::validator_for(schema)
-        .map_err(|e| format!("the output contract's schema is invalid: {e}"))?;
+        .map_err(|e| texts::contract_schema_invalid(&e.to_string()))?;
     let errors: Vec<String> = validator
         .iter_errors(value)
         .take(10)
@@ -88,10 +90,7 @@ pub fn validate(schema: Option<&Value>, value: &Value) -> Result<(), String> {
     if errors.is_empty() {
         Ok(())
     } else {
-        Err(format!(
-            "result failed schema validation: {}",
-            errors.join("; ")
-        ))
+        Err(texts::result_schema_failed(&errors.join("; ")))
     }
 }
 
@@ -104,13 +103,7 @@ pub fn parse_text(text: &str) -> Result<Value, String> {
         .and_then(|r| r.strip_suffix("```"))
         .map(str::trim)
         .unwrap_or(t);
-    serde_json::from_str(t).map_err(|e| format!("result is not valid JSON: {e}"))
-}
-
-pub fn nudge(error: &str) -> String {
-    format!(
-        "Your previous result was not accepted: {error}. Please provide a corrected result that satisfies the required output contract."
-    )
+    serde_json::from_str(t).map_err(|e| texts::result_not_json(&e.to_string()))
 }
 
 /// The step's result under the contract: the submitted value (fallback), or the answer's text
@@ -124,15 +117,12 @@ pub fn verdict(rec: &crate::record::TurnRecord, text: &str) -> Result<Value, (St
         };
     }
     if rec.output_mode != Some(OutputMode::Native) {
-        return Err((NO_SUBMIT.to_string(), json!(text)));
+        return Err((texts::NO_SUBMIT.to_string(), json!(text)));
     }
     parse_text(text)
         .and_then(|v| validate(schema, &v).map(|()| v))
         .map_err(|e| (e, json!(text)))
 }
-
-pub const NO_SUBMIT: &str =
-    "this turn must produce its result by calling submit_result; no submit_result call was made";
 
 #[cfg(test)]
 mod tests {

@@ -89,17 +89,9 @@ pub fn explained(diagnostic: &str, hint: Option<&str>) -> String {
     }
 }
 
-/// The public sentence of a kind.
+/// The public sentence of a kind: the same one a turn that failed on it reports.
 pub fn summary(kind: ErrorKind) -> &'static str {
-    match kind {
-        ErrorKind::AuthExpired => "The provider rejected the credentials.",
-        ErrorKind::RateLimited => "The provider is rate limiting requests.",
-        ErrorKind::ContextOverflow => {
-            "The conversation is too long for the model's context window."
-        }
-        ErrorKind::Transient => "The provider failed temporarily.",
-        ErrorKind::Permanent => "The provider rejected this request.",
-    }
+    harness_types::router::error_summary(kind)
 }
 
 /// Router setup errors (configuration, catalog).

@@ -183,6 +183,19 @@ pub struct ChatAckError {
     pub hint: Option<String>,
 }
 
+/// The public sentence of a provider error kind: a [`ChatAckError`]'s `message`, and the
+/// summary of a turn that failed on it (one text, so the two never read differently). What a
+/// person can do about it is the error's `hint`, not part of this sentence.
+pub fn error_summary(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::AuthExpired => "The provider rejected the credentials.",
+        ErrorKind::RateLimited => "The provider is rate limiting requests.",
+        ErrorKind::ContextOverflow => "The conversation no longer fits the model's context window.",
+        ErrorKind::Transient => "The provider failed temporarily.",
+        ErrorKind::Permanent => "The provider rejected this request.",
+    }
+}
+
 /// The RPC result of `router::chat`, after the stream ended.
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ChatAck {

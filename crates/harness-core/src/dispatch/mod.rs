@@ -43,6 +43,7 @@ use crate::config::CallReconciliation;
 use crate::failpoint;
 use crate::harness::{Harness, Result};
 use crate::record::{CallCheckpoint, HoldPoint, TurnRecord, Wait};
+use crate::texts;
 use harness_machine::call::{self, CallEffect, CallInput, CallPhase};
 
 /// One call as the model wrote it, unwrapped from `agent_trigger` when needed.
@@ -322,21 +323,22 @@ impl Harness {
             }
             let f = cp.function_id().to_string();
             let text = match &cp {
-                CallCheckpoint::Triggered { .. } => format!(
-                    "function {f} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone"
-                ),
-                CallCheckpoint::Pending { wait: Wait::Hold(h), .. } if h.point == HoldPoint::PostTrigger => format!(
-                    "function {f} ran, but the turn was stopped before its held result was released; its effects are not undone"
-                ),
-                CallCheckpoint::Pending { wait: Wait::Hold(h), .. } => format!(
-                    "function {f} was not run: the turn was stopped while {} held the call", h.holder
-                ),
-                CallCheckpoint::Pending { wait: Wait::Child { child, .. }, .. } => format!(
-                    "the sub-agent in session {} was stopped with this turn; its work is unfinished", child.session_id
-                ),
-                CallCheckpoint::Pending { .. } | CallCheckpoint::Done { .. } => format!(
-                    "function {f} was cancelled: the turn was stopped before its result was delivered"
-                ),
+                CallCheckpoint::Triggered { .. } => texts::cancelled_while_running(&f),
+                CallCheckpoint::Pending {
+                    wait: Wait::Hold(h),
+                    ..
+                } if h.point == HoldPoint::PostTrigger => texts::stopped_with_result_held(&f),
+                CallCheckpoint::Pending {
+                    wait: Wait::Hold(h),
+                    ..
+                } => texts::stopped_while_held(&f, &h.holder),
+                CallCheckpoint::Pending {
+                    wait: Wait::Child { child, .. },
+                    ..
+                } => texts::child_stopped_with_turn(&child.session_id),
+                CallCheckpoint::Pending { .. } | CallCheckpoint::Done { .. } => {
+                    texts::stopped_before_delivery(&f)
+                }
             };
             closing.push((id, f, text));
         }
@@ -344,10 +346,7 @@ impl Harness {
             if !stops(CallPhase::Planned)? {
                 continue;
             }
-            let text = format!(
-                "function {} was not run: the turn was stopped first",
-                c.function_id
-            );
+            let text = texts::stopped_before_run(&c.function_id);
             closing.push((c.id, c.function_id, text));
         }
         // Written with the finalizer's batch (see `Inner::closings`), marked done here.
@@ -576,9 +575,9 @@ impl Harness {
                 harness_types::api::OutputContract::Json { .. }
             );
         let checked = if no_human {
-            Err(crate::ask::NO_HUMAN.to_string())
+            Err(texts::ASK_NO_HUMAN.to_string())
         } else if rec.ask_step == Some(rec.step) {
-            Err(crate::ask::ONE_PER_STEP.to_string())
+            Err(texts::ASK_ONE_PER_STEP.to_string())
         } else {
             crate::ask::parse(arguments)
         };
@@ -597,7 +596,7 @@ impl Harness {
                 rec.ask_step = Some(rec.step);
                 let question_id = call.id.clone();
                 Closing {
-                    content: vec![ContentBlock::text(crate::ask::SHOWN)],
+                    content: vec![ContentBlock::text(texts::ASK_SHOWN)],
                     details: crate::ask::card(&req, &question_id, &rec.session_id, &turn_id),
                     is_error: false,
                     origin: json!({"turn_id": turn_id}),

@@ -24,6 +24,7 @@ use crate::failpoint;
 use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::record::{CallCheckpoint, HeldResult, Hold, HoldPoint, TurnRecord, Wait};
+use crate::texts;
 
 /// One call in the hands of a shell, between two questions to the machine.
 pub(crate) struct Flight<'a> {
@@ -276,10 +277,7 @@ impl Harness {
             |f: &Flight<'_>| origin(&turn_id, &f.run.annotations, f.reconciled.as_ref());
         match chain.decision {
             Decision::Deny(reason) => {
-                let text = format!(
-                    "function {} was denied by a hook: {reason}",
-                    call.function_id
-                );
+                let text = texts::hook_denied(&call.function_id, &reason);
                 flight.refuse(&turn_id, Refusal::HookDenied, text);
                 let origin = origin_now(flight);
                 if let Some(c) = flight.refusal.as_mut() {
@@ -551,10 +549,7 @@ impl Harness {
             }
             Close::Interrupted => self.interrupted(rec, call).await,
             Close::Cancelled => {
-                let text = format!(
-                    "function {} was cancelled by a stop while it ran; the target may still be running and its effects are unknown, not undone",
-                    call.function_id
-                );
+                let text = texts::cancelled_while_running(&call.function_id);
                 let turn_id = rec.turn_id.clone();
                 self.close_call(
                     rec,

@@ -724,7 +724,7 @@ fn a_json_contract_validates_then_completes_nudges_or_fails_keeping_the_raw_valu
         [
             NoteNudge {
                 attempt: 1,
-                text: crate::output::nudge("result is not valid JSON")
+                text: crate::texts::output_nudge("result is not valid JSON")
             },
             SaveRecord,
             EnqueueStep
