@@ -41,14 +41,7 @@ async fn an_accepted_ask_ends_the_turn_on_the_question_without_another_model_cal
             async { Ok(json!({"decision": "deny", "reason": "no"})) }
         }),
     );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "deny::all", "config": {}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.bind("pre-trigger", "deny::all", json!({})).await;
     let (r, s) = rt.run(allowing("decide for me", &["*"])).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.result, Some(json!("Let me ask you.")));

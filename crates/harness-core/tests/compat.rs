@@ -339,15 +339,8 @@ async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
     assert_eq!(ran["is_error"], false);
     assert_eq!(ran["details"]["echo"]["x"], 1);
 
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "guard::hold",
-                   "config": {"functions": ["t::*"]}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.bind("pre-trigger", "guard::hold", json!({"functions": ["t::*"]}))
+        .await;
     let held = rt
         .bus
         .call("harness::function::trigger", call("c2"), None)
@@ -559,15 +552,13 @@ async fn the_judges_repair_is_noted_in_the_calls_result() {
 async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
     let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
     rt.register("policy::house-rules", None, |_| json!({}));
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-generate", "function_id": "policy::house-rules",
-                   "config": {}, "metadata": {"inject_prompt": "House rule: answer in English."}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.bind_with(
+        "pre-generate",
+        "policy::house-rules",
+        json!({}),
+        json!({"inject_prompt": "House rule: answer in English."}),
+    )
+    .await;
     let (r, _) = rt.run(send("hi")).await;
     let preview = rt
         .bus
@@ -749,15 +740,13 @@ async fn a_direct_spawns_display_parent_lists_the_child_and_names_it_on_its_even
             async { Ok(json!({})) }
         }),
     );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::turn-completed", "function_id": "watch::children",
-                   "config": {"parent_session_id": parent.session_id}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.trigger(
+        "harness::turn-completed",
+        "watch::children",
+        json!({"parent_session_id": parent.session_id}),
+        json!({}),
+    )
+    .await;
     let req: SpawnRequest = serde_json::from_value(json!({
         "task": "side job", "model": "m", "provider": "scripted",
         "parent_session_id": parent.session_id,

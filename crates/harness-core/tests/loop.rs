@@ -542,14 +542,13 @@ async fn a_binding_sees_one_turn_completed_when_a_finished_step_is_delivered_aga
             async { Ok(serde_json::Value::Null) }
         }),
     );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::turn-completed", "function_id": "watch::done", "config": {}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.trigger(
+        "harness::turn-completed",
+        "watch::done",
+        json!({}),
+        json!({}),
+    )
+    .await;
     let (r, _) = rt.run(send("hello")).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while seen.load(Ordering::SeqCst) == 0 {

@@ -266,14 +266,8 @@ async fn stop_closes_every_open_call_of_a_turn_parked_on_two_children_and_a_hold
         FunctionDef::new("gate::hold", "holds every write"),
         Arc::new(|_p: Value, _ctx: CallContext| async { Ok(json!({"decision": "hold"})) }),
     );
-    rt.bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "harness::hook::pre-trigger", "function_id": "gate::hold", "config": {"functions": ["fs::*"]}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.bind("pre-trigger", "gate::hold", json!({"functions": ["fs::*"]}))
+        .await;
     let mut req = orchestrating("fan out");
     req.options
         .as_mut()

@@ -371,11 +371,24 @@ impl Rt {
 
     /// [`Rt::bind`] with the binding's `metadata` (an `inject_prompt`, …).
     pub async fn bind_with(&self, point: &str, function_id: &str, config: Value, metadata: Value) {
+        let trigger_type = format!("harness::hook::{point}");
+        self.trigger(&trigger_type, function_id, config, metadata)
+            .await
+    }
+
+    /// Binds `function_id` to the trigger type `trigger_type` through `engine::register_trigger`.
+    pub async fn trigger(
+        &self,
+        trigger_type: &str,
+        function_id: &str,
+        config: Value,
+        metadata: Value,
+    ) {
         use harness_bus::Bus;
         self.bus
             .call(
                 "engine::register_trigger",
-                json!({"trigger_type": format!("harness::hook::{point}"), "function_id": function_id, "config": config, "metadata": metadata}),
+                json!({"trigger_type": trigger_type, "function_id": function_id, "config": config, "metadata": metadata}),
                 None,
             )
             .await
