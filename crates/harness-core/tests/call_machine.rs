@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use harness_bus::Bus;
-use harness_types::api::{ResolveAction, SweepRequest, TurnStatus};
+use harness_types::api::{ResolveAction, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
 
@@ -161,11 +161,7 @@ async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost
     let out = rt.resolve(&r, "s1", ResolveAction::Execute).await;
     assert!(!out.resolved, "{out:?}");
     // The child still streams: the sweep reads it and leaves the call waiting.
-    let swept = rt
-        .harness
-        .sweep_pending(SweepRequest::default())
-        .await
-        .unwrap();
+    let swept = rt.sweep().await;
     assert_eq!(swept.resolved, 0);
     assert_eq!(
         rt.status(&r.session_id).await.unwrap().status,
@@ -178,11 +174,7 @@ async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost
         .state_delete(harness_core::TURN_SCOPE, &child_session)
         .await
         .unwrap();
-    let swept = rt
-        .harness
-        .sweep_pending(SweepRequest::default())
-        .await
-        .unwrap();
+    let swept = rt.sweep().await;
     assert_eq!(swept.resolved, 1);
     let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
@@ -206,11 +198,7 @@ async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a
     rec["calls"]["c1"]["pending_at"] = json!(harness_types::now_ms());
     rt.set_turn_record(&r.session_id, rec).await;
 
-    let swept = rt
-        .harness
-        .sweep_pending(SweepRequest::default())
-        .await
-        .unwrap();
+    let swept = rt.sweep().await;
     assert_eq!(swept.resolved, 0, "not past its timeout");
     let out = rt.resolve(&r, "c1", ResolveAction::Execute).await;
     assert!(!out.resolved, "nothing holds it, so nothing runs: {out:?}");

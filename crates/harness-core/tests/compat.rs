@@ -39,7 +39,7 @@ fn with_mode(
 
 #[tokio::test]
 async fn a_mode_heads_the_prompt_stays_with_the_session_and_agent_removes_it() {
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     let r = rt
         .send(with_mode("plan the release", Some(Mode::Plan), None))
         .await;
@@ -86,7 +86,7 @@ async fn a_mode_heads_the_prompt_stays_with_the_session_and_agent_removes_it() {
 
 #[tokio::test]
 async fn a_mode_with_a_disabled_prompt_is_refused_by_name() {
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     let mut req = with_mode("x", Some(Mode::Plan), None);
     req.options.as_mut().unwrap().system_prompt_strategy = Some(SystemPromptStrategy::Disabled);
     let e = rt.harness.send(req).await.unwrap_err();
@@ -118,11 +118,7 @@ fn spawn_req(task: &str, display: Value) -> SpawnRequest {
 
 #[tokio::test]
 async fn a_spawns_display_is_on_its_session_its_tree_node_and_its_events() {
-    let rt = runtime(
-        json!({"generations": [text(None, "found it", 0)]}),
-        config(),
-    )
-    .await;
+    let rt = replying("found it").await;
     let child = rt
         .harness
         .spawn(spawn_req(
@@ -167,7 +163,7 @@ async fn a_spawns_display_is_on_its_session_its_tree_node_and_its_events() {
 
 #[tokio::test]
 async fn a_bad_display_is_refused_naming_the_field() {
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     let e = rt
         .harness
         .spawn(spawn_req("t", json!({"name": "   "})))
@@ -302,7 +298,7 @@ async fn a_lean_status_truncates_a_long_result_and_a_verbose_one_does_not() {
 /// that ran the result shape with every field the reference requires.
 #[tokio::test]
 async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     rt.register("t::echo", None, |p| json!({"echo": p}));
     rt.bus.register_function(
         harness_bus::FunctionDef::new("guard::hold", "holds"),
@@ -437,7 +433,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
 /// a model without a row is refused, and naming an effort next to it is refused by name.
 #[tokio::test]
 async fn reasoning_lowest_is_reported_on_the_send_and_its_bad_combinations_refused() {
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     let lowest = |model: &str, provider: &str| {
         let mut req = send("think little");
         req.model = Some(model.into());
@@ -550,7 +546,7 @@ async fn the_judges_repair_is_noted_in_the_calls_result() {
 /// context, and is what the step appends.
 #[tokio::test]
 async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     rt.register("policy::house-rules", None, |_| json!({}));
     rt.bind_with(
         "pre-generate",
@@ -587,7 +583,7 @@ async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
 #[tokio::test]
 async fn a_changed_preloaded_contract_is_named_in_a_tail_notice() {
     let dir = tempfile::tempdir().unwrap();
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     harness_directory::register(&rt.bus, &harness_directory::Directory::new(dir.path()));
     rt.register(
         "t::echo",
@@ -662,7 +658,7 @@ async fn a_changed_preloaded_contract_is_named_in_a_tail_notice() {
 #[tokio::test]
 async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
     let dir = tempfile::tempdir().unwrap();
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     harness_directory::register(&rt.bus, &harness_directory::Directory::new(dir.path()));
     let skill = |verb: &str, name: &str, description: &str| {
         let bus = rt.bus.clone();
@@ -728,7 +724,7 @@ async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
 /// `options.max_output_tokens` caps the child's generations.
 #[tokio::test]
 async fn a_direct_spawns_display_parent_lists_the_child_and_names_it_on_its_events() {
-    let rt = runtime(json!({"generations": [text(None, "ok", 0)]}), config()).await;
+    let rt = replying("ok").await;
     let parent = rt.send(send("host")).await;
     rt.wait_terminal(&parent.session_id, &parent.turn_id).await;
     let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Value>::new()));

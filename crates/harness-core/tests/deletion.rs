@@ -180,7 +180,7 @@ async fn deleting_a_running_tree_cancels_every_member_and_deletes_children_first
 
 #[tokio::test]
 async fn a_failed_attempt_keeps_the_data_and_is_retried_under_the_next_attempt() {
-    let rt = runtime(json!({"generations": [text(None, "hi", 0)]}), config()).await;
+    let rt = replying("hi").await;
     let (r, _) = rt.run(send("hello")).await;
 
     // The transcript store refuses to confirm the delete: the attempt fails, data kept.
@@ -225,7 +225,7 @@ async fn a_failed_attempt_keeps_the_data_and_is_retried_under_the_next_attempt()
 
 #[tokio::test]
 async fn bad_requests_name_their_field() {
-    let rt = runtime(json!({"generations": [text(None, "hi", 0)]}), config()).await;
+    let rt = replying("hi").await;
     let e = rt
         .harness
         .delete_session_tree(delete("nobody", None))

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use harness_bus::{Bus, CallContext, FunctionDef};
-use harness_types::api::{ResolveAction, ResolveRequest, SweepRequest, TurnStatus};
+use harness_types::api::{ResolveAction, ResolveRequest, TurnStatus};
 use harness_types::message::ContentBlock;
 use serde_json::{json, Value};
 use support::*;
@@ -390,11 +390,7 @@ async fn the_sweep_expires_a_stale_pending_call_but_never_a_hold() {
         .await
         .unwrap();
 
-    let out = rt
-        .harness
-        .sweep_pending(SweepRequest::default())
-        .await
-        .unwrap();
+    let out = rt.sweep().await;
     assert_eq!(out.resolved, 1);
     let results = rt.results(&r.session_id);
     assert_eq!(results.len(), 1);
@@ -407,14 +403,7 @@ async fn the_sweep_expires_a_stale_pending_call_but_never_a_hold() {
         "the hold keeps the turn parked"
     );
     assert_eq!(s.pending_function_calls, vec!["c1".to_string()]);
-    assert_eq!(
-        rt.harness
-            .sweep_pending(SweepRequest::default())
-            .await
-            .unwrap()
-            .resolved,
-        0
-    );
+    assert_eq!(rt.sweep().await.resolved, 0);
 }
 
 #[tokio::test]

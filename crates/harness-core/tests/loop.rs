@@ -516,9 +516,7 @@ async fn a_send_that_cannot_schedule_its_turn_fails_it_with_an_error_record_and_
     let events = rt.completed_events("s_unscheduled", &turn_id).await;
     assert_eq!(events.len(), 1);
     assert_eq!(events[0]["status"], "failed");
-    let error = rt.error_record("s_unscheduled");
-    assert_eq!(error["code"], "harness.turn_unschedulable");
-    assert_eq!(error["phase"], "scheduling");
+    rt.error_detail("s_unscheduled", "harness.turn_unschedulable", "scheduling");
     assert_eq!(
         rt.messages("s_unscheduled"),
         vec![("user".into(), "hello".into())],
@@ -646,13 +644,8 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
         rt.recorder.seen.lock().unwrap().is_empty(),
         "no provider call"
     );
-    let error = rt.error_record(&r.session_id);
-    assert_eq!(error["code"], "harness.budget_exceeded");
-    assert_eq!(error["phase"], "budget_preflight");
-    assert!(error["detail"]
-        .as_str()
-        .unwrap()
-        .starts_with("max_total_tokens:"));
+    let detail = rt.error_detail(&r.session_id, "harness.budget_exceeded", "budget_preflight");
+    assert!(detail.starts_with("max_total_tokens:"), "{detail}");
 
     // A budget that fits lets the turn run.
     let mut req = send("hello");
@@ -671,11 +664,7 @@ async fn a_generation_that_would_exceed_the_token_budget_fails_before_the_provid
 #[tokio::test]
 async fn a_create_that_answered_late_is_not_retried_into_already_exists() {
     use harness_bus::Bus;
-    let rt = runtime(
-        json!({"generations": [text(None, "Hello back.", 0)]}),
-        config(),
-    )
-    .await;
+    let rt = replying("Hello back.").await;
     let sessions = rt.sessions.clone();
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let seen = calls.clone();

@@ -187,11 +187,7 @@ async fn spawn_hello(rt: &Rt) -> harness_types::api::SpawnResponse {
 
 #[tokio::test]
 async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
-    let rt = runtime(
-        json!({"generations": [text(None, "child says hi", 0)]}),
-        config(),
-    )
-    .await;
+    let rt = replying("child says hi").await;
     let err = rt
         .harness
         .spawn(SpawnRequest {

@@ -61,6 +61,11 @@ impl harness_router::Provider for Recorder {
     }
 }
 
+/// A runtime whose model answers every request with `reply`.
+pub async fn replying(reply: &str) -> Rt {
+    runtime(json!({"generations": [text(None, reply, 0)]}), config()).await
+}
+
 pub async fn runtime(script: Value, config: HarnessConfig) -> Rt {
     runtime_with(script, config, true).await
 }
@@ -570,13 +575,28 @@ impl Rt {
         }
     }
 
-    /// The data of the session's first error record (a failed turn writes one).
-    pub fn error_record(&self, session_id: &str) -> Value {
-        self.entries(session_id)
+    /// Checks that the session's first error record (a failed turn writes one) names `code` and
+    /// `phase`; its detail.
+    pub fn error_detail(&self, session_id: &str, code: &str, phase: &str) -> String {
+        let error = self
+            .entries(session_id)
             .into_iter()
             .find_map(|e| e.custom.filter(|c| c.custom_type == "error"))
             .unwrap_or_else(|| panic!("no error record in {session_id}"))
-            .data
+            .data;
+        assert_eq!(
+            (&error["code"], &error["phase"]),
+            (&json!(code), &json!(phase))
+        );
+        error["detail"].as_str().unwrap_or_default().to_string()
+    }
+
+    /// `harness::sweep_pending` with the default request.
+    pub async fn sweep(&self) -> harness_types::api::SweepResponse {
+        self.harness
+            .sweep_pending(harness_types::api::SweepRequest::default())
+            .await
+            .unwrap()
     }
 
     /// `(role, text)` of every message entry.
