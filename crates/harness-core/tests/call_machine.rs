@@ -139,16 +139,7 @@ async fn a_stop_of_a_parked_turn_closes_the_held_call_and_leaves_the_done_one() 
 
 #[tokio::test]
 async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost() {
-    let rt = runtime(
-        json!({"generations": [
-            spawn_gen("^delegate", json!({"task": "count slowly"})),
-            text(Some("^count slowly"), &"one two three four five six seven eight nine ten ".repeat(10), 20),
-            text(None, "the child is gone", 0)
-        ]}),
-        config(),
-    )
-    .await;
-    let r = rt.send_parked(orchestrating("delegate")).await;
+    let (rt, r, _) = parked_on_a_slow_child(json!({"task": "dig deep"}), "the child is gone").await;
     let parent = rt.status(&r.session_id).await.unwrap();
     assert_eq!(parent.pending_function_calls, vec!["s1".to_string()]);
     let parent_rec = rt.turn_record(&r.session_id).await.unwrap();

@@ -9,17 +9,6 @@ use harness_types::api::{ExposeMode, FunctionPolicy, SpawnRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
 
-async fn wait_for_status(rt: &Rt, session_id: &str, want: TurnStatus) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while rt.status(session_id).await.is_none_or(|s| s.status != want) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{session_id} never reached {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_spawn_waits_for_the_child_and_gets_its_result() {
     let (rt, r) = trip_with_one_child().await;
@@ -125,31 +114,6 @@ async fn guards_answer_the_model_instead_of_spawning() {
         "{:?}",
         result.content
     );
-}
-
-/// A parent parked on the child it spawned with `arguments`; the child streams its answer
-/// slowly, and the parent ends by saying `last`.
-async fn parked_on_a_slow_child(
-    arguments: Value,
-    last: &str,
-) -> (
-    Rt,
-    harness_types::api::SendResponse,
-    harness_types::api::ChildRef,
-) {
-    let rt = runtime(
-        json!({"generations": [
-            spawn_gen("^research", arguments),
-            text(Some("^dig deep"), "a b c d e f g h i j k l m n o p q r s t", 200),
-            text(None, last, 0)
-        ]}),
-        config(),
-    )
-    .await;
-    let r = rt.send(orchestrating("research it")).await;
-    wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
-    let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
-    (rt, r, child)
 }
 
 #[tokio::test]
@@ -273,7 +237,8 @@ async fn stop_closes_every_open_call_of_a_turn_parked_on_two_children_and_a_hold
         .unwrap()
         .allow = vec!["harness::spawn".into(), "fs::write".into()];
     let r = rt.send(req).await;
-    wait_for_status(&rt, &r.session_id, TurnStatus::AwaitingFunctions).await;
+    rt.wait_status(&r.session_id, TurnStatus::AwaitingFunctions)
+        .await;
     let before = rt.status(&r.session_id).await.unwrap();
     assert_eq!(before.pending_function_calls.len(), 3, "{before:?}");
     let children = before.children.clone();

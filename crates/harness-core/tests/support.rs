@@ -158,6 +158,30 @@ pub fn orchestrating(message: &str) -> SendRequest {
     req
 }
 
+/// A parent parked on the child it spawned with `arguments`; the child streams its answer
+/// slowly (20 words, one every 200 ms), and the parent ends by saying `last`.
+pub async fn parked_on_a_slow_child(
+    arguments: Value,
+    last: &str,
+) -> (
+    Rt,
+    harness_types::api::SendResponse,
+    harness_types::api::ChildRef,
+) {
+    let rt = runtime(
+        json!({"generations": [
+            spawn_gen("^research", arguments),
+            text(Some("^dig deep"), "a b c d e f g h i j k l m n o p q r s t", 200),
+            text(None, last, 0)
+        ]}),
+        config(),
+    )
+    .await;
+    let r = rt.send_parked(orchestrating("research it")).await;
+    let child = rt.status(&r.session_id).await.unwrap().children[0].clone();
+    (rt, r, child)
+}
+
 /// A runtime where a turn planned a trip through one sub-agent, both finished: the parent's
 /// send answer (its session has one child).
 pub async fn trip_with_one_child() -> (Rt, harness_types::api::SendResponse) {
