@@ -453,15 +453,7 @@ impl Harness {
             return Ok(());
         }
         let n = op.members.len();
-        let text = format!(
-            "[harness] The operator deleted sub-agent session {}{}. Its transcript and any result it had not returned are gone; do not wait for it.",
-            op.snapshot.session_id,
-            if n > 1 {
-                format!(" and the {} sub-agent session(s) under it", n - 1)
-            } else {
-                String::new()
-            }
-        );
+        let text = crate::texts::subagent_deleted(&op.snapshot.session_id, n.saturating_sub(1));
         let message = AgentMessage::user_text(text, now_ms());
         let entry_id = format!("e_{}", &op.snapshot.operation_id);
         match self.load_record(parent).await? {

@@ -251,12 +251,7 @@ impl Harness {
                 Some(format!("`{id}` ({what})"))
             })
             .collect();
-        (!changed.is_empty()).then(|| {
-            format!(
-                "[harness] Preloaded function contracts in your system prompt are stale: {}. Read the current schema with engine::functions::info before calling them.",
-                changed.join(", ")
-            )
-        })
+        (!changed.is_empty()).then(|| crate::texts::preloaded_contracts_stale(&changed.join(", ")))
     }
 
     /// Resolves a prompt fresh: the profile (whole identity) or the identity with the caller's

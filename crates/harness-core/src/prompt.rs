@@ -198,12 +198,7 @@ pub(crate) fn skills_correction(seen: &str, now: Option<&str>) -> Option<String>
             parts.push(format!("removed `{name}`"));
         }
     }
-    (!parts.is_empty()).then(|| {
-        format!(
-            "[harness] The skills catalog changed since your system prompt listed it: {}. Read a skill with directory::skills::get {{\"name\": \"<name>\"}}; a removed one is gone.",
-            parts.join("; ")
-        )
-    })
+    (!parts.is_empty()).then(|| crate::texts::skills_changed(&parts.join("; ")))
 }
 
 /// One preloaded function: its id and, when the registry knows it, its description and

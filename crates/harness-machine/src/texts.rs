@@ -144,6 +144,47 @@ pub const ASK_OUTSIDE_A_TURN: &str =
 /// What a turn that a stop ended says of itself (the session's end reason and message).
 pub const STOPPED_BY_USER: &str = "stopped by user.";
 
+/// To a parent's session: the operator deleted its sub-agent `session_id` (and `below` sessions
+/// under it).
+pub fn subagent_deleted(session_id: &str, below: usize) -> String {
+    let under = if below > 0 {
+        format!(" and the {below} sub-agent session(s) under it")
+    } else {
+        String::new()
+    };
+    format!(
+        "[harness] The operator deleted sub-agent session {session_id}{under}. Its transcript and any result it had not returned are gone; do not wait for it."
+    )
+}
+
+/// The contracts preloaded into a session's frozen system prompt no longer match the registry
+/// (`changed`: each function and how). Says which; [`FUNCTIONS_CHANGED`] is the general notice
+/// about contracts the model fetched itself, of which the loop keeps no list.
+pub fn preloaded_contracts_stale(changed: &str) -> String {
+    format!(
+        "[harness] Preloaded function contracts in your system prompt are stale: {changed}. Read the current schema with engine::functions::info before calling them."
+    )
+}
+
+/// The registry changed since the session's last step.
+pub const FUNCTIONS_CHANGED: &str = "[harness] The set of registered functions changed since your last step: contracts you fetched earlier may be stale. \
+     Re-read a function's schema with engine::functions::info before calling it again.";
+
+/// The skills catalog changed since the frozen prompt listed it (`changes`: added, changed,
+/// removed).
+pub fn skills_changed(changes: &str) -> String {
+    format!(
+        "[harness] The skills catalog changed since your system prompt listed it: {changes}. Read a skill with directory::skills::get {{\"name\": \"<name>\"}}; a removed one is gone."
+    )
+}
+
+/// A call's arguments break its function's schema (`problems`: one per field).
+pub fn arguments_mismatch(function_id: &str, problems: &str) -> String {
+    format!(
+        "[harness] The arguments of {function_id} do not match its schema: {problems}. Fix these fields before calling it again."
+    )
+}
+
 // ---- Results that stand in for a call the loop closed itself ----
 
 /// A call with no result in the context whose run was interrupted after dispatch.

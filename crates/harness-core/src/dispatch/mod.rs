@@ -553,10 +553,7 @@ impl Harness {
             return None;
         }
         rec.noted_repairs.push(key);
-        Some(format!(
-            "[harness] The arguments of {function_id} do not match its schema: {}. Fix these fields before calling it again.",
-            lines.join("; ")
-        ))
+        Some(texts::arguments_mismatch(function_id, &lines.join("; ")))
     }
 
     /// `harness::ask`: refused without a human to answer, twice in a step, or with arguments

@@ -233,8 +233,7 @@ impl Harness {
             // stale. An ephemeral tail message, never persisted; the first sighting only stamps.
             if registry_changed {
                 Arc::make_mut(&mut messages).push(AgentMessage::user_text(
-                    "[harness] The set of registered functions changed since your last step: contracts you fetched earlier may be stale. \
-                     Re-read a function's schema with engine::functions::info before calling it again.",
+                    crate::texts::FUNCTIONS_CHANGED,
                     now_ms(),
                 ));
                 changed = true;
