@@ -129,6 +129,15 @@ async fn bad_requests_are_refused_by_field() {
     assert!(e.message.contains("shell"), "{e}");
 }
 
+/// `shell::exec` of `command` with its captured output capped at `cap` bytes.
+async fn exec_capped(cap: usize, command: &str) -> Value {
+    let limits = Limits {
+        exec_max_output_bytes: cap,
+        ..Limits::default()
+    };
+    exec_under(limits, command).await
+}
+
 /// `shell::exec` of `command` in a rig with `limits`.
 async fn exec_under(limits: Limits, command: &str) -> Value {
     let rig = Rig::with_limits(limits, |_| Vec::new());
@@ -137,11 +146,7 @@ async fn exec_under(limits: Limits, command: &str) -> Value {
 
 #[tokio::test]
 async fn output_is_capped() {
-    let limits = Limits {
-        exec_max_output_bytes: 1000,
-        ..Limits::default()
-    };
-    let r = exec_under(limits, "head -c 50000 /dev/zero | tr '\\0' x").await;
+    let r = exec_capped(1000, "head -c 50000 /dev/zero | tr '\\0' x").await;
     assert_eq!(r["stdout_truncated_bytes"], 49000);
     let shown = r["stdout"].as_str().unwrap();
     assert_eq!(shown.matches('x').count(), 1000, "{shown}");
@@ -155,11 +160,7 @@ async fn output_is_capped() {
 /// The start of a run and its end (where the errors are) both survive the capture cap.
 #[tokio::test]
 async fn the_capture_keeps_the_head_and_the_tail() {
-    let limits = Limits {
-        exec_max_output_bytes: 200,
-        ..Limits::default()
-    };
-    let r = exec_under(limits, "echo FIRST-LINE; seq 1 5000; echo LAST-LINE; echo ERR-START >&2; seq 1 3000 >&2; echo ERR-END >&2").await;
+    let r = exec_capped(200, "echo FIRST-LINE; seq 1 5000; echo LAST-LINE; echo ERR-START >&2; seq 1 3000 >&2; echo ERR-END >&2").await;
     let t = text(&r);
     for marker in ["FIRST-LINE", "LAST-LINE", "ERR-START", "ERR-END"] {
         assert!(t.contains(marker), "{marker} missing from\n{t}");

@@ -191,18 +191,14 @@ async fn helper_as_the_harness() {
     }
     // The details name what the command kept and what was removed, never a value.
     let env = &r["env"];
-    let kept: Vec<&str> = env["kept"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
-    let removed: Vec<&str> = env["removed"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    fn names(list: &Value) -> Vec<&str> {
+        list.as_array()
+            .expect("a list of names")
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect()
+    }
+    let (kept, removed) = (names(&env["kept"]), names(&env["removed"]));
     for (name, _) in SECRETS {
         assert!(removed.contains(name), "{name} not in {removed:?}");
         assert!(!kept.contains(name), "{name} in {kept:?}");

@@ -87,6 +87,11 @@ async fn loopback_private_link_local_and_names_resolving_to_them_are_refused() {
     assert!(e.message.starts_with("url:"), "{e}");
 }
 
+/// A plain `web::fetch` of `url`, which the rig lets through.
+async fn fetch(rig: &Rig, url: &str) -> serde_json::Value {
+    rig.ok("web::fetch", json!({ "url": url })).await
+}
+
 fn allowing() -> Limits {
     Limits {
         allow_private: Arc::new(|| true),
@@ -100,12 +105,7 @@ async fn with_private_addresses_allowed_pages_come_back_as_markdown() {
     let rig = Rig::with_limits(allowing(), |_| Vec::new());
     let (_base, port, hits) = server().await;
     // By name: resolved, checked, connected to the checked address.
-    let r = rig
-        .ok(
-            "web::fetch",
-            json!({"url": format!("http://localhost:{port}/page")}),
-        )
-        .await;
+    let r = fetch(&rig, &format!("http://localhost:{port}/page")).await;
     assert_eq!(r["status"], 200);
     let t = text(&r);
     assert!(t.contains("# Hello"), "{t}");
@@ -122,31 +122,16 @@ async fn with_private_addresses_allowed_pages_come_back_as_markdown() {
         .ok("web::fetch", json!({"url": format!("http://127.0.0.1:{port}/echo"), "method": "POST", "body": "ping"}))
         .await;
     assert!(text(&r).ends_with("got ping"), "{}", text(&r));
-    let r = rig
-        .ok(
-            "web::fetch",
-            json!({"url": format!("http://127.0.0.1:{port}/moved")}),
-        )
-        .await;
+    let r = fetch(&rig, &format!("http://127.0.0.1:{port}/moved")).await;
     assert!(
         text(&r).contains("# Hello"),
         "redirects are followed: {}",
         text(&r)
     );
-    let r = rig
-        .ok(
-            "web::fetch",
-            json!({"url": format!("http://127.0.0.1:{port}/big")}),
-        )
-        .await;
+    let r = fetch(&rig, &format!("http://127.0.0.1:{port}/big")).await;
     assert_eq!(r["truncated"], true);
     assert_eq!(r["bytes"], 10_000);
-    let r = rig
-        .ok(
-            "web::fetch",
-            json!({"url": format!("http://127.0.0.1:{port}/nothing")}),
-        )
-        .await;
+    let r = fetch(&rig, &format!("http://127.0.0.1:{port}/nothing")).await;
     assert_eq!(r["status"], 404);
     assert_eq!(r["is_error"], true);
     assert_eq!(hits.load(Ordering::SeqCst), 5);
