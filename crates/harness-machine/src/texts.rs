@@ -76,6 +76,8 @@ pub fn max_turns_reached(max_turns: u32) -> String {
 
 /// Why the calls of a reply cut at its output limit were not run.
 pub const CUT_AT_OUTPUT_LIMIT: &str = "the reply hit the output limit";
+/// Why a call's arguments are incomplete when the reply was not cut at its limit.
+pub const STREAM_BROKE_MID_CALL: &str = "the stream broke mid-call";
 
 /// The re-prompt after a refused result (`error`: why it was refused).
 pub fn output_nudge(error: &str) -> String {
@@ -187,13 +189,54 @@ pub fn arguments_mismatch(function_id: &str, problems: &str) -> String {
 
 // ---- Results that stand in for a call the loop closed itself ----
 
-/// A call with no result in the context whose run was interrupted after dispatch.
+/// A call with no result in the context whose run was interrupted after dispatch (see
+/// [`CALL_INTERRUPTED_BY_RESTART`] for the stored result).
 pub const CALL_INTERRUPTED: &str = "result unknown: the call was interrupted after dispatch; it ran at most once — verify its effect before repeating it";
 /// A call whose result compaction left out of the assembled context.
 pub const CALL_ELIDED: &str = "result elided from the assembled context (compaction): the call ran and its result is in the transcript; \
      the summary above carries what mattered — call it again if you need the details";
 /// A call of a reply that was cut off before it could be dispatched.
 pub const CALL_NEVER_DISPATCHED: &str = "not executed: the reply was cut off before this call could be dispatched, so it never ran — issue it again if it is still needed";
+
+/// The stored result of a call found `triggered` after a restart: it ran at most once. Says
+/// what [`CALL_INTERRUPTED`] says, in other words, and stays so: this one is written to the
+/// transcript, that one only patches an assembled context, and the behaviour spec quotes each
+/// (clients and conformance match on them).
+pub const CALL_INTERRUPTED_BY_RESTART: &str =
+    "interrupted: executed at most once, result unknown (restart during execution); \
+     verify its effect before repeating it";
+
+/// `agent_trigger` called without naming the function to run.
+pub const AGENT_TRIGGER_NO_TARGET: &str = "agent_trigger needs a target: call it as {\"function\": \"<function id>\", \"description\": \"…\", \"payload\": {…}}";
+
+/// `function`'s arguments arrived whole but are not JSON.
+pub fn arguments_not_json(function: &str) -> String {
+    format!(
+        "function {function} was not run: its arguments are not valid JSON (a string with a raw line break or tab, an unclosed quote, ...); send the call again as one JSON object"
+    )
+}
+
+/// `function`'s arguments were cut short (`why`: by the output limit or a broken stream).
+pub fn arguments_cut_short(function: &str, why: &str) -> String {
+    format!(
+        "function {function} was not run: its arguments were cut short ({why}); send the complete call again"
+    )
+}
+
+/// The breaker refused `function`: the same arguments failed the same way twice.
+pub fn repeated_failure(function: &str) -> String {
+    format!(
+        "function {function} already failed twice with these exact arguments and the same error; it was not run again. \
+         Change the arguments or the approach."
+    )
+}
+
+/// The session's dispatch policy does not allow `function`.
+pub fn policy_denied(function: &str) -> String {
+    format!(
+        "function {function} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)"
+    )
+}
 
 /// A stop cancelled `function` while its target ran.
 pub fn cancelled_while_running(function: &str) -> String {

@@ -159,9 +159,7 @@ pub use harness_machine::call::Refusal;
 
 /// What a model reads when the policy refuses its call.
 pub(crate) fn policy_refusal(function_id: &str) -> String {
-    format!(
-        "function {function_id} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)"
-    )
+    texts::policy_denied(function_id)
 }
 
 /// How the dispatch answers a model that calls `function_id` under `policy`, before it looks at
@@ -246,9 +244,7 @@ impl Harness {
     /// The interrupted result of a call found `triggered`: it may have run, once; it never runs
     /// again.
     async fn interrupted(&self, rec: &mut TurnRecord, call: &PlannedCall) -> Result<()> {
-        let text =
-            "interrupted: executed at most once, result unknown (restart during execution); \
-                    verify its effect before repeating it";
+        let text = texts::CALL_INTERRUPTED_BY_RESTART;
         // The interrupted result belongs to the generation that made the call: the model hears
         // of it in a generation not counted against `max_turns` (so `max_turns: 1` is not ended
         // unheard), taken from the recovery budget so a call that brings the process down every

@@ -164,17 +164,17 @@ impl Harness {
             return Ok(Check::Submit);
         }
         if call.function_id == tools::AGENT_TRIGGER {
-            let text = "agent_trigger needs a target: call it as {\"function\": \"<function id>\", \"description\": \"…\", \"payload\": {…}}";
+            let text = texts::AGENT_TRIGGER_NO_TARGET;
             let why = flight.refuse(&turn_id, Refusal::AgentTriggerNoTarget, text.into());
             return Ok(Check::Refused(why));
         }
         if degraded(&call.arguments) || cut.is_some() {
             // A call that arrived whole but does not parse is malformed, not cut short.
             let text = if cut.is_none() && call.arguments.get("_raw").is_some() {
-                format!("function {} was not run: its arguments are not valid JSON (a string with a raw line break or tab, an unclosed quote, ...); send the call again as one JSON object", call.function_id)
+                texts::arguments_not_json(&call.function_id)
             } else {
-                let why = cut.unwrap_or("the stream broke mid-call");
-                format!("function {} was not run: its arguments were cut short ({why}); send the complete call again", call.function_id)
+                let why = cut.unwrap_or(texts::STREAM_BROKE_MID_CALL);
+                texts::arguments_cut_short(&call.function_id, why)
             };
             let why = flight.refuse(&turn_id, Refusal::DegradedArguments, text);
             return Ok(Check::Refused(why));
@@ -194,11 +194,7 @@ impl Harness {
         }
         let key = breaker::key(&call.function_id, &call.arguments);
         if breaker::tripped(&rec.failed_calls, &key) {
-            let text = format!(
-                "function {} already failed twice with these exact arguments and the same error; it was not run again. \
-                 Change the arguments or the approach.",
-                call.function_id
-            );
+            let text = texts::repeated_failure(&call.function_id);
             let why = flight.refuse(&turn_id, Refusal::RepeatedFailure, text);
             if let Some(c) = flight.refusal.as_mut() {
                 c.details["count"] = json!(breaker::TRIP_AFTER);
