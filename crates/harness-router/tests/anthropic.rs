@@ -483,14 +483,7 @@ async fn a_full_exchange_round_trips_in_the_messages_format() {
     first.extend(end("tool_use", 20));
     let mock = Mock::start(vec![Reply::Stream(first), text_reply(&["It is 5."])]).await;
     let r = router_for(&mock);
-    let mut req = request("anthropic", MODEL, vec![user("add 2 and 3")]);
-    req.tools = vec![add_tool()];
-    let run = chat(&r, req.clone()).await;
-    std::sync::Arc::make_mut(&mut req.messages).push(assistant(&run));
-    std::sync::Arc::make_mut(&mut req.messages).push(result("toolu_01", "{\"sum\":5}"));
-    req.request_id = "t_1:1".into();
-    let run2 = chat(&r, req).await;
-    assert_eq!(run2.done().content, vec![ContentBlock::text("It is 5.")]);
+    add_exchange(&r, "anthropic", MODEL, "toolu_01").await;
     let second = &mock.bodies()[1];
     assert_eq!(
         second["messages"],

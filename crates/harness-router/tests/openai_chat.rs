@@ -277,13 +277,7 @@ async fn a_full_exchange_round_trips_in_the_chat_format() {
     ])
     .await;
     let r = router_for(&mock);
-    let mut req = request("openai", MODEL, vec![user("add 2 and 3")]);
-    req.tools = vec![add_tool()];
-    let run = chat(&r, req.clone()).await;
-    std::sync::Arc::make_mut(&mut req.messages).push(assistant(&run));
-    std::sync::Arc::make_mut(&mut req.messages).push(result("call_1", "{\"sum\":5}"));
-    let run2 = chat(&r, req).await;
-    assert_eq!(run2.done().content, vec![ContentBlock::text("It is 5.")]);
+    add_exchange(&r, "openai", MODEL, "call_1").await;
     let second = &mock.bodies()[1];
     assert_eq!(
         second["messages"],

@@ -257,12 +257,7 @@ async fn a_full_exchange_round_trips_in_the_chat_format() {
     ])
     .await;
     let r = router_for(&mock);
-    let mut req = request("ollama", MODEL, vec![user("add 2 and 3")]);
-    req.tools = vec![add_tool()];
-    let run = chat(&r, req.clone()).await;
-    std::sync::Arc::make_mut(&mut req.messages).push(assistant(&run));
-    std::sync::Arc::make_mut(&mut req.messages).push(result("call_1", "{\"sum\":5}"));
-    chat(&r, req).await;
+    add_exchange(&r, "ollama", MODEL, "call_1").await;
     assert_eq!(
         mock.bodies()[1]["messages"],
         json!([

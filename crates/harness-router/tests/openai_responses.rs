@@ -309,13 +309,7 @@ async fn a_full_exchange_round_trips_in_the_responses_format() {
     first.push(completed(30, 0, 12, 8));
     let mock = Mock::start(vec![Reply::Stream(first), text_reply(&["It is 5."])]).await;
     let r = router_for(&mock);
-    let mut req = request("openai-responses", MODEL, vec![user("add 2 and 3")]);
-    req.tools = vec![add_tool()];
-    let run = chat(&r, req.clone()).await;
-    std::sync::Arc::make_mut(&mut req.messages).push(assistant(&run));
-    std::sync::Arc::make_mut(&mut req.messages).push(result("call_1", "{\"sum\":5}"));
-    let run2 = chat(&r, req).await;
-    assert_eq!(run2.done().content, vec![ContentBlock::text("It is 5.")]);
+    add_exchange(&r, "openai-responses", MODEL, "call_1").await;
     let second = &mock.bodies()[1];
     assert_eq!(
         second["input"],

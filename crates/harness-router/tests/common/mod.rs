@@ -383,6 +383,21 @@ pub async fn chat(router: &Router, req: ChatRequest) -> Run {
     run
 }
 
+/// The loop's two steps of an addition: asks `provider` for 2 + 3 with the add tool, answers
+/// the model's call `call_id` with `{"sum":5}`, and asks again as the next step. Checks that the
+/// second answer is the mock's "It is 5."; the test then reads the second request's body.
+pub async fn add_exchange(router: &Router, provider: &str, model: &str, call_id: &str) {
+    let mut req = request(provider, model, vec![user("add 2 and 3")]);
+    req.tools = vec![add_tool()];
+    let run = chat(router, req.clone()).await;
+    let messages = Arc::make_mut(&mut req.messages);
+    messages.push(assistant(&run));
+    messages.push(result(call_id, "{\"sum\":5}"));
+    req.request_id = "t_1:1".into();
+    let second = chat(router, req).await;
+    assert_eq!(second.done().content, vec![ContentBlock::text("It is 5.")]);
+}
+
 /// The assistant message of a finished run, as the loop stores it.
 pub fn assistant(run: &Run) -> AgentMessage {
     AgentMessage::Assistant(run.done())
