@@ -45,8 +45,8 @@ pub(crate) fn stamp(
     }
 }
 
-/// A root named in a request: absolute, an existing directory; kept resolved.
-pub(crate) fn explicit(field: &str, path: &str) -> Result<FsRoot, HarnessError> {
+/// `path` of a request's `field` resolved: it must be absolute and name an existing directory.
+pub(crate) fn existing_dir(field: &str, path: &str) -> Result<PathBuf, HarnessError> {
     let p = Path::new(path);
     if !p.is_absolute() {
         return Err(HarnessError::invalid_field(
@@ -62,6 +62,12 @@ pub(crate) fn explicit(field: &str, path: &str) -> Result<FsRoot, HarnessError> 
             format!("'{path}' is not a directory"),
         ));
     }
+    Ok(real)
+}
+
+/// A root named in a request: absolute, an existing directory; kept resolved.
+pub(crate) fn explicit(field: &str, path: &str) -> Result<FsRoot, HarnessError> {
+    let real = existing_dir(field, path)?;
     Ok(FsRoot {
         root: real.display().to_string(),
         boundary: FsBoundary::Workspace,

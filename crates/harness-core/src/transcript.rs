@@ -171,11 +171,12 @@ fn merge_changes(entries: &mut Vec<Entry>, changed: Vec<Entry>) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use harness_types::session::CustomEntry;
 
-    fn entry(seq: i64, revision: i64) -> Entry {
+    /// A custom entry at `seq`, its data its `revision`.
+    pub(crate) fn entry(seq: i64, revision: i64) -> Entry {
         Entry {
             entry_id: format!("e{seq}"),
             seq,

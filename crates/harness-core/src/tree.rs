@@ -29,6 +29,27 @@ fn add(sum: &mut Option<u64>, v: Option<u64>, first: bool) {
     };
 }
 
+/// Counts one generation's usage (a reply's or a compaction's) into `c`; each token sum and
+/// `cost` stay present only while every generation so far reported them.
+fn count_usage(
+    c: &mut MetricsCounters,
+    cost: &mut Option<f64>,
+    first: &mut bool,
+    u: &harness_types::message::Usage,
+) {
+    add(&mut c.input_tokens, u.input, *first);
+    add(&mut c.output_tokens, u.output, *first);
+    add(&mut c.cache_read_tokens, u.cache_read, *first);
+    add(&mut c.cache_write_tokens, u.cache_write, *first);
+    add(&mut c.reasoning_tokens, u.reasoning, *first);
+    *cost = match (*first, *cost, u.cost_usd) {
+        (true, _, v) => v,
+        (false, Some(s), Some(v)) => Some(s + v),
+        _ => None,
+    };
+    *first = false;
+}
+
 impl Harness {
     /// Every session, by id, and the children of each.
     async fn sessions_by_parent(
@@ -156,18 +177,7 @@ impl Harness {
                             .iter()
                             .filter(|b| matches!(b, ContentBlock::FunctionCall { .. }))
                             .count() as u64;
-                        let u = a.usage.unwrap_or_default();
-                        add(&mut c.input_tokens, u.input, first);
-                        add(&mut c.output_tokens, u.output, first);
-                        add(&mut c.cache_read_tokens, u.cache_read, first);
-                        add(&mut c.cache_write_tokens, u.cache_write, first);
-                        add(&mut c.reasoning_tokens, u.reasoning, first);
-                        cost = match (first, cost, u.cost_usd) {
-                            (true, _, v) => v,
-                            (false, Some(s), Some(v)) => Some(s + v),
-                            _ => None,
-                        };
-                        first = false;
+                        count_usage(&mut c, &mut cost, &mut first, &a.usage.unwrap_or_default());
                     }
                     Some(AgentMessage::FunctionResult(r)) if r.is_error => {
                         c.function_call_errors += 1;
@@ -186,17 +196,7 @@ impl Harness {
                         else {
                             continue;
                         };
-                        add(&mut c.input_tokens, u.input, first);
-                        add(&mut c.output_tokens, u.output, first);
-                        add(&mut c.cache_read_tokens, u.cache_read, first);
-                        add(&mut c.cache_write_tokens, u.cache_write, first);
-                        add(&mut c.reasoning_tokens, u.reasoning, first);
-                        cost = match (first, cost, u.cost_usd) {
-                            (true, _, v) => v,
-                            (false, Some(s), Some(v)) => Some(s + v),
-                            _ => None,
-                        };
-                        first = false;
+                        count_usage(&mut c, &mut cost, &mut first, &u);
                     }
                     _ => {}
                 }

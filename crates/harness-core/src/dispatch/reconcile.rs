@@ -483,6 +483,15 @@ fn confident(answer: &Value) -> bool {
         .is_some_and(|p| p >= JUDGE_MIN_PROBABILITY)
 }
 
+/// The value at JSON pointer `at` in `v` (`""`: `v` itself).
+fn pointed<'a>(v: &'a mut Value, at: &str) -> Option<&'a mut Value> {
+    if at.is_empty() {
+        Some(v)
+    } else {
+        v.pointer_mut(at)
+    }
+}
+
 fn child_path(at: &str, key: &str) -> String {
     format!("{at}/{}", key.replace('~', "~0").replace('/', "~1"))
 }
@@ -513,11 +522,7 @@ pub(crate) fn apply_judgement(
                 else {
                     continue;
                 };
-                let obj = if at.is_empty() {
-                    Some(&mut out)
-                } else {
-                    out.pointer_mut(at)
-                };
+                let obj = pointed(&mut out, at);
                 if let Some(Value::Object(map)) = obj {
                     if let Some(v) = map.remove(unknown) {
                         map.insert(choice.to_string(), v.clone());
@@ -539,11 +544,7 @@ pub(crate) fn apply_judgement(
                 if !options.contains(choice) {
                     continue;
                 }
-                let slot = if path.is_empty() {
-                    Some(&mut out)
-                } else {
-                    out.pointer_mut(path)
-                };
+                let slot = pointed(&mut out, path);
                 if let Some(slot) = slot {
                     *slot = choice.clone();
                     changes.push(Change {
@@ -558,11 +559,7 @@ pub(crate) fn apply_judgement(
                 if a["noul"].as_str() != Some("yes") && a["answer"].as_str() != Some("yes") {
                     continue;
                 }
-                let obj = if at.is_empty() {
-                    Some(&mut out)
-                } else {
-                    out.pointer_mut(at)
-                };
+                let obj = pointed(&mut out, at);
                 if let Some(Value::Object(map)) = obj {
                     for k in keys {
                         if let Some(v) = map.remove(k) {

@@ -101,18 +101,16 @@ fn one_failed_call() -> (TurnRecord, Vec<Entry>) {
     (rec, entries)
 }
 
-#[test]
-fn a_failed_call_stamps_its_step_and_the_turn_which_keeps_its_status() {
-    let (rec, entries) = one_failed_call();
+/// The facts and spans of `rec`'s turn, 40 ms long, in a sampled trace of fixed ids.
+fn traced(rec: &TurnRecord, entries: &[Entry]) -> (TurnFacts, Vec<SpanRecord>) {
     let f = facts(
-        &rec,
+        rec,
         1_000_000,
         1_040_000,
-        &entries,
+        entries,
         &Default::default(),
         &|_, _| None,
     );
-    assert_eq!(f.steps.len(), 2);
     let ctx = TraceCtx {
         trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
         turn_span_id: "00f067aa0ba902b7".into(),
@@ -121,7 +119,15 @@ fn a_failed_call_stamps_its_step_and_the_turn_which_keeps_its_status() {
         sampled: true,
         started_at_ms: 1_000,
     };
-    let spans = spans(&ctx, &rec, &f);
+    let spans = spans(&ctx, rec, &f);
+    (f, spans)
+}
+
+#[test]
+fn a_failed_call_stamps_its_step_and_the_turn_which_keeps_its_status() {
+    let (rec, entries) = one_failed_call();
+    let (f, spans) = traced(&rec, &entries);
+    assert_eq!(f.steps.len(), 2);
     let by = |name: &str| spans.iter().find(|s| s.name == name).unwrap();
     let call = by("execute_tool fx::read");
     assert_eq!(
@@ -179,24 +185,9 @@ fn a_failed_turn_is_named_by_its_own_failure() {
         kind: None,
         provider: Default::default(),
     });
-    let f = facts(
-        &rec,
-        1_000_000,
-        1_040_000,
-        &entries,
-        &Default::default(),
-        &|_, _| None,
-    );
+    let (f, mut spans) = traced(&rec, &entries);
     assert_eq!(f.reason, "budget_exceeded");
-    let ctx = TraceCtx {
-        trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
-        turn_span_id: "00f067aa0ba902b7".into(),
-        parent_span_id: None,
-        remote_parent: false,
-        sampled: true,
-        started_at_ms: 1_000,
-    };
-    let turn = spans(&ctx, &rec, &f).pop().unwrap();
+    let turn = spans.pop().unwrap();
     assert_eq!(turn.error.unwrap().error_type, "harness.budget_exceeded");
 }
 
