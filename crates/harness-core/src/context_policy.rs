@@ -34,12 +34,7 @@ impl Harness {
         session_id: &str,
         catalog: Option<&Value>,
     ) -> Result<(bool, PolicySource, String)> {
-        let row = self
-            .inner
-            .bus
-            .state_get(POLICY_SCOPE, session_id)
-            .await
-            .map_err(|e| e.into_harness())?;
+        let row = self.state_get(POLICY_SCOPE, session_id).await?;
         if let Some(allowed) = row
             .as_ref()
             .and_then(|r| r["prune_function_results"].as_bool())

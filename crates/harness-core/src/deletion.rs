@@ -238,12 +238,7 @@ impl Harness {
     }
 
     async fn load_op(&self, op_id: &str) -> Result<Option<Operation>> {
-        let v = self
-            .inner
-            .bus
-            .state_get(OPS_SCOPE, op_id)
-            .await
-            .map_err(state_err)?;
+        let v = self.state_get(OPS_SCOPE, op_id).await?;
         v.map(|v| {
             serde_json::from_value(v)
                 .map_err(|e| HarnessError::state(format!("deletion {op_id} is unreadable: {e}")))
@@ -261,12 +256,7 @@ impl Harness {
     }
 
     async fn tombstone(&self, session_id: &str) -> Result<Option<Tombstone>> {
-        let v = self
-            .inner
-            .bus
-            .state_get(TOMBSTONE_SCOPE, session_id)
-            .await
-            .map_err(state_err)?;
+        let v = self.state_get(TOMBSTONE_SCOPE, session_id).await?;
         Ok(v.and_then(|v| serde_json::from_value(v).ok()))
     }
 

@@ -74,12 +74,7 @@ impl Harness {
         // see one event per turn. The mark is written before the deliveries (which are
         // fire-and-forget anyway), so a crash in between loses a delivery rather than doubling it.
         let bus = &self.inner.bus;
-        if bus
-            .state_get(FANOUT_SCOPE, &dedupe_key)
-            .await
-            .map_err(|e| e.into_harness())?
-            .is_some()
-        {
+        if self.state_get(FANOUT_SCOPE, &dedupe_key).await?.is_some() {
             return Ok(());
         }
         bus.state_set(
@@ -154,37 +149,30 @@ pub(crate) trait TurnEvent: serde::Serialize {
     }
 }
 
-impl TurnEvent for TurnStartedEvent {
-    const TOPIC: &'static str = topics::TURN_STARTED;
-    fn turn_id(&self) -> &str {
-        &self.turn_id
-    }
-    fn session_id(&self) -> &str {
-        &self.session_id
-    }
-    fn parent_session_id(&self) -> Option<&str> {
-        self.parent
-            .as_ref()
-            .map(|p| p.session_id.as_str())
-            .or(self.parent_session_id.as_deref())
-    }
+/// The two turn events carry the same identity fields; the parent session is read from the
+/// lineage first, then from the older flat field.
+macro_rules! turn_event {
+    ($event:ty, $topic:expr) => {
+        impl TurnEvent for $event {
+            const TOPIC: &'static str = $topic;
+            fn turn_id(&self) -> &str {
+                &self.turn_id
+            }
+            fn session_id(&self) -> &str {
+                &self.session_id
+            }
+            fn parent_session_id(&self) -> Option<&str> {
+                self.parent
+                    .as_ref()
+                    .map(|p| p.session_id.as_str())
+                    .or(self.parent_session_id.as_deref())
+            }
+        }
+    };
 }
 
-impl TurnEvent for TurnCompletedEvent {
-    const TOPIC: &'static str = topics::TURN_COMPLETED;
-    fn turn_id(&self) -> &str {
-        &self.turn_id
-    }
-    fn session_id(&self) -> &str {
-        &self.session_id
-    }
-    fn parent_session_id(&self) -> Option<&str> {
-        self.parent
-            .as_ref()
-            .map(|p| p.session_id.as_str())
-            .or(self.parent_session_id.as_deref())
-    }
-}
+turn_event!(TurnStartedEvent, topics::TURN_STARTED);
+turn_event!(TurnCompletedEvent, topics::TURN_COMPLETED);
 
 #[cfg(test)]
 mod tests {

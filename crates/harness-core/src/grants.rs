@@ -7,7 +7,7 @@
 //! path holding them. A model never reaches these functions (the control-plane wall), nor the
 //! state row.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use harness_types::HarnessError;
 use schemars::JsonSchema;
@@ -109,21 +109,7 @@ fn need_session(session_id: &str) -> Result<()> {
 
 /// A grant path: absolute, an existing directory, canonical; never the protected paths nor one holding them.
 pub(crate) fn check_path(field: &str, path: &str, protected: &[PathBuf]) -> Result<PathBuf> {
-    let p = Path::new(path);
-    if !p.is_absolute() {
-        return Err(HarnessError::invalid_field(
-            field,
-            format!("'{path}' is not an absolute path"),
-        ));
-    }
-    let real = std::fs::canonicalize(p)
-        .map_err(|e| HarnessError::invalid_field(field, format!("'{path}': {e}")))?;
-    if !real.is_dir() {
-        return Err(HarnessError::invalid_field(
-            field,
-            format!("'{path}' is not a directory"),
-        ));
-    }
+    let real = crate::fsroot::existing_dir(field, path)?;
     for prot in protected {
         if real.starts_with(prot) || prot.starts_with(&real) {
             return Err(HarnessError::invalid_field(
@@ -140,12 +126,7 @@ pub(crate) fn check_path(field: &str, path: &str, protected: &[PathBuf]) -> Resu
 
 impl Harness {
     async fn grants_row(&self, session_id: &str) -> Result<Row> {
-        let v = self
-            .inner
-            .bus
-            .state_get(SCOPE, session_id)
-            .await
-            .map_err(|e| e.into_harness())?;
+        let v = self.state_get(SCOPE, session_id).await?;
         Ok(v.and_then(|v| serde_json::from_value(v).ok())
             .unwrap_or_default())
     }

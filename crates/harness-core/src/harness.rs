@@ -53,6 +53,26 @@ pub(crate) struct Inner {
     pub(crate) telemetry: std::sync::OnceLock<crate::trace::Telemetry>,
 }
 
+/// The append of a custom entry `entry_id` that turn `turn_id` writes.
+fn custom_append(
+    session_id: &str,
+    entry_id: String,
+    custom_type: &str,
+    data: Value,
+    turn_id: &str,
+) -> AppendRequest {
+    AppendRequest {
+        session_id: session_id.to_string(),
+        message: None,
+        custom: Some(CustomEntry {
+            custom_type: custom_type.to_string(),
+            data,
+        }),
+        entry_id: Some(entry_id),
+        origin: Some(serde_json::json!({ "turn_id": turn_id })),
+    }
+}
+
 /// Sessions whose transcript stays in memory; the least recently read goes first. Enough for
 /// every session a busy process steps at once, small enough that idle sessions cost nothing.
 const TRANSCRIPT_CACHE_SESSIONS: usize = 256;
@@ -182,16 +202,13 @@ impl StepWrites {
         data: Value,
         turn_id: &str,
     ) -> Result<()> {
-        self.append(AppendRequest {
-            session_id: session_id.to_string(),
-            message: None,
-            custom: Some(CustomEntry {
-                custom_type: custom_type.to_string(),
-                data,
-            }),
-            entry_id: Some(entry_id),
-            origin: Some(serde_json::json!({ "turn_id": turn_id })),
-        })
+        self.append(custom_append(
+            session_id,
+            entry_id,
+            custom_type,
+            data,
+            turn_id,
+        ))
     }
 
     /// As the `session::update-message` call of the stream's last write.
@@ -387,6 +404,11 @@ impl Harness {
         }
     }
 
+    /// The state value under `scope` / `key`, if any.
+    pub(crate) async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>> {
+        self.inner.bus.state_get(scope, key).await.map_err(bus_err)
+    }
+
     pub(crate) async fn load_record(&self, session_id: &str) -> Result<Option<TurnRecord>> {
         // Shared, not cloned: the record is parsed from the store cache's own copy.
         let v = self
@@ -463,16 +485,13 @@ impl Harness {
         data: Value,
         turn_id: &str,
     ) -> Result<AppendResponse> {
-        self.append(AppendRequest {
-            session_id: session_id.to_string(),
-            message: None,
-            custom: Some(CustomEntry {
-                custom_type: custom_type.to_string(),
-                data,
-            }),
-            entry_id: Some(entry_id),
-            origin: Some(serde_json::json!({ "turn_id": turn_id })),
-        })
+        self.append(custom_append(
+            session_id,
+            entry_id,
+            custom_type,
+            data,
+            turn_id,
+        ))
         .await
     }
 
@@ -538,20 +557,7 @@ impl Harness {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn entry(seq: i64, revision: i64) -> Entry {
-        Entry {
-            entry_id: format!("e{seq}"),
-            seq,
-            message: None,
-            custom: Some(CustomEntry {
-                custom_type: "t".into(),
-                data: serde_json::json!(revision),
-            }),
-            origin: None,
-            revision,
-        }
-    }
+    use crate::transcript::tests::entry;
 
     #[test]
     fn the_cache_keeps_the_newest_copy_and_drops_the_least_recently_read() {

@@ -628,12 +628,7 @@ impl Harness {
     }
 
     async fn idem_row(&self, key: &str) -> Result<Option<IdemRow>> {
-        let v = self
-            .inner
-            .bus
-            .state_get(IDEM_SCOPE, key)
-            .await
-            .map_err(|e| e.into_harness())?;
+        let v = self.state_get(IDEM_SCOPE, key).await?;
         let ttl_ms = self.config().idem_ttl_secs.saturating_mul(1000) as i64;
         // An expired row no longer dedupes even before the sweep has pruned it.
         Ok(v.and_then(|v| serde_json::from_value::<IdemRow>(v).ok())

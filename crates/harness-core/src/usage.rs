@@ -127,11 +127,7 @@ impl Harness {
 
     async fn try_announce(&self, rec: &TurnRecord) -> Result<()> {
         let bus = &self.inner.bus;
-        let mut row: UsageRow = match bus
-            .state_get(USAGE_SCOPE, &rec.session_id)
-            .await
-            .map_err(|e| e.into_harness())?
-        {
+        let mut row: UsageRow = match self.state_get(USAGE_SCOPE, &rec.session_id).await? {
             Some(v) => serde_json::from_value(v).unwrap_or_default(),
             None => UsageRow::default(),
         };
