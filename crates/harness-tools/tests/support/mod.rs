@@ -59,6 +59,14 @@ impl Rig {
         self.bus.call(function_id, args, None).await
     }
 
+    /// [`Rig::call_granted`], which the test expects to succeed.
+    pub async fn ok_granted(&self, function_id: &str, args: Value, grants: &[PathBuf]) -> Value {
+        match self.call_granted(function_id, args.clone(), grants).await {
+            Ok(v) => v,
+            Err(e) => panic!("{function_id} {args} granted {grants:?}: {e}"),
+        }
+    }
+
     pub async fn ok(&self, function_id: &str, args: Value) -> Value {
         match self.call(function_id, args.clone()).await {
             Ok(v) => v,
