@@ -26,6 +26,14 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// A `GET` of `url` that reached the server (whatever it answered).
+async fn get(c: &reqwest::Client, url: String) -> reqwest::Response {
+    c.get(&url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+}
+
 fn header<'a>(r: &'a reqwest::Response, name: &str) -> &'a str {
     r.headers()
         .get(name)
@@ -73,7 +81,7 @@ fn imports(js: &str) -> Vec<String> {
 async fn page_and_every_asset_are_served_with_their_headers() {
     let s = Server::start(&demo(), &[]).await;
     let c = client();
-    let r = c.get(format!("{}/", s.url())).send().await.unwrap();
+    let r = get(&c, format!("{}/", s.url())).await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "content-type"), "text/html; charset=utf-8");
     assert_asset_headers(&r);
@@ -87,7 +95,7 @@ async fn page_and_every_asset_are_served_with_their_headers() {
     let mut modules: Vec<String> = Vec::new();
     for url in &refs {
         assert!(url.starts_with("/console/"), "index.html names {url}");
-        let r = c.get(format!("{}{url}", s.url())).send().await.unwrap();
+        let r = get(&c, format!("{}{url}", s.url())).await;
         assert_eq!(r.status(), 200, "{url}");
         let want = if url.ends_with(".css") {
             "text/css; charset=utf-8"
@@ -106,11 +114,7 @@ async fn page_and_every_asset_are_served_with_their_headers() {
         if !seen.insert(m.clone()) {
             continue;
         }
-        let r = c
-            .get(format!("{}/console/{m}", s.url()))
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, format!("{}/console/{m}", s.url())).await;
         assert_eq!(r.status(), 200, "module {m}");
         assert_eq!(header(&r, "content-type"), "text/javascript; charset=utf-8");
         assert_asset_headers(&r);
@@ -128,11 +132,7 @@ async fn page_and_every_asset_are_served_with_their_headers() {
     assert!(r.bytes().await.unwrap().is_empty());
 
     // A revalidation with the ETag gets 304.
-    let r = c
-        .get(format!("{}/console/app.js", s.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, format!("{}/console/app.js", s.url())).await;
     let etag = header(&r, "etag").to_string();
     let r = c
         .get(format!("{}/console/app.js", s.url()))
@@ -143,19 +143,11 @@ async fn page_and_every_asset_are_served_with_their_headers() {
     assert_eq!(r.status(), 304);
 
     // An unknown console path is the API's JSON 404.
-    let r = c
-        .get(format!("{}/console/nope.js", s.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, format!("{}/console/nope.js", s.url())).await;
     assert_eq!(r.status(), 404);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["error"]["code"], "harness/not_found");
-    let r = c
-        .get(format!("{}/console/../Cargo.toml", s.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, format!("{}/console/../Cargo.toml", s.url())).await;
     assert_ne!(r.status(), 200);
 }
 
@@ -171,11 +163,7 @@ async fn every_file_of_the_console_dir_is_embedded_byte_for_byte() {
         let name = entry.file_name().into_string().unwrap();
         let disk = std::fs::read(entry.path()).unwrap();
         total += disk.len() as u64;
-        let r = c
-            .get(format!("{}/console/{name}", s.url()))
-            .send()
-            .await
-            .unwrap();
+        let r = get(&c, format!("{}/console/{name}", s.url())).await;
         assert_eq!(
             r.status(),
             200,
@@ -272,7 +260,7 @@ async fn assets_need_no_token_while_the_api_still_does() {
     let s = Locked::start("sekret");
     let c = client();
     for path in ["/", "/console/app.js", "/console/app.css"] {
-        let r = c.get(format!("{}{path}", s.url())).send().await.unwrap();
+        let r = get(&c, format!("{}{path}", s.url())).await;
         assert_eq!(r.status(), 200, "{path}");
     }
     let r = c
@@ -282,11 +270,7 @@ async fn assets_need_no_token_while_the_api_still_does() {
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
-    let r = c
-        .get(format!("{}/v1/functions", s.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = get(&c, format!("{}/v1/functions", s.url())).await;
     assert_eq!(r.status(), 401);
     // A POST to the page's path is not an asset request: the token applies.
     let r = c.post(format!("{}/", s.url())).send().await.unwrap();
@@ -330,7 +314,7 @@ async fn no_console_serves_the_json_404() {
     let s = Server::start(&demo(), &["--no-console"]).await;
     let c = client();
     for path in ["/", "/console/app.js"] {
-        let r = c.get(format!("{}{path}", s.url())).send().await.unwrap();
+        let r = get(&c, format!("{}{path}", s.url())).await;
         assert_eq!(r.status(), 404, "{path}");
         let body: serde_json::Value = r.json().await.unwrap();
         assert_eq!(body["error"]["code"], "harness/not_found");
@@ -342,7 +326,7 @@ async fn no_console_serves_the_json_404() {
     let file = dir.path().join("harness.yaml");
     std::fs::write(&file, "console: false\n").unwrap();
     let s = Server::start(&demo(), &["--config", file.to_str().unwrap()]).await;
-    let r = c.get(format!("{}/", s.url())).send().await.unwrap();
+    let r = get(&c, format!("{}/", s.url())).await;
     assert_eq!(r.status(), 404);
 }
 

@@ -196,12 +196,7 @@ async fn bad_input() {
     assert_error(&e, 400, "harness/invalid_request", "function_id");
 
     // Events: unknown session, and a Last-Event-ID that is not an id.
-    let resp = server
-        .client
-        .get(format!("{}/v1/sessions/s_nope/events", server.url()))
-        .send()
-        .await
-        .unwrap();
+    let resp = server.get("/v1/sessions/s_nope/events").await;
     assert_eq!(resp.status(), 404);
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "harness/not_found");
@@ -215,12 +210,7 @@ async fn bad_input() {
 
     // Still serving, and a normal send completes.
     server.assert_alive();
-    let health = server
-        .client
-        .get(format!("{}/healthz", server.url()))
-        .send()
-        .await
-        .unwrap();
+    let health = server.get("/healthz").await;
     assert_eq!(health.status(), 200);
     let sent = server.send(None, "how are you?").await;
     let (sid, tid) = (id(&sent, "session_id"), id(&sent, "turn_id"));

@@ -104,12 +104,7 @@ fn fill(file: &Path) {
 }
 
 async fn healthz(api: &Api) -> (u16, Value) {
-    let r = api
-        .client
-        .get(format!("{}/healthz", api.url()))
-        .send()
-        .await
-        .unwrap();
+    let r = api.get("/healthz").await;
     (r.status().as_u16(), r.json().await.unwrap())
 }
 

@@ -276,6 +276,15 @@ impl Api {
         self.base.clone()
     }
 
+    /// A `GET` of `path` (from the root: `/healthz`) that reached the server.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.client
+            .get(format!("{}{path}", self.url()))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    }
+
     /// `POST /v1/functions/{id}` with a raw body.
     pub async fn post_raw(
         &self,
