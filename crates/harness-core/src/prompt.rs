@@ -27,12 +27,8 @@ pub(crate) fn mode_paragraph(mode: Option<harness_types::api::Mode>) -> Option<&
     use harness_types::api::Mode;
     match mode? {
         Mode::Agent => None,
-        Mode::Plan => Some(
-            "Operating mode: plan. Do not change anything in this turn. Investigate with functions that only read, then answer with a numbered plan: the steps you would take, the functions you would call and what each would change. The user approves the plan before anything is done.",
-        ),
-        Mode::Ask => Some(
-            "Operating mode: ask. Answer the user's question directly and briefly. Use functions only to look things up; change nothing and start no work beyond the answer.",
-        ),
+        Mode::Plan => Some(crate::texts::MODE_PLAN),
+        Mode::Ask => Some(crate::texts::MODE_ASK),
     }
 }
 
@@ -274,9 +270,7 @@ pub(crate) fn preloaded_skills(skills: &[(String, Option<String>)]) -> Option<St
 /// The short policy aid line the prompt carries.
 pub(crate) fn policy_aid(policy: Option<&FunctionPolicy>) -> Option<String> {
     let Some(p) = policy.filter(|p| !p.allow.is_empty()) else {
-        return Some(
-            "Function dispatch is entirely disabled this turn — do not call any function.".into(),
-        );
+        return Some(crate::texts::DISPATCH_DISABLED.into());
     };
     if p.allow.iter().any(|a| a == "*") && p.deny.is_empty() {
         return None;

@@ -367,10 +367,7 @@ impl Harness {
                 } else {
                     e.message
                 };
-                let (c, d) = refuse(
-                    ErrorCode::InvalidRequest,
-                    format!("invalid spawn arguments: {why}"),
-                );
+                let (c, d) = refuse(ErrorCode::InvalidRequest, crate::texts::spawn_invalid(&why));
                 self.append_result(rec, call, c, d, true, origin).await?;
                 return Ok(CallEnd::Closed);
             }
@@ -379,10 +376,7 @@ impl Harness {
         if rec.depth + 1 > max_depth {
             let (c, d) = refuse(
                 ErrorCode::SpawnDepthExceeded,
-                format!(
-                    "spawn depth {} exceeds max_depth {max_depth}",
-                    rec.depth + 1
-                ),
+                crate::texts::spawn_too_deep(rec.depth + 1, max_depth),
             );
             self.append_result(rec, call, c, d, true, origin).await?;
             return Ok(CallEnd::Closed);
@@ -397,7 +391,7 @@ impl Harness {
         if created >= max_children {
             let (c, d) = refuse(
                 ErrorCode::SpawnFanoutExceeded,
-                format!("this turn already created {created} sub-agents (max_children {max_children}); consolidate the work or defer it, do not retry"),
+                crate::texts::spawn_fanout(created, max_children),
             );
             self.append_result(rec, call, c, d, true, origin).await?;
             return Ok(CallEnd::Closed);
@@ -411,7 +405,7 @@ impl Harness {
         let child = match self.seed_child(req, Some((&parent, &call.id))).await {
             Ok(c) => c,
             Err(e) => {
-                let (c, d) = refuse(e.code, format!("the sub-agent could not start: {e}"));
+                let (c, d) = refuse(e.code, crate::texts::spawn_failed(&e.to_string()));
                 self.append_result(rec, call, c, d, true, origin).await?;
                 return Ok(CallEnd::Closed);
             }
@@ -420,11 +414,9 @@ impl Harness {
             let reused = child.reused == Some(true);
             let mut text = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id}).to_string();
             if own {
-                text.push_str(" (merged into this session's own turn: the task is a message to yourself, not a separate sub-agent)");
+                text.push_str(crate::texts::SPAWN_MERGED);
             } else if reused {
-                text.push_str(
-                    " (reused an existing sub-agent session: its transcript and linkage are kept)",
-                );
+                text.push_str(crate::texts::SPAWN_REUSED);
             }
             let details = json!({"child_session_id": child.child_session_id, "child_turn_id": child.child_turn_id, "detached": true, "reused": reused});
             self.append_result(

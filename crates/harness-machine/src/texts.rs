@@ -67,6 +67,18 @@ pub fn turn_record_lost_detail(step: u64, turn_id: &str) -> String {
     format!("no turn record for this session at step {step} of turn {turn_id}")
 }
 
+// ---- Paragraphs of the system prompt ----
+
+/// The system-prompt paragraph of `mode: plan`.
+pub const MODE_PLAN: &str = "Operating mode: plan. Do not change anything in this turn. Investigate with functions that only read, then answer with a numbered plan: the steps you would take, the functions you would call and what each would change. The user approves the plan before anything is done.";
+
+/// The system-prompt paragraph of `mode: ask`.
+pub const MODE_ASK: &str = "Operating mode: ask. Answer the user's question directly and briefly. Use functions only to look things up; change nothing and start no work beyond the answer.";
+
+/// The policy aid of a turn whose policy allows no function.
+pub const DISPATCH_DISABLED: &str =
+    "Function dispatch is entirely disabled this turn — do not call any function.";
+
 // ---- Notices and results the loop appends for the model ----
 
 /// The notice (and the result a post-turn hook sees) when a turn used up `max_turns`.
@@ -237,6 +249,32 @@ pub fn policy_denied(function: &str) -> String {
         "function {function} is not permitted by this agent's dispatch policy (no allow-glob match or a deny-glob match)"
     )
 }
+
+/// A spawn call whose arguments do not parse (`why`: the field and the problem).
+pub fn spawn_invalid(why: &str) -> String {
+    format!("invalid spawn arguments: {why}")
+}
+
+/// A spawn past the configured depth.
+pub fn spawn_too_deep(depth: u32, max_depth: u32) -> String {
+    format!("spawn depth {depth} exceeds max_depth {max_depth}")
+}
+
+/// A spawn past the turn's limit of children.
+pub fn spawn_fanout(created: u32, max_children: u32) -> String {
+    format!("this turn already created {created} sub-agents (max_children {max_children}); consolidate the work or defer it, do not retry")
+}
+
+/// A spawn whose child could not be seeded (`error`: why).
+pub fn spawn_failed(error: &str) -> String {
+    format!("the sub-agent could not start: {error}")
+}
+
+/// Appended to a detached spawn's answer when its task went to the caller's own session.
+pub const SPAWN_MERGED: &str = " (merged into this session's own turn: the task is a message to yourself, not a separate sub-agent)";
+/// Appended to a detached spawn's answer when it reused an existing sub-agent session.
+pub const SPAWN_REUSED: &str =
+    " (reused an existing sub-agent session: its transcript and linkage are kept)";
 
 /// A stop cancelled `function` while its target ran.
 pub fn cancelled_while_running(function: &str) -> String {
