@@ -254,7 +254,7 @@ impl HookAnswer {
             return Ok(HookAnswer::default());
         }
         serde_json::from_value(v)
-            .map_err(|e| format!("hook {hook} answered an invalid answer: {e}"))
+            .map_err(|e| crate::texts::hook_answer_invalid(hook, &e.to_string()))
     }
 }
 
@@ -351,7 +351,7 @@ impl Harness {
             let answer = match tokio::time::timeout(hook.timeout, call).await {
                 Ok(Ok(v)) => Ok(v),
                 Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err(format!("timed out after {} ms", hook.timeout.as_millis())),
+                Err(_) => Err(crate::texts::hook_timed_out(hook.timeout.as_millis())),
             };
             // The hook's span (`crate::trace`), with what its answer decided.
             let mark = |decision: &'static str| {
@@ -389,7 +389,7 @@ impl Harness {
                         }
                         OnError::FailClosed => {
                             out.decision =
-                                Decision::Deny(format!("hook {} failed: {why}", hook.function_id));
+                                Decision::Deny(crate::texts::hook_failed(&hook.function_id, &why));
                             out.retry_prompt = hook.retry_prompt.clone();
                             return Ok(out);
                         }
@@ -412,7 +412,9 @@ impl Harness {
             }
             match answer.decision {
                 HookDecision::Deny if point.may_deny() => {
-                    let reason = answer.reason.unwrap_or_else(|| "denied by hook".into());
+                    let reason = answer
+                        .reason
+                        .unwrap_or_else(|| crate::texts::HOOK_DENIED.into());
                     out.decision = Decision::Deny(reason);
                     out.retry_prompt = hook.retry_prompt.clone();
                     return Ok(out);

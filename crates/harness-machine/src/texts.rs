@@ -47,6 +47,26 @@ pub fn provider_failure(kind: ErrorKind) -> &'static str {
     harness_types::router::error_summary(kind)
 }
 
+// ---- Why a hook decided as it did (the reasons the failures and refusals above carry) ----
+
+/// The reason of a hook that denied without giving one.
+pub const HOOK_DENIED: &str = "denied by hook";
+
+/// A fail-closed hook that failed (`why`: its error) denies with this reason.
+pub fn hook_failed(function: &str, why: &str) -> String {
+    format!("hook {function} failed: {why}")
+}
+
+/// Why a hook failed: it did not answer within its timeout.
+pub fn hook_timed_out(timeout_ms: u128) -> String {
+    format!("timed out after {timeout_ms} ms")
+}
+
+/// Why a hook failed: its answer is not a hook answer.
+pub fn hook_answer_invalid(hook: &str, error: &str) -> String {
+    format!("hook {hook} answered an invalid answer: {error}")
+}
+
 /// The `detail` of a failure a pre-turn hook caused.
 pub fn pre_turn_denied_detail(reason: &str) -> String {
     format!("pre_turn hook denied: {reason}")
