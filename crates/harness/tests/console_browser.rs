@@ -247,6 +247,15 @@ impl Harness {
         h
     }
 
+    /// A server whose model answers "hi" to "hello".
+    fn saying_hi(extra: &[&str]) -> Harness {
+        Harness::start(
+            &json!({"generations": [text_gen("hello", "hi", 0)]}),
+            extra,
+            &[],
+        )
+    }
+
     fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
@@ -335,6 +344,15 @@ impl Harness {
         let (status, v) = self.call(function_id, payload.clone());
         assert_eq!(status, 200, "{function_id} {payload}: {v}");
         v
+    }
+
+    /// The texts of the session's user messages, oldest first.
+    fn user_texts(&self, sid: &str) -> Vec<String> {
+        self.messages(sid)
+            .iter()
+            .filter(|e| e["message"]["role"] == "user")
+            .map(text_of)
+            .collect()
     }
 
     fn messages(&self, sid: &str) -> Vec<Value> {
@@ -649,6 +667,14 @@ impl Browser {
         self.click("#send");
     }
 
+    /// Sends `text` and waits until the reply has streamed more than `chars` characters; the
+    /// session's id.
+    fn send_until_partial(&self, text: &str, chars: usize) -> String {
+        self.send(text);
+        self.wait("a partial reply", &format!("{LAST_REPLY}.length > {chars}"));
+        self.session_id()
+    }
+
     fn session_id(&self) -> String {
         self.wait(
             "a session in the address bar",
@@ -916,9 +942,7 @@ fn reload_mid_stream_resumes() {
         &[],
     );
     b.open_console(&h);
-    b.send("hello");
-    b.wait("a partial reply", &format!("{LAST_REPLY}.length > 10"));
-    let sid = b.session_id();
+    let sid = b.send_until_partial("hello", 10);
     b.shot("before-reload");
     b.refresh();
     b.wait(
@@ -946,9 +970,7 @@ fn server_restart_resumes_stream() {
         &[],
     );
     b.open_console(&h);
-    b.send("hello");
-    b.wait("a partial reply", &format!("{LAST_REPLY}.length > 10"));
-    let sid = b.session_id();
+    let sid = b.send_until_partial("hello", 10);
     h.kill();
     b.wait(
         "the page to say reconnecting",
@@ -991,6 +1013,22 @@ fn fixtures(dir: &Path) -> (PathBuf, PathBuf) {
     (file, dir.join("invocations.jsonl"))
 }
 
+/// A server with the test fixture functions of [`fixtures`], which log each run, written to
+/// `dir`; with `approve`, each of their calls waits for an approval. The server and the log.
+fn with_fixtures(script: &Value, dir: &Path, approve: bool) -> (Harness, PathBuf) {
+    let (fx, log) = fixtures(dir);
+    let mut args = vec![
+        "--fixtures",
+        fx.to_str().unwrap(),
+        "--fixture-log",
+        log.to_str().unwrap(),
+    ];
+    if approve {
+        args.extend(["--approve", "fixture::*"]);
+    }
+    (Harness::start(script, &args, &[]), log)
+}
+
 fn invocations(log: &Path) -> Vec<Value> {
     std::fs::read_to_string(log)
         .unwrap_or_default()
@@ -1006,7 +1044,6 @@ fn approval_card_approve_and_deny() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (fx, log) = fixtures(dir.path());
     let args1 = json!({"path": "/tmp/notes.txt", "text": "first <b>line</b>"});
     let args2 = json!({"path": "/etc/passwd", "text": "second"});
     let script = json!({"generations": [
@@ -1015,18 +1052,7 @@ fn approval_card_approve_and_deny() {
         call_gen("write two", "c2", "fixture::write", args2.clone()),
         once_text("write two", "did not write two"),
     ]});
-    let h = Harness::start(
-        &script,
-        &[
-            "--fixtures",
-            fx.to_str().unwrap(),
-            "--fixture-log",
-            log.to_str().unwrap(),
-            "--approve",
-            "fixture::*",
-        ],
-        &[],
-    );
+    let (h, log) = with_fixtures(&script, dir.path(), true);
     b.open_console(&h);
     b.type_into("#allow", "fixture::*");
     b.send("write one");
@@ -1176,12 +1202,7 @@ fn ask_card_answers() {
         &format!("{LAST_REPLY} === 'thanks for the answers'"),
     );
     b.shot("answered");
-    let users: Vec<String> = h
-        .messages(&sid)
-        .iter()
-        .filter(|e| e["message"]["role"] == "user")
-        .map(text_of)
-        .collect();
+    let users = h.user_texts(&sid);
     assert_eq!(
         users.last().unwrap(),
         "Approach: End the turn\nChannels: Console, Slack\nName: Quarterly"
@@ -1201,9 +1222,7 @@ fn stop_stops() {
         &[],
     );
     b.open_console(&h);
-    b.send("slow please");
-    b.wait("a partial reply", &format!("{LAST_REPLY}.length > 12"));
-    let sid = b.session_id();
+    let sid = b.send_until_partial("slow please", 12);
     b.wait("the Stop button", "!document.getElementById('stop').hidden");
     b.click("#stop");
     let s = h.wait_status(&sid, &["cancelled", "completed", "failed"]);
@@ -1344,7 +1363,6 @@ fn waterfall_matches_events() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (fx, log) = fixtures(dir.path());
     let script = json!({"generations": [
         {"match": {"last_user_text": "trace"}, "chunk_delay_ms": 30, "content": [
             {"type": "text", "text": "calling two functions now"},
@@ -1352,16 +1370,7 @@ fn waterfall_matches_events() {
             {"type": "function_call", "id": "f2", "function_id": "fixture::fail", "arguments": {}}]},
         {"match": {"last_user_text": "trace"}, "chunk_delay_ms": 30, "content": [{"type": "text", "text": "done with both"}]},
     ]});
-    let h = Harness::start(
-        &script,
-        &[
-            "--fixtures",
-            fx.to_str().unwrap(),
-            "--fixture-log",
-            log.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let (h, _) = with_fixtures(&script, dir.path(), false);
     b.open_console(&h);
     b.type_into("#allow", "fixture::*");
     b.send("trace it");
@@ -1449,11 +1458,7 @@ fn system_prompt_preview() {
     let Some(mut b) = Browser::open("system_prompt_preview") else {
         return;
     };
-    let h = Harness::start(
-        &json!({"generations": [text_gen("hello", "hi", 0)]}),
-        &[],
-        &[],
-    );
+    let h = Harness::saying_hi(&[]);
     b.open_console(&h);
     // On a new chat the drawer previews what a session would start with.
     b.click("#prompt-open");
@@ -1731,23 +1736,11 @@ fn keyboard_and_names() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (fx, log) = fixtures(dir.path());
     let script = json!({"generations": [
         call_gen("write", "k1", "fixture::write", json!({"path": "/tmp/k"})),
         once_text("write", "ok"),
     ]});
-    let h = Harness::start(
-        &script,
-        &[
-            "--fixtures",
-            fx.to_str().unwrap(),
-            "--fixture-log",
-            log.to_str().unwrap(),
-            "--approve",
-            "fixture::*",
-        ],
-        &[],
-    );
+    let (h, _) = with_fixtures(&script, dir.path(), true);
     b.open_console(&h);
     b.type_into("#allow", "fixture::*");
     b.send("write it");
@@ -1855,11 +1848,7 @@ fn long_session_renders_within_a_second_and_in_pages() {
     let Some(mut b) = Browser::open("long_session_renders_within_a_second_and_in_pages") else {
         return;
     };
-    let h = Harness::start(
-        &json!({"generations": [text_gen("hello", "hi", 0)]}),
-        &["--durability", "normal"],
-        &[],
-    );
+    let h = Harness::saying_hi(&["--durability", "normal"]);
     let sid = h.ok("session::create", json!({}))["session_id"]
         .as_str()
         .unwrap()
@@ -1921,11 +1910,7 @@ fn bad_input_is_named_not_swallowed() {
     let Some(mut b) = Browser::open("bad_input_is_named_not_swallowed") else {
         return;
     };
-    let h = Harness::start(
-        &json!({"generations": [text_gen("hello", "hi", 0)]}),
-        &["--max-body-bytes", "2048"],
-        &[],
-    );
+    let h = Harness::saying_hi(&["--max-body-bytes", "2048"]);
     b.goto(&format!("{}#session=s_nope", h.url()));
     b.wait(
         "the unknown session named",
@@ -2007,11 +1992,7 @@ fn too_many_streams_is_said_and_retried() {
     let Some(mut b) = Browser::open("too_many_streams_is_said_and_retried") else {
         return;
     };
-    let h = Harness::start(
-        &json!({"generations": [text_gen("hello", "hi", 0)]}),
-        &["--max-streams-per-client", "1"],
-        &[],
-    );
+    let h = Harness::saying_hi(&["--max-streams-per-client", "1"]);
     b.open_console(&h);
     b.send("hello");
     let sid = b.session_id();
@@ -2072,9 +2053,7 @@ fn a_message_sent_mid_turn_is_queued() {
         &[],
     );
     b.open_console(&h);
-    b.send("slow please");
-    b.wait("a partial reply", &format!("{LAST_REPLY}.length > 5"));
-    let sid = b.session_id();
+    let sid = b.send_until_partial("slow please", 5);
     b.send("steer it");
     b.wait(
         "the queued note",
@@ -2086,12 +2065,7 @@ fn a_message_sent_mid_turn_is_queued() {
     );
     b.shot("queued");
     poll("the steering message delivered", || {
-        let users: Vec<String> = h
-            .messages(&sid)
-            .iter()
-            .filter(|e| e["message"]["role"] == "user")
-            .map(text_of)
-            .collect();
+        let users = h.user_texts(&sid);
         users.iter().any(|u| u == "steer it").then_some(())
     });
     b.wait("the steered reply", &format!("{LAST_REPLY} === 'steered'"));
