@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use harness_bus::Bus;
@@ -12,13 +12,31 @@ use harness_types::api::{ResolveAction, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
 
-#[tokio::test]
-async fn a_stop_while_the_target_runs_cancels_the_call_then_the_turn() {
+/// A runtime whose model answers "both" with two calls in one answer, `c1` of `x::{first}` and
+/// `c2` of `x::{second}`, then says "ok"; each function answers "<name> ran". How often the
+/// second ran.
+async fn calling_both(first: &str, second: &str) -> (Rt, Arc<AtomicUsize>) {
+    let call = |id: &str, name: &str| json!({"type": "function_call", "id": id, "function_id": format!("x::{name}"), "arguments": {}});
     let rt = runtime(
-        json!({"generations": [call_gen("^work", "c1", "slow::op", json!({})), text_gen("done")]}),
+        json!({"generations": [
+            {"match": {"last_user_text": "^both"}, "content": [call("c1", first), call("c2", second)]},
+            text_gen("ok")
+        ]}),
         config(),
     )
     .await;
+    let answer = |name: &str| {
+        let text = json!(format!("{name} ran"));
+        move |_| text.clone()
+    };
+    rt.register(&format!("x::{first}"), None, answer(first));
+    let runs = rt.register(&format!("x::{second}"), None, answer(second));
+    (rt, runs)
+}
+
+#[tokio::test]
+async fn a_stop_while_the_target_runs_cancels_the_call_then_the_turn() {
+    let rt = calling("^work", "slow::op", "done").await;
     let entered = Arc::new(AtomicBool::new(false));
     let flag = entered.clone();
     rt.register_async("slow::op", None, move |_| {
@@ -104,19 +122,7 @@ async fn a_hook_rewrite_into_the_wall_is_refused_on_the_second_check_and_never_r
 
 #[tokio::test]
 async fn a_stop_of_a_parked_turn_closes_the_held_call_and_leaves_the_done_one() {
-    let rt = runtime(
-        json!({"generations": [
-            {"match": {"last_user_text": "^both"}, "content": [
-                {"type": "function_call", "id": "c1", "function_id": "x::free", "arguments": {}},
-                {"type": "function_call", "id": "c2", "function_id": "x::guarded", "arguments": {}}
-            ]},
-            text_gen("ok")
-        ]}),
-        config(),
-    )
-    .await;
-    rt.register("x::free", None, |_| json!("free ran"));
-    let guarded = rt.register("x::guarded", None, |_| json!("guarded ran"));
+    let (rt, guarded) = calling_both("free", "guarded").await;
     rt.hold_calls(json!({"functions": ["x::guarded"]})).await;
     let r = rt.send_parked(allowing("both", &["x::*"])).await;
     // Only a pending call can be resolved: not the done one, not one the answer never made.
@@ -175,11 +181,7 @@ async fn the_sweep_follows_a_waiting_spawn_and_answers_it_once_its_child_is_lost
 
 #[tokio::test]
 async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a_delivery() {
-    let rt = runtime(
-        json!({"generations": [call_gen("^wait", "c1", "x::slow", json!({})), text_gen("done")]}),
-        config(),
-    )
-    .await;
+    let rt = calling("^wait", "x::slow", "done").await;
     rt.register("x::slow", None, |_| json!("never used"));
     rt.hold_calls(json!({})).await;
     let r = rt.send_parked(allowing("wait", &["x::*"])).await;
@@ -204,19 +206,7 @@ async fn a_legacy_result_wait_is_left_by_the_sweep_in_time_and_settled_only_by_a
 
 #[tokio::test]
 async fn a_stop_between_two_calls_leaves_the_second_unrun_and_closes_it() {
-    let rt = runtime(
-        json!({"generations": [
-            {"match": {"last_user_text": "^both"}, "content": [
-                {"type": "function_call", "id": "c1", "function_id": "x::first", "arguments": {}},
-                {"type": "function_call", "id": "c2", "function_id": "x::second", "arguments": {}}
-            ]},
-            text_gen("ok")
-        ]}),
-        config(),
-    )
-    .await;
-    rt.register("x::first", None, |_| json!("first ran"));
-    let second = rt.register("x::second", None, |_| json!("second ran"));
+    let (rt, second) = calling_both("first", "second").await;
     // After the first call ran, its post-trigger hook stops the turn and waits until the
     // stop has fired the turn's signal.
     let aborted = rt.watch_abort();

@@ -61,6 +61,16 @@ impl harness_router::Provider for Recorder {
     }
 }
 
+/// A runtime whose model calls `function_id` (as `c1`, no arguments) on a user text matching
+/// `matcher`, then answers `then`.
+pub async fn calling(matcher: &str, function_id: &str, then: &str) -> Rt {
+    runtime(
+        json!({"generations": [call_gen(matcher, "c1", function_id, json!({})), text_gen(then)]}),
+        config(),
+    )
+    .await
+}
+
 /// A runtime whose model answers every request with `reply`.
 pub async fn replying(reply: &str) -> Rt {
     runtime(json!({"generations": [text(None, reply, 0)]}), config()).await

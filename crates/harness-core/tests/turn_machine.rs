@@ -16,11 +16,7 @@ use support::*;
 /// A runtime whose model calls `x::f` (as `c1`) on "go", then answers `then`; how often
 /// `x::f` ran.
 async fn calling_f(then: &str) -> (Rt, Arc<AtomicUsize>) {
-    let rt = runtime(
-        json!({"generations": [call_gen("^go", "c1", "x::f", json!({})), text_gen(then)]}),
-        config(),
-    )
-    .await;
+    let rt = calling("^go", "x::f", then).await;
     let runs = rt.register("x::f", None, |_| json!("ran"));
     (rt, runs)
 }
