@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, BusError, CallContext, EmbeddedBus, FunctionDef};
-use harness_types::api::{ResolveAction, SendOptions, StopRequest, TurnStatus};
+use harness_types::api::{ResolveAction, SendOptions, SendResponse, StopRequest, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
 
@@ -19,6 +19,14 @@ async fn calling_f(then: &str) -> (Rt, Arc<AtomicUsize>) {
     let rt = calling("^go", "x::f", then).await;
     let runs = rt.register("x::f", None, |_| json!("ran"));
     (rt, runs)
+}
+
+/// [`calling_f`] with every call held: the turn parked on `c1`.
+async fn parked_on_f(then: &str) -> (Rt, Arc<AtomicUsize>, SendResponse) {
+    let (rt, runs) = calling_f(then).await;
+    rt.hold_calls(json!({})).await;
+    let r = rt.send_parked(allowing("go", &["x::*"])).await;
+    (rt, runs, r)
 }
 
 /// Waits until the model was asked once.
@@ -91,9 +99,7 @@ async fn the_max_turns_notice_refused_by_a_post_turn_hook_fails_the_turn_keeping
 
 #[tokio::test]
 async fn a_step_delivered_again_while_its_turn_is_parked_changes_nothing() {
-    let (rt, runs) = calling_f("finished").await;
-    rt.hold_calls(json!({})).await;
-    let r = rt.send_parked(allowing("go", &["x::*"])).await;
+    let (rt, runs, r) = parked_on_f("finished").await;
     // The parked step, delivered again (a queue redelivers what was not acked in time); the
     // release's step comes after it in the session's FIFO.
     rt.enqueue_step(&r.session_id, &r.turn_id, 0).await;
@@ -161,9 +167,7 @@ async fn a_turn_record_lost_while_the_model_streams_is_not_written_back() {
 
 #[tokio::test]
 async fn a_running_record_marked_aborted_is_cancelled_by_its_next_step() {
-    let (rt, _) = calling_f("finished").await;
-    rt.hold_calls(json!({})).await;
-    let r = rt.send_parked(allowing("go", &["x::*"])).await;
+    let (rt, _, r) = parked_on_f("finished").await;
     // What an earlier version could leave: the next step pending on a record marked aborted
     // but still running.
     let mut rec = rt.turn_record(&r.session_id).await.unwrap();
@@ -221,6 +225,32 @@ async fn until_stored(bus: &EmbeddedBus, session_id: &str, want: &str, limit: Du
     false
 }
 
+/// Registers `function_id` to answer `answer()` once the stored record of `session_id` is
+/// cancelled (or `limit` passed); the flag it raises when called.
+fn answering_once_cancelled(
+    rt: &Rt,
+    function_id: &str,
+    session_id: &'static str,
+    limit: Duration,
+    answer: fn() -> Result<Value, BusError>,
+) -> Arc<AtomicBool> {
+    let called = Arc::new(AtomicBool::new(false));
+    let seen = called.clone();
+    let bus = rt.bus.clone();
+    rt.bus.register_function(
+        FunctionDef::new(function_id, "answers once the turn is cancelled"),
+        Arc::new(move |_p: Value, _ctx: CallContext| {
+            seen.store(true, Ordering::SeqCst);
+            let bus = bus.clone();
+            async move {
+                until_stored(&bus, session_id, "cancelled", limit).await;
+                answer()
+            }
+        }),
+    );
+    called
+}
+
 #[tokio::test]
 async fn a_stop_of_a_session_without_a_turn_stops_nothing() {
     let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
@@ -264,23 +294,17 @@ async fn a_step_failing_on_an_unexpected_error_fails_its_turn_with_the_cause() {
 #[tokio::test]
 async fn an_error_of_a_step_whose_turn_a_stop_ended_leaves_the_turn_cancelled() {
     let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
-    let entered = Arc::new(AtomicBool::new(false));
-    let seen = entered.clone();
-    let bus = rt.bus.clone();
     // The router takes the request, and fails only once a stop has ended the turn.
-    rt.bus.register_function(
-        FunctionDef::new("router::chat", "a router that fails late"),
-        Arc::new(move |p: Value, _ctx: CallContext| {
-            seen.store(true, Ordering::SeqCst);
-            let bus = bus.clone();
-            async move {
-                let sid = p["session_id"].as_str().unwrap_or_default().to_string();
-                until_stored(&bus, &sid, "cancelled", Duration::from_secs(20)).await;
-                Err::<Value, _>(BusError::internal("the router broke after the stop"))
-            }
-        }),
+    let entered = answering_once_cancelled(
+        &rt,
+        "router::chat",
+        "s_late",
+        Duration::from_secs(20),
+        || Err(BusError::internal("the router broke after the stop")),
     );
-    let r = rt.send(send("talk")).await;
+    let mut req = send("talk");
+    req.session_id = Some("s_late".into());
+    let r = rt.send(req).await;
     until("the router took the request", || {
         entered.load(Ordering::SeqCst)
     })
@@ -316,20 +340,13 @@ async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_t
     let runs = rt.register("x::f", None, |_| json!("ran"));
     // The stop's first half is held in `router::abort` (after it fired the turn's signal) until
     // the turn has ended: the step, not the stop, takes the lock next.
-    let aborting = Arc::new(AtomicBool::new(false));
-    let seen = aborting.clone();
-    let bus = rt.bus.clone();
-    rt.bus.register_function(
-        FunctionDef::new("router::abort", "a slow abort"),
-        Arc::new(move |_p: Value, _ctx: CallContext| {
-            seen.store(true, Ordering::SeqCst);
-            let bus = bus.clone();
-            async move {
-                // Well within the stop's own wait for this call.
-                until_stored(&bus, "s_cut", "cancelled", Duration::from_millis(1500)).await;
-                Ok(json!({"aborted": false}))
-            }
-        }),
+    // Its limit is well within the stop's own wait for this call.
+    let aborting = answering_once_cancelled(
+        &rt,
+        "router::abort",
+        "s_cut",
+        Duration::from_millis(1500),
+        || Ok(json!({"aborted": false})),
     );
     // Once the answer is streamed (the lock is free), a post-generate hook stops the turn and
     // returns when the stop has fired the signal.
@@ -354,9 +371,7 @@ async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_t
 
 #[tokio::test]
 async fn a_settle_before_the_redelivered_step_leaves_the_turn_to_that_step() {
-    let (rt, runs) = calling_f("finished").await;
-    rt.hold_calls(json!({})).await;
-    let r = rt.send_parked(allowing("go", &["x::*"])).await;
+    let (rt, runs, r) = parked_on_f("finished").await;
     // What a crash mid-dispatch leaves: the hold saved on a record that is still running (the
     // step was cut before it parked), its step to be delivered again.
     let mut rec = rt.turn_record(&r.session_id).await.unwrap();
