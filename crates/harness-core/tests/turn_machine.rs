@@ -29,6 +29,20 @@ async fn parked_on_f(then: &str) -> (Rt, Arc<AtomicUsize>, SendResponse) {
     (rt, runs, r)
 }
 
+/// A runtime whose model answers "talk" with `words` words, one every `delay_ms`; the send's
+/// answer once the generation started.
+async fn talking(words: usize, delay_ms: u64) -> (Rt, SendResponse) {
+    let long = "word ".repeat(words);
+    let rt = runtime(
+        json!({"generations": [text(None, &long, delay_ms)]}),
+        config(),
+    )
+    .await;
+    let r = rt.send(send("talk")).await;
+    until_generating(&rt).await;
+    (rt, r)
+}
+
 /// Waits until the model was asked once.
 async fn until_generating(rt: &Rt) {
     until("the generation started", || {
@@ -39,10 +53,7 @@ async fn until_generating(rt: &Rt) {
 
 #[tokio::test]
 async fn a_stop_while_the_model_streams_cancels_the_turn() {
-    let long = "word ".repeat(400);
-    let rt = runtime(json!({"generations": [text(None, &long, 20)]}), config()).await;
-    let r = rt.send(send("talk")).await;
-    until_generating(&rt).await;
+    let (rt, r) = talking(400, 20).await;
     rt.harness
         .stop(StopRequest {
             session_id: r.session_id.clone(),
@@ -146,10 +157,7 @@ async fn a_step_of_a_session_that_does_not_exist_is_dropped_without_a_trace() {
 
 #[tokio::test]
 async fn a_turn_record_lost_while_the_model_streams_is_not_written_back() {
-    let long = "word ".repeat(100);
-    let rt = runtime(json!({"generations": [text(None, &long, 5)]}), config()).await;
-    let r = rt.send(send("talk")).await;
-    until_generating(&rt).await;
+    let (rt, r) = talking(100, 5).await;
     // A store that can lose recent writes (an iii engine's) dropped the record mid-stream.
     rt.bus
         .state_delete(harness_core::TURN_SCOPE, &r.session_id)
