@@ -97,8 +97,7 @@ async fn a_hook_rewrite_into_the_wall_is_refused_on_the_second_check_and_never_r
     )
     .await;
     rt.hook("rewrite::scope", |p| {
-        let mut args = p["call"]["arguments"].clone();
-        args["scope"] = json!("harness_turn");
+        let args = with_argument(p, "scope", json!("harness_turn"));
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
     rt.bind("pre-trigger", "rewrite::scope", json!({})).await;

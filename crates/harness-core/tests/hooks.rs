@@ -5,7 +5,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harness_bus::{Bus, CallContext, FunctionDef};
+use harness_bus::Bus;
 use harness_types::api::{ResolveAction, ResolveRequest, TurnStatus};
 use harness_types::message::ContentBlock;
 use serde_json::{json, Value};
@@ -40,8 +40,7 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
     let rt = runtime(script_one_call(), config()).await;
     let target = recording_write(&rt);
     let holder = rt.hook("guard::hold", |p| {
-        let mut args = p["call"]["arguments"].clone();
-        args["path"] = json!("/sandbox/a");
+        let args = with_argument(p, "path", json!("/sandbox/a"));
         json!({"decision": "hold", "mutations": {"arguments": args}, "annotations": {"guard": "held"}})
     });
     rt.bind(
@@ -86,8 +85,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
     let rt = runtime(script_one_call(), config()).await;
     let target = recording_write(&rt);
     let mutator = rt.hook("a::mutate", |p| {
-        let mut args = p["call"]["arguments"].clone();
-        args["text"] = json!("HI");
+        let args = with_argument(p, "text", json!("HI"));
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
     let holder = rt.hook("b::hold", |_| json!({"decision": "hold"}));
@@ -268,17 +266,21 @@ async fn deny_at_each_point() {
     );
 }
 
-#[tokio::test]
-async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
+/// The one-call runtime with `fs::write` (how often it ran) and `slow::hook`, a hook function
+/// that answers after 5 s.
+async fn with_a_slow_hook() -> (Rt, Arc<std::sync::atomic::AtomicUsize>) {
     let rt = runtime(script_one_call(), config()).await;
     let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    rt.bus.register_function(
-        FunctionDef::new("slow::hook", "sleeps"),
-        Arc::new(|_p: Value, _ctx: CallContext| async {
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            Ok(Value::Null)
-        }),
-    );
+    rt.register_async("slow::hook", None, |_| async {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        Value::Null
+    });
+    (rt, calls)
+}
+
+#[tokio::test]
+async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
+    let (rt, calls) = with_a_slow_hook().await;
     rt.bind("pre-trigger", "slow::hook", json!({"timeout_ms": 50}))
         .await;
     let (r, _) = rt.run(allowing("write it", &["*"])).await;
@@ -295,15 +297,7 @@ async fn slow_or_failing_hooks_fail_closed_before_and_open_after() {
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
 
     // The same slow hook with fail_open is skipped.
-    let rt = runtime(script_one_call(), config()).await;
-    let calls = rt.register("fs::write", None, |_| json!({"ok": true}));
-    rt.bus.register_function(
-        FunctionDef::new("slow::hook", "sleeps"),
-        Arc::new(|_p: Value, _ctx: CallContext| async {
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            Ok(Value::Null)
-        }),
-    );
+    let (rt, calls) = with_a_slow_hook().await;
     rt.bind(
         "pre-trigger",
         "slow::hook",
@@ -518,8 +512,11 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
     let rt = runtime(script, config()).await;
     let target = recording_write(&rt);
     let seen = rt.hook("guard::widen", |p| {
-        let mut args = p["call"]["arguments"].clone();
-        args["fs_scope"] = json!({"root": "/", "grants": [], "boundary": "workspace"});
+        let args = with_argument(
+            p,
+            "fs_scope",
+            json!({"root": "/", "grants": [], "boundary": "workspace"}),
+        );
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
     rt.bind(

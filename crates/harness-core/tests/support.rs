@@ -71,6 +71,14 @@ pub async fn calling(matcher: &str, function_id: &str, then: &str) -> Rt {
     .await
 }
 
+/// The arguments of the call a hook payload names, with `key` set to `value`: what a hook
+/// that rewrites the call answers as its mutation.
+pub fn with_argument(payload: &Value, key: &str, value: Value) -> Value {
+    let mut args = payload["call"]["arguments"].clone();
+    args[key] = value;
+    args
+}
+
 /// A runtime whose model answers every request with `reply`.
 pub async fn replying(reply: &str) -> Rt {
     runtime(json!({"generations": [text(None, reply, 0)]}), config()).await
