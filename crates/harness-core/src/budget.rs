@@ -92,12 +92,7 @@ impl Harness {
         let Some(budget) = &rec.options.budget else {
             return Ok(Ok(()));
         };
-        let rows = self
-            .inner
-            .bus
-            .state_list(&scope(&budget.ledger))
-            .await
-            .map_err(|e| e.into_harness())?;
+        let rows = self.state_list(&scope(&budget.ledger)).await?;
         let mut spent = Spend::default();
         for (turn, row) in rows {
             // This turn's own row may lag its record (a crash between the two writes).

@@ -157,11 +157,8 @@ impl Harness {
         }
         // Every record, read and parsed once for both the prune and the settling below.
         let records: Vec<(String, TurnRecord)> = self
-            .inner
-            .bus
             .state_list(TURN_SCOPE)
-            .await
-            .map_err(|e| e.into_harness())?
+            .await?
             .into_iter()
             .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|r| (k, r)))
             .collect();

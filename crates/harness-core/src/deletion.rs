@@ -311,12 +311,7 @@ impl Harness {
     /// Re-enqueues every operation a crash left `deleting` (its step may have been lost between
     /// saving the operation and enqueueing; a duplicate runs after the first and finds it done).
     pub(crate) async fn redrive_deletions(&self) -> Result<()> {
-        let rows = self
-            .inner
-            .bus
-            .state_list(OPS_SCOPE)
-            .await
-            .map_err(state_err)?;
+        let rows = self.state_list(OPS_SCOPE).await?;
         for (_, v) in rows {
             let Ok(op) = serde_json::from_value::<Operation>(v) else {
                 continue;
@@ -556,12 +551,7 @@ impl Harness {
 
     /// Approval rows that still name one of `members`.
     async fn approvals_of(&self, members: &[String]) -> Result<Vec<String>> {
-        let rows = self
-            .inner
-            .bus
-            .state_list(APPROVALS_SCOPE)
-            .await
-            .map_err(state_err)?;
+        let rows = self.state_list(APPROVALS_SCOPE).await?;
         Ok(rows
             .into_iter()
             .filter(|(_, v)| {

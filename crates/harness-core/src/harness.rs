@@ -404,6 +404,11 @@ impl Harness {
         }
     }
 
+    /// The values of `scope` with their keys.
+    pub(crate) async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>> {
+        self.inner.bus.state_list(scope).await.map_err(bus_err)
+    }
+
     /// The state value under `scope` / `key`, if any.
     pub(crate) async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>> {
         self.inner.bus.state_get(scope, key).await.map_err(bus_err)

@@ -1,7 +1,5 @@
 //! Recovery at start: the shell that finds turns a crash may have left without a queued step.
 
-use harness_types::HarnessError;
-
 use crate::dispatch::PlannedCall;
 use crate::harness::{Harness, Result};
 use crate::interpret::{illegal, Carry};
@@ -15,12 +13,7 @@ impl Harness {
     /// persisting a record and enqueueing its step would otherwise strand the turn; a step that
     /// was in fact still queued runs once and the duplicate is dropped by the stale guard.
     pub(crate) async fn redrive_running(&self) -> Result<()> {
-        let records = self
-            .inner
-            .bus
-            .state_list(TURN_SCOPE)
-            .await
-            .map_err(|e| -> HarnessError { e.into_harness() })?;
+        let records = self.state_list(TURN_SCOPE).await?;
         let mut redriven = 0;
         for (_, value) in records {
             let Ok(rec) = serde_json::from_value::<TurnRecord>(value) else {

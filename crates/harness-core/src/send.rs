@@ -640,12 +640,7 @@ impl Harness {
     pub(crate) async fn prune_idempotency(&self) -> Result<usize> {
         let ttl_ms = self.config().idem_ttl_secs.saturating_mul(1000) as i64;
         let now = now_ms();
-        let rows = self
-            .inner
-            .bus
-            .state_list(IDEM_SCOPE)
-            .await
-            .map_err(|e| e.into_harness())?;
+        let rows = self.state_list(IDEM_SCOPE).await?;
         let mut pruned = 0;
         for (key, value) in rows {
             let expired = serde_json::from_value::<IdemRow>(value)

@@ -41,12 +41,7 @@ impl Harness {
     }
 
     pub(crate) async fn queued(&self, session_id: &str) -> Result<Vec<(String, QueuedMessage)>> {
-        let rows = self
-            .inner
-            .bus
-            .state_list(&scope(session_id))
-            .await
-            .map_err(|e| e.into_harness())?;
+        let rows = self.state_list(&scope(session_id)).await?;
         let mut out: Vec<(String, QueuedMessage)> = rows
             .into_iter()
             .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|m| (k, m)))

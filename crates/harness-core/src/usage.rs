@@ -222,12 +222,7 @@ impl Harness {
 
     /// `harness::usage::list`: every announcement recorded here, oldest first.
     pub async fn usage_list(&self, _req: UsageListRequest) -> Result<UsageListResponse> {
-        let mut rows = self
-            .inner
-            .bus
-            .state_list(USAGE_LOG_SCOPE)
-            .await
-            .map_err(|e| e.into_harness())?;
+        let mut rows = self.state_list(USAGE_LOG_SCOPE).await?;
         rows.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(UsageListResponse {
             announcements: rows
