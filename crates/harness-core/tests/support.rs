@@ -6,6 +6,7 @@
 #[path = "support/embedded.rs"]
 pub mod embedded;
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -281,12 +282,7 @@ impl Rt {
     }
 
     /// Registers an in-process function that counts its calls.
-    pub fn register<F>(
-        &self,
-        id: &str,
-        schema: Option<Value>,
-        f: F,
-    ) -> Arc<std::sync::atomic::AtomicUsize>
+    pub fn register<F>(&self, id: &str, schema: Option<Value>, f: F) -> Arc<AtomicUsize>
     where
         F: Fn(Value) -> Value + Send + Sync + 'static,
     {
@@ -296,18 +292,13 @@ impl Rt {
     /// [`Rt::register`] with an answer that is awaited: a test that holds a call open waits
     /// there without blocking a runtime thread (a sync handler that sleeps would stall the
     /// current-thread runtime the test itself runs on).
-    pub fn register_async<F, Fut>(
-        &self,
-        id: &str,
-        schema: Option<Value>,
-        f: F,
-    ) -> Arc<std::sync::atomic::AtomicUsize>
+    pub fn register_async<F, Fut>(&self, id: &str, schema: Option<Value>, f: F) -> Arc<AtomicUsize>
     where
         F: Fn(Value) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = Value> + Send + 'static,
     {
         use harness_bus::Bus;
-        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = Arc::new(AtomicUsize::new(0));
         let seen = count.clone();
         let f = Arc::new(f);
         let mut def = harness_bus::FunctionDef::new(id, "test function");
@@ -315,7 +306,7 @@ impl Rt {
         self.bus.register_function(
             def,
             Arc::new(move |p: Value, _ctx: harness_bus::CallContext| {
-                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                seen.fetch_add(1, Ordering::SeqCst);
                 let out = f(p);
                 async move { Ok(out.await) }
             }),
@@ -462,14 +453,14 @@ impl Rt {
 
     /// Registers `router::abort` to raise the returned flag. A stop calls it right after it
     /// fired the turn's signal, so a raised flag means the signal has fired.
-    pub fn watch_abort(&self) -> Arc<std::sync::atomic::AtomicBool> {
+    pub fn watch_abort(&self) -> Arc<AtomicBool> {
         use harness_bus::Bus;
-        let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let aborted = Arc::new(AtomicBool::new(false));
         let seen = aborted.clone();
         self.bus.register_function(
             harness_bus::FunctionDef::new("router::abort", "test abort"),
             Arc::new(move |_p: Value, _ctx: harness_bus::CallContext| {
-                seen.store(true, std::sync::atomic::Ordering::SeqCst);
+                seen.store(true, Ordering::SeqCst);
                 async move { Ok(json!({"aborted": false})) }
             }),
         );
@@ -479,12 +470,7 @@ impl Rt {
     /// Registers the hook function `id`: for a payload `when` accepts, it stops the payload's
     /// session and answers `continue` once `fired` is raised (10 s at most). The stop runs in a
     /// task of its own, since it waits for the step this hook is part of.
-    pub fn stopping_hook(
-        &self,
-        id: &str,
-        fired: Arc<std::sync::atomic::AtomicBool>,
-        when: fn(&Value) -> bool,
-    ) {
+    pub fn stopping_hook(&self, id: &str, fired: Arc<AtomicBool>, when: fn(&Value) -> bool) {
         use harness_bus::Bus;
         let harness = self.harness.clone();
         self.bus.register_function(
@@ -504,9 +490,7 @@ impl Rt {
                                 .await;
                         });
                         let deadline = Instant::now() + Duration::from_secs(10);
-                        while !fired.load(std::sync::atomic::Ordering::SeqCst)
-                            && Instant::now() < deadline
-                        {
+                        while !fired.load(Ordering::SeqCst) && Instant::now() < deadline {
                             tokio::time::sleep(Duration::from_millis(5)).await;
                         }
                     }
