@@ -18,11 +18,7 @@ use support::*;
 
 #[tokio::test]
 async fn tools_are_registered_with_their_schemas_and_sanitized_names() {
-    let rt = runtime(
-        json!({"generations": [text_gen("hi")]}),
-        vec![fixture("fx", &[])],
-    )
-    .await;
+    let rt = saying_hi(vec![fixture("fx", &[])]).await;
     let s = rt.connected("fx").await;
     assert_eq!(
         s.functions,
@@ -204,7 +200,7 @@ async fn calls_during_an_outage_fail_at_once_and_work_after_the_reconnect() {
     let dir = tempfile::tempdir().unwrap();
     let block = dir.path().join("down");
     let spec = fixture("fx", &[("FIXTURE_FAIL_IF_EXISTS", block.to_str().unwrap())]);
-    let rt = runtime(json!({"generations": [text_gen("hi")]}), vec![spec]).await;
+    let rt = saying_hi(vec![spec]).await;
     let pid = rt.connected("fx").await.pid.unwrap();
     std::fs::write(&block, "").unwrap();
     sigkill(pid);
@@ -276,11 +272,7 @@ fn proc_state(pid: u32) -> Option<char> {
 
 #[tokio::test]
 async fn stopping_a_server_stops_what_it_started() {
-    let rt = runtime(
-        json!({"generations": [text_gen("hi")]}),
-        vec![fixture("fx", &[])],
-    )
-    .await;
+    let rt = saying_hi(vec![fixture("fx", &[])]).await;
     rt.connected("fx").await;
     let r = rt.call("mcp::fx::spawn_sleeper", json!({})).await;
     let pid: u32 = r["content"][0]["text"].as_str().unwrap().parse().unwrap();
@@ -298,13 +290,10 @@ async fn stopping_a_server_stops_what_it_started() {
 
 #[tokio::test]
 async fn a_harness_mcp_server_is_refused_so_no_model_reaches_its_control_tools() {
-    let rt = runtime(
-        json!({"generations": [text_gen("hi")]}),
-        vec![
-            fixture("self", &[("FIXTURE_NAME", "harness")]),
-            fixture("fx", &[]),
-        ],
-    )
+    let rt = saying_hi(vec![
+        fixture("self", &[("FIXTURE_NAME", "harness")]),
+        fixture("fx", &[]),
+    ])
     .await;
     rt.connected("fx").await;
     let s = eventually("the refusal", || {
@@ -331,11 +320,7 @@ async fn a_harness_mcp_server_is_refused_so_no_model_reaches_its_control_tools()
 /// changed ones restart, removed ones stop and their functions go.
 #[tokio::test]
 async fn applying_a_new_server_list_starts_keeps_restarts_and_stops_servers() {
-    let rt = runtime(
-        json!({"generations": [text_gen("hi")]}),
-        vec![fixture("fx", &[])],
-    )
-    .await;
+    let rt = saying_hi(vec![fixture("fx", &[])]).await;
     let fx = rt.connected("fx").await;
     rt.hub
         .apply(vec![fixture("fx", &[]), fixture("fy", &[])])
@@ -369,7 +354,7 @@ async fn settled_waits_for_tool_lists_or_failures() {
         "bad",
         &[("FIXTURE_FAIL_IF_EXISTS", block.to_str().unwrap())],
     );
-    let rt = runtime(json!({"generations": [text_gen("hi")]}), vec![good, bad]).await;
+    let rt = saying_hi(vec![good, bad]).await;
     let started = Instant::now();
     assert!(rt.hub.settled(Duration::from_secs(30)).await);
     assert!(

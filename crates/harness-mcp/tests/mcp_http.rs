@@ -134,11 +134,7 @@ async fn an_http_server_with_headers_is_registered_and_called_in_a_turn() {
 #[tokio::test]
 async fn a_tool_list_change_is_heard_over_the_sessions_event_stream() {
     let url = serve_http().await;
-    let rt = runtime(
-        json!({"generations": [text_gen("hi")]}),
-        vec![http("web", &url, Some("t0k"))],
-    )
-    .await;
+    let rt = saying_hi(vec![http("web", &url, Some("t0k"))]).await;
     rt.connected("web").await;
     assert!(!rt.function_ids().contains(&"mcp::web::late".to_string()));
     let added = rt.call("mcp::web::add_tool", json!({"name": "late"})).await;
@@ -155,11 +151,7 @@ async fn a_tool_list_change_is_heard_over_the_sessions_event_stream() {
 async fn a_session_the_server_forgot_is_replaced_and_the_call_still_answers() {
     let state = Arc::new(Front::default());
     let url = serve_http_with(state.clone()).await;
-    let rt = runtime(
-        json!({"generations": [text_gen("hi")]}),
-        vec![http("web", &url, Some("t0k"))],
-    )
-    .await;
+    let rt = saying_hi(vec![http("web", &url, Some("t0k"))]).await;
     rt.connected("web").await;
     assert_eq!(state.initializes.load(Ordering::SeqCst), 1);
 

@@ -71,6 +71,11 @@ pub async fn runtime(script: Value, servers: Vec<ServerSpec>) -> Rt {
     }
 }
 
+/// A runtime whose model answers "hi" to everything, with the MCP `servers`.
+pub async fn saying_hi(servers: Vec<ServerSpec>) -> Rt {
+    runtime(json!({"generations": [text_gen("hi")]}), servers).await
+}
+
 pub fn call_gen(matcher: &str, calls: Vec<(&str, &str, Value)>) -> Value {
     let content: Vec<Value> = calls
         .into_iter()
