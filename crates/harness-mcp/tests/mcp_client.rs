@@ -16,6 +16,16 @@ use harness_types::message::{joined_text, ContentBlock};
 use serde_json::{json, Value};
 use support::*;
 
+/// Runs one turn of `script` on `text`, with `allow` as the policy, once the `fx` fixture server
+/// is connected; the turn must complete. The runtime and the session.
+async fn completed_turn_with_fx(script: Value, text: &str, allow: &[&str]) -> (Rt, String) {
+    let rt = runtime(script, vec![fixture("fx", &[])]).await;
+    rt.connected("fx").await;
+    let (sid, s) = rt.run_turn(send(text, allow)).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    (rt, sid)
+}
+
 #[tokio::test]
 async fn tools_are_registered_with_their_schemas_and_sanitized_names() {
     let rt = saying_hi(vec![fixture("fx", &[])]).await;
@@ -65,10 +75,7 @@ async fn a_scripted_turn_calls_mcp_tools_and_reads_text_structured_and_image_res
         ]),
         text_gen("done")
     ]});
-    let rt = runtime(script, vec![fixture("fx", &[])]).await;
-    rt.connected("fx").await;
-    let (sid, s) = rt.run_turn(send("go", &["mcp::*"])).await;
-    assert_eq!(s.status, TurnStatus::Completed);
+    let (rt, sid) = completed_turn_with_fx(script, "go", &["mcp::*"]).await;
 
     let add = rt.result(&sid, "c1");
     assert!(!add.is_error, "{:?}", add.details);
@@ -104,10 +111,7 @@ async fn mcp_tools_are_denied_unless_the_policy_allows_them() {
         call_gen("^try", vec![("c1", "mcp::fx::add_tool", json!({"name": "sneaky"}))]),
         text_gen("tried")
     ]});
-    let rt = runtime(script, vec![fixture("fx", &[])]).await;
-    rt.connected("fx").await;
-    let (sid, s) = rt.run_turn(send("try", &["fs::*"])).await;
-    assert_eq!(s.status, TurnStatus::Completed);
+    let (rt, sid) = completed_turn_with_fx(script, "try", &["fs::*"]).await;
     let r = rt.result(&sid, "c1");
     assert!(r.is_error);
     assert_eq!(r.details["error"], "policy_denied", "{:?}", r.details);
@@ -248,10 +252,7 @@ async fn a_server_that_cannot_start_is_reported_and_the_harness_runs_on() {
     )
     .await;
     rt.connected("fx").await;
-    let b = eventually("the failure recorded", || {
-        Some(rt.server("broken")).filter(|s| s.last_error.is_some())
-    })
-    .await;
+    let b = rt.failed("broken").await;
     assert!(!b.connected);
     assert_eq!(b.connections, 0);
     let e = b.last_error.unwrap();
@@ -296,10 +297,7 @@ async fn a_harness_mcp_server_is_refused_so_no_model_reaches_its_control_tools()
     ])
     .await;
     rt.connected("fx").await;
-    let s = eventually("the refusal", || {
-        Some(rt.server("self")).filter(|s| s.last_error.is_some())
-    })
-    .await;
+    let s = rt.failed("self").await;
     assert!(!s.connected);
     assert!(s.functions.is_empty());
     let e = s.last_error.unwrap();

@@ -110,6 +110,14 @@ impl Rt {
             .unwrap_or_else(|| panic!("no server {name}"))
     }
 
+    /// Waits until `name` has failed: its status with the error recorded.
+    pub async fn failed(&self, name: &str) -> ServerStatus {
+        eventually(&format!("{name} failed"), || {
+            Some(self.server(name)).filter(|s| s.last_error.is_some())
+        })
+        .await
+    }
+
     /// Waits until `name` is connected with its tools registered.
     pub async fn connected(&self, name: &str) -> ServerStatus {
         eventually(&format!("{name} connected"), || {
