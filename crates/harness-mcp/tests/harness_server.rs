@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use harness_mcp::server::{CallFuture, Caller, HarnessServer, SERVER_NAME};
 use rmcp::model::{CallToolRequestParams, CallToolResult, ProtocolVersion};
-use rmcp::ServiceExt;
+use rmcp::service::Peer;
+use rmcp::{RoleClient, ServiceExt};
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, DuplexStream, Lines};
 use tokio::sync::Notify;
@@ -84,6 +85,13 @@ async fn serve(
     (client_out, client_in, task)
 }
 
+/// `tools/call` of `tool` with `arguments`, answered (by a result or a tool failure).
+async fn call(peer: &Peer<RoleClient>, tool: &'static str, arguments: Value) -> CallToolResult {
+    peer.call_tool(CallToolRequestParams::new(tool).with_arguments(args(arguments)))
+        .await
+        .unwrap_or_else(|e| panic!("{tool}: {e}"))
+}
+
 fn args(v: Value) -> Map<String, Value> {
     match v {
         Value::Object(m) => m,
@@ -120,12 +128,7 @@ async fn an_rmcp_client_completes_the_handshake_lists_and_calls_the_tools() {
         send_schema()
     );
 
-    let status = peer
-        .call_tool(
-            CallToolRequestParams::new("status").with_arguments(args(json!({"session_id": "s1"}))),
-        )
-        .await
-        .unwrap();
+    let status = call(&peer, "status", json!({"session_id": "s1"})).await;
     assert_ne!(status.is_error, Some(true));
     assert_eq!(
         status.structured_content,
@@ -137,12 +140,7 @@ async fn an_rmcp_client_completes_the_handshake_lists_and_calls_the_tools() {
     );
 
     // A harness refusal is the tool's failure, its text the harness error.
-    let stop = peer
-        .call_tool(
-            CallToolRequestParams::new("stop").with_arguments(args(json!({"session_id": "nope"}))),
-        )
-        .await
-        .unwrap();
+    let stop = call(&peer, "stop", json!({"session_id": "nope"})).await;
     assert_eq!(stop.is_error, Some(true));
     assert!(
         text(&stop).contains("harness/not_found: no session 'nope'"),
@@ -150,24 +148,13 @@ async fn an_rmcp_client_completes_the_handshake_lists_and_calls_the_tools() {
     );
 
     // `answer` is the session's next message; without its text it is refused before any call.
-    let answer = peer
-        .call_tool(
-            CallToolRequestParams::new("answer")
-                .with_arguments(args(json!({"session_id": "s1", "text": "blue"}))),
-        )
-        .await
-        .unwrap();
+    let answer = call(&peer, "answer", json!({"session_id": "s1", "text": "blue"})).await;
     assert_eq!(answer.structured_content.unwrap()["session_id"], "s1");
     assert_eq!(
         caller.calls_of("harness::send"),
         [json!({"session_id": "s1", "message": "blue"})]
     );
-    let incomplete = peer
-        .call_tool(
-            CallToolRequestParams::new("answer").with_arguments(args(json!({"session_id": "s1"}))),
-        )
-        .await
-        .unwrap();
+    let incomplete = call(&peer, "answer", json!({"session_id": "s1"})).await;
     assert_eq!(incomplete.is_error, Some(true));
     assert!(text(&incomplete).contains("harness/invalid_request"));
     assert_eq!(caller.calls_of("harness::send").len(), 1);
