@@ -30,13 +30,7 @@ fn aliases(text: &str) -> BTreeMap<String, Vec<String>> {
         };
         let name = current.clone().expect("a word outside any alias");
         let words = out.entry(name).or_insert_with(Vec::new);
-        words.extend(
-            words_part
-                .split('"')
-                .skip(1)
-                .step_by(2)
-                .map(str::to_string),
-        );
+        words.extend(words_part.split('"').skip(1).step_by(2).map(str::to_string));
         if words_part.trim_end().ends_with(']') {
             current = None;
         }
@@ -74,7 +68,9 @@ fn every_test_target_is_in_exactly_one_tier_and_every_tier_names_real_targets() 
     let text = std::fs::read_to_string(workspace().join(".cargo/config.toml")).unwrap();
     let aliases = aliases(&text);
     for tier in ["test-unit", "test-integration", "test-crash", "test-live"] {
-        let words = aliases.get(tier).unwrap_or_else(|| panic!("no alias {tier}"));
+        let words = aliases
+            .get(tier)
+            .unwrap_or_else(|| panic!("no alias {tier}"));
         assert_eq!(words[0], "test", "{tier}");
         for w in ["--workspace", "--locked", "--features", "harness/iii"] {
             assert!(words.contains(&w.to_string()), "{tier} lacks {w}");
@@ -82,13 +78,19 @@ fn every_test_target_is_in_exactly_one_tier_and_every_tier_names_real_targets() 
     }
     let unit = &aliases["test-unit"];
     assert!(unit.contains(&"--lib".into()) && unit.contains(&"--bins".into()));
-    assert!(targets_of(unit).is_empty(), "the unit tier runs no tests/ target");
+    assert!(
+        targets_of(unit).is_empty(),
+        "the unit tier runs no tests/ target"
+    );
 
     let targets = test_targets();
     let mut seen: BTreeMap<String, Vec<&str>> = BTreeMap::new();
     for tier in ["test-integration", "test-crash", "test-live"] {
         for t in targets_of(&aliases[tier]) {
-            assert!(targets.contains(&t), "{tier} names {t}, which is no test target");
+            assert!(
+                targets.contains(&t),
+                "{tier} names {t}, which is no test target"
+            );
             seen.entry(t).or_default().push(tier);
         }
     }
