@@ -340,13 +340,7 @@ impl Harness {
         // The server measured the prompt over its window (our count was low): assembled once
         // more with a quarter of the prompt held back, so the history is compacted (or a message
         // that alone cannot fit refused), and asked again, once. Nothing was streamed.
-        let overflowed = generation.as_ref().is_ok_and(|g| {
-            !g.has_partial()
-                && g.error
-                    .as_ref()
-                    .is_some_and(|e| e.kind == harness_types::message::ErrorKind::ContextOverflow)
-        });
-        if overflowed && !cancel.is_cancelled() {
+        if overflowed(&generation) && !cancel.is_cancelled() {
             let (mut req, extras) = again;
             // What the refused request carried, in bytes (which bound tokens).
             let request_bytes = context::byte_bound(&req.messages)
@@ -381,13 +375,7 @@ impl Harness {
                     )
                     .await;
             }
-            let still = generation.as_ref().is_ok_and(|g| {
-                !g.has_partial()
-                    && g.error.as_ref().is_some_and(|e| {
-                        e.kind == harness_types::message::ErrorKind::ContextOverflow
-                    })
-            });
-            if still {
+            if overflowed(&generation) {
                 carry.guard = Some(self.inner.locks.lock(&sid).await);
                 self.exclude_dominant_message(rec, &window, request_bytes)
                     .await?;
@@ -567,4 +555,14 @@ fn finished(
     }));
     carry.message = Some(message);
     input
+}
+
+/// The server refused the prompt as over its window before streaming any of the reply.
+fn overflowed(generation: &Result<crate::stream::Generation>) -> bool {
+    generation.as_ref().is_ok_and(|g| {
+        !g.has_partial()
+            && g.error
+                .as_ref()
+                .is_some_and(|e| e.kind == harness_types::message::ErrorKind::ContextOverflow)
+    })
 }
