@@ -335,28 +335,7 @@ impl QueueState {
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
                  WHERE queue = +?1 AND status = 'ready' AND id > ?2 ORDER BY id",
             )?;
-            let rows = stmt.query_map((&self.name, after), |r| {
-                Ok((
-                    r.get::<_, i64>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                    r.get::<_, String>(3)?,
-                    r.get::<_, i64>(4)?,
-                ))
-            })?;
-            let mut out = Vec::new();
-            for row in rows {
-                let (id, group, function_id, payload, attempts) = row?;
-                out.push(QueueMessage {
-                    id,
-                    queue: self.name.clone(),
-                    group,
-                    function_id,
-                    payload: serde_json::from_str(&payload)?,
-                    attempt: u32::try_from(attempts).unwrap_or(u32::MAX - 1) + 1,
-                });
-            }
-            Ok(out)
+            messages(&mut stmt, (&self.name, after), &self.name, 1)
         })
     }
 }
