@@ -380,6 +380,9 @@ async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_t
 #[tokio::test]
 async fn a_settle_before_the_redelivered_step_leaves_the_turn_to_that_step() {
     let (rt, runs, r) = parked_on_f("finished").await;
+    // The step that parked acks its delivery after the record is visible: wait for that, so the
+    // depth read below sees only what the resolve enqueues.
+    rt.until_queue_empty().await;
     // What a crash mid-dispatch leaves: the hold saved on a record that is still running (the
     // step was cut before it parked), its step to be delivered again.
     let mut rec = rt.turn_record(&r.session_id).await.unwrap();
