@@ -24,6 +24,35 @@ where
     Arc::new(move |m| f(m).boxed())
 }
 
+/// A handler that sends what `report` reads off each delivery to `tx` once the delivery runs,
+/// then lets `outcome` decide it: most tests watch deliveries rather than their effects.
+fn reporting<T, R, O, Fut>(tx: mpsc::UnboundedSender<T>, report: R, outcome: O) -> QueueHandler
+where
+    T: Send + 'static,
+    R: Fn(&QueueMessage) -> T + Send + Sync + 'static,
+    O: Fn(QueueMessage) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), String>> + Send + 'static,
+{
+    handler(move |m| {
+        let (tx, seen) = (tx.clone(), report(&m));
+        let decided = outcome(m);
+        async move {
+            let _ = tx.send(seen);
+            decided.await
+        }
+    })
+}
+
+async fn acks(_: QueueMessage) -> Result<(), String> {
+    Ok(())
+}
+
+/// Stands in for a handler that hangs: only an abort, a shutdown or a crash ends it.
+async fn never_finishes(_: QueueMessage) -> Result<(), String> {
+    futures::future::pending::<()>().await;
+    Ok(())
+}
+
 fn setup(durability: Durability) -> (tempfile::TempDir, Store, Queues) {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("q.db"), durability).unwrap();
@@ -180,17 +209,20 @@ async fn same_group_waits_for_the_in_flight_message() {
     let release_rx = Arc::new(Mutex::new(Some(release_rx)));
     queues.start(
         "q",
-        handler(move |m| {
-            let (started, release) = (started_tx.clone(), release_rx.clone());
-            async move {
-                let _ = started.send(m.payload.as_i64().unwrap());
-                if m.payload == json!(1) {
-                    let rx = release.lock().unwrap().take().unwrap();
-                    let _ = rx.await;
+        reporting(
+            started_tx,
+            |m| m.payload.as_i64().unwrap(),
+            move |m| {
+                let release = release_rx.clone();
+                async move {
+                    if m.payload == json!(1) {
+                        let rx = release.lock().unwrap().take().unwrap();
+                        let _ = rx.await;
+                    }
+                    Ok(())
                 }
-                Ok(())
-            }
-        }),
+            },
+        ),
     );
     queues.enqueue("q", "a", "f", &json!(1)).await.unwrap();
     assert_eq!(recv(&mut started_rx).await, 1);
@@ -217,17 +249,17 @@ async fn retry_then_success() {
     let (tx, mut rx) = mpsc::unbounded_channel();
     queues.start(
         "q",
-        handler(move |m| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send(m.attempt);
+        reporting(
+            tx,
+            |m| m.attempt,
+            |m| async move {
                 if m.attempt < 3 {
                     Err(format!("fail {}", m.attempt))
                 } else {
                     Ok(())
                 }
-            }
-        }),
+            },
+        ),
     );
     queues.enqueue("q", "g", "f", &json!({})).await.unwrap();
     assert_eq!(
@@ -250,17 +282,17 @@ async fn dead_letter_after_max_retries_then_group_moves_on() {
     let (tx, mut rx) = mpsc::unbounded_channel();
     queues.start(
         "q",
-        handler(move |m| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send((m.payload.as_str().unwrap().to_string(), m.attempt));
+        reporting(
+            tx,
+            |m| (m.payload.as_str().unwrap().to_string(), m.attempt),
+            |m| async move {
                 if m.payload == json!("poison") {
                     Err("always fails".to_string())
                 } else {
                     Ok(())
                 }
-            }
-        }),
+            },
+        ),
     );
     let poison = queues
         .enqueue("q", "g", "f", &json!("poison"))
@@ -314,21 +346,24 @@ async fn visibility_timeout_aborts_hung_handler_and_panics_are_failures() {
     let (tx, mut rx) = mpsc::unbounded_channel();
     queues.start(
         "q",
-        handler(move |m| {
-            let (tx, dropped_tx) = (tx.clone(), dropped_tx.clone());
-            async move {
-                let _ = tx.send((m.payload.clone(), m.attempt));
-                match (m.payload.as_str().unwrap(), m.attempt) {
-                    ("hang", 1) => {
-                        let _signal = DropSignal(dropped_tx.lock().unwrap().take());
-                        futures::future::pending::<()>().await;
-                        unreachable!()
+        reporting(
+            tx,
+            |m| (m.payload.clone(), m.attempt),
+            move |m| {
+                let dropped_tx = dropped_tx.clone();
+                async move {
+                    match (m.payload.as_str().unwrap(), m.attempt) {
+                        ("hang", 1) => {
+                            let _signal = DropSignal(dropped_tx.lock().unwrap().take());
+                            futures::future::pending::<()>().await;
+                            unreachable!()
+                        }
+                        ("panic", 1) => panic!("handler bug"),
+                        _ => Ok(()),
                     }
-                    ("panic", 1) => panic!("handler bug"),
-                    _ => Ok(()),
                 }
-            }
-        }),
+            },
+        ),
     );
     queues.enqueue("q", "h", "f", &json!("hang")).await.unwrap();
     queues
@@ -361,16 +396,7 @@ async fn visibility_timeout_aborts_hung_handler_and_panics_are_failures() {
 async fn enqueue_wakes_an_idle_dispatcher_promptly() {
     let (_dir, store, queues) = setup(Durability::Full);
     let (tx, mut rx) = mpsc::unbounded_channel();
-    queues.start(
-        "q",
-        handler(move |m| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send((m.id, Instant::now()));
-                Ok(())
-            }
-        }),
-    );
+    queues.start("q", reporting(tx, |m| (m.id, Instant::now()), acks));
     queues.enqueue("q", "g", "f", &json!(0)).await.unwrap();
     recv(&mut rx).await;
     eventually("idle", || queues.depth("q") == 0).await;
@@ -416,17 +442,7 @@ async fn unacked_messages_are_redelivered_after_a_crash() {
         assert_eq!(queues.depth("q"), 4, "enqueue before start is indexed");
         // Start with a handler that takes message 0 and never finishes; then "crash".
         let (tx, mut rx) = mpsc::unbounded_channel();
-        queues.start(
-            "q",
-            handler(move |m| {
-                let tx = tx.clone();
-                async move {
-                    let _ = tx.send(m.id);
-                    futures::future::pending::<()>().await;
-                    Ok(())
-                }
-            }),
-        );
+        queues.start("q", reporting(tx, |m| m.id, never_finishes));
         recv(&mut rx).await;
         recv(&mut rx).await;
         // Dropping everything without acking stands in for the process dying.
@@ -439,13 +455,11 @@ async fn unacked_messages_are_redelivered_after_a_crash() {
     let (tx, mut rx) = mpsc::unbounded_channel();
     queues.start(
         "q",
-        handler(move |m| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send((m.group.clone(), m.payload.as_i64().unwrap(), m.attempt));
-                Ok(())
-            }
-        }),
+        reporting(
+            tx,
+            |m| (m.group.clone(), m.payload.as_i64().unwrap(), m.attempt),
+            acks,
+        ),
     );
     let mut got = Vec::new();
     for _ in 0..4 {
@@ -465,17 +479,7 @@ async fn unacked_messages_are_redelivered_after_a_crash() {
 async fn shutdown_leaves_in_flight_rows_for_redelivery() {
     let (_dir, store, queues) = setup(Durability::Normal);
     let (tx, mut rx) = mpsc::unbounded_channel();
-    queues.start(
-        "q",
-        handler(move |m| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send(m.id);
-                futures::future::pending::<()>().await;
-                Ok(())
-            }
-        }),
-    );
+    queues.start("q", reporting(tx, |m| m.id, never_finishes));
     queues.enqueue("q", "g", "f", &json!(1)).await.unwrap();
     recv(&mut rx).await;
     let t0 = Instant::now();
@@ -486,7 +490,7 @@ async fn shutdown_leaves_in_flight_rows_for_redelivery() {
     );
     assert_eq!(rows(&store), 1);
     // A second start after shutdown is ignored.
-    queues.start("q", handler(|_| async { Ok(()) }));
+    queues.start("q", handler(acks));
     assert_eq!(rows(&store), 1);
 }
 
@@ -515,16 +519,13 @@ async fn rows_from_before_and_after_a_restart_are_each_delivered_once_in_order()
     let (tx, mut rx) = mpsc::unbounded_channel();
     for q in ["a", "b"] {
         queues.define(q, fast(1, 3));
-        let tx = tx.clone();
         queues.start(
             q,
-            handler(move |m| {
-                let tx = tx.clone();
-                async move {
-                    let _ = tx.send((m.queue.clone(), m.payload.as_i64().unwrap(), m.attempt));
-                    Ok(())
-                }
-            }),
+            reporting(
+                tx.clone(),
+                |m| (m.queue.clone(), m.payload.as_i64().unwrap(), m.attempt),
+                acks,
+            ),
         );
     }
     for i in 3..6 {
