@@ -44,11 +44,7 @@ async fn a_text_turn_completes_with_one_user_and_one_assistant_entry() {
 async fn the_assistant_entry_id_is_deterministic() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
     let (r, _) = rt.run(send("hi")).await;
-    let ids: Vec<String> = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .map(|e| e.entry_id)
-        .collect();
+    let ids = rt.entry_ids(&r.session_id);
     assert!(
         ids.contains(&format!("e_{}_0_assistant", r.turn_id)),
         "{ids:?}"
@@ -75,11 +71,7 @@ async fn a_repeated_idempotency_key_appends_nothing() {
             .count(),
         1
     );
-    let ids: Vec<String> = rt
-        .entries(&a.session_id)
-        .into_iter()
-        .map(|e| e.entry_id)
-        .collect();
+    let ids = rt.entry_ids(&a.session_id);
     assert!(ids.contains(&"e_idem_hook~3A42".to_string()), "{ids:?}");
 }
 
@@ -187,11 +179,7 @@ async fn a_transient_failure_after_partial_output_resumes_once() {
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(s.transient_resumes, 1);
     assert_eq!(s.result, Some(json!("Complete answer.")));
-    let ids: Vec<String> = rt
-        .entries(&r.session_id)
-        .into_iter()
-        .map(|e| e.entry_id)
-        .collect();
+    let ids = rt.entry_ids(&r.session_id);
     assert!(
         ids.contains(&format!("e_{}_transient_recovery_1_recovering", r.turn_id)),
         "{ids:?}"

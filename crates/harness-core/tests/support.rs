@@ -329,6 +329,14 @@ impl Rt {
         self.sessions.all_entries(session_id, true).unwrap()
     }
 
+    /// The ids of the session's entries, in order: what a test names to find a step's record.
+    pub fn entry_ids(&self, session_id: &str) -> Vec<String> {
+        self.entries(session_id)
+            .into_iter()
+            .map(|e| e.entry_id)
+            .collect()
+    }
+
     /// The entry `entry_id` of the session.
     pub fn entry(&self, session_id: &str, entry_id: &str) -> Entry {
         self.entries(session_id)
