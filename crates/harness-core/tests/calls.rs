@@ -14,12 +14,10 @@ use support::*;
 #[tokio::test]
 async fn a_deny_all_policy_sends_no_tools_and_agent_trigger_sends_one() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let a = rt.send(send("plain chat")).await;
-    rt.wait_terminal(&a.session_id, &a.turn_id).await;
-    let b = rt
-        .send(allowing_as("with tools", &["*"], ExposeMode::AgentTrigger))
+    let (a, _) = rt.run(send("plain chat")).await;
+    let (b, _) = rt
+        .run(allowing_as("with tools", &["*"], ExposeMode::AgentTrigger))
         .await;
-    rt.wait_terminal(&b.session_id, &b.turn_id).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     assert!(seen[0].tools.is_empty(), "deny-all: no tools at all");
     assert!(seen[0]
@@ -42,14 +40,13 @@ async fn native_exposure_lists_allowed_functions_sorted_with_their_schemas() {
     rt.register("weather::now", Some(schema.clone()), |_| json!({}));
     rt.register("weather::forecast", None, |_| json!({}));
     rt.register("shell::exec", None, |_| json!({}));
-    let r = rt
-        .send(allowing_as(
+    let (r, _) = rt
+        .run(allowing_as(
             "tools please",
             &["weather::*", "engine::functions::*"],
             ExposeMode::Native,
         ))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let names: Vec<&str> = seen[0].tools.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(
@@ -84,14 +81,13 @@ async fn discovery_through_agent_trigger_only_shows_callable_functions() {
     let rt = runtime(script, config()).await;
     rt.register("weather::now", None, |_| json!({}));
     rt.register("shell::exec", None, |_| json!({}));
-    let r = rt
-        .send(allowing_as(
+    let (r, _) = rt
+        .run(allowing_as(
             "discover",
             &["weather::*", "engine::functions::*"],
             ExposeMode::AgentTrigger,
         ))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     let ids: Vec<&str> = result.details["functions"]
         .as_array()
@@ -127,10 +123,9 @@ async fn stringified_json_arguments_are_repaired_and_the_repair_is_noted() {
         *seen.lock().unwrap() = p.clone();
         json!({"sum": p["numbers"].as_array().map(|a| a.iter().filter_map(Value::as_i64).sum::<i64>())})
     });
-    let r = rt
-        .send(allowing_as("sum these", &["math::*"], ExposeMode::Native))
+    let (r, _) = rt
+        .run(allowing_as("sum these", &["math::*"], ExposeMode::Native))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(
         *got.lock().unwrap(),
         json!({"numbers": [1, 2, 3]}),
@@ -207,10 +202,9 @@ async fn an_oversized_result_is_elided_in_the_transcript_and_the_next_context() 
     };
     let rt = runtime(script, cfg).await;
     rt.register("db::dump", None, |_| json!({"rows": vec!["row"; 2000]}));
-    let r = rt
-        .send(allowing_as("dump", &["db::*"], ExposeMode::Native))
+    let (r, _) = rt
+        .run(allowing_as("dump", &["db::*"], ExposeMode::Native))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let result = &rt.results(&r.session_id)[0];
     let text = result.content[0].as_text().unwrap().to_string();
     assert!(text.starts_with("<omitted: result was ~"), "{text}");
@@ -242,10 +236,9 @@ async fn degraded_and_targetless_calls_are_refused_without_running_anything() {
     ]});
     let rt = runtime(script, config()).await;
     let calls = rt.register("fs::write", None, |_| json!({}));
-    let r = rt
-        .send(allowing_as("go", &["*"], ExposeMode::AgentTrigger))
+    let (r, _) = rt
+        .run(allowing_as("go", &["*"], ExposeMode::AgentTrigger))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let results = rt.results(&r.session_id);
     assert_eq!(results[0].details["error"], "agent_trigger_no_target");
     assert_eq!(results[1].details["error"], "degraded_arguments");
@@ -308,10 +301,9 @@ async fn a_send_while_a_function_runs_returns_at_once_and_steers_the_next_step()
 async fn a_registry_change_is_announced_once_to_a_session_that_may_call_functions() {
     use harness_bus::Bus;
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let a = rt
-        .send(allowing_as("first", &["*"], ExposeMode::AgentTrigger))
+    let (a, _) = rt
+        .run(allowing_as("first", &["*"], ExposeMode::AgentTrigger))
         .await;
-    rt.wait_terminal(&a.session_id, &a.turn_id).await;
     rt.bus
         .call("harness::on-functions-change", json!({}), None)
         .await
@@ -353,10 +345,9 @@ async fn arguments_repair_could_not_fix_get_one_diagnosis_naming_fields_and_type
         Some(schema),
         |_| json!({"content": [{"type": "text", "text": "bad request"}], "is_error": true}),
     );
-    let r = rt
-        .send(allowing_as("store it", &["db::*"], ExposeMode::Native))
+    let (r, _) = rt
+        .run(allowing_as("store it", &["db::*"], ExposeMode::Native))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
     let results = rt.results(&r.session_id);
     assert_eq!(results.len(), 2);
     let texts: Vec<String> = results

@@ -385,8 +385,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
         .await
         .unwrap();
     assert_eq!(out["created"], true);
-    let first = rt.send(send("hello")).await;
-    rt.wait_terminal(&first.session_id, &first.turn_id).await;
+    let (first, _) = rt.run(send("hello")).await;
     assert!(prompts(&rt, &first.session_id)[0].starts_with("You are the house identity, v1."));
 
     rt.bus
@@ -397,8 +396,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
         )
         .await
         .unwrap();
-    let second = rt.send(send("hello again")).await;
-    rt.wait_terminal(&second.session_id, &second.turn_id).await;
+    let (second, _) = rt.run(send("hello again")).await;
     let p = prompts(&rt, &second.session_id).remove(0);
     assert!(p.starts_with("You are the house identity, v2."), "{p}");
 
@@ -725,8 +723,7 @@ async fn a_changed_skills_catalog_arrives_as_one_durable_correction() {
 #[tokio::test]
 async fn a_direct_spawns_display_parent_lists_the_child_and_names_it_on_its_events() {
     let rt = replying("ok").await;
-    let parent = rt.send(send("host")).await;
-    rt.wait_terminal(&parent.session_id, &parent.turn_id).await;
+    let (parent, _) = rt.run(send("host")).await;
     let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Value>::new()));
     let log = heard.clone();
     rt.bus.register_function(

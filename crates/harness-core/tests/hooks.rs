@@ -257,8 +257,7 @@ async fn deny_at_each_point() {
         |_| json!({"mutations": {"content": [{"type": "text", "text": "redacted"}], "is_error": true}}),
     );
     rt2.bind("post-trigger", "post::rewrite", json!({})).await;
-    let r = rt2.send(allowing("write it", &["*"])).await;
-    rt2.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, _) = rt2.run(allowing("write it", &["*"])).await;
     let result = &rt2.results(&r.session_id)[0];
     assert_eq!(
         (result.content.clone(), result.is_error),

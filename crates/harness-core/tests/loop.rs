@@ -56,8 +56,7 @@ async fn a_repeated_idempotency_key_appends_nothing() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
     let mut req = send("once");
     req.idempotency_key = Some("hook:42".into());
-    let a = rt.send(req.clone()).await;
-    rt.wait_terminal(&a.session_id, &a.turn_id).await;
+    let (a, _) = rt.run(req.clone()).await;
     let b = rt.send(req).await;
     assert_eq!(b.deduplicated, Some(true));
     assert_eq!(
@@ -83,8 +82,7 @@ async fn a_follow_up_send_inherits_the_model_and_a_new_session_needs_one() {
     let err = rt.harness.send(no_model.clone()).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::InvalidRequest);
     assert!(err.message.starts_with("model:"), "{err}");
-    let a = rt.send(send("hi")).await;
-    rt.wait_terminal(&a.session_id, &a.turn_id).await;
+    let (a, _) = rt.run(send("hi")).await;
     no_model.session_id = Some(a.session_id.clone());
     let b = rt.send(no_model).await;
     assert_ne!(b.turn_id, a.turn_id);
@@ -714,8 +712,7 @@ async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
     };
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config).await;
     harness_session::register_transactional(&rt.bus, &rt.sessions);
-    let first = rt.send(send("hello")).await;
-    rt.wait_terminal(&first.session_id, &first.turn_id).await;
+    let (first, _) = rt.run(send("hello")).await;
     let before = rt.writes_once_idle().await;
     let mut req = send("again");
     req.session_id = Some(first.session_id.clone());

@@ -195,8 +195,8 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
     });
     let cron_before = bindings_of(&rt, "cron").await;
 
-    let r = rt
-        .send(allowing_in(
+    let (r, _) = rt
+        .run(allowing_in(
             "bind it",
             "s_bind",
             &[
@@ -207,7 +207,6 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
             ],
         ))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
 
     assert_refused(
         &result(&rt, "s_bind", "b1"),
@@ -268,10 +267,8 @@ async fn a_binding_left_behind_goes_at_start_up_and_with_its_session() {
     let rt = runtime(json!({"generations": [done()]}), config()).await;
     tick_type(&rt);
     rt.register("notes::ping", None, |_| json!("pong"));
-    let a = rt.send(send("one")).await;
-    rt.wait_terminal(&a.session_id, &a.turn_id).await;
-    let b = rt.send(send("two")).await;
-    rt.wait_terminal(&b.session_id, &b.turn_id).await;
+    let (a, _) = rt.run(send("one")).await;
+    let (b, _) = rt.run(send("two")).await;
     let operators = rt
         .bus
         .call(
@@ -335,10 +332,9 @@ async fn what_a_model_appends_is_marked_by_its_call_and_never_a_users_words() {
         config(),
     )
     .await;
-    let r = rt
-        .send(allowing_in("note this", "s_note", &["session::*"]))
+    let (r, _) = rt
+        .run(allowing_in("note this", "s_note", &["session::*"]))
         .await;
-    rt.wait_terminal(&r.session_id, &r.turn_id).await;
 
     let user = result(&rt, "s_note", "a1");
     assert_refused(
