@@ -14,9 +14,8 @@ use support::*;
 #[tokio::test]
 async fn a_deny_all_policy_sends_no_tools_and_agent_trigger_sends_one() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
-    let (a, _) = rt.run(send("plain chat")).await;
-    let (b, _) = rt
-        .run(allowing_as("with tools", &["*"], ExposeMode::AgentTrigger))
+    rt.run(send("plain chat")).await;
+    rt.run(allowing_as("with tools", &["*"], ExposeMode::AgentTrigger))
         .await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     assert!(seen[0].tools.is_empty(), "deny-all: no tools at all");
@@ -40,13 +39,12 @@ async fn native_exposure_lists_allowed_functions_sorted_with_their_schemas() {
     rt.register("weather::now", Some(schema.clone()), |_| json!({}));
     rt.register("weather::forecast", None, |_| json!({}));
     rt.register("shell::exec", None, |_| json!({}));
-    let (r, _) = rt
-        .run(allowing_as(
-            "tools please",
-            &["weather::*", "engine::functions::*"],
-            ExposeMode::Native,
-        ))
-        .await;
+    rt.run(allowing_as(
+        "tools please",
+        &["weather::*", "engine::functions::*"],
+        ExposeMode::Native,
+    ))
+    .await;
     let seen = rt.recorder.seen.lock().unwrap().clone();
     let names: Vec<&str> = seen[0].tools.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(
