@@ -38,11 +38,16 @@ fn result(rt: &Rt, session_id: &str, call_id: &str) -> FunctionResultMessage {
         .unwrap_or_else(|| panic!("no result for {call_id}"))
 }
 
-fn assert_refused(r: &FunctionResultMessage, error: &str, says: &str) {
-    let text = joined_text(&r.content);
-    assert!(r.is_error, "{}: {text}", r.function_call_id);
-    assert_eq!(r.details["error"], error, "{}: {text}", r.function_call_id);
-    assert!(text.contains(says), "{}: {text}", r.function_call_id);
+/// Each `(call_id, error, says)`: the call's result in `session_id` is an error of that kind whose
+/// text says `says`.
+fn assert_refused(rt: &Rt, session_id: &str, refused: &[(&str, &str, &str)]) {
+    for &(call_id, error, says) in refused {
+        let r = result(rt, session_id, call_id);
+        let text = joined_text(&r.content);
+        assert!(r.is_error, "{call_id}: {text}");
+        assert_eq!(r.details["error"], error, "{call_id}: {text}");
+        assert!(text.contains(says), "{call_id}: {text}");
+    }
 }
 
 /// A test trigger type the model may bind (cron is refused, `harness::*` types are the loop's).
@@ -111,17 +116,15 @@ async fn a_model_allowed_everything_causes_no_generation_of_its_own() {
     let (_, end) = rt.run(allowing_in("reach out", "s_reach", &["*"])).await;
     assert_eq!(end.status, TurnStatus::Completed);
 
-    for id in ["c1", "c3", "c4"] {
-        assert_refused(
-            &result(&rt, "s_reach", id),
-            "control_plane",
-            "control plane",
-        );
-    }
     assert_refused(
-        &result(&rt, "s_reach", "c2"),
-        "control_plane",
-        "takes a model or a provider",
+        &rt,
+        "s_reach",
+        &[
+            ("c1", "control_plane", "control plane"),
+            ("c2", "control_plane", "takes a model or a provider"),
+            ("c3", "control_plane", "control plane"),
+            ("c4", "control_plane", "control plane"),
+        ],
     );
     assert_eq!(draws.load(std::sync::atomic::Ordering::SeqCst), 0);
     // Counting only reads: it stays callable.
@@ -209,24 +212,22 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
         .await;
 
     assert_refused(
-        &result(&rt, "s_bind", "b1"),
-        "control_plane",
-        "'cron' binding fires outside any turn",
-    );
-    assert_refused(
-        &result(&rt, "s_bind", "b2"),
-        "control_plane",
-        "'mail::send' is not permitted by this agent's dispatch policy",
-    );
-    assert_refused(
-        &result(&rt, "s_bind", "b3"),
-        "control_plane",
-        "state::delete",
-    );
-    assert_refused(
-        &result(&rt, "s_bind", "b4"),
-        "control_plane",
-        "takes a model or a provider",
+        &rt,
+        "s_bind",
+        &[
+            (
+                "b1",
+                "control_plane",
+                "'cron' binding fires outside any turn",
+            ),
+            (
+                "b2",
+                "control_plane",
+                "'mail::send' is not permitted by this agent's dispatch policy",
+            ),
+            ("b3", "control_plane", "state::delete"),
+            ("b4", "control_plane", "takes a model or a provider"),
+        ],
     );
     let made = result(&rt, "s_bind", "b5");
     assert!(!made.is_error, "{:?}", made.details);
@@ -336,26 +337,19 @@ async fn what_a_model_appends_is_marked_by_its_call_and_never_a_users_words() {
         .run(allowing_in("note this", "s_note", &["session::*"]))
         .await;
 
-    let user = result(&rt, "s_note", "a1");
     assert_refused(
-        &user,
-        "forbidden_entry",
-        "harness/invalid_request: message.role:",
-    );
-    assert_refused(
-        &result(&rt, "s_note", "a2"),
-        "forbidden_entry",
-        "message.role",
-    );
-    assert_refused(
-        &result(&rt, "s_note", "a4"),
-        "forbidden_entry",
-        "custom.custom_type",
-    );
-    assert_refused(
-        &result(&rt, "s_note", "a5"),
-        "control_plane",
-        "control plane",
+        &rt,
+        "s_note",
+        &[
+            (
+                "a1",
+                "forbidden_entry",
+                "harness/invalid_request: message.role:",
+            ),
+            ("a2", "forbidden_entry", "message.role"),
+            ("a4", "forbidden_entry", "custom.custom_type"),
+            ("a5", "control_plane", "control plane"),
+        ],
     );
     assert!(!result(&rt, "s_note", "a3").is_error);
 
