@@ -32,6 +32,13 @@ fn open(dir: &std::path::Path) -> EmbeddedBus {
     bus
 }
 
+/// Calls `function_id` as the operator does and returns its answer; these calls must succeed.
+async fn ask(bus: &EmbeddedBus, function_id: &str, payload: Value) -> Value {
+    bus.call(function_id, payload, None)
+        .await
+        .unwrap_or_else(|e| panic!("{function_id}: {e}"))
+}
+
 fn ids(answer: &Value) -> Vec<&str> {
     answer["functions"]
         .as_array()
@@ -45,10 +52,7 @@ fn ids(answer: &Value) -> Vec<&str> {
 async fn functions_list_filters_by_prefix_search_and_worker() {
     let dir = tempfile::tempdir().unwrap();
     let bus = open(dir.path());
-    let all = bus
-        .call("engine::functions::list", json!({}), None)
-        .await
-        .unwrap();
+    let all = ask(&bus, "engine::functions::list", json!({})).await;
     assert!(ids(&all).contains(&"fs::read"), "{all}");
     let row = all["functions"]
         .as_array()
@@ -58,40 +62,31 @@ async fn functions_list_filters_by_prefix_search_and_worker() {
         .unwrap();
     assert_eq!(row["worker_name"], "session-manager", "{row}");
 
-    let by_prefix = bus
-        .call(
-            "engine::functions::list",
-            json!({"prefix": "weather::"}),
-            None,
-        )
-        .await
-        .unwrap();
+    let by_prefix = ask(
+        &bus,
+        "engine::functions::list",
+        json!({"prefix": "weather::"}),
+    )
+    .await;
     assert_eq!(ids(&by_prefix), ["weather::alerts", "weather::forecast"]);
 
     // Every word, in the id or the description, whatever its case.
-    let searched = bus
-        .call(
-            "engine::functions::list",
-            json!({"search": "FORECAST city"}),
-            None,
-        )
-        .await
-        .unwrap();
+    let searched = ask(
+        &bus,
+        "engine::functions::list",
+        json!({"search": "FORECAST city"}),
+    )
+    .await;
     assert_eq!(ids(&searched), ["weather::forecast"]);
-    let none = bus
-        .call(
-            "engine::functions::list",
-            json!({"search": "forecast tide"}),
-            None,
-        )
-        .await
-        .unwrap();
+    let none = ask(
+        &bus,
+        "engine::functions::list",
+        json!({"search": "forecast tide"}),
+    )
+    .await;
     assert!(ids(&none).is_empty(), "{none}");
 
-    let by_worker = bus
-        .call("engine::functions::list", json!({"worker": "tools"}), None)
-        .await
-        .unwrap();
+    let by_worker = ask(&bus, "engine::functions::list", json!({"worker": "tools"})).await;
     assert_eq!(ids(&by_worker), ["fs::read"]);
 }
 
@@ -99,10 +94,7 @@ async fn functions_list_filters_by_prefix_search_and_worker() {
 async fn workers_and_trigger_types_are_described() {
     let dir = tempfile::tempdir().unwrap();
     let bus = open(dir.path());
-    let workers = bus
-        .call("engine::workers::list", json!({}), None)
-        .await
-        .unwrap();
+    let workers = ask(&bus, "engine::workers::list", json!({})).await;
     let weather = workers["workers"]
         .as_array()
         .unwrap()
@@ -111,10 +103,7 @@ async fn workers_and_trigger_types_are_described() {
         .unwrap_or_else(|| panic!("the weather worker in {workers}"));
     assert_eq!(weather["function_count"], 2);
 
-    let info = bus
-        .call("engine::workers::info", json!({"name": "weather"}), None)
-        .await
-        .unwrap();
+    let info = ask(&bus, "engine::workers::info", json!({"name": "weather"})).await;
     assert_eq!(ids(&info), ["weather::alerts", "weather::forecast"]);
     assert_eq!(info["trigger_types"][0]["id"], "weather::changed", "{info}");
     let missing = bus
@@ -123,10 +112,7 @@ async fn workers_and_trigger_types_are_described() {
         .unwrap_err();
     assert!(missing.to_string().contains("tides"), "{missing}");
 
-    let triggers = bus
-        .call("engine::triggers::list", json!({}), None)
-        .await
-        .unwrap();
+    let triggers = ask(&bus, "engine::triggers::list", json!({})).await;
     let listed: Vec<&str> = triggers["triggers"]
         .as_array()
         .unwrap()
@@ -135,14 +121,12 @@ async fn workers_and_trigger_types_are_described() {
         .collect();
     assert!(listed.contains(&"weather::changed"), "{triggers}");
     assert!(listed.contains(&"cron"), "{triggers}");
-    let one = bus
-        .call(
-            "engine::triggers::info",
-            json!({"id": "weather::changed"}),
-            None,
-        )
-        .await
-        .unwrap();
+    let one = ask(
+        &bus,
+        "engine::triggers::info",
+        json!({"id": "weather::changed"}),
+    )
+    .await;
     assert_eq!(
         one["trigger_request_format"]["properties"]["city"]["type"],
         "string"
@@ -157,43 +141,35 @@ async fn workers_and_trigger_types_are_described() {
 async fn registered_triggers_are_listed_in_the_engines_shape() {
     let dir = tempfile::tempdir().unwrap();
     let bus = open(dir.path());
-    let bound = bus
-        .call(
-            "engine::register_trigger",
-            json!({"trigger_type": "weather::changed", "function_id": "weather::alerts",
+    let bound = ask(
+        &bus,
+        "engine::register_trigger",
+        json!({"trigger_type": "weather::changed", "function_id": "weather::alerts",
                    "config": {"city": "Oslo"}}),
-            None,
-        )
-        .await
-        .unwrap();
-    let listed = bus
-        .call(
-            "engine::registered-triggers::list",
-            json!({"function_id": "weather::alerts"}),
-            None,
-        )
-        .await
-        .unwrap();
+    )
+    .await;
+    let listed = ask(
+        &bus,
+        "engine::registered-triggers::list",
+        json!({"function_id": "weather::alerts"}),
+    )
+    .await;
     let rows = listed["registered_triggers"].as_array().unwrap();
     assert_eq!(rows.len(), 1, "{listed}");
     assert_eq!(rows[0]["id"], bound["id"]);
     assert_eq!(rows[0]["config"]["city"], "Oslo");
-    let other = bus
-        .call(
-            "engine::registered-triggers::list",
-            json!({"function_id": "weather::forecast"}),
-            None,
-        )
-        .await
-        .unwrap();
+    let other = ask(
+        &bus,
+        "engine::registered-triggers::list",
+        json!({"function_id": "weather::forecast"}),
+    )
+    .await;
     assert!(other["registered_triggers"].as_array().unwrap().is_empty());
-    let removed = bus
-        .call(
-            "engine::unregister_trigger",
-            json!({"id": bound["id"]}),
-            None,
-        )
-        .await
-        .unwrap();
+    let removed = ask(
+        &bus,
+        "engine::unregister_trigger",
+        json!({"id": bound["id"]}),
+    )
+    .await;
     assert_eq!(removed["removed"], true);
 }
