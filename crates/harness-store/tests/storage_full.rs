@@ -52,6 +52,22 @@ async fn free(store: &Store) {
         .unwrap();
 }
 
+/// Queues on `store` with the queue "q" defined: short backoff so retries come quickly, a
+/// visibility timeout long enough that only the disk can fail a delivery.
+fn queue_q(store: &Store, concurrency: usize, max_retries: u32) -> Queues {
+    let queues = Queues::new(store.clone());
+    queues.define(
+        "q",
+        QueueConfig {
+            concurrency,
+            max_retries,
+            backoff_ms: 5,
+            visibility_timeout_ms: 60_000,
+        },
+    );
+    queues
+}
+
 fn big() -> Value {
     json!("x".repeat(200_000))
 }
@@ -140,16 +156,7 @@ async fn a_full_disk_fails_writes_as_full_keeps_reads_and_recovers_by_itself() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_failing_for_lack_of_space_spends_no_attempt_and_never_dies() {
     let (_dir, store) = open();
-    let queues = Queues::new(store.clone());
-    queues.define(
-        "q",
-        QueueConfig {
-            concurrency: 1,
-            max_retries: 1,
-            backoff_ms: 5,
-            visibility_timeout_ms: 60_000,
-        },
-    );
+    let queues = queue_q(&store, 1, 1);
     fill(&store).await;
     let tries = Arc::new(AtomicUsize::new(0));
     {
@@ -193,16 +200,7 @@ async fn a_delivery_failing_for_lack_of_space_spends_no_attempt_and_never_dies()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ack_failing_for_lack_of_space_is_retried_not_the_handler() {
     let (_dir, store) = open();
-    let queues = Queues::new(store.clone());
-    queues.define(
-        "q",
-        QueueConfig {
-            concurrency: 4,
-            max_retries: 3,
-            backoff_ms: 5,
-            visibility_timeout_ms: 60_000,
-        },
-    );
+    let queues = queue_q(&store, 4, 3);
     // Deleting a queue row now needs new pages: while the database cannot grow, every ack
     // fails with SQLITE_FULL (a stand-in for a WAL that cannot grow).
     store
