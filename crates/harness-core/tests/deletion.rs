@@ -226,24 +226,18 @@ async fn a_failed_attempt_keeps_the_data_and_is_retried_under_the_next_attempt()
 #[tokio::test]
 async fn bad_requests_name_their_field() {
     let rt = replying("hi").await;
-    let e = rt
-        .harness
-        .delete_session_tree(delete("nobody", None))
-        .await
-        .unwrap_err();
-    assert!(e.to_string().contains("session_id: unknown session"), "{e}");
-    let e = rt
-        .harness
-        .delete_session_tree(delete("", None))
-        .await
-        .unwrap_err();
-    assert!(e.to_string().contains("session_id"), "{e}");
-    let e = rt
-        .harness
-        .delete_session_tree(delete("x", Some(0)))
-        .await
-        .unwrap_err();
-    assert!(e.to_string().contains("attempt"), "{e}");
+    for (session_id, attempt, names) in [
+        ("nobody", None, "session_id: unknown session"),
+        ("", None, "session_id"),
+        ("x", Some(0), "attempt"),
+    ] {
+        let e = rt
+            .harness
+            .delete_session_tree(delete(session_id, attempt))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains(names), "{session_id:?}: {e}");
+    }
     let e = rt
         .bus
         .call(
