@@ -101,8 +101,7 @@ async fn a_hook_rewrite_into_the_wall_is_refused_on_the_second_check_and_never_r
         json!({"decision": "continue", "mutations": {"arguments": args}})
     });
     rt.bind("pre-trigger", "rewrite::scope", json!({})).await;
-    let r = rt.send(allowing("note", &["state::*"])).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(allowing("note", &["state::*"])).await;
     assert_eq!(s.status, TurnStatus::Completed);
     let result = rt
         .results(&r.session_id)
@@ -216,8 +215,7 @@ async fn a_stop_between_two_calls_leaves_the_second_unrun_and_closes_it() {
         json!({"functions": ["x::first"]}),
     )
     .await;
-    let r = rt.send(allowing("both", &["x::*"])).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(allowing("both", &["x::*"])).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
     assert!(aborted.load(Ordering::SeqCst), "the stop fired");
     assert!(rt.result_text(&r.session_id, "c1").contains("first ran"));

@@ -171,10 +171,9 @@ async fn the_third_identical_failing_call_is_answered_by_the_breaker() {
         None,
         |_| json!({"content": [{"type": "text", "text": "connection refused"}], "is_error": true}),
     );
-    let r = rt
-        .send(allowing_as("flaky", &["net::*"], ExposeMode::Native))
+    let (r, s) = rt
+        .run(allowing_as("flaky", &["net::*"], ExposeMode::Native))
         .await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(
         calls.load(Ordering::SeqCst),

@@ -84,8 +84,7 @@ async fn a_long_conversation_is_compacted_and_never_fails() {
         let mut req = send(&format!("turn {n}: read report {n}"));
         req.session_id = session.clone();
         req.options = Some(options.clone());
-        let sent = rt.send(req).await;
-        let status = rt.wait_terminal(&sent.session_id, &sent.turn_id).await;
+        let (sent, status) = rt.run(req).await;
         assert_eq!(
             status.status,
             TurnStatus::Completed,

@@ -100,8 +100,7 @@ async fn the_max_turns_notice_refused_by_a_post_turn_hook_fails_the_turn_keeping
         max_turns: Some(1),
         ..req.options.unwrap()
     });
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (_, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let failure = s.failure.expect("a cause");
     assert_eq!(failure.code, "harness.output_contract_invalid");
@@ -201,8 +200,7 @@ async fn a_stop_landing_before_the_next_generation_cancels_without_asking_the_mo
     let aborted = rt.watch_abort();
     rt.stopping_hook("stop::before", aborted.clone(), |p| p["step"] == 1);
     rt.bind("pre-generate", "stop::before", json!({})).await;
-    let r = rt.send(allowing("go", &["x::*"])).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (_, s) = rt.run(allowing("go", &["x::*"])).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
     assert!(aborted.load(Ordering::SeqCst), "the stop fired");
     assert_eq!(
@@ -285,8 +283,7 @@ async fn a_step_failing_on_an_unexpected_error_fails_its_turn_with_the_cause() {
             Err::<Value, _>(BusError::internal("the router broke"))
         }),
     );
-    let r = rt.send(send("talk")).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (_, s) = rt.run(send("talk")).await;
     assert_eq!(s.status, TurnStatus::Failed);
     let failure = s.failure.expect("a cause");
     assert_eq!(failure.code, "harness.turn_internal");
@@ -362,8 +359,7 @@ async fn a_generation_the_signal_cut_before_the_stop_took_the_lock_cancels_the_t
     rt.bind("post-generate", "stop::after", json!({})).await;
     let mut req = allowing("go", &["x::*"]);
     req.session_id = Some("s_cut".into());
-    let r = rt.send(req).await;
-    let s = rt.wait_terminal(&r.session_id, &r.turn_id).await;
+    let (r, s) = rt.run(req).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
     assert!(aborting.load(Ordering::SeqCst), "the stop fired");
     assert_eq!(
