@@ -181,42 +181,30 @@ async fn a_message_sent_while_parked_is_appended_and_steers_the_next_generation(
 
 #[tokio::test]
 async fn deny_at_each_point() {
-    // pre-turn
-    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
-    rt.hook(
-        "policy::no",
-        |_| json!({"decision": "deny", "reason": "quota exhausted"}),
-    );
-    rt.bind("pre-turn", "policy::no", json!({})).await;
-    let (r, s) = rt.run(send("hi")).await;
-    assert_eq!(s.status, TurnStatus::Failed);
-    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
-    assert_eq!(
-        err.custom.as_ref().unwrap().data["code"],
-        "harness.pre_turn_denied"
-    );
-    assert_eq!(
-        err.custom.unwrap().data["detail"],
-        "pre_turn hook denied: quota exhausted"
-    );
+    /// A turn run while the `point` hook denies it for `reason`.
+    async fn denied_at(point: &str, reason: &'static str) -> (Rt, Value, TurnStatus) {
+        let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
+        rt.hook(
+            "policy::no",
+            move |_| json!({"decision": "deny", "reason": reason}),
+        );
+        rt.bind(point, "policy::no", json!({})).await;
+        let (r, s) = rt.run(send("hi")).await;
+        let record = rt.error_record(&r);
+        (rt, record, s.status)
+    }
+
+    let (rt, err, status) = denied_at("pre-turn", "quota exhausted").await;
+    assert_eq!(status, TurnStatus::Failed);
+    assert_eq!(err["code"], "harness.pre_turn_denied");
+    assert_eq!(err["detail"], "pre_turn hook denied: quota exhausted");
     assert!(
         rt.recorder.seen.lock().unwrap().is_empty(),
         "no model spend"
     );
 
-    // pre-generate
-    let rt = runtime(json!({"generations": [text_gen("never")]}), config()).await;
-    rt.hook(
-        "policy::no",
-        |_| json!({"decision": "deny", "reason": "off hours"}),
-    );
-    rt.bind("pre-generate", "policy::no", json!({})).await;
-    let (r, _) = rt.run(send("hi")).await;
-    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
-    assert_eq!(
-        err.custom.unwrap().data["code"],
-        "harness.pre_generate_denied"
-    );
+    let (_, err, _) = denied_at("pre-generate", "off hours").await;
+    assert_eq!(err["code"], "harness.pre_generate_denied");
 
     // pre-trigger: the call gets a hook_denied result, the target never runs.
     let rt = runtime(script_one_call(), config()).await;

@@ -284,8 +284,7 @@ async fn a_failure_with_no_output_fails_the_turn_without_spending_the_resume_bud
         s.result_error.as_deref(),
         Some("The provider failed temporarily.")
     );
-    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
-    let data = err.custom.unwrap().data;
+    let data = rt.error_record(&r);
     assert_eq!(data["phase"], "generation");
     assert_eq!(data["detail"], "503 from upstream");
     let done = rt.completed_events(&r.session_id, &r.turn_id).await;
@@ -301,8 +300,7 @@ async fn a_conversation_that_does_not_fit_fails_cleanly() {
     let rt = runtime(json!({"generations": [text_gen("ok")]}), cfg).await;
     let (r, s) = rt.run(send(&"word ".repeat(400))).await;
     assert_eq!(s.status, TurnStatus::Failed);
-    let err = rt.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
-    let data = err.custom.unwrap().data;
+    let data = rt.error_record(&r);
     assert_eq!(data["code"], "harness.context_overflow");
     assert!(data["detail"]
         .as_str()

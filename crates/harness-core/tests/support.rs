@@ -337,6 +337,15 @@ impl Rt {
             .collect()
     }
 
+    /// The data of the error record the turn of `r` ended with (`code`, `phase`, `detail`).
+    pub fn error_record(&self, r: &harness_types::api::SendResponse) -> Value {
+        let entry = self.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
+        entry
+            .custom
+            .unwrap_or_else(|| panic!("e_{}_error is no custom record", r.turn_id))
+            .data
+    }
+
     /// The entry `entry_id` of the session.
     pub fn entry(&self, session_id: &str, entry_id: &str) -> Entry {
         self.entries(session_id)
