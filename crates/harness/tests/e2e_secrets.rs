@@ -13,7 +13,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
@@ -115,35 +115,15 @@ impl Served {
     }
 
     async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let s = self
-                .call("harness::status", json!({ "session_id": session_id }))
-                .await;
-            if s["turn_id"] == json!(turn_id) && is_terminal(&s) {
-                return s;
-            }
-            assert!(Instant::now() < deadline, "turn not done: {s}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        process::wait_turn(turn_id, WAIT, || {
+            self.call("harness::status", json!({ "session_id": session_id }))
+        })
+        .await
     }
 
     /// Every entry of the transcript, custom entries included.
     async fn transcript(&self, session_id: &str) -> Vec<Value> {
-        let mut out = Vec::new();
-        let mut cursor: Option<String> = None;
-        loop {
-            let mut req = json!({"session_id": session_id, "include_custom": true, "limit": 100});
-            if let Some(c) = &cursor {
-                req["cursor"] = json!(c);
-            }
-            let page = self.call("session::messages", req).await;
-            out.extend(page["messages"].as_array().cloned().unwrap_or_default());
-            match page["next_cursor"].as_str() {
-                Some(c) => cursor = Some(c.to_string()),
-                None => return out,
-            }
-        }
+        process::transcript(session_id, true, |req| self.call("session::messages", req)).await
     }
 
     /// The session's event stream from its start, read until the turn's completion arrives.
