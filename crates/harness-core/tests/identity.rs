@@ -509,14 +509,8 @@ async fn a_direct_spawn_names_a_profile_for_its_child() {
     let child = rt
         .harness
         .spawn(SpawnRequest {
-            task: json!("review this"),
-            model: None,
-            provider: None,
-            session_id: None,
-            options: None,
             agent: Some("reviewer".into()),
-            display: None,
-            parent_session_id: None,
+            ..spawning("review this")
         })
         .await
         .unwrap();
@@ -532,17 +526,12 @@ async fn a_direct_spawn_names_a_profile_for_its_child() {
     let err = rt
         .harness
         .spawn(SpawnRequest {
-            task: json!("t"),
-            model: None,
-            provider: None,
-            session_id: None,
             options: Some(harness_types::api::SpawnOptions {
                 system_prompt: Some("x".into()),
                 ..Default::default()
             }),
             agent: Some("reviewer".into()),
-            display: None,
-            parent_session_id: None,
+            ..spawning("t")
         })
         .await
         .unwrap_err()

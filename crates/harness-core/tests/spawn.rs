@@ -5,7 +5,7 @@ mod support;
 use std::time::Duration;
 
 use harness_core::HarnessConfig;
-use harness_types::api::{ExposeMode, FunctionPolicy, SpawnRequest, TurnStatus};
+use harness_types::api::{ExposeMode, FunctionPolicy, TurnStatus};
 use serde_json::{json, Value};
 use support::*;
 
@@ -152,20 +152,7 @@ async fn spawn_hello(rt: &Rt) -> harness_types::api::SpawnResponse {
 #[tokio::test]
 async fn a_direct_spawn_starts_a_child_with_exactly_the_policy_it_names() {
     let rt = replying("child says hi").await;
-    let err = rt
-        .harness
-        .spawn(SpawnRequest {
-            task: json!("hello"),
-            model: None,
-            provider: None,
-            session_id: None,
-            options: None,
-            agent: None,
-            display: None,
-            parent_session_id: None,
-        })
-        .await
-        .unwrap_err();
+    let err = rt.harness.spawn(spawning("hello")).await.unwrap_err();
     assert!(err.message.starts_with("model:"), "{err}");
     let out = spawn_hello(&rt).await;
     let s = rt

@@ -659,3 +659,17 @@ impl Rt {
             .collect()
     }
 }
+
+/// A direct spawn of `task` that names nothing else: each test sets the one field it is about.
+pub fn spawning(task: &str) -> harness_types::api::SpawnRequest {
+    harness_types::api::SpawnRequest {
+        task: json!(task),
+        model: None,
+        provider: None,
+        session_id: None,
+        options: None,
+        agent: None,
+        display: None,
+        parent_session_id: None,
+    }
+}
