@@ -186,18 +186,11 @@ async fn a_clean_stop_leaves_no_wal_behind() {
                 let req = json!({"message": "go", "session_id": session_id, "model": "m", "provider": "scripted"});
                 let sent = api.ok("harness::send", req).await;
                 let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-                let deadline = Instant::now() + WAIT;
-                loop {
-                    let st = api
-                        .ok("harness::status", json!({"session_id": session_id}))
-                        .await;
-                    if st["turn_id"] == json!(turn_id) && is_terminal(&st) {
-                        assert_eq!(st["status"], json!("completed"), "{st}");
-                        break;
-                    }
-                    assert!(Instant::now() < deadline, "turn {turn_id}: {st}");
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
+                let st = process::wait_turn(&turn_id, WAIT, || {
+                    api.ok("harness::status", json!({"session_id": session_id}))
+                })
+                .await;
+                assert_eq!(st["status"], json!("completed"), "{st}");
             }
         }));
     }
