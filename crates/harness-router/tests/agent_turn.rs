@@ -213,30 +213,31 @@ fn expected_chat_messages() -> Value {
     ])
 }
 
-#[tokio::test]
-async fn an_agent_turn_runs_through_the_openai_chat_adapter() {
+/// Runs the chat-completions turn through provider `id` of `kind` and checks what every chat
+/// dialect owes it: the transcript, and the second request replaying the turn after the system
+/// prompt.
+async fn chat_dialect_turn(id: &str, kind: ProviderKind, model: &str) -> (Rt, Mock) {
     let (first, second) = chat_turn_replies();
     let mock = Mock::start(vec![first, second]).await;
-    let rt = runtime(&mock, "openai", ProviderKind::Openai, "/v1").await;
-    let (messages, _) = turn(&rt, "openai", "gpt-4o").await;
+    let rt = runtime(&mock, id, kind, "/v1").await;
+    let (messages, _) = turn(&rt, id, model).await;
     assert_eq!(messages, expected_transcript());
-    assert_eq!(rt.calls.load(Ordering::SeqCst), 1);
     let bodies = mock.bodies();
     let msgs = bodies[1]["messages"].as_array().unwrap();
     assert_eq!(msgs[0]["role"], "system");
     assert_eq!(Value::Array(msgs[1..].to_vec()), expected_chat_messages());
+    (rt, mock)
+}
+
+#[tokio::test]
+async fn an_agent_turn_runs_through_the_openai_chat_adapter() {
+    let (rt, _mock) = chat_dialect_turn("openai", ProviderKind::Openai, "gpt-4o").await;
+    assert_eq!(rt.calls.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
 async fn an_agent_turn_runs_through_an_openai_compatible_server() {
-    let (first, second) = chat_turn_replies();
-    let mock = Mock::start(vec![first, second]).await;
-    let rt = runtime(&mock, "ollama", ProviderKind::OpenaiCompatible, "/v1").await;
-    let (messages, _) = turn(&rt, "ollama", "qwen3:8b").await;
-    assert_eq!(messages, expected_transcript());
-    let bodies = mock.bodies();
-    let msgs = bodies[1]["messages"].as_array().unwrap();
-    assert_eq!(Value::Array(msgs[1..].to_vec()), expected_chat_messages());
+    let (_rt, mock) = chat_dialect_turn("ollama", ProviderKind::OpenaiCompatible, "qwen3:8b").await;
     assert!(!mock.requests()[0].headers.contains_key("authorization"));
 }
 
