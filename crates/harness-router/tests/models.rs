@@ -54,22 +54,16 @@ async fn models_get_and_supports_answer_from_the_catalog() {
         .await
         .unwrap();
     assert_eq!(none, Value::Null);
-    let s = call(
-        &bus,
-        "router::models::supports",
-        json!({"provider": "openai", "id": "gpt-4o", "capability": "vision"}),
-    )
-    .await
-    .unwrap();
-    assert_eq!(s, json!({"supported": true}));
-    let s = call(
-        &bus,
-        "router::models::supports",
-        json!({"provider": "openai", "id": "gpt-4o", "capability": "thinking"}),
-    )
-    .await
-    .unwrap();
-    assert_eq!(s, json!({"supported": false}));
+    for (capability, supported) in [("vision", true), ("thinking", false)] {
+        let s = call(
+            &bus,
+            "router::models::supports",
+            json!({"provider": "openai", "id": "gpt-4o", "capability": capability}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(s, json!({"supported": supported}), "{capability}");
+    }
     let err = call(
         &bus,
         "router::models::supports",
