@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
@@ -19,6 +20,24 @@ async fn wait_settled(server: &Server, session_id: &str) -> Value {
         (!s.is_null() && is_terminal(&s)).then_some(s)
     })
     .await
+}
+
+/// After a crash at `point`: no target ran twice, and every call in the session's transcript
+/// has its one result. Returns the runs per target and the transcript.
+async fn ran_once_and_closed(
+    point: &str,
+    server: &Server,
+    fx: &Fixtures,
+    sid: &str,
+) -> (HashMap<String, usize>, Vec<Value>) {
+    let ran = invocations(&fx.log());
+    assert!(
+        ran.values().all(|n| *n == 1),
+        "{point}: a target ran twice: {ran:?}"
+    );
+    let entries = server.transcript(sid, false).await;
+    assert_every_call_closed(&entries);
+    (ran, entries)
 }
 
 /// A server whose model calls `slow::work` (it takes 10 s) on "do the work" and then says the
@@ -99,13 +118,7 @@ async fn sigkill_at_every_step_boundary_of_a_five_call_turn() {
             .await;
         let status = wait_settled(&server, sid).await;
         assert_eq!(status["status"], "completed", "{point}: {status}");
-        let ran = invocations(&fx.log());
-        assert!(
-            ran.values().all(|n| *n == 1),
-            "{point}: a target ran twice: {ran:?}"
-        );
-        let entries = server.transcript(sid, false).await;
-        assert_every_call_closed(&entries);
+        let (ran, entries) = ran_once_and_closed(point, &server, &fx, sid).await;
         let users = user_texts(&entries).len();
         assert_eq!(users, 1, "{point}: one user message\n{}", render(&entries));
         let last = entries.last().unwrap();
@@ -169,13 +182,7 @@ async fn a_crash_while_a_released_call_runs_still_closes_it_once() {
         server.crash_at(point, "approval::decide", json!({"approval_id": approval["approval_id"], "decision": "approve", "digest": approval["digest"]})).await;
         let status = server.wait_turn(sid, &turn_id).await;
         assert_eq!(status["status"], "completed", "{point}: {status}");
-        let ran = invocations(&fx.log());
-        assert!(
-            ran.values().all(|n| *n == 1),
-            "{point}: the target ran twice: {ran:?}"
-        );
-        let entries = server.transcript(sid, false).await;
-        assert_every_call_closed(&entries);
+        let (ran, entries) = ran_once_and_closed(point, &server, &fx, sid).await;
         let result = entries
             .iter()
             .find(|e| role_of(e) == Some("function_result"))
