@@ -99,30 +99,24 @@ async fn runs_in_the_root_with_exit_code_and_output() {
 #[tokio::test]
 async fn bad_requests_are_refused_by_field() {
     let rig = Rig::new();
-    let e = rig
-        .err(
-            "shell::exec",
-            json!({"command": "pwd", "cwd": "../outside"}),
-        )
-        .await;
-    assert_eq!(e.code, "tools/outside_root", "{e}");
-    let e = rig
-        .err("shell::exec", json!({"command": "pwd", "cwd": "/"}))
-        .await;
-    assert_eq!(e.code, "tools/outside_root", "{e}");
-    let e = rig
-        .err(
-            "shell::exec",
+    for cwd in ["../outside", "/"] {
+        let e = rig
+            .err("shell::exec", json!({"command": "pwd", "cwd": cwd}))
+            .await;
+        assert_eq!(e.code, "tools/outside_root", "{cwd}: {e}");
+    }
+    // Each refusal starts with the field it is about.
+    for (args, field) in [
+        (
             json!({"command": "env", "env": {"OPENAI_API_KEY": "x"}}),
-        )
-        .await;
-    assert!(e.message.starts_with("env.OPENAI_API_KEY:"), "{e}");
-    let e = rig
-        .err("shell::exec", json!({"command": "a", "argv": ["b"]}))
-        .await;
-    assert!(e.message.starts_with("argv:"), "{e}");
-    let e = rig.err("shell::exec", json!({})).await;
-    assert!(e.message.starts_with("command:"), "{e}");
+            "env.OPENAI_API_KEY:",
+        ),
+        (json!({"command": "a", "argv": ["b"]}), "argv:"),
+        (json!({}), "command:"),
+    ] {
+        let e = rig.err("shell::exec", args).await;
+        assert!(e.message.starts_with(field), "{e}");
+    }
     let e = rig
         .err("shell::exec", json!({"command": "true", "shell": "bash"}))
         .await;
