@@ -11,6 +11,15 @@ async fn open(dir: &std::path::Path) -> SessionStore {
     SessionStore::open(store).await.unwrap()
 }
 
+/// A store with the session "s" and a neighbour "other", whose changes must never show in s's.
+async fn open_with_neighbour(dir: &std::path::Path) -> SessionStore {
+    let s = open(dir).await;
+    for sid in ["s", "other"] {
+        create(&s, sid).await;
+    }
+    s
+}
+
 async fn append(s: &SessionStore, sid: &str, entry_id: &str, text: &str) {
     s.append(AppendRequest {
         session_id: sid.into(),
@@ -201,10 +210,7 @@ fn as_rows(r: &ChangesResponse) -> Vec<(String, i64, String)> {
 async fn a_reader_after_its_first_read_is_answered_from_memory_as_sqlite_would() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
-    let s = open(dir.path()).await;
-    for sid in ["s", "other"] {
-        create(&s, sid).await;
-    }
+    let s = open_with_neighbour(dir.path()).await;
     append(&s, "s", "e0", "zero").await;
     append(&s, "s", "e1", "one").await;
     // The first read comes from SQLite; from its mark on the writes are kept in memory.
@@ -344,10 +350,7 @@ async fn after_a_restart_every_mark_reads_what_changed_after_it() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
     {
-        let s = open(dir.path()).await;
-        for sid in ["s", "other"] {
-            create(&s, sid).await;
-        }
+        let s = open_with_neighbour(dir.path()).await;
         for i in 0..6 {
             append(&s, "s", &format!("e{i}"), "text").await;
             append(&s, "other", &format!("e{i}"), "same ids elsewhere").await;
