@@ -5,9 +5,7 @@
 mod support;
 
 use harness_bus::Bus;
-use harness_types::api::{
-    Mode, SendOptions, SessionTreeRequest, SpawnRequest, SystemPromptStrategy,
-};
+use harness_types::api::{Mode, SendOptions, SpawnRequest, SystemPromptStrategy};
 use serde_json::{json, Value};
 use support::*;
 
@@ -139,13 +137,7 @@ async fn a_spawns_display_is_on_its_session_its_tree_node_and_its_events() {
     assert_eq!(meta.metadata["subagent_display"], want);
     assert_eq!(meta.title.as_deref(), Some("Flight finder"));
 
-    let tree = rt
-        .harness
-        .session_tree(SessionTreeRequest {
-            session_id: child.child_session_id.clone(),
-        })
-        .await
-        .unwrap();
+    let tree = rt.tree(&child.child_session_id).await;
     assert_eq!(json!(tree.display), want);
 
     let events: Vec<(String, Value)> = rt.topics(&child.child_session_id);
@@ -201,13 +193,7 @@ async fn max_children_limits_the_childs_own_fan_out() {
     )
     .await;
     let (r, _) = rt.run(orchestrating("lead")).await;
-    let lead = rt
-        .harness
-        .session_tree(SessionTreeRequest {
-            session_id: r.session_id.clone(),
-        })
-        .await
-        .unwrap();
+    let lead = rt.tree(&r.session_id).await;
     let middle = &lead.children[0];
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let results = loop {
@@ -750,13 +736,7 @@ async fn a_direct_spawns_display_parent_lists_the_child_and_names_it_on_its_even
     rt.wait_terminal(&child.child_session_id, &child.child_turn_id)
         .await;
 
-    let tree = rt
-        .harness
-        .session_tree(SessionTreeRequest {
-            session_id: parent.session_id.clone(),
-        })
-        .await
-        .unwrap();
+    let tree = rt.tree(&parent.session_id).await;
     assert_eq!(tree.children.len(), 1);
     assert_eq!(tree.children[0].session_id, child.child_session_id);
     let done = rt

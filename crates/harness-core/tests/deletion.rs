@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 
 use harness_bus::Bus;
 use harness_types::api::{
-    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionSnapshot, DeletionStatus,
-    SessionTreeRequest, TurnStatus,
+    DeleteTreeRequest, DeleteTreeStatusRequest, DeletionSnapshot, DeletionStatus, TurnStatus,
 };
 use serde_json::json;
 use support::*;
@@ -21,12 +20,8 @@ fn delete(session_id: &str, attempt: Option<u32>) -> DeleteTreeRequest {
 }
 
 async fn children(rt: &Rt, session_id: &str) -> Vec<String> {
-    rt.harness
-        .session_tree(SessionTreeRequest {
-            session_id: session_id.into(),
-        })
+    rt.tree(session_id)
         .await
-        .unwrap()
         .children
         .into_iter()
         .map(|c| c.session_id)

@@ -380,13 +380,7 @@ async fn a_turn_may_reuse_only_its_own_tree() {
 #[tokio::test]
 async fn the_session_tree_and_its_metrics_follow_the_parent_links() {
     let (rt, r) = trip_with_one_child().await;
-    let tree = rt
-        .harness
-        .session_tree(harness_types::api::SessionTreeRequest {
-            session_id: r.session_id.clone(),
-        })
-        .await
-        .unwrap();
+    let tree = rt.tree(&r.session_id).await;
     assert_eq!(tree.session_id, r.session_id);
     assert_eq!(tree.turn_status, Some(TurnStatus::Completed));
     assert_eq!(tree.children.len(), 1);

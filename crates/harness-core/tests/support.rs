@@ -337,6 +337,16 @@ impl Rt {
             .collect()
     }
 
+    /// The session tree below `session_id`, as `harness::session-tree` answers it.
+    pub async fn tree(&self, session_id: &str) -> harness_types::api::SessionTreeNode {
+        self.harness
+            .session_tree(harness_types::api::SessionTreeRequest {
+                session_id: session_id.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("session tree of {session_id}: {e}"))
+    }
+
     /// The data of the error record the turn of `r` ended with (`code`, `phase`, `detail`).
     pub fn error_record(&self, r: &harness_types::api::SendResponse) -> Value {
         let entry = self.entry(&r.session_id, &format!("e_{}_error", r.turn_id));
