@@ -23,6 +23,17 @@ fn assert_error(e: &ApiError, status: u16, code: &str, names: &str) {
     );
 }
 
+/// An HTTP answer that is an error: `status`, the error `code`, and a message naming `names`.
+async fn assert_error_reply(resp: reqwest::Response, status: u16, code: &str, names: &str) {
+    assert_eq!(resp.status(), status);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], code, "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains(names),
+        "{body}"
+    );
+}
+
 /// Sends that fail must leave no session and no turn behind.
 async fn assert_untouched(server: &Server, session_id: &str) {
     assert_eq!(
@@ -197,16 +208,7 @@ async fn bad_input() {
 
     // Events: unknown session, and a Last-Event-ID that is not an id.
     let resp = server.get("/v1/sessions/s_nope/events").await;
-    assert_eq!(resp.status(), 404);
-    let body: Value = resp.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "harness/not_found");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("session_id"),
-        "{body}"
-    );
+    assert_error_reply(resp, 404, "harness/not_found", "session_id").await;
 
     // Still serving, and a normal send completes.
     server.assert_alive();
@@ -226,16 +228,7 @@ async fn bad_input() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 400);
-    let body: Value = resp.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "harness/invalid_request");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("Last-Event-ID"),
-        "{body}"
-    );
+    assert_error_reply(resp, 400, "harness/invalid_request", "Last-Event-ID").await;
     server.assert_alive();
 }
 
