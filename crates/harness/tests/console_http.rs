@@ -34,6 +34,14 @@ async fn get(c: &reqwest::Client, url: String) -> reqwest::Response {
         .unwrap_or_else(|e| panic!("GET {url}: {e}"))
 }
 
+/// A GET of `url` carrying `header` is refused as 403 with the error `code`.
+async fn assert_forbidden(c: &reqwest::Client, url: String, header: (&str, &str), code: &str) {
+    let r = c.get(url).header(header.0, header.1).send().await.unwrap();
+    assert_eq!(r.status(), 403);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], code, "{body}");
+}
+
 fn header<'a>(r: &'a reqwest::Response, name: &str) -> &'a str {
     r.headers()
         .get(name)
@@ -289,24 +297,22 @@ async fn assets_need_no_token_while_the_api_still_does() {
 async fn host_and_origin_rules_apply_to_the_page() {
     let s = Server::start(&demo(), &[]).await;
     let c = client();
-    let r = c
-        .get(format!("{}/", s.url()))
-        .header("host", "evil.test:3113")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 403);
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "harness/forbidden_host");
-    let r = c
-        .get(format!("{}/console/app.js", s.url()))
-        .header("origin", "http://127.0.0.1:1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 403);
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "harness/forbidden_origin");
+    let url = format!("{}/", s.url());
+    assert_forbidden(
+        &c,
+        url,
+        ("host", "evil.test:3113"),
+        "harness/forbidden_host",
+    )
+    .await;
+    let url = format!("{}/console/app.js", s.url());
+    assert_forbidden(
+        &c,
+        url,
+        ("origin", "http://127.0.0.1:1"),
+        "harness/forbidden_origin",
+    )
+    .await;
 }
 
 #[tokio::test]
