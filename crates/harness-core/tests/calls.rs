@@ -296,15 +296,11 @@ async fn a_send_while_a_function_runs_returns_at_once_and_steers_the_next_step()
 
 #[tokio::test]
 async fn a_registry_change_is_announced_once_to_a_session_that_may_call_functions() {
-    use harness_bus::Bus;
     let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
     let (a, _) = rt
         .run(allowing_as("first", &["*"], ExposeMode::AgentTrigger))
         .await;
-    rt.bus
-        .call("harness::on-functions-change", json!({}), None)
-        .await
-        .unwrap();
+    rt.ok("harness::on-functions-change", json!({})).await;
     for text in ["second", "third"] {
         let mut next = send(text);
         next.session_id = Some(a.session_id.clone());

@@ -214,14 +214,11 @@ async fn max_children_limits_the_childs_own_fan_out() {
 }
 
 async fn status_of(rt: &Rt, session_id: &str, verbose: bool) -> Value {
-    rt.bus
-        .call(
-            "harness::status",
-            json!({"session_id": session_id, "verbose": verbose}),
-            None,
-        )
-        .await
-        .unwrap()
+    rt.ok(
+        "harness::status",
+        json!({"session_id": session_id, "verbose": verbose}),
+    )
+    .await
 }
 
 #[tokio::test]
@@ -303,11 +300,7 @@ async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
     });
     let (r, _) = rt.run(req).await;
     let call = |id: &str| json!({"session_id": r.session_id, "call": {"id": id, "function_id": "t::echo", "arguments": {"x": 1}}});
-    let ran = rt
-        .bus
-        .call("harness::function::trigger", call("c1"), None)
-        .await
-        .unwrap();
+    let ran = rt.ok("harness::function::trigger", call("c1")).await;
     for field in [
         "content",
         "is_error",
@@ -323,11 +316,7 @@ async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
 
     rt.bind("pre-trigger", "guard::hold", json!({"functions": ["t::*"]}))
         .await;
-    let held = rt
-        .bus
-        .call("harness::function::trigger", call("c2"), None)
-        .await
-        .unwrap();
+    let held = rt.ok("harness::function::trigger", call("c2")).await;
     assert_eq!(held["pending"], true, "{held}");
     assert_eq!(held["function_call_id"], "c2");
     assert!(
@@ -362,26 +351,17 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
     .await;
     harness_directory::register(&rt.bus, &harness_directory::Directory::new(dir.path()));
     let out = rt
-        .bus
-        .call(
+        .ok(
             "directory::system-prompts::create",
             json!({"name": "default", "content": "You are the house identity, v1."}),
-            None,
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(out["created"], true);
     let (first, _) = rt.run(send("hello")).await;
     assert!(prompts(&rt, &first.session_id)[0].starts_with("You are the house identity, v1."));
 
-    rt.bus
-        .call(
-            "directory::system-prompts::update",
-            json!({"name": "default", "body": "You are the house identity, v2.", "front_matter": {"description": "house"}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.ok("directory::system-prompts::update",
+            json!({"name": "default", "body": "You are the house identity, v2.", "front_matter": {"description": "house"}})).await;
     let (second, _) = rt.run(send("hello again")).await;
     let p = prompts(&rt, &second.session_id).remove(0);
     assert!(p.starts_with("You are the house identity, v2."), "{p}");
@@ -541,14 +521,11 @@ async fn the_preview_shows_a_bindings_inject_prompt_as_the_step_sends_it() {
     .await;
     let (r, _) = rt.run(send("hi")).await;
     let preview = rt
-        .bus
-        .call(
+        .ok(
             "harness::system-prompt::get",
             json!({"session_id": r.session_id}),
-            None,
         )
-        .await
-        .unwrap();
+        .await;
     let layers = preview["layers"].as_array().unwrap();
     let last = layers.last().unwrap();
     assert_eq!(last["kind"], "injected", "{preview}");
@@ -575,14 +552,8 @@ async fn a_changed_preloaded_contract_is_named_in_a_tail_notice() {
         |p| p,
     );
     rt.register("t::steady", None, |p| p);
-    rt.bus
-        .call(
-            "directory::agents::create",
-            json!({"name": "echoer", "content": "---\nmodel: m\nprovider: scripted\nfunctions: [t::echo, t::later, t::steady]\n---\nEcho things."}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.ok("directory::agents::create",
+            json!({"name": "echoer", "content": "---\nmodel: m\nprovider: scripted\nfunctions: [t::echo, t::later, t::steady]\n---\nEcho things."})).await;
     let mut req = send("first");
     req.model = None;
     req.provider = None;

@@ -170,11 +170,7 @@ async fn two_sessions_on_one_profile_send_byte_identical_stable_prefixes() {
     let status = rt.status(&s1).await.unwrap();
     assert!(format!("{status:?}").contains("Completed"));
     // The session records what it froze of the profile.
-    let meta = rt
-        .bus
-        .call("session::get", json!({"session_id": s1}), None)
-        .await
-        .unwrap();
+    let meta = rt.ok("session::get", json!({"session_id": s1})).await;
     assert_eq!(meta["meta"]["metadata"]["agent"]["name"], "reviewer");
     assert_eq!(
         meta["meta"]["metadata"]["agent"]["chain"],
@@ -361,10 +357,8 @@ async fn the_skills_index_lists_what_the_filter_names_and_stays_sticky() {
 
     // The body comes through directory::skills::get; a path never reaches the data dir.
     let body = rt
-        .bus
-        .call("directory::skills::get", json!({"name": "style"}), None)
-        .await
-        .unwrap();
+        .ok("directory::skills::get", json!({"name": "style"}))
+        .await;
     assert_eq!(body["body"], "Use short sentences.");
     let err = rt
         .bus
@@ -423,14 +417,8 @@ async fn system_prompt_get_previews_every_layer_and_matches_what_was_sent() {
     let (sent, extras) = received(&rt, &sid).remove(0);
 
     let preview = rt
-        .bus
-        .call(
-            "harness::system-prompt::get",
-            json!({"session_id": sid}),
-            None,
-        )
-        .await
-        .unwrap();
+        .ok("harness::system-prompt::get", json!({"session_id": sid}))
+        .await;
     let kinds: Vec<&str> = preview["layers"]
         .as_array()
         .unwrap()
@@ -454,14 +442,11 @@ async fn system_prompt_get_previews_every_layer_and_matches_what_was_sent() {
     // Selected fields: what a send would freeze, without a model call.
     let before = rt.recorder.seen.lock().unwrap().len();
     let selected = rt
-        .bus
-        .call(
+        .ok(
             "harness::system-prompt::get",
             json!({"selected_prompt": {"agent": "reviewer", "skills": ["style"]}}),
-            None,
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(selected["layers"][0]["kind"], "agent");
     assert_eq!(
         selected["layers"][0]["label"],
@@ -477,14 +462,8 @@ async fn system_prompt_get_previews_every_layer_and_matches_what_was_sent() {
     );
 
     let default = rt
-        .bus
-        .call(
-            "harness::system-prompt::get",
-            json!({"default_only": true}),
-            None,
-        )
-        .await
-        .unwrap();
+        .ok("harness::system-prompt::get", json!({"default_only": true}))
+        .await;
     assert_eq!(default["system_prompt"], json!(harness_core::IDENTITY));
     assert_eq!(default["layers"][0]["kind"], "built_in");
 

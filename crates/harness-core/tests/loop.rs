@@ -423,14 +423,8 @@ async fn a_config_change_applies_at_once_and_rebinds_the_sweep() {
         sweeps(rt.bus.bindings("cron").await.unwrap()),
         vec![json!("0 * * * * *")]
     );
-    rt.bus
-        .call(
-            "harness::on-config-change",
-            json!({"id": "harness", "config": {"max_result_bytes": 2048, "sweep_expression": "*/30 * * * * *"}}),
-            None,
-        )
-        .await
-        .unwrap();
+    rt.ok("harness::on-config-change",
+            json!({"id": "harness", "config": {"max_result_bytes": 2048, "sweep_expression": "*/30 * * * * *"}})).await;
     assert_eq!(rt.harness.config().max_result_bytes, 2048);
     assert_eq!(
         sweeps(rt.bus.bindings("cron").await.unwrap()),
@@ -458,10 +452,8 @@ async fn a_config_change_applies_at_once_and_rebinds_the_sweep() {
     );
     // Without a config and without a configuration worker, it is an acknowledged no-op.
     let ok = rt
-        .bus
-        .call("harness::on-config-change", json!({"id": "harness"}), None)
-        .await
-        .unwrap();
+        .ok("harness::on-config-change", json!({"id": "harness"}))
+        .await;
     assert_eq!(ok, json!({"ok": true}));
 }
 

@@ -248,16 +248,9 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
 }
 
 async fn plant(rt: &Rt, session_id: &str, turn_id: &str) -> String {
-    let made = rt
-        .bus
-        .call(
-            "engine::register_trigger",
+    let made = rt.ok("engine::register_trigger",
             json!({"trigger_type": "test::tick", "function_id": "notes::ping", "config": {},
-                   "metadata": {"harness_owner": {"session_id": session_id, "turn_id": turn_id, "function_call_id": "c"}}}),
-            None,
-        )
-        .await
-        .unwrap();
+                   "metadata": {"harness_owner": {"session_id": session_id, "turn_id": turn_id, "function_call_id": "c"}}})).await;
     made["id"].as_str().unwrap().to_string()
 }
 
@@ -271,14 +264,11 @@ async fn a_binding_left_behind_goes_at_start_up_and_with_its_session() {
     let (a, _) = rt.run(send("one")).await;
     let (b, _) = rt.run(send("two")).await;
     let operators = rt
-        .bus
-        .call(
+        .ok(
             "engine::register_trigger",
             json!({"trigger_type": "test::tick", "function_id": "notes::ping", "config": {}}),
-            None,
         )
-        .await
-        .unwrap();
+        .await;
 
     let ended = plant(&rt, &a.session_id, &a.turn_id).await;
     let gone_session = plant(&rt, "s_never_was", "t_x").await;

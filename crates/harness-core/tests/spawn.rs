@@ -136,16 +136,12 @@ async fn stopping_the_parent_stops_the_child() {
 /// `harness::spawn` called directly (over the bus, as a caller outside any turn) with the task
 /// "hello" and no policy.
 async fn spawn_hello(rt: &Rt) -> harness_types::api::SpawnResponse {
-    use harness_bus::Bus;
     let out = rt
-        .bus
-        .call(
+        .ok(
             "harness::spawn",
             json!({"task": "hello", "model": "m", "provider": "scripted"}),
-            None,
         )
-        .await
-        .unwrap();
+        .await;
     serde_json::from_value(out).unwrap()
 }
 

@@ -337,6 +337,15 @@ impl Rt {
             .collect()
     }
 
+    /// Calls `function_id` on the bus as the operator does; the call must succeed.
+    pub async fn ok(&self, function_id: &str, payload: Value) -> Value {
+        use harness_bus::Bus;
+        self.bus
+            .call(function_id, payload, None)
+            .await
+            .unwrap_or_else(|e| panic!("{function_id}: {e}"))
+    }
+
     /// The session tree below `session_id`, as `harness::session-tree` answers it.
     pub async fn tree(&self, session_id: &str) -> harness_types::api::SessionTreeNode {
         self.harness
