@@ -14,6 +14,21 @@ fn open(dir: &std::path::Path) -> (Store, EmbeddedBus) {
     (store, bus)
 }
 
+/// A batch that sets the state key `t/key` to 1 and then calls `function_id`.
+fn set_then_call(key: &str, function_id: &str) -> Vec<BusWrite> {
+    vec![
+        BusWrite::StateSet {
+            scope: "t".into(),
+            key: key.into(),
+            value: json!(1),
+        },
+        BusWrite::Call {
+            function_id: function_id.into(),
+            payload: Value::Null,
+        },
+    ]
+}
+
 #[tokio::test]
 async fn a_batch_is_one_commit_and_its_step_is_delivered() {
     let dir = tempfile::tempdir().unwrap();
@@ -108,17 +123,7 @@ async fn a_failing_write_rolls_the_whole_batch_back() {
         }),
     );
     let err = bus
-        .commit(vec![
-            BusWrite::StateSet {
-                scope: "t".into(),
-                key: "rec".into(),
-                value: json!(1),
-            },
-            BusWrite::Call {
-                function_id: "t::refuse".into(),
-                payload: Value::Null,
-            },
-        ])
+        .commit(set_then_call("rec", "t::refuse"))
         .await
         .unwrap_err();
     assert_eq!(
@@ -141,20 +146,7 @@ async fn a_call_without_a_transactional_form_falls_back_to_one_by_one() {
         Arc::new(|_p: Value, _ctx| async { Ok(json!(7)) }),
     );
     let before = store.stats().commits;
-    let out = bus
-        .commit(vec![
-            BusWrite::StateSet {
-                scope: "t".into(),
-                key: "a".into(),
-                value: json!(1),
-            },
-            BusWrite::Call {
-                function_id: "t::plain".into(),
-                payload: Value::Null,
-            },
-        ])
-        .await
-        .unwrap();
+    let out = bus.commit(set_then_call("a", "t::plain")).await.unwrap();
     assert_eq!(out, vec![Value::Null, json!(7)]);
     assert_eq!(
         store.stats().commits - before,
