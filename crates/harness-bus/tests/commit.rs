@@ -14,6 +14,28 @@ fn open(dir: &std::path::Path) -> (Store, EmbeddedBus) {
     (store, bus)
 }
 
+/// Registers `function_id` as a plain function that sends each payload it is called with to the
+/// returned channel and answers what `answer` makes of it.
+fn recording(
+    bus: &EmbeddedBus,
+    function_id: &str,
+    description: &str,
+    answer: fn(&Value) -> Value,
+) -> tokio::sync::mpsc::UnboundedReceiver<Value> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    bus.register_function(
+        harness_bus::FunctionDef::new(function_id, description),
+        Arc::new(move |p: Value, _ctx| {
+            let (tx, out) = (tx.clone(), answer(&p));
+            async move {
+                let _ = tx.send(p);
+                Ok(out)
+            }
+        }),
+    );
+    rx
+}
+
 /// A batch that sets the state key `t/key` to 1 and then calls `function_id`.
 fn set_then_call(key: &str, function_id: &str) -> Vec<BusWrite> {
     vec![
@@ -33,17 +55,7 @@ fn set_then_call(key: &str, function_id: &str) -> Vec<BusWrite> {
 async fn a_batch_is_one_commit_and_its_step_is_delivered() {
     let dir = tempfile::tempdir().unwrap();
     let (store, bus) = open(dir.path());
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
-    bus.register_function(
-        harness_bus::FunctionDef::new("t::step", "records its payload"),
-        Arc::new(move |p: Value, _ctx| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send(p);
-                Ok(Value::Null)
-            }
-        }),
-    );
+    let mut rx = recording(&bus, "t::step", "records its payload", |_| Value::Null);
     bus.register_transactional(
         "t::write",
         Arc::new(|conn, payload: Value| {
@@ -239,17 +251,7 @@ async fn typed_writes_skip_json_where_the_form_takes_their_type() {
     assert_eq!(bus.state_get("t", "b").await.unwrap(), Some(json!("b")));
 
     // A function with no in-transaction form: called one by one with the request's JSON.
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
-    bus.register_function(
-        harness_bus::FunctionDef::new("t::plain", "echoes"),
-        Arc::new(move |p: Value, _ctx| {
-            let tx = tx.clone();
-            async move {
-                let _ = tx.send(p.clone());
-                Ok(p)
-            }
-        }),
-    );
+    let mut rx = recording(&bus, "t::plain", "echoes", |p| p.clone());
     let out = bus.commit(vec![typed("t::plain", "d")]).await.unwrap();
     assert_eq!(out, vec![json!({"text": "d"})]);
     assert_eq!(rx.recv().await.unwrap(), json!({"text": "d"}));
