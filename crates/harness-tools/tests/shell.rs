@@ -135,7 +135,7 @@ async fn exec_capped(cap: usize, command: &str) -> Value {
 /// `shell::exec` of `command` in a rig with `limits`.
 async fn exec_under(limits: Limits, command: &str) -> Value {
     let rig = Rig::with_limits(limits, |_| Vec::new());
-    rig.ok("shell::exec", json!({ "command": command })).await
+    rig.exec(command).await
 }
 
 #[tokio::test]
@@ -216,10 +216,7 @@ async fn a_timeout_kills_the_whole_process_group() {
 async fn a_background_process_does_not_outlive_a_finished_command() {
     let rig = Rig::new();
     let r = rig
-        .ok(
-            "shell::exec",
-            json!({"command": "sleep 6102.25 >/dev/null 2>&1 & echo started"}),
-        )
+        .exec("sleep 6102.25 >/dev/null 2>&1 & echo started")
         .await;
     assert_eq!(r["exit_code"], 0, "{r}");
     assert_eq!(r["stdout"], "started\n");
@@ -269,10 +266,7 @@ async fn no_credential_reaches_the_command() {
     std::env::set_var("TOOLS_TEST_PLAIN", "visible");
     let rig = Rig::new();
     let r = rig
-        .ok(
-            "shell::exec",
-            json!({"command": "env; cat /proc/self/environ | tr '\\0' '\\n'"}),
-        )
+        .exec("env; cat /proc/self/environ | tr '\\0' '\\n'")
         .await;
     let out = r["stdout"].as_str().unwrap();
     for (k, v) in secrets {

@@ -52,7 +52,7 @@ fn rig() -> Rig {
 }
 
 async fn sh(rig: &Rig, command: &str) -> Value {
-    let r = rig.ok("shell::exec", json!({ "command": command })).await;
+    let r = rig.exec(command).await;
     assert_eq!(r["confinement"]["kind"], "landlock", "{r}");
     r
 }
@@ -322,9 +322,7 @@ async fn a_kernel_that_cannot_confine_refuses_unless_unconfined_is_accepted() {
         },
         Some(0),
     );
-    let r = rig
-        .ok("shell::exec", json!({"command": "cat harness.yaml"}))
-        .await;
+    let r = rig.exec("cat harness.yaml").await;
     assert_eq!(r["confinement"]["kind"], "namespaces", "{r}");
     assert!(out(&r).contains(CONFIG), "{r}");
 }
@@ -347,7 +345,7 @@ async fn no_pid_namespace_refuses_unless_unconfined_is_accepted() {
     assert!(e.message.contains("PID namespace"), "{e}");
     assert!(e.message.contains("shell_exec_unconfined"), "{e}");
     let rig = support::Rig::with_limits(limits(true), |_| Vec::new());
-    let r = rig.ok("shell::exec", json!({"command": "echo hi"})).await;
+    let r = rig.exec("echo hi").await;
     assert_eq!(r["stdout"], "hi\n");
     assert_eq!(r["confinement"]["kind"], "landlock", "{r}");
     assert_eq!(r["confinement"]["pid_namespace"], false, "{r}");
@@ -360,12 +358,7 @@ async fn no_pid_namespace_refuses_unless_unconfined_is_accepted() {
         },
         |_| Vec::new(),
     );
-    let r = rig
-        .ok(
-            "shell::exec",
-            json!({"command": "grep -E '^Cap(Eff|Bnd)' /proc/self/status"}),
-        )
-        .await;
+    let r = rig.exec("grep -E '^Cap(Eff|Bnd)' /proc/self/status").await;
     assert_eq!(r["confinement"]["kind"], "none", "{r}");
     // SAFETY: geteuid only returns a number.
     if unsafe { libc::geteuid() } == 0 {

@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
 use harness_tools::{Limits, ShellPolicy};
-use serde_json::{json, Value};
+use serde_json::Value;
 use support::*;
 
 /// The variables the helper's environment carries, each with a value nothing else holds.
@@ -124,7 +124,7 @@ async fn helper_as_the_harness() {
     let run = |command: String| {
         let rig = &rig;
         async move {
-            let r = rig.ok("shell::exec", json!({ "command": command })).await;
+            let r = rig.exec(&command).await;
             assert!(
                 !r.to_string().contains(MARK),
                 "a marker reached the command `{command}`: {r}"

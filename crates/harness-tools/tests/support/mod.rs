@@ -67,6 +67,11 @@ impl Rig {
         }
     }
 
+    /// `shell::exec` of `command` with nothing else set, which the test expects to succeed.
+    pub async fn exec(&self, command: &str) -> Value {
+        self.ok("shell::exec", json!({ "command": command })).await
+    }
+
     pub async fn ok(&self, function_id: &str, args: Value) -> Value {
         match self.call(function_id, args.clone()).await {
             Ok(v) => v,
