@@ -241,10 +241,7 @@ async fn a_model_reads_no_secret_through_proc() {
     let sent = server
         .call(
             "harness::send",
-            json!({"session_id": "s_secrets", "message": "find the keys", "model": "m",
-                   "provider": "scripted",
-                   "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
-                               "filesystem_root": root}}),
+            shell_send("s_secrets", "find the keys", &root),
         )
         .await;
     let turn_id = sent["turn_id"].as_str().unwrap().to_string();
@@ -324,9 +321,7 @@ async fn the_model_sees_both_ends_of_both_streams_under_the_result_cap() {
     let sent = server
         .ok(
             "harness::send",
-            json!({"session_id": "s_noise", "message": "make noise", "model": "m", "provider": "scripted",
-                   "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
-                               "filesystem_root": root.path()}}),
+            shell_send("s_noise", "make noise", root.path()),
         )
         .await;
     let status = server

@@ -28,9 +28,7 @@ async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_n
     let sent = server
         .ok(
             "harness::send",
-            json!({"session_id": "s_shell", "message": "run the job", "model": "m", "provider": "scripted",
-                   "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
-                               "filesystem_root": root.path()}}),
+            shell_send("s_shell", "run the job", root.path()),
         )
         .await;
     let turn_id = sent["turn_id"].as_str().unwrap().to_string();
@@ -241,9 +239,7 @@ async fn stopping_the_turn_kills_the_commands_whole_process_group() {
     let sent = server
         .ok(
             "harness::send",
-            json!({"session_id": "s_stop", "message": "run the job", "model": "m", "provider": "scripted",
-                   "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
-                               "filesystem_root": root.path()}}),
+            shell_send("s_stop", "run the job", root.path()),
         )
         .await;
     let turn_id = sent["turn_id"].as_str().unwrap().to_string();
@@ -366,12 +362,7 @@ async fn a_shell_command_never_reaches_the_store_even_under_its_root() {
     std::fs::create_dir_all(root.join("work")).unwrap();
     std::fs::write(root.join("work/notes.txt"), "notes\n").unwrap();
     let sent = server
-        .ok(
-            "harness::send",
-            json!({"session_id": "s_sh", "message": "run it", "model": "m", "provider": "scripted",
-                   "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
-                               "filesystem_root": root}}),
-        )
+        .ok("harness::send", shell_send("s_sh", "run it", &root))
         .await;
     let status = server
         .wait_turn("s_sh", sent["turn_id"].as_str().unwrap())

@@ -8,6 +8,14 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
+/// A `harness::send` body for a scripted model that may call `shell::exec` (native) inside
+/// `root`.
+pub fn shell_send(session_id: &str, message: &str, root: &Path) -> Value {
+    json!({"session_id": session_id, "message": message, "model": "m", "provider": "scripted",
+           "options": {"functions": {"allow": ["shell::exec"], "expose": "native"},
+                       "filesystem_root": root}})
+}
+
 /// One text generation of a scripted-provider script.
 pub fn text_gen(matcher: Option<&str>, text: &str, chunk_delay_ms: u64, repeat: bool) -> Value {
     let mut g = json!({
