@@ -6,10 +6,27 @@
 mod common;
 
 use common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 
 fn long_text() -> String {
     "All clear. ".repeat(80)
+}
+
+/// The session's system prompt, as `harness::system-prompt::get` previews it, opens with `prefix`.
+async fn assert_prompt_starts(server: &Server, session_id: &str, prefix: &str) {
+    let preview = server
+        .ok(
+            "harness::system-prompt::get",
+            json!({"session_id": session_id}),
+        )
+        .await;
+    assert!(
+        preview["system_prompt"]
+            .as_str()
+            .unwrap()
+            .starts_with(prefix),
+        "{preview}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,16 +61,7 @@ async fn mode_display_status_and_the_directory_writer_over_http() {
         )
         .await;
     assert_eq!(verbose["result"], json!(long_text()));
-    let preview = server
-        .ok("harness::system-prompt::get", json!({"session_id": sid}))
-        .await;
-    assert!(
-        preview["system_prompt"]
-            .as_str()
-            .unwrap()
-            .starts_with("Operating mode: plan."),
-        "{preview}"
-    );
+    assert_prompt_starts(&server, &sid, "Operating mode: plan.").await;
 
     // A spawn with a display completes; its tree node and its events carry the display.
     let child = server
@@ -95,16 +103,7 @@ async fn mode_display_status_and_the_directory_writer_over_http() {
     server
         .wait_turn(nsid, next["turn_id"].as_str().unwrap())
         .await;
-    let preview: Value = server
-        .ok("harness::system-prompt::get", json!({"session_id": nsid}))
-        .await;
-    assert!(
-        preview["system_prompt"]
-            .as_str()
-            .unwrap()
-            .starts_with("You are the house identity."),
-        "{preview}"
-    );
+    assert_prompt_starts(&server, nsid, "You are the house identity.").await;
     let on_disk = std::fs::read_to_string(
         server
             .data_dir()
