@@ -503,7 +503,7 @@ impl Counter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use harness_types::message::{AssistantMessage, StopReason, Usage};
+    use harness_types::message::{AssistantMessage, Usage};
 
     fn model(id: &str, provider: Option<&str>) -> ModelRef {
         ModelRef {
@@ -558,20 +558,12 @@ mod tests {
 
     fn answered(input: u64, estimated: bool) -> AgentMessage {
         AgentMessage::Assistant(AssistantMessage {
-            content: vec![ContentBlock::text("ok")],
-            model: "m".into(),
-            provider: "p".into(),
-            stop_reason: StopReason::End,
             usage: Some(Usage {
                 input: Some(input),
                 estimated,
                 ..Usage::default()
             }),
-            error_kind: None,
-            error_message: None,
-            native_stop_reason: None,
-            warnings: None,
-            timestamp: 0,
+            ..AssistantMessage::ended(vec![ContentBlock::text("ok")], "m", "p", 0)
         })
     }
 

@@ -200,23 +200,13 @@ async fn counts_are_reused_by_message_identity_within_a_session() {
 /// with the same usage correction, the summary and the calibrating reply included.
 #[tokio::test]
 async fn a_fit_answered_from_counts_matches_the_full_assembly() {
-    use harness_types::message::{
-        AssistantMessage, ContentBlock, CustomMessage, StopReason, Usage,
-    };
+    use harness_types::message::{AssistantMessage, ContentBlock, CustomMessage, Usage};
     let answered = AgentMessage::Assistant(AssistantMessage {
-        content: vec![ContentBlock::text("ok")],
-        model: "m".into(),
-        provider: "p".into(),
-        stop_reason: StopReason::End,
         usage: Some(Usage {
             input: Some(1_900),
             ..Usage::default()
         }),
-        error_kind: None,
-        error_message: None,
-        native_stop_reason: None,
-        warnings: None,
-        timestamp: 0,
+        ..AssistantMessage::ended(vec![ContentBlock::text("ok")], "m", "p", 0)
     });
     let history = vec![
         AgentMessage::user_text("x".repeat(3_800), 0),
