@@ -42,7 +42,11 @@ impl Http {
     /// bounded by the caller (`call_timeout`, `CONNECT_TIMEOUT`).
     pub(crate) fn new() -> Result<Http, reqwest::Error> {
         Ok(Http {
-            client: reqwest::Client::builder().build()?,
+            // No redirects: a configured header (an API key) must not follow a server's answer
+            // to another host, and the protocol has no use for them.
+            client: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()?,
         })
     }
 
@@ -106,7 +110,7 @@ async fn body_within(
     max: usize,
 ) -> Result<Result<Vec<u8>, Vec<u8>>, Error> {
     let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(Error::Client)? {
+    while let Some(chunk) = response.chunk().await.map_err(client_error)? {
         if body.len() + chunk.len() > max {
             body.extend_from_slice(&chunk[..max - body.len()]);
             return Ok(Err(body));
@@ -156,6 +160,12 @@ async fn failed(response: reqwest::Response, limits: &StreamableHttpResponseLimi
     StreamableHttpError::UnexpectedServerResponse(
         format!("HTTP {status}: {}", String::from_utf8_lossy(&body)).into(),
     )
+}
+
+/// A transport failure without its URL, which may carry a credential (userinfo, a key in the
+/// query) into error texts and logs.
+fn client_error(e: reqwest::Error) -> Error {
+    Error::Client(e.without_url())
 }
 
 impl StreamableHttpClient for Http {
@@ -223,7 +233,7 @@ impl StreamableHttpClient for Http {
             .json(&message)
             .send()
             .await
-            .map_err(Error::Client)?;
+            .map_err(client_error)?;
         if let Some(e) = refused(&response, session_id.is_some()) {
             return Err(e);
         }
@@ -310,7 +320,7 @@ impl StreamableHttpClient for Http {
             )?
             .send()
             .await
-            .map_err(Error::Client)?;
+            .map_err(client_error)?;
         match response.status() {
             s if s.is_success() => Ok(()),
             // Gone already is what deleting wanted.
@@ -365,7 +375,7 @@ impl StreamableHttpClient for Http {
         if let Some(id) = last_event_id {
             request = request.header(LAST_EVENT_ID, id);
         }
-        let response = request.send().await.map_err(Error::Client)?;
+        let response = request.send().await.map_err(client_error)?;
         if response.status() == StatusCode::METHOD_NOT_ALLOWED {
             return Err(StreamableHttpError::ServerDoesNotSupportSse);
         }
@@ -542,6 +552,7 @@ mod tests {
                         format!("\"{}\"", "x".repeat(200)),
                     ),
                     "html" => (200, vec![("content-type", "text/html")], "<p>hi</p>".into()),
+                    "redirect" => (307, vec![("location", "/elsewhere")], String::new()),
                     _ => (405, vec![], String::new()),
                 };
                 let mut r = axum::response::Response::builder().status(status);
@@ -624,6 +635,29 @@ mod tests {
             matches!(e, StreamableHttpError::ReservedHeaderConflict(ref h) if h == "accept"),
             "{e}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_redirect_is_not_followed_and_a_failure_names_no_url_credential() {
+        let (url, seen) = server().await;
+        let http = Http::new().unwrap();
+        // Followed, the configured headers would go wherever the answer points.
+        assert!(post(&http, &url, "redirect", None).await.is_err());
+        assert_eq!(seen.lock().unwrap().len(), 1, "the redirect was followed");
+
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let e = post(
+            &http,
+            &format!("http://user:pw-secret@127.0.0.1:{port}/mcp?api_key=key-secret"),
+            "json",
+            None,
+        )
+        .await
+        .unwrap_err();
+        let text = format!("{e} {e:?}");
+        assert!(!text.contains("secret"), "{text}");
     }
 
     #[tokio::test]
