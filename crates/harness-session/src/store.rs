@@ -111,10 +111,6 @@ const CHANGES_FROM_START: &str = "
     SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
     WHERE session_id = ?1 AND chg > ?2 ORDER BY chg";
 
-/// `chg` is an entry's change mark: the id of the event its latest append or update inserted in
-/// the same transaction (with the session's id and the entry's id in it). Event ids are never
-/// reused and the single writer commits them in order, so "entries with `chg` > m" is exactly
-/// what changed after a reader saw mark m, and each of them is found from its own event.
 /// A page's `limit`: [`MAX_PAGE`] when not given; 0 or more than that is refused.
 fn page_limit(limit: Option<u32>) -> Result<u32> {
     let limit = limit.unwrap_or(MAX_PAGE);
@@ -128,6 +124,10 @@ fn page_limit(limit: Option<u32>) -> Result<u32> {
     Ok(limit)
 }
 
+/// `chg` is an entry's change mark: the id of the event its latest append or update inserted in
+/// the same transaction (with the session's id and the entry's id in it). Event ids are never
+/// reused and the single writer commits them in order, so "entries with `chg` > m" is exactly
+/// what changed after a reader saw mark m, and each of them is found from its own event.
 fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
     conn.execute_batch(SCHEMA)?;
     let has_chg = conn
