@@ -89,3 +89,25 @@ pub fn report(dir: &Path) -> std::io::Result<Vec<RowReach>> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    /// Each machine's module docs print its table; the rows there are the rows in code, in order.
+    #[test]
+    fn the_docs_tables_list_exactly_the_rows() {
+        let docs = [
+            ("turn", include_str!("machine.rs"), "//! | T"),
+            ("call", include_str!("call.rs"), "//! | C"),
+        ];
+        for ((machine, rows), (named, source, prefix)) in super::tables().into_iter().zip(docs) {
+            assert_eq!(machine, named);
+            let listed: Vec<&str> = source
+                .lines()
+                .filter_map(|l| l.strip_prefix(prefix))
+                .map(|l| &l[..2])
+                .collect();
+            let ids: Vec<&str> = rows.iter().map(|r| &r.0[1..]).collect();
+            assert_eq!(listed, ids, "the {machine} machine's docs table");
+        }
+    }
+}

@@ -321,17 +321,6 @@ fn every_pair_is_taken_by_exactly_its_row_or_refused() {
 }
 
 #[test]
-fn the_docs_table_lists_exactly_the_rows() {
-    let docs: Vec<&str> = include_str!("../call.rs")
-        .lines()
-        .filter_map(|l| l.strip_prefix("//! | C"))
-        .map(|l| &l[..2])
-        .collect();
-    let ids: Vec<&str> = ROWS.iter().map(|r| &r.0[1..]).collect();
-    assert_eq!(docs, ids);
-}
-
-#[test]
 fn a_stored_checkpoint_reads_as_its_phase() {
     use crate::record::{CallCheckpoint, ChildLink, Hold};
     let pending = |wait| CallCheckpoint::Pending {

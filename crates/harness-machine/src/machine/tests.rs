@@ -939,14 +939,3 @@ fn an_internal_error_fails_the_live_turn_only() {
     };
     row(At::Ready, other, Some(Phase::Ready), &[]);
 }
-
-#[test]
-fn the_docs_table_lists_exactly_the_rows() {
-    let docs: Vec<&str> = include_str!("../machine.rs")
-        .lines()
-        .filter_map(|l| l.strip_prefix("//! | T"))
-        .map(|l| &l[..2])
-        .collect();
-    let ids: Vec<&str> = ROWS.iter().map(|r| &r.0[1..]).collect();
-    assert_eq!(docs, ids);
-}
