@@ -50,11 +50,9 @@ impl Directory {
         let rel = format!("agents/{name}.md");
         let loaded = parse_agent(name, &rel, text)?;
         if let Some(parent) = &loaded.fm.extends {
-            let resolved = self.agent(parent).map_err(|e| DirectoryError::BadFile {
-                file: rel.clone(),
-                field: "extends".into(),
-                message: e.to_string(),
-            })?;
+            let resolved = self
+                .agent(parent)
+                .map_err(|e| DirectoryError::bad_file(&rel, "extends", e.to_string()))?;
             if resolved.chain.iter().any(|c| c == name) {
                 let mut chain = vec![name.to_string()];
                 chain.extend(resolved.chain.iter().rev().cloned());
@@ -70,13 +68,8 @@ impl Directory {
 
 /// A profile file's front matter and body, checked as every read checks them.
 fn parse_agent(name: &str, rel: &str, text: &str) -> Result<Loaded, DirectoryError> {
-    let rel = rel.to_string();
-    let (fm, body) = frontmatter::parse::<AgentFrontMatter>(&rel, text, false)?;
-    let bad = |field: &str, message: String| DirectoryError::BadFile {
-        file: rel.clone(),
-        field: field.into(),
-        message,
-    };
+    let (fm, body) = frontmatter::parse::<AgentFrontMatter>(rel, text, false)?;
+    let bad = |field: &str, message: String| DirectoryError::bad_file(rel, field, message);
     if let Some(n) = fm.name.as_deref().filter(|n| *n != name) {
         return Err(bad(
             "name",

@@ -27,6 +27,17 @@ pub enum DirectoryError {
     Invalid { field: String, message: String },
 }
 
+impl DirectoryError {
+    /// `file` (relative to the directory) is malformed at `field`.
+    pub fn bad_file(file: &str, field: &str, message: impl Into<String>) -> Self {
+        DirectoryError::BadFile {
+            file: file.to_string(),
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
 impl From<DirectoryError> for HarnessError {
     fn from(e: DirectoryError) -> Self {
         let code = match &e {

@@ -12,11 +12,7 @@ pub fn parse<T: DeserializeOwned + Default>(
     text: &str,
     optional: bool,
 ) -> Result<(T, String), DirectoryError> {
-    let bad = |field: &str, message: String| DirectoryError::BadFile {
-        file: file.to_string(),
-        field: field.to_string(),
-        message,
-    };
+    let bad = |field: &str, message: String| DirectoryError::bad_file(file, field, message);
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let Some(rest) = strip_fence(text) else {
         if optional {

@@ -64,14 +64,8 @@ impl Directory {
 
 /// A skill file's front matter and body, checked as every read checks them.
 pub(crate) fn parse_skill(name: &str, rel: &str, text: &str) -> Result<Skill, DirectoryError> {
-    let rel = rel.to_string();
-    let (fm, body) = frontmatter::parse::<SkillFrontMatter>(&rel, text, false)?;
-
-    let bad = |field: &str, message: String| DirectoryError::BadFile {
-        file: rel.clone(),
-        field: field.into(),
-        message,
-    };
+    let (fm, body) = frontmatter::parse::<SkillFrontMatter>(rel, text, false)?;
+    let bad = |field: &str, message: String| DirectoryError::bad_file(rel, field, message);
     match fm.name.as_deref() {
         None => {
             return Err(bad(

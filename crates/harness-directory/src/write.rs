@@ -130,11 +130,11 @@ impl Directory {
             Kind::SystemPrompt => {
                 let (_, body) = frontmatter::parse::<PromptFrontMatter>(&rel, &text, true)?;
                 if body.trim().is_empty() {
-                    return Err(DirectoryError::BadFile {
-                        file: rel,
-                        field: "body".into(),
-                        message: "must not be empty (a blank prompt would fall back to the built-in identity)".into(),
-                    });
+                    return Err(DirectoryError::bad_file(
+                        &rel,
+                        "body",
+                        "must not be empty (a blank prompt would fall back to the built-in identity)",
+                    ));
                 }
             }
             Kind::Agent => self.check_agent_text(&req.name, &text)?,
@@ -259,6 +259,11 @@ mod tests {
     fn a_bad_write_changes_nothing_and_names_the_field() {
         let t = tempfile::tempdir().unwrap();
         let d = Directory::new(t.path());
+        let refused = |kind: Kind, name: &str, content: &str, replace: bool| {
+            d.write(kind, &req(name, content), replace)
+                .unwrap_err()
+                .to_string()
+        };
         d.write(
             Kind::Agent,
             &req("base", "---\ndescription: base\n---\nBase."),
@@ -279,10 +284,8 @@ mod tests {
             ("a", "---\nextends: ghost\n---\nA", "agents/a.md: extends:"),
             ("../x", "---\n---\nA", "name: '../x'"),
         ] {
-            let e = d
-                .write(Kind::Agent, &req(name, content), false)
-                .unwrap_err();
-            assert!(e.to_string().starts_with(says), "{e}");
+            let e = refused(Kind::Agent, name, content, false);
+            assert!(e.starts_with(says), "{e}");
         }
         // A cycle through an update of the parent is refused too.
         d.write(
@@ -291,29 +294,20 @@ mod tests {
             false,
         )
         .unwrap();
-        let e = d
-            .write(
-                Kind::Agent,
-                &req("base", "---\nextends: child\n---\nB"),
-                true,
-            )
-            .unwrap_err();
-        assert!(e.to_string().contains("cycle base → child → base"), "{e}");
+        let e = refused(Kind::Agent, "base", "---\nextends: child\n---\nB", true);
+        assert!(e.contains("cycle base → child → base"), "{e}");
         assert_eq!(d.agent("base").unwrap().system_prompt, "Base.");
         assert!(d.agent("a").is_err());
 
-        let e = d
-            .write(
-                Kind::Skill,
-                &req("s", "---\nname: t\ndescription: d\n---\nS"),
-                false,
-            )
-            .unwrap_err();
-        assert!(e.to_string().starts_with("skills/s/SKILL.md: name:"), "{e}");
-        let e = d
-            .write(Kind::SystemPrompt, &req("default", "---\n---\n  "), false)
-            .unwrap_err();
-        assert!(e.to_string().contains("body"), "{e}");
+        let e = refused(
+            Kind::Skill,
+            "s",
+            "---\nname: t\ndescription: d\n---\nS",
+            false,
+        );
+        assert!(e.starts_with("skills/s/SKILL.md: name:"), "{e}");
+        let e = refused(Kind::SystemPrompt, "default", "---\n---\n  ", false);
+        assert!(e.contains("body"), "{e}");
     }
 
     #[test]
