@@ -23,8 +23,9 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use harness_bus::typed::schema;
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
-use schemars::{schema_for, JsonSchema};
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -116,10 +117,6 @@ impl Tools {
     }
 }
 
-fn schema<T: JsonSchema>() -> Value {
-    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
-}
-
 fn register_one<Req, F, Fut>(bus: &dyn Bus, tools: &Tools, id: &str, description: &str, f: F)
 where
     Req: DeserializeOwned + JsonSchema + Send + 'static,
@@ -150,52 +147,57 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ToolError::Internal(e.to_string()))?
 }
 
+/// Registers an `fs::*` function: `run` works in the call's jail, off the async threads.
+fn register_fs<Req>(
+    bus: &dyn Bus,
+    tools: &Tools,
+    id: &str,
+    description: &str,
+    run: fn(&Jail, Req, &Limits) -> Result<Value, ToolError>,
+) where
+    Req: DeserializeOwned + JsonSchema + Send + 'static,
+{
+    register_one(bus, tools, id, description, move |t, scope, req: Req| {
+        blocking(move || run(&Jail::open(scope.as_ref(), &t.protected)?, req, &t.limits))
+    });
+}
+
 /// Registers every function of [`FUNCTIONS`] on `bus`.
 pub fn register(bus: &dyn Bus, tools: &Tools) {
-    register_one(
+    register_fs(
         bus,
         tools,
         "fs::read",
         "Read a text file under the working root (optionally a line range). Paths are relative to the root.",
-        |t, scope, req: fs::ReadRequest| {
-            blocking(move || fs::read(&Jail::open(scope.as_ref(), &t.protected)?, req, &t.limits))
-        },
+        fs::read,
     );
-    register_one(
+    register_fs(
         bus,
         tools,
         "fs::list",
         "List a directory under the working root: names, types and sizes.",
-        |t, scope, req: fs::ListRequest| {
-            blocking(move || fs::list(&Jail::open(scope.as_ref(), &t.protected)?, req, &t.limits))
-        },
+        fs::list,
     );
-    register_one(
+    register_fs(
         bus,
         tools,
         "fs::search",
         "Search files under the working root for a regular expression, line by line, honouring .gitignore and .ignore files.",
-        |t, scope, req: fs::SearchRequest| {
-            blocking(move || fs::search(&Jail::open(scope.as_ref(), &t.protected)?, req, &t.limits))
-        },
+        fs::search,
     );
-    register_one(
+    register_fs(
         bus,
         tools,
         "fs::write",
         "Write a whole file under the working root (created, or replaced if it exists).",
-        |t, scope, req: fs::WriteRequest| {
-            blocking(move || fs::write(&Jail::open(scope.as_ref(), &t.protected)?, req, &t.limits))
-        },
+        fs::write,
     );
-    register_one(
+    register_fs(
         bus,
         tools,
         "fs::edit",
         "Replace an exact piece of text in a file under the working root; the text must occur exactly once unless replace_all.",
-        |t, scope, req: fs::EditRequest| {
-            blocking(move || fs::edit(&Jail::open(scope.as_ref(), &t.protected)?, req, &t.limits))
-        },
+        fs::edit,
     );
     register_one(
         bus,
