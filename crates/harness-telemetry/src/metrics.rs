@@ -11,8 +11,8 @@ use std::sync::Mutex;
 
 use harness_core::trace::{Observer, TurnFacts};
 use prometheus::{
-    exponential_buckets, CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter,
-    IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    core::Collector, exponential_buckets, CounterVec, Encoder, HistogramOpts, HistogramVec,
+    IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Distinct models, and distinct functions, a registry labels by name.
@@ -57,19 +57,24 @@ pub struct Metrics {
     functions: Mutex<HashSet<String>>,
 }
 
-fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("metric definition");
-    r.register(Box::new(c.clone()))
+/// Registers a metric with `r` and hands it back. Both can only fail on a definition of ours
+/// (a bad name, a name registered twice), so they panic at startup rather than miscount.
+fn registered<M: Collector + Clone + 'static>(r: &Registry, metric: prometheus::Result<M>) -> M {
+    let m = metric.expect("metric definition");
+    r.register(Box::new(m.clone()))
         .expect("metric registered once");
-    c
+    m
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    registered(r, IntCounterVec::new(Opts::new(name, help), labels))
 }
 
 fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str], b: Vec<f64>) -> HistogramVec {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(b), labels)
-        .expect("metric definition");
-    r.register(Box::new(h.clone()))
-        .expect("metric registered once");
-    h
+    registered(
+        r,
+        HistogramVec::new(HistogramOpts::new(name, help).buckets(b), labels),
+    )
 }
 
 /// 1 ms … 32 s, doubling.
@@ -80,49 +85,44 @@ fn seconds() -> Vec<f64> {
 impl Metrics {
     pub fn new() -> Metrics {
         let r = Registry::new();
-        let build = IntGaugeVec::new(
-            Opts::new(
-                "harness_build_info",
-                "The running harness build (always 1).",
+        let build = registered(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "harness_build_info",
+                    "The running harness build (always 1).",
+                ),
+                &["version"],
             ),
-            &["version"],
-        )
-        .expect("metric definition");
-        r.register(Box::new(build.clone()))
-            .expect("registered once");
+        );
         build.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
-        let spans_dropped = IntCounter::new(
-            "harness_otel_spans_dropped_total",
-            "Spans lost on the way to the OTLP receiver (queue full or export failed).",
-        )
-        .expect("metric definition");
-        r.register(Box::new(spans_dropped.clone()))
-            .expect("registered once");
-        let spans_built = IntCounter::new(
-            "harness_otel_spans_built_total",
-            "Span objects this process has built (0 while no OTLP endpoint is configured).",
-        )
-        .expect("metric definition");
-        r.register(Box::new(spans_built.clone()))
-            .expect("registered once");
-        let cost = CounterVec::new(
-            Opts::new(
-                "harness_cost_usd_total",
-                "What generations cost, in US dollars (provider-reported or priced from the catalog).",
+        let spans_dropped = registered(
+            &r,
+            IntCounter::new(
+                "harness_otel_spans_dropped_total",
+                "Spans lost on the way to the OTLP receiver (queue full or export failed).",
             ),
-            &["provider", "model"],
-        )
-        .expect("metric definition");
-        r.register(Box::new(cost.clone())).expect("registered once");
-        let gauge = |name: &str, help: &str| {
-            let g = IntGauge::new(name, help).expect("metric definition");
-            r.register(Box::new(g.clone())).expect("registered once");
-            g
-        };
+        );
+        let spans_built = registered(
+            &r,
+            IntCounter::new(
+                "harness_otel_spans_built_total",
+                "Span objects this process has built (0 while no OTLP endpoint is configured).",
+            ),
+        );
+        let cost = registered(
+            &r,
+            CounterVec::new(
+                Opts::new(
+                    "harness_cost_usd_total",
+                    "What generations cost, in US dollars (provider-reported or priced from the catalog).",
+                ),
+                &["provider", "model"],
+            ),
+        );
+        let gauge = |name: &str, help: &str| registered(&r, IntGauge::new(name, help));
         let gauges = |name: &str, help: &str, label: &str| {
-            let g = IntGaugeVec::new(Opts::new(name, help), &[label]).expect("metric definition");
-            r.register(Box::new(g.clone())).expect("registered once");
-            g
+            registered(&r, IntGaugeVec::new(Opts::new(name, help), &[label]))
         };
         let queue_depth = gauges(
             "harness_queue_depth",
