@@ -21,7 +21,13 @@
 //!   is retried itself, with the group still blocked: the handler's work is committed, so
 //!   running it again would do it twice, and moving on would reorder the group.
 //!
-//! One `Queues` per database per process: two instances would each dispatch the same rows.
+//! * A row whose payload is not JSON (possible through [`enqueue_text_in`]) takes its place in
+//!   its group like any other, and when its turn comes it is dead-lettered without running the
+//!   handler: nothing can handle it, and the rows behind it go on.
+//!
+//! One `Queues` per database per process: two instances would each dispatch the same rows. Only
+//! the first one alive takes the rows the writer hands over (`queue_inbox.rs`); a second one reads
+//! the table on every wake, so at least it cannot take rows away from the first.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,7 +41,7 @@ use tokio::sync::{watch, Notify};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::error::{StoreError, STORAGE_FULL};
-use crate::queue_inbox::{InsertedRow, Taken};
+use crate::queue_inbox::{InboxClaim, InsertedRow, Taken};
 use crate::store::Store;
 
 /// How long `shutdown` lets in-flight deliveries finish before aborting them (their rows stay in
@@ -141,6 +147,9 @@ pub struct Queues {
 
 struct QueuesInner {
     store: Store,
+    /// The right to take the rows the writer hands over; `None` when another `Queues` of this
+    /// store has it (then every wake reads the table).
+    inbox: Option<InboxClaim>,
     // std Mutex: only held to look up / insert a queue's state, never across an await.
     queues: Mutex<HashMap<String, Arc<QueueState>>>,
     /// `true` once `shutdown` was called; dropping it (last `Queues` dropped) also stops the
@@ -177,16 +186,56 @@ struct Index {
 #[derive(Default)]
 struct Group {
     /// Oldest first; while `busy`, the front is the message in flight or in backoff.
-    pending: VecDeque<QueueMessage>,
+    pending: VecDeque<Pending>,
     busy: bool,
 }
 
+/// A row of the queue as the index holds it.
+#[derive(Clone, Debug)]
+struct Pending {
+    msg: QueueMessage,
+    /// Why the row's payload is not JSON (its `msg.payload` is then the text as a JSON string):
+    /// the row is dead-lettered when its turn comes.
+    unreadable: Option<String>,
+}
+
+impl Pending {
+    /// The row `(id, group, function_id, payload, attempts)` of `queue`; `attempt` is `attempts`
+    /// plus `next`.
+    fn from_row(
+        queue: &str,
+        (id, group, function_id, payload, attempts): (i64, String, String, String, i64),
+        next: u32,
+    ) -> Pending {
+        let (payload, unreadable) = match serde_json::from_str(&payload) {
+            Ok(value) => (value, None),
+            Err(e) => (
+                Value::String(payload),
+                Some(format!("payload is not JSON: {e}")),
+            ),
+        };
+        Pending {
+            msg: QueueMessage {
+                id,
+                queue: queue.to_string(),
+                group,
+                function_id,
+                payload,
+                attempt: u32::try_from(attempts)
+                    .unwrap_or(u32::MAX - next)
+                    .saturating_add(next),
+            },
+            unreadable,
+        }
+    }
+}
+
 impl Index {
-    fn push(&mut self, msg: QueueMessage) {
-        let group = self.groups.entry(msg.group.clone()).or_default();
+    fn push(&mut self, row: Pending) {
+        let group = self.groups.entry(row.msg.group.clone()).or_default();
         let was_idle = group.pending.is_empty() && !group.busy;
-        let name = msg.group.clone();
-        group.pending.push_back(msg);
+        let name = row.msg.group.clone();
+        group.pending.push_back(row);
         self.depth += 1;
         if was_idle {
             self.ready.push_back(name);
@@ -194,7 +243,7 @@ impl Index {
     }
 
     /// Takes the next eligible message (round-robin over groups) if a slot is free.
-    fn next(&mut self, concurrency: usize) -> Option<QueueMessage> {
+    fn next(&mut self, concurrency: usize) -> Option<Pending> {
         if self.running >= concurrency {
             return None;
         }
@@ -224,7 +273,7 @@ impl Index {
         let Some(g) = self.groups.get_mut(group) else {
             return;
         };
-        if g.pending.front().map(|m| m.id) == Some(id) {
+        if g.pending.front().map(|p| p.msg.id) == Some(id) {
             g.pending.pop_front();
             self.depth = self.depth.saturating_sub(1);
         }
@@ -242,9 +291,9 @@ impl Index {
             .groups
             .get_mut(group)
             .and_then(|g| g.pending.front_mut())
-            .filter(|m| m.id == id)
+            .filter(|p| p.msg.id == id)
         {
-            front.attempt = attempt;
+            front.msg.attempt = attempt;
         }
     }
 
@@ -272,26 +321,26 @@ impl QueueState {
 
     /// Merges ready rows with id > last scanned into the index and wakes the dispatcher: the
     /// rows the writer handed over when it can vouch for all of them (`queue_inbox.rs`), else
-    /// read from the table.
-    fn scan(&self, store: &Store) -> Result<usize, StoreError> {
+    /// read from the table. Rows taken from the inbox are in the index before the watermark
+    /// moves past them: nothing between the two can fail (a payload that is not JSON is indexed
+    /// as such), so a taken row cannot be lost.
+    fn scan(&self, store: &Store, inbox: Option<&InboxClaim>) -> Result<usize, StoreError> {
         let mut scanned = lock(&self.scanned);
         let after = *scanned;
-        let inbox = store.queue_inbox();
-        let handed = match inbox.take(&self.name, after) {
-            Taken::Rows(rows, upto) => self.parse_handed(rows).map(|rows| (rows, upto)),
-            Taken::Unknown => None,
-        };
-        let rows = match handed {
-            Some((rows, upto)) => {
+        let taken = inbox.map_or(Taken::Unknown, |i| i.take(&self.name, after));
+        let rows = match taken {
+            Taken::Rows(rows, upto) => {
                 *scanned = upto;
-                rows
+                rows.into_iter().map(|r| self.handed(r)).collect()
             }
-            None => {
+            Taken::Unknown => {
                 // Every row up to it committed before the read starts: the read sees them.
-                let seen = inbox.seen();
+                let seen = inbox.map_or(0, |i| i.seen());
                 let rows = self.read_ready(store, after)?;
-                *scanned = rows.last().map_or(after, |m| m.id).max(seen).max(after);
-                inbox.forget_through(&self.name, *scanned);
+                *scanned = rows.last().map_or(after, |p| p.msg.id).max(seen).max(after);
+                if let Some(inbox) = inbox {
+                    inbox.forget_through(&self.name, *scanned);
+                }
                 rows
             }
         };
@@ -301,8 +350,8 @@ impl QueueState {
         let n = rows.len();
         {
             let mut index = lock(&self.index);
-            for msg in rows {
-                index.push(msg);
+            for row in rows {
+                index.push(row);
             }
         }
         drop(scanned);
@@ -310,41 +359,37 @@ impl QueueState {
         Ok(n)
     }
 
-    /// Rows handed over by the writer, or `None` if a payload does not parse (the table read
-    /// then answers as it always did).
-    fn parse_handed(&self, rows: Vec<InsertedRow>) -> Option<Vec<QueueMessage>> {
-        rows.into_iter()
-            .map(|r| {
-                Some(QueueMessage {
-                    id: r.id,
-                    queue: self.name.clone(),
-                    group: r.group,
-                    function_id: r.function_id,
-                    payload: serde_json::from_str(&r.payload).ok()?,
-                    attempt: 1,
-                })
-            })
-            .collect()
+    /// A row the writer handed over (never delivered yet).
+    fn handed(&self, r: InsertedRow) -> Pending {
+        Pending::from_row(&self.name, (r.id, r.group, r.function_id, r.payload, 0), 1)
     }
 
     /// The queue's ready rows with id > `after`, oldest first.
     /// (`+?1`: see `events::EVENTS_AFTER`; a bare parameter re-prepares on every scan.)
-    fn read_ready(&self, store: &Store, after: i64) -> Result<Vec<QueueMessage>, StoreError> {
+    fn read_ready(&self, store: &Store, after: i64) -> Result<Vec<Pending>, StoreError> {
         store.read(|c| {
             let mut stmt = c.prepare_cached(
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
                  WHERE queue = +?1 AND status = 'ready' AND id > ?2 ORDER BY id",
             )?;
-            messages(&mut stmt, (&self.name, after), &self.name, 1)
+            rows(&mut stmt, (&self.name, after), &self.name, 1)
         })
     }
 }
 
 impl Queues {
     pub fn new(store: Store) -> Queues {
+        let inbox = InboxClaim::new(&store);
+        if inbox.is_none() {
+            tracing::warn!(
+                path = %store.path().display(),
+                "harness-store: a second Queues on one store: it reads the table on every wake, and both dispatch the same rows"
+            );
+        }
         Queues {
             inner: Arc::new(QueuesInner {
                 store,
+                inbox,
                 queues: Mutex::new(HashMap::new()),
                 shutdown: watch::channel(false).0,
                 dispatchers: Mutex::new(Vec::new()),
@@ -392,7 +437,9 @@ impl Queues {
     /// Picks up rows inserted with [`enqueue_in`] (call after the write resolved): rescans only
     /// ids above the last one seen, then wakes the dispatcher.
     pub fn wake(&self, queue: &str) -> Result<(), StoreError> {
-        self.state(queue).scan(&self.inner.store).map(|_| ())
+        self.state(queue)
+            .scan(&self.inner.store, self.inner.inbox.as_ref())
+            .map(|_| ())
     }
 
     /// Starts the queue's dispatcher (a tokio task; call inside a runtime). Loads every ready row
@@ -408,7 +455,7 @@ impl Queues {
             tracing::warn!(queue, "harness-store: queue already started");
             return;
         }
-        if let Err(e) = state.scan(&self.inner.store) {
+        if let Err(e) = state.scan(&self.inner.store, self.inner.inbox.as_ref()) {
             // Not fatal: the next enqueue/wake rescans from the same watermark.
             tracing::error!(queue, error = %e, "harness-store: initial queue load failed");
         }
@@ -438,14 +485,18 @@ impl Queues {
         state.map(|s| lock(&s.index).depth).unwrap_or(0)
     }
 
-    /// Messages that exhausted their retries, oldest first.
+    /// Messages that exhausted their retries, oldest first. A payload that is not JSON (a row
+    /// dead-lettered for it) is given as its text, a JSON string.
     pub fn dead_letters(&self, queue: &str) -> Result<Vec<QueueMessage>, StoreError> {
         self.inner.store.read(|c| {
             let mut stmt = c.prepare_cached(
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
                  WHERE queue = +?1 AND status = 'dead' ORDER BY id",
             )?;
-            messages(&mut stmt, [queue], queue, 0)
+            Ok(rows(&mut stmt, [queue], queue, 0)?
+                .into_iter()
+                .map(|p| p.msg)
+                .collect())
         })
     }
 
@@ -481,8 +532,8 @@ async fn dispatch_loop(
         let concurrency = state.config().concurrency.max(1);
         loop {
             let next = lock(&state.index).next(concurrency);
-            let Some(msg) = next else { break };
-            deliveries.spawn(deliver(state.clone(), store.clone(), handler.clone(), msg));
+            let Some(row) = next else { break };
+            deliveries.spawn(deliver(state.clone(), store.clone(), handler.clone(), row));
         }
         tokio::select! {
             _ = state.wake.notified() => {}
@@ -548,10 +599,18 @@ enum Failure {
     Gone,
 }
 
-async fn deliver(state: Arc<QueueState>, store: Store, handler: QueueHandler, msg: QueueMessage) {
-    let config = state.config();
+async fn deliver(state: Arc<QueueState>, store: Store, handler: QueueHandler, row: Pending) {
+    let Pending { msg, unreadable } = row;
+    let mut config = state.config();
     let lease = Duration::from_millis(config.visibility_timeout_ms);
-    let outcome = run_handler(&handler, msg.clone(), lease).await;
+    let outcome = match unreadable {
+        // No handler can take it and no retry can mend it: straight to the dead letters.
+        Some(reason) => {
+            config.max_retries = 0;
+            Err(reason)
+        }
+        None => run_handler(&handler, msg.clone(), lease).await,
+    };
     // The concurrency slot is about running handlers: free it now, while the group itself stays
     // blocked until the ack is durable (or the backoff is over).
     lock(&state.index).handler_finished();
@@ -665,35 +724,21 @@ fn backoff(backoff_ms: u64, attempts: u32) -> Duration {
     Duration::from_millis(backoff_ms.saturating_mul(1u64 << shift))
 }
 
-/// The messages of `queue` a `SELECT id, grp, function_id, payload, attempts` answers. `attempt`
-/// is the row's `attempts` plus `next`: 1 for a message about to be delivered, 0 for a dead one
+/// The rows of `queue` a `SELECT id, grp, function_id, payload, attempts` answers. `attempt` is
+/// the row's `attempts` plus `next`: 1 for a message about to be delivered, 0 for a dead one
 /// (the attempts it had).
-fn messages(
+fn rows(
     stmt: &mut rusqlite::CachedStatement<'_>,
     params: impl rusqlite::Params,
     queue: &str,
     next: u32,
-) -> Result<Vec<QueueMessage>, StoreError> {
+) -> Result<Vec<Pending>, StoreError> {
     let rows = stmt.query_map(params, |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, String>(1)?,
-            r.get::<_, String>(2)?,
-            r.get::<_, String>(3)?,
-            r.get::<_, i64>(4)?,
-        ))
+        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
     })?;
     let mut out = Vec::new();
     for row in rows {
-        let (id, group, function_id, payload, attempts) = row?;
-        out.push(QueueMessage {
-            id,
-            queue: queue.to_string(),
-            group,
-            function_id,
-            payload: serde_json::from_str(&payload)?,
-            attempt: u32::try_from(attempts).unwrap_or(u32::MAX - next) + next,
-        });
+        out.push(Pending::from_row(queue, row?, next));
     }
     Ok(out)
 }
@@ -702,15 +747,8 @@ fn messages(
 mod tests {
     use super::*;
 
-    fn msg(id: i64, group: &str) -> QueueMessage {
-        QueueMessage {
-            id,
-            queue: "q".into(),
-            group: group.into(),
-            function_id: "f".into(),
-            payload: Value::Null,
-            attempt: 1,
-        }
+    fn msg(id: i64, group: &str) -> Pending {
+        Pending::from_row("q", (id, group.into(), "f".into(), "null".into(), 0), 1)
     }
 
     #[test]
@@ -722,6 +760,16 @@ mod tests {
     }
 
     #[test]
+    fn a_row_that_is_not_json_is_indexed_with_its_text_and_the_reason() {
+        let row = Pending::from_row("q", (7, "g".into(), "f".into(), "{oops".into(), 2), 1);
+        assert_eq!(row.msg.payload, Value::String("{oops".into()));
+        assert_eq!(row.msg.attempt, 3);
+        let reason = row.unreadable.expect("not JSON");
+        assert!(reason.starts_with("payload is not JSON: "), "{reason}");
+        assert!(msg(1, "g").unreadable.is_none());
+    }
+
+    #[test]
     fn index_keeps_one_in_flight_per_group_and_round_robins() {
         let mut ix = Index::default();
         ix.push(msg(1, "a"));
@@ -730,11 +778,11 @@ mod tests {
         assert_eq!(ix.depth, 3);
         let first = ix.next(10).unwrap();
         let second = ix.next(10).unwrap();
-        assert_eq!((first.id, second.id), (1, 3));
+        assert_eq!((first.msg.id, second.msg.id), (1, 3));
         assert!(ix.next(10).is_none(), "group a is busy");
         ix.handler_finished();
         ix.finish("a", 1);
-        assert_eq!(ix.next(10).unwrap().id, 2);
+        assert_eq!(ix.next(10).unwrap().msg.id, 2);
         ix.handler_finished();
         ix.handler_finished();
         ix.finish("a", 2);
@@ -748,15 +796,15 @@ mod tests {
         let mut ix = Index::default();
         ix.push(msg(1, "a"));
         ix.push(msg(2, "b"));
-        assert_eq!(ix.next(1).unwrap().id, 1);
+        assert_eq!(ix.next(1).unwrap().msg.id, 1);
         assert!(ix.next(1).is_none(), "slot taken");
         ix.handler_finished();
         ix.set_attempt("a", 1, 2);
-        assert_eq!(ix.next(1).unwrap().id, 2, "a is in backoff");
+        assert_eq!(ix.next(1).unwrap().msg.id, 2, "a is in backoff");
         ix.handler_finished();
         ix.finish("b", 2);
         ix.unblock("a");
         let again = ix.next(1).unwrap();
-        assert_eq!((again.id, again.attempt), (1, 2));
+        assert_eq!((again.msg.id, again.msg.attempt), (1, 2));
     }
 }

@@ -14,10 +14,18 @@
 //! before this process opened the store, an inbox that overflowed — moves `complete_after` up,
 //! and the queue reads the table as before (its watermark then catches up with what the inbox
 //! had seen before the read, so the next wake is served from here again).
+//!
+//! Who may take: one [`InboxClaim`] per store at a time, held by the store's `Queues`. Taking
+//! moves rows out of the inbox into that `Queues`' index and its watermarks; a second taker
+//! would move rows the first one then never sees. Only a claim has the taking methods, and a new
+//! claim starts from "nothing known", so rows a dropped owner had taken are read from the table.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::store::Store;
 
 /// Rows kept for queues that are not woken (none dispatches them in this process); past it the
 /// inbox forgets them all and every queue reads the table once.
@@ -34,6 +42,8 @@ pub(crate) struct InsertedRow {
 #[derive(Default)]
 pub(crate) struct QueueInbox {
     state: Mutex<State>,
+    /// Whether an [`InboxClaim`] is alive.
+    claimed: AtomicBool,
 }
 
 #[derive(Default)]
@@ -99,8 +109,16 @@ impl QueueInbox {
         s.rows.entry(queue.to_string()).or_default().push_back(row);
     }
 
+    /// Forgets every row and vouches for none seen so far: their queues read the table next.
+    fn forget_all(&self) {
+        let mut s = self.state();
+        s.rows.clear();
+        s.count = 0;
+        s.complete_after = s.last;
+    }
+
     /// The rows of `queue` above `scanned`, when the inbox holds all of them.
-    pub(crate) fn take(&self, queue: &str, scanned: i64) -> Taken {
+    fn take(&self, queue: &str, scanned: i64) -> Taken {
         let mut s = self.state();
         if s.last == 0 || scanned < s.complete_after {
             return Taken::Unknown;
@@ -118,12 +136,12 @@ impl QueueInbox {
 
     /// The highest id handed over so far: a read of the table that starts after this call sees
     /// every row up to it (a row is handed over only once committed).
-    pub(crate) fn seen(&self) -> i64 {
+    fn seen(&self) -> i64 {
         self.state().last
     }
 
     /// After `queue` read the table up to `scanned`: the rows it read are dropped here.
-    pub(crate) fn forget_through(&self, queue: &str, scanned: i64) {
+    fn forget_through(&self, queue: &str, scanned: i64) {
         let mut s = self.state();
         let Some(q) = s.rows.get_mut(queue) else {
             return;
@@ -135,6 +153,53 @@ impl QueueInbox {
             s.rows.remove(queue);
         }
         s.count -= gone;
+    }
+}
+
+/// The right to take rows from a store's inbox (see the module doc); released when dropped.
+pub(crate) struct InboxClaim {
+    store: Store,
+}
+
+impl InboxClaim {
+    /// The claim on `store`'s inbox, or `None` while another one is alive.
+    pub(crate) fn new(store: &Store) -> Option<InboxClaim> {
+        let inbox = store.queue_inbox();
+        inbox
+            .claimed
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()?;
+        // A previous owner may have taken rows it never delivered: they are ready in the
+        // table, and the new owner's watermarks start below them.
+        inbox.forget_all();
+        Some(InboxClaim {
+            store: store.clone(),
+        })
+    }
+
+    fn inbox(&self) -> &QueueInbox {
+        self.store.queue_inbox()
+    }
+
+    /// See [`QueueInbox::take`].
+    pub(crate) fn take(&self, queue: &str, scanned: i64) -> Taken {
+        self.inbox().take(queue, scanned)
+    }
+
+    /// See [`QueueInbox::seen`].
+    pub(crate) fn seen(&self) -> i64 {
+        self.inbox().seen()
+    }
+
+    /// See [`QueueInbox::forget_through`].
+    pub(crate) fn forget_through(&self, queue: &str, scanned: i64) {
+        self.inbox().forget_through(queue, scanned)
+    }
+}
+
+impl Drop for InboxClaim {
+    fn drop(&mut self) {
+        self.inbox().claimed.store(false, Ordering::Release);
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use harness_store::{
-    enqueue_in, Durability, QueueConfig, QueueHandler, QueueMessage, Queues, Store,
+    enqueue_in, enqueue_text_in, Durability, QueueConfig, QueueHandler, QueueMessage, Queues, Store,
 };
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -555,4 +555,122 @@ async fn rows_from_before_and_after_a_restart_are_each_delivered_once_in_order()
     queues.wake("b").unwrap();
     queues.shutdown().await;
     assert!(rx.try_recv().is_err());
+}
+
+/// Three rows of group "g" in one write: JSON 1, a payload that is not JSON, JSON 3.
+fn good_bad_good(c: &harness_store::Connection) -> Result<(), harness_store::StoreError> {
+    enqueue_text_in(c, "q", "g", "f", "1")?;
+    enqueue_text_in(c, "q", "g", "f", "not json")?;
+    enqueue_text_in(c, "q", "g", "f", "3")?;
+    Ok(())
+}
+
+/// The one dead letter a row that is not JSON leaves, once the rows around it are delivered.
+async fn assert_only_the_bad_row_is_dead(store: &Store, queues: &Queues) {
+    eventually("the bad row dead, the good ones acked", || {
+        rows(store) == 1 && queues.depth("q") == 0
+    })
+    .await;
+    let dead = queues.dead_letters("q").unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].payload, json!("not json"), "kept as its text");
+    assert_eq!(dead[0].attempt, 1, "dead at once, not retried");
+    let error: String = store
+        .read(|c| {
+            Ok(c.query_row(
+                "SELECT last_error FROM queue_messages WHERE id = ?1",
+                [dead[0].id],
+                |r| r.get(0),
+            )?)
+        })
+        .unwrap();
+    assert!(error.starts_with("payload is not JSON"), "{error}");
+}
+
+/// Rows the writer hands to the wake: one that is not JSON neither loses the others (they were
+/// taken from the inbox before any payload was parsed) nor blocks the group behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_over_row_that_is_not_json_is_dead_lettered_and_the_others_delivered() {
+    let (_dir, store, queues) = setup(Durability::Normal);
+    queues.define("q", fast(4, 3));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    queues.start("q", reporting(tx, |m| m.payload.clone(), acks));
+    store.write(good_bad_good).await.unwrap();
+    queues.wake("q").unwrap();
+    assert_eq!(recv(&mut rx).await, json!(1));
+    assert_eq!(recv(&mut rx).await, json!(3));
+    assert_only_the_bad_row_is_dead(&store, &queues).await;
+    // The queue goes on serving what the writer hands over.
+    queues.enqueue("q", "g", "f", &json!(4)).await.unwrap();
+    assert_eq!(recv(&mut rx).await, json!(4));
+    queues.shutdown().await;
+    assert!(
+        rx.try_recv().is_err(),
+        "the bad row never reached the handler"
+    );
+}
+
+/// The same rows read from the table (inserted before the store was opened).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_in_the_table_that_is_not_json_is_dead_lettered_and_the_others_delivered() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q.db");
+    {
+        let store = Store::open(&path, Durability::Normal).unwrap();
+        store.write(good_bad_good).await.unwrap();
+    }
+    let store = Store::open(&path, Durability::Normal).unwrap();
+    let queues = Queues::new(store.clone());
+    queues.define("q", fast(4, 3));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    queues.start("q", reporting(tx, |m| m.payload.clone(), acks));
+    assert_eq!(recv(&mut rx).await, json!(1));
+    assert_eq!(recv(&mut rx).await, json!(3));
+    assert_only_the_bad_row_is_dead(&store, &queues).await;
+    queues.shutdown().await;
+    assert!(
+        rx.try_recv().is_err(),
+        "the bad row never reached the handler"
+    );
+}
+
+/// A second `Queues` on one store reads the table: it cannot take the rows the writer hands to
+/// the first one, which would then never see them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_queues_on_one_store_cannot_take_the_first_ones_rows() {
+    let (_dir, store, first) = setup(Durability::Normal);
+    let second = Queues::new(store.clone());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    first.start("q", reporting(tx, |m| m.payload.clone(), acks));
+    store
+        .write(|c| enqueue_in(c, "q", "g", "f", &json!(1)))
+        .await
+        .unwrap();
+    second.wake("q").unwrap();
+    assert_eq!(
+        second.depth("q"),
+        1,
+        "the second one read the row from the table"
+    );
+    first.wake("q").unwrap();
+    assert_eq!(recv(&mut rx).await, json!(1));
+    first.shutdown().await;
+}
+
+/// The `Queues` that comes after a dropped one reads the table first: rows the old one had taken
+/// over from the writer but not delivered are still delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queues_after_a_dropped_one_delivers_the_rows_it_had_taken() {
+    let (_dir, store, old) = setup(Durability::Normal);
+    old.enqueue("q", "g", "f", &json!(1)).await.unwrap();
+    assert_eq!(old.depth("q"), 1, "taken over by the old one");
+    drop(old);
+    let queues = Queues::new(store.clone());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    queues.start("q", reporting(tx, |m| m.payload.clone(), acks));
+    assert_eq!(recv(&mut rx).await, json!(1));
+    // And it takes over the writer's rows from then on.
+    queues.enqueue("q", "g", "f", &json!(2)).await.unwrap();
+    assert_eq!(recv(&mut rx).await, json!(2));
+    queues.shutdown().await;
 }
