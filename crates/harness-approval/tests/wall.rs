@@ -116,12 +116,7 @@ async fn every_registered_function_has_one_verdict_per_caller() {
     let list = rt
         .ok("engine::functions::list", json!({"include_internal": true}))
         .await;
-    let mut ids: Vec<String> = list["functions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| f["function_id"].as_str().unwrap().to_string())
-        .collect();
+    let mut ids = strings(&list["functions"], "function_id");
     ids.sort();
     ids.dedup();
     let root = FunctionPolicy {
@@ -138,7 +133,7 @@ async fn every_registered_function_has_one_verdict_per_caller() {
     };
     let table: Vec<String> = ids
         .iter()
-        .map(|id| {
+        .map(|&id| {
             format!(
                 "{id} {} {} {} run",
                 verdict(Some(&root), id),

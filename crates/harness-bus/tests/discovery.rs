@@ -39,13 +39,17 @@ async fn ask(bus: &EmbeddedBus, function_id: &str, payload: Value) -> Value {
         .unwrap_or_else(|e| panic!("{function_id}: {e}"))
 }
 
-fn ids(answer: &Value) -> Vec<&str> {
-    answer["functions"]
+/// The string `field` of every element of the JSON array `list`, in order.
+fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    let items = list
         .as_array()
-        .unwrap_or_else(|| panic!("functions[] in {answer}"))
-        .iter()
-        .map(|f| f["function_id"].as_str().unwrap())
-        .collect()
+        .unwrap_or_else(|| panic!("an array: {list}"));
+    items.iter().map(|e| e[field].as_str().unwrap()).collect()
+}
+
+/// The ids of the functions an `engine::functions::list|info` answer names.
+fn ids(answer: &Value) -> Vec<&str> {
+    strings(&answer["functions"], "function_id")
 }
 
 #[tokio::test]
@@ -113,12 +117,7 @@ async fn workers_and_trigger_types_are_described() {
     assert!(missing.to_string().contains("tides"), "{missing}");
 
     let triggers = ask(&bus, "engine::triggers::list", json!({})).await;
-    let listed: Vec<&str> = triggers["triggers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["id"].as_str().unwrap())
-        .collect();
+    let listed = strings(&triggers["triggers"], "id");
     assert!(listed.contains(&"weather::changed"), "{triggers}");
     assert!(listed.contains(&"cron"), "{triggers}");
     let one = ask(

@@ -87,12 +87,7 @@ async fn discovery_through_agent_trigger_only_shows_callable_functions() {
         ))
         .await;
     let result = &rt.results(&r.session_id)[0];
-    let ids: Vec<&str> = result.details["functions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| f["function_id"].as_str().unwrap())
-        .collect();
+    let ids = strings(&result.details["functions"], "function_id");
     assert_eq!(
         ids,
         vec![

@@ -94,12 +94,7 @@ async fn grant_list_revoke_round_trip_and_refusals() {
         "a second grant of the same path is a no-op"
     );
     let list = fs_read(&rt, "grants", "s1").await;
-    let paths: Vec<&str> = list["grants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| g["path"].as_str().unwrap())
-        .collect();
+    let paths = strings(&list["grants"], "path");
     assert_eq!(paths, vec![real(&shared).as_str()]);
     let other = fs_read(&rt, "grants", "s2").await;
     assert_eq!(other["grants"], json!([]), "grants are per session");

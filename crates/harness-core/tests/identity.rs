@@ -419,12 +419,7 @@ async fn system_prompt_get_previews_every_layer_and_matches_what_was_sent() {
     let preview = rt
         .ok("harness::system-prompt::get", json!({"session_id": sid}))
         .await;
-    let kinds: Vec<&str> = preview["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["kind"].as_str().unwrap())
-        .collect();
+    let kinds = strings(&preview["layers"], "kind");
     assert_eq!(
         kinds,
         ["frozen", "skills_index", "frozen", "runtime_context"]

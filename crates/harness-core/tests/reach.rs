@@ -145,12 +145,7 @@ async fn a_model_allowed_everything_causes_no_generation_of_its_own() {
     }
     // ...nor listed or described.
     let listed = result(&rt, "s_reach", "d1").details;
-    let ids: Vec<&str> = listed["functions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|f| f["function_id"].as_str())
-        .collect();
+    let ids = strings(&listed["functions"], "function_id");
     assert!(
         ids.contains(&"weather::now") && ids.contains(&"context::count-tokens"),
         "{ids:?}"

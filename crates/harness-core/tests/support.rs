@@ -80,6 +80,14 @@ pub fn with_argument(payload: &Value, key: &str, value: Value) -> Value {
     args
 }
 
+/// The string `field` of every element of the JSON array `list`, in order.
+pub fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    let items = list
+        .as_array()
+        .unwrap_or_else(|| panic!("an array: {list}"));
+    items.iter().map(|e| e[field].as_str().unwrap()).collect()
+}
+
 /// A runtime whose model answers every request with `reply`.
 pub async fn replying(reply: &str) -> Rt {
     runtime(json!({"generations": [text(None, reply, 0)]}), config()).await

@@ -226,12 +226,7 @@ async fn the_data_directory_and_the_configuration_are_refused_even_under_the_roo
     );
     assert!(!root.join(".harness-data/new.db").exists());
     let l = rig.ok("fs::list", json!({})).await;
-    let names: Vec<&str> = l["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["name"].as_str().unwrap())
-        .collect();
+    let names = strings(&l["entries"], "name");
     assert_eq!(
         names,
         ["a.txt", "store_link"],

@@ -88,6 +88,14 @@ pub fn send_allowing(text: &str, session_id: Option<&str>) -> Value {
     v
 }
 
+/// The string `field` of every element of the JSON array `list`, in order.
+pub fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    let items = list
+        .as_array()
+        .unwrap_or_else(|| panic!("an array: {list}"));
+    items.iter().map(|e| e[field].as_str().unwrap()).collect()
+}
+
 /// What a registered target saw, one entry per run.
 pub type Seen = Arc<Mutex<Vec<Value>>>;
 

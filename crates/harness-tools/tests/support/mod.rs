@@ -97,3 +97,11 @@ pub fn text(v: &Value) -> String {
 pub fn shared_bus(rig: &Rig) -> Arc<dyn Bus> {
     Arc::new(rig.bus.clone())
 }
+
+/// The string `field` of every element of the JSON array `list`, in order.
+pub fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    let items = list
+        .as_array()
+        .unwrap_or_else(|| panic!("an array: {list}"));
+    items.iter().map(|e| e[field].as_str().unwrap()).collect()
+}
