@@ -11,7 +11,7 @@ use common::embedded::{config, embedded, start_loop, wait_turn_end};
 use common::recorded::{
     assert_asked_without_the_digits, digits, fixture, Exchange, Replay, LLAMA_CPP_PYTHON,
 };
-use common::{chat, http, llamacpp_send, replies, request, user, Run};
+use common::{chat, http, llamacpp_send, nothing_listening, replies, request, user, Run};
 use harness_core::{Harness, HarnessConfig};
 use harness_router::providers::{ProviderConfig, ProviderKind, Tokenize, WirePatch};
 use harness_router::Router;
@@ -35,6 +35,13 @@ fn exchanges(case: &str) -> Vec<Exchange> {
 
 fn llamacpp(url: &str, wire: Option<WirePatch>) -> Router {
     llamacpp_with(url, |cfg| cfg.wire = cfg.wire.with(wire.as_ref()))
+}
+
+/// A server replaying `exchanges`, and the `llamacpp` provider at it with `wire` patched in.
+async fn replay(exchanges: Vec<Exchange>, wire: Option<WirePatch>) -> (Replay, Router) {
+    let server = Replay::start(exchanges).await;
+    let router = llamacpp(&format!("{}/v1", server.url), wire);
+    (server, router)
 }
 
 /// The `llamacpp` provider at `url`, its configuration changed by `edit`.
@@ -111,12 +118,11 @@ async fn a_replayed_function_call_is_sent_as_the_server_accepts_it() {
     // Recorded with `stream: false`, which a config can ask for (`wire.stream_with_tools`).
     let recorded = exchanges("replay_content_empty");
     let sent_then = recorded[0].request.clone();
-    let server = Replay::start(recorded).await;
     let no_stream = WirePatch {
         stream_with_tools: Some(false),
         ..WirePatch::default()
     };
-    let r = llamacpp(&format!("{}/v1", server.url), Some(no_stream));
+    let (server, r) = replay(recorded, Some(no_stream)).await;
     let run = chat(&r, call_replay()).await;
     let done = run.done();
     assert!(!joined(&done).is_empty());
@@ -140,13 +146,12 @@ async fn a_replayed_function_call_is_sent_as_the_server_accepts_it() {
 async fn content_null_is_what_the_server_rejected_and_that_rejection_is_not_retried() {
     let recorded = exchanges("replay_content_null");
     assert_eq!(recorded[0].request["messages"][2]["content"], Value::Null);
-    let server = Replay::start(recorded).await;
     // A config claiming the server takes `null` (as OpenAI does) gets the recorded 500.
     let claims_null = WirePatch {
         content_null: Some(true),
         ..WirePatch::default()
     };
-    let r = llamacpp(&format!("{}/v1", server.url), Some(claims_null));
+    let (server, r) = replay(recorded, Some(claims_null)).await;
     let run = chat(&r, call_replay()).await;
     let (_, kind, detail) = run.error();
     assert_eq!(kind, ErrorKind::Permanent, "{detail}");
@@ -178,8 +183,7 @@ async fn a_stream_the_server_interrupted_is_never_a_completed_reply() {
     // The first stream: text, then `data: [DONE]` with no finish_reason, then a dropped body.
     assert!(recorded[0].body.trim_end().ends_with("data: [DONE]"));
     assert!(!recorded[0].body.contains("\"finish_reason\": \"") && !recorded[0].clean);
-    let server = Replay::start(vec![recorded[0].clone()]).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (_server, r) = replay(vec![recorded[0].clone()], None).await;
     let run = chat(&r, ask("Count from 1 to 200, one number per line.", 300)).await;
     let (partial, kind, detail) = run.error();
     assert_eq!(kind, ErrorKind::Transient);
@@ -199,8 +203,7 @@ async fn an_interrupted_function_call_is_never_complete() {
     let mut e = exchanges("tools_forced_stream").remove(0);
     let events: Vec<&str> = e.body.split_inclusive("\n\n").collect();
     e.body = events[..4].concat() + "data: [DONE]\n\n";
-    let server = Replay::start(vec![e]).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (_server, r) = replay(vec![e], None).await;
     let mut req = ask("What is 2 + 3? Use the tool.", 64);
     req.tools = vec![add_tool()];
     let run = chat(&r, req).await;
@@ -275,8 +278,7 @@ async fn a_stream_without_usage_gets_an_estimate_marked_and_priced() {
         !recorded[0].body.contains("\"usage\""),
         "the server sent no usage"
     );
-    let server = Replay::start(recorded.clone()).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(recorded.clone(), None).await;
     let run = chat(&r, ask("Say hello.", 64)).await;
     let done = run.done();
     assert_eq!(joined(&done), recorded_text(&recorded[0].body));
@@ -296,8 +298,7 @@ async fn a_stream_without_usage_gets_an_estimate_marked_and_priced() {
     assert!(server.chat_bodies()[0].get("stream_options").is_none());
 
     // A priced catch-all row prices the estimate like any usage.
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (_server, r) = replay(recorded, None).await;
     r.set_catalog(
         harness_router::Catalog::builtin()
             .merged(
@@ -349,12 +350,7 @@ async fn a_base_url_without_v1_says_the_status_the_servers_words_and_where_to_lo
 
 #[tokio::test]
 async fn nothing_listening_says_so() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}/v1");
+    let url = nothing_listening();
     let r = llamacpp(&url, None);
     let run = chat(&r, ask("Say hello.", 64)).await;
     let (_, kind, detail) = run.error();
@@ -370,8 +366,7 @@ async fn nothing_listening_says_so() {
 #[tokio::test]
 async fn tools_are_offered_with_tool_choice_and_a_forced_call_streams_back_as_a_call() {
     // Offered with `tool_choice: "auto"`, the server answers text (it ignores the tools).
-    let server = Replay::start(exchanges("tools_auto_stream")).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(exchanges("tools_auto_stream"), None).await;
     let mut req = ask("What is 2 + 3? Use the tool.", 64);
     req.tools = vec![add_tool()];
     let run = chat(&r, req.clone()).await;
@@ -384,20 +379,18 @@ async fn tools_are_offered_with_tool_choice_and_a_forced_call_streams_back_as_a_
     // Forced through provider options, streamed: a call of `math::add` with its arguments.
     let recorded = exchanges("tools_forced_stream");
     let forced = recorded[0].request["tool_choice"].clone();
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(recorded, None).await;
     req.provider_options = Some(json!({"llamacpp": {"tool_choice": forced.clone()}}));
     let run = chat(&r, req.clone()).await;
     assert_call(&run);
     assert_eq!(server.chat_bodies()[0]["tool_choice"], forced);
 
     // The same, not streamed (`wire.stream_with_tools: false`).
-    let server = Replay::start(exchanges("tools_forced_whole")).await;
     let no_stream = WirePatch {
         stream_with_tools: Some(false),
         ..WirePatch::default()
     };
-    let r = llamacpp(&format!("{}/v1", server.url), Some(no_stream));
+    let (server, r) = replay(exchanges("tools_forced_whole"), Some(no_stream)).await;
     let run = chat(&r, req).await;
     assert_call(&run);
     assert_eq!(server.chat_bodies()[0]["stream"], false);
@@ -434,8 +427,7 @@ fn assert_call(run: &Run) {
 async fn an_error_after_the_200_is_not_retried_and_not_called_temporary() {
     let recorded = exchanges("context_exceeded_stream");
     assert_eq!((recorded[0].status, recorded[0].body.as_str()), (200, ""));
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(recorded, None).await;
     let long = format!(
         "Repeat: {}",
         "the quick brown fox jumps over the lazy dog ".repeat(80)
@@ -458,8 +450,7 @@ async fn an_error_after_the_200_is_not_retried_and_not_called_temporary() {
 
 #[tokio::test]
 async fn a_length_stop_is_a_length_stop_and_the_output_budget_is_the_callers() {
-    let server = Replay::start(exchanges("length_stop")).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(exchanges("length_stop"), None).await;
     let run = chat(&r, ask("Write a long story about the sea.", 8)).await;
     let done = run.done();
     assert_eq!(done.stop_reason, StopReason::Length);
@@ -473,8 +464,7 @@ async fn the_window_probe_asks_the_server_once_and_keeps_the_catch_all_row_when_
     recorded.extend(exchanges("props"));
     recorded.extend(exchanges("plain_stream"));
     recorded.extend(exchanges("multi_turn_stream"));
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(recorded, None).await;
     chat(&r, ask("Say hello.", 64)).await.done();
     let entry = r.model_entry(Some("llamacpp"), MODEL).await.unwrap();
     assert!(
@@ -538,8 +528,7 @@ async fn a_stream_interrupted_before_any_output_is_retried_and_the_retry_is_the_
     let recorded = exchanges("interrupted_before_output");
     assert!(!recorded[0].body.contains("\"content\""));
     let whole = recorded[1].clone();
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(recorded, None).await;
     let run = chat(&r, ask("Count from 1 to 200, one number per line.", 300)).await;
     let done = run.done();
     assert_eq!(done.native_stop_reason.as_deref(), Some("stop"));
@@ -604,6 +593,20 @@ async fn send_model(
     (r.session_id, s)
 }
 
+/// Sends "Say hi." to `model` in `session` and checks that the turn completed: the session goes
+/// on after a message it left out.
+async fn says_hi(harness: &Harness, model: &str, session: &str) {
+    let (_, s) = send_model(
+        harness,
+        model,
+        Some(session),
+        "Say hi.",
+        SendOptions::default(),
+    )
+    .await;
+    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+}
+
 #[tokio::test]
 async fn the_server_counts_the_tokens_and_one_oversized_first_message_does_not_stick_to_the_session(
 ) {
@@ -613,8 +616,7 @@ async fn the_server_counts_the_tokens_and_one_oversized_first_message_does_not_s
     let counted = &recorded[1];
     assert_eq!(counted.body, r#"{"count":3001}"#);
     assert_eq!(counted.request["input"].as_str(), Some(digits().as_str()));
-    let server = Replay::start(recorded).await;
-    let router = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, router) = replay(recorded, None).await;
     let (harness, sessions, _dir) = small_runtime(&router).await;
 
     // The session's first message alone is over the window: refused before any generation,
@@ -641,8 +643,7 @@ async fn the_server_counts_the_tokens_and_one_oversized_first_message_does_not_s
 
     // The next message of the same session goes through without the oversized one, and asks
     // for no more output than the window leaves.
-    let (_, s) = send_to(&harness, Some(&sid), "Say hi.", SendOptions::default()).await;
-    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    says_hi(&harness, MODEL, &sid).await;
     assert_asked_without_the_digits(&server.chat_bodies());
     // The message stays in the transcript, marked as left out.
     let entries = sessions.all_entries(&sid, true).unwrap();
@@ -667,15 +668,7 @@ async fn without_a_server_count_dense_digits_are_still_counted_as_the_server_wou
     let detail = s.failure.unwrap().detail.unwrap_or_default();
     assert!(detail.contains("context/message_too_large"), "{detail}");
     assert!(server.asked().iter().all(|a| !a.path.contains("tokenize")));
-    let (_, s) = send_model(
-        &harness,
-        model,
-        Some(&sid),
-        "Say hi.",
-        SendOptions::default(),
-    )
-    .await;
-    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    says_hi(&harness, model, &sid).await;
 }
 
 #[tokio::test]
@@ -686,8 +679,7 @@ async fn llama_cpp_s_tokenize_form_is_tried_when_llama_cpp_python_s_is_not_there
     assert_eq!(recorded[0].status, 404);
     recorded.insert(0, recorded[0].clone());
     recorded[0].path = "/extras/tokenize/count".into();
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(recorded, None).await;
     // Asked with no texts: whether it can count (the preset says so until the server says not).
     let probe = r.count_tokens(Some("llamacpp"), MODEL, &[]).await;
     assert_eq!(probe.counts, Some(vec![]));
@@ -710,8 +702,7 @@ async fn llama_cpp_s_tokenize_form_is_tried_when_llama_cpp_python_s_is_not_there
 async fn llama_cpp_python_counts_with_its_own_tokenizer() {
     let mut recorded = exchanges("tokenize_count_short");
     recorded.extend(exchanges("tokenize_count_digits"));
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (_server, r) = replay(recorded, None).await;
     let answer = r
         .count_tokens(Some("llamacpp"), MODEL, &["Say hi.".into(), digits()])
         .await;
@@ -723,8 +714,7 @@ async fn llama_cpp_python_counts_with_its_own_tokenizer() {
 async fn a_prompt_over_the_window_answered_200_with_nothing_is_an_overflow() {
     let recorded = exchanges("digits_overflow_stream");
     assert_eq!((recorded[0].status, recorded[0].body.as_str()), (200, ""));
-    let server = Replay::start(recorded).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(recorded, None).await;
     let run = chat(&r, ask(&digits(), 64)).await;
     let (_, kind, _) = run.error();
     assert_eq!(kind, ErrorKind::ContextOverflow);
@@ -733,8 +723,7 @@ async fn a_prompt_over_the_window_answered_200_with_nothing_is_an_overflow() {
 
 #[tokio::test]
 async fn a_tool_choice_that_names_no_offered_function_is_refused_before_any_request() {
-    let server = Replay::start(exchanges("tools_forced_stream")).await;
-    let r = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, r) = replay(exchanges("tools_forced_stream"), None).await;
     let mut req = ask("What is 2 + 3? Use the tool.", 64);
     req.tools = vec![add_tool()];
     req.provider_options = Some(
@@ -765,8 +754,7 @@ async fn a_tool_choice_that_names_no_offered_function_is_refused_before_any_requ
 async fn an_output_contract_on_the_llamacpp_preset_is_grammar_constrained_json() {
     let recorded = exchanges("json_object_schema_stream");
     let schema = recorded[0].request["response_format"]["schema"].clone();
-    let server = Replay::start(recorded.clone()).await;
-    let router = llamacpp(&format!("{}/v1", server.url), None);
+    let (server, router) = replay(recorded.clone(), None).await;
     let (harness, _sessions, _dir) = small_runtime(&router).await;
     let (_, s) = send_to(
         &harness,
@@ -992,15 +980,7 @@ async fn a_message_the_server_refuses_twice_under_an_unknown_window_is_left_out_
     assert_eq!(s.status, TurnStatus::Failed, "{s:?}");
     assert_eq!(s.failure.unwrap().kind, Some(ErrorKind::ContextOverflow));
     assert_eq!(server.chat_bodies().len(), 2);
-    let (_, s) = send_model(
-        &harness,
-        model,
-        Some(&sid),
-        "Say hi.",
-        SendOptions::default(),
-    )
-    .await;
-    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    says_hi(&harness, model, &sid).await;
     let bodies = server.chat_bodies();
     assert_eq!(bodies.len(), 3);
     let sent = bodies[2]["messages"].to_string();

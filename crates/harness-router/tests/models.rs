@@ -22,17 +22,20 @@ async fn call(bus: &harness_bus::EmbeddedBus, f: &str, payload: Value) -> Result
         .map_err(|e| e.to_string())
 }
 
+/// `router::models::get`'s answer to `payload`; the call must succeed.
+async fn model(bus: &harness_bus::EmbeddedBus, payload: Value) -> Value {
+    call(bus, "router::models::get", payload).await.unwrap()
+}
+
 #[tokio::test]
 async fn models_get_and_supports_answer_from_the_catalog() {
     let router = Router::new();
     let (bus, _dir) = bus_with(&router);
-    let e = call(
+    let e = model(
         &bus,
-        "router::models::get",
         json!({"provider": "anthropic", "id": "claude-haiku-4-5-20251001"}),
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(e["id"], "claude-haiku-4-5");
     assert_eq!(e["context_window"], 200000);
     assert_eq!(e["max_output_tokens"], 64000);
@@ -41,18 +44,10 @@ async fn models_get_and_supports_answer_from_the_catalog() {
         json!({"input": 1.0, "output": 5.0, "cache_read": 0.1, "cache_write": 1.25})
     );
     assert_eq!(e["capabilities"]["thinking"], true);
-    let demo = call(
-        &bus,
-        "router::models::get",
-        json!({"provider": "scripted", "id": "demo"}),
-    )
-    .await
-    .unwrap();
+    let demo = model(&bus, json!({"provider": "scripted", "id": "demo"})).await;
     assert_eq!(demo["context_window"], 200000);
     assert_eq!(demo["pricing"]["input"], 0.0);
-    let none = call(&bus, "router::models::get", json!({"id": "no-such-model"}))
-        .await
-        .unwrap();
+    let none = model(&bus, json!({"id": "no-such-model"})).await;
     assert_eq!(none, Value::Null);
     for (capability, supported) in [("vision", true), ("thinking", false)] {
         let s = call(
@@ -83,27 +78,17 @@ async fn models_get_and_supports_answer_from_the_catalog() {
 
 #[tokio::test]
 async fn models_list_keeps_the_providers_key_and_adds_the_catalog() {
-    let dir = tempfile::tempdir().unwrap();
-    let store =
-        harness_store::Store::open(&dir.path().join("t.db"), harness_store::Durability::Normal)
-            .unwrap();
-    let bus = harness_bus::EmbeddedBus::new(store).unwrap();
-    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
     let router = Router::new();
+    let (bus, _dir) = bus_with(&router);
     let script = Script::from_json(
         r#"{"generations": [{"repeat": true, "content": [{"type": "text", "text": "hi"}]}]}"#,
     )
     .unwrap();
-    router.add_provider(Arc::new(ScriptedProvider::new(script, shared.clone())));
-    harness_router::register(shared.as_ref(), &router);
+    let shared: Arc<dyn Bus> = Arc::new(bus.clone());
+    router.add_provider(Arc::new(ScriptedProvider::new(script, shared)));
     let v = call(&bus, "router::models::list", json!({})).await.unwrap();
     assert_eq!(v["providers"], json!(["scripted"]));
-    let ids: Vec<&str> = v["models"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|m| m["id"].as_str())
-        .collect();
+    let ids = strings(&v["models"], "id");
     assert!(
         ids.contains(&"claude-sonnet-4-5") && ids.contains(&"gpt-5") && ids.contains(&"demo"),
         "{ids:?}"

@@ -171,14 +171,11 @@ async fn server_flavoured_errors_classify() {
 
 #[tokio::test]
 async fn a_server_that_is_down_is_a_transient_connect_failure() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    drop(listener);
     let router = harness_router::Router::new();
     let cfg = harness_router::providers::ProviderConfig::new(
         "ollama",
         ProviderKind::OpenaiCompatible,
-        &format!("http://{addr}/v1"),
+        &nothing_listening(),
         None,
     )
     .with_http(http());
@@ -231,12 +228,7 @@ async fn the_model_list_comes_from_the_server() {
         .await
         .unwrap();
     assert_eq!(mock.requests()[0].path, "/v1/models");
-    let ids: Vec<&str> = v["models"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
+    let ids = strings(&v["models"], "id");
     assert_eq!(ids, ["qwen3:8b", "llama3.2:3b"]);
     assert_eq!(v["models"][0]["generic"], true);
     assert_eq!(v["models"][0]["context_window"], 32768);

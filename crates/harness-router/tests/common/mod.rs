@@ -196,6 +196,12 @@ pub fn http() -> HttpOptions {
     }
 }
 
+/// `http://127.0.0.1:<port>/v1` on a port the system handed out and nothing listens on any more.
+pub fn nothing_listening() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}/v1", listener.local_addr().unwrap())
+}
+
 /// A router with one provider of `kind` named `id`, pointed at `mock`.
 pub fn router(
     mock: &Mock,
@@ -248,6 +254,14 @@ pub fn result(call_id: &str, text: &str) -> AgentMessage {
         is_error: false,
         timestamp: 2,
     })
+}
+
+/// The string `field` of every element of the JSON array `list`, in order.
+pub fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    let items = list
+        .as_array()
+        .unwrap_or_else(|| panic!("an array: {list}"));
+    items.iter().map(|e| e[field].as_str().unwrap()).collect()
 }
 
 pub struct Run {
