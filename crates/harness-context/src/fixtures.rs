@@ -7,28 +7,20 @@ use serde_json::Value;
 
 /// An assistant message calling `demo::read` as `id`, or answering "done" when `id` is `None`.
 pub(crate) fn assistant(call: Option<&str>) -> AgentMessage {
-    AgentMessage::Assistant(AssistantMessage {
-        content: match call {
-            Some(id) => vec![ContentBlock::FunctionCall {
+    let (content, stop_reason) = match call {
+        Some(id) => (
+            vec![ContentBlock::FunctionCall {
                 id: id.into(),
                 function_id: "demo::read".into(),
                 arguments: serde_json::json!({}),
             }],
-            None => vec![ContentBlock::text("done")],
-        },
-        model: "m".into(),
-        provider: "p".into(),
-        stop_reason: if call.is_some() {
-            StopReason::FunctionCall
-        } else {
-            StopReason::End
-        },
-        usage: None,
-        error_kind: None,
-        error_message: None,
-        native_stop_reason: None,
-        warnings: None,
-        timestamp: 0,
+            StopReason::FunctionCall,
+        ),
+        None => (vec![ContentBlock::text("done")], StopReason::End),
+    };
+    AgentMessage::Assistant(AssistantMessage {
+        stop_reason,
+        ..AssistantMessage::ended(content, "m", "p", 0)
     })
 }
 
