@@ -14,49 +14,42 @@ use serde_json::json;
 const CHILD_ENV: &str = "HARNESS_STORE_CRASH_CHILD_DB";
 
 /// The child's body; a no-op when run as an ordinary test.
-#[test]
-fn crash_child() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_child() {
     let Ok(path) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async move {
-        let store = Store::open(path.as_ref(), Durability::Full).unwrap();
-        let queues = Queues::new(store.clone());
-        queues.start(
-            "q",
-            Arc::new(|m| {
-                async move {
-                    println!("handled {}", m.id);
-                    Ok(())
-                }
-                .boxed()
-            }),
-        );
-        let mut writers = Vec::new();
-        for w in 0..8 {
-            let (store, queues) = (store.clone(), queues.clone());
-            writers.push(tokio::spawn(async move {
-                for i in 0u64.. {
-                    let key = format!("{w}-{i}");
-                    store.kv_set("crash", &key, &json!(i)).await.unwrap();
-                    println!("wrote {key}");
-                    let id = queues
-                        .enqueue("q", &format!("g{w}"), "f", &json!(i))
-                        .await
-                        .unwrap();
-                    println!("enqueued {id}");
-                }
-            }));
-        }
-        for w in writers {
-            w.await.unwrap();
-        }
-    });
+    let store = Store::open(path.as_ref(), Durability::Full).unwrap();
+    let queues = Queues::new(store.clone());
+    queues.start(
+        "q",
+        Arc::new(|m| {
+            async move {
+                println!("handled {}", m.id);
+                Ok(())
+            }
+            .boxed()
+        }),
+    );
+    let mut writers = Vec::new();
+    for w in 0..8 {
+        let (store, queues) = (store.clone(), queues.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0u64.. {
+                let key = format!("{w}-{i}");
+                store.kv_set("crash", &key, &json!(i)).await.unwrap();
+                println!("wrote {key}");
+                let id = queues
+                    .enqueue("q", &format!("g{w}"), "f", &json!(i))
+                    .await
+                    .unwrap();
+                println!("enqueued {id}");
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
 }
 
 #[test]
