@@ -9,21 +9,18 @@ use harness_types::api::SendOptions;
 
 use crate::plan::Plan;
 use crate::probe::lock;
-use crate::rig::{At, Rig, ScriptKind, TURNS_PER_SESSION};
-use crate::stats::{percentile_us, progress, sorted};
+use crate::rig::{At, Rig, ScriptKind, TextSessions};
+use crate::stats::{progress, Percentiles};
 
 /// `max_turns` of a handoff turn: 8 generations + the step that ends the turn = 9 steps.
 pub(crate) const HANDOFF_MAX_TURNS: u32 = 8;
 
 /// Times in µs.
 pub(crate) struct Handoff {
-    /// Step→step handoffs measured.
-    pub(crate) samples: usize,
     /// A step's enqueue returned → the next step's handler starts.
-    pub(crate) p50: f64,
-    pub(crate) p99: f64,
+    pub(crate) step: Percentiles,
     /// The send's enqueue returned → step 0 starts.
-    pub(crate) send_p50: f64,
+    pub(crate) send: Percentiles,
 }
 
 pub(crate) async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> Result<Handoff> {
@@ -32,11 +29,11 @@ pub(crate) async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> 
     } else {
         "off"
     };
-    progress(&format!(
+    progress!(
         "step→step handoff ({} turns of {} steps, fsync {label})",
         plan.handoff_turns,
         HANDOFF_MAX_TURNS + 1
-    ));
+    );
     let rig = Rig::open(at, ScriptKind::Calls, durability).await?;
     let d = rig.driver();
     let options = || {
@@ -59,26 +56,20 @@ pub(crate) async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> 
     }
     rig.queue_idle().await?;
     rig.probe.track_handoff.store(false, Ordering::Relaxed);
-    let steps = sorted(std::mem::take(&mut *lock(&rig.probe.handoff_step_ns)));
-    let sends = sorted(std::mem::take(&mut *lock(&rig.probe.handoff_send_ns)));
-    if steps.is_empty() {
+    let step = Percentiles::of(std::mem::take(&mut *lock(&rig.probe.handoff_step_ns)));
+    let send = Percentiles::of(std::mem::take(&mut *lock(&rig.probe.handoff_send_ns)));
+    if step.samples == 0 {
         bail!("no step→step handoff was measured (did the turns run more than one step?)");
     }
-    let out = Handoff {
-        samples: steps.len(),
-        p50: percentile_us(&steps, 0.5),
-        p99: percentile_us(&steps, 0.99),
-        send_p50: percentile_us(&sends, 0.5),
-    };
     rig.close().await;
-    progress(&format!(
+    progress!(
         "  = step→step handoff p50 {:.2} ms p99 {:.2} ms; send→step 0 p50 {:.2} ms ({} samples)",
-        out.p50 / 1e3,
-        out.p99 / 1e3,
-        out.send_p50 / 1e3,
-        out.samples
-    ));
-    Ok(out)
+        step.p50 / 1e3,
+        step.p99 / 1e3,
+        send.p50 / 1e3,
+        step.samples
+    );
+    Ok(Handoff { step, send })
 }
 
 /// fsyncs of one-step text turns at concurrency 1.
@@ -91,20 +82,20 @@ pub(crate) struct Fsyncs {
 }
 
 pub(crate) async fn fsyncs(at: At<'_>, plan: &Plan) -> Result<Fsyncs> {
-    progress(&format!(
+    progress!(
         "fsyncs per text step ({} turns, concurrency 1, fsync on)",
         plan.fsync_turns
-    ));
+    );
     let rig = Rig::open(at, ScriptKind::Text, Durability::Full).await?;
     let d = rig.driver();
     d.text_loop(Instant::now() + plan.fsync_cap, 10).await?;
     rig.queue_idle().await?;
     let (mut in_send, mut in_step, mut turns) = (0u64, 0u64, 0usize);
-    let mut session: Option<String> = None;
+    let mut sessions = TextSessions::default();
     let deadline = Instant::now() + plan.fsync_cap;
     while turns < plan.fsync_turns && Instant::now() < deadline {
         let s0 = rig.fsyncs().unwrap_or(0);
-        let (sid, turn_id) = d.send(session.take(), None).await?;
+        let turn_id = sessions.send(&d).await?;
         let s1 = rig.fsyncs().unwrap_or(0);
         d.probe.wait(&turn_id).await?;
         rig.queue_idle().await?;
@@ -112,9 +103,6 @@ pub(crate) async fn fsyncs(at: At<'_>, plan: &Plan) -> Result<Fsyncs> {
         in_send += s1 - s0;
         in_step += s2 - s1;
         turns += 1;
-        if turns % TURNS_PER_SESSION as usize != 0 {
-            session = Some(sid);
-        }
     }
     rig.close().await;
     let n = turns.max(1) as f64;

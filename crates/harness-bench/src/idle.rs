@@ -101,10 +101,10 @@ pub(crate) async fn fill_sessions(d: &Driver, n: usize, cap: Duration) -> Result
 }
 
 pub(crate) async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
-    progress(&format!(
+    progress!(
         "RAM per idle session ({} sessions, fsync off)",
         plan.idle_sessions
-    ));
+    );
     let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     let d = rig.driver();
     // Warm-up: the runtime's fixed costs (threads, connections, statement caches) land before the baseline.
@@ -124,7 +124,7 @@ pub(crate) async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
     let sqlite_after = harness_store::Store::sqlite_heap_bytes();
     let sessions = made_half + made_rest;
     if sessions < plan.idle_sessions {
-        progress(&format!("  time cap reached: measured {sessions} sessions"));
+        progress!("  time cap reached: measured {sessions} sessions");
     }
     let per = |delta: i64, n: usize| {
         if n == 0 {
@@ -143,9 +143,10 @@ pub(crate) async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
         sqlite_after,
     };
     rig.close().await;
-    progress(&format!(
+    progress!(
         "  = {:.0} B per idle session ({} sessions)",
-        out.bytes_per_session, out.sessions
-    ));
+        out.bytes_per_session,
+        out.sessions
+    );
     Ok(out)
 }

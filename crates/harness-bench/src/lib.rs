@@ -184,7 +184,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
         );
     }
     if let Mode::Iii(url) = mode {
-        progress(&format!("iii mode: every phase connects to {url}"));
+        progress!("iii mode: every phase connects to {url}");
     }
     let at = At {
         mode,
@@ -212,7 +212,7 @@ pub async fn run(args: BenchArgs, host: &dyn Host) -> Result<()> {
 /// the end).
 async fn measure(at: At<'_>, plan: &Plan) -> Result<Results> {
     let started = Instant::now();
-    progress("physical reference (fsync and bare SQLite commits in the bench directory)");
+    progress!("physical reference (fsync and bare SQLite commits in the bench directory)");
     let reference = reference::measure(at.base)?;
     let ram = idle::idle_ram(at, plan).await?;
     let over = overhead::overhead(at, plan).await?;

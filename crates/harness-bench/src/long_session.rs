@@ -9,9 +9,9 @@ use harness_store::Durability;
 use serde_json::{json, Value};
 
 use crate::plan::Plan;
-use crate::probe::{lock, StepSample};
+use crate::probe::StepSample;
 use crate::rig::{At, Driver, Rig, ScriptKind};
-use crate::stats::{percentile_us, progress, sorted};
+use crate::stats::{progress, Percentiles, Steps};
 
 /// Sessions of each length the phase alternates over.
 const LONG_PHASE_SESSIONS: usize = 4;
@@ -20,46 +20,42 @@ const SHORT_ENTRIES: usize = 10;
 
 /// Steps on short and on long sessions; times in µs.
 pub(crate) struct LongSession {
-    /// Steps measured on the long sessions.
-    pub(crate) samples: usize,
-    /// The whole step.
-    pub(crate) short_step_p50: f64,
-    pub(crate) long_step_p50: f64,
-    /// The step less its time awaiting the store.
-    pub(crate) short_overhead_p50: f64,
-    pub(crate) long_overhead_p50: f64,
-    /// `context::assemble` as the step awaits it, p50 µs: 10-entry, 1,000-entry, and 1,000-entry
-    /// sessions whose history a compaction record already summarizes.
-    pub(crate) short_assemble_p50: f64,
-    pub(crate) long_assemble_p50: f64,
-    pub(crate) summarized_assemble_p50: f64,
+    pub(crate) short: Steps,
+    pub(crate) long: Steps,
+    pub(crate) assemble: Assemble,
+}
+
+/// `context::assemble` as the step awaits it, p50 µs: on 10-entry, 1,000-entry, and 1,000-entry
+/// sessions whose history a compaction record already summarizes.
+pub(crate) struct Assemble {
+    pub(crate) short_p50: f64,
+    pub(crate) long_p50: f64,
+    pub(crate) summarized_p50: f64,
+}
+
+/// `a / b`, 0 when `b` is not positive.
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
 }
 
 impl LongSession {
-    /// Assembly on a summarized 1,000-entry session over assembly on a 10-entry one (p50s).
-    pub(crate) fn summarized_assemble_ratio(&self) -> f64 {
-        if self.short_assemble_p50 > 0.0 {
-            self.summarized_assemble_p50 / self.short_assemble_p50
-        } else {
-            0.0
-        }
-    }
-
     /// Whole step on a 1,000-entry session over the same on a 10-entry one (p50s).
     pub(crate) fn step_ratio(&self) -> f64 {
-        if self.short_step_p50 > 0.0 {
-            self.long_step_p50 / self.short_step_p50
-        } else {
-            0.0
-        }
+        ratio(self.long.whole.p50, self.short.whole.p50)
     }
 
+    /// The same with the store's time taken out of both.
     pub(crate) fn overhead_ratio(&self) -> f64 {
-        if self.short_overhead_p50 > 0.0 {
-            self.long_overhead_p50 / self.short_overhead_p50
-        } else {
-            0.0
-        }
+        ratio(self.long.outside_store.p50, self.short.outside_store.p50)
+    }
+
+    /// Assembly on a summarized 1,000-entry session over assembly on a 10-entry one (p50s).
+    pub(crate) fn summarized_assemble_ratio(&self) -> f64 {
+        ratio(self.assemble.summarized_p50, self.assemble.short_p50)
     }
 }
 
@@ -128,10 +124,11 @@ pub(crate) async fn summarize_transcript(d: &Driver, session_id: &str, keep: usi
 /// Text steps on sessions of [`SHORT_ENTRIES`] and of `plan.long_entries` entries, alternating
 /// (concurrency 1, fsync off, each session already stepped once, as in a live conversation).
 pub(crate) async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession> {
-    progress(&format!(
+    progress!(
         "long sessions ({} steps on {SHORT_ENTRIES}-entry and on {}-entry sessions, fsync off)",
-        plan.long_turns, plan.long_entries
-    ));
+        plan.long_turns,
+        plan.long_entries
+    );
     let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     let d = rig.driver();
     let (mut short, mut long, mut summarized) = (Vec::new(), Vec::new(), Vec::new());
@@ -158,44 +155,45 @@ pub(crate) async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession>
             long.push(sid);
         }
     }
-    rig.queue_idle().await?;
     let mut long_turns = HashSet::new();
     let mut summarized_turns = HashSet::new();
-    rig.probe.sample_steps.store(true, Ordering::Relaxed);
     let deadline = Instant::now() + plan.long_cap;
-    let mut done = 0;
-    while done < plan.long_turns && Instant::now() < deadline {
-        let i = done % LONG_PHASE_SESSIONS;
-        // Short sessions are swapped for fresh ones as they grow, so they stay near 10 entries.
-        if done > 0 && i == 0 && done % (4 * LONG_PHASE_SESSIONS) == 0 {
-            rig.probe.sample_steps.store(false, Ordering::Relaxed);
-            for sid in short.iter_mut() {
-                let fresh = d.turn(None, None).await?;
-                fill_transcript(&d, &fresh, 2, SHORT_ENTRIES - 2).await?;
-                d.turn(Some(fresh.clone()), None).await?;
-                *sid = fresh;
+    let ((), samples) = rig
+        .sampled(async {
+            let mut done = 0;
+            while done < plan.long_turns && Instant::now() < deadline {
+                let i = done % LONG_PHASE_SESSIONS;
+                // Short sessions are swapped for fresh ones as they grow, so they stay near 10
+                // entries.
+                if done > 0 && i == 0 && done % (4 * LONG_PHASE_SESSIONS) == 0 {
+                    rig.probe.sample_steps.store(false, Ordering::Relaxed);
+                    for sid in short.iter_mut() {
+                        let fresh = d.turn(None, None).await?;
+                        fill_transcript(&d, &fresh, 2, SHORT_ENTRIES - 2).await?;
+                        d.turn(Some(fresh.clone()), None).await?;
+                        *sid = fresh;
+                    }
+                    // The summarized sessions are summarized again, so their window stays the
+                    // last few entries instead of growing with every measured turn.
+                    for sid in &summarized {
+                        summarize_transcript(&d, sid, SHORT_ENTRIES - 2).await?;
+                        d.turn(Some(sid.clone()), None).await?;
+                    }
+                    rig.queue_idle().await?;
+                    rig.probe.sample_steps.store(true, Ordering::Relaxed);
+                }
+                d.turn(Some(short[i].clone()), None).await?;
+                let (_, turn_id) = d.send(Some(long[i].clone()), None).await?;
+                d.probe.wait(&turn_id).await?;
+                long_turns.insert(turn_id);
+                let (_, turn_id) = d.send(Some(summarized[i].clone()), None).await?;
+                d.probe.wait(&turn_id).await?;
+                summarized_turns.insert(turn_id);
+                done += 1;
             }
-            // The summarized sessions are summarized again, so their window stays the last
-            // few entries instead of growing with every measured turn.
-            for sid in &summarized {
-                summarize_transcript(&d, sid, SHORT_ENTRIES - 2).await?;
-                d.turn(Some(sid.clone()), None).await?;
-            }
-            rig.queue_idle().await?;
-            rig.probe.sample_steps.store(true, Ordering::Relaxed);
-        }
-        d.turn(Some(short[i].clone()), None).await?;
-        let (_, turn_id) = d.send(Some(long[i].clone()), None).await?;
-        d.probe.wait(&turn_id).await?;
-        long_turns.insert(turn_id);
-        let (_, turn_id) = d.send(Some(summarized[i].clone()), None).await?;
-        d.probe.wait(&turn_id).await?;
-        summarized_turns.insert(turn_id);
-        done += 1;
-    }
-    rig.queue_idle().await?;
-    rig.probe.sample_steps.store(false, Ordering::Relaxed);
-    let samples = std::mem::take(&mut *lock(&rig.probe.steps));
+            Ok(())
+        })
+        .await?;
     rig.close().await;
     let (summarized_s, rest): (Vec<&StepSample>, Vec<&StepSample>) = samples
         .iter()
@@ -204,39 +202,22 @@ pub(crate) async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession>
     let (long_s, short_s): (Vec<&StepSample>, Vec<&StepSample>) = rest
         .into_iter()
         .partition(|s| long_turns.contains(&s.turn_id));
-    let assemble = |v: &[&StepSample]| {
-        percentile_us(
-            &sorted(
-                v.iter()
-                    .filter_map(|s| s.by_op.get("context::assemble").map(|(_, ns)| *ns))
-                    .collect(),
-            ),
-            0.5,
-        )
-    };
     if long_s.is_empty() || short_s.is_empty() {
         bail!("the long-session phase measured no step");
     }
-    let wall =
-        |v: &[&StepSample]| percentile_us(&sorted(v.iter().map(|s| s.wall_ns).collect()), 0.5);
-    let over = |v: &[&StepSample]| {
-        percentile_us(
-            &sorted(
-                v.iter()
-                    .map(|s| s.wall_ns.saturating_sub(s.store_ns))
-                    .collect(),
-            ),
-            0.5,
-        )
+    let assemble_p50 = |v: &[&StepSample]| {
+        let ns = v
+            .iter()
+            .filter_map(|s| s.by_op.get("context::assemble").map(|(_, ns)| *ns));
+        Percentiles::of(ns.collect()).p50
     };
     Ok(LongSession {
-        samples: long_s.len(),
-        short_step_p50: wall(&short_s),
-        long_step_p50: wall(&long_s),
-        short_overhead_p50: over(&short_s),
-        long_overhead_p50: over(&long_s),
-        short_assemble_p50: assemble(&short_s),
-        long_assemble_p50: assemble(&long_s),
-        summarized_assemble_p50: assemble(&summarized_s),
+        short: Steps::of(short_s.iter().copied()),
+        long: Steps::of(long_s.iter().copied()),
+        assemble: Assemble {
+            short_p50: assemble_p50(&short_s),
+            long_p50: assemble_p50(&long_s),
+            summarized_p50: assemble_p50(&summarized_s),
+        },
     })
 }

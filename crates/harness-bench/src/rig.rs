@@ -1,5 +1,6 @@
 //! A phase's runtime in a temporary directory, and the driver that runs turns on it.
 
+use std::future::Future;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use harness_types::api::{SendOptions, SendRequest};
 use serde_json::{json, Value};
 
 use crate::host::{self, Host, Opened, RigSpec};
-use crate::probe::{Probe, ProbeBus};
+use crate::probe::{lock, Probe, ProbeBus, StepSample};
 
 /// Longest a bench turn may take before the bench gives up.
 pub(crate) const TURN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -32,7 +33,6 @@ pub(crate) const CALL_MESSAGE: &str = "call";
 const CALL_SCRIPT: &str = r#"{"generations": [
   {"match": {"last_user_text": "^call$"}, "repeat": true, "content": [{"type": "function_call", "id": "c_{request_id}", "function_id": "bench::noop", "arguments": {}}]},
   {"repeat": true, "content": [{"type": "text", "text": "ok"}]}]}"#;
-/// `max_turns` of a function-call turn: 8 steps that each run one call + the step that ends it.
 
 #[derive(Clone, Copy)]
 pub(crate) enum ScriptKind {
@@ -184,6 +184,20 @@ impl Rig {
         }
     }
 
+    /// Runs `measured` with every step sampled, and returns what it returned with the samples
+    /// of its steps, once the queue has drained of them.
+    pub(crate) async fn sampled<T>(
+        &self,
+        measured: impl Future<Output = Result<T>>,
+    ) -> Result<(T, Vec<StepSample>)> {
+        self.queue_idle().await?;
+        self.probe.sample_steps.store(true, Ordering::Relaxed);
+        let out = measured.await?;
+        self.queue_idle().await?;
+        self.probe.sample_steps.store(false, Ordering::Relaxed);
+        Ok((out, std::mem::take(&mut *lock(&self.probe.steps))))
+    }
+
     pub(crate) async fn close(self) {
         (self.opened.close)().await;
     }
@@ -248,20 +262,36 @@ impl Driver {
 
     /// Text turns back to back until `deadline` (or `max_turns`); returns the turns completed.
     pub(crate) async fn text_loop(&self, deadline: Instant, max_turns: u64) -> Result<u64> {
-        let mut session = None;
-        let mut in_session = 0;
+        let mut sessions = TextSessions::default();
         let mut done = 0;
         while done < max_turns && Instant::now() < deadline {
-            let id = self.turn(session.take(), None).await?;
+            let turn_id = sessions.send(self).await?;
+            self.probe.wait(&turn_id).await?;
             done += 1;
-            in_session += 1;
-            if in_session < TURNS_PER_SESSION {
-                session = Some(id);
-            } else {
-                in_session = 0;
-            }
         }
         Ok(done)
+    }
+}
+
+/// Where the next text turn goes: a new session every [`TURNS_PER_SESSION`] turns, so
+/// transcripts stay short.
+#[derive(Default)]
+pub(crate) struct TextSessions {
+    session: Option<String>,
+    turns: u32,
+}
+
+impl TextSessions {
+    /// Sends the next text turn; returns its turn id.
+    pub(crate) async fn send(&mut self, d: &Driver) -> Result<String> {
+        let (session_id, turn_id) = d.send(self.session.take(), None).await?;
+        self.turns += 1;
+        if self.turns < TURNS_PER_SESSION {
+            self.session = Some(session_id);
+        } else {
+            self.turns = 0;
+        }
+        Ok(turn_id)
     }
 }
 

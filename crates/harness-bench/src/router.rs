@@ -12,10 +12,11 @@ use crate::stats::progress;
 const ROUTER_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub(crate) async fn router_latency(plan: &Plan) -> Result<FrameLatencyReport> {
-    progress(&format!(
+    progress!(
         "router latency ({} frames, {} requests over a local SSE server)",
-        plan.router.frames, plan.router.requests
-    ));
+        plan.router.frames,
+        plan.router.requests
+    );
     match tokio::time::timeout(
         ROUTER_TIMEOUT,
         harness_router::bench::frame_latency(plan.router.clone()),

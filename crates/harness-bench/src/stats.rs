@@ -1,5 +1,5 @@
-//! Percentiles, rounding, and what the process reads about itself (CPU time, resident set, the
-//! filesystem under the bench directory).
+//! Percentiles and the figures every phase takes of its steps, rounding, and what the process
+//! reads about itself (CPU time, resident set, the filesystem under the bench directory).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -15,8 +15,79 @@ pub(crate) fn percentile_us(sorted_ns: &[u64], q: f64) -> f64 {
     sorted_ns[i.min(sorted_ns.len() - 1)] as f64 / 1000.0
 }
 
-/// Per operation over `samples`: (calls per step, mean µs per step).
-pub(crate) fn op_means(samples: &[StepSample]) -> HashMap<String, (f64, f64)> {
+/// The p50 and p99 of a set of ns samples (nearest rank), in µs.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Percentiles {
+    pub(crate) samples: usize,
+    pub(crate) p50: f64,
+    pub(crate) p99: f64,
+}
+
+impl Percentiles {
+    pub(crate) fn of(ns: Vec<u64>) -> Percentiles {
+        let ns = sorted(ns);
+        Percentiles {
+            samples: ns.len(),
+            p50: percentile_us(&ns, 0.5),
+            p99: percentile_us(&ns, 0.99),
+        }
+    }
+}
+
+/// What a set of measured steps took, as every phase that times steps reports it.
+pub(crate) struct Steps {
+    /// The whole step: the handler's wall time (less what [`Steps::less`] takes out).
+    pub(crate) whole: Percentiles,
+    /// The same less the time awaiting the store: the loop's own work.
+    pub(crate) outside_store: Percentiles,
+    /// Time awaiting the store, and the store operations awaited, per step.
+    pub(crate) store: Percentiles,
+    pub(crate) store_ops: f64,
+}
+
+impl Steps {
+    pub(crate) fn of<'a>(samples: impl IntoIterator<Item = &'a StepSample>) -> Steps {
+        Steps::less(samples, |_| 0)
+    }
+
+    /// The steps with `taken_out` ns of each taken out of its wall time (a call step's time
+    /// awaiting its target).
+    pub(crate) fn less<'a>(
+        samples: impl IntoIterator<Item = &'a StepSample>,
+        taken_out: impl Fn(&StepSample) -> u64,
+    ) -> Steps {
+        let (mut whole, mut outside, mut store, mut ops) = (Vec::new(), Vec::new(), Vec::new(), 0);
+        for s in samples {
+            let wall = s.wall_ns.saturating_sub(taken_out(s));
+            whole.push(wall);
+            outside.push(wall.saturating_sub(s.store_ns));
+            store.push(s.store_ns);
+            ops += s.store_ops;
+        }
+        let n = whole.len().max(1) as f64;
+        Steps {
+            whole: Percentiles::of(whole),
+            outside_store: Percentiles::of(outside),
+            store: Percentiles::of(store),
+            store_ops: ops as f64 / n,
+        }
+    }
+
+    /// Steps measured.
+    pub(crate) fn count(&self) -> usize {
+        self.whole.samples
+    }
+}
+
+/// An operation's calls and time per step, averaged over the steps measured.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct OpMean {
+    pub(crate) calls: f64,
+    pub(crate) us: f64,
+}
+
+/// Per operation over `samples`: its calls and time per step.
+pub(crate) fn op_means(samples: &[StepSample]) -> HashMap<String, OpMean> {
     let mut by_op: HashMap<String, (u64, u64)> = HashMap::new();
     for s in samples {
         for (op, (n, ns)) in &s.by_op {
@@ -28,13 +99,19 @@ pub(crate) fn op_means(samples: &[StepSample]) -> HashMap<String, (f64, f64)> {
     let count = samples.len().max(1) as f64;
     by_op
         .into_iter()
-        .map(|(op, (n, ns))| (op, (n as f64 / count, ns as f64 / 1000.0 / count)))
+        .map(|(op, (n, ns))| {
+            let mean = OpMean {
+                calls: n as f64 / count,
+                us: ns as f64 / 1000.0 / count,
+            };
+            (op, mean)
+        })
         .collect()
 }
 
 /// p50 of `f` over `samples`, in µs.
 pub(crate) fn p50_of(samples: &[StepSample], f: impl Fn(&StepSample) -> u64) -> f64 {
-    percentile_us(&sorted(samples.iter().map(f).collect()), 0.5)
+    Percentiles::of(samples.iter().map(f).collect()).p50
 }
 
 pub(crate) fn sorted(mut v: Vec<u64>) -> Vec<u64> {
@@ -50,9 +127,13 @@ pub(crate) fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-pub(crate) fn progress(msg: &str) {
-    eprintln!("bench: {msg}");
+/// A line of progress on stderr (stdout holds only the report), formatted as `eprintln!` does.
+macro_rules! progress {
+    ($($arg:tt)*) => {
+        eprintln!("bench: {}", format_args!($($arg)*))
+    };
 }
+pub(crate) use progress;
 
 /// CPU time of the whole process (every thread, user + system) in µs, from /proc/self/stat
 /// (clock ticks, assumed 100 Hz as on every mainstream Linux); 0 where unavailable.

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use harness_store::Durability;
+use harness_store::{Durability, StoreStats};
 use serde_json::{json, Map, Value};
 
 use crate::plan::Plan;
@@ -26,32 +26,28 @@ pub(crate) struct Cell {
     pub(crate) cpu_us: u64,
 }
 
-/// The difference of two [`harness_store::StoreStats`]: transactions committed and write ops
-/// run in them (how well the writer groups the steps' writes), WAL pages written, and the
-/// writer's busy time and the part of it in its own checkpoints.
+/// What the store's writer did during a cell.
 pub(crate) struct StoreDelta {
-    pub(crate) commits: u64,
-    pub(crate) writes: u64,
-    pub(crate) wal_frames: u64,
-    pub(crate) busy_ns: u64,
-    pub(crate) checkpoint_ns: u64,
+    /// The store's counters over the cell: transactions committed and the write ops run in
+    /// them (how well the writer groups the steps' writes), WAL pages written, and the
+    /// writer's busy time and the part of it in its own checkpoints.
+    pub(crate) stats: StoreStats,
     /// The WAL pages by the table or index they belong to (None if the count failed).
     pub(crate) by_table: Option<harness_store::WalPages>,
 }
 
-impl StoreDelta {
-    pub(crate) fn between(
-        s0: harness_store::StoreStats,
-        s1: harness_store::StoreStats,
-    ) -> StoreDelta {
-        StoreDelta {
-            by_table: None,
-            commits: s1.commits - s0.commits,
-            writes: s1.writes - s0.writes,
-            wal_frames: s1.wal_frames - s0.wal_frames,
-            busy_ns: s1.writer_busy_ns - s0.writer_busy_ns,
-            checkpoint_ns: s1.writer_checkpoint_ns - s0.writer_checkpoint_ns,
-        }
+/// The counters `s1` has over `s0`, as a [`StoreStats`] of their own.
+pub(crate) fn since(s0: StoreStats, s1: StoreStats) -> StoreStats {
+    StoreStats {
+        commits: s1.commits.saturating_sub(s0.commits),
+        writes: s1.writes.saturating_sub(s0.writes),
+        fsyncs: s1.fsyncs.saturating_sub(s0.fsyncs),
+        wal_frames: s1.wal_frames.saturating_sub(s0.wal_frames),
+        writer_busy_ns: s1.writer_busy_ns.saturating_sub(s0.writer_busy_ns),
+        writer_checkpoint_ns: s1
+            .writer_checkpoint_ns
+            .saturating_sub(s0.writer_checkpoint_ns),
+        wal_truncations: s1.wal_truncations.saturating_sub(s0.wal_truncations),
     }
 }
 
@@ -80,7 +76,7 @@ impl Cell {
         let Some(d) = &self.store else {
             return Value::Null;
         };
-        let by_table = d.by_table.as_ref();
+        let (stats, by_table) = (&d.stats, d.by_table.as_ref());
         let frame_bytes = by_table.map_or(0, |t| t.frame_bytes);
         let tables: Map<String, Value> = by_table
             .map(|t| {
@@ -91,10 +87,10 @@ impl Cell {
             })
             .unwrap_or_default();
         json!({
-            "commits": self.per_step(d.commits),
-            "writes": self.per_step(d.writes),
-            "wal_pages": self.per_step(d.wal_frames),
-            "wal_bytes": by_table.map(|_| self.per_step(d.wal_frames * frame_bytes)),
+            "commits": self.per_step(stats.commits),
+            "writes": self.per_step(stats.writes),
+            "wal_pages": self.per_step(stats.wal_frames),
+            "wal_bytes": by_table.map(|_| self.per_step(stats.wal_frames * frame_bytes)),
             "wal_pages_by_table": by_table.map(|_| Value::Object(tables)),
         })
     }
@@ -106,7 +102,10 @@ impl Cell {
             return Value::Null;
         };
         let share = |ns: u64| json!(round3(ns as f64 / 1e9 / self.secs.max(1e-9)));
-        json!({"busy": share(d.busy_ns), "checkpoint": share(d.checkpoint_ns)})
+        json!({
+            "busy": share(d.stats.writer_busy_ns),
+            "checkpoint": share(d.stats.writer_checkpoint_ns),
+        })
     }
 }
 
@@ -116,11 +115,11 @@ pub(crate) async fn throughput(
     concurrency: usize,
     fsync: bool,
 ) -> Result<Cell> {
-    progress(&format!(
+    progress!(
         "durable steps/s at {concurrency} sessions, fsync {} ({:.1} s)",
         if fsync { "on" } else { "off" },
         plan.cell.as_secs_f64()
-    ));
+    );
     let durability = if fsync {
         Durability::Full
     } else {
@@ -146,14 +145,14 @@ pub(crate) async fn throughput(
         let pages = s.wal_pages_by_table();
         s.record_wal_pages(false);
         pages
-            .map_err(|e| progress(&format!("  WAL pages by table: {e}")))
+            .map_err(|e| progress!("  WAL pages by table: {e}"))
             .ok()
     });
     rig.queue_idle().await?;
     let fsyncs = rig.fsyncs().zip(f0).map(|(f1, f0)| f1 - f0);
     let store = s0.zip(s1).map(|(s0, s1)| StoreDelta {
+        stats: since(s0, s1),
         by_table,
-        ..StoreDelta::between(s0, s1)
     });
     rig.close().await;
     Ok(Cell {

@@ -6,7 +6,7 @@ use serde_json::{json, Map, Value};
 
 use super::{opt, per, Report, III_NOTES};
 use crate::rig::Mode;
-use crate::stats::{round1, round3};
+use crate::stats::{round1, round3, OpMean};
 
 impl Report<'_> {
     pub(crate) fn json(&self) -> Result<Value> {
@@ -32,9 +32,10 @@ impl Report<'_> {
     /// Where it ran, the loop's overhead, the handoffs and the per-cell figures.
     fn head_json(&self) -> Value {
         let r = &self.results;
-        let (over, hand, hand_nofsync) = (&r.over, &r.hand, &r.hand_nofsync);
+        let (over, hand, hand_nofsync) = (&r.over.steps, &r.hand, &r.hand_nofsync);
         let fs_steps = &r.text_fsyncs;
         let cells = r.cell_figures();
+        let empty_commit = r.over.empty_commit.as_ref();
         let mode = self.mode;
         json!({
             "mode": if mode.is_iii() { "iii" } else { "in-process" },
@@ -45,27 +46,27 @@ impl Report<'_> {
             "cores": self.cores(),
             "data_fs": self.fs,
             "elapsed_s": round1(r.elapsed),
-            "overhead_us_p50": round1(over.overhead_p50),
-            "overhead_us_p99": round1(over.overhead_p99),
-            "step_us_p50": round1(over.step_p50),
-            "step_us_p99": round1(over.step_p99),
-            "store_us_p50": round1(over.store_p50),
-            "store_ops_per_step": round1(over.store_ops_per_step),
-            "store_write_us_p50": opt(over.store_write_p50, round1),
-            "store_write_idle_us_p50": opt(over.store_write_idle_p50, round1),
-            "overhead_steps": over.steps,
-            "store_breakdown": breakdown_json(&over.store_breakdown),
-            "loop_breakdown": breakdown_json(&over.loop_breakdown),
-            "handoff_us_p50": round1(hand.p50),
-            "handoff_us_p99": round1(hand.p99),
-            "handoff_nofsync_us_p50": round1(hand_nofsync.p50),
-            "handoff_nofsync_us_p99": round1(hand_nofsync.p99),
-            "send_handoff_us_p50": round1(hand.send_p50),
-            "handoff_samples": hand.samples,
+            "overhead_us_p50": round1(over.outside_store.p50),
+            "overhead_us_p99": round1(over.outside_store.p99),
+            "step_us_p50": round1(over.whole.p50),
+            "step_us_p99": round1(over.whole.p99),
+            "store_us_p50": round1(over.store.p50),
+            "store_ops_per_step": round1(over.store_ops),
+            "store_write_us_p50": opt(empty_commit.map(|c| c.back_to_back.p50), round1),
+            "store_write_idle_us_p50": opt(empty_commit.map(|c| c.after_idle.p50), round1),
+            "overhead_steps": over.count(),
+            "store_breakdown": breakdown_json(&r.over.store_breakdown),
+            "loop_breakdown": breakdown_json(&r.over.loop_breakdown),
+            "handoff_us_p50": round1(hand.step.p50),
+            "handoff_us_p99": round1(hand.step.p99),
+            "handoff_nofsync_us_p50": round1(hand_nofsync.step.p50),
+            "handoff_nofsync_us_p99": round1(hand_nofsync.step.p99),
+            "send_handoff_us_p50": round1(hand.send.p50),
+            "handoff_samples": hand.step.samples,
             "steps_per_sec": cells.steps_per_sec,
             "cpu_us_per_step": cells.cpu_per_step,
-            "turn_us_c1": over.wall_per_turn_us.round(),
-            "turn_cpu_us_c1": over.cpu_per_turn_us.round(),
+            "turn_us_c1": r.over.wall_per_turn_us.round(),
+            "turn_cpu_us_c1": r.over.cpu_per_turn_us.round(),
             "fsyncs_per_text_step": opt(fs_steps.as_ref().map(|f| f.per_step), round3),
             "fsyncs_per_send": opt(fs_steps.as_ref().map(|f| f.per_send), round3),
             "fsyncs_per_step": cells.fsyncs_per_step,
@@ -77,30 +78,31 @@ impl Report<'_> {
 
     fn calls_json(&self) -> Value {
         let calls = &self.results.calls;
+        let (call, text, fsync) = (&calls.calls, &calls.text, &calls.fsync);
         json!({
-            "call_step_us_p50": round1(calls.step_p50),
-            "call_step_us_p99": round1(calls.step_p99),
+            "call_step_us_p50": round1(call.whole.p50),
+            "call_step_us_p99": round1(call.whole.p99),
             "call_overhead_us_p50": round1(calls.overhead_p50()),
             "call_overhead_loop_us_p50": round1(calls.overhead_loop_p50()),
             "call_target_us_p50": round1(calls.target_p50),
-            "call_text_step_us_p50": round1(calls.text_step_p50),
-            "call_store_us_p50": round1(calls.store_p50),
-            "call_text_store_us_p50": round1(calls.text_store_p50),
-            "call_store_ops_per_step": round1(calls.store_ops_per_step),
-            "call_text_store_ops_per_step": round1(calls.text_store_ops_per_step),
-            "call_steps": calls.steps,
-            "call_text_steps": calls.text_steps,
-            "call_step_fsync_us_p50": round1(calls.fsync_step_p50),
+            "call_text_step_us_p50": round1(text.whole.p50),
+            "call_store_us_p50": round1(call.store.p50),
+            "call_text_store_us_p50": round1(text.store.p50),
+            "call_store_ops_per_step": round1(call.store_ops),
+            "call_text_store_ops_per_step": round1(text.store_ops),
+            "call_steps": call.count(),
+            "call_text_steps": text.count(),
+            "call_step_fsync_us_p50": round1(fsync.step_p50),
             "call_breakdown": calls.breakdown.iter().map(|r| (r.op.clone(), json!({
                 "store": r.store,
-                "per_step": round1(r.call_n),
-                "us_per_step": round1(r.call_us),
-                "text_per_step": round1(r.text_n),
-                "text_us_per_step": round1(r.text_us),
+                "per_step": round1(r.call.calls),
+                "us_per_step": round1(r.call.us),
+                "text_per_step": round1(r.text.calls),
+                "text_us_per_step": round1(r.text.us),
             }))).collect::<Map<String, Value>>(),
-            "fsyncs_per_function_step": opt(calls.fsyncs_per_step, round3),
-            "fsyncs_per_function_turn": opt(calls.fsyncs_per_turn, round3),
-            "function_fsync_turns": calls.fsyncs_per_turn.map(|_| calls.fsync_turns),
+            "fsyncs_per_function_step": opt(fsync.per_step, round3),
+            "fsyncs_per_function_turn": opt(fsync.per_turn, round3),
+            "function_fsync_turns": fsync.per_turn.map(|_| fsync.turns),
         })
     }
 
@@ -125,14 +127,14 @@ impl Report<'_> {
         json!({
             "long_session_step_ratio": round3(long.step_ratio()),
             "long_session_overhead_ratio": round3(long.overhead_ratio()),
-            "long_session_step_us_p50": round1(long.long_step_p50),
-            "short_session_step_us_p50": round1(long.short_step_p50),
-            "long_session_overhead_us_p50": round1(long.long_overhead_p50),
-            "short_session_overhead_us_p50": round1(long.short_overhead_p50),
-            "long_session_samples": long.samples,
-            "assemble_us_p50_10": round1(long.short_assemble_p50),
-            "assemble_us_p50_1000": round1(long.long_assemble_p50),
-            "assemble_us_p50_1000_summarized": round1(long.summarized_assemble_p50),
+            "long_session_step_us_p50": round1(long.long.whole.p50),
+            "short_session_step_us_p50": round1(long.short.whole.p50),
+            "long_session_overhead_us_p50": round1(long.long.outside_store.p50),
+            "short_session_overhead_us_p50": round1(long.short.outside_store.p50),
+            "long_session_samples": long.long.count(),
+            "assemble_us_p50_10": round1(long.assemble.short_p50),
+            "assemble_us_p50_1000": round1(long.assemble.long_p50),
+            "assemble_us_p50_1000_summarized": round1(long.assemble.summarized_p50),
             "assemble_summarized_ratio": round3(long.summarized_assemble_ratio()),
         })
     }
@@ -142,47 +144,52 @@ impl Report<'_> {
     /// another. Same run, same directory.
     fn reference_json(&self) -> Value {
         let r = &self.results;
-        let (over, calls, reference) = (&r.over, &r.calls, &r.reference);
+        let (over, calls, reference) = (&r.over.steps, &r.calls, &r.reference);
         let commit = reference.commit_nosync_us;
         let fsync_us = reference.fsync_us;
         let rate_vs_fsync = |c: usize| r.rate(c, true) * fsync_us / 1e6;
+        let empty_commit_p50 = r
+            .over
+            .empty_commit
+            .as_ref()
+            .map_or(0.0, |c| c.back_to_back.p50);
         let ratios = [
             (
                 "overhead_us_p50_per_sqlite_commit",
-                per(over.overhead_p50, commit),
+                per(over.outside_store.p50, commit),
             ),
-            ("step_us_p50_per_sqlite_commit", per(over.step_p50, commit)),
+            ("step_us_p50_per_sqlite_commit", per(over.whole.p50, commit)),
             (
                 "store_us_p50_per_sqlite_commit",
-                per(over.store_p50, commit),
+                per(over.store.p50, commit),
             ),
             (
                 "store_write_us_p50_per_sqlite_commit",
-                per(over.store_write_p50.unwrap_or(0.0), commit),
+                per(empty_commit_p50, commit),
             ),
             (
                 "turn_cpu_us_c1_per_sqlite_commit",
-                per(over.cpu_per_turn_us, commit),
+                per(r.over.cpu_per_turn_us, commit),
             ),
-            ("handoff_us_p50_per_fsync", per(r.hand.p50, fsync_us)),
+            ("handoff_us_p50_per_fsync", per(r.hand.step.p50, fsync_us)),
             (
                 "handoff_nofsync_us_p50_per_sqlite_commit",
-                per(r.hand_nofsync.p50, commit),
+                per(r.hand_nofsync.step.p50, commit),
             ),
             (
                 "call_step_us_p50_per_sqlite_commit",
-                per(calls.step_p50, commit),
+                per(calls.calls.whole.p50, commit),
             ),
             (
                 "call_step_fsync_us_p50_per_fsync",
-                per(calls.fsync_step_p50, fsync_us),
+                per(calls.fsync.step_p50, fsync_us),
             ),
             ("steps_per_sec_1_fsync_per_fsync_rate", rate_vs_fsync(1)),
             ("steps_per_sec_10_fsync_per_fsync_rate", rate_vs_fsync(10)),
             ("steps_per_sec_200_fsync_per_fsync_rate", rate_vs_fsync(200)),
             (
                 "long_session_step_us_p50_per_sqlite_commit",
-                per(r.long.long_step_p50, commit),
+                per(r.long.long.whole.p50, commit),
             ),
         ];
         json!({
@@ -211,12 +218,12 @@ impl Report<'_> {
 }
 
 /// Per-operation rows as `{op: {per_step, us_per_step}}`.
-fn breakdown_json(rows: &[(String, f64, f64)]) -> Value {
+fn breakdown_json(rows: &[(String, OpMean)]) -> Value {
     rows.iter()
-        .map(|(op, n, us)| {
+        .map(|(op, mean)| {
             (
                 op.clone(),
-                json!({"per_step": round1(*n), "us_per_step": round1(*us)}),
+                json!({"per_step": round1(mean.calls), "us_per_step": round1(mean.us)}),
             )
         })
         .collect::<Map<String, Value>>()

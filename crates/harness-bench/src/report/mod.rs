@@ -170,14 +170,14 @@ impl Report<'_> {
             (
                 "overhead_us_p50",
                 "loop overhead per step, p50",
-                Some(r.over.overhead_p50),
+                Some(r.over.steps.outside_store.p50),
                 "µs",
                 AtMost(150.0),
             ),
             (
                 "handoff_us_p50",
                 "step→step handoff, p50 (fsync on)",
-                Some(r.hand.p50),
+                Some(r.hand.step.p50),
                 "µs",
                 AtMost(handoff),
             ),
@@ -198,7 +198,7 @@ impl Report<'_> {
             (
                 "fsyncs_per_function_step",
                 "fsyncs per function step",
-                r.calls.fsyncs_per_step,
+                r.calls.fsync.per_step,
                 "",
                 AtMost(2.0),
             ),

@@ -137,7 +137,7 @@ impl Report<'_> {
     fn rows(&self) -> Vec<Row> {
         let r = &self.results;
         let (over, hand, hand_nofsync, calls, router) =
-            (&r.over, &r.hand, &r.hand_nofsync, &r.calls, &r.router);
+            (&r.over.steps, &r.hand, &r.hand_nofsync, &r.calls, &r.router);
         let mut rows: Vec<Row> = self
             .targets()
             .iter()
@@ -159,31 +159,31 @@ impl Report<'_> {
             })
             .collect();
         rows.extend([
-            info("loop overhead per step, p99", us(over.overhead_p99)),
+            info("loop overhead per step, p99", us(over.outside_store.p99)),
             info(
                 "whole step (store included), p50 / p99",
-                us_pair(over.step_p50, over.step_p99),
+                us_pair(over.whole.p50, over.whole.p99),
             ),
             info(
                 "store time per step, p50 (ops per step)",
-                format!("{} ({:.1})", us(over.store_p50), over.store_ops_per_step),
+                format!("{} ({:.1})", us(over.store.p50), over.store_ops),
             ),
             info(
                 "one empty store commit, p50 (back to back / after 1 ms idle)",
-                match (over.store_write_p50, over.store_write_idle_p50) {
-                    (Some(a), Some(b)) => us_pair(a, b),
-                    _ => na(),
-                },
+                r.over
+                    .empty_commit
+                    .as_ref()
+                    .map_or_else(na, |c| us_pair(c.back_to_back.p50, c.after_idle.p50)),
             ),
-            info("step→step handoff, p99 (fsync on)", us(hand.p99)),
+            info("step→step handoff, p99 (fsync on)", us(hand.step.p99)),
             info(
                 "step→step handoff, p50 / p99 (fsync off)",
-                us_pair(hand_nofsync.p50, hand_nofsync.p99),
+                us_pair(hand_nofsync.step.p50, hand_nofsync.step.p99),
             ),
-            info("send → step 0 handoff, p50 (fsync on)", us(hand.send_p50)),
+            info("send → step 0 handoff, p50 (fsync on)", us(hand.send.p50)),
             info(
                 "one turn at concurrency 1: wall / process CPU (fsync off)",
-                us_pair(over.wall_per_turn_us, over.cpu_per_turn_us),
+                us_pair(r.over.wall_per_turn_us, r.over.cpu_per_turn_us),
             ),
         ]);
         rows.extend(CONCURRENCIES.iter().map(|&c| {
@@ -201,15 +201,15 @@ impl Report<'_> {
         rows.extend([
             info(
                 format!("function-call step, whole, p50 / p99 (fsync off, {FUNCTION_MAX_TURNS} calls a turn)"),
-                us_pair(calls.step_p50, calls.step_p99),
+                us_pair(calls.calls.whole.p50, calls.calls.whole.p99),
             ),
             info(
                 "overhead per call excl. target, p50 (vs paired text step)",
                 format!(
                     "{} ({} − {})",
                     us(calls.overhead_p50()),
-                    us(calls.net_p50),
-                    us(calls.text_step_p50)
+                    us(calls.net.whole.p50),
+                    us(calls.text.whole.p50)
                 ),
             ),
             info(
@@ -220,10 +220,10 @@ impl Report<'_> {
                 "  store per step, p50 (ops): call step / text step",
                 format!(
                     "{} ({:.1}) / {} ({:.1})",
-                    us(calls.store_p50),
-                    calls.store_ops_per_step,
-                    us(calls.text_store_p50),
-                    calls.text_store_ops_per_step
+                    us(calls.calls.store.p50),
+                    calls.calls.store_ops,
+                    us(calls.text.store.p50),
+                    calls.text.store_ops
                 ),
             ),
             info(
@@ -232,12 +232,13 @@ impl Report<'_> {
             ),
             info(
                 "function-call step, whole, p50 (fsync on)",
-                us(calls.fsync_step_p50),
+                us(calls.fsync.step_p50),
             ),
             info(
                 format!("fsyncs per function turn ({FUNCTION_MAX_TURNS} calls + final step, send excluded)"),
                 calls
-                    .fsyncs_per_turn
+                    .fsync
+                    .per_turn
                     .map(|v| format!("{v:.3}"))
                     .unwrap_or_else(na),
             ),
@@ -321,19 +322,24 @@ impl Report<'_> {
     /// units.
     fn versus(&self) -> HashMap<String, String> {
         let r = &self.results;
-        let (over, hand, calls, long) = (&r.over, &r.hand, &r.calls, &r.long);
+        let (over, hand, calls, long) = (&r.over.steps, &r.hand.step, &r.calls, &r.long);
         let commit = r.reference.commit_nosync_us;
         let fsync_us = r.reference.fsync_us;
         let per_fsync =
             |c: usize| format!("{:.1} per fsync time", r.rate(c, true) * fsync_us / 1e6);
+        let empty_commit_p50 = r
+            .over
+            .empty_commit
+            .as_ref()
+            .map_or(0.0, |c| c.back_to_back.p50);
         let mut vs: HashMap<String, String> = [
             (
                 "loop overhead per step, p50",
-                times(over.overhead_p50, "commit", commit),
+                times(over.outside_store.p50, "commit", commit),
             ),
             (
                 "loop overhead per step, p99",
-                times(over.overhead_p99, "commit", commit),
+                times(over.outside_store.p99, "commit", commit),
             ),
             (
                 "step→step handoff, p50 (fsync on)",
@@ -346,31 +352,31 @@ impl Report<'_> {
             ("durable steps/s, 200 sessions, fsync on", per_fsync(200)),
             (
                 "whole step (store included), p50 / p99",
-                times(over.step_p50, "commit", commit),
+                times(over.whole.p50, "commit", commit),
             ),
             (
                 "store time per step, p50 (ops per step)",
-                times(over.store_p50, "commit", commit),
+                times(over.store.p50, "commit", commit),
             ),
             (
                 "one empty store commit, p50 (back to back / after 1 ms idle)",
-                times(over.store_write_p50.unwrap_or(0.0), "commit", commit),
+                times(empty_commit_p50, "commit", commit),
             ),
             (
                 "step→step handoff, p50 / p99 (fsync off)",
-                times(r.hand_nofsync.p50, "commit", commit),
+                times(r.hand_nofsync.step.p50, "commit", commit),
             ),
             (
                 "one turn at concurrency 1: wall / process CPU (fsync off)",
-                times(over.cpu_per_turn_us, "commit (CPU)", commit),
+                times(r.over.cpu_per_turn_us, "commit (CPU)", commit),
             ),
             (
                 "function-call step, whole, p50 (fsync on)",
-                times(calls.fsync_step_p50, "fsync", fsync_us),
+                times(calls.fsync.step_p50, "fsync", fsync_us),
             ),
             (
                 "step on a 1,000-entry session vs a 10-entry one, p50",
-                us_pair(long.long_step_p50, long.short_step_p50),
+                us_pair(long.long.whole.p50, long.short.whole.p50),
             ),
         ]
         .into_iter()
@@ -384,7 +390,7 @@ impl Report<'_> {
         }
         vs.insert(
             format!("function-call step, whole, p50 / p99 (fsync off, {FUNCTION_MAX_TURNS} calls a turn)"),
-            times(calls.step_p50, "commit", commit),
+            times(calls.calls.whole.p50, "commit", commit),
         );
         vs
     }
@@ -408,8 +414,14 @@ impl Report<'_> {
             ),
         ] {
             let _ = writeln!(out, "  {title}:");
-            for (op, n, us) in rows {
-                let _ = writeln!(out, "    {}  {n:>4.1} calls  {us:>8.1} µs", pad(op, 36));
+            for (op, mean) in rows {
+                let _ = writeln!(
+                    out,
+                    "    {}  {:>4.1} calls  {:>8.1} µs",
+                    pad(op, 36),
+                    mean.calls,
+                    mean.us
+                );
             }
         }
         let _ = writeln!(out);
@@ -422,10 +434,10 @@ impl Report<'_> {
                 out,
                 "    {}  {:>4.1} calls  {:>8.1} µs   text step: {:>4.1} calls  {:>8.1} µs{}",
                 pad(&row.op, 36),
-                row.call_n,
-                row.call_us,
-                row.text_n,
-                row.text_us,
+                row.call.calls,
+                row.call.us,
+                row.text.calls,
+                row.text.us,
                 if row.store {
                     "  (store)"
                 } else if row.op == NOOP_FN {

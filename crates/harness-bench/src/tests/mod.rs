@@ -16,6 +16,7 @@ use tokio::sync::{Mutex, MutexGuard};
 
 use crate::host::{Host, Opened, RigSpec};
 use crate::rig::{At, Mode};
+use crate::stats::Percentiles;
 
 mod phases;
 mod report;
@@ -116,7 +117,7 @@ fn positive(name: &str, x: f64) {
 }
 
 /// Asserts a p50 is positive and no larger than its p99.
-fn percentiles(name: &str, p50: f64, p99: f64) {
-    positive(&format!("{name} p50"), p50);
-    assert!(p50 <= p99, "{name}: p50 {p50} above p99 {p99}");
+fn percentiles(name: &str, p: &Percentiles) {
+    positive(&format!("{name} p50"), p.p50);
+    assert!(p.p50 <= p.p99, "{name}: p50 {} above p99 {}", p.p50, p.p99);
 }

@@ -47,37 +47,34 @@ async fn the_loop_overhead_is_the_step_less_its_store_time() {
     let bench = Bench::new().await;
     let plan = Plan::tiny();
     let o = crate::overhead::overhead(bench.at(), &plan).await.unwrap();
-    assert_eq!(o.steps, plan.overhead_steps);
-    percentiles("overhead", o.overhead_p50, o.overhead_p99);
-    percentiles("step", o.step_p50, o.step_p99);
-    positive("store p50", o.store_p50);
+    let steps = &o.steps;
+    assert_eq!(steps.count(), plan.overhead_steps);
+    percentiles("overhead", &steps.outside_store);
+    percentiles("step", &steps.whole);
+    positive("store p50", steps.store.p50);
     assert!(
-        o.overhead_p50 <= o.step_p50,
+        steps.outside_store.p50 <= steps.whole.p50,
         "overhead p50 {} above the whole step's {}",
-        o.overhead_p50,
-        o.step_p50
+        steps.outside_store.p50,
+        steps.whole.p50
     );
-    positive("store ops per step", o.store_ops_per_step);
-    positive("empty commit p50", o.store_write_p50.unwrap());
-    positive(
-        "empty commit after idle p50",
-        o.store_write_idle_p50.unwrap(),
-    );
+    positive("store ops per step", steps.store_ops);
+    let empty_commit = o.empty_commit.as_ref().unwrap();
+    positive("empty commit p50", empty_commit.back_to_back.p50);
+    positive("empty commit after idle p50", empty_commit.after_idle.p50);
     positive("wall per turn", o.wall_per_turn_us);
     assert!(o.cpu_per_turn_us.is_finite() && o.cpu_per_turn_us >= 0.0);
     // Store operations and the loop's timed calls are told apart, and both are seen.
     assert!(o
         .store_breakdown
         .iter()
-        .all(|(op, _, _)| crate::probe::is_store_op(op)));
+        .all(|(op, _)| crate::probe::is_store_op(op)));
     assert!(o
         .loop_breakdown
         .iter()
-        .all(|(op, _, _)| !crate::probe::is_store_op(op)));
+        .all(|(op, _)| !crate::probe::is_store_op(op)));
     assert!(
-        o.loop_breakdown
-            .iter()
-            .any(|(op, _, _)| op == "router::chat"),
+        o.loop_breakdown.iter().any(|(op, _)| op == "router::chat"),
         "no router::chat in {:?}",
         o.loop_breakdown
     );
@@ -95,13 +92,13 @@ async fn handoffs_are_measured_with_fsync_on_and_off() {
         // Every measured turn hands off between each of its steps.
         let per_turn = crate::handoff::HANDOFF_MAX_TURNS as usize;
         assert!(
-            h.samples >= plan.handoff_turns * per_turn,
+            h.step.samples >= plan.handoff_turns * per_turn,
             "{} handoffs over {} turns",
-            h.samples,
+            h.step.samples,
             plan.handoff_turns
         );
-        percentiles("handoff", h.p50, h.p99);
-        positive("send handoff", h.send_p50);
+        percentiles("handoff", &h.step);
+        positive("send handoff", h.send.p50);
     }
 }
 
@@ -122,26 +119,27 @@ async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
     let c = crate::calls::function_calls(bench.at(), &plan)
         .await
         .unwrap();
-    assert!(c.steps >= plan.function_steps, "{} call steps", c.steps);
-    assert!(c.text_steps > 0);
-    percentiles("call step", c.step_p50, c.step_p99);
+    let steps = c.calls.count();
+    assert!(steps >= plan.function_steps, "{steps} call steps");
+    assert!(c.text.count() > 0);
+    percentiles("call step", &c.calls.whole);
     positive("target", c.target_p50);
-    positive("call step less its target", c.net_p50);
-    positive("paired text step", c.text_step_p50);
-    positive("call step with fsync on", c.fsync_step_p50);
-    assert!(c.fsync_turns >= plan.function_fsync_turns);
-    positive("fsyncs per function turn", c.fsyncs_per_turn.unwrap());
-    assert!(c.fsyncs_per_step.unwrap().is_finite());
+    positive("call step less its target", c.net.whole.p50);
+    positive("paired text step", c.text.whole.p50);
+    positive("call step with fsync on", c.fsync.step_p50);
+    assert!(c.fsync.turns >= plan.function_fsync_turns);
+    positive("fsyncs per function turn", c.fsync.per_turn.unwrap());
+    assert!(c.fsync.per_step.unwrap().is_finite());
     let noop = c
         .breakdown
         .iter()
         .find(|r| r.op == NOOP_FN)
         .expect("the target in the breakdown");
     assert_eq!(
-        noop.call_n, 1.0,
+        noop.call.calls, 1.0,
         "a measured call step calls its target once"
     );
-    assert_eq!(noop.text_n, 0.0, "a text step calls no target");
+    assert_eq!(noop.text.calls, 0.0, "a text step calls no target");
     assert!(!noop.store);
 }
 
@@ -152,16 +150,16 @@ async fn long_and_short_sessions_both_step_and_assemble() {
     let l = crate::long_session::long_session(bench.at(), &plan)
         .await
         .unwrap();
-    assert_eq!(l.samples, plan.long_turns);
-    positive("short step", l.short_step_p50);
-    positive("long step", l.long_step_p50);
-    positive("short overhead", l.short_overhead_p50);
-    positive("long overhead", l.long_overhead_p50);
+    assert_eq!(l.long.count(), plan.long_turns);
+    positive("short step", l.short.whole.p50);
+    positive("long step", l.long.whole.p50);
+    positive("short overhead", l.short.outside_store.p50);
+    positive("long overhead", l.long.outside_store.p50);
     positive("step ratio", l.step_ratio());
     positive("overhead ratio", l.overhead_ratio());
-    positive("assemble on 10 entries", l.short_assemble_p50);
-    positive("assemble on long sessions", l.long_assemble_p50);
-    positive("assemble on summarized ones", l.summarized_assemble_p50);
+    positive("assemble on 10 entries", l.assemble.short_p50);
+    positive("assemble on long sessions", l.assemble.long_p50);
+    positive("assemble on summarized ones", l.assemble.summarized_p50);
     positive("summarized assemble ratio", l.summarized_assemble_ratio());
 }
 
@@ -176,14 +174,15 @@ async fn a_durable_cell_counts_steps_fsyncs_and_wal_pages_by_table() {
     positive("steps/s", cell.rate());
     positive("fsyncs per step", cell.fsyncs_per_step().unwrap());
     let store = cell.store.as_ref().unwrap();
-    assert!(store.commits > 0 && store.writes >= store.commits);
-    assert!(store.wal_frames > 0);
-    assert!(store.busy_ns > 0);
+    let stats = &store.stats;
+    assert!(stats.commits > 0 && stats.writes >= stats.commits);
+    assert!(stats.wal_frames > 0);
+    assert!(stats.writer_busy_ns > 0);
     let by_table = store.by_table.as_ref().expect("WAL pages by table");
     assert!(by_table.frame_bytes > 0);
     // The tables' pages account for the cell's WAL pages. Not to the page: the count by table
     // is read a moment after the store's counter, and a queue ack may commit in between.
-    let (sum, total) = (by_table.pages() as f64, store.wal_frames as f64);
+    let (sum, total) = (by_table.pages() as f64, stats.wal_frames as f64);
     assert!(
         (sum - total).abs() <= total * 0.05 + 2.0,
         "pages by table sum to {sum}, the WAL grew by {total}"

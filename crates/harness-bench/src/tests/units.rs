@@ -2,9 +2,11 @@
 
 use std::time::{Duration, Instant};
 
+use crate::calls::target_of;
 use crate::plan::Plan;
-use crate::probe::{generic_scope, is_store_op};
-use crate::stats::{cpu_time_us, percentile_us, rss_bytes};
+use crate::probe::{generic_scope, is_store_op, StepSample};
+use crate::rig::NOOP_FN;
+use crate::stats::{cpu_time_us, percentile_us, rss_bytes, Steps};
 use crate::BenchArgs;
 
 use super::SERIAL;
@@ -86,6 +88,36 @@ fn percentiles_take_the_nearest_rank_in_microseconds() {
     assert_eq!(percentile_us(&ns, 0.0), 1.0);
     assert_eq!(percentile_us(&[], 0.5), 0.0);
     assert_eq!(percentile_us(&[7_500], 0.99), 7.5);
+}
+
+/// A step sample of `wall_us` in all, `store_us` of it awaiting the store in `ops` operations,
+/// and `target_us` awaiting `bench::noop`.
+fn sample(wall_us: u64, store_us: u64, ops: u64, target_us: u64) -> StepSample {
+    StepSample {
+        turn_id: "t".into(),
+        wall_ns: wall_us * 1000,
+        store_ns: store_us * 1000,
+        store_ops: ops,
+        by_op: [(NOOP_FN.to_string(), (1, target_us * 1000))].into(),
+    }
+}
+
+#[test]
+fn steps_are_timed_whole_outside_the_store_and_less_their_target() {
+    let samples = [sample(100, 30, 4, 20), sample(300, 50, 6, 40)];
+    let steps = Steps::of(&samples);
+    assert_eq!(steps.count(), 2);
+    assert_eq!((steps.whole.p50, steps.whole.p99), (300.0, 300.0));
+    assert_eq!(steps.outside_store.p50, 250.0);
+    assert_eq!(steps.store.p50, 50.0);
+    assert_eq!(steps.store_ops, 5.0);
+    let net = Steps::less(&samples, |s| target_of(s).0);
+    assert_eq!(net.whole.p50, 260.0);
+    assert_eq!(net.outside_store.p50, 210.0);
+    // A step shorter than what is taken out of it counts as nothing, not as a wrapped number.
+    let odd = Steps::less(&[sample(10, 30, 1, 20)], |s| target_of(s).0);
+    assert_eq!((odd.whole.p50, odd.outside_store.p50), (0.0, 0.0));
+    assert_eq!(Steps::of(&[]).count(), 0);
 }
 
 #[test]
