@@ -21,13 +21,20 @@
 //! The protocol is served here rather than by rmcp's server side (which would link a second
 //! `schemars` into the binary): newline-delimited JSON-RPC 2.0 over stdin/stdout, the
 //! `initialize` lifecycle, `ping`, `tools/list` and `tools/call`, with rmcp's `model` types for
-//! every parameter and result. Requests are answered concurrently, each as soon as it is done.
-//! A client that opens with `server/discover` (the handshake-less lifecycle) is told the method
-//! does not exist, which is how such a client learns to fall back to `initialize`.
+//! every parameter and result. Requests are answered concurrently, each as soon as it is done,
+//! up to [`MAX_IN_FLIGHT`] at once.
+//!
+//! `server/discover` belongs to the stateless revision (2026-07-28), which has no `initialize`;
+//! every version this server answers (up to `ProtocolVersion::LATEST_WITH_INITIALIZE`) has the
+//! handshake and no such method. A client that opens with it is told the method does not exist
+//! (-32601), which is how that revision's clients learn to fall back to `initialize`.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
+
+use futures::FutureExt;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResult, ContentBlock, ErrorCode, Implementation,
@@ -37,7 +44,7 @@ use rmcp::model::{
 use rmcp::ErrorData;
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 use crate::error::McpError;
 
@@ -47,6 +54,17 @@ pub const SERVER_NAME: &str = "harness";
 
 /// The longest request line read; a longer one is answered as an invalid request and skipped.
 pub const MAX_LINE: usize = 16 * 1024 * 1024;
+
+/// Requests answered at once. Past it the server reads no further request until one is done,
+/// so a client that floods it is held back by its own pipe instead of growing this process. A
+/// client (an editor, an agent) has a few calls out at a time, and each is one short function
+/// call (`send` starts a turn and returns): 32 is well above that use, and 32 answers in memory
+/// are nothing.
+pub const MAX_IN_FLIGHT: usize = 32;
+
+/// Answers waiting for the writer. A request holds its slot until its answer is queued, so this
+/// only lets the requests finish while the writer is busy; as many as can be in flight.
+const ANSWERS_QUEUED: usize = MAX_IN_FLIGHT;
 
 /// Boxed future of a [`Caller`].
 pub type CallFuture<'a> = Pin<Box<dyn Future<Output = Result<Value, String>> + Send + 'a>>;
@@ -163,14 +181,16 @@ impl HarnessServer {
     }
 
     /// Serves one client: a JSON-RPC message per line in, one per line out, until `input`
-    /// ends. Requests still running then are answered before this returns.
+    /// ends. Requests still running then are answered before this returns. A client that does
+    /// not read its answers is not read either once [`MAX_IN_FLIGHT`] requests wait on it.
     pub async fn serve<R, W>(self, input: R, output: W) -> Result<(), McpError>
     where
         R: AsyncRead + Unpin + Send,
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let server = Arc::new(self);
-        let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+        let (tx, mut rx) = mpsc::channel::<Value>(ANSWERS_QUEUED);
+        let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
         let writer = tokio::spawn(async move {
             let mut output = output;
             while let Some(message) = rx.recv().await {
@@ -202,14 +222,31 @@ impl HarnessServer {
             let incoming = match message.and_then(Incoming::read) {
                 Ok(incoming) => incoming,
                 Err(e) => {
-                    let _ = tx.send(reply(Value::Null, Err(e)));
+                    let _ = tx.send(reply(Value::Null, Err(e))).await;
                     continue;
                 }
             };
             if let Incoming::Request { id, method, params } = incoming {
+                // Never closed, so this only waits for a slot.
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    break Ok(());
+                };
                 let (server, tx) = (server.clone(), tx.clone());
                 running.spawn(async move {
-                    let _ = tx.send(reply(id, server.answer(&method, params).await));
+                    let answer = AssertUnwindSafe(server.answer(&method, params))
+                        .catch_unwind()
+                        .await
+                        .unwrap_or_else(|_| {
+                            // The panic's text went to stderr with the panic; it may quote the
+                            // request, so the client is told only that it failed.
+                            tracing::error!(method, "harness mcp: a request panicked");
+                            Err(ErrorData::internal_error(
+                                format!("{method}: the server failed while answering"),
+                                None,
+                            ))
+                        });
+                    let _ = tx.send(reply(id, answer)).await;
+                    drop(slot);
                 });
             }
             // Notifications (initialized, cancelled, progress) and answers to requests this
@@ -355,6 +392,12 @@ impl Incoming {
             ));
         };
         if m.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+            // A notification is never answered (JSON-RPC 2.0 §4.1), not even to say it is
+            // malformed: the client expects no line for it.
+            if m.get("method").is_some_and(Value::is_string) && !m.contains_key("id") {
+                tracing::debug!("harness mcp: a notification without jsonrpc \"2.0\" ignored");
+                return Ok(Incoming::Other);
+            }
             return Err(ErrorData::invalid_request("jsonrpc: must be \"2.0\"", None));
         }
         let Some(method) = m.get("method").cloned() else {

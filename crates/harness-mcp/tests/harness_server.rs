@@ -2,17 +2,18 @@
 //! rmcp client, and against raw JSON-RPC lines for what no well-behaved client sends. Its tools
 //! call a recording `Caller` here; `crates/harness/tests/mcp_server.rs` drives the real binary.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use harness_mcp::server::{CallFuture, Caller, HarnessServer, SERVER_NAME};
+use harness_mcp::server::{CallFuture, Caller, HarnessServer, MAX_IN_FLIGHT, SERVER_NAME};
 use rmcp::model::{CallToolRequestParams, CallToolResult, ProtocolVersion};
 use rmcp::service::Peer;
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, DuplexStream, Lines};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore};
 
 fn send_schema() -> Value {
     json!({"type": "object", "properties": {"message": {"type": "string"}, "session_id": {"type": "string"}},
@@ -20,12 +21,16 @@ fn send_schema() -> Value {
 }
 
 /// Answers like a runtime without the approval gate; records every call; `harness::send` waits
-/// for `release` when `hold_send` is set.
+/// for `release` when `hold_send` is set. `harness::status` waits for a permit of `gate` when
+/// there is one, counted in `in_flight` meanwhile; for session "panic" it panics.
 #[derive(Default)]
 struct Recorder {
     calls: Mutex<Vec<(String, Value)>>,
     hold_send: bool,
     release: Notify,
+    gate: Option<Semaphore>,
+    in_flight: AtomicUsize,
+    most_in_flight: AtomicUsize,
 }
 
 impl Caller for Recorder {
@@ -51,7 +56,18 @@ impl Caller for Recorder {
                         json!({"session_id": payload["session_id"].as_str().unwrap_or("s_new"), "turn_id": "t1"}),
                     )
                 }
-                "harness::status" => Ok(json!({"status": "completed", "result": "hi"})),
+                "harness::status" => {
+                    if payload["session_id"] == "panic" {
+                        panic!("a handler bug quoting the-secret-argument");
+                    }
+                    if let Some(gate) = &self.gate {
+                        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                        self.most_in_flight.fetch_max(now, Ordering::SeqCst);
+                        gate.acquire().await.unwrap().forget();
+                        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    Ok(json!({"status": "completed", "result": "hi"}))
+                }
                 "harness::stop" => Err("harness/not_found: no session 'nope'".into()),
                 other => Err(format!("harness/not_found: {other}")),
             }
@@ -256,8 +272,12 @@ async fn malformed_and_unknown_messages_get_json_rpc_errors_and_the_server_goes_
         assert_eq!(got["id"], id, "{line}: {got}");
         assert_eq!(got["error"]["code"], code, "{line}: {got}");
     }
-    // Notifications and blank lines are not answered: the next line out is the ping's.
+    // Notifications and blank lines are not answered, not even a notification that is not
+    // JSON-RPC 2.0: the next line out is the ping's.
     c.send(r#"{"jsonrpc": "2.0", "method": "notifications/initialized"}"#)
+        .await;
+    c.send(r#"{"method": "notifications/initialized"}"#).await;
+    c.send(r#"{"jsonrpc": "1.0", "method": "notifications/cancelled", "params": {}}"#)
         .await;
     c.send("").await;
     c.send(r#"{"jsonrpc": "2.0", "id": "p", "method": "ping"}"#)
@@ -328,4 +348,78 @@ async fn a_slow_call_does_not_hold_up_other_requests_and_is_answered_after_input
         .expect("the server ends once the answer is out")
         .unwrap()
         .unwrap();
+}
+
+fn status_request(id: impl Into<Value>, session_id: &str) -> String {
+    json!({"jsonrpc": "2.0", "id": id.into(), "method": "tools/call",
+           "params": {"name": "status", "arguments": {"session_id": session_id}}})
+    .to_string()
+}
+
+#[tokio::test]
+async fn a_request_whose_handler_panics_is_answered_with_an_internal_error() {
+    let (mut c, _task) = raw(Arc::new(Recorder::default())).await;
+    c.send(&status_request("boom", "panic")).await;
+    let got = c.next().await;
+    assert_eq!(got["id"], "boom", "{got}");
+    assert_eq!(got["error"]["code"], -32603, "{got}");
+    assert!(
+        !got.to_string().contains("the-secret-argument"),
+        "the panic's text stays out of the answer: {got}"
+    );
+    // The server goes on.
+    c.send(&status_request(2, "s1")).await;
+    let got = c.next().await;
+    assert_eq!(got["id"], 2, "{got}");
+    assert_eq!(got["result"]["structuredContent"]["status"], "completed");
+}
+
+/// Many more requests than may run at once, each held until released: no more than
+/// MAX_IN_FLIGHT ever run together (the server stops reading meanwhile), and every one is
+/// answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_requests_runs_at_most_max_in_flight_at_once_and_is_answered_in_full() {
+    let flood = MAX_IN_FLIGHT * 4;
+    let caller = Arc::new(Recorder {
+        gate: Some(Semaphore::new(0)),
+        ..Recorder::default()
+    });
+    let (Raw { mut out, mut lines }, _task) = raw(caller.clone()).await;
+    let writer = tokio::spawn(async move {
+        for i in 0..flood {
+            let line = status_request(i, "s1") + "\n";
+            out.write_all(line.as_bytes()).await.unwrap();
+        }
+        out
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while caller.in_flight.load(Ordering::SeqCst) < MAX_IN_FLIGHT {
+        assert!(Instant::now() < deadline, "the slots never filled");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let gate = caller.gate.as_ref().unwrap();
+    let mut answered = HashSet::new();
+    while answered.len() < flood {
+        // One request finishes, so one more may start.
+        gate.add_permits(1);
+        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .expect("an answer")
+            .unwrap()
+            .expect("a line");
+        let got: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(
+            got["result"]["structuredContent"]["status"], "completed",
+            "{got}"
+        );
+        let id = got["id"].as_u64().unwrap();
+        assert!(answered.insert(id), "{id} answered twice");
+        assert!(
+            caller.most_in_flight.load(Ordering::SeqCst) <= MAX_IN_FLIGHT,
+            "more than {MAX_IN_FLIGHT} requests ran at once"
+        );
+    }
+    assert_eq!(caller.most_in_flight.load(Ordering::SeqCst), MAX_IN_FLIGHT);
+    assert_eq!(caller.in_flight.load(Ordering::SeqCst), 0);
+    writer.await.unwrap();
 }
