@@ -146,10 +146,7 @@ fn inputs() -> Vec<Input> {
             result: json!("hi"),
             denied: None,
         },
-        Input::CallsClosed {
-            stopped: false,
-            unreached: vec![],
-        },
+        calls_closed(),
         Input::CallSettled,
         Input::StopRequested { turn_id: None },
         Input::Stop { turn_id: None },
@@ -469,6 +466,23 @@ fn provider_error(kind: ErrorKind) -> Option<GenerationError> {
     })
 }
 
+/// Step `step`'s generation, ended by a provider error of `kind` after some output.
+fn cut_answer(step: u64, kind: ErrorKind) -> Input {
+    answer(|f| {
+        f.step = step;
+        f.error = provider_error(kind);
+        f.partial = true;
+    })
+}
+
+/// Every call of the step closed, none of them stopped.
+fn calls_closed() -> Input {
+    Input::CallsClosed {
+        stopped: false,
+        unreached: vec![],
+    }
+}
+
 #[test]
 fn a_finished_generation_is_recorded_once_then_decided() {
     use Effect::*;
@@ -545,14 +559,7 @@ fn a_resume_is_part_of_the_generation_it_finishes() {
     let mut cut = record(At::Ready).unwrap();
     cut.options.max_turns = 1;
     cut.turn_count = 0;
-    let t = next(
-        Some(cut),
-        answer(|f| {
-            f.error = provider_error(ErrorKind::Transient);
-            f.partial = true;
-        }),
-    )
-    .unwrap();
+    let t = next(Some(cut), cut_answer(1, ErrorKind::Transient)).unwrap();
     assert!(matches!(t.effects[0], NoteResume { attempt: 1, .. }));
     let r = t.record.unwrap();
     assert_eq!((r.turn_count, r.transient_resumes), (0, 1));
@@ -575,10 +582,7 @@ fn a_failed_generation_resumes_once_after_partial_output_and_fails_otherwise() {
     use Effect::*;
     let t = row(
         At::Ready,
-        answer(|f| {
-            f.error = provider_error(ErrorKind::Transient);
-            f.partial = true;
-        }),
+        cut_answer(1, ErrorKind::Transient),
         Some(Phase::Ready),
         &[
             NoteResume {
@@ -593,15 +597,7 @@ fn a_failed_generation_resumes_once_after_partial_output_and_fails_otherwise() {
     assert_eq!((r.step, r.transient_resumes), (2, 1));
     assert_eq!(r.result, Some(json!("hi")), "the partial text is kept");
     // The budget is spent: the second transient failure fails the turn.
-    let t = next(
-        Some(r),
-        answer(|f| {
-            f.step = 2;
-            f.error = provider_error(ErrorKind::Transient);
-            f.partial = true;
-        }),
-    )
-    .unwrap();
+    let t = next(Some(r), cut_answer(2, ErrorKind::Transient)).unwrap();
     assert_eq!(t.effects, [Finalize]);
     let f = t.record.unwrap().failure.unwrap();
     assert_eq!(
@@ -619,10 +615,7 @@ fn a_failed_generation_resumes_once_after_partial_output_and_fails_otherwise() {
     // Not retryable.
     let t = row(
         At::Ready,
-        answer(|f| {
-            f.error = provider_error(ErrorKind::AuthExpired);
-            f.partial = true;
-        }),
+        cut_answer(1, ErrorKind::AuthExpired),
         Some(Phase::Failed),
         &[Finalize],
     );
@@ -751,14 +744,7 @@ fn a_json_contract_validates_then_completes_nudges_or_fails_keeping_the_raw_valu
         value: json!({}),
         error: None,
     });
-    let t = next(
-        Some(submitted),
-        Input::CallsClosed {
-            stopped: false,
-            unreached: vec![],
-        },
-    )
-    .unwrap();
+    let t = next(Some(submitted), calls_closed()).unwrap();
     assert_eq!(t.effects, [ValidateOutput]);
 }
 
@@ -781,23 +767,13 @@ fn closed_calls_cancel_park_or_advance() {
     );
     row(
         At::Generated,
-        Input::CallsClosed {
-            stopped: false,
-            unreached: vec![],
-        },
+        calls_closed(),
         Some(Phase::Ready),
         &[SaveRecord, EnqueueStep],
     );
     let mut held = record(At::Generated).unwrap();
     held.calls = record(At::Parked).unwrap().calls;
-    let t = next(
-        Some(held),
-        Input::CallsClosed {
-            stopped: false,
-            unreached: vec![],
-        },
-    )
-    .unwrap();
+    let t = next(Some(held), calls_closed()).unwrap();
     assert_eq!(
         (phase_of(&t), t.effects),
         (Some(Phase::Parked), vec![SaveRecord, SetAwaiting])
@@ -808,28 +784,14 @@ fn closed_calls_cancel_park_or_advance() {
 fn an_accepted_ask_ends_the_step_like_a_text_answer() {
     let mut asked = record(At::Generated).unwrap();
     asked.ask_step = Some(1);
-    let t = next(
-        Some(asked.clone()),
-        Input::CallsClosed {
-            stopped: false,
-            unreached: vec![],
-        },
-    )
-    .unwrap();
+    let t = next(Some(asked.clone()), calls_closed()).unwrap();
     assert_eq!(
         (phase_of(&t), t.effects),
         (Some(Phase::Generated), vec![Effect::CheckSteering])
     );
     // An ask of an earlier step does not end this one.
     asked.ask_step = Some(0);
-    let t = next(
-        Some(asked),
-        Input::CallsClosed {
-            stopped: false,
-            unreached: vec![],
-        },
-    )
-    .unwrap();
+    let t = next(Some(asked), calls_closed()).unwrap();
     assert_eq!(t.effects, [Effect::SaveRecord, Effect::EnqueueStep]);
 }
 
