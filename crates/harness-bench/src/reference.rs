@@ -10,6 +10,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use harness_store::Connection;
 
+use crate::stats::Percentiles;
+
 /// Samples per reference figure.
 const SAMPLES: usize = 200;
 
@@ -33,11 +35,6 @@ impl Reference {
             0.0
         }
     }
-}
-
-fn p50(mut ns: Vec<u64>) -> f64 {
-    ns.sort_unstable();
-    ns.get(ns.len() / 2).copied().unwrap_or(0) as f64 / 1000.0
 }
 
 /// Measures the reference in `dir` (a fresh subdirectory, removed afterwards).
@@ -73,10 +70,10 @@ fn measure_in(dir: &Path) -> Result<Reference> {
             conn.execute_batch("COMMIT")?;
             ns.push(t.elapsed().as_nanos() as u64);
         }
-        Ok(p50(ns))
+        Ok(Percentiles::of(ns).p50)
     };
     Ok(Reference {
-        fsync_us: p50(fsync),
+        fsync_us: Percentiles::of(fsync).p50,
         commit_us: commit("FULL", "full.db")?,
         commit_nosync_us: commit("OFF", "off.db")?,
     })

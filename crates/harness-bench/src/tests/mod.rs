@@ -15,6 +15,7 @@ use harness_store::Store;
 use tokio::sync::{Mutex, MutexGuard};
 
 use crate::host::{Host, Opened, RigSpec};
+use crate::plan::Plan;
 use crate::rig::{At, Mode};
 use crate::stats::Percentiles;
 
@@ -88,13 +89,20 @@ static SERIAL: Mutex<()> = Mutex::const_new(());
 struct Bench {
     _serial: MutexGuard<'static, ()>,
     dir: tempfile::TempDir,
+    /// The phases' sizes: [`Plan::tiny`] unless the test asks for others.
+    plan: Plan,
 }
 
 impl Bench {
     async fn new() -> Bench {
+        Bench::with(Plan::tiny()).await
+    }
+
+    async fn with(plan: Plan) -> Bench {
         Bench {
             _serial: SERIAL.lock().await,
             dir: tempfile::tempdir().unwrap(),
+            plan,
         }
     }
 
@@ -105,6 +113,12 @@ impl Bench {
             base: self.dir.path(),
             host: &TestHost,
         }
+    }
+
+    /// Runs a phase (or every phase) at this test's sizes and in its directory; it must
+    /// succeed.
+    async fn run<T>(&self, phase: impl AsyncFnOnce(At<'_>, &Plan) -> Result<T>) -> T {
+        phase(self.at(), &self.plan).await.unwrap()
     }
 }
 

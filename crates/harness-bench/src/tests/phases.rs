@@ -21,15 +21,15 @@ fn the_reference_measures_a_positive_fsync_and_commit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sessions_each_cost_some_bytes_and_not_a_megabyte() {
-    let bench = Bench::new().await;
-    let plan = Plan {
+    let bench = Bench::with(Plan {
         // Enough sessions that their memory stands out of the page granularity of the RSS.
         idle_sessions: 300,
         ..Plan::tiny()
-    };
-    let ram = crate::idle::idle_ram(bench.at(), &plan).await.unwrap();
+    })
+    .await;
+    let ram = bench.run(crate::idle::idle_ram).await;
     assert_eq!(
-        ram.sessions, plan.idle_sessions,
+        ram.sessions, bench.plan.idle_sessions,
         "the time cap cut the fill"
     );
     positive("idle bytes per session", ram.bytes_per_session);
@@ -45,10 +45,9 @@ async fn idle_sessions_each_cost_some_bytes_and_not_a_megabyte() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_loop_overhead_is_the_step_less_its_store_time() {
     let bench = Bench::new().await;
-    let plan = Plan::tiny();
-    let o = crate::overhead::overhead(bench.at(), &plan).await.unwrap();
+    let o = bench.run(crate::overhead::overhead).await;
     let steps = &o.steps;
-    assert_eq!(steps.count(), plan.overhead_steps);
+    assert_eq!(steps.count(), bench.plan.overhead_steps);
     percentiles("overhead", &steps.outside_store);
     percentiles("step", &steps.whole);
     positive("store p50", steps.store.p50);
@@ -84,11 +83,11 @@ async fn the_loop_overhead_is_the_step_less_its_store_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoffs_are_measured_with_fsync_on_and_off() {
     let bench = Bench::new().await;
-    let plan = Plan::tiny();
+    let plan = &bench.plan;
     for durability in [Durability::Full, Durability::Normal] {
-        let h = crate::handoff::handoff(bench.at(), &plan, durability)
-            .await
-            .unwrap();
+        let h = bench
+            .run(async |at, plan| crate::handoff::handoff(at, plan, durability).await)
+            .await;
         // Every measured turn hands off between each of its steps.
         let per_turn = crate::handoff::HANDOFF_MAX_TURNS as usize;
         assert!(
@@ -105,9 +104,8 @@ async fn handoffs_are_measured_with_fsync_on_and_off() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_durable_text_step_and_its_send_each_fsync() {
     let bench = Bench::new().await;
-    let plan = Plan::tiny();
-    let f = crate::handoff::fsyncs(bench.at(), &plan).await.unwrap();
-    assert_eq!(f.turns, plan.fsync_turns);
+    let f = bench.run(crate::handoff::fsyncs).await;
+    assert_eq!(f.turns, bench.plan.fsync_turns);
     positive("fsyncs per text step", f.per_step);
     positive("fsyncs per send", f.per_send);
 }
@@ -115,10 +113,8 @@ async fn a_durable_text_step_and_its_send_each_fsync() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
     let bench = Bench::new().await;
-    let plan = Plan::tiny();
-    let c = crate::calls::function_calls(bench.at(), &plan)
-        .await
-        .unwrap();
+    let plan = &bench.plan;
+    let c = bench.run(crate::calls::function_calls).await;
     let steps = c.calls.count();
     assert!(steps >= plan.function_steps, "{steps} call steps");
     assert!(c.text.count() > 0);
@@ -146,11 +142,8 @@ async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_and_short_sessions_both_step_and_assemble() {
     let bench = Bench::new().await;
-    let plan = Plan::tiny();
-    let l = crate::long_session::long_session(bench.at(), &plan)
-        .await
-        .unwrap();
-    assert_eq!(l.long.count(), plan.long_turns);
+    let l = bench.run(crate::long_session::long_session).await;
+    assert_eq!(l.long.count(), bench.plan.long_turns);
     positive("short step", l.short.whole.p50);
     positive("long step", l.long.whole.p50);
     positive("short overhead", l.short.outside_store.p50);
@@ -166,10 +159,9 @@ async fn long_and_short_sessions_both_step_and_assemble() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_durable_cell_counts_steps_fsyncs_and_wal_pages_by_table() {
     let bench = Bench::new().await;
-    let plan = Plan::tiny();
-    let cell = crate::throughput::throughput(bench.at(), &plan, 10, true)
-        .await
-        .unwrap();
+    let cell = bench
+        .run(async |at, plan| crate::throughput::throughput(at, plan, 10, true).await)
+        .await;
     assert!(cell.steps >= 10, "{} steps by 10 sessions", cell.steps);
     positive("steps/s", cell.rate());
     positive("fsyncs per step", cell.fsyncs_per_step().unwrap());

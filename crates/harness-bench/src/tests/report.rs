@@ -4,7 +4,6 @@
 use serde_json::Value;
 
 use super::{positive, Bench};
-use crate::plan::Plan;
 use crate::report::Report;
 use crate::rig::Mode;
 
@@ -51,7 +50,7 @@ fn at_path<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tiny_run_reports_every_key_and_every_judged_figure() {
     let bench = Bench::new().await;
-    let results = crate::measure(bench.at(), &Plan::tiny()).await.unwrap();
+    let results = bench.run(crate::measure).await;
     let report = Report {
         mode: Mode::Embedded,
         fs: "test".into(),
