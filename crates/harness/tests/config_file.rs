@@ -8,7 +8,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{path_str, run_cli, script, Server, BIN, WAIT};
+use common::{path_str, run_cli, script, Server, Sessions, BIN, WAIT};
 use serde_json::{json, Value};
 
 /// Every key of behaviour spec §10 (and the seed README), each away from its default.

@@ -14,7 +14,7 @@ mod scripts;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use iii_engine::worker::{WorkerProc, WAIT};
+use iii_engine::worker::{Sessions, WorkerProc, WAIT};
 use iii_engine::Engine;
 use iii_scenarios::wait_until;
 use scripts::*;

@@ -13,7 +13,7 @@ mod iii_scenarios;
 #[path = "common/scripts.rs"]
 mod scripts;
 
-use iii_engine::worker::WorkerProc;
+use iii_engine::worker::{Sessions, WorkerProc};
 use iii_engine::Engine;
 use scripts::*;
 use serde_json::{json, Value};

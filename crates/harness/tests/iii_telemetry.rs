@@ -10,7 +10,7 @@ mod scripts;
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use iii_engine::worker::{WorkerProc, WAIT};
+use iii_engine::worker::{Sessions, WorkerProc, WAIT};
 use iii_engine::Engine;
 use scripts::*;
 use serde_json::{json, Value};

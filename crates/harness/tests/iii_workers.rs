@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use harness_bus::Bus;
 use harness_iii::{IiiBus, IiiOptions, FENCED_SCOPE, LEASE_SCOPE};
-use iii_engine::worker::WorkerProc;
+use iii_engine::worker::{Sessions, WorkerProc};
 use iii_engine::Engine;
 use iii_scenarios::wait_until;
 use scripts::*;

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, script, text_gen, text_of, Api, EventStream, BIN, WAIT};
+use common::{free_port, script, text_gen, text_of, Api, EventStream, Sessions, BIN, WAIT};
 use serde_json::{json, Value};
 
 /// A tmpfs mounted for the test; unmounted on drop, also when the test fails.

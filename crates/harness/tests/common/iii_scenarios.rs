@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::iii_engine::worker::{WorkerProc, WAIT};
+use crate::iii_engine::worker::{Sessions, WorkerProc, WAIT};
 use crate::iii_engine::Engine;
 use crate::scripts::*;
 

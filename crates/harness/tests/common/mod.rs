@@ -19,13 +19,10 @@ pub mod process;
 pub mod raw_serve;
 pub mod scripts;
 #[allow(unused_imports)] // each test binary uses a different part of it
-pub use process::is_terminal;
+pub use process::{is_terminal, Sessions, WAIT};
 pub use scripts::*;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_harness");
-
-/// How long a test waits for something that should take a few seconds at most.
-pub const WAIT: Duration = Duration::from_secs(60);
 
 /// A port nobody listens on right now (the child's bind is checked, see `Server::spawn`).
 pub fn free_port() -> u16 {
@@ -375,32 +372,6 @@ impl Api {
         self.ok("harness::send", req).await
     }
 
-    pub async fn status(&self, session_id: &str) -> Value {
-        self.ok("harness::status", json!({ "session_id": session_id }))
-            .await
-    }
-
-    /// Every entry of a session's transcript, oldest first (pages through the cursor).
-    pub async fn transcript(&self, session_id: &str, include_custom: bool) -> Vec<Value> {
-        process::transcript(session_id, include_custom, |req| {
-            self.ok("session::messages", req)
-        })
-        .await
-    }
-
-    /// Waits for turn `turn_id` to end, which must be as completed; returns the session's
-    /// transcript (messages only).
-    pub async fn completed_transcript(&self, session_id: &str, turn_id: &str) -> Vec<Value> {
-        let status = self.wait_turn(session_id, turn_id).await;
-        assert_eq!(status["status"], "completed", "{status}");
-        self.transcript(session_id, false).await
-    }
-
-    /// Polls `harness::status` until turn `turn_id` is terminal; returns the status.
-    pub async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Value {
-        process::wait_turn(turn_id, WAIT, || self.status(session_id)).await
-    }
-
     /// Opens the session's SSE event stream, resuming after `last_event_id` when given.
     pub async fn events(&self, session_id: &str, last_event_id: Option<i64>) -> EventStream {
         EventStream::open(&self.url(), session_id, last_event_id).await
@@ -416,6 +387,17 @@ impl Api {
             .await;
         assert_eq!(check_turn_lifecycle(&events), vec![turn_id.to_string()]);
         check_entries_added_once(&events);
+    }
+}
+
+impl Sessions for Api {
+    async fn status(&self, session_id: &str) -> Value {
+        self.ok("harness::status", json!({ "session_id": session_id }))
+            .await
+    }
+
+    async fn messages(&self, request: Value) -> Value {
+        self.ok("session::messages", request).await
     }
 }
 

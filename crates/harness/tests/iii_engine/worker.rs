@@ -12,8 +12,10 @@ use super::{CallError, Engine};
 #[path = "../common/process.rs"]
 mod process;
 
+#[allow(unused_imports)] // each test binary uses a different part of it
+pub use process::{Sessions, WAIT};
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_harness");
-pub const WAIT: Duration = Duration::from_secs(60);
 
 /// A `harness worker --with all` on a temporary data dir. Killed (SIGKILL) on drop.
 pub struct WorkerProc {
@@ -199,36 +201,6 @@ impl Engine {
         self.ok("harness::send", req).await
     }
 
-    /// `harness::status`, retried while the worker is (re)starting.
-    pub async fn status(&self, session_id: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            match self
-                .call("harness::status", json!({ "session_id": session_id }))
-                .await
-            {
-                Ok(v) => return v,
-                Err(e) if transient(&e) && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(50)).await
-                }
-                Err(e) => panic!("harness::status: {}: {}", e.code, e.message),
-            }
-        }
-    }
-
-    /// Waits for turn `turn_id` to end, which must be as completed; returns the session's
-    /// transcript (messages only).
-    pub async fn completed_transcript(&self, session_id: &str, turn_id: &str) -> Vec<Value> {
-        let status = self.wait_turn(session_id, turn_id).await;
-        assert_eq!(status["status"], "completed", "{status}");
-        self.transcript(session_id, false).await
-    }
-
-    /// Polls until turn `turn_id` is terminal; returns the status.
-    pub async fn wait_turn(&self, session_id: &str, turn_id: &str) -> Value {
-        process::wait_turn(turn_id, WAIT, || self.status(session_id)).await
-    }
-
     /// Polls until the session's turn has this status.
     pub async fn wait_status(&self, session_id: &str, status: &str) -> Value {
         let deadline = Instant::now() + WAIT;
@@ -244,13 +216,28 @@ impl Engine {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
+}
 
-    /// Every entry of a session's transcript, oldest first.
-    pub async fn transcript(&self, session_id: &str, include_custom: bool) -> Vec<Value> {
-        process::transcript(session_id, include_custom, |req| {
-            self.ok("session::messages", req)
-        })
-        .await
+impl Sessions for Engine {
+    /// `harness::status`, retried while the worker is (re)starting.
+    async fn status(&self, session_id: &str) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            match self
+                .call("harness::status", json!({ "session_id": session_id }))
+                .await
+            {
+                Ok(v) => return v,
+                Err(e) if transient(&e) && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(e) => panic!("harness::status: {}: {}", e.code, e.message),
+            }
+        }
+    }
+
+    async fn messages(&self, request: Value) -> Value {
+        self.ok("session::messages", request).await
     }
 }
 
