@@ -118,26 +118,22 @@ fn with_a_token_every_request_needs_it() {
     let s = serve("0.0.0.0", &[], &[("HARNESS_TOKEN", "tok-123")]);
     let host = format!("127.0.0.1:{}", s.port);
     for path in ["/healthz", "/v1/functions"] {
-        let (status, answer) = s.raw("GET", path, &[("Host", &host)], "");
-        assert_eq!(status, 401, "{answer}");
-        assert_eq!(code(&answer), "harness/unauthorized");
-        assert!(answer
-            .to_ascii_lowercase()
-            .contains("www-authenticate: bearer"));
-        let (status, answer) = s.raw(
-            "GET",
-            path,
-            &[("Host", &host), ("Authorization", "Bearer tok-124")],
-            "",
-        );
-        assert_eq!(status, 401, "{answer}");
-        let (status, answer) = s.raw(
-            "GET",
-            path,
-            &[("Host", &host), ("Authorization", "Bearer tok-123")],
-            "",
-        );
-        assert_eq!(status, 200, "{answer}");
+        for (authorization, want) in [
+            (None, 401),
+            (Some("Bearer tok-124"), 401),
+            (Some("Bearer tok-123"), 200),
+        ] {
+            let mut headers = vec![("Host", host.as_str())];
+            headers.extend(authorization.map(|a| ("Authorization", a)));
+            let (status, answer) = s.raw("GET", path, &headers, "");
+            assert_eq!(status, want, "{path} with {authorization:?}: {answer}");
+            if want == 401 {
+                assert_eq!(code(&answer), "harness/unauthorized");
+                assert!(answer
+                    .to_ascii_lowercase()
+                    .contains("www-authenticate: bearer"));
+            }
+        }
     }
     // Off loopback the token is the lock: any Host is served when it is presented.
     let (status, _) = s.raw(
@@ -193,6 +189,18 @@ fn a_token_is_also_required_on_loopback() {
     assert_eq!(s.raw("GET", "/healthz", &auth, "").0, 200);
 }
 
+/// A `harness::send` with exactly these headers is refused 403 with `want` as its code.
+fn assert_send_refused(s: &RawServe, headers: &[(&str, &str)], want: &str) {
+    let (status, answer) = s.raw(
+        "POST",
+        "/v1/functions/harness::send",
+        headers,
+        r#"{"message":"hi","model":"m"}"#,
+    );
+    assert_eq!(status, 403, "{headers:?}: {answer}");
+    assert_eq!(code(&answer), want, "{headers:?}");
+}
+
 #[test]
 fn a_foreign_host_or_origin_on_loopback_is_refused() {
     let s = serve("127.0.0.1", &[], &[]);
@@ -212,28 +220,22 @@ fn a_foreign_host_or_origin_on_loopback_is_refused() {
         format!("127.0.0.1:{}", port.wrapping_add(1)),
         format!("localhost.evil:{port}"),
     ] {
-        let (status, answer) = s.raw(
-            "POST",
-            "/v1/functions/harness::send",
+        assert_send_refused(
+            &s,
             &[("Host", &bad), ("Content-Type", "text/plain")],
-            r#"{"message":"hi","model":"m"}"#,
+            "harness/forbidden_host",
         );
-        assert_eq!(status, 403, "Host {bad}: {answer}");
-        assert_eq!(code(&answer), "harness/forbidden_host");
     }
     // No Host at all (HTTP/1.0 style) is not ours either.
     let (status, _) = s.raw("GET", "/healthz", &[], "");
     assert_eq!(status, 403);
     // A page of another origin that reaches us under our own name.
     let host = format!("127.0.0.1:{port}");
-    let (status, answer) = s.raw(
-        "POST",
-        "/v1/functions/harness::send",
+    assert_send_refused(
+        &s,
         &[("Host", &host), ("Origin", "http://evil.example")],
-        r#"{"message":"hi","model":"m"}"#,
+        "harness/forbidden_origin",
     );
-    assert_eq!(status, 403, "{answer}");
-    assert_eq!(code(&answer), "harness/forbidden_origin");
     let same = format!("http://{host}");
     assert_eq!(
         s.raw("GET", "/healthz", &[("Host", &host), ("Origin", &same)], "")
@@ -296,28 +298,21 @@ async fn oversized_bodies_are_refused_with_413() {
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("harness/too_large"), "{answer}");
     // Under the cap, the same call is answered normally.
-    let resp = client
-        .post(format!("{}/v1/functions/harness::status", s.url()))
-        .body(json!({"session_id": "s_small"}).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_ne!(resp.status(), 413);
+    let (status, answer) = s
+        .api()
+        .post_raw(
+            "harness::status",
+            json!({"session_id": "s_small"}).to_string(),
+        )
+        .await;
+    assert_ne!(status, 413, "{answer}");
 }
 
 #[tokio::test]
 async fn event_streams_per_client_are_bounded() {
     let s = serve("127.0.0.1", &["--max-streams-per-client", "2"], &[]);
+    let sent = s.api().send(None, "hello").await;
     let client = reqwest::Client::new();
-    let sent: Value = client
-        .post(format!("{}/v1/functions/harness::send", s.url()))
-        .body(json!({"message": "hello", "model": "m", "provider": "scripted"}).to_string())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
     let sid = sent["session_id"].as_str().expect("session_id").to_string();
     let events = format!("{}/v1/sessions/{sid}/events", s.url());
     let first = client.get(&events).send().await.unwrap();
@@ -421,28 +416,27 @@ fn an_absolute_form_target_is_checked_like_host() {
     let s = serve("127.0.0.1", &[], &[]);
     let port = s.port;
     let host = format!("127.0.0.1:{port}");
-    // Another host in the target, ours in Host.
-    for target in [
-        "http://evil.example/healthz".to_string(),
-        format!("http://evil.example:{port}/v1/functions"),
-        format!("http://127.0.0.1:{}/healthz", port.wrapping_add(1)),
-        format!("http://user@127.0.0.1:{port}/healthz"),
+    let foreign = (403, "harness/forbidden_host");
+    for (target, (want, want_code)) in [
+        // Another host in the target, ours in Host.
+        ("http://evil.example/healthz".to_string(), foreign),
+        (format!("http://evil.example:{port}/v1/functions"), foreign),
+        (
+            format!("http://127.0.0.1:{}/healthz", port.wrapping_add(1)),
+            foreign,
+        ),
+        (format!("http://user@127.0.0.1:{port}/healthz"), foreign),
+        // Ours in both, but not the same name: they must agree.
+        (
+            format!("http://localhost:{port}/healthz"),
+            (400, "harness/invalid_request"),
+        ),
     ] {
         let (status, answer) = s.raw("GET", &target, &[("Host", &host)], "");
-        assert_eq!(status, 403, "{target}: {answer}");
-        assert_eq!(code(&answer), "harness/forbidden_host");
+        assert_eq!(status, want, "{target}: {answer}");
+        assert_eq!(code(&answer), want_code, "{target}");
         assert!(answer.contains("request target"), "{answer}");
     }
-    // Ours in both, but not the same name: they must agree.
-    let (status, answer) = s.raw(
-        "GET",
-        &format!("http://localhost:{port}/healthz"),
-        &[("Host", &host)],
-        "",
-    );
-    assert_eq!(status, 400, "{answer}");
-    assert_eq!(code(&answer), "harness/invalid_request");
-    assert!(answer.contains("request target"), "{answer}");
     // Agreeing with Host: served like the origin form.
     for path in ["/healthz", "/v1/functions"] {
         let (status, answer) = s.raw(

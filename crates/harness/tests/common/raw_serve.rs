@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::WAIT;
+use super::{Api, WAIT};
 
 pub struct RawServe {
     pub child: Child,
@@ -45,6 +45,14 @@ impl RawServe {
 
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// A client for the function calls around the raw requests (no token, no Host set by hand).
+    pub fn api(&self) -> Api {
+        Api {
+            base: self.url(),
+            client: reqwest::Client::new(),
+        }
     }
 
     /// SIGKILL, then reap.
