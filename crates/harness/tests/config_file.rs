@@ -8,7 +8,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{path_str, run_cli, script, Server, Sessions, BIN, WAIT};
+use common::{outcome, path_str, run_cli, script, Server, Sessions, BIN, WAIT};
 use serde_json::{json, Value};
 
 /// Every key of behaviour spec §10 (and the seed README), each away from its default.
@@ -57,12 +57,7 @@ fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     ] {
         cmd.env_remove(key);
     }
-    let out = cmd.envs(env.iter().copied()).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    outcome(cmd.envs(env.iter().copied()).output().unwrap())
 }
 
 #[test]

@@ -60,14 +60,12 @@ async fn a_model_allowed_everything_plants_no_binding_and_runs_no_generation_eve
     let before = bindings(&server).await;
     assert!(foreign(&before).is_empty(), "{before:?}");
 
-    let sent = server
-        .ok(
-            "harness::send",
+    let (_, turn_id) = server
+        .start_turn(
             json!({"session_id": "s_plant", "message": "plant something", "model": "m", "provider": "scripted",
                    "options": {"functions": {"allow": ["*"], "expose": "native"}}}),
         )
         .await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
 
     // Every call is closed and refused before the reply streams; kill mid-reply.
     let api = server.api();
@@ -177,13 +175,12 @@ fn harness_chat_shows_an_entry_a_call_wrote_as_written_by_that_call() {
         path_str(&script_file),
     ]);
     assert_eq!(rc, 0, "stdout: {out}\nstderr: {err}");
-    assert!(
-        err.contains("[written by call n2 (session::append)] a note to self"),
-        "{err}"
-    );
-    assert!(
-        err.contains("[session::append error: harness/invalid_request: message.role:"),
-        "{err}"
+    assert_contains_all(
+        &err,
+        &[
+            "[written by call n2 (session::append)] a note to self",
+            "[session::append error: harness/invalid_request: message.role:",
+        ],
     );
     assert_eq!(out.trim(), "Noted.", "the reply alone on stdout");
     // The refused message was never written: the call's own line shows what it asked, nothing

@@ -12,7 +12,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -36,19 +36,9 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A `harness serve` with the markers in its environment, on loopback with a token.
 struct Served {
-    proc: Proc,
+    proc: KillOnDrop,
     base: String,
     log: PathBuf,
     client: reqwest::Client,
@@ -79,7 +69,7 @@ impl Served {
         let mut headers = reqwest::header::HeaderMap::new();
         headers.insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
         let served = Served {
-            proc: Proc(child),
+            proc: KillOnDrop(child),
             base: format!("http://127.0.0.1:{port}"),
             log,
             client: reqwest::Client::builder()
@@ -194,7 +184,7 @@ async fn a_model_reads_no_secret_through_proc() {
     let config = dir.path().join("harness.yaml");
     std::fs::write(&config, "shell_exec_scrub_env: [\"CORP_*\"]\n").unwrap();
     // Another process with a token on its command line and a secret in its environment.
-    let other = Proc(
+    let other = KillOnDrop(
         Command::new("/bin/sh")
             .args(["-c", "sleep 300; :", "--token=MARKER-other-cmdline-5e2d"])
             .env("OTHER_SERVICE_PASSPHRASE", "MARKER-other-environ-0b19")
@@ -318,17 +308,9 @@ async fn the_model_sees_both_ends_of_both_streams_under_the_result_cap() {
         text_gen(None, "noted", 0, true),
     ]);
     let server = Server::start(&script, &["--config", path_str(&config)]).await;
-    let sent = server
-        .ok(
-            "harness::send",
-            shell_send("s_noise", "make noise", root.path()),
-        )
+    let entries = server
+        .completed_turn(shell_send("s_noise", "make noise", root.path()))
         .await;
-    let status = server
-        .wait_turn("s_noise", sent["turn_id"].as_str().unwrap())
-        .await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript("s_noise", false).await;
     let result = result_of(&entries, "n1");
     let text = result_text(result);
     assert!(

@@ -25,13 +25,9 @@ async fn killed_while_shell_exec_runs_the_command_is_closed_as_interrupted_and_n
         ),
     ]);
     let mut server = Server::start(&script, &[]).await;
-    let sent = server
-        .ok(
-            "harness::send",
-            shell_send("s_shell", "run the job", root.path()),
-        )
+    let (_, turn_id) = server
+        .start_turn(shell_send("s_shell", "run the job", root.path()))
         .await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
     let marker = root.path().join("marker.txt");
     wait_for("the command to start", WAIT, || {
         let marker = marker.clone();
@@ -94,45 +90,30 @@ fn local_chat(
     message: &str,
     stdin: &str,
 ) -> (i32, String, String) {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(BIN)
-        .current_dir(cwd)
-        .args([
-            "chat",
-            "-m",
-            message,
-            "--provider",
-            "scripted",
-            "--model",
-            "m",
-        ])
-        .args([
-            "--allow",
-            "fs::*",
-            "--data-dir",
-            path_str(data),
-            "--script",
-            path_str(script),
-        ])
-        .env_remove("HARNESS_DATA_DIR")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn harness chat");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let out = output_with_stdin(
+        std::process::Command::new(BIN)
+            .current_dir(cwd)
+            .args([
+                "chat",
+                "-m",
+                message,
+                "--provider",
+                "scripted",
+                "--model",
+                "m",
+            ])
+            .args([
+                "--allow",
+                "fs::*",
+                "--data-dir",
+                path_str(data),
+                "--script",
+                path_str(script),
+            ])
+            .env_remove("HARNESS_DATA_DIR"),
+        stdin,
+    );
+    outcome(out)
 }
 
 /// A first-time user of `harness chat` is asked before a file changes: fs::write is held for
@@ -172,11 +153,10 @@ fn harness_chat_asks_before_a_mutating_tool_runs() {
         "n\n",
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(
-        out.contains("[approval needed] call w1 of fs::write"),
-        "{out}"
+    assert_contains_all(
+        &out,
+        &["[approval needed] call w1 of fs::write", "[denied]"],
     );
-    assert!(out.contains("[denied]"), "{out}");
     assert!(
         !work.path().join("hello.txt").exists(),
         "a denied write changes nothing"
@@ -236,13 +216,9 @@ async fn stopping_the_turn_kills_the_commands_whole_process_group() {
         text_gen(None, "stopped", 0, true),
     ]);
     let server = Server::start(&script, &[]).await;
-    let sent = server
-        .ok(
-            "harness::send",
-            shell_send("s_stop", "run the job", root.path()),
-        )
+    let (_, turn_id) = server
+        .start_turn(shell_send("s_stop", "run the job", root.path()))
         .await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
     let dir = root.path().to_path_buf();
     let started = wait_for("the command to start", WAIT, || {
         let found = running_in(&dir);
@@ -292,19 +268,13 @@ async fn a_root_around_the_data_directory_never_reaches_the_store() {
     // Text under the data directory that the search would find if it looked there (the store
     // itself is binary, which a search skips anyway).
     std::fs::write(server.data_dir().join("notes.txt"), "SQLite notes\n").unwrap();
-    let sent = server
-        .ok(
-            "harness::send",
+    let entries = server
+        .completed_turn(
             json!({"session_id": "s_look", "message": "look around", "model": "m", "provider": "scripted",
                    "options": {"functions": {"allow": ["fs::*"], "expose": "native"},
                                "filesystem_root": root}}),
         )
         .await;
-    let status = server
-        .wait_turn("s_look", sent["turn_id"].as_str().unwrap())
-        .await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript("s_look", false).await;
     let result = |id: &str| {
         entries
             .iter()
@@ -361,14 +331,9 @@ async fn a_shell_command_never_reaches_the_store_even_under_its_root() {
     let root = server.data_dir().parent().unwrap().to_path_buf();
     std::fs::create_dir_all(root.join("work")).unwrap();
     std::fs::write(root.join("work/notes.txt"), "notes\n").unwrap();
-    let sent = server
-        .ok("harness::send", shell_send("s_sh", "run it", &root))
+    let entries = server
+        .completed_turn(shell_send("s_sh", "run it", &root))
         .await;
-    let status = server
-        .wait_turn("s_sh", sent["turn_id"].as_str().unwrap())
-        .await;
-    assert_eq!(status["status"], "completed", "{status}");
-    let entries = server.transcript("s_sh", false).await;
     let result = entries
         .iter()
         .find(|e| e["message"]["function_call_id"] == "x1")

@@ -5,7 +5,6 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
 use std::process::{Command, Stdio};
 
 use common::*;
@@ -14,18 +13,16 @@ use serde_json::{json, Value};
 const USER_TEXT: &str = "check the weather in Trondheim";
 
 fn run_script() -> Value {
-    script(vec![
-        json!({"match": {"last_user_text": "^check the weather"},
-               "usage": {"input": 42, "output": 7},
-               "content": [{"type": "function_call", "id": "c1", "function_id": "fx::forecast",
-                            "arguments": {"city": "Trondheim"}}]}),
-        json!({"match": {"last_user_text": "^break"},
-               "error": {"kind": "permanent", "message": "refused"}, "repeat": true}),
-        json!({"match": {"last_user_text": "^dawdle"}, "delay_ms": 5000,
-               "content": [{"type": "text", "text": "too late"}]}),
-        json!({"usage": {"input": 61, "output": 9}, "repeat": true,
-               "content": [{"type": "text", "text": "It is sunny."}]}),
-    ])
+    weather_script(
+        "Trondheim",
+        vec![
+            json!({"match": {"last_user_text": "^break"},
+                   "error": {"kind": "permanent", "message": "refused"}, "repeat": true}),
+            json!({"match": {"last_user_text": "^dawdle"}, "delay_ms": 5000,
+                   "content": [{"type": "text", "text": "too late"}]}),
+        ],
+        "It is sunny.",
+    )
 }
 
 /// One sample: name, labels, value.
@@ -71,6 +68,11 @@ fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
+/// The JSON answer to `request`, or `None` while nothing (or no JSON) answers it.
+async fn json_answer(request: reqwest::RequestBuilder) -> Option<Value> {
+    request.send().await.ok()?.json().await.ok()
+}
+
 async fn scrape(server: &Server) -> (String, String) {
     let resp = reqwest::get(format!("{}/metrics", server.url()))
         .await
@@ -88,30 +90,21 @@ struct Recorded {
 }
 
 async fn run(server: &Server) -> Recorded {
-    let sent = server
-        .ok(
-            "harness::send",
+    let s = server
+        .send_and_wait(
             json!({"session_id": "s_metrics_ok", "message": USER_TEXT, "model": "demo", "provider": "scripted",
                    "options": {"functions": {"allow": ["fx::*"], "expose": "native"}}}),
         )
         .await;
-    let s = server
-        .wait_turn("s_metrics_ok", sent["turn_id"].as_str().unwrap())
-        .await;
     assert_eq!(s["status"], "completed", "{s}");
-    let sent = server
-        .ok(
-            "harness::send",
+    let s = server
+        .send_and_wait(
             json!({"session_id": "s_metrics_bad", "message": "break it", "model": "demo", "provider": "scripted"}),
         )
         .await;
-    let s = server
-        .wait_turn("s_metrics_bad", sent["turn_id"].as_str().unwrap())
-        .await;
     assert_eq!(s["status"], "failed", "{s}");
-    let sent = server
-        .ok(
-            "harness::send",
+    let (_, stopped_turn) = server
+        .start_turn(
             json!({"session_id": "s_metrics_stop", "message": "dawdle", "model": "demo", "provider": "scripted"}),
         )
         .await;
@@ -123,9 +116,7 @@ async fn run(server: &Server) -> Recorded {
     server
         .ok("harness::stop", json!({"session_id": "s_metrics_stop"}))
         .await;
-    let s = server
-        .wait_turn("s_metrics_stop", sent["turn_id"].as_str().unwrap())
-        .await;
+    let s = server.wait_turn("s_metrics_stop", &stopped_turn).await;
     assert_eq!(s["status"], "cancelled", "{s}");
     let mut r = Recorded {
         generations: 0,
@@ -400,20 +391,7 @@ async fn metrics_promtool() {
         return;
     }
     let check = |text: &str| {
-        let mut child = Command::new("promtool")
-            .args(["check", "metrics"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = output_with_stdin(Command::new("promtool").args(["check", "metrics"]), text);
         (
             out.status.code(),
             format!(
@@ -468,26 +446,20 @@ async fn metrics_prometheus_scrape() {
     )
     .unwrap();
     let port = free_port();
-    let child = Command::new("prometheus")
-        .arg(format!("--config.file={}", config.display()))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            dir.path().join("data").display()
-        ))
-        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start prometheus");
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _prometheus = Kill(child);
+    let _prometheus = KillOnDrop(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start prometheus"),
+    );
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
     wait_for("prometheus ready", WAIT, || async {
@@ -496,32 +468,20 @@ async fn metrics_prometheus_scrape() {
     })
     .await;
     let completed = wait_for("the scraped completed count", WAIT, || async {
-        let v: Value = client
-            .get(format!("{base}/api/v1/query"))
-            .query(&[(
-                "query",
-                "harness_turns_completed_total{status=\"completed\",reason=\"none\"}",
-            )])
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
+        let v = json_answer(client.get(format!("{base}/api/v1/query")).query(&[(
+            "query",
+            "harness_turns_completed_total{status=\"completed\",reason=\"none\"}",
+        )]))
+        .await?;
         v["data"]["result"][0]["value"][1]
             .as_str()
             .map(str::to_string)
     })
     .await;
     assert_eq!(completed, "1");
-    let targets: Value = client
-        .get(format!("{base}/api/v1/targets"))
-        .send()
+    let targets = json_answer(client.get(format!("{base}/api/v1/targets")))
         .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .expect("prometheus lists its targets");
     let t = &targets["data"]["activeTargets"][0];
     assert_eq!(t["health"], "up", "{t}");
     assert_eq!(t["lastError"], "", "{t}");
@@ -543,14 +503,10 @@ async fn gauges_show_pending_approvals_open_streams_and_sessions() {
                    "options": {"functions": {"allow": ["fx::*"], "expose": "native"}}}),
         )
         .await;
-    let sent = server
-        .ok(
-            "harness::send",
+    server
+        .send_and_wait(
             json!({"session_id": "s_gauge_bad", "message": "break it", "model": "demo", "provider": "scripted"}),
         )
-        .await;
-    server
-        .wait_turn("s_gauge_bad", sent["turn_id"].as_str().unwrap())
         .await;
     let _stream = server.events("s_gauge_held", None).await;
     let body = wait_for("the gauges to catch up", WAIT, || async {

@@ -220,17 +220,6 @@ async fn metric(server: &Server, name: &str) -> f64 {
 const USER_TEXT: &str = "check the weather in Trondheim";
 const REPLY: &str = "It is sunny in Trondheim today.";
 
-fn weather_script() -> Value {
-    script(vec![
-        json!({"match": {"last_user_text": "^check the weather"},
-               "usage": {"input": 42, "output": 7},
-               "content": [{"type": "function_call", "id": "c1", "function_id": "fx::forecast",
-                            "arguments": {"city": "Trondheim-secret-arg"}}]}),
-        json!({"usage": {"input": 61, "output": 9}, "repeat": true,
-               "content": [{"type": "text", "text": REPLY}]}),
-    ])
-}
-
 fn forecast_fixture() -> Fixtures {
     Fixtures::new(json!([{"id": "fx::forecast", "response": {"sky": "sunny-fixture-result"}}]))
 }
@@ -242,20 +231,26 @@ async fn weather_server(otlp: &str) -> (Fixtures, Server) {
     let mut extra = fx.args();
     extra.extend(["--otlp-endpoint".to_string(), otlp.to_string()]);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let server = Server::start(&weather_script(), &extra).await;
+    let server = Server::start(
+        &weather_script("Trondheim-secret-arg", vec![], REPLY),
+        &extra,
+    )
+    .await;
     (fx, server)
 }
 
+/// Runs [`weather_turn`] and returns the trace `rx` received for it.
+async fn weather_trace(rx: &Receiver, server: &Server, session_id: &str) -> Vec<Got> {
+    weather_turn(server, session_id).await;
+    rx.trace_of(session_id).await
+}
+
 async fn weather_turn(server: &Server, session_id: &str) {
-    let sent = server
-        .ok(
-            "harness::send",
+    let s = server
+        .send_and_wait(
             json!({"session_id": session_id, "message": USER_TEXT, "model": "demo", "provider": "scripted",
                    "options": {"functions": {"allow": ["fx::*"], "expose": "native"}}}),
         )
-        .await;
-    let s = server
-        .wait_turn(session_id, sent["turn_id"].as_str().unwrap())
         .await;
     assert_eq!(s["status"], "completed", "{s}");
 }
@@ -264,8 +259,7 @@ async fn weather_turn(server: &Server, session_id: &str) {
 async fn one_turn_with_a_call_is_one_trace_of_steps_generations_and_the_call() {
     let rx = Receiver::start().await;
     let (_fx, server) = weather_server(&rx.url).await;
-    weather_turn(&server, "s_weather").await;
-    let spans = rx.trace_of("s_weather").await;
+    let spans = weather_trace(&rx, &server, "s_weather").await;
 
     let turn = one(&spans, |s| s.name == "invoke_agent harness", "turn span");
     assert_eq!(turn.parent, "", "the turn is the root");
@@ -353,7 +347,11 @@ async fn a_hook_call_is_a_span_of_its_step_with_its_decision() {
     let mut extra = fx.args();
     extra.extend(["--otlp-endpoint".to_string(), rx.url.clone()]);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let server = Server::start(&weather_script(), &extra).await;
+    let server = Server::start(
+        &weather_script("Trondheim-secret-arg", vec![], REPLY),
+        &extra,
+    )
+    .await;
     server
         .ok(
             "engine::register_trigger",
@@ -361,8 +359,7 @@ async fn a_hook_call_is_a_span_of_its_step_with_its_decision() {
                    "config": {"functions": ["fx::*"]}}),
         )
         .await;
-    weather_turn(&server, "s_hooked").await;
-    let spans = rx.trace_of("s_hooked").await;
+    let spans = weather_trace(&rx, &server, "s_hooked").await;
     let step0 = one(&spans, |s| s.name == "harness.step 0", "step 0");
     let hook = one(&spans, |s| s.name.starts_with("harness.hook "), "hook span");
     assert_eq!(hook.parent, step0.span_id);
@@ -378,8 +375,7 @@ async fn a_hook_call_is_a_span_of_its_step_with_its_decision() {
 async fn no_span_carries_message_text_arguments_or_results() {
     let rx = Receiver::start().await;
     let (_fx, server) = weather_server(&rx.url).await;
-    weather_turn(&server, "s_content").await;
-    let spans = rx.trace_of("s_content").await;
+    let spans = weather_trace(&rx, &server, "s_content").await;
     assert!(spans.len() >= 8);
     let dump = format!("{spans:?}");
     for needle in [
@@ -411,20 +407,20 @@ fn spawn_script(child_fails: bool) -> Value {
 }
 
 async fn plan_trip(server: &Server, session_id: &str) -> Value {
-    let sent = server
-        .ok(
-            "harness::send",
+    server
+        .send_and_wait(
             json!({"session_id": session_id, "message": "plan the trip", "model": "demo", "provider": "scripted",
                    "options": {"functions": {"allow": ["harness::spawn"], "expose": "native"}}}),
         )
-        .await;
-    server
-        .wait_turn(session_id, sent["turn_id"].as_str().unwrap())
         .await
 }
 
-fn child_session(server_tree: &Value) -> String {
-    server_tree["children"][0]["session_id"]
+/// The session `session_id` spawned (the first child of its tree).
+async fn child_session(server: &Server, session_id: &str) -> String {
+    let tree = server
+        .ok("harness::session-tree", json!({ "session_id": session_id }))
+        .await;
+    tree["children"][0]["session_id"]
         .as_str()
         .expect("one child session")
         .to_string()
@@ -436,10 +432,7 @@ async fn a_waiting_spawn_puts_the_child_turn_under_the_spawn_span_in_the_same_tr
     let server = Server::start(&spawn_script(false), &["--otlp-endpoint", &rx.url]).await;
     let s = plan_trip(&server, "s_trip").await;
     assert_eq!(s["status"], "completed", "{s}");
-    let tree = server
-        .ok("harness::session-tree", json!({"session_id": "s_trip"}))
-        .await;
-    let child = child_session(&tree);
+    let child = child_session(&server, "s_trip").await;
     let spans = rx.trace_of("s_trip").await;
     let root = one(
         &spans,
@@ -472,10 +465,7 @@ async fn a_failed_child_stamps_its_spawn_the_parent_step_and_the_root_as_errors(
     let rx = Receiver::start().await;
     let server = Server::start(&spawn_script(true), &["--otlp-endpoint", &rx.url]).await;
     let s = plan_trip(&server, "s_broken").await;
-    let tree = server
-        .ok("harness::session-tree", json!({"session_id": "s_broken"}))
-        .await;
-    let child = child_session(&tree);
+    let child = child_session(&server, "s_broken").await;
     let child_status = server.status(&child).await;
     assert_eq!(child_status["status"], "failed", "{child_status}");
     let code = child_status["failure"]["code"]
@@ -551,21 +541,14 @@ async fn a_detached_child_failing_after_its_parent_ended_links_the_spawn_instead
         text_gen(None, "Started it.", 0, true),
     ]);
     let server = Server::start(&script, &["--otlp-endpoint", &rx.url]).await;
-    let sent = server
-        .ok(
-            "harness::send",
+    let s = server
+        .send_and_wait(
             json!({"session_id": "s_detached", "message": "fire and forget", "model": "demo", "provider": "scripted",
                    "options": {"functions": {"allow": ["harness::spawn"], "expose": "native"}}}),
         )
         .await;
-    let s = server
-        .wait_turn("s_detached", sent["turn_id"].as_str().unwrap())
-        .await;
     assert_eq!(s["status"], "completed", "{s}");
-    let tree = server
-        .ok("harness::session-tree", json!({"session_id": "s_detached"}))
-        .await;
-    let child = child_session(&tree);
+    let child = child_session(&server, "s_detached").await;
     let spans = rx.trace_of("s_detached").await;
     let root = one(
         &spans,
@@ -678,9 +661,8 @@ async fn a_turn_cut_by_sigkill_is_one_trace_with_its_redelivered_step_marked() {
     let (_fx, mut server) = weather_server(&rx.url).await;
     server.set_env("HARNESS_FAILPOINT", Some("after_assistant_appended:1"));
     server.restart().await;
-    let sent = server
-        .ok(
-            "harness::send",
+    let (_, turn_id) = server
+        .start_turn(
             json!({"session_id": "s_killed", "message": USER_TEXT, "model": "demo", "provider": "scripted",
                    "options": {"functions": {"allow": ["fx::*"], "expose": "native"}}}),
         )
@@ -692,9 +674,7 @@ async fn a_turn_cut_by_sigkill_is_one_trace_with_its_redelivered_step_marked() {
     }
     server.set_env("HARNESS_FAILPOINT", None);
     server.start_again().await;
-    let s = server
-        .wait_turn("s_killed", sent["turn_id"].as_str().unwrap())
-        .await;
+    let s = server.wait_turn("s_killed", &turn_id).await;
     assert_eq!(s["status"], "completed", "{s}");
     let spans = rx.trace_of("s_killed").await;
     let turn = one(&spans, |s| s.name == "invoke_agent harness", "turn span");
@@ -810,24 +790,19 @@ async fn otel_python_receiver() {
     let out = dir.path().join("spans.jsonl");
     let port = free_port();
     let recv = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/otlp/recv.py");
-    let mut child = std::process::Command::new(&python)
-        .arg(recv)
-        .arg(port.to_string())
-        .arg(&out)
-        .stdin(std::process::Stdio::null())
-        .spawn()
-        .expect("start the python receiver");
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
+    let mut child = KillOnDrop(
+        std::process::Command::new(&python)
+            .arg(recv)
+            .arg(port.to_string())
+            .arg(&out)
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .expect("start the python receiver"),
+    );
     let ready = out.with_extension("ready");
     let deadline = Instant::now() + WAIT;
     while !ready.exists() {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = child.0.try_wait().unwrap() {
             panic!("the python receiver exited with {status}");
         }
         assert!(
@@ -836,7 +811,6 @@ async fn otel_python_receiver() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let _child = Kill(child);
     let url = format!("http://127.0.0.1:{port}");
 
     // Scenario 1: a turn with a call.

@@ -372,6 +372,32 @@ impl Api {
         self.ok("harness::send", req).await
     }
 
+    /// `harness::send` of `request` (which must be accepted); returns the session id and the
+    /// turn id it answered.
+    pub async fn start_turn(&self, request: Value) -> (String, String) {
+        let sent = self.ok("harness::send", request).await;
+        let id = |field: &str| {
+            sent[field]
+                .as_str()
+                .unwrap_or_else(|| panic!("the send answered no {field}: {sent}"))
+                .to_string()
+        };
+        (id("session_id"), id("turn_id"))
+    }
+
+    /// Sends `request` and waits for its turn to end; returns the turn's last status.
+    pub async fn send_and_wait(&self, request: Value) -> Value {
+        let (session_id, turn_id) = self.start_turn(request).await;
+        self.wait_turn(&session_id, &turn_id).await
+    }
+
+    /// Sends `request`, whose turn must complete; returns the session's transcript (messages
+    /// only).
+    pub async fn completed_turn(&self, request: Value) -> Vec<Value> {
+        let (session_id, turn_id) = self.start_turn(request).await;
+        self.completed_transcript(&session_id, &turn_id).await
+    }
+
     /// Opens the session's SSE event stream, resuming after `last_event_id` when given.
     pub async fn events(&self, session_id: &str, last_event_id: Option<i64>) -> EventStream {
         EventStream::open(&self.url(), session_id, last_event_id).await
@@ -630,18 +656,60 @@ impl Drop for EventStream {
     }
 }
 
+/// A child process (a helper the test runs beside the harness) SIGKILLed and reaped when the
+/// guard drops, also when the test fails.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Runs the `harness` binary with these arguments; returns (exit code, stdout, stderr).
 pub fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(BIN)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run harness");
+    outcome(
+        Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run harness"),
+    )
+}
+
+/// Fails unless every one of `needles` stands in `text`, naming the first that does not.
+pub fn assert_contains_all(text: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+    }
+}
+
+/// A finished process's exit code (-1 when a signal ended it), stdout and stderr as text.
+pub fn outcome(out: std::process::Output) -> (i32, String, String) {
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Runs `cmd` with `stdin` as its whole input (then closed); returns what it printed.
+pub fn output_with_stdin(cmd: &mut Command, stdin: &str) -> std::process::Output {
+    use std::io::Write;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {:?}: {e}", cmd.get_program()));
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(stdin.as_bytes())
+        .expect("write stdin");
+    child.wait_with_output().expect("wait for the process")
 }
 
 pub fn path_str(p: &Path) -> &str {

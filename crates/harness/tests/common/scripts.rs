@@ -35,6 +35,20 @@ pub fn call_gen(matcher: &str, id: &str, function_id: &str, arguments: Value) ->
            "content": [{"type": "function_call", "id": id, "function_id": function_id, "arguments": arguments}]})
 }
 
+/// The weather model of the telemetry tests, with known token counts: on "check the weather…"
+/// it calls `fx::forecast` (call `c1`) for `city` (42 tokens in, 7 out); then `others` as
+/// scripted; any other generation answers `reply` (61 in, 9 out).
+pub fn weather_script(city: &str, others: Vec<Value>, reply: &str) -> Value {
+    let mut generations = vec![json!({"match": {"last_user_text": "^check the weather"},
+           "usage": {"input": 42, "output": 7},
+           "content": [{"type": "function_call", "id": "c1", "function_id": "fx::forecast",
+                        "arguments": {"city": city}}]})];
+    generations.extend(others);
+    generations.push(json!({"usage": {"input": 61, "output": 9}, "repeat": true,
+                            "content": [{"type": "text", "text": reply}]}));
+    script(generations)
+}
+
 /// What the model of [`slow_work_script`] says once it heard its call was interrupted.
 pub const INTERRUPTED_REPLY: &str = "The job was interrupted; I will check before retrying.";
 
