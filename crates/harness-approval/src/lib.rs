@@ -22,15 +22,12 @@ mod digest;
 mod error;
 mod types;
 
-use std::future::Future;
 use std::sync::Arc;
 
 use globset::Glob;
+use harness_bus::typed::{self, schema};
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler};
 use harness_types::parse::parse_payload;
-use schemars::{schema_for, JsonSchema};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use serde_json::{json, Value};
 
 pub use approvals::{Approvals, DECIDED, REQUESTED};
@@ -49,26 +46,33 @@ pub const SCOPE: &str = "approvals";
 /// Late in the pre-trigger chain: argument rewriters (priority 0 by default) run first.
 pub const GATE_PRIORITY: i64 = 1_000_000;
 
-fn schema<T: JsonSchema>() -> Value {
-    serde_json::to_value(schema_for!(T)).unwrap_or(Value::Null)
-}
-
-fn register<Req, Resp, F, Fut>(bus: &dyn Bus, def: FunctionDef, approvals: &Approvals, f: F)
-where
-    Req: DeserializeOwned + JsonSchema + Send + 'static,
-    Resp: Serialize + JsonSchema + 'static,
-    F: Fn(Approvals, Req, CallContext) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<Resp, ApprovalError>> + Send + 'static,
-{
-    let def = def.schemas(schema::<Req>(), schema::<Resp>()).internal();
+/// `approval::decide` also reads who calls it (the call's context), which the typed
+/// registration does not pass on: it is the one function registered by hand.
+fn register_decide(bus: &dyn Bus, approvals: &Approvals) {
+    let def = FunctionDef::new(
+        DECIDE,
+        "Approve (run the held call) or deny (deliver a denial) one pending approval; quote the digest you were shown. Consumed once.",
+    )
+    .schemas(schema::<DecideRequest>(), schema::<DecideResponse>())
+    .internal();
     let approvals = approvals.clone();
-    let f = Arc::new(f);
     let handler = move |payload: Value, ctx: CallContext| {
         let approvals = approvals.clone();
-        let f = f.clone();
         async move {
-            let req: Req = parse_payload(payload).map_err(ApprovalError::from)?;
-            let resp = f(approvals, req, ctx).await?;
+            let req: DecideRequest = parse_payload(payload)?;
+            if ctx
+                .metadata
+                .get("function_call_id")
+                .is_some_and(|v| !v.is_null())
+            {
+                // The loop puts the call id in the metadata of a model's function call.
+                return Err(ApprovalError::invalid(
+                    "approval_id",
+                    "approvals are decided by a person, not by an agent's function call",
+                )
+                .into());
+            }
+            let resp = approvals.decide(req).await?;
             serde_json::to_value(resp).map_err(|e| BusError::internal(e.to_string()))
         }
     };
@@ -101,54 +105,36 @@ pub async fn install(
         })?;
     }
     let approvals = Approvals::new(bus.clone());
-    register(
+    typed::register(
         bus.as_ref(),
         FunctionDef::new(
             GATE,
             "Pre-trigger hook: records the call as a pending approval, durably, and holds it until approval::decide.",
-        ),
-        &approvals,
-        |a, req: GateInput, _ctx| async move { a.gate(req).await },
+        )
+        .internal(),
+        approvals.clone(),
+        |a, req: GateInput| async move { a.gate(req).await },
     );
-    register(
+    typed::register(
         bus.as_ref(),
         FunctionDef::new(
             LIST,
             "Pending approvals (optionally of one session), oldest first, with the exact arguments and their digest.",
-        ),
-        &approvals,
-        |a, req: ListRequest, _ctx| async move { a.list(req).await },
+        )
+        .internal(),
+        approvals.clone(),
+        |a, req: ListRequest| async move { a.list(req).await },
     );
-    register(
-        bus.as_ref(),
-        FunctionDef::new(
-            DECIDE,
-            "Approve (run the held call) or deny (deliver a denial) one pending approval; quote the digest you were shown. Consumed once.",
-        ),
-        &approvals,
-        |a, req: DecideRequest, ctx: CallContext| async move {
-            if ctx
-                .metadata
-                .get("function_call_id")
-                .is_some_and(|v| !v.is_null())
-            {
-                // The loop puts the call id in the metadata of a model's function call.
-                return Err(ApprovalError::invalid(
-                    "approval_id",
-                    "approvals are decided by a person, not by an agent's function call",
-                ));
-            }
-            a.decide(req).await
-        },
-    );
-    register(
+    register_decide(bus.as_ref(), &approvals);
+    typed::register(
         bus.as_ref(),
         FunctionDef::new(
             PRUNE,
             "Retention: delete decided and expired approvals decided at least older_than_ms ago (the loop's sweep calls it); pending ones stay.",
-        ),
-        &approvals,
-        |a, req: PruneRequest, _ctx| async move { a.prune(req).await },
+        )
+        .internal(),
+        approvals.clone(),
+        |a, req: PruneRequest| async move { a.prune(req).await },
     );
     ensure_binding(bus.as_ref(), functions).await?;
     Ok(approvals)
