@@ -41,17 +41,6 @@ pub(crate) struct Calls {
     pub(crate) fsync: CallFsyncs,
 }
 
-/// Call steps with fsync on.
-pub(crate) struct CallFsyncs {
-    /// The whole call step.
-    pub(crate) step_p50: f64,
-    /// None on iii (no fsync counter: see `Rig::fsyncs`).
-    pub(crate) per_step: Option<f64>,
-    pub(crate) per_turn: Option<f64>,
-    /// Turns of each length measured.
-    pub(crate) turns: usize,
-}
-
 impl Calls {
     /// What one call adds to a step beyond its target: p50(call step − target) − p50(text step).
     pub(crate) fn overhead_p50(&self) -> f64 {
@@ -62,6 +51,17 @@ impl Calls {
     pub(crate) fn overhead_loop_p50(&self) -> f64 {
         self.net.outside_store.p50 - self.text.outside_store.p50
     }
+}
+
+/// Call steps with fsync on.
+pub(crate) struct CallFsyncs {
+    /// The whole call step.
+    pub(crate) step_p50: f64,
+    /// None on iii (no fsync counter: see `Rig::fsyncs`).
+    pub(crate) per_step: Option<f64>,
+    pub(crate) per_turn: Option<f64>,
+    /// Turns of each length measured.
+    pub(crate) turns: usize,
 }
 
 pub(crate) fn function_options(max_turns: u32) -> Option<SendOptions> {
@@ -91,8 +91,7 @@ pub(crate) async fn function_calls(at: At<'_>, plan: &Plan) -> Result<Calls> {
         "function-call steps ({} call steps in turns of {n} calls + paired text steps, concurrency 1, fsync off)",
         plan.function_steps
     );
-    let rig = Rig::open(at, ScriptKind::Calls, Durability::Normal).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Calls, Durability::Normal).await?;
     d.call_turn(function_options(FUNCTION_MAX_TURNS)).await?;
     d.text_loop(Instant::now() + plan.function_cap, 20).await?;
     let (mut call_turns, mut text_turns) = (HashSet::new(), HashSet::new());
@@ -159,8 +158,7 @@ pub(crate) async fn call_fsyncs(at: At<'_>, plan: &Plan) -> Result<CallFsyncs> {
         "fsyncs per function step ({} turns each of {FUNCTION_MAX_TURNS} and {FUNCTION_SHORT_MAX_TURNS} calls, concurrency 1, fsync on)",
         plan.function_fsync_turns
     );
-    let rig = Rig::open(at, ScriptKind::Calls, Durability::Full).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Calls, Durability::Full).await?;
     for len in [FUNCTION_MAX_TURNS, FUNCTION_SHORT_MAX_TURNS] {
         d.call_turn(function_options(len)).await?;
     }

@@ -34,8 +34,7 @@ pub(crate) async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> 
         plan.handoff_turns,
         HANDOFF_MAX_TURNS + 1
     );
-    let rig = Rig::open(at, ScriptKind::Calls, durability).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Calls, durability).await?;
     let options = || {
         Some(SendOptions {
             max_turns: Some(HANDOFF_MAX_TURNS),
@@ -86,8 +85,7 @@ pub(crate) async fn fsyncs(at: At<'_>, plan: &Plan) -> Result<Fsyncs> {
         "fsyncs per text step ({} turns, concurrency 1, fsync on)",
         plan.fsync_turns
     );
-    let rig = Rig::open(at, ScriptKind::Text, Durability::Full).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Text, Durability::Full).await?;
     d.text_loop(Instant::now() + plan.fsync_cap, 10).await?;
     rig.queue_idle().await?;
     let (mut in_send, mut in_step, mut turns) = (0u64, 0u64, 0usize);

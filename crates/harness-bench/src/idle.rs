@@ -10,7 +10,7 @@ use harness_store::Durability;
 use crate::host::Host;
 use crate::plan::Plan;
 use crate::rig::{At, Driver, Rig, ScriptKind};
-use crate::stats::{progress, rss_bytes};
+use crate::stats::{per, progress, rss_bytes};
 
 /// Sends in flight while filling the idle sessions.
 const IDLE_FILL_CONCURRENCY: usize = 64;
@@ -105,8 +105,7 @@ pub(crate) async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
         "RAM per idle session ({} sessions, fsync off)",
         plan.idle_sessions
     );
-    let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     // Warm-up: the runtime's fixed costs (threads, connections, statement caches) land before the baseline.
     fill_sessions(&d, 100, Duration::from_secs(2)).await?;
     rig.queue_idle().await?;
@@ -126,17 +125,11 @@ pub(crate) async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
     if sessions < plan.idle_sessions {
         progress!("  time cap reached: measured {sessions} sessions");
     }
-    let per = |delta: i64, n: usize| {
-        if n == 0 {
-            0.0
-        } else {
-            (delta.max(0) as f64) / n as f64
-        }
-    };
+    let grown = |from: u64, to: u64| to.saturating_sub(from) as f64;
     let out = IdleRam {
         sessions,
-        bytes_per_session: per(rss_after as i64 - rss_before as i64, sessions),
-        marginal_bytes: per(rss_after as i64 - rss_half as i64, made_rest),
+        bytes_per_session: per(grown(rss_before, rss_after), sessions as f64),
+        marginal_bytes: per(grown(rss_half, rss_after), made_rest as f64),
         rss_before,
         rss_after,
         sqlite_before,

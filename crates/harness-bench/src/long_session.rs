@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use crate::plan::Plan;
 use crate::probe::StepSample;
 use crate::rig::{At, Driver, Rig, ScriptKind};
-use crate::stats::{progress, Percentiles, Steps};
+use crate::stats::{per, progress, Percentiles, Steps};
 
 /// Sessions of each length the phase alternates over.
 const LONG_PHASE_SESSIONS: usize = 4;
@@ -25,38 +25,29 @@ pub(crate) struct LongSession {
     pub(crate) assemble: Assemble,
 }
 
+impl LongSession {
+    /// Whole step on a 1,000-entry session over the same on a 10-entry one (p50s).
+    pub(crate) fn step_ratio(&self) -> f64 {
+        per(self.long.whole.p50, self.short.whole.p50)
+    }
+
+    /// The same with the store's time taken out of both.
+    pub(crate) fn overhead_ratio(&self) -> f64 {
+        per(self.long.outside_store.p50, self.short.outside_store.p50)
+    }
+
+    /// Assembly on a summarized 1,000-entry session over assembly on a 10-entry one (p50s).
+    pub(crate) fn summarized_assemble_ratio(&self) -> f64 {
+        per(self.assemble.summarized_p50, self.assemble.short_p50)
+    }
+}
+
 /// `context::assemble` as the step awaits it, p50 µs: on 10-entry, 1,000-entry, and 1,000-entry
 /// sessions whose history a compaction record already summarizes.
 pub(crate) struct Assemble {
     pub(crate) short_p50: f64,
     pub(crate) long_p50: f64,
     pub(crate) summarized_p50: f64,
-}
-
-/// `a / b`, 0 when `b` is not positive.
-fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 {
-        a / b
-    } else {
-        0.0
-    }
-}
-
-impl LongSession {
-    /// Whole step on a 1,000-entry session over the same on a 10-entry one (p50s).
-    pub(crate) fn step_ratio(&self) -> f64 {
-        ratio(self.long.whole.p50, self.short.whole.p50)
-    }
-
-    /// The same with the store's time taken out of both.
-    pub(crate) fn overhead_ratio(&self) -> f64 {
-        ratio(self.long.outside_store.p50, self.short.outside_store.p50)
-    }
-
-    /// Assembly on a summarized 1,000-entry session over assembly on a 10-entry one (p50s).
-    pub(crate) fn summarized_assemble_ratio(&self) -> f64 {
-        ratio(self.assemble.summarized_p50, self.assemble.short_p50)
-    }
 }
 
 /// Appends user messages until the session has `entries` entries.
@@ -129,8 +120,7 @@ pub(crate) async fn long_session(at: At<'_>, plan: &Plan) -> Result<LongSession>
         plan.long_turns,
         plan.long_entries
     );
-    let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     let (mut short, mut long, mut summarized) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..LONG_PHASE_SESSIONS {
         let sid = d.turn(None, None).await?;

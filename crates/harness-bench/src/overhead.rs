@@ -37,8 +37,7 @@ pub(crate) async fn overhead(at: At<'_>, plan: &Plan) -> Result<Overhead> {
         "loop overhead per step ({} text steps, concurrency 1, fsync off)",
         plan.overhead_steps
     );
-    let rig = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Text, Durability::Normal).await?;
     d.text_loop(Instant::now() + plan.overhead_cap, 50).await?;
     let ((turns, cpu_us, run_wall), samples) = rig
         .sampled(async {

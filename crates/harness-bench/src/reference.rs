@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use harness_store::Connection;
 
-use crate::stats::Percentiles;
+use crate::stats::{per, Percentiles};
 
 /// Samples per reference figure.
 const SAMPLES: usize = 200;
@@ -29,11 +29,7 @@ impl Reference {
     /// Durable commits per second one at a time: the rate a loop with one fsync per step and
     /// no group commit could never exceed on this disk.
     pub fn serial_fsyncs_per_sec(&self) -> f64 {
-        if self.fsync_us > 0.0 {
-            1e6 / self.fsync_us
-        } else {
-            0.0
-        }
+        per(1e6, self.fsync_us)
     }
 }
 

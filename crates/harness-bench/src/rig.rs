@@ -64,7 +64,6 @@ pub(crate) struct At<'a> {
 }
 
 pub(crate) struct Rig {
-    pub(crate) harness: Harness,
     pub(crate) opened: Opened,
     pub(crate) probe: Arc<Probe>,
     _dir: tempfile::TempDir,
@@ -82,11 +81,12 @@ pub(crate) fn register_noop(bus: &dyn Bus) {
 }
 
 impl Rig {
+    /// Opens a phase's runtime, and the driver of its turns.
     pub(crate) async fn open(
         at: At<'_>,
         script: ScriptKind,
         durability: Durability,
-    ) -> Result<Rig> {
+    ) -> Result<(Rig, Driver)> {
         let dir = tempfile::Builder::new()
             .prefix("harness-bench-")
             .tempdir_in(at.base)
@@ -119,19 +119,16 @@ impl Rig {
             Mode::Iii(url) => Some(url),
         };
         let opened = at.host.open(iii, spec).await?;
-        Ok(Rig {
+        let driver = Driver {
             harness: opened.harness.clone(),
+            probe: probe.clone(),
+        };
+        let rig = Rig {
             opened,
             probe,
             _dir: dir,
-        })
-    }
-
-    pub(crate) fn driver(&self) -> Driver {
-        Driver {
-            harness: self.harness.clone(),
-            probe: self.probe.clone(),
-        }
+        };
+        Ok((rig, driver))
     }
 
     /// The store's fsync counter; None on iii (the engine holds the loop's state and queue and

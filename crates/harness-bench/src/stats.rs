@@ -119,6 +119,16 @@ pub(crate) fn sorted(mut v: Vec<u64>) -> Vec<u64> {
     v
 }
 
+/// `x` in units of `unit`: a ratio, a mean, a share; 0 when `unit` is not positive (nothing
+/// measured to divide by).
+pub(crate) fn per(x: f64, unit: f64) -> f64 {
+    if unit > 0.0 {
+        x / unit
+    } else {
+        0.0
+    }
+}
+
 pub(crate) fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }

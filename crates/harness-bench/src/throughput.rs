@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 
 use crate::plan::Plan;
 use crate::rig::{run_workers, At, Rig, ScriptKind};
-use crate::stats::{cpu_time_us, progress, round3};
+use crate::stats::{cpu_time_us, per, progress, round3};
 
 /// The concurrencies of the throughput cells (each with fsync on and off).
 pub(crate) const CONCURRENCIES: [usize; 3] = [1, 10, 200];
@@ -53,11 +53,7 @@ pub(crate) fn since(s0: StoreStats, s1: StoreStats) -> StoreStats {
 
 impl Cell {
     pub(crate) fn rate(&self) -> f64 {
-        if self.secs > 0.0 {
-            self.steps as f64 / self.secs
-        } else {
-            0.0
-        }
+        per(self.steps as f64, self.secs)
     }
 
     /// `n` per step of the cell, rounded to 3 decimals.
@@ -125,8 +121,7 @@ pub(crate) async fn throughput(
     } else {
         Durability::Normal
     };
-    let rig = Rig::open(at, ScriptKind::Text, durability).await?;
-    let d = rig.driver();
+    let (rig, d) = Rig::open(at, ScriptKind::Text, durability).await?;
     run_workers(&d, concurrency, Instant::now() + plan.cell_warmup, u64::MAX).await?;
     rig.queue_idle().await?;
     let f0 = rig.fsyncs();

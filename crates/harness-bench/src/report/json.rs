@@ -4,9 +4,9 @@
 use anyhow::Result;
 use serde_json::{json, Map, Value};
 
-use super::{opt, per, Report, III_NOTES};
+use super::{opt, Report, III_NOTES};
 use crate::rig::Mode;
-use crate::stats::{round1, round3, OpMean};
+use crate::stats::{per, round1, round3, OpMean};
 
 impl Report<'_> {
     pub(crate) fn json(&self) -> Result<Value> {

@@ -248,12 +248,3 @@ impl Report<'_> {
 fn opt(x: Option<f64>, round: fn(f64) -> f64) -> Value {
     x.map(|v| json!(round(v))).unwrap_or(Value::Null)
 }
-
-/// `x` in units of `reference` (0 when the reference is not known).
-fn per(x: f64, reference: f64) -> f64 {
-    if reference > 0.0 {
-        x / reference
-    } else {
-        0.0
-    }
-}
