@@ -24,15 +24,17 @@ fn message_start(input: u64, cache_read: u64, cache_write: u64) -> Step {
     )
 }
 
-fn text_block(index: u64, parts: &[&str]) -> Vec<Step> {
+/// A content block `index`: its start event carrying `content_block`, one delta event per entry
+/// of `deltas`, and its stop event.
+fn block(index: u64, content_block: Value, deltas: impl IntoIterator<Item = Value>) -> Vec<Step> {
     let mut s = vec![ev(
         "content_block_start",
-        json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
+        json!({"type": "content_block_start", "index": index, "content_block": content_block}),
     )];
-    for p in parts {
+    for delta in deltas {
         s.push(ev(
             "content_block_delta",
-            json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": p}}),
+            json!({"type": "content_block_delta", "index": index, "delta": delta}),
         ));
     }
     s.push(ev(
@@ -42,22 +44,22 @@ fn text_block(index: u64, parts: &[&str]) -> Vec<Step> {
     s
 }
 
+fn text_block(index: u64, parts: &[&str]) -> Vec<Step> {
+    let deltas = parts
+        .iter()
+        .map(|p| json!({"type": "text_delta", "text": p}));
+    block(index, json!({"type": "text", "text": ""}), deltas)
+}
+
 fn tool_block(index: u64, id: &str, name: &str, pieces: &[&str]) -> Vec<Step> {
-    let mut s = vec![ev(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": index, "content_block": {"type": "tool_use", "id": id, "name": name, "input": {}}}),
-    )];
-    for p in pieces {
-        s.push(ev(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": p}}),
-        ));
-    }
-    s.push(ev(
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": index}),
-    ));
-    s
+    let deltas = pieces
+        .iter()
+        .map(|p| json!({"type": "input_json_delta", "partial_json": p}));
+    block(
+        index,
+        json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
+        deltas,
+    )
 }
 
 fn end(stop: &str, output: u64) -> Vec<Step> {
@@ -77,8 +79,46 @@ fn text_reply(parts: &[&str]) -> Reply {
     Reply::Stream(s)
 }
 
+/// Text, then a `math__add` call as `toolu_01` whose arguments stream in `pieces`: a reply that
+/// ends for the tool.
+fn add_reply(text: &str, pieces: &[&str]) -> Reply {
+    let mut s = vec![message_start(30, 0, 0)];
+    s.extend(text_block(0, &[text]));
+    s.extend(tool_block(1, "toolu_01", "math__add", pieces));
+    s.extend(end("tool_use", 20));
+    Reply::Stream(s)
+}
+
+/// A reply that starts a text block with `parts` and then, instead of the rest, `then`.
+fn cut_short(parts: &[&str], then: Step) -> Reply {
+    let mut s = vec![message_start(10, 0, 0)];
+    s.extend(text_block(0, parts).into_iter().take(1 + parts.len()));
+    s.push(then);
+    Reply::Stream(s)
+}
+
+/// A 429 asking for `retry_after` seconds.
+fn slow_down(retry_after: &str) -> Reply {
+    status(
+        429,
+        &[("retry-after", retry_after)],
+        json!({"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}),
+    )
+}
+
 fn router_for(mock: &Mock) -> harness_router::Router {
     router(mock, "anthropic", ProviderKind::Anthropic, "", Some(KEY))
+}
+
+/// Sends "hi" once to a mock answering `replies`: the mock (what was sent) and the run.
+async fn hi(replies: Vec<Reply>) -> (Mock, Run) {
+    let mock = Mock::start(replies).await;
+    let run = chat(
+        &router_for(&mock),
+        request("anthropic", MODEL, vec![user("hi")]),
+    )
+    .await;
+    (mock, run)
 }
 
 #[tokio::test]
@@ -89,9 +129,7 @@ async fn text_streams_as_frames_with_usage_cost_and_cache_markers() {
     ];
     steps.extend(text_block(0, &["Hel", "lo"]));
     steps.extend(end("end_turn", 12));
-    let mock = Mock::start(vec![Reply::Stream(steps)]).await;
-    let r = router_for(&mock);
-    let run = chat(&r, request("anthropic", MODEL, vec![user("hi")])).await;
+    let (mock, run) = hi(vec![Reply::Stream(steps)]).await;
     assert_eq!(
         run.kinds(),
         [
@@ -161,16 +199,8 @@ async fn system_sections_put_the_cache_marker_on_the_stable_prefix() {
 
 #[tokio::test]
 async fn tool_calls_stream_split_arguments_under_their_function_ids() {
-    let mut steps = vec![message_start(30, 0, 0)];
-    steps.extend(text_block(0, &["Let me add."]));
-    steps.extend(tool_block(
-        1,
-        "toolu_01",
-        "math__add",
-        &["", "{\"a\": ", "2, \"b\"", ": 3}"],
-    ));
-    steps.extend(end("tool_use", 20));
-    let mock = Mock::start(vec![Reply::Stream(steps)]).await;
+    let reply = add_reply("Let me add.", &["", "{\"a\": ", "2, \"b\"", ": 3}"]);
+    let mock = Mock::start(vec![reply]).await;
     let r = router_for(&mock);
     let mut req = request("anthropic", MODEL, vec![user("add 2 and 3")]);
     req.tools = vec![add_tool()];
@@ -197,31 +227,19 @@ async fn tool_calls_stream_split_arguments_under_their_function_ids() {
 #[tokio::test]
 async fn thinking_with_signature_and_redacted_thinking_are_replayed_verbatim() {
     let mut steps = vec![message_start(40, 0, 0)];
-    steps.push(ev(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+    steps.extend(block(
+        0,
+        json!({"type": "thinking", "thinking": "", "signature": ""}),
+        [
+            json!({"type": "thinking_delta", "thinking": "Two plus "}),
+            json!({"type": "thinking_delta", "thinking": "three is five."}),
+            json!({"type": "signature_delta", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA2b3hGgxBdjrkzLoky3dl1pkiMOYds"}),
+        ],
     ));
-    for t in ["Two plus ", "three is five."] {
-        steps.push(ev(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": t}}),
-        ));
-    }
-    steps.push(ev(
-        "content_block_delta",
-        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA2b3hGgxBdjrkzLoky3dl1pkiMOYds"}}),
-    ));
-    steps.push(ev(
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": 0}),
-    ));
-    steps.push(ev(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": 1, "content_block": {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4a"}}),
-    ));
-    steps.push(ev(
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": 1}),
+    steps.extend(block(
+        1,
+        json!({"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4a"}),
+        [],
     ));
     steps.extend(text_block(2, &["5"]));
     steps.extend(end("end_turn", 30));
@@ -331,14 +349,12 @@ async fn a_429_with_retry_after_is_retried_after_the_wait() {
 async fn a_500_and_a_529_before_output_are_retried() {
     let overloaded =
         json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}});
-    let mock = Mock::start(vec![
+    let (mock, run) = hi(vec![
         status(500, &[], json!({"type": "error", "error": {"type": "api_error", "message": "Internal server error"}})),
         status(529, &[], overloaded),
         text_reply(&["third time"]),
     ])
     .await;
-    let r = router_for(&mock);
-    let run = chat(&r, request("anthropic", MODEL, vec![user("hi")])).await;
     assert_eq!(run.done().content, vec![ContentBlock::text("third time")]);
     assert_eq!(mock.requests().len(), 3);
 }
@@ -347,16 +363,13 @@ async fn a_500_and_a_529_before_output_are_retried() {
 async fn retries_are_bounded_and_the_failure_is_classified() {
     let overloaded =
         json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}});
-    let mock = Mock::start(vec![
+    let (mock, run) = hi(vec![
         status(529, &[], overloaded.clone()),
         status(529, &[], overloaded.clone()),
         status(529, &[], overloaded),
     ])
     .await;
-    let r = router_for(&mock);
-    let run = chat(&r, request("anthropic", MODEL, vec![user("hi")])).await;
-    let (partial, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (partial, detail) = run.transient();
     assert!(partial.content.is_empty());
     assert!(
         detail.contains("HTTP 529 (overloaded_error): Overloaded"),
@@ -371,12 +384,7 @@ async fn retries_are_bounded_and_the_failure_is_classified() {
 
 #[tokio::test]
 async fn a_retry_after_beyond_the_budget_fails_at_once() {
-    let mock = Mock::start(vec![status(
-        429,
-        &[("retry-after", "120")],
-        json!({"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}),
-    )])
-    .await;
+    let mock = Mock::start(vec![slow_down("120")]).await;
     let r = router_for(&mock);
     let t0 = Instant::now();
     let run = chat(&r, request("anthropic", MODEL, vec![user("hi")])).await;
@@ -411,14 +419,9 @@ async fn context_overflow_and_auth_are_not_retried_and_never_leak_the_key() {
 
 #[tokio::test]
 async fn a_stream_cut_after_partial_text_fails_with_the_partial_and_no_retry() {
-    let mut steps = vec![message_start(10, 0, 0)];
-    steps.extend(text_block(0, &["The answer", " is"]).into_iter().take(3));
-    steps.push(Step::Cut);
-    let mock = Mock::start(vec![Reply::Stream(steps), text_reply(&["never"])]).await;
-    let r = router_for(&mock);
-    let run = chat(&r, request("anthropic", MODEL, vec![user("hi")])).await;
-    let (partial, kind, _) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let cut = cut_short(&["The answer", " is"], Step::Cut);
+    let (mock, run) = hi(vec![cut, text_reply(&["never"])]).await;
+    let (partial, _) = run.transient();
     assert_eq!(partial.content, vec![ContentBlock::text("The answer is")]);
     assert_eq!(partial.stop_reason, StopReason::Error);
     assert_eq!(mock.requests().len(), 1);
@@ -426,14 +429,9 @@ async fn a_stream_cut_after_partial_text_fails_with_the_partial_and_no_retry() {
 
 #[tokio::test]
 async fn a_malformed_event_fails_the_stream_with_the_partial() {
-    let mut steps = vec![message_start(10, 0, 0)];
-    steps.extend(text_block(0, &["Partial"]).into_iter().take(2));
-    steps.push(raw("event: content_block_delta\ndata: {\"type\": \"content_block_delta\", \"index\": 0, \"delta\": {\"type\"\n\n"));
-    let mock = Mock::start(vec![Reply::Stream(steps)]).await;
-    let r = router_for(&mock);
-    let run = chat(&r, request("anthropic", MODEL, vec![user("hi")])).await;
-    let (partial, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let bad = raw("event: content_block_delta\ndata: {\"type\": \"content_block_delta\", \"index\": 0, \"delta\": {\"type\"\n\n");
+    let (_, run) = hi(vec![cut_short(&["Partial"], bad)]).await;
+    let (partial, detail) = run.transient();
     assert!(detail.contains("malformed"), "{detail}");
     assert_eq!(partial.content, vec![ContentBlock::text("Partial")]);
     assert_eq!(run.ack.error.unwrap().code, "router/malformed_stream");
@@ -441,17 +439,12 @@ async fn a_malformed_event_fails_the_stream_with_the_partial() {
 
 #[tokio::test]
 async fn an_in_stream_error_after_output_keeps_the_partial() {
-    let mut steps = vec![message_start(10, 0, 0)];
-    steps.extend(text_block(0, &["Half"]).into_iter().take(2));
-    steps.push(ev(
+    let error = ev(
         "error",
         json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
-    ));
-    let mock = Mock::start(vec![Reply::Stream(steps)]).await;
-    let r = router_for(&mock);
-    let run = chat(&r, request("anthropic", MODEL, vec![user("hi")])).await;
-    let (partial, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    );
+    let (mock, run) = hi(vec![cut_short(&["Half"], error)]).await;
+    let (partial, detail) = run.transient();
     assert!(detail.contains("overloaded_error"), "{detail}");
     assert_eq!(partial.content, vec![ContentBlock::text("Half")]);
     assert_eq!(mock.requests().len(), 1);
@@ -459,10 +452,7 @@ async fn an_in_stream_error_after_output_keeps_the_partial() {
 
 #[tokio::test]
 async fn a_slow_stream_is_aborted_by_router_abort() {
-    let mut steps = vec![message_start(10, 0, 0)];
-    steps.extend(text_block(0, &["slow "]).into_iter().take(2));
-    steps.push(Step::Hang);
-    let mock = Mock::start(vec![Reply::Stream(steps)]).await;
+    let mock = Mock::start(vec![cut_short(&["slow "], Step::Hang)]).await;
     let r = router_for(&mock);
     let message = abort_mid_stream(&r, request("anthropic", MODEL, vec![user("hi")])).await;
     assert_eq!(message.content, vec![ContentBlock::text("slow ")]);
@@ -472,16 +462,8 @@ async fn a_slow_stream_is_aborted_by_router_abort() {
 /// the Messages format exactly.
 #[tokio::test]
 async fn a_full_exchange_round_trips_in_the_messages_format() {
-    let mut first = vec![message_start(30, 0, 0)];
-    first.extend(text_block(0, &["Adding."]));
-    first.extend(tool_block(
-        1,
-        "toolu_01",
-        "math__add",
-        &["{\"a\": 2,", " \"b\": 3}"],
-    ));
-    first.extend(end("tool_use", 20));
-    let mock = Mock::start(vec![Reply::Stream(first), text_reply(&["It is 5."])]).await;
+    let first = add_reply("Adding.", &["{\"a\": 2,", " \"b\": 3}"]);
+    let mock = Mock::start(vec![first, text_reply(&["It is 5."])]).await;
     let r = router_for(&mock);
     add_exchange(&r, "anthropic", MODEL, "toolu_01").await;
     let second = &mock.bodies()[1];
@@ -505,12 +487,7 @@ async fn a_full_exchange_round_trips_in_the_messages_format() {
 
 #[tokio::test]
 async fn an_abort_ends_a_retry_wait_at_once() {
-    let mock = Mock::start(vec![status(
-        429,
-        &[("retry-after", "4")],
-        json!({"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}),
-    )])
-    .await;
+    let mock = Mock::start(vec![slow_down("4")]).await;
     let r = router_for(&mock);
     let task = tokio::spawn({
         let r = r.clone();

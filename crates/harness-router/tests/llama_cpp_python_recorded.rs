@@ -185,8 +185,7 @@ async fn a_stream_the_server_interrupted_is_never_a_completed_reply() {
     assert!(!recorded[0].body.contains("\"finish_reason\": \"") && !recorded[0].clean);
     let (_server, r) = replay(vec![recorded[0].clone()], None).await;
     let run = chat(&r, ask("Count from 1 to 200, one number per line.", 300)).await;
-    let (partial, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (partial, detail) = run.transient();
     assert!(detail.contains("without a finish_reason"), "{detail}");
     assert!(!joined(&partial).is_empty(), "the partial text is kept");
     assert_eq!(
@@ -207,8 +206,7 @@ async fn an_interrupted_function_call_is_never_complete() {
     let mut req = ask("What is 2 + 3? Use the tool.", 64);
     req.tools = vec![add_tool()];
     let run = chat(&r, req).await;
-    let (partial, kind, _) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (partial, _) = run.transient();
     assert!(!run.kinds().contains(&"functioncall_end".to_string()));
     let Some(ContentBlock::FunctionCall { arguments, .. }) = partial.content.last() else {
         panic!("{partial:?}")
@@ -353,8 +351,7 @@ async fn nothing_listening_says_so() {
     let url = nothing_listening();
     let r = llamacpp(&url, None);
     let run = chat(&r, ask("Say hello.", 64)).await;
-    let (_, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (_, detail) = run.transient();
     assert!(
         detail.contains(&format!("nothing answers at {url}: start the server")),
         "{detail}"

@@ -228,8 +228,7 @@ async fn a_stream_cut_after_partial_text_fails_with_the_partial() {
     .await;
     let r = router_for(&mock);
     let run = chat(&r, request("openai", MODEL, vec![user("hi")])).await;
-    let (partial, kind, _) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (partial, _) = run.transient();
     assert_eq!(partial.content, vec![ContentBlock::text("Half an")]);
     assert_eq!(mock.requests().len(), 1);
 }
@@ -251,8 +250,7 @@ async fn a_malformed_chunk_and_an_in_stream_error_fail_the_stream() {
     let run = chat(&r, request("openai", MODEL, vec![user("hi")])).await;
     assert_eq!(run.ack.error.unwrap().code, "router/malformed_stream");
     let run = chat(&r, request("openai", MODEL, vec![user("hi")])).await;
-    let (partial, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (partial, detail) = run.transient();
     assert!(detail.contains("server_error"), "{detail}");
     assert_eq!(partial.content, vec![ContentBlock::text("B")]);
 }

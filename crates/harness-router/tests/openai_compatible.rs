@@ -181,8 +181,7 @@ async fn a_server_that_is_down_is_a_transient_connect_failure() {
     .with_http(http());
     router.add_provider(cfg.build());
     let run = chat(&router, request("ollama", MODEL, vec![user("hi")])).await;
-    let (_, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (_, detail) = run.transient();
     assert!(detail.contains("cannot connect to 127.0.0.1"), "{detail}");
     assert_eq!(run.ack.error.unwrap().code, "router/connect_failed");
 }
@@ -341,8 +340,7 @@ async fn a_reply_finished_without_a_token_is_retried_and_never_a_completed_reply
     let mock = Mock::start(vec![empty(), empty(), empty()]).await;
     let r = router_for(&mock);
     let run = chat(&r, request("ollama", MODEL, vec![user("hi")])).await;
-    let (_, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (_, detail) = run.transient();
     assert!(detail.contains("without a single token"), "{detail}");
     assert_eq!(run.ack.error.unwrap().code, "router/empty_reply");
     assert_eq!(

@@ -255,8 +255,7 @@ async fn failures_in_the_stream_are_classified_and_keep_the_partial() {
     let mock = Mock::start(vec![Reply::Stream(failed), Reply::Stream(error)]).await;
     let r = router_for(&mock);
     let run = chat(&r, request("openai-responses", MODEL, vec![user("hi")])).await;
-    let (partial, kind, detail) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (partial, detail) = run.transient();
     assert!(detail.contains("server_error"), "{detail}");
     assert_eq!(partial.content, vec![ContentBlock::text("Part")]);
     let run = chat(&r, request("openai-responses", MODEL, vec![user("hi")])).await;
@@ -277,8 +276,7 @@ async fn a_cut_stream_and_a_malformed_event_fail_with_the_partial() {
     let mock = Mock::start(vec![Reply::Stream(cut), Reply::Stream(bad)]).await;
     let r = router_for(&mock);
     let run = chat(&r, request("openai-responses", MODEL, vec![user("hi")])).await;
-    let (partial, kind, _) = run.error();
-    assert_eq!(kind, ErrorKind::Transient);
+    let (partial, _) = run.transient();
     assert_eq!(partial.content, vec![ContentBlock::text("Cut here")]);
     let run = chat(&r, request("openai-responses", MODEL, vec![user("hi")])).await;
     assert_eq!(

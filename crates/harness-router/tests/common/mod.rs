@@ -301,6 +301,13 @@ impl Run {
         }
     }
 
+    /// The error frame of a run that failed transiently: (partial, detail).
+    pub fn transient(&self) -> (AssistantMessage, String) {
+        let (partial, kind, detail) = self.error();
+        assert_eq!(kind, harness_types::ErrorKind::Transient, "{detail}");
+        (partial, detail)
+    }
+
     pub fn text(&self) -> String {
         self.frames
             .iter()
