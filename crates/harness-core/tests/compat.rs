@@ -5,7 +5,7 @@
 mod support;
 
 use harness_bus::Bus;
-use harness_types::api::{Mode, SendOptions, SpawnRequest, SystemPromptStrategy};
+use harness_types::api::{ExposeMode, Mode, SendOptions, SpawnRequest, SystemPromptStrategy};
 use serde_json::{json, Value};
 use support::*;
 
@@ -290,14 +290,7 @@ async fn function_trigger_answers_the_pending_shape_for_a_held_call() {
         }),
     );
     // A session whose policy allows the target.
-    let mut req = send("hi");
-    req.options = Some(SendOptions {
-        functions: Some(harness_types::api::FunctionPolicy {
-            allow: vec!["t::*".into()],
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    let req = allowing_as("hi", &["t::*"], ExposeMode::AgentTrigger);
     let (r, _) = rt.run(req).await;
     let call = |id: &str| json!({"session_id": r.session_id, "call": {"id": id, "function_id": "t::echo", "arguments": {"x": 1}}});
     let ran = rt.ok("harness::function::trigger", call("c1")).await;
@@ -367,14 +360,7 @@ async fn a_default_prompt_written_through_the_api_reaches_the_next_send_and_no_m
     assert!(p.starts_with("You are the house identity, v2."), "{p}");
 
     // A model allowed everything still cannot reach the writer.
-    let mut req = send("rewrite yourself");
-    req.options = Some(SendOptions {
-        functions: Some(harness_types::api::FunctionPolicy {
-            allow: vec!["*".into()],
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    let req = allowing_as("rewrite yourself", &["*"], ExposeMode::AgentTrigger);
     let (r, _) = rt.run(req).await;
     let results = rt.results(&r.session_id);
     let refused = results
@@ -480,14 +466,7 @@ async fn the_judges_repair_is_noted_in_the_calls_result() {
             )
         }),
     );
-    let mut req = send("paint it");
-    req.options = Some(SendOptions {
-        functions: Some(harness_types::api::FunctionPolicy {
-            allow: vec!["paint::*".into()],
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    let req = allowing_as("paint it", &["paint::*"], ExposeMode::AgentTrigger);
     let (r, _) = rt.run(req).await;
     assert_eq!(painted.load(std::sync::atomic::Ordering::SeqCst), 1);
     let result = rt
