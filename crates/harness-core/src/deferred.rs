@@ -109,9 +109,9 @@ impl Harness {
                 is_error: req.is_error.unwrap_or(false),
             });
         }
-        // Only a released pre-trigger hold can reach its target: the turn's stop signal is
+        // Only a release that reaches the target races the turn's stop signal: the signal is
         // taken (and so registered) for that alone.
-        let cancel = if action == Resolution::Execute && matches!(phase, CallPhase::Held(_)) {
+        let cancel = if reaches_target(phase, action) {
             self.signal(&rec.turn_id)
         } else {
             tokio_util::sync::CancellationToken::new()
@@ -441,6 +441,14 @@ impl Harness {
     }
 }
 
+/// Whether resolving a call in `phase` with `action` goes on to its target: the call machine
+/// answers by running the pre-trigger chain again (row C22, a pre-trigger hold released). A
+/// released post-trigger hold appends the result it kept (C21) and runs nothing.
+fn reaches_target(phase: CallPhase, action: Resolution) -> bool {
+    call::next(phase, CallInput::Resolve(action))
+        .is_ok_and(|t| t.effects.contains(&CallEffect::RunPreTrigger))
+}
+
 /// Errors a resolve can raise on bad input (the rest answer `resolved: false`).
 pub(crate) fn check_resolve(req: &ResolveRequest) -> std::result::Result<(), HarnessError> {
     if req.function_call_id.is_empty() {
@@ -450,4 +458,31 @@ pub(crate) fn check_resolve(req: &ResolveRequest) -> std::result::Result<(), Har
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use harness_machine::record::HoldPoint;
+
+    #[test]
+    fn only_a_released_pre_trigger_hold_reaches_its_target() {
+        use Resolution::{Deliver, Execute};
+        let pre = CallPhase::Held(HoldPoint::PreTrigger);
+        let post = CallPhase::Held(HoldPoint::PostTrigger);
+        assert!(reaches_target(pre, Execute));
+        for (phase, action) in [
+            (post, Execute),
+            (pre, Deliver),
+            (post, Deliver),
+            (CallPhase::AwaitingResult, Execute),
+            (CallPhase::Child, Execute),
+            (CallPhase::Done, Execute),
+        ] {
+            assert!(
+                !reaches_target(phase, action),
+                "{phase:?} resolved with {action:?} runs nothing"
+            );
+        }
+    }
 }
