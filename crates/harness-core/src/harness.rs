@@ -248,7 +248,14 @@ impl StepWrites {
         Ok(())
     }
 
-    /// As [`Harness::enqueue_step`] (without its retries: a failed batch fails as a whole).
+    /// A batch of just the step.
+    pub(crate) fn step(rec: &TurnRecord) -> Result<StepWrites> {
+        let mut batch = StepWrites::default();
+        batch.enqueue_step(rec)?;
+        Ok(batch)
+    }
+
+    /// The turn's current step, queued (`harness::turn`).
     pub(crate) fn enqueue_step(&mut self, rec: &TurnRecord) -> Result<()> {
         let payload = serde_json::to_value(step_payload(rec))
             .map_err(|e| HarnessError::internal(e.to_string()))?;
@@ -286,6 +293,11 @@ fn step_payload(rec: &TurnRecord) -> TurnStepPayload {
 }
 
 pub(crate) type Result<T> = std::result::Result<T, HarnessError>;
+
+/// How many times [`Harness::commit_scheduling`] tries, and the pause between tries (about
+/// 2.5 s in all).
+const SCHEDULE_ATTEMPTS: u32 = 6;
+const SCHEDULE_PAUSE: Duration = Duration::from_millis(500);
 
 fn bus_err(e: BusError) -> HarnessError {
     e.into_harness()
@@ -442,24 +454,33 @@ impl Harness {
             .map_err(bus_err)
     }
 
-    pub(crate) async fn enqueue_step(&self, rec: &TurnRecord) -> Result<()> {
-        let payload = serde_json::to_value(step_payload(rec))
-            .map_err(|e| HarnessError::internal(e.to_string()))?;
-        let mut attempt = 0;
+    /// Commits `first`, a batch that schedules a turn's next step, retrying with the batch
+    /// `again` builds: a store or queue that refuses for a moment (a busy disk, an engine
+    /// restarting) must not leave the turn waiting for the next start. Every write of such a
+    /// batch is idempotent by its id (the record is written whole, entries by id, a second
+    /// copy of a step is dropped as stale), so a retry after a batch a bus without transactions
+    /// applied in part writes nothing twice. The one retry policy of the loop's scheduling.
+    pub(crate) async fn commit_scheduling(
+        &self,
+        session_id: &str,
+        first: StepWrites,
+        mut again: impl FnMut() -> Result<StepWrites>,
+    ) -> Result<()> {
+        let mut batch = first;
+        let mut attempt = 1;
         loop {
-            match self
-                .inner
-                .bus
-                .enqueue(TURN_QUEUE, "harness::turn", payload.clone())
-                .await
-            {
-                Ok(()) => return Ok(()),
-                Err(e) if attempt < 5 => {
+            match self.commit(batch).await {
+                Ok(_) => return Ok(()),
+                Err(e) if attempt < SCHEDULE_ATTEMPTS => {
+                    tracing::warn!(session = %session_id, attempt, "a turn's next step could not be written, retrying: {e}");
+                    tokio::time::sleep(SCHEDULE_PAUSE).await;
                     attempt += 1;
-                    tracing::warn!(session = %rec.session_id, "enqueue failed, retrying: {e}");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    batch = again()?;
                 }
-                Err(e) => return Err(bus_err(e)),
+                Err(e) => {
+                    tracing::error!(session = %session_id, attempt, "a turn's next step could not be written; the recovery at the next start schedules it: {e}");
+                    return Err(e);
+                }
             }
         }
     }

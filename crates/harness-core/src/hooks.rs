@@ -317,6 +317,19 @@ impl Harness {
         after: Option<&str>,
     ) -> Result<ChainOutcome> {
         let hooks = self.hooks(point).await?;
+        self.run_chain(point, &hooks, payload, function_id, after)
+            .await
+    }
+
+    /// [`Harness::run_hooks`] over `hooks`, the chain of `point` its caller already read.
+    pub(crate) async fn run_chain(
+        &self,
+        point: HookPoint,
+        hooks: &[Hook],
+        payload: Value,
+        function_id: Option<&str>,
+        after: Option<&str>,
+    ) -> Result<ChainOutcome> {
         let start = match after {
             None => 0,
             Some(holder) => match hooks.iter().position(|h| h.function_id == holder) {

@@ -11,6 +11,10 @@
 //! look at the session (hooks, calls, events, a barrier) or at the end of the run. A record and
 //! its next step always go in one batch; `Finalize` and the assistant entry's pre-append take
 //! the batch into their own.
+//!
+//! A batch that schedules the next step is retried by [`Harness::commit_scheduling`]; for a
+//! retry it is built again from the write effects that made it (the run keeps the effects, not
+//! a copy of the batch), which is possible while no stage wrote into it on its own.
 
 use harness_types::message::{AgentMessage, AssistantMessage};
 use harness_types::session::{AppendRequest, Entry, SessionStatus};
@@ -18,7 +22,7 @@ use harness_types::{ids, now_ms, HarnessError};
 use serde_json::json;
 
 use crate::harness::{Harness, Result, StepWrites};
-use crate::hooks::HookPoint;
+use crate::hooks::{Hook, HookPoint};
 use crate::locks::SessionGuard;
 use crate::machine::{self, Effect, Input};
 use crate::record::TurnRecord;
@@ -37,6 +41,15 @@ pub(crate) struct Carry {
     pub pending: StepWrites,
     /// Whether `pending` holds the record (so a step enqueued now joins its batch).
     record_pending: bool,
+    /// The write effects whose writes `pending` holds, in order: what builds the batch again
+    /// for a retry, unless `foreign`.
+    replay: Vec<Effect>,
+    /// `pending` holds writes a stage left there (a stream's last write), which only that
+    /// stage could build again.
+    foreign: bool,
+    /// The post-turn chain, read once per `PostTurn`: it decides whether the batch waits and
+    /// is the chain that runs.
+    post_turn_hooks: Option<Vec<Hook>>,
     /// The failpoint hit once a record and its next step are committed together.
     pub advance_point: Option<&'static str>,
     /// A send's message, for `AppendUser` and `ParkMessage`.
@@ -133,7 +146,16 @@ impl Harness {
                     carry.skipped = true;
                     continue;
                 };
-                if !self.may_hold_writes(&effect).await? {
+                let holds = match &effect {
+                    Effect::PostTurn { .. } => {
+                        let hooks = self.hooks(HookPoint::PostTurn).await?;
+                        let unseen = hooks.is_empty();
+                        carry.post_turn_hooks = Some(hooks);
+                        unseen
+                    }
+                    other => may_hold_writes(other),
+                };
+                if !holds {
                     self.flush(carry).await?;
                 }
                 carry.carried += 1;
@@ -155,35 +177,11 @@ impl Harness {
         Ok(rec)
     }
 
-    /// Whether `effect` may run while the run still holds writes back: the plain writes that
-    /// join the batch, effects that only read the run's own state, and the post-turn gate when
-    /// no hook sees it. Anything that lets another party look at the session (hooks, calls,
-    /// events), or writes on its own, runs after the batch is committed; `Finalize` and the
-    /// `Generate` stage take the batch into their own.
-    async fn may_hold_writes(&self, effect: &Effect) -> Result<bool> {
-        Ok(match effect {
-            Effect::Skip
-            | Effect::CheckSteering
-            | Effect::ValidateOutput
-            | Effect::Finalize
-            | Effect::SaveRecord
-            | Effect::EnqueueStep
-            | Effect::AppendUser
-            | Effect::NoteMaxTurns
-            | Effect::NoteResume { .. }
-            | Effect::NoteRecovered { .. }
-            | Effect::NoteNudge { .. }
-            | Effect::SetAwaiting
-            | Effect::Prepare { .. }
-            | Effect::Generate => true,
-            Effect::PostTurn { .. } => self.hooks(HookPoint::PostTurn).await?.is_empty(),
-            _ => false,
-        })
-    }
-
     /// Commits what the run held back, if anything.
     pub(crate) async fn flush(&self, carry: &mut Carry) -> Result<()> {
         carry.record_pending = false;
+        carry.replay.clear();
+        carry.foreign = false;
         if carry.pending.is_empty() {
             return Ok(());
         }
@@ -198,6 +196,22 @@ impl Harness {
         effect: Effect,
         carry: &mut Carry,
     ) -> Result<Next> {
+        if write(r, &effect, carry.outgoing.as_ref(), &mut carry.pending)? {
+            if effect == Effect::SaveRecord {
+                carry.record_pending = true;
+            }
+            if !carry.foreign {
+                carry.replay.push(effect);
+            }
+            return Ok(Next::Go);
+        }
+        let stage = matches!(
+            effect,
+            Effect::Prepare { .. }
+                | Effect::Generate
+                | Effect::ResumeAtCalls
+                | Effect::DispatchCalls { .. }
+        );
         let next = match effect {
             Effect::Skip => {
                 carry.skipped = true;
@@ -216,7 +230,13 @@ impl Harness {
             Effect::DispatchCalls { cut } => {
                 Next::Input(Box::pin(self.dispatch_stage(r, cut, carry)).await?)
             }
-            Effect::PostTurn { result } => Next::Input(self.post_turn(r, result).await?),
+            Effect::PostTurn { result } => {
+                let hooks = match carry.post_turn_hooks.take() {
+                    Some(hooks) => hooks,
+                    None => self.hooks(HookPoint::PostTurn).await?,
+                };
+                Next::Input(self.post_turn(r, result, &hooks).await?)
+            }
             Effect::ValidateOutput => Next::Input(Input::OutputChecked {
                 verdict: crate::output::verdict(r, &carry.answer_text()),
             }),
@@ -224,91 +244,20 @@ impl Harness {
                 waiting: !self.queued(&r.session_id).await?.is_empty(),
                 text: carry.answer_text(),
             }),
-            // Writes.
-            Effect::SaveRecord => {
-                carry.pending.save_record(r)?;
-                carry.record_pending = true;
-                Next::Go
-            }
             Effect::EnqueueStep => {
                 self.enqueue(r, carry).await?;
                 Next::Go
             }
-            Effect::AppendUser => {
-                let out = outgoing(carry)?;
-                let mut batch = StepWrites::default();
-                if let Some(text) = out
-                    .correction
-                    .as_ref()
-                    .filter(|_| r.turn_id == out.new_turn)
-                {
-                    batch.append(user_append(
-                        out,
-                        AgentMessage::user_text(text.clone(), now_ms()),
-                        &format!("{}_skills", out.entry_id),
-                        &r.turn_id,
-                    ))?;
-                }
-                batch.append(user_append(
-                    out,
-                    out.message.clone(),
-                    &out.entry_id,
-                    &r.turn_id,
-                ))?;
-                carry.pending.extend(batch);
-                Next::Go
-            }
             Effect::ParkMessage => {
-                let out = outgoing(carry)?;
+                let out = outgoing(carry.outgoing.as_ref())?;
                 self.park(&out.session_id, out.message.clone(), &out.entry_id)
                     .await?;
                 Next::Go
             }
-            Effect::NoteMaxTurns => {
-                let text = texts::max_turns_reached(r.options.max_turns);
-                carry.pending.append_custom(
-                    &r.session_id,
-                    ids::max_turns_entry(&r.turn_id),
-                    "notice",
-                    json!({"reason": "max_turns", "message": text}),
-                    &r.turn_id,
-                )?;
-                Next::Go
-            }
-            Effect::NoteResume { attempt, reason } => {
-                note_resume(&mut carry.pending, r, attempt, &reason)?;
-                Next::Go
-            }
-            Effect::NoteRecovered { attempt } => {
-                carry.pending.append_custom(
-                    &r.session_id,
-                    ids::recovery_entry(&r.turn_id, attempt, "recovered"),
-                    crate::context::RECOVERY_ENTRY,
-                    json!({"status": "recovered", "attempt": attempt, "max_attempts": r.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
-                    &r.turn_id,
-                )?;
-                Next::Go
-            }
-            Effect::NoteNudge { attempt, text } => {
-                carry.pending.append(AppendRequest {
-                    session_id: r.session_id.clone(),
-                    message: Some(AgentMessage::user_text(text, now_ms())),
-                    custom: None,
-                    entry_id: Some(ids::nudge_entry(&r.turn_id, attempt)),
-                    origin: Some(json!({"turn_id": r.turn_id, "validation": true})),
-                })?;
-                Next::Go
-            }
-            Effect::SetAwaiting => {
-                carry.pending.set_status(
-                    &r.session_id,
-                    SessionStatus::Working,
-                    Some("awaiting functions"),
-                )?;
-                Next::Go
-            }
             Effect::Finalize => {
                 carry.record_pending = false;
+                carry.replay.clear();
+                carry.foreign = false;
                 let held = std::mem::take(&mut carry.pending);
                 self.finalize_after(r, held).await?;
                 Next::Go
@@ -350,62 +299,212 @@ impl Harness {
                 // The calls are settled: the machine says whether the turn runs on.
                 Next::Input(Input::CallSettled)
             }
+            // Carried out by `write` above.
+            Effect::SaveRecord
+            | Effect::AppendUser
+            | Effect::NoteMaxTurns
+            | Effect::NoteResume { .. }
+            | Effect::NoteRecovered { .. }
+            | Effect::NoteNudge { .. }
+            | Effect::SetAwaiting => Next::Go,
         };
+        if stage {
+            // A stage may have committed the batch, or added writes of its own to it.
+            carry.replay.clear();
+            carry.foreign = !carry.pending.is_empty();
+        }
         Ok(next)
     }
 
-    /// `EnqueueStep`: with the record in the batch, one commit for both (and the run's advance
-    /// failpoint); alone, an enqueue with retries. A send whose step cannot be queued fails its
-    /// new turn instead of leaving a `running` record no step will ever pick up.
+    /// `EnqueueStep`. With the record in the batch, record and step are one commit (then the
+    /// run's advance failpoint); without it, the step alone. Both go through
+    /// [`Harness::commit_scheduling`], which builds the batch again from the run's write
+    /// effects for a retry. A batch holding a stage's own writes (a step that advances right
+    /// after its generation) cannot be built again: it is tried once, and its failure fails
+    /// the step, as before there were retries here.
+    ///
+    /// A send's joined batch is tried once: if it fails, the message and record are written
+    /// apart (a full disk answers here, at once) and the step alone is retried. A send whose
+    /// step cannot be queued fails its new turn instead of leaving a `running` record no step
+    /// will ever pick up.
     async fn enqueue(&self, r: &mut TurnRecord, carry: &mut Carry) -> Result<()> {
-        if carry.record_pending {
-            let mut joined = std::mem::take(&mut carry.pending);
-            let apart = match carry.outgoing.is_some() {
-                // Kept to write apart if the queue refuses the batch (idempotent by ids).
-                true => Some(joined.clone()),
-                false => None,
-            };
-            joined.enqueue_step(r)?;
-            carry.record_pending = false;
-            match (self.commit(joined).await, apart) {
-                (Ok(_), _) => {
-                    carry.enqueued = true;
-                    if let Some(point) = carry.advance_point {
-                        crate::failpoint::hit(point);
-                    }
-                    return Ok(());
-                }
-                (Err(e), Some(apart)) => {
-                    tracing::debug!(session = %r.session_id, "the batch with its step failed, writing it apart: {e}");
-                    self.commit(apart).await?;
-                    if let Some(point) = carry.advance_point {
-                        crate::failpoint::hit(point);
-                    }
-                }
-                (Err(e), None) => return Err(e),
+        let joined = std::mem::take(&mut carry.record_pending);
+        let replay = std::mem::take(&mut carry.replay);
+        let mut first = match joined {
+            true => std::mem::take(&mut carry.pending),
+            false => {
+                self.flush(carry).await?;
+                StepWrites::default()
             }
+        };
+        first.enqueue_step(r)?;
+        let sid = r.session_id.clone();
+        let out = carry.outgoing.as_ref();
+        let tried = if !joined {
+            self.commit_scheduling(&sid, first, || StepWrites::step(r))
+                .await
+        } else if out.is_some() || carry.foreign {
+            self.commit(first).await.map(|_| ())
+        } else {
+            self.commit_scheduling(&sid, first, || rebuild(r, &replay, out, true))
+                .await
+        };
+        let e = match tried {
+            Ok(()) => {
+                carry.enqueued = true;
+                if let (true, Some(point)) = (joined, carry.advance_point) {
+                    crate::failpoint::hit(point);
+                }
+                return Ok(());
+            }
+            Err(e) if out.is_none() => return Err(e),
+            Err(e) if !joined => return self.unscheduled(r, e).await,
+            Err(e) => e,
+        };
+        tracing::debug!(session = %sid, "the send's batch with its step failed, writing it apart: {e}");
+        self.commit(rebuild(r, &replay, out, false)?).await?;
+        if let Some(point) = carry.advance_point {
+            crate::failpoint::hit(point);
         }
-        self.flush(carry).await?;
-        match self.enqueue_step(r).await {
+        let step = StepWrites::step(r)?;
+        match self
+            .commit_scheduling(&sid, step, || StepWrites::step(r))
+            .await
+        {
             Ok(()) => {
                 carry.enqueued = true;
                 Ok(())
             }
-            Err(e) if carry.outgoing.is_some() => {
-                let input = Input::EnqueueFailed {
-                    detail: e.to_string(),
-                };
-                Box::pin(self.run(Some(r.clone()), input, &mut Carry::default())).await?;
-                self.barrier().await?;
-                Err(e)
-            }
-            Err(e) => Err(e),
+            Err(e) => self.unscheduled(r, e).await,
         }
+    }
+
+    /// A send whose first step cannot be queued: the machine fails its new turn (T04).
+    async fn unscheduled(&self, r: &TurnRecord, e: HarnessError) -> Result<()> {
+        let input = Input::EnqueueFailed {
+            detail: e.to_string(),
+        };
+        Box::pin(self.run(Some(r.clone()), input, &mut Carry::default())).await?;
+        self.barrier().await?;
+        Err(e)
     }
 }
 
-fn outgoing(carry: &Carry) -> Result<&Outgoing> {
-    carry.outgoing.as_ref().ok_or_else(|| {
+/// Whether `effect` may run while the run still holds writes back: the plain writes that join
+/// the batch and effects that only read the run's own state. Anything that lets another party
+/// look at the session (hooks, calls, events), or writes on its own, runs after the batch is
+/// committed; `Finalize` and the `Generate` stage take the batch into their own. (`PostTurn`
+/// holds them when no hook sees it: the run decides that with the chain it reads.)
+fn may_hold_writes(effect: &Effect) -> bool {
+    matches!(
+        effect,
+        Effect::Skip
+            | Effect::CheckSteering
+            | Effect::ValidateOutput
+            | Effect::Finalize
+            | Effect::SaveRecord
+            | Effect::EnqueueStep
+            | Effect::AppendUser
+            | Effect::NoteMaxTurns
+            | Effect::NoteResume { .. }
+            | Effect::NoteRecovered { .. }
+            | Effect::NoteNudge { .. }
+            | Effect::SetAwaiting
+            | Effect::Prepare { .. }
+            | Effect::Generate
+    )
+}
+
+/// A plain write effect's writes, added to `batch`; `false` for any other effect. Apart from
+/// `carry_out` so that a retry builds the same writes again from the same effects (each is
+/// idempotent by its id).
+fn write(
+    r: &mut TurnRecord,
+    effect: &Effect,
+    out: Option<&Outgoing>,
+    batch: &mut StepWrites,
+) -> Result<bool> {
+    match effect {
+        Effect::SaveRecord => batch.save_record(r)?,
+        Effect::AppendUser => {
+            let out = outgoing(out)?;
+            if let Some(text) = out
+                .correction
+                .as_ref()
+                .filter(|_| r.turn_id == out.new_turn)
+            {
+                batch.append(user_append(
+                    out,
+                    AgentMessage::user_text(text.clone(), now_ms()),
+                    &format!("{}_skills", out.entry_id),
+                    &r.turn_id,
+                ))?;
+            }
+            batch.append(user_append(
+                out,
+                out.message.clone(),
+                &out.entry_id,
+                &r.turn_id,
+            ))?;
+        }
+        Effect::NoteMaxTurns => {
+            let text = texts::max_turns_reached(r.options.max_turns);
+            batch.append_custom(
+                &r.session_id,
+                ids::max_turns_entry(&r.turn_id),
+                "notice",
+                json!({"reason": "max_turns", "message": text}),
+                &r.turn_id,
+            )?;
+        }
+        Effect::NoteResume { attempt, reason } => note_resume(batch, r, *attempt, reason)?,
+        Effect::NoteRecovered { attempt } => {
+            batch.append_custom(
+                &r.session_id,
+                ids::recovery_entry(&r.turn_id, *attempt, "recovered"),
+                crate::context::RECOVERY_ENTRY,
+                json!({"status": "recovered", "attempt": attempt, "max_attempts": r.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
+                &r.turn_id,
+            )?;
+        }
+        Effect::NoteNudge { attempt, text } => {
+            batch.append(AppendRequest {
+                session_id: r.session_id.clone(),
+                message: Some(AgentMessage::user_text(text.clone(), now_ms())),
+                custom: None,
+                entry_id: Some(ids::nudge_entry(&r.turn_id, *attempt)),
+                origin: Some(json!({"turn_id": r.turn_id, "validation": true})),
+            })?;
+        }
+        Effect::SetAwaiting => batch.set_status(
+            &r.session_id,
+            SessionStatus::Working,
+            Some("awaiting functions"),
+        )?,
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+/// The batch `effects` wrote, built again for a retry; with the step when `with_step`.
+fn rebuild(
+    r: &mut TurnRecord,
+    effects: &[Effect],
+    out: Option<&Outgoing>,
+    with_step: bool,
+) -> Result<StepWrites> {
+    let mut batch = StepWrites::default();
+    for effect in effects {
+        write(r, effect, out, &mut batch)?;
+    }
+    if with_step {
+        batch.enqueue_step(r)?;
+    }
+    Ok(batch)
+}
+
+fn outgoing(out: Option<&Outgoing>) -> Result<&Outgoing> {
+    out.ok_or_else(|| {
         HarnessError::internal("the turn machine asked a shell without a message to write one")
     })
 }

@@ -464,10 +464,16 @@ impl Harness {
         ))
     }
 
-    /// The post-turn gate: the hooks see the result the turn would complete with; the first deny
-    /// (or a broken fail-closed hook) refuses it.
-    pub(crate) async fn post_turn(&self, rec: &TurnRecord, result: Value) -> Result<Input> {
-        if self.hooks(HookPoint::PostTurn).await?.is_empty() {
+    /// The post-turn gate: `hooks` (the post-turn chain, read once by the interpreter) see the
+    /// result the turn would complete with; the first deny (or a broken fail-closed hook)
+    /// refuses it.
+    pub(crate) async fn post_turn(
+        &self,
+        rec: &TurnRecord,
+        result: Value,
+        hooks: &[hooks::Hook],
+    ) -> Result<Input> {
+        if hooks.is_empty() {
             return Ok(Input::PostTurnChecked {
                 result,
                 denied: None,
@@ -482,7 +488,9 @@ impl Harness {
             rec.options.metadata.as_ref(),
         );
         env["result"] = result.clone();
-        let chain = self.run_hooks(HookPoint::PostTurn, env, None, None).await?;
+        let chain = self
+            .run_chain(HookPoint::PostTurn, hooks, env, None, None)
+            .await?;
         let denied = match chain.decision {
             Decision::Deny(reason) => Some((reason, chain.retry_prompt)),
             _ => None,

@@ -5,7 +5,8 @@ mod support;
 
 use harness_core::HarnessConfig;
 use harness_types::api::TurnStatus;
-use serde_json::json;
+use refusing::Refusing;
+use serde_json::{json, Value};
 use support::*;
 
 /// After one turn on another session: what starting the runtime writes is not counted.
@@ -140,4 +141,264 @@ async fn a_steering_message_is_delivered_with_the_removal_of_its_row_in_one_writ
     // Parking the message is its row and the `message-queued` event (2); the next step's
     // drain appends it and removes the row in one write (1). One by one, the drain was two.
     assert_eq!(steered - plain, 3, "plain {plain}, steered {steered}");
+}
+
+/// The embedded bus, with the first `refuse` commits that queue a turn's step refused (as a
+/// busy disk or a restarting engine would), and the reads of the post-turn chain counted.
+mod refusing {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use harness_bus::local::LocalHandler;
+    use harness_bus::{
+        Binding, Bus, BusError, BusWrite, FunctionDef, Handler, QueueDef, StreamingCall,
+        TriggerTypeDef,
+    };
+    use serde_json::Value;
+
+    pub struct Refusing {
+        pub inner: Arc<dyn Bus>,
+        pub refuse: AtomicUsize,
+        pub refused: AtomicUsize,
+        pub post_turn_reads: AtomicUsize,
+    }
+
+    impl Refusing {
+        pub fn over(inner: Arc<dyn Bus>) -> Refusing {
+            Refusing {
+                inner,
+                refuse: AtomicUsize::new(0),
+                refused: AtomicUsize::new(0),
+                post_turn_reads: AtomicUsize::new(0),
+            }
+        }
+
+        pub fn count(n: &AtomicUsize) -> usize {
+            n.load(Ordering::SeqCst)
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Bus for Refusing {
+        async fn call_with_metadata(
+            &self,
+            function_id: &str,
+            payload: Value,
+            timeout: Option<Duration>,
+            metadata: Value,
+        ) -> Result<Value, BusError> {
+            self.inner
+                .call_with_metadata(function_id, payload, timeout, metadata)
+                .await
+        }
+        async fn call_streaming(
+            &self,
+            function_id: &str,
+            payload: Value,
+            timeout: Option<Duration>,
+        ) -> Result<StreamingCall, BusError> {
+            self.inner
+                .call_streaming(function_id, payload, timeout)
+                .await
+        }
+        async fn call_void(&self, function_id: &str, payload: Value) {
+            self.inner.call_void(function_id, payload).await
+        }
+        fn register_function(&self, def: FunctionDef, handler: Arc<dyn Handler>) {
+            self.inner.register_function(def, handler)
+        }
+        fn unregister_function(&self, function_id: &str) -> bool {
+            self.inner.unregister_function(function_id)
+        }
+        fn register_function_with_local(
+            &self,
+            def: FunctionDef,
+            handler: Arc<dyn Handler>,
+            local: Arc<dyn LocalHandler>,
+        ) {
+            self.inner.register_function_with_local(def, handler, local)
+        }
+        fn local_handler(&self, function_id: &str) -> Option<Arc<dyn LocalHandler>> {
+            self.inner.local_handler(function_id)
+        }
+        fn register_trigger_type(&self, def: TriggerTypeDef) {
+            self.inner.register_trigger_type(def)
+        }
+        async fn bindings(&self, trigger_type: &str) -> Result<Vec<Binding>, BusError> {
+            if trigger_type == "harness::hook::post-turn" {
+                self.post_turn_reads.fetch_add(1, Ordering::SeqCst);
+            }
+            self.inner.bindings(trigger_type).await
+        }
+        async fn define_queue(&self, def: QueueDef) -> Result<(), BusError> {
+            self.inner.define_queue(def).await
+        }
+        async fn enqueue(
+            &self,
+            queue: &str,
+            function_id: &str,
+            payload: Value,
+        ) -> Result<(), BusError> {
+            self.inner.enqueue(queue, function_id, payload).await
+        }
+        async fn publish(
+            &self,
+            topic: &str,
+            payload: Value,
+            dedupe_key: Option<String>,
+        ) -> Result<(), BusError> {
+            self.inner.publish(topic, payload, dedupe_key).await
+        }
+        async fn barrier(&self) -> Result<(), BusError> {
+            self.inner.barrier().await
+        }
+        async fn commit(&self, writes: Vec<BusWrite>) -> Result<Vec<Value>, BusError> {
+            let schedules = writes.iter().any(|w| {
+                matches!(w, BusWrite::Enqueue { queue, .. } if queue == harness_core::TURN_QUEUE)
+            });
+            let refuse = schedules
+                && self
+                    .refuse
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+            if refuse {
+                self.refused.fetch_add(1, Ordering::SeqCst);
+                return Err(BusError::internal("refused by the test"));
+            }
+            self.inner.commit(writes).await
+        }
+        async fn state_get(&self, scope: &str, key: &str) -> Result<Option<Value>, BusError> {
+            self.inner.state_get(scope, key).await
+        }
+        async fn state_get_shared(
+            &self,
+            scope: &str,
+            key: &str,
+        ) -> Result<Option<Arc<Value>>, BusError> {
+            self.inner.state_get_shared(scope, key).await
+        }
+        async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
+            self.inner.state_set(scope, key, value).await
+        }
+        async fn state_delete(&self, scope: &str, key: &str) -> Result<(), BusError> {
+            self.inner.state_delete(scope, key).await
+        }
+        async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>, BusError> {
+            self.inner.state_list(scope).await
+        }
+    }
+}
+
+/// A loop over [`Refusing`] whose model calls `t::f` (held by a pre-trigger hook) on "go",
+/// then answers "done"; a post-turn hook that lets every result pass is bound. Answers the
+/// loop, the bus it runs on, the runs of `t::f`, and the store (kept open).
+async fn held_call_loop() -> (
+    harness_core::Harness,
+    std::sync::Arc<Refusing>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    support::embedded::Embedded,
+) {
+    use harness_bus::Bus;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let e = support::embedded::embedded().await;
+    let script =
+        json!({"generations": [call_gen("go", "c1", "t::f", json!({})), text_gen("done")]});
+    let router = harness_router::Router::new();
+    router.add_provider(Arc::new(support::embedded::scripted(&script, &e.shared)));
+    harness_router::register(e.shared.as_ref(), &router);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let runs = ran.clone();
+    let answer = |v: Value| {
+        move |_p: Value, _ctx: harness_bus::CallContext| {
+            let v = v.clone();
+            async move { Ok(v) }
+        }
+    };
+    e.bus.register_function(
+        harness_bus::FunctionDef::new("t::f", "counts its runs"),
+        Arc::new(move |_p: Value, _ctx: harness_bus::CallContext| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok(json!({"ok": true})) }
+        }),
+    );
+    let bus = Arc::new(Refusing::over(e.shared.clone()));
+    let harness = support::embedded::start_loop(bus.clone(), config()).await;
+    // Bound once the loop has registered the hook points.
+    for (id, point) in [("guard::hold", "pre-trigger"), ("guard::pass", "post-turn")] {
+        let decision = if point == "pre-trigger" {
+            "hold"
+        } else {
+            "continue"
+        };
+        e.bus.register_function(
+            harness_bus::FunctionDef::new(id, "test hook"),
+            Arc::new(answer(json!({ "decision": decision }))),
+        );
+        e.bus
+            .call(
+                "engine::register_trigger",
+                json!({"trigger_type": format!("harness::hook::{point}"), "function_id": id, "config": {}}),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    (harness, bus, ran, e)
+}
+
+#[tokio::test]
+async fn a_released_call_whose_advance_is_refused_twice_still_runs_the_turn_on() {
+    use std::sync::atomic::Ordering;
+    let (harness, bus, ran, _e) = held_call_loop().await;
+    let r = harness
+        .send(allowing_as(
+            "go",
+            &["t::*"],
+            harness_types::api::ExposeMode::Native,
+        ))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !support::embedded::status(&harness, &r.session_id)
+        .await
+        .is_some_and(|s| s.status == TurnStatus::AwaitingFunctions)
+    {
+        assert!(std::time::Instant::now() < deadline, "never parked");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // The release's record and next step: refused twice, written on the third try.
+    bus.refuse.store(2, Ordering::SeqCst);
+    let out = harness
+        .resolve(harness_types::api::ResolveRequest {
+            session_id: r.session_id.clone(),
+            turn_id: r.turn_id.clone(),
+            function_call_id: "c1".into(),
+            action: Some(harness_types::api::ResolveAction::Execute),
+            content: None,
+            is_error: None,
+            details: None,
+            fs_scope: None,
+        })
+        .await
+        .unwrap();
+    assert!(out.resolved && out.turn_resumed, "{out:?}");
+    assert_eq!(Refusing::count(&bus.refused), 2);
+    let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
+    assert_eq!(
+        (s.status, s.result),
+        (TurnStatus::Completed, Some(json!("done")))
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "the target ran once");
+}
+
+#[tokio::test]
+async fn a_turn_end_reads_the_post_turn_chain_once() {
+    let (harness, bus, _ran, _e) = held_call_loop().await;
+    // No call: the model answers at once, and the turn ends through the post-turn gate.
+    let r = harness.send(send("hello")).await.unwrap();
+    let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(Refusing::count(&bus.post_turn_reads), 1);
 }
