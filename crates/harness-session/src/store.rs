@@ -93,17 +93,16 @@ const DROP_CHANGE_INDEX: &str = "DROP INDEX IF EXISTS entries_by_change;";
 const LEGACY_CHANGE_BASE: i64 = -(1 << 62);
 
 /// `session::changes` from a real mark (event ids start at 1): the session's events after it
-/// name the entries they changed, and an entry counts at its latest change only (`chg` is that
-/// event's id). Costs the events since the mark, not the transcript. An event that names an
-/// entry without being its change (one published by anyone else) matches nothing.
-const CHANGES_AFTER_MARK: &str = "
-    SELECT en.seq, en.entry_id, en.kind, en.body, en.origin, en.revision, en.chg
-    FROM events ev CROSS JOIN entries en
-    WHERE ev.session_id = ?1 AND ev.id > ?2 AND ev.topic IN (?3, ?4)
-      AND en.session_id = ?1
-      AND en.entry_id = json_extract(ev.payload, '$.entry_id')
-      AND en.chg = ev.id
-    ORDER BY ev.id";
+/// (`Store::events_after`, which costs the session's events, not the log's) name the entries
+/// they changed, and an entry counts at its latest change only (`chg` is that event's id).
+/// Costs the events since the mark, not the transcript. An event that names an entry without
+/// being its change (one published by anyone else) matches nothing.
+const ENTRY_AT_CHANGE: &str = "
+    SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
+    WHERE session_id = ?1 AND entry_id = ?2 AND chg = ?3";
+
+/// Events read per page while looking for changes after a mark.
+const CHANGE_EVENT_PAGE: usize = 256;
 
 /// `session::changes` from the beginning (or a legacy mark below 0, see `LEGACY_CHANGE_BASE`):
 /// the whole transcript is the answer anyway, scanned in key order.
@@ -501,8 +500,101 @@ impl SessionStore {
         if let Some(answer) = self.log.read(&req.session_id, after, limit as usize) {
             return Ok(answer);
         }
-        let mut rows = self
-            .store
+        let mut rows = if after >= 0 {
+            self.changed_after_mark(&req.session_id, after, limit as usize)?
+        } else {
+            self.changed_from_start(&req.session_id, after, limit)?
+        };
+        let more = rows.len() > limit as usize;
+        rows.truncate(limit as usize);
+        let mark = rows.last().map_or(after, |(chg, _)| *chg);
+        if !more {
+            // Every change up to `mark` was read: later ones will be published to the log.
+            self.log.open(&req.session_id, mark);
+        }
+        Ok(ChangesResponse {
+            entries: rows.into_iter().map(|(_, e)| e).collect(),
+            mark,
+            more,
+        })
+    }
+
+    /// Up to `limit + 1` entries changed after mark `after` (≥ 0), by change mark, found from
+    /// the session's events (see [`ENTRY_AT_CHANGE`]). The events are read before the entries:
+    /// an entry changed again in between is left out here, and its newer change, above every
+    /// mark answered now, is found from the answer's mark.
+    fn changed_after_mark(
+        &self,
+        session_id: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, Entry)>> {
+        let mut out = Vec::new();
+        let mut cursor = after;
+        loop {
+            let events = self
+                .store
+                .events_after(session_id, cursor, CHANGE_EVENT_PAGE)?;
+            let last_page = events.len() < CHANGE_EVENT_PAGE;
+            if let Some(last) = events.last() {
+                cursor = last.id;
+            }
+            let named: Vec<(i64, String)> = events
+                .into_iter()
+                .filter(|e| e.topic == topics::MESSAGE_ADDED || e.topic == topics::MESSAGE_UPDATED)
+                .filter_map(|e| Some((e.id, e.payload.get("entry_id")?.as_str()?.to_string())))
+                .collect();
+            self.store
+                .read(|conn| {
+                    let mut stmt = conn.prepare_cached(ENTRY_AT_CHANGE)?;
+                    for (id, entry_id) in named {
+                        if out.len() > limit {
+                            break;
+                        }
+                        let row = stmt
+                            .query_row(params![session_id, entry_id, id], |r| {
+                                Ok((
+                                    r.get::<_, i64>(0)?,
+                                    r.get::<_, String>(1)?,
+                                    r.get::<_, String>(2)?,
+                                    r.get::<_, String>(3)?,
+                                    r.get::<_, Option<String>>(4)?,
+                                    r.get::<_, i64>(5)?,
+                                ))
+                            })
+                            .optional()?;
+                        if let Some((seq, entry_id, kind, body, origin, revision)) = row {
+                            let entry =
+                                entry_from_row(entry_id, seq, &kind, &body, origin, revision)?;
+                            out.push((id, entry));
+                        }
+                    }
+                    Ok(())
+                })
+                .map_err(lower)?;
+            if out.len() > limit || last_page {
+                break;
+            }
+        }
+        // An entry proves its session exists (see `PreparedAppend::run`): the session is
+        // looked up only when there is none, to tell "nothing new" from "no such session".
+        if out.is_empty() {
+            self.store
+                .read(|conn| require_session(conn, session_id))
+                .map_err(lower)?;
+        }
+        Ok(out)
+    }
+
+    /// Up to `limit + 1` entries with a change mark above `after` (< 0: from the start), by
+    /// change mark: the whole transcript is the answer anyway, scanned in key order.
+    fn changed_from_start(
+        &self,
+        session_id: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<(i64, Entry)>> {
+        self.store
             .read(|conn| {
                 // The page is cut here, not by a bound LIMIT (see `messages`).
                 let row = |r: &rusqlite::Row<'_>| {
@@ -516,16 +608,8 @@ impl SessionStore {
                         r.get::<_, i64>(6)?,
                     ))
                 };
-                let sid = &req.session_id;
-                let mut stmt;
-                let rows = if after >= 0 {
-                    stmt = conn.prepare_cached(CHANGES_AFTER_MARK)?;
-                    let changed = (topics::MESSAGE_ADDED, topics::MESSAGE_UPDATED);
-                    stmt.query_map(params![sid, after, changed.0, changed.1], row)?
-                } else {
-                    stmt = conn.prepare_cached(CHANGES_FROM_START)?;
-                    stmt.query_map(params![sid, after], row)?
-                };
+                let mut stmt = conn.prepare_cached(CHANGES_FROM_START)?;
+                let rows = stmt.query_map(params![session_id, after], row)?;
                 let mut out = Vec::new();
                 for row in rows.take(limit as usize + 1) {
                     let (seq, entry_id, kind, body, origin, revision, chg) = row?;
@@ -537,23 +621,11 @@ impl SessionStore {
                 // An entry proves its session exists (see `PreparedAppend::run`): the session
                 // is looked up only when there is none, to tell "nothing new" from "no such".
                 if out.is_empty() {
-                    require_session(conn, &req.session_id)?;
+                    require_session(conn, session_id)?;
                 }
                 Ok(out)
             })
-            .map_err(lower)?;
-        let more = rows.len() > limit as usize;
-        rows.truncate(limit as usize);
-        let mark = rows.last().map_or(after, |(chg, _)| *chg);
-        if !more {
-            // Every change up to `mark` was read: later ones will be published to the log.
-            self.log.open(&req.session_id, mark);
-        }
-        Ok(ChangesResponse {
-            entries: rows.into_iter().map(|(_, e)| e).collect(),
-            mark,
-            more,
-        })
+            .map_err(lower)
     }
 
     /// Every entry of a session, paging internally.

@@ -4,12 +4,156 @@
 //! A watch (rather than a broadcast) because subscribers only need "something new up to id N"
 //! and then page with [`Store::events_after`]: it is one shared slot (no per-message allocation),
 //! it can never lag or drop (a slow reader just sees the newest id), and it coalesces bursts.
+//!
+//! A session's events are found without an index written on every insert. An index keyed by
+//! session puts each session's newest entries on a leaf of its own, so every commit rewrote one
+//! leaf per session it touched (2.2–3.1 of the ~10 WAL pages a bench step wrote). Instead the
+//! index (`events_by_session`) is brought up to date in batches, the *fold*: everything up to
+//! mark `upto` is in it, and the ids above (the *tail*) are kept in memory, each with a hash of
+//! its session, in id order. The writer folds when the tail reaches [`FOLD_EVENTS`], when it is
+//! idle and when the store closes; one fold rewrites each session's leaf once for thousands of
+//! events. At open the tail is read back from the log (ids above the stored mark).
+
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use rusqlite::Connection;
 use serde_json::Value;
 
 use crate::error::StoreError;
 use crate::store::Store;
+
+/// Unfolded events after which the writer folds them into `events_by_session`. A fold rewrites
+/// about one leaf per session with events in the tail, so the larger the tail the fewer pages
+/// an event costs (at 200 busy sessions, 8,192 events are ~40 a session); the tail costs 16
+/// bytes an event in memory, and the fold holds the writer for its length (a few ms).
+pub(crate) const FOLD_EVENTS: usize = 8192;
+
+/// The ids above the fold mark, in memory (see the module docs).
+#[derive(Default)]
+pub(crate) struct EventTail {
+    state: Mutex<TailState>,
+}
+
+#[derive(Default)]
+struct TailState {
+    /// Every event with a session and an id up to here is in `events_by_session`.
+    upto: i64,
+    /// `(hash of the session id, event id)` of each event above `upto`, by id.
+    rows: Vec<(u64, i64)>,
+    /// The tail length at which the writer folds next (raised after a failed fold, so a full
+    /// disk does not make every commit try again).
+    fold_at: usize,
+}
+
+fn session_hash(session_id: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    session_id.hash(&mut h);
+    h.finish()
+}
+
+impl EventTail {
+    fn state(&self) -> MutexGuard<'_, TailState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts over from what the database holds: the fold mark and the events above it.
+    pub(crate) fn load(&self, conn: &Connection) -> Result<(), StoreError> {
+        let upto: i64 = conn
+            .prepare("SELECT upto FROM folds WHERE name = 'events'")?
+            .query_row([], |r| r.get(0))?;
+        let mut rows = Vec::new();
+        let mut stmt = conn.prepare(
+            "SELECT session_id, id FROM events WHERE id > ?1 AND session_id IS NOT NULL ORDER BY id",
+        )?;
+        let mut found = stmt.query([upto])?;
+        while let Some(row) = found.next()? {
+            let session: String = row.get(0)?;
+            rows.push((session_hash(&session), row.get(1)?));
+        }
+        *self.state() = TailState {
+            upto,
+            rows,
+            fold_at: FOLD_EVENTS,
+        };
+        Ok(())
+    }
+
+    fn push(&self, hash: u64, id: i64) {
+        let mut state = self.state();
+        // Ids arrive in commit order; one that does not (nothing should) still lands in place.
+        match state.rows.last() {
+            Some(&(_, last)) if last > id => {
+                let at = state.rows.partition_point(|&(_, i)| i < id);
+                state.rows.insert(at, (hash, id));
+            }
+            _ => state.rows.push((hash, id)),
+        }
+    }
+
+    /// The fold mark and the tail ids of `session_id` above `after` (at most `limit`, and some
+    /// may belong to another session of the same hash: the caller checks).
+    fn after(&self, session_id: &str, after: i64, limit: usize) -> (i64, Vec<i64>) {
+        let hash = session_hash(session_id);
+        let state = self.state();
+        let from = state.rows.partition_point(|&(_, id)| id <= after);
+        let ids = state.rows[from..]
+            .iter()
+            .filter(|(h, _)| *h == hash)
+            .map(|(_, id)| *id)
+            .take(limit)
+            .collect();
+        (state.upto, ids)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.state().rows.len()
+    }
+
+    /// Whether the writer should fold after its commit.
+    pub(crate) fn due(&self) -> bool {
+        let state = self.state();
+        state.rows.len() >= state.fold_at.max(FOLD_EVENTS)
+    }
+
+    /// The fold up to `upto` committed: those ids are in the index now.
+    fn folded(&self, upto: i64) {
+        let mut state = self.state();
+        let done = state.rows.partition_point(|&(_, id)| id <= upto);
+        state.rows.drain(..done);
+        if state.rows.is_empty() {
+            state.rows = Vec::new();
+        }
+        state.upto = state.upto.max(upto);
+        state.fold_at = FOLD_EVENTS;
+    }
+
+    pub(crate) fn fold_failed(&self) {
+        let mut state = self.state();
+        state.fold_at = state.rows.len() + FOLD_EVENTS;
+    }
+}
+
+std::thread_local! {
+    /// The tail of the store whose writer runs on this thread (`None` elsewhere).
+    static WRITER_TAIL: std::cell::RefCell<Option<Arc<EventTail>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+pub(crate) fn install_writer(tail: Arc<EventTail>) {
+    WRITER_TAIL.with(|t| *t.borrow_mut() = Some(tail));
+}
+
+/// Adds event `id` of `session_id` to the tail once the batch inserting it commits. Off a
+/// writer thread (a connection of no open store) nothing is added: the next open reads the
+/// event back from the log.
+fn pend(session_id: &str, id: i64) {
+    let Some(tail) = WRITER_TAIL.with(|t| t.borrow().clone()) else {
+        return;
+    };
+    let hash = session_hash(session_id);
+    crate::after_commit(move || tail.push(hash, id));
+}
 
 /// One row of the log.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -53,16 +197,73 @@ pub fn insert_event_text_in(
              ON CONFLICT(dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING",
         )?
         .execute((session_id, topic, text, dedupe_key, harness_types::now_ms()))?;
-    Ok((changed > 0).then(|| conn.last_insert_rowid()))
+    if changed == 0 {
+        return Ok(None);
+    }
+    let id = conn.last_insert_rowid();
+    if let Some(session_id) = session_id {
+        pend(session_id, id);
+    }
+    Ok(Some(id))
 }
 
+/// Folds every event above the mark into `events_by_session`, inside the caller's write; the
+/// tail drops what was folded once that write commits (nothing changes if it rolls back).
+pub(crate) fn fold_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<(), StoreError> {
+    let from = tail.state().upto;
+    let to = max_event_id(conn)?;
+    if to <= from {
+        return Ok(());
+    }
+    // In key order, so each session's leaf is visited once. OR IGNORE: two folds in one batch
+    // both start from the mark the first has not moved yet.
+    conn.prepare_cached(
+        "INSERT OR IGNORE INTO events_by_session(session_id, id)
+         SELECT session_id, id FROM events
+         WHERE id > ?1 AND id <= ?2 AND session_id IS NOT NULL
+         ORDER BY session_id, id",
+    )?
+    .execute((from, to))?;
+    conn.prepare_cached("UPDATE folds SET upto = ?1 WHERE name = 'events'")?
+        .execute([to])?;
+    let tail = tail.clone();
+    if !crate::after_commit(move || tail.folded(to)) {
+        return Err(StoreError::Invalid(
+            "events are folded by the store's writer only".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A session's folded events in `(after, upto]` (see the module docs).
+///
 /// `+?1`, not `?1`: SQLite (3.54) re-prepares a statement that orders by an index whose
 /// leading column is compared with a bare bound parameter every time that parameter is bound
 /// again, and the statement cache rebinds on every use. The unary plus keeps the index (same
 /// plan, no sort) without the re-preparation. The same holds for every `col = +?N … ORDER BY`
 /// of the store and the transcript.
-const EVENTS_AFTER: &str = "SELECT id, session_id, topic, payload, at_ms FROM events
-                 WHERE session_id = +?1 AND id > ?2 ORDER BY id";
+const EVENTS_FOLDED: &str = "SELECT e.id, e.session_id, e.topic, e.payload, e.at_ms
+                 FROM events_by_session s CROSS JOIN events e ON e.id = s.id
+                 WHERE s.session_id = +?1 AND s.id > ?2 AND s.id <= ?3 ORDER BY s.id";
+
+/// One event of the tail, by id.
+const EVENT_BY_ID: &str = "SELECT id, session_id, topic, payload, at_ms FROM events WHERE id = ?1";
+
+type RawEvent = (i64, Option<String>, String, String, i64);
+
+fn raw_event(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawEvent> {
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+}
+
+fn parsed((id, session_id, topic, payload, at_ms): RawEvent) -> Result<EventRow, StoreError> {
+    Ok(EventRow {
+        id,
+        session_id,
+        topic,
+        payload: serde_json::from_str(&payload)?,
+        at_ms,
+    })
+}
 
 pub(crate) fn max_event_id(conn: &Connection) -> Result<i64, StoreError> {
     Ok(conn
@@ -121,40 +322,55 @@ impl Store {
     }
 
     /// Up to `limit` events of a session with `id > after_id`, oldest first (cursor paging).
+    /// Costs the session's events read, not the log's: the folded ones through the index, the
+    /// tail's from the ids kept in memory.
     pub fn events_after(
         &self,
         session_id: &str,
         after_id: i64,
         limit: usize,
     ) -> Result<Vec<EventRow>, StoreError> {
+        // Mark and tail are taken together, before the read: a fold that commits meanwhile
+        // only adds to the index what the tail ids already name.
+        let (upto, tail) = self.event_tail().after(session_id, after_id, limit);
         self.read(|c| {
-            let mut stmt = c.prepare_cached(EVENTS_AFTER)?;
-            // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT value changes, and
-            // the statement cache clears bindings between uses, so a bound LIMIT would re-prepare
-            // on every call. Rows stream in index order; stopping early reads nothing more.
-            // (And `+?1` in EVENTS_AFTER, for the same reason.)
-            let rows = stmt.query_map((session_id, after_id), |r| {
-                Ok((
-                    r.get::<_, i64>(0)?,
-                    r.get::<_, Option<String>>(1)?,
-                    r.get::<_, String>(2)?,
-                    r.get::<_, String>(3)?,
-                    r.get::<_, i64>(4)?,
-                ))
-            })?;
             let mut out = Vec::new();
-            for row in rows.take(limit) {
-                let (id, session_id, topic, payload, at_ms) = row?;
-                out.push(EventRow {
-                    id,
-                    session_id,
-                    topic,
-                    payload: serde_json::from_str(&payload)?,
-                    at_ms,
-                });
+            if after_id < upto {
+                let mut stmt = c.prepare_cached(EVENTS_FOLDED)?;
+                // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT value changes,
+                // and the statement cache clears bindings between uses, so a bound LIMIT would
+                // re-prepare on every call. Rows stream in index order; stopping early reads
+                // nothing more. (And `+?1` in EVENTS_FOLDED, for the same reason.)
+                let rows = stmt.query_map((session_id, after_id, upto), raw_event)?;
+                for row in rows.take(limit) {
+                    out.push(parsed(row?)?);
+                }
+            }
+            let mut by_id = c.prepare_cached(EVENT_BY_ID)?;
+            for id in tail {
+                if out.len() >= limit {
+                    break;
+                }
+                let row = by_id.query_row([id], raw_event)?;
+                if row.1.as_deref() == Some(session_id) {
+                    out.push(parsed(row)?);
+                }
             }
             Ok(out)
         })
+    }
+
+    /// Folds the events not yet in the per-session index into it now (the writer does so on
+    /// its own when the tail grows long, when idle and at close; see the module docs).
+    /// Resolves once the fold committed.
+    pub async fn fold_events(&self) -> Result<(), StoreError> {
+        let tail = self.event_tail().clone();
+        self.write(move |c| fold_in(c, &tail)).await
+    }
+
+    /// Events above the fold mark, kept in memory until the next fold.
+    pub fn unfolded_events(&self) -> usize {
+        self.event_tail().len()
     }
 
     /// Highest committed event id (0 when the log is empty).
@@ -193,6 +409,8 @@ mod tests {
                 .await
                 .unwrap();
         }
+        // Folded, so the pages come through the per-session index.
+        store.fold_events().await.unwrap();
         for (session, after, limit) in [("s", 0, 2), ("s", 2, 10), ("x", 0, 1), ("s", 300, 3)] {
             let page = store.events_after(session, after, limit).unwrap();
             assert!(page.len() <= limit);
@@ -200,7 +418,7 @@ mod tests {
         assert_eq!(store.events_after("s", 0, 2).unwrap().len(), 2);
         let reprepared = store
             .read(|c| {
-                Ok(c.prepare_cached(EVENTS_AFTER)?
+                Ok(c.prepare_cached(EVENTS_FOLDED)?
                     .get_status(StatementStatus::RePrepare))
             })
             .unwrap();

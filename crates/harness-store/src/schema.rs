@@ -5,7 +5,9 @@ use rusqlite::{Connection, OptionalExtension};
 /// Bumped when a migration is needed; stored in `PRAGMA user_version`.
 /// 1: `kv` WITHOUT ROWID, `events` AUTOINCREMENT with a UNIQUE `dedupe_key` column.
 /// 2: `kv` a rowid table, `events` without AUTOINCREMENT and with a partial dedupe index.
-const SCHEMA_VERSION: i64 = 2;
+/// 3: no `events_session` index; `events_by_session`, folded in batches (`events.rs`), and
+///    `folds`, the mark each fold reached.
+const SCHEMA_VERSION: i64 = 3;
 
 // `kv` is a rowid table with a unique (scope, key) index, not WITHOUT ROWID: its values (turn
 // records are ~1.3 KiB) are larger than the ~1 KiB a WITHOUT ROWID row keeps on a 4 KiB page, so
@@ -21,6 +23,9 @@ const SCHEMA_VERSION: i64 = 2;
 // ids are never reused and event cursors (`after_id`) stay valid forever, without the
 // `sqlite_sequence` update AUTOINCREMENT costs on every insert. Most events carry no dedupe key:
 // the unique index holds only those that do.
+//
+// `events_by_session` is the per-session index of the log, written by folds rather than by each
+// insert (`events.rs`); `folds` holds the mark up to which it is complete.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS kv(
     scope TEXT NOT NULL,
@@ -52,7 +57,25 @@ CREATE TABLE IF NOT EXISTS events(
     at_ms INTEGER NOT NULL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS events_dedupe ON events(dedupe_key) WHERE dedupe_key IS NOT NULL;
-CREATE INDEX IF NOT EXISTS events_session ON events(session_id, id);
+
+CREATE TABLE IF NOT EXISTS events_by_session(
+    session_id TEXT NOT NULL,
+    id INTEGER NOT NULL,
+    PRIMARY KEY(session_id, id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS folds(
+    name TEXT PRIMARY KEY,
+    upto INTEGER NOT NULL
+) WITHOUT ROWID;
+";
+
+/// Version 2 (or a fresh store) → 3: the per-session index is built from the whole log in one
+/// go, and the old index every insert wrote is dropped. Idempotent.
+const TO_V3: &str = "
+DROP INDEX IF EXISTS events_session;
+INSERT OR IGNORE INTO events_by_session(session_id, id)
+    SELECT session_id, id FROM events WHERE session_id IS NOT NULL ORDER BY session_id, id;
+INSERT OR REPLACE INTO folds(name, upto) VALUES ('events', (SELECT COALESCE(MAX(id), 0) FROM events));
 ";
 
 /// Version 1 → 2: both tables are rebuilt under their old names moved aside, rows and ids kept.
@@ -89,6 +112,7 @@ fn is_v1(conn: &Connection) -> rusqlite::Result<bool> {
 }
 
 fn create_in(conn: &Connection) -> rusqlite::Result<()> {
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
     if is_v1(conn)? {
         tracing::info!("harness-store: migrating the store to schema version {SCHEMA_VERSION}");
         conn.execute_batch(FROM_V1)?;
@@ -96,6 +120,12 @@ fn create_in(conn: &Connection) -> rusqlite::Result<()> {
         conn.execute_batch(FROM_V1_COPY)?;
     } else {
         conn.execute_batch(SCHEMA)?;
+    }
+    if version < 3 {
+        if version > 0 {
+            tracing::info!("harness-store: indexing the event log by session (schema 3)");
+        }
+        conn.execute_batch(TO_V3)?;
     }
     conn.pragma_update(None, "user_version", SCHEMA_VERSION)
 }

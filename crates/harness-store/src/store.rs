@@ -148,6 +148,8 @@ struct Inner {
     /// Latest committed event id (see `events.rs` for why a watch channel).
     events_tx: watch::Sender<i64>,
     kv_cache: Arc<KvCache>,
+    /// Event ids not folded into the per-session index yet (`events.rs`).
+    event_tail: Arc<events::EventTail>,
     /// The queue rows the writer inserted, for the queues' wakes (`queue_inbox.rs`).
     queue_inbox: Arc<crate::queue_inbox::QueueInbox>,
     page_log: Arc<PageLog>,
@@ -219,6 +221,8 @@ impl Store {
         conn.set_prepared_statement_cache_capacity(64);
         schema::create(&conn)?;
         let last_event = events::max_event_id(&conn)?;
+        let event_tail = Arc::new(events::EventTail::default());
+        event_tail.load(&conn)?;
 
         let counters = Arc::new(Counters::default());
         counters.commit_seq.store(1, Ordering::SeqCst);
@@ -269,12 +273,14 @@ impl Store {
             let counters = counters.clone();
             let cache = kv_cache.clone();
             let inbox = queue_inbox.clone();
+            let tail = event_tail.clone();
             std::thread::Builder::new()
                 .name("harness-store-writer".into())
                 .spawn(move || {
                     crate::cache::install_writer(cache.clone());
                     crate::queue_inbox::install_writer(inbox);
-                    writer_loop(conn, writer_rx, &counters, &cache)
+                    events::install_writer(tail.clone());
+                    writer_loop(conn, writer_rx, &counters, &cache, &tail)
                 })?
         };
         // fsync runs on its own thread so the writer keeps committing while the disk syncs; the
@@ -303,6 +309,7 @@ impl Store {
                 }),
                 events_tx: watch::channel(last_event).0,
                 kv_cache,
+                event_tail,
                 queue_inbox,
                 page_log,
                 shared: Mutex::default(),
@@ -542,6 +549,10 @@ impl Store {
 
     pub(crate) fn kv_cache(&self) -> &KvCache {
         &self.inner.kv_cache
+    }
+
+    pub(crate) fn event_tail(&self) -> &Arc<events::EventTail> {
+        &self.inner.event_tail
     }
 
     pub(crate) fn queue_inbox(&self) -> &crate::queue_inbox::QueueInbox {

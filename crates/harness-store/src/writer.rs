@@ -31,6 +31,7 @@ use tokio::sync::oneshot;
 
 use crate::cache::KvCache;
 use crate::error::{sqlite_is_full, StoreError};
+use crate::events::EventTail;
 use crate::panic_message;
 use crate::store::Counters;
 
@@ -244,6 +245,7 @@ pub(crate) fn writer_loop(
     rx: mpsc::Receiver<Box<dyn Op>>,
     counters: &Counters,
     cache: &KvCache,
+    tail: &std::sync::Arc<EventTail>,
 ) {
     AFTER_COMMIT.with(|p| *p.borrow_mut() = Some(Vec::new()));
     let mut batch: Vec<Box<dyn Op>> = Vec::with_capacity(MAX_BATCH);
@@ -253,12 +255,22 @@ pub(crate) fn writer_loop(
         let first = match rx.recv_timeout(IDLE_TRUNCATE_AFTER) {
             Ok(op) => op,
             Err(mpsc::RecvTimeoutError::Timeout) => {
+                // Idle: the tail is folded before the WAL is emptied, so neither memory nor
+                // the next open holds more than a burst's events.
+                if tail.len() > 0 {
+                    fold_events(&conn, counters, cache, tail);
+                    unsettled = true;
+                }
                 if unsettled {
                     unsettled = !truncate_wal(&conn, counters);
                 }
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
+                if tail.len() > 0 {
+                    fold_events(&conn, counters, cache, tail);
+                    unsettled = true;
+                }
                 // A clean stop leaves the data directory holding what it stores, not the WAL's
                 // high-water mark: the last connection to close would delete the WAL, but the
                 // writer's is not the last one (readers and the checkpointer close after it).
@@ -283,6 +295,9 @@ pub(crate) fn writer_loop(
             txn.run(op);
         }
         txn.commit(counters);
+        if tail.due() {
+            fold_events(&conn, counters, cache, tail);
+        }
         let checkpoint = counters.batch_checkpoint_ns.swap(0, Ordering::Relaxed);
         counters
             .writer_checkpoint_ns
@@ -290,6 +305,35 @@ pub(crate) fn writer_loop(
         counters
             .writer_busy_ns
             .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Folds the event tail into the per-session index (`events.rs`) as a batch of its own. A
+/// failure (a full disk) is logged and leaves the tail as it was, to be folded later.
+fn fold_events(
+    conn: &Connection,
+    counters: &Counters,
+    cache: &KvCache,
+    tail: &std::sync::Arc<EventTail>,
+) {
+    let (tx, mut rx) = oneshot::channel();
+    let folding = tail.clone();
+    let mut txn = Batch::new(conn, cache, counters);
+    txn.run(Box::new(once(
+        move |c| crate::events::fold_in(c, &folding),
+        tx,
+    )));
+    txn.commit(counters);
+    match rx.try_recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tail.fold_failed();
+            tracing::warn!(error = %e, "harness-store: event fold deferred");
+        }
+        Err(_) => {
+            tail.fold_failed();
+            tracing::warn!("harness-store: event fold deferred (no answer)");
+        }
     }
 }
 

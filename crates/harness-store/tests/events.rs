@@ -107,3 +107,119 @@ async fn subscribers_are_woken() {
     let again = Store::open(&dir.path().join("ev.db"), Durability::Normal).unwrap();
     assert_eq!(*again.subscribe_events().borrow(), inner);
 }
+
+/// Every event of `session`, read in pages of `page` from `after`.
+fn session_ids(store: &Store, session: &str, after: i64, page: usize) -> Vec<i64> {
+    let mut out = Vec::new();
+    let mut cursor = after;
+    loop {
+        let rows = store.events_after(session, cursor, page).unwrap();
+        let Some(last) = rows.last() else {
+            return out;
+        };
+        cursor = last.id;
+        for row in rows {
+            assert_eq!(row.session_id.as_deref(), Some(session));
+            out.push(row.id);
+        }
+    }
+}
+
+/// Appends `n` events round-robin over `sessions` (and one without a session every tenth) in
+/// one write; answers each session's new ids.
+async fn append_round_robin(store: &Store, sessions: &[&str], n: usize) -> Vec<Vec<i64>> {
+    let names: Vec<String> = sessions.iter().map(|s| s.to_string()).collect();
+    let ids = store
+        .write(move |c| {
+            let mut ids = vec![Vec::new(); names.len()];
+            for i in 0..n {
+                if i % 10 == 9 {
+                    insert_event_in(c, None, "global", &json!(i), None)?;
+                }
+                let s = i % names.len();
+                let id = insert_event_in(c, Some(&names[s]), "t", &json!({"i": i}), None)?;
+                ids[s].push(id.unwrap());
+            }
+            Ok(ids)
+        })
+        .await
+        .unwrap();
+    ids
+}
+
+/// A session's events read the same whether they sit in the per-session index (folded), in the
+/// in-memory tail, or both, with cursors on either side of the fold mark and across a reopen.
+#[tokio::test]
+async fn a_session_reads_the_same_events_before_and_after_a_fold() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ev.db");
+    let store = Store::open(&path, Durability::Normal).unwrap();
+    let sessions = ["a", "b", "c"];
+    let mut want = append_round_robin(&store, &sessions, 60).await;
+    assert_eq!(store.unfolded_events(), 60);
+    for (s, ids) in sessions.iter().zip(&want) {
+        assert_eq!(&session_ids(&store, s, 0, 7), ids, "{s} in the tail");
+    }
+
+    store.fold_events().await.unwrap();
+    assert_eq!(store.unfolded_events(), 0);
+    for (s, ids) in sessions.iter().zip(&want) {
+        assert_eq!(&session_ids(&store, s, 0, 7), ids, "{s} folded");
+    }
+
+    // Half folded, half in the tail: pages and cursors cross the mark.
+    let more = append_round_robin(&store, &sessions, 30).await;
+    for (ids, new) in want.iter_mut().zip(more) {
+        ids.extend(new);
+    }
+    assert_eq!(store.unfolded_events(), 30);
+    for (s, ids) in sessions.iter().zip(&want) {
+        assert_eq!(&session_ids(&store, s, 0, 4), ids, "{s} across the mark");
+        let from = ids[15];
+        assert_eq!(
+            session_ids(&store, s, from, 3),
+            ids[16..].to_vec(),
+            "{s} from {from}"
+        );
+    }
+    assert!(store.events_after("nobody", 0, 10).unwrap().is_empty());
+
+    // The tail is read back at open.
+    store.close();
+    drop(store);
+    let store = Store::open(&path, Durability::Normal).unwrap();
+    assert!(store.unfolded_events() <= 30);
+    for (s, ids) in sessions.iter().zip(&want) {
+        assert_eq!(&session_ids(&store, s, 0, 5), ids, "{s} after a reopen");
+    }
+}
+
+/// The writer folds on its own: right after the commit that makes the tail long, and when it
+/// has had nothing to write for a while.
+#[tokio::test]
+async fn the_writer_folds_a_long_tail_and_an_idle_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("ev.db"), Durability::Normal).unwrap();
+    let want = append_round_robin(&store, &["x", "y"], 9000).await;
+    // The next write runs after the fold the long tail triggered.
+    store
+        .append_event(Some("x"), "t", &json!("last"), None)
+        .await
+        .unwrap();
+    assert!(store.unfolded_events() <= 1, "{}", store.unfolded_events());
+    let x = session_ids(&store, "x", 0, 256);
+    assert_eq!(x.len(), want[0].len() + 1);
+    assert_eq!(x[..want[0].len()], want[0][..]);
+
+    append_round_robin(&store, &["x", "y"], 10).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while store.unfolded_events() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the idle writer left {} events unfolded",
+            store.unfolded_events()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(session_ids(&store, "y", 0, 500).len(), want[1].len() + 5);
+}

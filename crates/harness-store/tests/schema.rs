@@ -1,5 +1,5 @@
-//! A store written with the version 1 layout opens after the upgrade with every row, id and
-//! dedupe key intact, and keeps working.
+//! A store written with the version 1 or 2 layout opens after the upgrade with every row, id
+//! and dedupe key intact, and keeps working.
 
 mod common;
 
@@ -103,7 +103,7 @@ async fn a_version_1_store_opens_with_everything_in_it() {
         })
         .unwrap();
     assert!(!layout.0.contains("WITHOUT ROWID"), "{}", layout.0);
-    assert_eq!(layout.1, 2);
+    assert_eq!(layout.1, 3);
 
     // State.
     let s1 = store.kv_get("harness_turn", "s1").unwrap().unwrap();
@@ -165,4 +165,78 @@ async fn a_version_1_store_opens_with_everything_in_it() {
     let again = Store::open(&path, Durability::Full).unwrap();
     assert_eq!(again.events_after("s1", 0, 100).unwrap().len(), 5);
     assert_eq!(again.kv_list("harness_turn").unwrap().len(), 2);
+}
+
+/// The event log as version 2 created it, verbatim: its `events_session` index was written by
+/// every insert.
+const V2_EVENTS: &str = "
+CREATE TABLE IF NOT EXISTS events(
+    id INTEGER PRIMARY KEY,
+    session_id TEXT,
+    topic TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    dedupe_key TEXT,
+    at_ms INTEGER NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_dedupe ON events(dedupe_key) WHERE dedupe_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS events_session ON events(session_id, id);
+PRAGMA user_version = 2;
+";
+
+/// A version 2 log opens indexed by session in one go (nothing left in the in-memory tail), the
+/// old per-insert index gone, and every session reads the same events with the same ids.
+#[tokio::test]
+async fn a_version_2_event_log_is_indexed_by_session_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v2.db");
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.execute_batch(V2_EVENTS).unwrap();
+        for i in 0..40 {
+            let session = match i % 3 {
+                0 => Some("a"),
+                1 => Some("b"),
+                _ => None,
+            };
+            conn.execute(
+                "INSERT INTO events(session_id, topic, payload, at_ms) VALUES (?1, 't', ?2, 1)",
+                (session, json!({"i": i}).to_string()),
+            )
+            .unwrap();
+        }
+    }
+    let store = Store::open(&path, Durability::Full).unwrap();
+    assert_eq!(store.unfolded_events(), 0);
+    let (version, old_index): (i64, bool) = store
+        .read(|c| {
+            Ok((
+                c.query_row("PRAGMA user_version", [], |r| r.get(0))?,
+                c.prepare("SELECT 1 FROM sqlite_schema WHERE name = 'events_session'")?
+                    .exists([])?,
+            ))
+        })
+        .unwrap();
+    assert_eq!((version, old_index), (3, false));
+    let a: Vec<i64> = store
+        .events_after("a", 0, 100)
+        .unwrap()
+        .iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(
+        a,
+        (0..40)
+            .filter(|i| i % 3 == 0)
+            .map(|i| i + 1)
+            .collect::<Vec<i64>>()
+    );
+    let b = store.events_after("b", 20, 100).unwrap();
+    assert_eq!(b.first().map(|e| e.payload["i"].clone()), Some(json!(22)));
+    let next = store
+        .append_event(Some("a"), "t", &json!({}), None)
+        .await
+        .unwrap();
+    assert_eq!(next, Some(41));
+    assert_eq!(store.events_after("a", 40, 10).unwrap().len(), 1);
 }
