@@ -13,9 +13,14 @@ use std::time::{Duration, Instant};
 
 use harness_bus::{Bus, BusWrite, EmbeddedBus, QueueDef};
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
+use harness_store::Store;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
+
+// The store benchmarks' command line, shared with harness-store's `throughput`.
+#[path = "../../harness-store/examples/common/cli.rs"]
+mod cli;
+use cli::Cli;
 
 const TURN_SCOPE: &str = "harness_turn";
 const QUEUE: &str = "bench-turn";
@@ -226,111 +231,112 @@ fn cpu() -> (f64, f64) {
     (process, writer)
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let sessions: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(200);
-    let seconds: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
-    let durability = match args.get(3).map(String::as_str) {
-        Some("normal") => Durability::Normal,
-        _ => Durability::Full,
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async move {
-        let dir = tempfile::tempdir_in(".").expect("temp dir");
-        let store = Store::open(&dir.path().join("harness.db"), durability).expect("store");
-        let bus = Arc::new(EmbeddedBus::new(store.clone()).expect("bus"));
-        let sessions_store = SessionStore::open(store.clone()).await.expect("sessions");
-        harness_session::register(bus.as_ref(), &sessions_store);
-        harness_session::register_transactional(&bus, &sessions_store);
-        let waiters: Waiters = Arc::default();
-        {
-            let (b, w) = (bus.clone(), waiters.clone());
-            bus.register_function(
-                harness_bus::FunctionDef::new("bench::step", "one text step's store work"),
-                Arc::new(move |payload: Value, _ctx| {
-                    let (bus, waiters) = (b.clone(), w.clone());
-                    async move {
-                        let sid = payload["session_id"].as_str().unwrap_or_default().to_string();
-                        timed("step handler", step(bus, payload))
-                            .await
-                            .map_err(harness_bus::BusError::internal)?;
-                        if let Some(tx) = waiters.lock().expect("waiters").remove(&sid) {
-                            let _ = tx.send(());
-                        }
-                        Ok(Value::Null)
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let Cli {
+        sessions,
+        seconds,
+        durability,
+    } = Cli::parse();
+    let dir = tempfile::tempdir_in(".").expect("temp dir");
+    let store = Store::open(&dir.path().join("harness.db"), durability).expect("store");
+    let bus = Arc::new(EmbeddedBus::new(store.clone()).expect("bus"));
+    let sessions_store = SessionStore::open(store.clone()).await.expect("sessions");
+    harness_session::register(bus.as_ref(), &sessions_store);
+    harness_session::register_transactional(&bus, &sessions_store);
+    let waiters: Waiters = Arc::default();
+    {
+        let (b, w) = (bus.clone(), waiters.clone());
+        bus.register_function(
+            harness_bus::FunctionDef::new("bench::step", "one text step's store work"),
+            Arc::new(move |payload: Value, _ctx| {
+                let (bus, waiters) = (b.clone(), w.clone());
+                async move {
+                    let sid = payload["session_id"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string();
+                    timed("step handler", step(bus, payload))
+                        .await
+                        .map_err(harness_bus::BusError::internal)?;
+                    if let Some(tx) = waiters.lock().expect("waiters").remove(&sid) {
+                        let _ = tx.send(());
                     }
-                }),
-            );
-        }
-        bus.define_queue(QueueDef {
-            queue: QUEUE.into(),
-            message_group_field: "session_id".into(),
-            concurrency: 256,
-            max_retries: 3,
-            backoff_ms: 100,
-            visibility_timeout_ms: 60_000,
-        })
-        .await
-        .expect("queue");
-
-        let turns = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut tasks = Vec::new();
-        for s in 0..sessions {
-            let (bus, waiters, turns, stop) =
-                (bus.clone(), waiters.clone(), turns.clone(), stop.clone());
-            tasks.push(tokio::spawn(async move {
-                let mut n = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let sid = format!("s{s}_{}", n / TURNS_PER_SESSION);
-                    let (tx, rx) = oneshot::channel();
-                    waiters.lock().expect("waiters").insert(sid.clone(), tx);
-                    send(&bus, &sid, n).await.expect("send");
-                    if timed("wait step done", tokio::time::timeout(Duration::from_secs(30), rx)).await.is_err() {
-                        panic!("turn {n} of {sid} never finished");
-                    }
-                    n += 1;
-                    turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    Ok(Value::Null)
                 }
-            }));
-        }
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        let (n0, c0, t0, s0) = (
-            turns.load(std::sync::atomic::Ordering::Relaxed),
-            cpu(),
-            Instant::now(),
-            store.stats(),
+            }),
         );
-        tokio::time::sleep(Duration::from_secs(seconds)).await;
-        let (n1, c1, dt, s1) = (
-            turns.load(std::sync::atomic::Ordering::Relaxed),
-            cpu(),
-            t0.elapsed().as_secs_f64(),
-            store.stats(),
-        );
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let n = (n1 - n0).max(1) as f64;
-        println!(
-            "{durability:?} sessions={sessions}: {:.0} turns/s, cpu {:.0} us/turn, writer {:.0} us/turn, {:.1} writes/commit, {:.3} fsyncs/turn",
-            n / dt,
-            (c1.0 - c0.0) * 1e6 / n,
-            (c1.1 - c0.1) * 1e6 / n,
-            (s1.writes - s0.writes) as f64 / (s1.commits - s0.commits).max(1) as f64,
-            (s1.fsyncs - s0.fsyncs) as f64 / n,
-        );
-        if std::env::var_os("TIMES").is_some() {
-            for (name, us, n) in TIMES.lock().expect("times").iter() {
-                println!("  {name:>16}: {:8.0} us mean over {n}", us / *n as f64);
+    }
+    bus.define_queue(QueueDef {
+        queue: QUEUE.into(),
+        message_group_field: "session_id".into(),
+        concurrency: 256,
+        max_retries: 3,
+        backoff_ms: 100,
+        visibility_timeout_ms: 60_000,
+    })
+    .await
+    .expect("queue");
+
+    let turns = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for s in 0..sessions {
+        let (bus, waiters, turns, stop) =
+            (bus.clone(), waiters.clone(), turns.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let sid = format!("s{s}_{}", n / TURNS_PER_SESSION);
+                let (tx, rx) = oneshot::channel();
+                waiters.lock().expect("waiters").insert(sid.clone(), tx);
+                send(&bus, &sid, n).await.expect("send");
+                if timed(
+                    "wait step done",
+                    tokio::time::timeout(Duration::from_secs(30), rx),
+                )
+                .await
+                .is_err()
+                {
+                    panic!("turn {n} of {sid} never finished");
+                }
+                n += 1;
+                turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (n0, c0, t0, s0) = (
+        turns.load(std::sync::atomic::Ordering::Relaxed),
+        cpu(),
+        Instant::now(),
+        store.stats(),
+    );
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    let (n1, c1, dt, s1) = (
+        turns.load(std::sync::atomic::Ordering::Relaxed),
+        cpu(),
+        t0.elapsed().as_secs_f64(),
+        store.stats(),
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = (n1 - n0).max(1) as f64;
+    println!(
+        "{durability:?} sessions={sessions}: {:.0} turns/s, cpu {:.0} us/turn, writer {:.0} us/turn, {:.1} writes/commit, {:.3} fsyncs/turn",
+        n / dt,
+        (c1.0 - c0.0) * 1e6 / n,
+        (c1.1 - c0.1) * 1e6 / n,
+        (s1.writes - s0.writes) as f64 / (s1.commits - s0.commits).max(1) as f64,
+        (s1.fsyncs - s0.fsyncs) as f64 / n,
+    );
+    if std::env::var_os("TIMES").is_some() {
+        for (name, us, n) in TIMES.lock().expect("times").iter() {
+            println!("  {name:>16}: {:8.0} us mean over {n}", us / *n as f64);
         }
-        for t in tasks {
-            let _ = t.await;
-        }
-        bus.shutdown().await;
-        store.close();
-    });
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    bus.shutdown().await;
+    store.close();
 }
