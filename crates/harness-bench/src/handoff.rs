@@ -62,9 +62,7 @@ pub(crate) async fn handoff(at: At<'_>, plan: &Plan, durability: Durability) -> 
     }
     rig.close().await;
     progress!(
-        "  = step→step handoff p50 {:.2} ms p99 {:.2} ms; send→step 0 p50 {:.2} ms ({} samples)",
-        step.p50 / 1e3,
-        step.p99 / 1e3,
+        "  = step→step handoff {step}; send→step 0 p50 {:.2} ms ({} samples)",
         send.p50 / 1e3,
         step.samples
     );

@@ -2,6 +2,7 @@
 //! reads about itself (CPU time, resident set, the filesystem under the bench directory).
 
 use std::collections::HashMap;
+use std::fmt;
 use std::path::Path;
 
 use crate::probe::StepSample;
@@ -31,6 +32,18 @@ impl Percentiles {
             p50: percentile_us(&ns, 0.5),
             p99: percentile_us(&ns, 0.99),
         }
+    }
+}
+
+/// As the progress lines say it: "p50 0.12 ms p99 0.34 ms".
+impl fmt::Display for Percentiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "p50 {:.2} ms p99 {:.2} ms",
+            self.p50 / 1e3,
+            self.p99 / 1e3
+        )
     }
 }
 
