@@ -17,6 +17,9 @@ pub const POINTS: &[&str] = &[
     "after_call_target",
     "after_call_result_appended",
     "after_call_done",
+    // A turn's advanced record and its next step, committed as one batch (one transaction on
+    // the embedded bus, so no kill finds the one without the other): by a step, a released or
+    // delivered call (resolve), and the recovery at start.
     "after_advance_persisted",
     // A stop (or a cut) closed the open calls, before the finalizer's batch writes their results.
     "after_calls_closed",

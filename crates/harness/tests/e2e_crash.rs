@@ -446,3 +446,102 @@ async fn idempotent_send_across_a_crash() {
         render(&entries)
     );
 }
+
+/// The settled-call advance: a release (`approval::decide` → `harness::function::resolve`) runs
+/// the held call, and its parked turn advances with its record and next step as one commit, one
+/// store transaction. So the gap "record saved, step not yet queued" does not exist there: a
+/// SIGKILL right after that commit (`after_advance_persisted`) leaves both on disk, and the
+/// process started again runs the step once: the target ran once, the turn completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_right_after_a_released_call_advances_its_turn_leaves_the_step_queued() {
+    let point = "after_advance_persisted:1";
+    let fx = Fixtures::new(json!([{"id": "fx::write", "response": {"ok": true}}]));
+    let script = script(vec![
+        json!({"match": {"last_user_text": "write"},
+               "content": [{"type": "function_call", "id": "c1", "function_id": "fx::write", "arguments": {"path": "/a"}}]}),
+        text_gen(None, "done writing", 0, true),
+    ]);
+    let mut extra = fx.args();
+    extra.extend(["--approve".to_string(), "fx::*".to_string()]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut server = Server::start(&script, &extra).await;
+    let sid = "s_advance";
+    let sent = server
+        .ok(
+            "harness::send",
+            json!({"session_id": sid, "message": "write it", "model": "m", "provider": "scripted",
+                   "options": {"functions": {"allow": ["fx::*"], "expose": "native"}}}),
+        )
+        .await;
+    let tid = id(&sent, "turn_id");
+    let approval = wait_for("the approval to be listed", WAIT, || async {
+        server
+            .ok("approval::list", json!({"session_id": sid}))
+            .await["approvals"]
+            .as_array()
+            .and_then(|a| a.first().cloned())
+    })
+    .await;
+    // Armed for the release only: the restart finds the turn parked, which advances nothing.
+    server.kill();
+    server.set_env("HARNESS_FAILPOINT", Some(point));
+    server.start_again().await;
+    let decide = json!({"approval_id": approval["approval_id"], "decision": "approve", "digest": approval["digest"]});
+    let _ = server.try_ok("approval::decide", decide).await;
+    server.wait_killed_at(point).await;
+
+    // What the killed process left on disk.
+    let (record, queued) = {
+        let db = rusqlite::Connection::open(server.data_dir().join("harness.db")).unwrap();
+        let record: String = db
+            .query_row(
+                "SELECT value FROM kv WHERE scope = 'harness_turn' AND key = ?1",
+                [sid],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let record: Value = serde_json::from_str(&record).unwrap();
+        let mut rows = db
+            .prepare("SELECT payload FROM queue_messages WHERE queue = 'harness-turn'")
+            .unwrap();
+        let queued: Vec<Value> = rows
+            .query_map([], |r| r.get::<_, String>(0))
+            .unwrap()
+            .map(|p| serde_json::from_str(&p.unwrap()).unwrap())
+            .collect();
+        (record, queued)
+    };
+    assert_eq!(
+        (record["status"].as_str(), record["turn_id"].as_str()),
+        (Some("running"), Some(tid.as_str())),
+        "the record advanced: {record}"
+    );
+    let step = record["step"].as_u64().unwrap();
+    assert!(step >= 1, "past the step that parked: {record}");
+    assert!(
+        queued
+            .iter()
+            .any(|p| p["session_id"] == sid && p["step"].as_u64() == Some(step)),
+        "the advanced step {step} is queued beside its record: {queued:?}"
+    );
+
+    server.set_env("HARNESS_FAILPOINT", None);
+    server.start_again().await;
+    let status = server.wait_turn(sid, &tid).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(
+        invocations(&fx.log()),
+        std::collections::HashMap::from([("c1".to_string(), 1)]),
+        "the target ran exactly once"
+    );
+    let entries = server.transcript(sid, false).await;
+    assert_every_call_closed(&entries);
+    let answers: Vec<String> = entries
+        .iter()
+        .filter(|e| role_of(e) == Some("assistant"))
+        .map(text_of)
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert_eq!(answers, ["done writing"], "\n{}", render(&entries));
+    server.assert_one_clean_turn(sid, &tid).await;
+}
