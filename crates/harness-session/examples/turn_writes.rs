@@ -20,7 +20,6 @@ use tokio::sync::oneshot;
 // The store benchmarks' command line, shared with harness-store's `throughput`.
 #[path = "../../harness-store/examples/common/cli.rs"]
 mod cli;
-use cli::Cli;
 
 const TURN_SCOPE: &str = "harness_turn";
 const QUEUE: &str = "bench-turn";
@@ -233,11 +232,7 @@ fn cpu() -> (f64, f64) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let Cli {
-        sessions,
-        seconds,
-        durability,
-    } = Cli::parse();
+    let (sessions, seconds, durability) = cli::parse();
     let dir = tempfile::tempdir_in(".").expect("temp dir");
     let store = Store::open(&dir.path().join("harness.db"), durability).expect("store");
     let bus = Arc::new(EmbeddedBus::new(store.clone()).expect("bus"));

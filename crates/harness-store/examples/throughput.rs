@@ -14,15 +14,11 @@ use serde_json::json;
 mod common {
     pub mod cli;
 }
-use common::cli::Cli;
+use common::cli;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let Cli {
-        sessions,
-        seconds,
-        durability,
-    } = Cli::parse();
+    let (sessions, seconds, durability) = cli::parse();
     let dir = tempfile::tempdir_in(".").unwrap();
     let store = Store::open(&dir.path().join("bench.db"), durability).unwrap();
     let queues = Queues::new(store.clone());
