@@ -14,7 +14,7 @@ pub fn set_token(token: Option<String>) {
     let _ = TOKEN.set(token.filter(|t| !t.is_empty()));
 }
 
-fn authorize(req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+pub(crate) fn authorize(req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
     match TOKEN.get().and_then(Option::as_deref) {
         Some(token) => req.bearer_auth(token),
         None => req,

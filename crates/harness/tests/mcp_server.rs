@@ -1,7 +1,11 @@
 //! `harness mcp` as a real process driven by an rmcp client over stdio: the six tools with the
 //! schemas of the functions they call, a turn sent and followed to its end, a held call listed
-//! and approved, a stop, and a harness error shown as the tool's failure.
+//! and approved, a stop, and a harness error shown as the tool's failure. With `--url`: the tools
+//! of a running server, and a start refused, naming the URL and the cause, when no harness
+//! answers there.
 
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use rmcp::model::{CallToolRequestParams, CallToolResult};
@@ -10,7 +14,9 @@ use rmcp::transport::TokioChildProcess;
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::{json, Map, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_harness");
+mod common;
+
+use common::{assert_contains_all, free_port, run_cli, script, BIN};
 
 struct Client {
     running: RunningService<RoleClient, ()>,
@@ -183,4 +189,136 @@ async fn a_turn_is_sent_followed_and_its_held_call_approved_through_mcp() {
     let stopped = call(&peer, "stop", json!({"session_id": sid})).await;
     assert_ne!(stopped.is_error, Some(true), "{stopped:?}");
     c.running.cancel().await.unwrap();
+}
+
+/// A server that takes calls only with `TOKEN`.
+const TOKEN: &str = "the-right-token";
+
+/// `harness serve` with `--token TOKEN` (common::Server cannot: its readiness check carries no
+/// token), once it serves; its URL.
+async fn locked_server(dir: &std::path::Path) -> (common::KillOnDrop, String) {
+    std::fs::write(dir.join("script.json"), script(vec![]).to_string()).unwrap();
+    let port = free_port();
+    let log = dir.join("serve.log");
+    let child = std::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--token",
+            TOKEN,
+        ])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--script")
+        .arg(dir.join("script.json"))
+        .env_remove("HARNESS_TOKEN")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut child = common::KillOnDrop(child);
+    let url = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + common::WAIT;
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains(&format!("harness serving on {url}")) {
+            return (child, url);
+        }
+        assert!(child.0.try_wait().unwrap().is_none(), "exited: {text}");
+        assert!(Instant::now() < deadline, "never served: {text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn with_url_it_fronts_a_running_server_with_its_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = locked_server(dir.path()).await;
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.args(["mcp", "--url", &url, "--token", TOKEN])
+        .env_remove("HARNESS_TOKEN");
+    let running = ().serve(TokioChildProcess::new(cmd).unwrap()).await.unwrap();
+    let tools = running.peer().list_all_tools().await.unwrap();
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+    assert!(
+        names.contains(&"send") && names.contains(&"status"),
+        "{names:?}"
+    );
+    running.cancel().await.unwrap();
+
+    // A wrong token is refused at start, with the server's own code.
+    let (code, _, stderr) = run_cli(&["mcp", "--url", &url, "--token", "a-wrong-token"]);
+    assert_ne!(code, 0, "started anyway; stderr:\n{stderr}");
+    assert_contains_all(&stderr, &["harness/unauthorized: ", &url]);
+}
+
+/// `harness mcp --url` toward `url` (which carries a user, a password and a key in its query):
+/// it must refuse to start, and its words must show neither of the three.
+fn refused_start(url: &str) -> String {
+    let (code, stdout, stderr) = run_cli(&["mcp", "--url", url]);
+    assert_ne!(code, 0, "started anyway; stderr:\n{stderr}");
+    assert!(stdout.is_empty(), "stdout is the protocol's: {stdout}");
+    for secret in ["operator", "hunter2", "k-secret-2"] {
+        assert!(!stderr.contains(secret), "{secret} shown: {stderr}");
+    }
+    stderr
+}
+
+fn with_secrets(port: u16) -> String {
+    format!("http://operator:hunter2@127.0.0.1:{port}/?key=k-secret-2")
+}
+
+#[test]
+fn with_url_and_nothing_listening_it_refuses_to_start_naming_the_url_and_the_refusal() {
+    let port = free_port();
+    let stderr = refused_start(&with_secrets(port));
+    assert_contains_all(
+        &stderr,
+        &[
+            "harness/dependency: ",
+            &format!("http://127.0.0.1:{port}"),
+            "refused",
+        ],
+    );
+}
+
+#[test]
+fn with_url_and_a_server_that_never_answers_it_refuses_to_start_on_a_timeout() {
+    // The kernel completes the connection (the backlog); nothing ever reads or answers it.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let stderr = refused_start(&with_secrets(port));
+    assert_contains_all(
+        &stderr,
+        &["harness/timeout: ", &format!("http://127.0.0.1:{port}")],
+    );
+    drop(silent);
+}
+
+#[test]
+fn with_url_and_a_server_that_is_not_a_harness_it_refuses_to_start() {
+    let other = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = other.local_addr().unwrap().port();
+    let answering = std::thread::spawn(move || {
+        let (mut conn, _) = other.accept().unwrap();
+        let mut request = [0u8; 4096];
+        let _ = conn.read(&mut request);
+        conn.write_all(
+            b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot found",
+        )
+        .unwrap();
+    });
+    let stderr = refused_start(&with_secrets(port));
+    assert_contains_all(
+        &stderr,
+        &[
+            "harness/dependency: ",
+            &format!("http://127.0.0.1:{port}"),
+            "404",
+            "not JSON",
+        ],
+    );
+    answering.join().unwrap();
 }
