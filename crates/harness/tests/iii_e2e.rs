@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use iii_engine::worker::{Sessions, WorkerProc, WAIT};
 use iii_engine::Engine;
-use iii_scenarios::wait_until;
+use iii_scenarios::{assert_text_turn, start_slow_work};
 use scripts::*;
 use serde_json::{json, Value};
 
@@ -32,17 +32,7 @@ async fn a_text_turn_streams_through_the_engine() {
         &["--stream-coalesce-ms", "0", "--self-calls", "engine"],
     )
     .await;
-    let sent = engine.send("s_text", "hi", &[]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let status = engine.wait_turn("s_text", &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    assert_eq!(status["result"], "Hello from the iii side.");
-    let entries = engine.transcript("s_text", false).await;
-    assert_eq!(entries.len(), 2, "{}", render(&entries));
-    assert_eq!(
-        (role_of(&entries[1]), text_of(&entries[1]).as_str()),
-        (Some("assistant"), "Hello from the iii side.")
-    );
+    assert_text_turn(&engine, "s_text", "Hello from the iii side.").await;
     // The frames went caller ← callee through the engine, to the worker's frame sink (only
     // visible inside the double).
     if !engine.is_real() {
@@ -102,9 +92,7 @@ async fn a_function_call_runs_exactly_once() {
         &extra,
     )
     .await;
-    let sent = engine.send("s_call", "run a", &["f::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let status = engine.wait_turn("s_call", &turn_id).await;
+    let status = engine.send_and_wait("s_call", "run a", &["f::*"]).await;
     assert_eq!(status["status"], "completed", "{status}");
     assert_eq!(
         invocations(&fx.log()),
@@ -166,9 +154,7 @@ async fn the_workers_calls_to_its_own_functions_run_in_process() {
     let turn = |session: &'static str, text: &'static str| {
         let engine = engine.clone();
         async move {
-            let sent = engine.send(session, text, &["f::*"]).await;
-            let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-            let status = engine.wait_turn(session, &turn_id).await;
+            let status = engine.send_and_wait(session, text, &["f::*"]).await;
             assert_eq!(status["status"], "completed", "{status}");
             assert_eq!(status["result"], "own is done", "{status}");
             let entries = engine.transcript(session, false).await;
@@ -286,8 +272,7 @@ async fn a_held_call_runs_once_after_release() {
         "the worker accepted the binding: {ack}"
     );
 
-    let sent = engine.send("s_hold", "write it", &["fs::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let turn_id = engine.send("s_hold", "write it", &["fs::*"]).await;
     let s = engine.wait_status("s_hold", "awaiting_functions").await;
     assert_eq!(s["pending_function_calls"], json!(["c1"]), "{s}");
     assert!(invocations(&fx.log()).is_empty(), "nothing runs while held");
@@ -339,8 +324,7 @@ async fn a_dropped_connection_replays_registrations_and_the_turn_completes_once(
         &["--stream-coalesce-ms", "0"],
     )
     .await;
-    let sent = engine.send("s_drop", "tell me a story", &[]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let turn_id = engine.send("s_drop", "tell me a story", &[]).await;
     // Mid-stream: some of the story is in the transcript, not all of it.
     let deadline = Instant::now() + WAIT;
     loop {
@@ -392,9 +376,8 @@ async fn a_dropped_connection_replays_registrations_and_the_turn_completes_once(
         render(&entries)
     );
     // A later turn works on the replayed registrations.
-    let marker = engine.send("s_drop", "marker", &[]).await;
-    let mt = marker["turn_id"].as_str().unwrap().to_string();
-    assert_eq!(engine.wait_turn("s_drop", &mt).await["status"], "completed");
+    let marker = engine.send_and_wait("s_drop", "marker", &[]).await;
+    assert_eq!(marker["status"], "completed");
     if !engine.is_real() {
         assert_eq!(engine.connected_workers("harness"), 1);
     }
@@ -430,8 +413,7 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     engine
         .wait_trigger_result(bound["id"].as_str().unwrap(), WAIT)
         .await;
-    let sent = engine.send("s_lost", "write it", &["fs::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
+    let turn_id = engine.send("s_lost", "write it", &["fs::*"]).await;
     engine.wait_status("s_lost", "awaiting_functions").await;
     assert!(engine.state("harness_turn", "s_lost").await.is_some());
 
@@ -469,8 +451,7 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     engine
         .ok("engine::unregister_trigger", json!({"id": bound["id"]}))
         .await;
-    let again = engine.send("s_lost", "start over", &[]).await;
-    let t2 = again["turn_id"].as_str().unwrap().to_string();
+    let t2 = engine.send("s_lost", "start over", &[]).await;
     assert_ne!(t2, turn_id);
     let s = engine.wait_turn("s_lost", &t2).await;
     assert_eq!(s["status"], "completed", "{s}");
@@ -536,13 +517,7 @@ async fn engine_crash_mid_call(window: FlushWindow) {
         .await;
     // What a crash keeps: everything up to here, nothing of the turn.
     engine.flush();
-    let sent = engine.send("s_crash", "do the work", &["slow::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let log = fx.log();
-    wait_until("the call to start", || {
-        invocations(&log).get("c1") == Some(&1)
-    })
-    .await;
+    let turn_id = start_slow_work(&engine, &fx, "s_crash").await;
     if window == FlushWindow::After {
         // One flush period and a second: the engine flushed after the turn's last write.
         tokio::time::sleep(Duration::from_secs(6)).await;
@@ -596,13 +571,7 @@ async fn a_worker_killed_with_the_engine_gets_the_lost_turn_back_from_its_sqlite
     let mut worker = WorkerProc::start(&engine, &slow_work_script(vec![]), &extra).await;
     // What a crash keeps: everything up to here, nothing of the turn.
     engine.flush();
-    let sent = engine.send("s_both", "do the work", &["slow::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let log = fx.log();
-    wait_until("the call to start", || {
-        invocations(&log).get("c1") == Some(&1)
-    })
-    .await;
+    let turn_id = start_slow_work(&engine, &fx, "s_both").await;
     worker.kill();
     engine.crash().await;
     if !engine.is_real() {
@@ -640,10 +609,7 @@ async fn the_public_functions_are_registered_only_once_the_worker_can_serve_them
         &[],
     )
     .await;
-    let sent = engine.send("s_ready", "hi", &[]).await;
-    let status = engine
-        .wait_turn("s_ready", sent["turn_id"].as_str().unwrap())
-        .await;
+    let status = engine.send_and_wait("s_ready", "hi", &[]).await;
     assert_eq!(status["status"], "completed", "{status}");
     if engine.is_real() {
         return; // the frames below are only visible inside the double
@@ -717,8 +683,8 @@ async fn on_fifo_shards_every_session_keeps_one_shard_and_its_turns_complete() {
     let mut turns = Vec::new();
     for i in 0..5 {
         let sid = format!("s_shard_{i}");
-        let sent = engine.send(&sid, "hi", &[]).await;
-        turns.push((sid, sent["turn_id"].as_str().unwrap().to_string()));
+        let turn = engine.send(&sid, "hi", &[]).await;
+        turns.push((sid, turn));
     }
     for (sid, turn) in &turns {
         let s = engine.wait_turn(sid, turn).await;
@@ -796,9 +762,9 @@ async fn the_worker_serves_the_configured_mcp_servers_tools_through_the_engine()
             "the tool's input schema is the function's request schema: {def}"
         );
     }
-    let sent = engine.send("s_mcp", "echo it", &["mcp::fx::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let status = engine.wait_turn("s_mcp", &turn_id).await;
+    let status = engine
+        .send_and_wait("s_mcp", "echo it", &["mcp::fx::*"])
+        .await;
     assert_eq!(status["status"], "completed", "{status}\n{}", worker.log());
     let entries = engine.transcript("s_mcp", false).await;
     assert_every_call_closed(&entries);

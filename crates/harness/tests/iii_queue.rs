@@ -15,6 +15,7 @@ mod scripts;
 
 use iii_engine::worker::{Sessions, WorkerProc};
 use iii_engine::Engine;
+use iii_scenarios::assert_text_turn;
 use scripts::*;
 use serde_json::{json, Value};
 
@@ -61,13 +62,7 @@ async fn a_text_turn_runs_on_the_queue_worker_and_harness_turn_is_declared_fifo_
     let deletion = &config["value"]["queue_configs"]["harness-session-deletion"];
     assert_eq!(deletion["message_group_field"], "operation_id", "{config}");
 
-    let sent = engine.send("s_q_text", "hi", &[]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let status = engine.wait_turn("s_q_text", &turn_id).await;
-    assert_eq!(status["status"], "completed", "{status}");
-    assert_eq!(status["result"], "Hello over the queue.");
-    let entries = engine.transcript("s_q_text", false).await;
-    assert_eq!(entries.len(), 2, "{}", render(&entries));
+    assert_text_turn(&engine, "s_q_text", "Hello over the queue.").await;
     // The double's queue worker answered only with shapes recorded from the real one.
     if !engine.is_real() {
         assert_eq!(engine.violations(), Vec::<String>::new());
@@ -169,10 +164,10 @@ async fn the_steps_of_each_session_run_strictly_in_order_while_sessions_interlea
     assert_enqueue_route(&worker);
     let mut turns = Vec::new();
     for s in sessions {
-        let sent = engine
+        let turn_id = engine
             .send(&format!("s_q_order_{s}"), &format!("run {s}"), &["f::*"])
             .await;
-        turns.push((s, sent["turn_id"].as_str().unwrap().to_string()));
+        turns.push((s, turn_id));
     }
     for (s, turn_id) in &turns {
         let session = format!("s_q_order_{s}");

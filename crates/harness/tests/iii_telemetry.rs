@@ -10,7 +10,7 @@ mod scripts;
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use iii_engine::worker::{Sessions, WorkerProc, WAIT};
+use iii_engine::worker::{WorkerProc, WAIT};
 use iii_engine::Engine;
 use scripts::*;
 use serde_json::{json, Value};
@@ -35,10 +35,7 @@ async fn a_worker_publishes_usage_on_the_engine_topic_and_serves_its_metrics() {
     )
     .await;
     for text in ["one", "two", "three"] {
-        let sent = engine.send("s_worker_usage", text, &[]).await;
-        let s = engine
-            .wait_turn("s_worker_usage", sent["turn_id"].as_str().unwrap())
-            .await;
+        let s = engine.send_and_wait("s_worker_usage", text, &[]).await;
         assert_eq!(s["status"], "completed", "{s}");
     }
     let published: Vec<Value> = engine

@@ -15,7 +15,7 @@ use harness_bus::Bus;
 use harness_iii::{IiiBus, IiiOptions, FENCED_SCOPE, LEASE_SCOPE};
 use iii_engine::worker::{Sessions, WorkerProc};
 use iii_engine::Engine;
-use iii_scenarios::wait_until;
+use iii_scenarios::{start_slow_work, wait_until};
 use scripts::*;
 use serde_json::json;
 
@@ -43,18 +43,10 @@ async fn a_sigkilled_worker_s_turns_are_finished_by_the_standby_within_5s_and_no
     );
 
     // A finished session, served by the first worker.
-    let earlier = engine.send("s_before", "hello", &[]).await;
-    let earlier_turn = earlier["turn_id"].as_str().unwrap().to_string();
-    let done = engine.wait_turn("s_before", &earlier_turn).await;
+    let done = engine.send_and_wait("s_before", "hello", &[]).await;
     assert_eq!(done["status"], "completed", "{done}");
 
-    let sent = engine.send("s_takeover", "do the work", &["slow::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let log = fx.log();
-    wait_until("the call to start", || {
-        invocations(&log).get("c1") == Some(&1)
-    })
-    .await;
+    let turn_id = start_slow_work(&engine, &fx, "s_takeover").await;
     let killed_at = Instant::now();
     first.kill();
     let status = engine.wait_turn("s_takeover", &turn_id).await;
@@ -243,10 +235,7 @@ async fn a_worker_that_lost_its_link_while_another_took_over_stops_serving() {
     let script = script(vec![text_gen(None, "Answered.", 0, true)]);
     let mut first = WorkerProc::start(&engine, &script, &[]).await;
     let second = WorkerProc::standby(&engine, &first, &[]).await;
-    let sent = engine.send("s_link", "hi", &[]).await;
-    engine
-        .wait_turn("s_link", sent["turn_id"].as_str().unwrap())
-        .await;
+    engine.send_and_wait("s_link", "hi", &[]).await;
     assert_eq!(engine.drop_workers("harness"), 1);
     second.wait_serving(Duration::from_secs(10)).await;
     wait_until("the first worker to stop", || first.exited()).await;
@@ -257,10 +246,7 @@ async fn a_worker_that_lost_its_link_while_another_took_over_stops_serving() {
         "{}",
         first.log()
     );
-    let again = engine.send("s_link", "again", &[]).await;
-    let status = engine
-        .wait_turn("s_link", again["turn_id"].as_str().unwrap())
-        .await;
+    let status = engine.send_and_wait("s_link", "again", &[]).await;
     assert_eq!(status["status"], "completed", "{status}");
     let lease = engine.state(LEASE_SCOPE, "s_link").await.unwrap();
     assert_eq!(

@@ -18,6 +18,32 @@ pub async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
     }
 }
 
+/// Sends "do the work" to `session`, allowed `slow::*` (the model of [`slow_work_script`] calls
+/// `slow::work` as `c1`), and waits until `fx`'s log shows the call running; returns the turn id.
+pub async fn start_slow_work(engine: &Engine, fx: &Fixtures, session: &str) -> String {
+    let turn_id = engine.send(session, "do the work", &["slow::*"]).await;
+    let log = fx.log();
+    wait_until("the call to start", || {
+        invocations(&log).get("c1") == Some(&1)
+    })
+    .await;
+    turn_id
+}
+
+/// Sends "hi" to `session` of a worker whose model answers `reply`: the turn completes with
+/// `reply` as its result, and the transcript is the user's message and that reply.
+pub async fn assert_text_turn(engine: &Engine, session: &str, reply: &str) {
+    let status = engine.send_and_wait(session, "hi", &[]).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(status["result"], reply);
+    let entries = engine.transcript(session, false).await;
+    assert_eq!(entries.len(), 2, "{}", render(&entries));
+    assert_eq!(
+        (role_of(&entries[1]), text_of(&entries[1]).as_str()),
+        (Some("assistant"), reply)
+    );
+}
+
 /// A worker (started with `args` beside the fixtures') is SIGKILLed while its one call runs and
 /// started again: the turn completes, the call ran exactly once and its result is closed once,
 /// as interrupted, and the user's message is there once. `started` checks the worker before
@@ -34,13 +60,7 @@ pub async fn killed_mid_call(
     extra.extend(args);
     let mut worker = WorkerProc::start(engine, &slow_work_script(vec![]), &extra).await;
     started(&worker);
-    let sent = engine.send(session, "do the work", &["slow::*"]).await;
-    let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-    let log = fx.log();
-    wait_until("the fixture log to show the call", || {
-        invocations(&log).get("c1") == Some(&1)
-    })
-    .await;
+    let turn_id = start_slow_work(engine, &fx, session).await;
     worker.kill();
     worker.restart().await;
     let entries = engine.completed_transcript(session, &turn_id).await;

@@ -192,13 +192,24 @@ impl Drop for WorkerProc {
 }
 
 impl Engine {
-    /// `harness::send` of a user text with model "m" on the scripted provider.
-    pub async fn send(&self, session_id: &str, text: &str, allow: &[&str]) -> Value {
+    /// `harness::send` of a user text with model "m" on the scripted provider, allowed the
+    /// functions `allow` names; returns the turn id.
+    pub async fn send(&self, session_id: &str, text: &str, allow: &[&str]) -> String {
         let mut req = json!({"session_id": session_id, "message": text, "model": "m", "provider": "scripted"});
         if !allow.is_empty() {
             req["options"] = json!({"functions": {"allow": allow, "expose": "native"}});
         }
-        self.ok("harness::send", req).await
+        let sent = self.ok("harness::send", req).await;
+        sent["turn_id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("the send answered no turn_id: {sent}"))
+            .to_string()
+    }
+
+    /// [`Engine::send`], then waits for the turn to end; returns its last status.
+    pub async fn send_and_wait(&self, session_id: &str, text: &str, allow: &[&str]) -> Value {
+        let turn_id = self.send(session_id, text, allow).await;
+        self.wait_turn(session_id, &turn_id).await
     }
 
     /// Polls until the session's turn has this status.
