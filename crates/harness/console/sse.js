@@ -40,6 +40,20 @@ export function parseEvents(buf) {
 }
 
 /**
+ * The `error.message` of a JSON error answer, or `fallback` when the body is not one.
+ * @param {Response} resp
+ * @param {string} fallback
+ * @returns {Promise<string>}
+ */
+async function errorMessage(resp, fallback) {
+  try {
+    return (await resp.json()).error.message;
+  } catch (_) {
+    return fallback;
+  }
+}
+
+/**
  * Opens a session's stream. `onEvent` gets each event once, in id order.
  * @param {string} sessionId
  * @param {{after?: number, onEvent: (e: HarnessEvent) => void, onState: (s: StreamState) => void}} opts
@@ -75,18 +89,12 @@ export function openStream(sessionId, opts) {
       return;
     }
     if (resp.status === 404) {
-      let message = "no such session";
-      try {
-        message = (await resp.json()).error.message;
-      } catch (_) {}
+      const message = await errorMessage(resp, "no such session");
       opts.onState({ state: "missing", message });
       return;
     }
     if (resp.status === 429) {
-      let message = "too many open event streams";
-      try {
-        message = (await resp.json()).error.message;
-      } catch (_) {}
+      const message = await errorMessage(resp, "too many open event streams");
       opts.onState({ state: "too_many", message });
       return schedule(5000);
     }
