@@ -97,8 +97,7 @@ async fn a_hook_rewrite_into_the_wall_is_refused_on_the_second_check_and_never_r
     )
     .await;
     rt.hook("rewrite::scope", |p| {
-        let args = with_argument(p, "scope", json!("harness_turn"));
-        json!({"decision": "continue", "mutations": {"arguments": args}})
+        rewriting(p, "continue", "scope", json!("harness_turn"))
     });
     rt.bind("pre-trigger", "rewrite::scope", json!({})).await;
     let (r, s) = rt.run(allowing("note", &["state::*"])).await;

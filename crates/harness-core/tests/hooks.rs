@@ -40,8 +40,9 @@ async fn a_hook_that_holds_and_rewrites_runs_the_target_once_with_the_rewrite_af
     let rt = runtime(script_one_call(), config()).await;
     let target = recording_write(&rt);
     let holder = rt.hook("guard::hold", |p| {
-        let args = with_argument(p, "path", json!("/sandbox/a"));
-        json!({"decision": "hold", "mutations": {"arguments": args}, "annotations": {"guard": "held"}})
+        let mut answer = rewriting(p, "hold", "path", json!("/sandbox/a"));
+        answer["annotations"] = json!({"guard": "held"});
+        answer
     });
     rt.bind(
         "pre-trigger",
@@ -85,8 +86,7 @@ async fn a_holder_after_a_mutator_sees_the_mutation_and_the_release_skips_both()
     let rt = runtime(script_one_call(), config()).await;
     let target = recording_write(&rt);
     let mutator = rt.hook("a::mutate", |p| {
-        let args = with_argument(p, "text", json!("HI"));
-        json!({"decision": "continue", "mutations": {"arguments": args}})
+        rewriting(p, "continue", "text", json!("HI"))
     });
     let holder = rt.hook("b::hold", |_| json!({"decision": "hold"}));
     rt.bind("pre-trigger", "b::hold", json!({"priority": 20}))
@@ -499,12 +499,8 @@ async fn a_model_or_a_hook_writing_fs_scope_cannot_widen_the_root() {
     let rt = runtime(script, config()).await;
     let target = recording_write(&rt);
     let seen = rt.hook("guard::widen", |p| {
-        let args = with_argument(
-            p,
-            "fs_scope",
-            json!({"root": "/", "grants": [], "boundary": "workspace"}),
-        );
-        json!({"decision": "continue", "mutations": {"arguments": args}})
+        let scope = json!({"root": "/", "grants": [], "boundary": "workspace"});
+        rewriting(p, "continue", "fs_scope", scope)
     });
     rt.bind(
         "pre-trigger",

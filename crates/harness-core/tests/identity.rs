@@ -5,7 +5,6 @@ mod support;
 
 use std::path::Path;
 
-use harness_bus::Bus;
 use harness_directory::Directory;
 use harness_types::api::{SendOptions, SendRequest, SpawnRequest, SystemPromptStrategy};
 use serde_json::{json, Value};
@@ -99,10 +98,31 @@ fn received(
         .collect()
 }
 
-#[tokio::test]
-async fn two_sessions_on_one_profile_send_byte_identical_stable_prefixes() {
+/// The test directory and a runtime reading it whose model answers "ok".
+async fn ok_runtime() -> (tempfile::TempDir, Rt) {
     let dir = directory();
     let rt = runtime_with_directory(json!([text_gen("ok")]), dir.path()).await;
+    (dir, rt)
+}
+
+/// A send of `text` naming its own system prompt.
+fn prompted(text: &str, prompt: &str) -> SendRequest {
+    let options = SendOptions {
+        system_prompt: Some(prompt.into()),
+        ..Default::default()
+    };
+    with_options(send(text), options)
+}
+
+/// [`run`] of `req` as a later send of session `sid`.
+async fn run_in(rt: &Rt, sid: &str, mut req: SendRequest) {
+    req.session_id = Some(sid.into());
+    run(rt, req).await;
+}
+
+#[tokio::test]
+async fn two_sessions_on_one_profile_send_byte_identical_stable_prefixes() {
+    let (_dir, rt) = ok_runtime().await;
     let s1 = run(&rt, agent_send("first", "reviewer")).await;
     let s2 = run(&rt, agent_send("second", "reviewer")).await;
     let (r1, x1) = received(&rt, &s1).remove(0);
@@ -184,34 +204,23 @@ async fn two_sessions_on_one_profile_send_byte_identical_stable_prefixes() {
 
 #[tokio::test]
 async fn a_prompt_is_sticky_across_sends_and_re_resolves_when_a_field_is_named() {
-    let dir = directory();
-    let rt = runtime_with_directory(json!([text_gen("ok")]), dir.path()).await;
-    let first = with_options(
-        send("one"),
-        SendOptions {
-            system_prompt: Some("Talk like a pirate.".into()),
-            ..Default::default()
-        },
-    );
-    let sid = run(&rt, first).await;
+    let (dir, rt) = ok_runtime().await;
+    let sid = run(&rt, prompted("one", "Talk like a pirate.")).await;
     // The directory's identity changes after the session froze its prompt.
     write(
         dir.path(),
         "system-prompts/default.md",
         "You are the NEW identity.",
     );
-    let mut second = send("two");
-    second.session_id = Some(sid.clone());
-    run(&rt, second).await;
-    let mut third = with_options(
+    run_in(&rt, &sid, send("two")).await;
+    let third = with_options(
         send("three"),
         SendOptions {
             system_prompt_strategy: Some(SystemPromptStrategy::Enrich),
             ..Default::default()
         },
     );
-    third.session_id = Some(sid.clone());
-    run(&rt, third).await;
+    run_in(&rt, &sid, third).await;
 
     let got = received(&rt, &sid);
     assert_eq!(got.len(), 3);
@@ -244,8 +253,7 @@ async fn a_prompt_is_sticky_across_sends_and_re_resolves_when_a_field_is_named()
 
 #[tokio::test]
 async fn an_extends_cycle_is_refused_naming_the_chain() {
-    let dir = directory();
-    let rt = runtime_with_directory(json!([text_gen("ok")]), dir.path()).await;
+    let (dir, rt) = ok_runtime().await;
     let err = rt.harness.send(agent_send("hi", "a")).await.unwrap_err();
     assert_eq!(
         err.to_string(),
@@ -277,8 +285,7 @@ async fn an_extends_cycle_is_refused_naming_the_chain() {
 
 #[tokio::test]
 async fn a_profile_only_names_a_new_session_and_never_comes_with_prompt_fields() {
-    let dir = directory();
-    let rt = runtime_with_directory(json!([text_gen("ok")]), dir.path()).await;
+    let (_dir, rt) = ok_runtime().await;
     let sid = run(&rt, send("hi")).await;
     let mut again = agent_send("hi", "reviewer");
     again.session_id = Some(sid.clone());
@@ -308,8 +315,7 @@ async fn a_profile_only_names_a_new_session_and_never_comes_with_prompt_fields()
 
 #[tokio::test]
 async fn the_skills_index_lists_what_the_filter_names_and_stays_sticky() {
-    let dir = directory();
-    let rt = runtime_with_directory(json!([text_gen("ok")]), dir.path()).await;
+    let (dir, rt) = ok_runtime().await;
     let req = with_options(
         send("hi"),
         SendOptions {
@@ -318,18 +324,15 @@ async fn the_skills_index_lists_what_the_filter_names_and_stays_sticky() {
         },
     );
     let sid = run(&rt, req).await;
-    let mut later = send("again");
-    later.session_id = Some(sid.clone());
-    run(&rt, later).await;
-    let mut reset = with_options(
+    run_in(&rt, &sid, send("again")).await;
+    let reset = with_options(
         send("all"),
         SendOptions {
             skills: Some(vec![]),
             ..Default::default()
         },
     );
-    reset.session_id = Some(sid.clone());
-    run(&rt, reset).await;
+    run_in(&rt, &sid, reset).await;
     let got = received(&rt, &sid);
     let p = |i: usize| got[i].0.system_prompt.clone().unwrap();
     assert!(p(0).contains("<skills>") && p(0).contains("- tests: How to test.\n</skills>"));
@@ -361,28 +364,19 @@ async fn the_skills_index_lists_what_the_filter_names_and_stays_sticky() {
         .await;
     assert_eq!(body["body"], "Use short sentences.");
     let err = rt
-        .bus
-        .call("directory::skills::get", json!({"name": "../t.db"}), None)
-        .await
-        .unwrap_err()
-        .into_harness()
-        .to_string();
+        .refused("directory::skills::get", json!({"name": "../t.db"}))
+        .await;
     assert!(
         err.contains("name: '../t.db' is not an entry name"),
         "{err}"
     );
 
     let err = rt
-        .bus
-        .call(
+        .refused(
             "harness::system-prompt::get",
             json!({"selected_prompt": {"skills": ["nope"]}}),
-            None,
         )
-        .await
-        .unwrap_err()
-        .into_harness()
-        .to_string();
+        .await;
     assert!(
         err.contains("selected_prompt.skills: skill 'nope'"),
         "{err}"
@@ -404,16 +398,8 @@ async fn the_skills_index_lists_what_the_filter_names_and_stays_sticky() {
 
 #[tokio::test]
 async fn system_prompt_get_previews_every_layer_and_matches_what_was_sent() {
-    let dir = directory();
-    let rt = runtime_with_directory(json!([text_gen("ok")]), dir.path()).await;
-    let req = with_options(
-        send("hi"),
-        SendOptions {
-            system_prompt: Some("Mine.".into()),
-            ..Default::default()
-        },
-    );
-    let sid = run(&rt, req).await;
+    let (_dir, rt) = ok_runtime().await;
+    let sid = run(&rt, prompted("hi", "Mine.")).await;
     let (sent, extras) = received(&rt, &sid).remove(0);
 
     let preview = rt
@@ -463,23 +449,14 @@ async fn system_prompt_get_previews_every_layer_and_matches_what_was_sent() {
     assert_eq!(default["layers"][0]["kind"], "built_in");
 
     let err = rt
-        .bus
-        .call(
-            "harness::system-prompt::get",
-            json!({"sesion_id": "x"}),
-            None,
-        )
-        .await
-        .unwrap_err()
-        .into_harness()
-        .to_string();
+        .refused("harness::system-prompt::get", json!({"sesion_id": "x"}))
+        .await;
     assert!(err.contains("sesion_id"), "{err}");
 }
 
 #[tokio::test]
 async fn a_direct_spawn_names_a_profile_for_its_child() {
-    let dir = directory();
-    let rt = runtime_with_directory(json!([text_gen("ok")]), dir.path()).await;
+    let (_dir, rt) = ok_runtime().await;
     let child = rt
         .harness
         .spawn(SpawnRequest {

@@ -72,12 +72,12 @@ pub async fn calling(matcher: &str, function_id: &str, then: &str) -> Rt {
     .await
 }
 
-/// The arguments of the call a hook payload names, with `key` set to `value`: what a hook
-/// that rewrites the call answers as its mutation.
-pub fn with_argument(payload: &Value, key: &str, value: Value) -> Value {
+/// What a hook that rewrites the call a hook payload names answers: `decision`, with the
+/// call's arguments and `key` set to `value` as the mutation.
+pub fn rewriting(payload: &Value, decision: &str, key: &str, value: Value) -> Value {
     let mut args = payload["call"]["arguments"].clone();
     args[key] = value;
-    args
+    json!({"decision": decision, "mutations": {"arguments": args}})
 }
 
 /// The string `field` of every element of the JSON array `list`, in order.
@@ -352,6 +352,16 @@ impl Rt {
             .call(function_id, payload, None)
             .await
             .unwrap_or_else(|e| panic!("{function_id}: {e}"))
+    }
+
+    /// Calls `function_id` on the bus as the operator does; the call must fail. Its error as
+    /// the harness words it (`harness/<code>: <message>`).
+    pub async fn refused(&self, function_id: &str, payload: Value) -> String {
+        use harness_bus::Bus;
+        match self.bus.call(function_id, payload, None).await {
+            Ok(v) => panic!("{function_id} should fail, answered {v}"),
+            Err(e) => e.into_harness().to_string(),
+        }
     }
 
     /// The session tree below `session_id`, as `harness::session-tree` answers it.
