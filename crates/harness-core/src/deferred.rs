@@ -357,16 +357,21 @@ impl Harness {
             ),
             None => (String::new(), 0, 0, None),
         };
-        let mut env = hooks::envelope(
-            HookPoint::PreTrigger,
-            &req.session_id,
-            &turn_id,
-            step,
-            depth,
-            metadata.as_ref(),
-        );
-        env["call"] =
-            json!({"id": call.id, "function_id": call.function_id, "arguments": call.arguments});
+        // A trigger hook's input: the call, with `arguments`, in the session's turn.
+        let envelope = |point, arguments: &Value| {
+            let mut env = hooks::envelope(
+                point,
+                &req.session_id,
+                &turn_id,
+                step,
+                depth,
+                metadata.as_ref(),
+            );
+            env["call"] =
+                json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+            env
+        };
+        let env = envelope(HookPoint::PreTrigger, &call.arguments);
         let chain = self
             .run_hooks(HookPoint::PreTrigger, env, Some(&call.function_id), None)
             .await?;
@@ -404,27 +409,8 @@ impl Harness {
             )
             .await;
         let duration_ms = started.elapsed().as_millis() as u64;
-        let (content, details, is_error) = match outcome {
-            Ok(v) => {
-                let (c, e) = dispatch::normalize(&v);
-                (c, v, e)
-            }
-            Err(e) => (
-                vec![ContentBlock::text(e.to_string())],
-                json!({"error": {"code": e.code, "message": e.message}}),
-                true,
-            ),
-        };
-        let mut env = hooks::envelope(
-            HookPoint::PostTrigger,
-            &req.session_id,
-            &turn_id,
-            step,
-            depth,
-            metadata.as_ref(),
-        );
-        env["call"] =
-            json!({"id": call.id, "function_id": call.function_id, "arguments": arguments});
+        let (content, details, is_error) = dispatch::answered(outcome);
+        let mut env = envelope(HookPoint::PostTrigger, &arguments);
         env["result"] = json!({"function_call_id": call.id, "function_id": call.function_id, "content": content, "is_error": is_error, "details": details});
         let chain = self
             .run_hooks(HookPoint::PostTrigger, env, Some(&call.function_id), None)

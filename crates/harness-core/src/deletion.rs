@@ -574,7 +574,11 @@ impl Harness {
             s.attempt,
             status_word(s.status)
         );
-        let payload = serde_json::to_value(s).unwrap_or(Value::Null);
+        let ev = crate::events::Event {
+            topic: topics::SESSION_TREE_DELETION,
+            dedupe_key: key,
+            payload: serde_json::to_value(s).unwrap_or(Value::Null),
+        };
         let admits = |config: &Value| {
             serde_json::from_value::<DeletionEventFilter>(config.clone()).is_ok_and(|f| {
                 f.session_id.as_deref().is_none_or(|x| x == s.session_id)
@@ -583,10 +587,7 @@ impl Harness {
                         .is_none_or(|x| x == s.operation_id)
             })
         };
-        if let Err(e) = self
-            .emit_filtered(topics::SESSION_TREE_DELETION, key, payload, &admits)
-            .await
-        {
+        if let Err(e) = self.emit_filtered(ev, &admits).await {
             tracing::warn!(operation = %s.operation_id, "cannot publish the deletion event: {e}");
         }
     }

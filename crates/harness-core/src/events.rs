@@ -10,6 +10,16 @@ use crate::topics;
 /// State scope of the events already fanned out to bindings, by the event's dedupe key.
 const FANOUT_SCOPE: &str = "harness_fanout";
 
+/// An event to deliver: its topic, the key that makes a repeat a no-op, its payload.
+pub(crate) struct Event {
+    pub topic: &'static str,
+    pub dedupe_key: String,
+    pub payload: Value,
+}
+
+/// Which bindings of its topic an event goes to, by their config.
+pub(crate) type Admits<'a> = &'a (dyn Fn(&Value) -> bool + Sync);
+
 /// Whether a binding's filter admits an event of `session_id` with this parent.
 fn admits(config: &Value, session_id: &str, parent_session_id: Option<&str>) -> bool {
     let filter: TurnEventFilter = match serde_json::from_value(config.clone()) {
@@ -25,19 +35,13 @@ fn admits(config: &Value, session_id: &str, parent_session_id: Option<&str>) -> 
 
 impl Harness {
     /// Records an event and delivers it to the bindings of `topic` whose config `admits` it.
-    pub(crate) async fn emit_filtered(
-        &self,
-        topic: &str,
-        dedupe_key: String,
-        payload: Value,
-        admits: &(dyn Fn(&Value) -> bool + Sync),
-    ) -> Result<()> {
+    pub(crate) async fn emit_filtered(&self, ev: Event, admits: Admits<'_>) -> Result<()> {
         self.inner
             .bus
-            .publish(topic, payload.clone(), Some(dedupe_key.clone()))
+            .publish(ev.topic, ev.payload.clone(), Some(ev.dedupe_key.clone()))
             .await
             .map_err(|e| e.into_harness())?;
-        self.fan_out(topic, dedupe_key, payload, admits).await
+        self.fan_out(ev, admits).await
     }
 
     /// Whether anything is bound to `topic` (an unreadable list counts as bound).
@@ -50,14 +54,13 @@ impl Harness {
     }
 
     /// The deliveries of an event already recorded (for instance in a step's batch): to the
-    /// bindings of `topic` whose config `admits` it, once per dedupe key.
-    pub(crate) async fn fan_out(
-        &self,
-        topic: &str,
-        dedupe_key: String,
-        payload: Value,
-        admits: &(dyn Fn(&Value) -> bool + Sync),
-    ) -> Result<()> {
+    /// bindings of its topic whose config `admits` it, once per dedupe key.
+    pub(crate) async fn fan_out(&self, ev: Event, admits: Admits<'_>) -> Result<()> {
+        let Event {
+            topic,
+            dedupe_key,
+            payload,
+        } = ev;
         let bindings = match self.inner.bus.bindings(topic).await {
             Ok(b) => b,
             Err(e) => {
@@ -130,9 +133,13 @@ impl Harness {
         let key = ev.dedupe_key();
         let session_id = ev.session_id().to_string();
         let parent = ev.parent_session_id().map(str::to_string);
-        let payload = serde_json::to_value(ev).unwrap_or(Value::Null);
+        let ev = Event {
+            topic: E::TOPIC,
+            dedupe_key: key,
+            payload: serde_json::to_value(ev).unwrap_or(Value::Null),
+        };
         let filter = |config: &Value| admits(config, &session_id, parent.as_deref());
-        self.fan_out(E::TOPIC, key, payload, &filter).await
+        self.fan_out(ev, &filter).await
     }
 }
 

@@ -120,7 +120,7 @@ fn terminal_records(batch: &mut StepWrites, rec: &TurnRecord) -> Result<()> {
         TurnStatus::Failed => {
             let f = failure_of(rec);
             batch.append_custom(
-                sid,
+                rec,
                 ids::error_entry(&rec.turn_id),
                 "error",
                 json!({"status": "error", "summary": f.summary, "code": f.code, "phase": f.phase,
@@ -132,15 +132,13 @@ fn terminal_records(batch: &mut StepWrites, rec: &TurnRecord) -> Result<()> {
                        "recovery": {"attempted": rec.transient_resumes > 0, "max_attempts": rec.options.max_transient_resumes,
                                     "outcome": if rec.transient_resumes > 0 { "exhausted" } else { "not_attempted" }},
                        "artifacts": {"session_id": sid, "turn_id": rec.turn_id}, "timestamp": now_ms()}),
-                &rec.turn_id,
             )
         }
         TurnStatus::Cancelled => batch.append_custom(
-            sid,
+            rec,
             ids::stopped_entry(&rec.turn_id),
             "notice",
             json!({"reason": "stopped", "message": texts::STOPPED_BY_USER}),
-            &rec.turn_id,
         ),
         _ => Ok(()),
     }

@@ -53,23 +53,22 @@ pub(crate) struct Inner {
     pub(crate) telemetry: std::sync::OnceLock<crate::trace::Telemetry>,
 }
 
-/// The append of a custom entry `entry_id` that turn `turn_id` writes.
-fn custom_append(
-    session_id: &str,
+/// The append of a custom entry `entry_id` that turn `rec` writes.
+pub(crate) fn custom_append(
+    rec: &TurnRecord,
     entry_id: String,
     custom_type: &str,
     data: Value,
-    turn_id: &str,
 ) -> AppendRequest {
     AppendRequest {
-        session_id: session_id.to_string(),
+        session_id: rec.session_id.clone(),
         message: None,
         custom: Some(CustomEntry {
             custom_type: custom_type.to_string(),
             data,
         }),
         entry_id: Some(entry_id),
-        origin: Some(serde_json::json!({ "turn_id": turn_id })),
+        origin: Some(serde_json::json!({ "turn_id": rec.turn_id })),
     }
 }
 
@@ -193,22 +192,15 @@ impl StepWrites {
         Ok(())
     }
 
-    /// As [`Harness::append_custom`].
+    /// A custom entry of turn `rec` (see [`custom_append`]).
     pub(crate) fn append_custom(
         &mut self,
-        session_id: &str,
+        rec: &TurnRecord,
         entry_id: String,
         custom_type: &str,
         data: Value,
-        turn_id: &str,
     ) -> Result<()> {
-        self.append(custom_append(
-            session_id,
-            entry_id,
-            custom_type,
-            data,
-            turn_id,
-        ))
+        self.append(custom_append(rec, entry_id, custom_type, data))
     }
 
     /// As the `session::update-message` call of the stream's last write.
@@ -501,24 +493,6 @@ impl Harness {
 
     pub(crate) async fn append(&self, req: AppendRequest) -> Result<AppendResponse> {
         self.call("session::append", &req).await
-    }
-
-    pub(crate) async fn append_custom(
-        &self,
-        session_id: &str,
-        entry_id: String,
-        custom_type: &str,
-        data: Value,
-        turn_id: &str,
-    ) -> Result<AppendResponse> {
-        self.append(custom_append(
-            session_id,
-            entry_id,
-            custom_type,
-            data,
-            turn_id,
-        ))
-        .await
     }
 
     pub(crate) async fn set_status(

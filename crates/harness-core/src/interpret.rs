@@ -450,21 +450,19 @@ fn write(
         Effect::NoteMaxTurns => {
             let text = texts::max_turns_reached(r.options.max_turns);
             batch.append_custom(
-                &r.session_id,
+                r,
                 ids::max_turns_entry(&r.turn_id),
                 "notice",
                 json!({"reason": "max_turns", "message": text}),
-                &r.turn_id,
             )?;
         }
         Effect::NoteResume { attempt, reason } => note_resume(batch, r, *attempt, reason)?,
         Effect::NoteRecovered { attempt } => {
             batch.append_custom(
-                &r.session_id,
+                r,
                 ids::recovery_entry(&r.turn_id, *attempt, "recovered"),
                 crate::context::RECOVERY_ENTRY,
                 json!({"status": "recovered", "attempt": attempt, "max_attempts": r.options.max_transient_resumes, "phase": "generation", "timestamp": now_ms()}),
-                &r.turn_id,
             )?;
         }
         Effect::NoteNudge { attempt, text } => {
@@ -531,12 +529,11 @@ fn user_append(
 fn note_resume(batch: &mut StepWrites, rec: &TurnRecord, attempt: u32, reason: &str) -> Result<()> {
     let notice = texts::resume_notice(reason);
     batch.append_custom(
-        &rec.session_id,
+        rec,
         ids::recovery_entry(&rec.turn_id, attempt, "recovering"),
         crate::context::RECOVERY_ENTRY,
         json!({"status": "recovering", "summary": texts::RECOVERING_SUMMARY, "detail": reason,
                "phase": "generation", "attempt": attempt, "max_attempts": rec.options.max_transient_resumes,
                "partial_result_available": true, "notice": notice, "timestamp": now_ms()}),
-        &rec.turn_id,
     )
 }

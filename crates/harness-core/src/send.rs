@@ -1,6 +1,7 @@
 //! `harness::send`: persist the message, then seed a turn or merge into the running one.
 
 use harness_types::api::{SendOptions, SendRequest, SendResponse, TurnStatus};
+use harness_types::directory::AgentProfile;
 use harness_types::message::AgentMessage;
 use harness_types::session::{CreateRequest, CreateResponse, EnsureRequest, EnsureResponse};
 use harness_types::{ids, now_ms, ErrorCode, HarnessError};
@@ -658,6 +659,20 @@ impl Harness {
         Ok(pruned)
     }
 
+    /// The profile `name` names (`field` in errors), and its model with its provider.
+    pub(crate) async fn named_profile(
+        &self,
+        field: &str,
+        name: Option<&str>,
+    ) -> Result<(Option<AgentProfile>, Option<(String, Option<String>)>)> {
+        let Some(name) = name else {
+            return Ok((None, None));
+        };
+        let profile = self.agent_profile(field, name).await?;
+        let model = profile.model.clone().map(|m| (m, profile.provider.clone()));
+        Ok((Some(profile), model))
+    }
+
     /// Resolves the options the next turn would run with. Explicit fields win; omitted ones are
     /// inherited from the previous turn (model, provider, policy, prompt, reasoning).
     async fn freeze_options(
@@ -667,13 +682,9 @@ impl Harness {
         prev: Option<&TurnRecord>,
     ) -> Result<TurnOptions> {
         let prev_opts = prev.map(|p| &p.options);
-        let profile = match &o.agent {
-            Some(name) => Some(self.agent_profile("options.agent", name).await?),
-            None => None,
-        };
-        let profile_model = profile
-            .as_ref()
-            .and_then(|p| p.model.clone().map(|m| (m, p.provider.clone())));
+        let (profile, profile_model) = self
+            .named_profile("options.agent", o.agent.as_deref())
+            .await?;
         let (model, provider) = match (&req.model, prev_opts) {
             (Some(m), _) if m.is_empty() => {
                 return Err(HarnessError::invalid_field("model", "must not be empty"))

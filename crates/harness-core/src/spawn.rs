@@ -177,13 +177,7 @@ impl Harness {
                 .then(|| parent_opts.and_then(|p| p.agent.as_ref().map(|a| a.name.clone())))
                 .flatten()
         });
-        let profile = match &agent_name {
-            Some(name) => Some(self.agent_profile("agent", name).await?),
-            None => None,
-        };
-        let profile_model = profile
-            .as_ref()
-            .and_then(|p| p.model.clone().map(|m| (m, p.provider.clone())));
+        let (profile, profile_model) = self.named_profile("agent", agent_name.as_deref()).await?;
         let (model, provider) = match (&req.model, parent_opts) {
             (Some(m), _) if !m.is_empty() => (m.clone(), req.provider.clone()),
             // Never the parent's provider on the profile's (possibly foreign) model.

@@ -326,17 +326,12 @@ impl Harness {
         let again = (req.clone(), extras.clone());
 
         // Generate with the lock released, so `stop` can land mid-stream.
+        let stream = async |req, extras, last: &mut StepWrites| {
+            self.generate(req, extras, &sid, &entry_id, cancel.clone(), last)
+                .await
+        };
         drop(carry.guard.take());
-        let mut generation = self
-            .generate(
-                req,
-                extras,
-                &sid,
-                &entry_id,
-                cancel.clone(),
-                &mut carry.pending,
-            )
-            .await;
+        let mut generation = stream(req, extras, &mut carry.pending).await;
         // The server measured the prompt over its window (our count was low): assembled once
         // more with a quarter of the prompt held back, so the history is compacted (or a message
         // that alone cannot fit refused), and asked again, once. Nothing was streamed.
@@ -364,16 +359,7 @@ impl Harness {
                 req.system_prompt = p.system_prompt;
                 req.messages = p.messages;
                 req.max_output_tokens = p.max_output_tokens;
-                generation = self
-                    .generate(
-                        req,
-                        extras,
-                        &sid,
-                        &entry_id,
-                        cancel.clone(),
-                        &mut carry.pending,
-                    )
-                    .await;
+                generation = stream(req, extras, &mut carry.pending).await;
             }
             if overflowed(&generation) {
                 carry.guard = Some(self.inner.locks.lock(&sid).await);

@@ -7,7 +7,7 @@ use harness_types::api::{
     MetricsCounters, MetricsRequest, MetricsResponse, MetricsTotals, SessionMetrics,
     SessionTreeNode, SessionTreeRequest,
 };
-use harness_types::message::{AgentMessage, ContentBlock};
+use harness_types::message::AgentMessage;
 use harness_types::session::{ListRequest, ListResponse, SessionMeta};
 use harness_types::HarnessError;
 
@@ -172,11 +172,7 @@ impl Harness {
                 match e.message {
                     Some(AgentMessage::Assistant(a)) => {
                         c.turns += 1;
-                        c.function_calls += a
-                            .content
-                            .iter()
-                            .filter(|b| matches!(b, ContentBlock::FunctionCall { .. }))
-                            .count() as u64;
+                        c.function_calls += crate::usage::calls_made(&a);
                         count_usage(&mut c, &mut cost, &mut first, &a.usage.unwrap_or_default());
                     }
                     Some(AgentMessage::FunctionResult(r)) if r.is_error => {

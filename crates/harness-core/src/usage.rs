@@ -271,12 +271,21 @@ fn spawned(entries: &[harness_types::session::Entry]) -> bool {
     })
 }
 
+/// How many function calls an assistant message makes: what the metrics count per turn.
+pub(crate) fn calls_made(a: &harness_types::message::AssistantMessage) -> u64 {
+    use harness_types::message::ContentBlock;
+    a.content
+        .iter()
+        .filter(|b| matches!(b, ContentBlock::FunctionCall { .. }))
+        .count() as u64
+}
+
 /// The `harness::metrics` counters of one session, from its transcript: each assistant message
 /// a turn, its function calls, the `is_error` results; a token or cost sum only when every
 /// observation reported it (else 0, as `harness::metrics` answers none), a compaction's
 /// summary included.
 fn own_totals(entries: &[harness_types::session::Entry]) -> UsageTotals {
-    use harness_types::message::{AgentMessage, ContentBlock, Usage};
+    use harness_types::message::{AgentMessage, Usage};
     let mut t = UsageTotals::default();
     let (mut input, mut output, mut cost) = (Some(0u64), Some(0u64), Some(0f64));
     let add =
@@ -289,11 +298,7 @@ fn own_totals(entries: &[harness_types::session::Entry]) -> UsageTotals {
         match &e.message {
             Some(AgentMessage::Assistant(a)) => {
                 t.turns += 1;
-                t.function_calls += a
-                    .content
-                    .iter()
-                    .filter(|b| matches!(b, ContentBlock::FunctionCall { .. }))
-                    .count() as u64;
+                t.function_calls += calls_made(a);
                 add(
                     &a.usage.clone().unwrap_or_default(),
                     &mut input,

@@ -155,6 +155,24 @@ pub(crate) fn normalize(value: &Value) -> (Vec<ContentBlock>, bool) {
     (vec![ContentBlock::text(value.to_string())], is_error)
 }
 
+/// A target's answer as a call result: content, details, whether it is an error. A failed
+/// bus call is an error result naming the bus's code and message (the model reads it).
+pub(crate) fn answered(
+    outcome: std::result::Result<Value, harness_bus::BusError>,
+) -> (Vec<ContentBlock>, Value, bool) {
+    match outcome {
+        Ok(value) => {
+            let (content, is_error) = normalize(&value);
+            (content, value, is_error)
+        }
+        Err(e) => (
+            vec![ContentBlock::text(e.to_string())],
+            json!({"error": {"code": e.code, "message": e.message}}),
+            true,
+        ),
+    }
+}
+
 pub use harness_machine::call::Refusal;
 
 /// What a model reads when the policy refuses its call.

@@ -359,20 +359,13 @@ impl Harness {
             return Ok(false);
         };
         let policy = Policy::new(rec.options.functions.as_ref());
-        let (content, details, is_error) = match outcome {
-            Ok(value) => {
-                let value = self
-                    .filter_discovery(&call.function_id, &policy, value)
-                    .await;
-                let (content, is_error) = super::normalize(&value);
-                (content, value, is_error)
-            }
-            Err(e) => (
-                vec![ContentBlock::text(e.to_string())],
-                json!({"error": {"code": e.code, "message": e.message}}),
-                true,
-            ),
+        let outcome = match outcome {
+            Ok(value) => Ok(self
+                .filter_discovery(&call.function_id, &policy, value)
+                .await),
+            failed => failed,
         };
+        let (content, details, is_error) = super::answered(outcome);
         breaker::record(
             &mut rec.failed_calls,
             &flight.run.breaker_key,

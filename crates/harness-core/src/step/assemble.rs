@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::context::{self, Window};
 use crate::failpoint;
-use crate::harness::{Harness, Result};
+use crate::harness::{custom_append, Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::machine::ContextRefusal;
 use crate::record::TurnRecord;
@@ -274,14 +274,9 @@ impl Harness {
                     let data = serde_json::to_value(&record)
                         .map_err(|e| HarnessError::internal(e.to_string()))?;
                     failpoint::hit("before_compaction_appended");
-                    self.append_custom(
-                        &rec.session_id,
-                        ids::compaction_entry(&rec.turn_id, rec.step),
-                        COMPACTION_ENTRY,
-                        data,
-                        &rec.turn_id,
-                    )
-                    .await?;
+                    let id = ids::compaction_entry(&rec.turn_id, rec.step);
+                    self.append(custom_append(rec, id, COMPACTION_ENTRY, data))
+                        .await?;
                     failpoint::hit("after_compaction_appended");
                 }
                 // What is held back is prompt the count missed: no room for output either.
@@ -333,15 +328,11 @@ impl Harness {
 
     /// Writes the `EXCLUDED_ENTRY` that leaves `entry_id` out of the session's later windows.
     async fn exclude_entry(&self, rec: &TurnRecord, entry_id: &str, detail: &str) -> Result<()> {
-        self.append_custom(
-            &rec.session_id,
-            format!("e_{}_{}_excluded", rec.turn_id, rec.step),
-            context::EXCLUDED_ENTRY,
-            json!({"entry_id": entry_id, "detail": detail}),
-            &rec.turn_id,
-        )
-        .await
-        .map(|_| ())
+        let id = format!("e_{}_{}_excluded", rec.turn_id, rec.step);
+        let data = json!({"entry_id": entry_id, "detail": detail});
+        self.append(custom_append(rec, id, context::EXCLUDED_ENTRY, data))
+            .await
+            .map(|_| ())
     }
 
     /// After the server refused the prompt as over its window twice: when the latest user
