@@ -57,6 +57,16 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio_tungstenite::tungstenite::Message as Ws;
 
+/// True when the engine listing `listed` holds, under `key`, an entry whose `field` is `value`
+/// (`engine::functions::list`: "functions" and "function_id").
+pub fn lists(listed: &Value, key: &str, field: &str, value: &str) -> bool {
+    listed[key]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|e| e[field] == value)
+}
+
 /// An error answer: `{code, message}`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CallError {
@@ -1075,12 +1085,7 @@ impl Engine {
                     .call("engine::functions::list", json!({"include_internal": true}))
                     .await
                     .unwrap_or(Value::Null);
-                if listed["functions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|f| f["function_id"] == json!(function_id))
-                {
+                if lists(&listed, "functions", "function_id", function_id) {
                     return;
                 }
                 assert!(
@@ -1258,12 +1263,7 @@ impl Engine {
                     )
                     .await
                     .unwrap_or(Value::Null);
-                if listed["registered_triggers"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|t| t["id"] == json!(id))
-                {
+                if lists(&listed, "registered_triggers", "id", id) {
                     tokio::time::sleep(Duration::from_millis(300)).await;
                     return json!({"id": id, "error": null});
                 }

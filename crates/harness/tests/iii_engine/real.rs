@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::Message as Ws;
 
-use super::CallError;
+use super::{lists, CallError};
 
 /// The engine binary to run, if the environment names one.
 pub fn engine_bin() -> Option<PathBuf> {
@@ -145,22 +145,36 @@ impl RealEngine {
             "engine.log",
         );
         *self.child.lock().unwrap() = Some(child);
+        // Up once its built-ins answer.
+        self.wait_listed(
+            json!({}),
+            |_| true,
+            "the iii engine did not come up",
+            || self.log(),
+        )
+        .await;
+        self.ensure_queue_worker().await;
+    }
+
+    /// Polls a fresh connection's `engine::functions::list` of `request` until it answers and
+    /// `ready` holds of the answer; after a minute fails with `what` and the log `log` reads.
+    async fn wait_listed(
+        &self,
+        request: Value,
+        ready: impl Fn(&Value) -> bool,
+        what: &str,
+        log: impl Fn() -> String,
+    ) {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(c) = Client::connect(&self.url()).await {
-                // Up once its built-ins answer.
-                let up = c.call("engine::functions::list", json!({})).await.is_ok();
+                let listed = c.call("engine::functions::list", request.clone()).await;
                 c.close();
-                if up {
-                    self.ensure_queue_worker().await;
+                if listed.is_ok_and(|l| ready(&l)) {
                     return;
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "the iii engine did not come up; log:\n{}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "{what}; log:\n{}", log());
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -204,34 +218,13 @@ impl RealEngine {
                 *q = Some(child);
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(c) = Client::connect(&self.url()).await {
-                let listed = c
-                    .call(
-                        "engine::functions::list",
-                        json!({"prefix": "engine::queue::", "include_internal": true}),
-                    )
-                    .await;
-                c.close();
-                let up = listed.is_ok_and(|l| {
-                    l["functions"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .any(|f| f["function_id"] == "engine::queue::enqueue")
-                });
-                if up {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the queue worker did not register engine::queue::enqueue; its log:\n{}",
-                self.queue_log()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        self.wait_listed(
+            json!({"prefix": "engine::queue::", "include_internal": true}),
+            |l| lists(l, "functions", "function_id", "engine::queue::enqueue"),
+            "the queue worker did not register engine::queue::enqueue",
+            || self.queue_log(),
+        )
+        .await;
     }
 
     pub fn queue_log(&self) -> String {
