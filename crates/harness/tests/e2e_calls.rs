@@ -155,29 +155,13 @@ async fn a_crash_while_a_released_call_runs_still_closes_it_once() {
         "after_call_target:1",
         "after_call_done:1",
     ] {
-        let fx = Fixtures::new(json!([{"id": "fx::write", "response": {"ok": true}}]));
-        let script = script(vec![
-            json!({"match": {"last_user_text": "write"},
-                   "content": [{"type": "function_call", "id": "c1", "function_id": "fx::write", "arguments": {"path": "/a"}}]}),
-            text_gen(None, "done writing", 0, true),
-        ]);
-        let mut extra = fx.args();
-        extra.extend(["--approve".to_string(), "fx::*".to_string()]);
-        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-        let mut server = Server::start(&script, &extra).await;
+        let (fx, mut server) = approved_write_server().await;
         let sid = "s_release";
         let sent = server
             .ok("harness::send", send_body(sid, "write it", &["fx::*"]))
             .await;
         let turn_id = sent["turn_id"].as_str().unwrap().to_string();
-        let approval = wait_for("the approval to be listed", WAIT, || async {
-            server
-                .ok("approval::list", json!({"session_id": sid}))
-                .await["approvals"]
-                .as_array()
-                .and_then(|a| a.first().cloned())
-        })
-        .await;
+        let approval = server.first_approval(sid).await;
         // Arm the failpoint for the release only.
         server.crash_at(point, "approval::decide", json!({"approval_id": approval["approval_id"], "decision": "approve", "digest": approval["digest"]})).await;
         let status = server.wait_turn(sid, &turn_id).await;

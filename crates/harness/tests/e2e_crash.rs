@@ -455,16 +455,7 @@ async fn idempotent_send_across_a_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_right_after_a_released_call_advances_its_turn_leaves_the_step_queued() {
     let point = "after_advance_persisted:1";
-    let fx = Fixtures::new(json!([{"id": "fx::write", "response": {"ok": true}}]));
-    let script = script(vec![
-        json!({"match": {"last_user_text": "write"},
-               "content": [{"type": "function_call", "id": "c1", "function_id": "fx::write", "arguments": {"path": "/a"}}]}),
-        text_gen(None, "done writing", 0, true),
-    ]);
-    let mut extra = fx.args();
-    extra.extend(["--approve".to_string(), "fx::*".to_string()]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut server = Server::start(&script, &extra).await;
+    let (fx, mut server) = approved_write_server().await;
     let sid = "s_advance";
     let sent = server
         .ok(
@@ -474,14 +465,7 @@ async fn a_kill_right_after_a_released_call_advances_its_turn_leaves_the_step_qu
         )
         .await;
     let tid = id(&sent, "turn_id");
-    let approval = wait_for("the approval to be listed", WAIT, || async {
-        server
-            .ok("approval::list", json!({"session_id": sid}))
-            .await["approvals"]
-            .as_array()
-            .and_then(|a| a.first().cloned())
-    })
-    .await;
+    let approval = server.first_approval(sid).await;
     // Armed for the release only: the restart finds the turn parked, which advances nothing.
     server.kill();
     server.set_env("HARNESS_FAILPOINT", Some(point));

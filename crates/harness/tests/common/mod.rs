@@ -398,6 +398,17 @@ impl Api {
         self.completed_transcript(&session_id, &turn_id).await
     }
 
+    /// Waits until the session has an approval listed; returns the first.
+    pub async fn first_approval(&self, session_id: &str) -> Value {
+        wait_for("the approval to be listed", WAIT, || async {
+            self.ok("approval::list", json!({ "session_id": session_id }))
+                .await["approvals"]
+                .as_array()
+                .and_then(|a| a.first().cloned())
+        })
+        .await
+    }
+
     /// Opens the session's SSE event stream, resuming after `last_event_id` when given.
     pub async fn events(&self, session_id: &str, last_event_id: Option<i64>) -> EventStream {
         EventStream::open(&self.url(), session_id, last_event_id).await
@@ -442,6 +453,22 @@ impl Drop for Server {
             );
         }
     }
+}
+
+/// A server whose model writes `/a` through `fx::write` (call `c1`) when the user says
+/// "write…" and then says "done writing", with every `fx::*` call held for approval.
+pub async fn approved_write_server() -> (Fixtures, Server) {
+    let fx = Fixtures::new(json!([{"id": "fx::write", "response": {"ok": true}}]));
+    let script = script(vec![
+        json!({"match": {"last_user_text": "write"},
+               "content": [{"type": "function_call", "id": "c1", "function_id": "fx::write", "arguments": {"path": "/a"}}]}),
+        text_gen(None, "done writing", 0, true),
+    ]);
+    let mut extra = fx.args();
+    extra.extend(["--approve".to_string(), "fx::*".to_string()]);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let server = Server::start(&script, &extra).await;
+    (fx, server)
 }
 
 /// Polls `f` until it returns `Some`, failing after `timeout` with `what`.
