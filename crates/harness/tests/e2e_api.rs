@@ -149,23 +149,48 @@ async fn bad_input() {
         assert_eq!(e.status, 400, "{req}");
         assert_untouched(&server, &sid).await;
     }
-    let e = server
-        .err(
+    // Each refused 400 harness/invalid_request, its message naming the field.
+    for (function_id, request, names) in [
+        (
             "harness::send",
             json!({"message": "x", "model": "m", "session_id": 5}),
-        )
-        .await;
-    assert_error(&e, 400, "harness/invalid_request", "session_id");
-    let e = server
-        .err(
+            "session_id",
+        ),
+        (
             "harness::send",
             json!({"message": "x", "model": "m", "session_id": ""}),
-        )
-        .await;
-    assert_error(&e, 400, "harness/invalid_request", "session_id");
-    // A missing model without a session id says so (and creates nothing: no session id to check).
-    let e = server.err("harness::send", json!({"message": "x"})).await;
-    assert_error(&e, 400, "harness/invalid_request", "model");
+            "session_id",
+        ),
+        // A missing model without a session id says so (and creates nothing: no session id to
+        // check).
+        ("harness::send", json!({"message": "x"}), "model"),
+        ("harness::status", json!({}), "session_id"),
+        (
+            "session::messages",
+            json!({"session_id": "s_nope", "include_custom": "yes"}),
+            "include_custom",
+        ),
+        // The internal step function cannot be called from outside.
+        (
+            "harness::turn",
+            json!({"session_id": "s_x", "turn_id": "t_x", "step": 0}),
+            "function_id",
+        ),
+    ] {
+        let e = server.err(function_id, request.clone()).await;
+        let case = format!("{function_id} {request}");
+        assert_eq!(
+            (e.status, e.code.as_str()),
+            (400, "harness/invalid_request"),
+            "{case}: {:?}",
+            e.body
+        );
+        assert!(
+            e.message.contains(names),
+            "{case}: the message {:?} should name {names:?}",
+            e.message
+        );
+    }
 
     // Unknown session: messages is not_found naming session_id, status is null (200).
     let e = server
@@ -183,28 +208,12 @@ async fn bad_input() {
         )
         .await;
     assert_eq!((status, body), (200, Value::Null));
-    let e = server.err("harness::status", json!({})).await;
-    assert_error(&e, 400, "harness/invalid_request", "session_id");
-    let e = server
-        .err(
-            "session::messages",
-            json!({"session_id": "s_nope", "include_custom": "yes"}),
-        )
-        .await;
-    assert_error(&e, 400, "harness/invalid_request", "include_custom");
 
-    // Unknown function: 404 naming it. The internal step function cannot be called from outside.
+    // Unknown function: 404 naming it.
     let e = server.err("nope::missing", json!({})).await;
     assert_eq!(e.status, 404, "{:?}", e.body);
     assert!(e.code.starts_with("harness/"), "{:?}", e.body);
     assert!(e.message.contains("nope::missing"), "{:?}", e.message);
-    let e = server
-        .err(
-            "harness::turn",
-            json!({"session_id": "s_x", "turn_id": "t_x", "step": 0}),
-        )
-        .await;
-    assert_error(&e, 400, "harness/invalid_request", "function_id");
 
     // Events: unknown session, and a Last-Event-ID that is not an id.
     let resp = server.get("/v1/sessions/s_nope/events").await;
@@ -300,29 +309,21 @@ async fn sse_resume() {
     );
     let key = |e: &SseEvent| e.data.clone();
 
-    // Resume after the 2nd event: exactly the events after it, same ids, same data.
+    // Resume after the 2nd event, by Last-Event-ID or by the query parameter: exactly the
+    // events after it, same ids, same data.
     let second = all[1].event_id();
-    let resumed = server
-        .events(&sid, Some(second))
-        .await
-        .until_turn_completed(&tid)
-        .await;
-    assert_eq!(
-        resumed.iter().map(key).collect::<Vec<_>>(),
-        all[2..].iter().map(key).collect::<Vec<_>>(),
-        "resuming after event {second}"
-    );
-    // The query parameter does the same.
     let url = format!("{}/v1/sessions/{sid}/events?after={second}", server.url());
-    let via_query = EventStream::open_url(&url, None)
-        .await
-        .until_turn_completed(&tid)
-        .await;
-    assert_eq!(
-        via_query.iter().map(key).collect::<Vec<_>>(),
-        all[2..].iter().map(key).collect::<Vec<_>>(),
-        "?after={second}"
-    );
+    for (how, mut stream) in [
+        ("Last-Event-ID", server.events(&sid, Some(second)).await),
+        ("?after=", EventStream::open_url(&url, None).await),
+    ] {
+        let resumed = stream.until_turn_completed(&tid).await;
+        assert_eq!(
+            resumed.iter().map(key).collect::<Vec<_>>(),
+            all[2..].iter().map(key).collect::<Vec<_>>(),
+            "resuming after event {second} by {how}"
+        );
+    }
 
     // Resuming after the last event replays nothing: the first event is the next turn's.
     let last = all.last().unwrap().event_id();
