@@ -86,20 +86,9 @@ pub(crate) fn normalize_message(message: Value) -> Result<AgentMessage> {
             "message",
             format!(
                 "must be a string or a message object (got {})",
-                json_kind(&other)
+                harness_types::parse::json_kind(&other)
             ),
         )),
-    }
-}
-
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 

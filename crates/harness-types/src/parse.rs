@@ -5,6 +5,18 @@ use serde_json::Value;
 
 use crate::error::HarnessError;
 
+/// What kind of JSON value `v` is, as an error message names it ("an array").
+pub fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
 /// Deserializes a function payload. A failure becomes `harness/invalid_request: <path>: <why>`,
 /// where `<path>` is the field that failed (`options.max_turns`, `message.content[0].text`).
 ///
@@ -13,16 +25,9 @@ use crate::error::HarnessError;
 pub fn parse_payload<T: DeserializeOwned>(payload: Value) -> Result<T, HarnessError> {
     if !payload.is_object() {
         // serde would take an array as a struct's fields in order: never what a caller meant.
-        let kind = match payload {
-            Value::Null => "null",
-            Value::Bool(_) => "a boolean",
-            Value::Number(_) => "a number",
-            Value::String(_) => "a string",
-            Value::Array(_) => "an array",
-            Value::Object(_) => "an object",
-        };
         return Err(HarnessError::invalid(format!(
-            "payload: must be a JSON object (got {kind})"
+            "payload: must be a JSON object (got {})",
+            json_kind(&payload)
         )));
     }
     let payload = strip_engine_fields(payload);
