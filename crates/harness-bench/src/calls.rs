@@ -38,7 +38,6 @@ pub(crate) struct Calls {
     pub(crate) target_p50: f64,
     /// Slowest (by the call step's mean) first.
     pub(crate) breakdown: Vec<OpRow>,
-    pub(crate) fsync: CallFsyncs,
 }
 
 impl Calls {
@@ -84,7 +83,7 @@ pub(crate) fn target_of(s: &StepSample) -> (u64, u64) {
         .unwrap_or((0, 0))
 }
 
-/// The call steps against their paired text steps (fsync off), then [`call_fsyncs`].
+/// The call steps against their paired text steps (fsync off).
 pub(crate) async fn function_calls(at: At<'_>, plan: &Plan) -> Result<Calls> {
     let n = FUNCTION_MAX_TURNS as usize;
     progress!(
@@ -147,7 +146,6 @@ pub(crate) async fn function_calls(at: At<'_>, plan: &Plan) -> Result<Calls> {
         text: Steps::of(&text),
         target_p50: p50_of(&calls, |s| target_of(s).0),
         breakdown,
-        fsync: call_fsyncs(at, plan).await?,
     })
 }
 

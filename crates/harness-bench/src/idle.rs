@@ -54,26 +54,59 @@ pub(crate) async fn release_free_memory(host: &dyn Host) {
     release();
 }
 
-pub(crate) async fn settled_rss(host: &dyn Host) -> u64 {
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    release_free_memory(host).await;
-    trim_heap();
-    rss_bytes().unwrap_or(0)
+/// The process's memory once so many sessions were filled, read after the allocators gave
+/// their free pages back.
+#[derive(Clone, Copy)]
+pub(crate) struct Reading {
+    pub(crate) sessions: usize,
+    /// Resident set.
+    pub(crate) rss: u64,
+    /// SQLite's own heap (every connection's page cache, statements, schema): the share of the
+    /// RSS the store's connections hold.
+    pub(crate) sqlite_heap: i64,
 }
 
+impl Reading {
+    pub(crate) async fn settled(host: &dyn Host, sessions: usize) -> Reading {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        release_free_memory(host).await;
+        trim_heap();
+        Reading {
+            sessions,
+            rss: rss_bytes().unwrap_or(0),
+            sqlite_heap: harness_store::Store::sqlite_heap_bytes(),
+        }
+    }
+
+    /// What the resident set grew by per session filled since `earlier` (0 if it shrank).
+    fn bytes_per_session_since(&self, earlier: &Reading) -> f64 {
+        let grown = self.rss.saturating_sub(earlier.rss) as f64;
+        per(grown, self.sessions.saturating_sub(earlier.sessions) as f64)
+    }
+}
+
+/// Readings before the first session, after half of them, and after the last.
 pub(crate) struct IdleRam {
+    pub(crate) before: Reading,
+    pub(crate) half: Reading,
+    pub(crate) after: Reading,
+}
+
+impl IdleRam {
     /// Sessions filled (each with one completed turn).
-    pub(crate) sessions: usize,
-    /// RSS growth over all of them, and over the second half only, per session.
-    pub(crate) bytes_per_session: f64,
-    pub(crate) marginal_bytes: f64,
-    /// RSS before the first session and after the last.
-    pub(crate) rss_before: u64,
-    pub(crate) rss_after: u64,
-    /// SQLite's own heap (every connection's page cache, statements, schema) at the same two
-    /// moments: the share of the RSS the store's connections hold.
-    pub(crate) sqlite_before: i64,
-    pub(crate) sqlite_after: i64,
+    pub(crate) fn sessions(&self) -> usize {
+        self.after.sessions
+    }
+
+    /// RSS growth per session over all of them.
+    pub(crate) fn bytes_per_session(&self) -> f64 {
+        self.after.bytes_per_session_since(&self.before)
+    }
+
+    /// The same over the second half only.
+    pub(crate) fn marginal_bytes(&self) -> f64 {
+        self.after.bytes_per_session_since(&self.half)
+    }
 }
 
 /// Fills `n` sessions (one completed turn each, 64 in flight) until done or `cap` runs out.
@@ -109,37 +142,29 @@ pub(crate) async fn idle_ram(at: At<'_>, plan: &Plan) -> Result<IdleRam> {
     // Warm-up: the runtime's fixed costs (threads, connections, statement caches) land before the baseline.
     fill_sessions(&d, 100, Duration::from_secs(2)).await?;
     rig.queue_idle().await?;
-    let rss_before = settled_rss(at.host).await;
-    let sqlite_before = harness_store::Store::sqlite_heap_bytes();
+    let before = Reading::settled(at.host, 0).await;
     let cap_end = Instant::now() + plan.idle_cap;
-    let half = plan.idle_sessions / 2;
-    let made_half = fill_sessions(&d, half, plan.idle_cap).await?;
+    let first_half = plan.idle_sessions / 2;
+    let made_half = fill_sessions(&d, first_half, plan.idle_cap).await?;
     rig.queue_idle().await?;
-    let rss_half = settled_rss(at.host).await;
+    let half = Reading::settled(at.host, made_half).await;
     let left = cap_end.saturating_duration_since(Instant::now());
-    let made_rest = fill_sessions(&d, plan.idle_sessions - half, left).await?;
+    let made_rest = fill_sessions(&d, plan.idle_sessions - first_half, left).await?;
     rig.queue_idle().await?;
-    let rss_after = settled_rss(at.host).await;
-    let sqlite_after = harness_store::Store::sqlite_heap_bytes();
-    let sessions = made_half + made_rest;
-    if sessions < plan.idle_sessions {
-        progress!("  time cap reached: measured {sessions} sessions");
-    }
-    let grown = |from: u64, to: u64| to.saturating_sub(from) as f64;
-    let out = IdleRam {
-        sessions,
-        bytes_per_session: per(grown(rss_before, rss_after), sessions as f64),
-        marginal_bytes: per(grown(rss_half, rss_after), made_rest as f64),
-        rss_before,
-        rss_after,
-        sqlite_before,
-        sqlite_after,
-    };
+    let after = Reading::settled(at.host, made_half + made_rest).await;
     rig.close().await;
+    let out = IdleRam {
+        before,
+        half,
+        after,
+    };
+    if out.sessions() < plan.idle_sessions {
+        progress!("  time cap reached: measured {} sessions", out.sessions());
+    }
     progress!(
         "  = {:.0} B per idle session ({} sessions)",
-        out.bytes_per_session,
-        out.sessions
+        out.bytes_per_session(),
+        out.sessions()
     );
     Ok(out)
 }

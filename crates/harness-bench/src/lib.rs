@@ -224,6 +224,7 @@ async fn measure(at: At<'_>, plan: &Plan) -> Result<Results> {
         Mode::Iii(_) => None,
     };
     let calls = calls::function_calls(at, plan).await?;
+    let call_fsyncs = calls::call_fsyncs(at, plan).await?;
     let long = long_session::long_session(at, plan).await?;
     let router = router::router_latency(plan).await?;
     let cells = throughput::cells(at, plan).await?;
@@ -235,6 +236,7 @@ async fn measure(at: At<'_>, plan: &Plan) -> Result<Results> {
         hand_nofsync,
         text_fsyncs,
         calls,
+        call_fsyncs,
         long,
         router,
         cells,

@@ -78,7 +78,8 @@ impl Report<'_> {
 
     fn calls_json(&self) -> Value {
         let calls = &self.results.calls;
-        let (call, text, fsync) = (&calls.calls, &calls.text, &calls.fsync);
+        let (call, text) = (&calls.calls, &calls.text);
+        let fsync = &self.results.call_fsyncs;
         json!({
             "call_step_us_p50": round1(call.whole.p50),
             "call_step_us_p99": round1(call.whole.p99),
@@ -182,7 +183,7 @@ impl Report<'_> {
             ),
             (
                 "call_step_fsync_us_p50_per_fsync",
-                per(calls.fsync.step_p50, fsync_us),
+                per(r.call_fsyncs.step_p50, fsync_us),
             ),
             ("steps_per_sec_1_fsync_per_fsync_rate", rate_vs_fsync(1)),
             ("steps_per_sec_10_fsync_per_fsync_rate", rate_vs_fsync(10)),
@@ -206,13 +207,13 @@ impl Report<'_> {
     fn idle_json(&self) -> Value {
         let ram = &self.results.ram;
         json!({
-            "idle_session_bytes": ram.bytes_per_session.round(),
-            "idle_session_marginal_bytes": ram.marginal_bytes.round(),
-            "idle_sessions": ram.sessions,
-            "idle_rss_before_bytes": ram.rss_before,
-            "idle_rss_after_bytes": ram.rss_after,
-            "idle_sqlite_heap_before_bytes": ram.sqlite_before,
-            "idle_sqlite_heap_after_bytes": ram.sqlite_after,
+            "idle_session_bytes": ram.bytes_per_session().round(),
+            "idle_session_marginal_bytes": ram.marginal_bytes().round(),
+            "idle_sessions": ram.sessions(),
+            "idle_rss_before_bytes": ram.before.rss,
+            "idle_rss_after_bytes": ram.after.rss,
+            "idle_sqlite_heap_before_bytes": ram.before.sqlite_heap,
+            "idle_sqlite_heap_after_bytes": ram.after.sqlite_heap,
         })
     }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 use harness_router::bench::FrameLatencyReport;
 use serde_json::{json, Map, Value};
 
-use crate::calls::Calls;
+use crate::calls::{CallFsyncs, Calls};
 use crate::handoff::{Fsyncs, Handoff};
 use crate::idle::IdleRam;
 use crate::long_session::LongSession;
@@ -29,6 +29,7 @@ pub(crate) struct Results {
     /// None on iii (nothing to count: see `Rig::fsyncs`).
     pub(crate) text_fsyncs: Option<Fsyncs>,
     pub(crate) calls: Calls,
+    pub(crate) call_fsyncs: CallFsyncs,
     pub(crate) long: LongSession,
     pub(crate) router: FrameLatencyReport,
     pub(crate) cells: Vec<Cell>,
@@ -198,7 +199,7 @@ impl Report<'_> {
             (
                 "fsyncs_per_function_step",
                 "fsyncs per function step",
-                r.calls.fsync.per_step,
+                r.call_fsyncs.per_step,
                 "",
                 AtMost(2.0),
             ),
@@ -219,7 +220,7 @@ impl Report<'_> {
             (
                 "idle_session_bytes",
                 "RAM per idle session",
-                Some(r.ram.bytes_per_session),
+                Some(r.ram.bytes_per_session()),
                 "B",
                 AtMost(4096.0),
             ),

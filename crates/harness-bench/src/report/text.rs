@@ -232,12 +232,11 @@ impl Report<'_> {
             ),
             info(
                 "function-call step, whole, p50 (fsync on)",
-                us(calls.fsync.step_p50),
+                us(r.call_fsyncs.step_p50),
             ),
             info(
                 format!("fsyncs per function turn ({FUNCTION_MAX_TURNS} calls + final step, send excluded)"),
-                calls
-                    .fsync
+                r.call_fsyncs
                     .per_turn
                     .map(|v| format!("{v:.3}"))
                     .unwrap_or_else(na),
@@ -306,9 +305,9 @@ impl Report<'_> {
             info(
                 format!(
                     "RAM per idle session, marginal (2nd half of {})",
-                    r.ram.sessions
+                    r.ram.sessions()
                 ),
-                format!("{:.0} B", r.ram.marginal_bytes),
+                format!("{:.0} B", r.ram.marginal_bytes()),
             ),
             info(
                 "  the same, store time taken out",
@@ -372,7 +371,7 @@ impl Report<'_> {
             ),
             (
                 "function-call step, whole, p50 (fsync on)",
-                times(calls.fsync.step_p50, "fsync", fsync_us),
+                times(r.call_fsyncs.step_p50, "fsync", fsync_us),
             ),
             (
                 "step on a 1,000-entry session vs a 10-entry one, p50",

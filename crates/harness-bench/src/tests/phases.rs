@@ -31,17 +31,15 @@ async fn idle_sessions_each_cost_some_bytes_and_not_a_megabyte() {
     .await;
     let ram = bench.run(crate::idle::idle_ram).await;
     assert_eq!(
-        ram.sessions, bench.plan.idle_sessions,
+        ram.sessions(),
+        bench.plan.idle_sessions,
         "the time cap cut the fill"
     );
-    positive("idle bytes per session", ram.bytes_per_session);
-    assert!(
-        ram.bytes_per_session < 1024.0 * 1024.0,
-        "{} B per idle session",
-        ram.bytes_per_session
-    );
-    assert!(ram.rss_after > ram.rss_before);
-    assert!(ram.sqlite_after > 0, "SQLite's heap was not read");
+    let bytes = ram.bytes_per_session();
+    positive("idle bytes per session", bytes);
+    assert!(bytes < 1024.0 * 1024.0, "{bytes} B per idle session");
+    assert!(ram.after.rss > ram.before.rss);
+    assert!(ram.after.sqlite_heap > 0, "SQLite's heap was not read");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,21 +111,16 @@ async fn a_durable_text_step_and_its_send_each_fsync() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
+async fn a_call_step_runs_its_target_once() {
     let bench = Bench::new().await;
-    let plan = &bench.plan;
     let c = bench.run(crate::calls::function_calls).await;
     let steps = c.calls.count();
-    assert!(steps >= plan.function_steps, "{steps} call steps");
+    assert!(steps >= bench.plan.function_steps, "{steps} call steps");
     assert!(c.text.count() > 0);
     percentiles("call step", &c.calls.whole);
     positive("target", c.target_p50);
     positive("call step less its target", c.net.whole.p50);
     positive("paired text step", c.text.whole.p50);
-    positive("call step with fsync on", c.fsync.step_p50);
-    assert!(c.fsync.turns >= plan.function_fsync_turns);
-    positive("fsyncs per function turn", c.fsync.per_turn.unwrap());
-    assert!(c.fsync.per_step.unwrap().is_finite());
     let noop = c
         .breakdown
         .iter()
@@ -139,6 +132,16 @@ async fn a_call_step_runs_its_target_once_and_costs_fsyncs() {
     );
     assert_eq!(noop.text.calls, 0.0, "a text step calls no target");
     assert!(!noop.store);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_call_step_costs_fsyncs() {
+    let bench = Bench::new().await;
+    let f = bench.run(crate::calls::call_fsyncs).await;
+    positive("call step with fsync on", f.step_p50);
+    assert!(f.turns >= bench.plan.function_fsync_turns);
+    positive("fsyncs per function turn", f.per_turn.unwrap());
+    assert!(f.per_step.unwrap().is_finite());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
