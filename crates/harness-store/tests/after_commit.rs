@@ -1,11 +1,12 @@
 //! `after_commit`: work a write leaves runs once its batch committed, before the write is
 //! answered, exactly once per committed write, and never for a write that was rolled back.
 
-use std::pin::pin;
+mod common;
+
 use std::sync::{Arc, Mutex};
 
-use futures::poll;
-use harness_store::{after_commit, kv_set_in, Durability, Store, StoreError};
+use common::one_batch;
+use harness_store::{after_commit, kv_set_in, Connection, Durability, Store, StoreError};
 use serde_json::json;
 
 type Log = Arc<Mutex<Vec<String>>>;
@@ -17,6 +18,24 @@ fn note(log: &Log, what: &str) -> bool {
 
 fn noted(log: &Log) -> Vec<String> {
     log.lock().unwrap().clone()
+}
+
+/// A write of `key` = `value` that notes `key` after its commit, and then fails when `fails`.
+fn set_and_note(
+    log: &Log,
+    key: &'static str,
+    value: u64,
+    fails: bool,
+) -> impl FnMut(&Connection) -> Result<(), StoreError> + Send + 'static {
+    let log = log.clone();
+    move |c| {
+        kv_set_in(c, "s", key, &json!(value))?;
+        note(&log, key);
+        match fails {
+            true => Err(StoreError::Invalid(format!("{key} fails"))),
+            false => Ok(()),
+        }
+    }
 }
 
 #[tokio::test]
@@ -47,56 +66,22 @@ async fn rolled_back_writes_leave_nothing_and_replayed_ones_leave_one() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("s.db"), Durability::Normal).unwrap();
     let log = Log::default();
-    // Park the writer so that the writes below share one batch.
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
-    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-    let gate = {
-        let s = store.clone();
-        tokio::spawn(async move {
-            s.write(move |_| {
-                let _ = entered_tx.send(());
-                let _ = release_rx.recv();
-                Ok(())
-            })
-            .await
-            .unwrap()
-        })
-    };
-    entered_rx.await.unwrap();
-
-    let (la, lb, lc, ld) = (log.clone(), log.clone(), log.clone(), log.clone());
-    // Replayable a, b (fails), c: b's failure rolls the run back and a, c run again.
-    let mut a = pin!(store.write_replayable(move |c| {
-        kv_set_in(c, "s", "a", &json!(1))?;
-        note(&la, "a");
-        Ok(())
-    }));
-    let mut b = pin!(store.write_replayable(move |c| {
-        kv_set_in(c, "s", "b", &json!(2))?;
-        note(&lb, "b");
-        Err::<(), _>(StoreError::Invalid("b fails".into()))
-    }));
-    let mut c = pin!(store.write_replayable(move |c| {
-        kv_set_in(c, "s", "c", &json!(3))?;
-        note(&lc, "c");
-        Ok(())
-    }));
-    // A once-only write that fails in its own savepoint.
-    let mut d = pin!(store.write(move |c| {
-        kv_set_in(c, "s", "d", &json!(4))?;
-        note(&ld, "d");
-        Err::<(), _>(StoreError::Invalid("d fails".into()))
-    }));
-    assert!(poll!(a.as_mut()).is_pending());
-    assert!(poll!(b.as_mut()).is_pending());
-    assert!(poll!(c.as_mut()).is_pending());
-    assert!(poll!(d.as_mut()).is_pending());
-    release_tx.send(()).unwrap();
-    gate.await.unwrap();
-    assert!(a.await.is_ok());
-    assert!(b.await.is_err());
-    assert!(c.await.is_ok());
-    assert!(d.await.is_err());
+    // In one batch: replayable a, b (fails), c, where b's failure rolls the run back and a, c
+    // run again; then a once-only write d that fails in its own savepoint.
+    let out = one_batch(
+        &store,
+        vec![
+            Box::pin(store.write_replayable(set_and_note(&log, "a", 1, false))),
+            Box::pin(store.write_replayable(set_and_note(&log, "b", 2, true))),
+            Box::pin(store.write_replayable(set_and_note(&log, "c", 3, false))),
+            Box::pin(store.write(set_and_note(&log, "d", 4, true))),
+        ],
+    )
+    .await;
+    assert!(out[0].is_ok());
+    assert!(out[1].is_err());
+    assert!(out[2].is_ok());
+    assert!(out[3].is_err());
     let mut got = noted(&log);
     got.sort();
     assert_eq!(

@@ -2,22 +2,22 @@
 
 mod common;
 
-use common::kv_keys;
-use std::pin::pin;
+use common::{kv_keys, one_batch};
 use std::sync::Arc;
 
-use futures::poll;
 use harness_store::{kv_get_in, kv_set_in, Durability, Store, StoreError};
 use serde_json::json;
 
-fn open(dir: &tempfile::TempDir, durability: Durability) -> Store {
-    Store::open(&dir.path().join("nested/dir/store.db"), durability).unwrap()
+/// A store at `durability` in a directory that does not exist yet, below a fresh temp dir.
+fn open(durability: Durability) -> (tempfile::TempDir, Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("nested/dir/store.db"), durability).unwrap();
+    (dir, store)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resolved_write_is_visible_to_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
+    let (_dir, store) = open(Durability::Normal);
     for i in 0..200 {
         store
             .write(move |c| kv_set_in(c, "s", &format!("k{i}"), &json!(i)))
@@ -30,58 +30,30 @@ async fn resolved_write_is_visible_to_read() {
     assert_eq!(store.durability(), Durability::Normal);
 }
 
-/// Parks the writer inside an op until released, so later ops are queued into one batch.
-async fn park_writer(store: &Store) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
-    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-    let s = store.clone();
-    let gate = tokio::spawn(async move {
-        s.write(move |_| {
-            let _ = entered_tx.send(());
-            let _ = release_rx.recv();
-            Ok(())
-        })
-        .await
-        .unwrap();
-    });
-    entered_rx.await.unwrap();
-    (release_tx, gate)
-}
-
 #[tokio::test]
 async fn failing_op_rolls_back_only_itself() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
-    let (release, gate) = park_writer(&store).await;
-    let before = store.stats().commits;
-
-    let mut a = pin!(store.write(|c| kv_set_in(c, "s", "a", &json!(1))));
-    let mut b = pin!(store.write(|c| {
-        kv_set_in(c, "s", "b", &json!(2))?;
-        Err::<(), _>(StoreError::Invalid("b fails after writing".into()))
-    }));
-    let mut p = pin!(store.write(|c| -> Result<(), StoreError> {
-        kv_set_in(c, "s", "p", &json!(3))?;
-        panic!("p panics after writing")
-    }));
-    let mut d = pin!(store.write(|c| kv_set_in(c, "s", "d", &json!(4))));
-    // Polling once sends each op to the writer, which is parked: all four share the next batch.
-    assert!(poll!(a.as_mut()).is_pending());
-    assert!(poll!(b.as_mut()).is_pending());
-    assert!(poll!(p.as_mut()).is_pending());
-    assert!(poll!(d.as_mut()).is_pending());
-    release.send(()).unwrap();
-    gate.await.unwrap();
-
-    assert!(a.await.is_ok());
-    assert!(matches!(b.await, Err(StoreError::Invalid(m)) if m.contains("b fails")));
-    assert!(matches!(p.await, Err(StoreError::Invalid(m)) if m.contains("panicked")));
-    assert!(d.await.is_ok());
-    assert_eq!(
-        store.stats().commits,
-        before + 2,
-        "gate batch + one batch for a, b, p, d"
-    );
+    let (_dir, store) = open(Durability::Normal);
+    // All four share the writer's next batch (and only that one is committed).
+    let out = one_batch(
+        &store,
+        vec![
+            Box::pin(store.write(|c| kv_set_in(c, "s", "a", &json!(1)).map(drop))),
+            Box::pin(store.write(|c| {
+                kv_set_in(c, "s", "b", &json!(2))?;
+                Err::<(), _>(StoreError::Invalid("b fails after writing".into()))
+            })),
+            Box::pin(store.write(|c| -> Result<(), StoreError> {
+                kv_set_in(c, "s", "p", &json!(3))?;
+                panic!("p panics after writing")
+            })),
+            Box::pin(store.write(|c| kv_set_in(c, "s", "d", &json!(4)).map(drop))),
+        ],
+    )
+    .await;
+    assert!(out[0].is_ok());
+    assert!(matches!(&out[1], Err(StoreError::Invalid(m)) if m.contains("b fails")));
+    assert!(matches!(&out[2], Err(StoreError::Invalid(m)) if m.contains("panicked")));
+    assert!(out[3].is_ok());
     let listed = kv_keys(&store, "s");
     assert_eq!(listed, vec!["a", "d"]);
     // The writer survived the panic.
@@ -90,8 +62,7 @@ async fn failing_op_rolls_back_only_itself() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_writes_are_group_committed() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
+    let (_dir, store) = open(Durability::Normal);
     let base = store.stats();
     let mut tasks = Vec::new();
     for i in 0..100 {
@@ -115,8 +86,7 @@ async fn concurrent_writes_are_group_committed() {
 
 #[tokio::test]
 async fn barrier_fsyncs_in_full_mode_only_when_needed() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Full);
+    let (_dir, store) = open(Durability::Full);
     store.kv_set("s", "k", &json!(1)).await.unwrap();
     store.barrier().await.unwrap();
     assert_eq!(store.stats().fsyncs, 1);
@@ -129,8 +99,7 @@ async fn barrier_fsyncs_in_full_mode_only_when_needed() {
 
 #[tokio::test]
 async fn barrier_never_fsyncs_in_normal_mode() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
+    let (_dir, store) = open(Durability::Normal);
     for i in 0..10 {
         store.kv_set("s", "k", &json!(i)).await.unwrap();
         store.barrier().await.unwrap();
@@ -140,8 +109,7 @@ async fn barrier_never_fsyncs_in_normal_mode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_barriers_share_fsyncs() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Full);
+    let (_dir, store) = open(Durability::Full);
     let start = Arc::new(tokio::sync::Barrier::new(100));
     let mut tasks = Vec::new();
     for i in 0..100 {
@@ -164,8 +132,7 @@ async fn concurrent_barriers_share_fsyncs() {
 
 #[tokio::test]
 async fn calls_after_close_return_closed() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Full);
+    let (_dir, store) = open(Durability::Full);
     store.kv_set("s", "k", &json!(1)).await.unwrap();
     let clone = store.clone();
     store.close();
@@ -181,8 +148,7 @@ async fn calls_after_close_return_closed() {
 
 #[tokio::test]
 async fn read_closure_leaving_a_transaction_open_does_not_pin_a_snapshot() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
+    let (_dir, store) = open(Durability::Normal);
     store.kv_set("s", "k", &json!(1)).await.unwrap();
     store
         .read(|c| {
@@ -194,39 +160,13 @@ async fn read_closure_leaving_a_transaction_open_does_not_pin_a_snapshot() {
     assert_eq!(store.kv_get("s", "k").unwrap(), Some(json!(2)));
 }
 
-/// Queues `ops` behind a parked writer so that they all run in one batch, then releases it.
-async fn one_batch<T>(
-    store: &Store,
-    ops: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + '_>>>,
-) -> Vec<T> {
-    let (release, gate) = park_writer(store).await;
-    let before = store.stats().commits;
-    let mut ops = ops;
-    for op in ops.iter_mut() {
-        assert!(poll!(op.as_mut()).is_pending());
-    }
-    release.send(()).unwrap();
-    gate.await.unwrap();
-    let mut out = Vec::new();
-    for op in ops {
-        out.push(op.await);
-    }
-    assert_eq!(
-        store.stats().commits,
-        before + 2,
-        "gate batch + one batch for every op"
-    );
-    out
-}
-
 fn put(c: &harness_store::Connection, key: &str, v: i64) -> Result<(), StoreError> {
     harness_store::kv_put_in(c, "s", key, &json!(v))
 }
 
 #[tokio::test]
 async fn a_failing_replayable_op_rolls_back_only_itself_and_the_others_run_again() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
+    let (_dir, store) = open(Durability::Normal);
     // `a` counts its runs in memory (what a real replayable op must not do, to observe the
     // mechanism) and in the database: the failures of `b` and `p` each roll `a` back and run
     // it again, so it ran three times and its row was written once.
@@ -268,8 +208,7 @@ async fn a_failing_replayable_op_rolls_back_only_itself_and_the_others_run_again
 
 #[tokio::test]
 async fn replayable_ops_after_a_once_op_roll_back_to_their_own_start() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
+    let (_dir, store) = open(Durability::Normal);
     let (side_tx, side_rx) = std::sync::mpsc::channel::<&str>();
     let out = one_batch(
         &store,
@@ -307,8 +246,7 @@ async fn replayable_ops_after_a_once_op_roll_back_to_their_own_start() {
 
 #[tokio::test]
 async fn a_replayable_op_that_ends_the_transaction_loses_the_batch() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Durability::Normal);
+    let (_dir, store) = open(Durability::Normal);
     let out = one_batch(
         &store,
         vec![

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)] // each test binary uses a different part of it
 
+use futures::poll;
 use harness_store::Store;
 
 /// The keys of a kv scope, in the store's order.
@@ -12,4 +13,49 @@ pub fn kv_keys(store: &Store, scope: &str) -> Vec<String> {
         .into_iter()
         .map(|(k, _)| k)
         .collect()
+}
+
+/// Parks the writer inside an op until released, so later ops are queued into one batch.
+pub async fn park_writer(
+    store: &Store,
+) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let s = store.clone();
+    let gate = tokio::spawn(async move {
+        s.write(move |_| {
+            let _ = entered_tx.send(());
+            let _ = release_rx.recv();
+            Ok(())
+        })
+        .await
+        .unwrap();
+    });
+    entered_rx.await.unwrap();
+    (release_tx, gate)
+}
+
+/// Queues `ops` behind a parked writer so that they all run in one batch, then releases it.
+pub async fn one_batch<T>(
+    store: &Store,
+    ops: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + '_>>>,
+) -> Vec<T> {
+    let (release, gate) = park_writer(store).await;
+    let before = store.stats().commits;
+    let mut ops = ops;
+    for op in ops.iter_mut() {
+        assert!(poll!(op.as_mut()).is_pending());
+    }
+    release.send(()).unwrap();
+    gate.await.unwrap();
+    let mut out = Vec::new();
+    for op in ops {
+        out.push(op.await);
+    }
+    assert_eq!(
+        store.stats().commits,
+        before + 2,
+        "gate batch + one batch for every op"
+    );
+    out
 }
