@@ -310,7 +310,7 @@ impl Report<'_> {
                 format!("{:.0} B", r.ram.marginal_bytes()),
             ),
             info(
-                "  the same, store time taken out",
+                "step on a 1,000-entry session vs a 10-entry one, store time taken out, p50",
                 format!("{:.2} ×", r.long.overhead_ratio()),
             ),
         ]);
