@@ -3,7 +3,9 @@
 mod common;
 
 use common::kv_keys;
-use harness_store::{kv_delete_in, kv_get_in, kv_set_in, Durability, Store};
+use harness_store::{
+    kv_delete_in, kv_get_in, kv_set_in, Connection, Durability, Store, StoreError,
+};
 use serde_json::json;
 
 #[tokio::test]
@@ -135,6 +137,14 @@ async fn writes_fill_the_cache_only_with_what_committed() {
             harness_store::kv_put_cached_in(c, "s", key, &text, &value)
         }
     };
+    // The cached put of `key`, then `then` in the same op.
+    let put_then = |key, v, then: fn(&Connection) -> Result<(), StoreError>| {
+        let p = put(key, v);
+        move |c: &Connection| {
+            p(c)?;
+            then(c)
+        }
+    };
 
     // Committed: cached.
     store
@@ -155,43 +165,29 @@ async fn writes_fill_the_cache_only_with_what_committed() {
     // committed value is the same whether the failed batch's rollback invalidated the key or
     // not: a batch that could not begin again after the rollback does not commit.)
     store.kv_put("s", "a", &json!(98)).await.unwrap();
+    let refused = |_: &Connection| Err(StoreError::Invalid("refused".into()));
     let failed = store
-        .write_replayable({
-            let p = put("a", json!("rolled back"));
-            move |c| {
-                p(c)?;
-                Err::<(), _>(harness_store::StoreError::Invalid("refused".into()))
-            }
-        })
+        .write_replayable(put_then("a", json!("rolled back"), refused))
         .await;
     assert!(failed.is_err());
     assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(98)));
 
     // Overwritten later in the same batch: by raw SQL, or deleted.
+    let by_sql = |c: &Connection| {
+        c.execute(
+            "UPDATE kv SET value = '3' WHERE scope = 's' AND key = 'a'",
+            [],
+        )?;
+        Ok(())
+    };
     store
-        .write_replayable({
-            let p = put("a", json!("stale"));
-            move |c| {
-                p(c)?;
-                c.execute(
-                    "UPDATE kv SET value = '3' WHERE scope = 's' AND key = 'a'",
-                    [],
-                )?;
-                Ok(())
-            }
-        })
+        .write_replayable(put_then("a", json!("stale"), by_sql))
         .await
         .unwrap();
     assert_eq!(store.kv_get("s", "a").unwrap(), Some(json!(3)));
+    let deleted = |c: &Connection| kv_delete_in(c, "s", "b").map(drop);
     store
-        .write_replayable({
-            let p = put("b", json!("gone"));
-            move |c| {
-                p(c)?;
-                kv_delete_in(c, "s", "b")?;
-                Ok(())
-            }
-        })
+        .write_replayable(put_then("b", json!("gone"), deleted))
         .await
         .unwrap();
     assert_eq!(store.kv_get("s", "b").unwrap(), None);
