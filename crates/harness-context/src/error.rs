@@ -2,6 +2,8 @@
 
 use harness_bus::BusError;
 use harness_types::context::OVERFLOW_PREFIX;
+// The wording a loop reads back lives with the `context::*` contract.
+pub use harness_types::context::{too_large_index, MESSAGE_TOO_LARGE_PREFIX};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContextError {
@@ -21,21 +23,6 @@ pub enum ContextError {
         window: u64,
         usable: u64,
     },
-}
-
-/// How a [`ContextError::MessageTooLarge`] starts; the loop reads `message <index> of the
-/// request` after it to leave that message out of later requests.
-pub const MESSAGE_TOO_LARGE_PREFIX: &str = "context/message_too_large:";
-
-/// The request index a `context/message_too_large` error names.
-pub fn too_large_index(message: &str) -> Option<usize> {
-    let rest = &message[message.find(MESSAGE_TOO_LARGE_PREFIX)? + MESSAGE_TOO_LARGE_PREFIX.len()..];
-    rest.trim_start()
-        .strip_prefix("message ")?
-        .split(' ')
-        .next()?
-        .parse()
-        .ok()
 }
 
 impl ContextError {

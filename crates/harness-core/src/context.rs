@@ -29,18 +29,7 @@ pub(crate) const POLICY_SCOPE: &str = "harness_context_policy";
 /// turn and not every later send of the session.
 pub(crate) const EXCLUDED_ENTRY: &str = "context_excluded";
 
-/// The request index a `context/message_too_large: message <index> of the request …` refusal
-/// names (the context manager's wording).
-pub(crate) fn too_large_index(detail: &str) -> Option<usize> {
-    const PREFIX: &str = "context/message_too_large:";
-    let rest = &detail[detail.find(PREFIX)? + PREFIX.len()..];
-    rest.trim_start()
-        .strip_prefix("message ")?
-        .split(' ')
-        .next()?
-        .parse()
-        .ok()
-}
+pub(crate) use harness_types::context::too_large_index;
 
 /// What a step sends to `context::assemble`, and what it needs to read the answer. Its lists are
 /// shared with the session's [`WindowState`], never copied per step.

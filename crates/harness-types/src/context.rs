@@ -15,6 +15,22 @@ use crate::router::ToolSpec;
 /// The prefix of every overflow error of `context::assemble`.
 pub const OVERFLOW_PREFIX: &str = "context/overflow:";
 
+/// How a refusal of one message too large for the window starts; `message <index> of the
+/// request` follows, which the loop reads to leave that message out of later requests.
+pub const MESSAGE_TOO_LARGE_PREFIX: &str = "context/message_too_large:";
+
+/// The request index a `context/message_too_large` refusal names, wherever it sits in `message`.
+pub fn too_large_index(message: &str) -> Option<usize> {
+    let at = message.find(MESSAGE_TOO_LARGE_PREFIX)? + MESSAGE_TOO_LARGE_PREFIX.len();
+    message[at..]
+        .trim_start()
+        .strip_prefix("message ")?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// The custom entry type of a persisted compaction (spec §2.7).
 pub const COMPACTION_ENTRY: &str = "compaction";
 
