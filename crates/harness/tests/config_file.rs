@@ -5,10 +5,13 @@
 
 mod common;
 
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{outcome, path_str, run_cli, script, Server, Sessions, BIN, WAIT};
+use common::{
+    assert_contains_all, outcome, path_str, run_cli, script, Server, Sessions, BIN, WAIT,
+};
 use serde_json::{json, Value};
 
 /// Every key of behaviour spec §10 (and the seed README), each away from its default.
@@ -60,14 +63,18 @@ fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     outcome(cmd.envs(env.iter().copied()).output().unwrap())
 }
 
+/// Runs the CLI as [`cli_env`] does; it must exit 0. Returns its stdout.
+fn cli_ok(args: &[&str], env: &[(&str, &str)]) -> String {
+    let (rc, out, err) = cli_env(args, env);
+    assert_eq!(rc, 0, "harness {args:?}: {err}");
+    out
+}
+
 #[test]
 fn a_file_with_every_key_loads_and_show_names_each_source() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("harness.yaml");
-    std::fs::write(&file, EVERY_KEY).unwrap();
+    let (dir, file) = config_file("harness.yaml", EVERY_KEY);
     let env = [("CONFIG_TEST_HOME", "/srv/h")];
-    let (rc, out, err) = cli_env(&["config", "validate", path_str(&file)], &env);
-    assert_eq!(rc, 0, "{err}");
+    let out = cli_ok(&["config", "validate", path_str(&file)], &env);
     assert!(out.contains("ok (25 keys set)"), "{out}");
     // Without the variable the reference is named.
     let (rc, _, err) = cli_env(&["config", "validate", path_str(&file)], &[]);
@@ -77,7 +84,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         "{err}"
     );
     let env = [("CONFIG_TEST_HOME", "/srv/h"), ("HARNESS_MAX_DEPTH", "5")];
-    let (rc, out, err) = cli_env(
+    let out = cli_ok(
         &[
             "config",
             "show",
@@ -89,7 +96,6 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         ],
         &env,
     );
-    assert_eq!(rc, 0, "{err}");
     let shown: Value = serde_json::from_str(&out).unwrap();
     let file_source = format!("file {}", file.display());
     assert_eq!(
@@ -148,27 +154,25 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         "{err}"
     );
     // Without a file, each key shows its shipped default.
-    let (rc, out, _) = cli_env(&["config", "show"], &[]);
-    assert_eq!(rc, 0);
-    for line in [
-        "default_max_turns: 16  # default",
-        "max_validation_retries: 2  # default",
-        "idem_ttl_secs: 86400  # default",
-        "context_timeout_ms: 320000  # default",
-        "default_filesystem_root: null  # default",
-        "web_fetch_allow_private: false  # default",
-        "projects_file_path: \"~/.iii/data/harness/projects.json\"  # default, not acted on yet",
-        "sweep_expression: \"0 * * * * *\"  # default",
-    ] {
-        assert!(out.contains(line), "missing {line:?} in\n{out}");
-    }
+    let out = cli_ok(&["config", "show"], &[]);
+    assert_contains_all(
+        &out,
+        &[
+            "default_max_turns: 16  # default",
+            "max_validation_retries: 2  # default",
+            "idem_ttl_secs: 86400  # default",
+            "context_timeout_ms: 320000  # default",
+            "default_filesystem_root: null  # default",
+            "web_fetch_allow_private: false  # default",
+            "projects_file_path: \"~/.iii/data/harness/projects.json\"  # default, not acted on yet",
+            "sweep_expression: \"0 * * * * *\"  # default",
+        ],
+    );
 }
 
 #[test]
 fn an_unknown_key_names_itself() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("harness.json");
-    std::fs::write(&file, r#"{"default_max_turns": 3, "max_dept": 2}"#).unwrap();
+    let (dir, file) = config_file("harness.json", r#"{"default_max_turns": 3, "max_dept": 2}"#);
     let (rc, _, err) = run_cli(&["config", "validate", path_str(&file)]);
     assert_eq!(rc, 1);
     assert!(
@@ -196,11 +200,15 @@ fn an_unknown_key_names_itself() {
     );
 }
 
-/// The `max_turns (N) reached` note of a finished turn, if any.
-async fn max_turns_note(server: &Server, session_id: &str) -> Option<String> {
+/// Runs a new session's turn to its end; returns its `max_turns (N) reached` note, if any.
+async fn max_turns_note(server: &Server) -> Option<String> {
+    let sent = server.send(None, "go").await;
+    let sid = sent["session_id"].as_str().unwrap();
     server
-        .api()
-        .transcript(session_id, true)
+        .wait_turn(sid, sent["turn_id"].as_str().unwrap())
+        .await;
+    server
+        .transcript(sid, true)
         .await
         .iter()
         .map(Value::to_string)
@@ -209,6 +217,23 @@ async fn max_turns_note(server: &Server, session_id: &str) -> Option<String> {
             let at = e.find("max_turns (")?;
             Some(e[at..].split(')').next()?.to_string() + ")")
         })
+}
+
+/// A configuration file `name` holding `content`, in a temporary directory that lives as long
+/// as the returned guard.
+fn config_file(name: &str, content: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(name);
+    std::fs::write(&file, content).unwrap();
+    (dir, file)
+}
+
+/// A `harness serve` of `model` reading `harness.yaml`, which holds `config`; the file's
+/// directory (a guard) and path come back with it, for the tests that edit it.
+async fn serve_with_config(config: &str, model: &Value) -> (tempfile::TempDir, PathBuf, Server) {
+    let (dir, file) = config_file("harness.yaml", config);
+    let server = Server::start(model, &["--config", path_str(&file)]).await;
+    (dir, file, server)
 }
 
 /// Waits until the server log mentions `what` `n` times.
@@ -226,63 +251,43 @@ async fn wait_log(server: &Server, what: &str, n: usize) {
 
 #[tokio::test]
 async fn editing_the_file_changes_the_next_turn_without_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("harness.yaml");
-    std::fs::write(&file, "default_max_turns: 1\n").unwrap();
     // A model that calls a function at every step: only max_turns ends its turn.
     let model = script(vec![json!({
         "repeat": true,
         "content": [{"type": "function_call", "id": "c_{request_id}", "function_id": "fixture::none", "arguments": {}}]
     })]);
-    let server = Server::start(&model, &["--config", path_str(&file)]).await;
-    let api = server.api();
-    let turn = |api: common::Api| async move {
-        let sent = api.send(None, "go").await;
-        let sid = sent["session_id"].as_str().unwrap().to_string();
-        api.wait_turn(&sid, sent["turn_id"].as_str().unwrap()).await;
-        sid
-    };
-    let sid = turn(api.clone()).await;
+    let (_dir, file, server) = serve_with_config("default_max_turns: 1\n", &model).await;
     assert_eq!(
-        max_turns_note(&server, &sid).await.as_deref(),
+        max_turns_note(&server).await.as_deref(),
         Some("max_turns (1)")
     );
-
-    std::fs::write(&file, "default_max_turns: 3\n").unwrap();
-    wait_log(&server, "reloaded", 1).await;
-    let sid = turn(api.clone()).await;
-    assert_eq!(
-        max_turns_note(&server, &sid).await.as_deref(),
-        Some("max_turns (3)")
-    );
-
-    // A bad edit is refused with its key named; the running configuration stays.
-    std::fs::write(&file, "default_max_turns: 2\nmax_turn: 9\n").unwrap();
-    wait_log(&server, "max_turn: unknown key", 1).await;
+    for (edit, logged, times, cap) in [
+        ("default_max_turns: 3\n", "reloaded", 1, "max_turns (3)"),
+        // A bad edit is refused with its key named; the running configuration stays.
+        (
+            "default_max_turns: 2\nmax_turn: 9\n",
+            "max_turn: unknown key",
+            1,
+            "max_turns (3)",
+        ),
+        // Fixing it applies the fix.
+        ("default_max_turns: 2\n", "reloaded", 2, "max_turns (2)"),
+    ] {
+        std::fs::write(&file, edit).unwrap();
+        wait_log(&server, logged, times).await;
+        assert_eq!(
+            max_turns_note(&server).await.as_deref(),
+            Some(cap),
+            "after writing {edit:?}"
+        );
+    }
     assert!(server.log().contains("keeping the running configuration"));
-    let sid = turn(api.clone()).await;
-    assert_eq!(
-        max_turns_note(&server, &sid).await.as_deref(),
-        Some("max_turns (3)")
-    );
-
-    // Fixing it applies the fix.
-    std::fs::write(&file, "default_max_turns: 2\n").unwrap();
-    wait_log(&server, "reloaded", 2).await;
-    let sid = turn(api).await;
-    assert_eq!(
-        max_turns_note(&server, &sid).await.as_deref(),
-        Some("max_turns (2)")
-    );
 }
 
 #[tokio::test]
 async fn idempotency_keys_expire_after_idem_ttl_secs_and_the_sweep_prunes_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("harness.yaml");
-    std::fs::write(&file, "idem_ttl_secs: 1\n").unwrap();
     let model = script(vec![common::text_gen(None, "ok", 0, true)]);
-    let server = Server::start(&model, &["--config", path_str(&file)]).await;
+    let (_dir, _, server) = serve_with_config("idem_ttl_secs: 1\n", &model).await;
     let api = server.api();
     let send = |key: &'static str| {
         let api = api.clone();
@@ -343,11 +348,8 @@ fn the_readme_block_is_every_key_at_its_default() {
         .filter_map(|rest| rest.split("```").next())
         .find(|b| b.contains("default_max_turns:"))
         .expect("the configuration's yaml block in README.md");
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("readme.yaml");
-    std::fs::write(&file, block).unwrap();
-    let (rc, _, err) = cli_env(&["config", "validate", path_str(&file)], &[]);
-    assert_eq!(rc, 0, "{err}");
+    let (_dir, file) = config_file("readme.yaml", block);
+    cli_ok(&["config", "validate", path_str(&file)], &[]);
     let (_, shown, _) = cli_env(
         &["config", "show", "--json", "--config", path_str(&file)],
         &[],
@@ -368,23 +370,18 @@ fn the_readme_block_is_every_key_at_its_default() {
 
 #[tokio::test]
 async fn max_validation_retries_from_the_file_bounds_the_nudges_of_the_next_turn() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("harness.yaml");
-    std::fs::write(&file, "max_validation_retries: 0\n").unwrap();
     // A model that never answers with JSON.
     let model = script(vec![common::text_gen(None, "not json", 0, true)]);
-    let server = Server::start(&model, &["--config", path_str(&file)]).await;
+    let (_dir, file, server) = serve_with_config("max_validation_retries: 0\n", &model).await;
     let api = server.api();
     let nudges = |api: common::Api| async move {
-        let sent = api
-            .ok(
-                "harness::send",
+        let (sid, turn_id) = api
+            .start_turn(
                 json!({"message": "go", "model": "m", "provider": "scripted",
-                       "options": {"output": {"type": "json"}}}),
+                               "options": {"output": {"type": "json"}}}),
             )
             .await;
-        let sid = sent["session_id"].as_str().unwrap().to_string();
-        let status = api.wait_turn(&sid, sent["turn_id"].as_str().unwrap()).await;
+        let status = api.wait_turn(&sid, &turn_id).await;
         assert_eq!(status["status"], "failed", "{status}");
         api.transcript(&sid, true)
             .await
@@ -401,24 +398,20 @@ async fn max_validation_retries_from_the_file_bounds_the_nudges_of_the_next_turn
 /// The sandbox keys of `shell::exec` are listed with their defaults and take a file's values.
 #[test]
 fn config_show_lists_the_shell_sandbox_keys() {
-    let (rc, out, _) = cli_env(&["config", "show"], &[]);
-    assert_eq!(rc, 0);
-    for line in [
-        "shell_exec_unconfined: false  # default",
-        "shell_exec_allow_network: false  # default",
-        "shell_exec_read_paths: []  # default",
-    ] {
-        assert!(out.contains(line), "missing {line:?} in\n{out}");
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("harness.yaml");
-    std::fs::write(
-        &file,
+    let out = cli_ok(&["config", "show"], &[]);
+    assert_contains_all(
+        &out,
+        &[
+            "shell_exec_unconfined: false  # default",
+            "shell_exec_allow_network: false  # default",
+            "shell_exec_read_paths: []  # default",
+        ],
+    );
+    let (_dir, file) = config_file(
+        "harness.yaml",
         "shell_exec_unconfined: true\nshell_exec_allow_network: true\nshell_exec_read_paths: [\"~/.cargo\"]\n",
-    )
-    .unwrap();
-    let (rc, out, err) = cli_env(&["config", "show", "--config", path_str(&file)], &[]);
-    assert_eq!(rc, 0, "{err}");
+    );
+    let out = cli_ok(&["config", "show", "--config", path_str(&file)], &[]);
     assert!(out.contains("shell_exec_unconfined: true  # file"), "{out}");
     assert!(
         out.contains("shell_exec_allow_network: true  # file"),
@@ -437,25 +430,23 @@ fn config_show_lists_the_shell_sandbox_keys() {
 /// export will really use and the variable it came from; `OTEL_SDK_DISABLED` says none is used.
 #[test]
 fn config_show_names_the_otlp_endpoint_in_force_and_its_variable() {
-    let (rc, out, err) = cli_env(
+    let out = cli_ok(
         &["config", "show"],
         &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")],
     );
-    assert_eq!(rc, 0, "{err}");
     assert!(
         out.contains(
             "otel_endpoint: \"http://127.0.0.1:4318/v1/traces\"  # env OTEL_EXPORTER_OTLP_ENDPOINT"
         ),
         "{out}"
     );
-    let (rc, out, err) = cli_env(
+    let out = cli_ok(
         &["config", "show"],
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
             ("OTEL_SDK_DISABLED", "true"),
         ],
     );
-    assert_eq!(rc, 0, "{err}");
     assert!(
         out.contains("otel_endpoint: null  # env OTEL_SDK_DISABLED=true"),
         "{out}"
