@@ -28,15 +28,20 @@ fn client() -> reqwest::Client {
 
 /// A `GET` of `url` that reached the server (whatever it answered).
 async fn get(c: &reqwest::Client, url: String) -> reqwest::Response {
-    c.get(&url)
+    sent(c.get(url)).await
+}
+
+/// The answer to `request`, which must reach the server (whatever it answered).
+async fn sent(request: reqwest::RequestBuilder) -> reqwest::Response {
+    request
         .send()
         .await
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .unwrap_or_else(|e| panic!("no answer: {e}"))
 }
 
 /// A GET of `url` carrying `header` is refused as 403 with the error `code`.
 async fn assert_forbidden(c: &reqwest::Client, url: String, header: (&str, &str), code: &str) {
-    let r = c.get(url).header(header.0, header.1).send().await.unwrap();
+    let r = sent(c.get(url).header(header.0, header.1)).await;
     assert_eq!(r.status(), 403);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["error"]["code"], code, "{body}");
@@ -134,7 +139,7 @@ async fn page_and_every_asset_are_served_with_their_headers() {
     );
 
     // HEAD answers the same headers, no body.
-    let r = c.head(format!("{}/", s.url())).send().await.unwrap();
+    let r = sent(c.head(format!("{}/", s.url()))).await;
     assert_eq!(r.status(), 200);
     assert_asset_headers(&r);
     assert!(r.bytes().await.unwrap().is_empty());
@@ -142,12 +147,11 @@ async fn page_and_every_asset_are_served_with_their_headers() {
     // A revalidation with the ETag gets 304.
     let r = get(&c, format!("{}/console/app.js", s.url())).await;
     let etag = header(&r, "etag").to_string();
-    let r = c
-        .get(format!("{}/console/app.js", s.url()))
-        .header("if-none-match", &etag)
-        .send()
-        .await
-        .unwrap();
+    let r = sent(
+        c.get(format!("{}/console/app.js", s.url()))
+            .header("if-none-match", &etag),
+    )
+    .await;
     assert_eq!(r.status(), 304);
 
     // An unknown console path is the API's JSON 404.
@@ -271,25 +275,23 @@ async fn assets_need_no_token_while_the_api_still_does() {
         let r = get(&c, format!("{}{path}", s.url())).await;
         assert_eq!(r.status(), 200, "{path}");
     }
-    let r = c
-        .post(format!("{}/v1/functions/session::list", s.url()))
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
+    let r = sent(
+        c.post(format!("{}/v1/functions/session::list", s.url()))
+            .body("{}"),
+    )
+    .await;
     assert_eq!(r.status(), 401);
     let r = get(&c, format!("{}/v1/functions", s.url())).await;
     assert_eq!(r.status(), 401);
     // A POST to the page's path is not an asset request: the token applies.
-    let r = c.post(format!("{}/", s.url())).send().await.unwrap();
+    let r = sent(c.post(format!("{}/", s.url()))).await;
     assert_eq!(r.status(), 401);
-    let r = c
-        .post(format!("{}/v1/functions/session::list", s.url()))
-        .bearer_auth("sekret")
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
+    let r = sent(
+        c.post(format!("{}/v1/functions/session::list", s.url()))
+            .bearer_auth("sekret")
+            .body("{}"),
+    )
+    .await;
     assert_eq!(r.status(), 200);
 }
 
