@@ -9,6 +9,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -24,15 +25,22 @@ fn serve(host: &str, args: &[&str], env: &[(&str, &str)]) -> RawServe {
     let script_file = dir.path().join("script.json");
     let model = script(vec![text_gen(None, "hi", 0, true)]);
     std::fs::write(&script_file, model.to_string()).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--listen", &format!("{host}:{port}"), "--data-dir"])
-        .arg(dir.path().join("data"))
-        .arg("--script")
+    let mut cmd = serve_command(host, port, &dir.path().join("data"));
+    cmd.arg("--script")
         .arg(&script_file)
         .args(args)
-        .env_remove("HARNESS_TOKEN")
         .envs(env.iter().copied());
     RawServe::spawn(cmd, port, dir)
+}
+
+/// `harness serve --listen <host>:<port> --data-dir <data>`, with no token from the test's
+/// environment.
+fn serve_command(host: &str, port: u16, data: &Path) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--listen", &format!("{host}:{port}"), "--data-dir"])
+        .arg(data)
+        .env_remove("HARNESS_TOKEN");
+    cmd
 }
 
 /// The `error.code` of a JSON error answer.
@@ -46,17 +54,9 @@ fn code(answer: &str) -> String {
 #[test]
 fn a_public_bind_without_a_token_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port().to_string();
+    let port = free_port();
     let data = dir.path().join("data");
-    let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            &format!("0.0.0.0:{port}"),
-            "--data-dir",
-        ])
-        .arg(&data)
-        .env_remove("HARNESS_TOKEN")
+    let out = serve_command("0.0.0.0", port, &data)
         .stdin(Stdio::null())
         .output()
         .unwrap();
