@@ -30,15 +30,36 @@ fn json_handler(answer: Value) -> Arc<dyn harness_bus::Handler> {
     })
 }
 
+/// A bus with `t::double` registered twice over: its JSON handler answering `json`, and the
+/// doubler in process.
+fn with_doubler(dir: &std::path::Path, json: Value) -> EmbeddedBus {
+    let bus = open(dir);
+    bus.register_function_with_local(
+        FunctionDef::new("t::double", "doubles"),
+        json_handler(json),
+        doubler(),
+    );
+    bus
+}
+
+/// Calls `handler` in process with `request`; the call must fail, with this error.
+async fn refused<R: 'static>(
+    handler: &dyn LocalHandler,
+    function_id: &str,
+    request: LocalValue,
+    timeout: Duration,
+) -> harness_bus::BusError {
+    let ctx = CallContext::default();
+    match local::invoke::<R>(handler, function_id, request, ctx, timeout).await {
+        Ok(_) => panic!("{function_id} should fail"),
+        Err(e) => e,
+    }
+}
+
 #[tokio::test]
 async fn a_typed_handler_is_called_with_the_value_itself() {
     let dir = tempfile::tempdir().unwrap();
-    let bus = open(dir.path());
-    bus.register_function_with_local(
-        FunctionDef::new("t::double", "doubles"),
-        json_handler(json!("json path")),
-        doubler(),
-    );
+    let bus = with_doubler(dir.path(), json!("json path"));
     let h = bus
         .local_handler("t::double")
         .expect("registered with a local handler");
@@ -62,12 +83,7 @@ async fn a_typed_handler_is_called_with_the_value_itself() {
 #[tokio::test]
 async fn a_replacement_registered_plainly_drops_the_typed_handler() {
     let dir = tempfile::tempdir().unwrap();
-    let bus = open(dir.path());
-    bus.register_function_with_local(
-        FunctionDef::new("t::double", "doubles"),
-        json_handler(json!("original")),
-        doubler(),
-    );
+    let bus = with_doubler(dir.path(), json!("original"));
     bus.register_function(
         FunctionDef::new("t::double", "a replacement"),
         json_handler(json!("replacement")),
@@ -83,36 +99,17 @@ async fn a_replacement_registered_plainly_drops_the_typed_handler() {
 #[tokio::test]
 async fn wrong_types_timeouts_and_panics_are_errors_not_crashes() {
     let dir = tempfile::tempdir().unwrap();
-    let bus = open(dir.path());
-    bus.register_function_with_local(
-        FunctionDef::new("t::double", "doubles"),
-        json_handler(Value::Null),
-        doubler(),
-    );
+    let bus = with_doubler(dir.path(), Value::Null);
     let h = bus.local_handler("t::double").unwrap();
-    let ctx = CallContext::default;
-    let wrong_request = local::invoke::<Doubled>(
-        h.as_ref(),
-        "t::double",
-        Box::new("not a list"),
-        ctx(),
-        Duration::from_secs(1),
-    )
-    .await
-    .unwrap_err();
+    let second = Duration::from_secs(1);
+    let wrong_request =
+        refused::<Doubled>(h.as_ref(), "t::double", Box::new("not a list"), second).await;
     assert!(
         wrong_request.message.contains("in-process request"),
         "{wrong_request}"
     );
-    let wrong_answer = local::invoke::<String>(
-        h.as_ref(),
-        "t::double",
-        Box::new(vec![1u64]),
-        ctx(),
-        Duration::from_secs(1),
-    )
-    .await
-    .unwrap_err();
+    let wrong_answer =
+        refused::<String>(h.as_ref(), "t::double", Box::new(vec![1u64]), second).await;
     assert!(
         wrong_answer.message.contains("in-process answer"),
         "{wrong_answer}"
@@ -122,15 +119,13 @@ async fn wrong_types_timeouts_and_panics_are_errors_not_crashes() {
         tokio::time::sleep(Duration::from_secs(5)).await;
         Ok(Box::new(()) as LocalValue)
     });
-    let err = local::invoke::<()>(
+    let err = refused::<()>(
         slow.as_ref(),
         "t::slow",
         Box::new(()),
-        ctx(),
         Duration::from_millis(20),
     )
-    .await
-    .unwrap_err();
+    .await;
     assert_eq!(err.code, "timeout");
 
     let panics: Arc<dyn LocalHandler> = Arc::new(|_p: LocalValue, _c: CallContext| async move {
@@ -139,15 +134,7 @@ async fn wrong_types_timeouts_and_panics_are_errors_not_crashes() {
         }
         Ok(Box::new(()) as LocalValue)
     });
-    let err = local::invoke::<()>(
-        panics.as_ref(),
-        "t::panics",
-        Box::new(()),
-        ctx(),
-        Duration::from_secs(1),
-    )
-    .await
-    .unwrap_err();
+    let err = refused::<()>(panics.as_ref(), "t::panics", Box::new(()), second).await;
     assert!(err.message.contains("panicked"), "{err}");
 }
 
