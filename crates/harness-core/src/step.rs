@@ -167,12 +167,14 @@ impl Harness {
             self.record_turn_event(&mut batch, ev);
         }
         // Nobody looks before the assistant entry is written (no pre-turn hook, no binding of
-        // the event): the status and the event go with that entry's batch.
+        // the event): the status and the event go with that entry's batch. The pre-turn chain
+        // is read once: whether anybody looks, and what runs.
+        let pre_turn = match &started {
+            Some(_) => self.hooks(HookPoint::PreTurn).await?,
+            None => Vec::new(),
+        };
         let observed = match &started {
-            Some(_) => {
-                !self.hooks(HookPoint::PreTurn).await?.is_empty()
-                    || self.has_bindings(crate::topics::TURN_STARTED).await
-            }
+            Some(_) => !pre_turn.is_empty() || self.has_bindings(crate::topics::TURN_STARTED).await,
             None => false,
         };
         if !observed {
@@ -194,7 +196,7 @@ impl Harness {
             rec.options.metadata.as_ref(),
         );
         let denied = match self
-            .run_hooks(HookPoint::PreTurn, env, None, None)
+            .run_chain(HookPoint::PreTurn, &pre_turn, env, None, None)
             .await?
             .decision
         {
@@ -368,10 +370,11 @@ impl Harness {
                 drop(carry.guard.take());
             }
         }
-        let observed = match &generation {
-            Ok(_) => !self.hooks(HookPoint::PostGenerate).await?.is_empty(),
-            Err(_) => false,
+        let post_generate = match &generation {
+            Ok(_) => self.hooks(HookPoint::PostGenerate).await?,
+            Err(_) => Vec::new(),
         };
+        let observed = !post_generate.is_empty();
         if observed {
             // The hooks may read the transcript: the answer is there first.
             self.flush(carry).await?;
@@ -388,7 +391,7 @@ impl Harness {
             env["generated"] = json!({ "message": g.message });
             // Observe only: what the hooks answer is ignored, and so are their failures.
             let _ = self
-                .run_hooks(HookPoint::PostGenerate, env, None, None)
+                .run_chain(HookPoint::PostGenerate, &post_generate, env, None, None)
                 .await;
         }
         carry.guard = Some(self.inner.locks.lock(&sid).await);

@@ -144,7 +144,7 @@ async fn a_steering_message_is_delivered_with_the_removal_of_its_row_in_one_writ
 }
 
 /// The embedded bus, with the first `refuse` commits that queue a turn's step refused (as a
-/// busy disk or a restarting engine would), and the reads of the post-turn chain counted.
+/// busy disk or a restarting engine would), and the reads of each hook chain counted.
 mod refusing {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
@@ -161,7 +161,8 @@ mod refusing {
         pub inner: Arc<dyn Bus>,
         pub refuse: AtomicUsize,
         pub refused: AtomicUsize,
-        pub post_turn_reads: AtomicUsize,
+        /// Reads of the bindings of each hook point, by point.
+        pub hook_reads: std::sync::Mutex<std::collections::HashMap<String, usize>>,
     }
 
     impl Refusing {
@@ -170,7 +171,7 @@ mod refusing {
                 inner,
                 refuse: AtomicUsize::new(0),
                 refused: AtomicUsize::new(0),
-                post_turn_reads: AtomicUsize::new(0),
+                hook_reads: Default::default(),
             }
         }
 
@@ -226,8 +227,13 @@ mod refusing {
             self.inner.register_trigger_type(def)
         }
         async fn bindings(&self, trigger_type: &str) -> Result<Vec<Binding>, BusError> {
-            if trigger_type == "harness::hook::post-turn" {
-                self.post_turn_reads.fetch_add(1, Ordering::SeqCst);
+            if let Some(point) = trigger_type.strip_prefix("harness::hook::") {
+                *self
+                    .hook_reads
+                    .lock()
+                    .unwrap()
+                    .entry(point.to_string())
+                    .or_default() += 1;
             }
             self.inner.bindings(trigger_type).await
         }
@@ -291,8 +297,9 @@ mod refusing {
 }
 
 /// A loop over [`Refusing`] whose model calls `t::f` (held by a pre-trigger hook) on "go",
-/// then answers "done"; a post-turn hook that lets every result pass is bound. Answers the
-/// loop, the bus it runs on, the runs of `t::f`, and the store (kept open).
+/// then answers "done"; a hook that lets everything pass is bound before the turn, after each
+/// generation and after the turn. Answers the loop, the bus it runs on, the runs of `t::f`,
+/// and the store (kept open).
 async fn held_call_loop() -> (
     harness_core::Harness,
     std::sync::Arc<Refusing>,
@@ -325,17 +332,20 @@ async fn held_call_loop() -> (
     );
     let bus = Arc::new(Refusing::over(e.shared.clone()));
     let harness = support::embedded::start_loop(bus.clone(), config()).await;
-    // Bound once the loop has registered the hook points.
-    for (id, point) in [("guard::hold", "pre-trigger"), ("guard::pass", "post-turn")] {
-        let decision = if point == "pre-trigger" {
-            "hold"
-        } else {
-            "continue"
-        };
+    // Bound once the loop has registered the hook points: `guard::hold` holds every call,
+    // `guard::pass` lets everything else pass.
+    for (id, decision) in [("guard::hold", "hold"), ("guard::pass", "continue")] {
         e.bus.register_function(
             harness_bus::FunctionDef::new(id, "test hook"),
             Arc::new(answer(json!({ "decision": decision }))),
         );
+    }
+    for (id, point) in [
+        ("guard::hold", "pre-trigger"),
+        ("guard::pass", "pre-turn"),
+        ("guard::pass", "post-generate"),
+        ("guard::pass", "post-turn"),
+    ] {
         e.bus
             .call(
                 "engine::register_trigger",
@@ -394,11 +404,14 @@ async fn a_released_call_whose_advance_is_refused_twice_still_runs_the_turn_on()
 }
 
 #[tokio::test]
-async fn a_turn_end_reads_the_post_turn_chain_once() {
+async fn a_one_step_turn_reads_each_hook_chain_it_runs_once() {
     let (harness, bus, _ran, _e) = held_call_loop().await;
-    // No call: the model answers at once, and the turn ends through the post-turn gate.
+    // No call: one step, whose start, generation and end each pass one bound hook.
     let r = harness.send(send("hello")).await.unwrap();
     let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
-    assert_eq!(Refusing::count(&bus.post_turn_reads), 1);
+    let reads = bus.hook_reads.lock().unwrap().clone();
+    for point in ["pre-turn", "post-generate", "post-turn"] {
+        assert_eq!(reads.get(point), Some(&1), "{point}: {reads:?}");
+    }
 }
