@@ -81,13 +81,26 @@ async fn a_sigkilled_worker_s_turns_are_finished_by_the_standby_within_5s_and_no
     );
 }
 
+/// Options for a bus of the test's own on `engine`, named `worker_name`.
+fn bus_options(engine: &Engine, worker_name: &str) -> IiiOptions {
+    let mut opts = IiiOptions::new(engine.url.clone());
+    opts.worker_name = worker_name.into();
+    opts
+}
+
+/// A bus of the test's own on `engine`, named `worker_name`.
+async fn connect_bus(engine: &Engine, worker_name: &str) -> IiiBus {
+    IiiBus::connect(bus_options(engine, worker_name))
+        .await
+        .expect("connect")
+}
+
 /// A worker that lost a session to another holds a lower lease epoch: its next write of the
 /// turn record is refused (`harness/fenced`) and readers keep seeing the newer holder's record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_worker_s_turn_record_write_is_refused() {
     let engine = Engine::start().await;
-    let mut opts = IiiOptions::new(engine.url.clone());
-    opts.worker_name = "fence-test-a".into();
+    let mut opts = bus_options(&engine, "fence-test-a");
     opts.connect_timeout = Duration::from_secs(30);
     let stale = IiiBus::connect(opts).await.expect("connect");
     stale
@@ -151,9 +164,7 @@ async fn a_stale_worker_s_turn_record_write_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_holder_writes_under_one_epoch_and_its_barrier_finds_its_writes() {
     let engine = Engine::start().await;
-    let mut opts = IiiOptions::new(engine.url.clone());
-    opts.worker_name = "fence-test-holder".into();
-    let bus = IiiBus::connect(opts).await.expect("connect");
+    let bus = connect_bus(&engine, "fence-test-holder").await;
     for step in 0..3 {
         bus.state_set(FENCED_SCOPE, "s_hold", json!({ "step": step }))
             .await
@@ -184,8 +195,7 @@ async fn a_worker_waits_for_a_lingering_connection_of_its_own_name_before_regist
         // refused as a whole (`WORKER_NAMESPACE_CONFLICT`, docs/iii-engine.md), not per function.
         return;
     }
-    let mut opts = IiiOptions::new(engine.url.clone());
-    opts.worker_name = "reannounce-test".into();
+    let mut opts = bus_options(&engine, "reannounce-test");
     opts.connect_timeout = Duration::from_secs(10);
     let old = IiiBus::connect(opts.clone()).await.expect("connect");
     let next = tokio::spawn(IiiBus::connect(opts));
@@ -211,9 +221,7 @@ async fn a_worker_waits_for_a_lingering_connection_of_its_own_name_before_regist
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_on_a_closed_bus_fails_at_once() {
     let engine = Engine::start().await;
-    let mut opts = IiiOptions::new(engine.url.clone());
-    opts.worker_name = "closed-bus-test".into();
-    let bus = IiiBus::connect(opts).await.expect("connect");
+    let bus = connect_bus(&engine, "closed-bus-test").await;
     assert_eq!(bus.state_get("closed_bus", "k").await.unwrap(), None);
     bus.shutdown().await;
     let started = Instant::now();
