@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use iii_engine::worker::{Sessions, WorkerProc, WAIT};
 use iii_engine::Engine;
-use iii_scenarios::{assert_text_turn, start_slow_work};
+use iii_scenarios::{assert_text_turn, start_slow_work, start_worker};
 use scripts::*;
 use serde_json::{json, Value};
 
@@ -81,15 +81,14 @@ async fn a_text_turn_streams_through_the_engine() {
 async fn a_function_call_runs_exactly_once() {
     let engine = Engine::start().await;
     let fx = Fixtures::new(json!([{"id": "f::a", "description": "a", "response": {"ok": "a"}}]));
-    let extra = fx.args();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let _worker = WorkerProc::start(
+    let _worker = start_worker(
         &engine,
         &script(vec![
             call_gen("run a", "c1", "f::a", json!({"n": 1})),
             text_gen(None, "a is done", 0, true),
         ]),
-        &extra,
+        &fx,
+        &[],
     )
     .await;
     let status = engine.send_and_wait("s_call", "run a", &["f::*"]).await;
@@ -123,17 +122,15 @@ async fn the_workers_calls_to_its_own_functions_run_in_process() {
     let engine = Engine::start().await;
     let fx =
         Fixtures::new(json!([{"id": "f::own", "description": "own", "response": {"ok": "own"}}]));
-    let mut extra = fx.args();
-    extra.extend(["--stream-coalesce-ms".to_string(), "0".to_string()]);
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut worker = WorkerProc::start(
+    let mut worker = start_worker(
         &engine,
         &script(vec![
             call_gen("^run own$", "c1", "f::own", json!({"n": 1})),
             call_gen("^run own again$", "c2", "f::own", json!({"n": 2})),
             text_gen(None, "own is done", 2, true),
         ]),
-        &extra,
+        &fx,
+        &["--stream-coalesce-ms", "0"],
     )
     .await;
     let own: Vec<String> = {
@@ -234,9 +231,7 @@ async fn a_held_call_runs_once_after_release() {
     let fx = Fixtures::new(
         json!([{"id": "fs::write", "description": "write", "response": {"ok": true}}]),
     );
-    let extra = fx.args();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let _worker = WorkerProc::start(
+    let _worker = start_worker(
         &engine,
         &script(vec![
             call_gen(
@@ -247,7 +242,8 @@ async fn a_held_call_runs_once_after_release() {
             ),
             text_gen(None, "written", 0, true),
         ]),
-        &extra,
+        &fx,
+        &[],
     )
     .await;
     // A hook that holds, bound through the engine: the engine forwards the binding to the
@@ -392,15 +388,14 @@ async fn a_lost_turn_record_never_runs_a_held_call_and_the_session_recovers() {
     let fx = Fixtures::new(
         json!([{"id": "fs::write", "description": "write", "response": {"ok": true}}]),
     );
-    let extra = fx.args();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut worker = WorkerProc::start(
+    let mut worker = start_worker(
         &engine,
         &script(vec![
             call_gen("write it", "c1", "fs::write", json!({"path": "/tmp/a"})),
             text_gen(None, "fresh start", 0, true),
         ]),
-        &extra,
+        &fx,
+        &[],
     )
     .await;
     engine.register_local("guard::hold", |_| Ok(json!({"decision": "hold"})));
@@ -497,9 +492,7 @@ async fn engine_crash_mid_call(window: FlushWindow) {
         FlushWindow::After => 9000,
     };
     let fx = slow_work(delay_ms);
-    let extra = fx.args();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let worker = WorkerProc::start(&engine, &slow_work_script(vec![]), &extra).await;
+    let worker = start_worker(&engine, &slow_work_script(vec![]), &fx, &[]).await;
     let hooked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let h = hooked.clone();
     engine.register_local("guard::count", move |_| {
@@ -566,9 +559,7 @@ async fn a_worker_killed_with_the_engine_gets_the_lost_turn_back_from_its_sqlite
     let engine = Engine::start().await;
     engine.hold_flush();
     let fx = slow_work(4000);
-    let extra = fx.args();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mut worker = WorkerProc::start(&engine, &slow_work_script(vec![]), &extra).await;
+    let mut worker = start_worker(&engine, &slow_work_script(vec![]), &fx, &[]).await;
     // What a crash keeps: everything up to here, nothing of the turn.
     engine.flush();
     let turn_id = start_slow_work(&engine, &fx, "s_both").await;

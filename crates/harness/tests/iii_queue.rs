@@ -15,7 +15,7 @@ mod scripts;
 
 use iii_engine::worker::{Sessions, WorkerProc};
 use iii_engine::Engine;
-use iii_scenarios::assert_text_turn;
+use iii_scenarios::{assert_text_turn, start_worker};
 use scripts::*;
 use serde_json::{json, Value};
 
@@ -139,9 +139,6 @@ async fn the_steps_of_each_session_run_strictly_in_order_while_sessions_interlea
     let fx = Fixtures::new(json!([
         {"id": "f::step", "description": "one step", "response": {"ok": true}, "delay_ms": 150}
     ]));
-    let extra = fx.args();
-    let mut extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    extra.extend(["--queue-mode", "enqueue"]);
     let sessions = ["a", "b", "c"];
     let mut gens = Vec::new();
     for s in sessions {
@@ -160,7 +157,7 @@ async fn the_steps_of_each_session_run_strictly_in_order_while_sessions_interlea
             false,
         ));
     }
-    let worker = WorkerProc::start(&engine, &script(gens), &extra).await;
+    let worker = start_worker(&engine, &script(gens), &fx, &["--queue-mode", "enqueue"]).await;
     assert_enqueue_route(&worker);
     let mut turns = Vec::new();
     for s in sessions {

@@ -18,6 +18,19 @@ pub async fn wait_until<F: FnMut() -> bool>(what: &str, mut f: F) {
     }
 }
 
+/// A worker of `script` serving the fixture functions of `fx`, started with `extra` besides.
+pub async fn start_worker(
+    engine: &Engine,
+    script: &Value,
+    fx: &Fixtures,
+    extra: &[&str],
+) -> WorkerProc {
+    let mut args = fx.args();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    WorkerProc::start(engine, script, &args).await
+}
+
 /// Sends "do the work" to `session`, allowed `slow::*` (the model of [`slow_work_script`] calls
 /// `slow::work` as `c1`), and waits until `fx`'s log shows the call running; returns the turn id.
 pub async fn start_slow_work(engine: &Engine, fx: &Fixtures, session: &str) -> String {
@@ -55,10 +68,7 @@ pub async fn killed_mid_call(
     started: impl FnOnce(&WorkerProc),
 ) -> Vec<Value> {
     let fx = slow_work(10_000);
-    let extra = fx.args();
-    let mut extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    extra.extend(args);
-    let mut worker = WorkerProc::start(engine, &slow_work_script(vec![]), &extra).await;
+    let mut worker = start_worker(engine, &slow_work_script(vec![]), &fx, args).await;
     started(&worker);
     let turn_id = start_slow_work(engine, &fx, session).await;
     worker.kill();
