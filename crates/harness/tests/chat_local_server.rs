@@ -53,6 +53,35 @@ async fn chat(dir: &std::path::Path, args: &[&str], env: &[(&str, String)]) -> O
         .expect("run harness chat")
 }
 
+/// [`chat`], which must exit 0; returns what it said on stdout and on stderr.
+async fn chat_ok(dir: &std::path::Path, args: &[&str], env: &[(&str, String)]) -> (String, String) {
+    let out = chat(dir, args, env).await;
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "chat {args:?}: {stderr}");
+    (text(&out.stdout), stderr)
+}
+
+/// [`chat`], which must fail; returns what it said on stdout and on stderr.
+async fn chat_fails(
+    dir: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, String)],
+) -> (String, String) {
+    let out = chat(dir, args, env).await;
+    let stdout = text(&out.stdout);
+    assert!(!out.status.success(), "chat {args:?} succeeded: {stdout}");
+    (stdout, text(&out.stderr))
+}
+
+/// A local server replaying the llama-cpp-python exchanges recorded as `names`, in order.
+async fn replaying(names: &[&str]) -> Replay {
+    let exchanges = names
+        .iter()
+        .flat_map(|name| fixture(LLAMA_CPP_PYTHON, name).exchanges)
+        .collect();
+    Replay::start(exchanges).await
+}
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
@@ -61,22 +90,19 @@ fn text(b: &[u8]) -> String {
 async fn a_failed_turn_exits_non_zero_with_the_status_the_servers_words_and_a_hint() {
     let dir = tempfile::tempdir().unwrap();
     // The base URL without `/v1`: the server answers 404 {"detail":"Not Found"}.
-    let f = fixture(LLAMA_CPP_PYTHON, "not_found_without_v1");
-    let server = Replay::start(f.exchanges).await;
-    let out = chat(
+    let server = replaying(&["not_found_without_v1"]).await;
+    let (stdout, err) = chat_fails(
         dir.path(),
         &["-m", "Say hello."],
         &[("LLAMACPP_BASE_URL", server.url.clone())],
     )
     .await;
-    assert!(!out.status.success(), "{}", text(&out.stdout));
-    let err = text(&out.stderr);
     assert!(err.contains("the turn failed"), "{err}");
     assert!(err.contains("HTTP 404"), "{err}");
     assert!(err.contains("Not Found"), "{err}");
     assert!(err.contains(&format!("try {}/v1", server.url)), "{err}");
     assert!(err.contains("LLAMACPP_BASE_URL"), "{err}");
-    assert!(text(&out.stdout).contains("[turn failed:"));
+    assert!(stdout.contains("[turn failed:"));
 
     // Nothing listening on the port.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -85,23 +111,20 @@ async fn a_failed_turn_exits_non_zero_with_the_status_the_servers_words_and_a_hi
         .unwrap()
         .port();
     let url = format!("http://127.0.0.1:{port}/v1");
-    let out = chat(
+    let (_, err) = chat_fails(
         dir.path(),
         &["-m", "Say hello."],
         &[("LLAMACPP_BASE_URL", url.clone())],
     )
     .await;
-    assert!(!out.status.success());
-    let err = text(&out.stderr);
     assert!(err.contains(&format!("nothing answers at {url}")), "{err}");
 }
 
 #[tokio::test]
 async fn a_reply_cut_at_max_output_tokens_says_so() {
     let dir = tempfile::tempdir().unwrap();
-    let f = fixture(LLAMA_CPP_PYTHON, "length_stop");
-    let server = Replay::start(f.exchanges).await;
-    let out = chat(
+    let server = replaying(&["length_stop"]).await;
+    let (stdout, err) = chat_ok(
         dir.path(),
         &[
             "-m",
@@ -112,12 +135,9 @@ async fn a_reply_cut_at_max_output_tokens_says_so() {
         &served_by(&server),
     )
     .await;
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let stdout = text(&out.stdout);
     assert!(stdout.contains("[reply cut"), "{stdout}");
     assert!(stdout.contains("--max-output-tokens 8"), "{stdout}");
     // Usage under the reply: the server reports none, so it is the router's estimate.
-    let err = text(&out.stderr);
     assert!(
         err.contains("[usage: ") && err.contains("(estimated), $0.000000]"),
         "{err}"
@@ -129,8 +149,7 @@ async fn a_reply_cut_at_max_output_tokens_says_so() {
 #[tokio::test]
 async fn the_catch_all_rows_context_window_is_the_one_the_loop_budgets_with() {
     let dir = tempfile::tempdir().unwrap();
-    let f = fixture(LLAMA_CPP_PYTHON, "plain_stream");
-    let server = Replay::start(f.exchanges).await;
+    let server = replaying(&["plain_stream"]).await;
     let catalog = dir.path().join("local.json");
     std::fs::write(
         &catalog,
@@ -143,9 +162,7 @@ async fn the_catch_all_rows_context_window_is_the_one_the_loop_budgets_with() {
         ("LLAMACPP_BASE_URL", format!("{}/v1", server.url)),
         ("HARNESS_MODEL_CATALOG", catalog.display().to_string()),
     ];
-    let out = chat(dir.path(), &["-m", &long], &env).await;
-    assert!(!out.status.success(), "{}", text(&out.stdout));
-    let err = text(&out.stderr);
+    let (_, err) = chat_fails(dir.path(), &["-m", &long], &env).await;
     assert!(
         err.contains("no longer fits the model's context window"),
         "{err}"
@@ -162,11 +179,10 @@ async fn the_catch_all_rows_context_window_is_the_one_the_loop_budgets_with() {
 #[tokio::test]
 async fn tool_choice_expose_and_max_turns_reach_the_request() {
     let dir = tempfile::tempdir().unwrap();
-    let f = fixture(LLAMA_CPP_PYTHON, "tools_forced_stream");
-    let server = Replay::start(f.exchanges).await;
+    let server = replaying(&["tools_forced_stream"]).await;
     let root = dir.path().join("root");
     std::fs::create_dir_all(&root).unwrap();
-    let out = chat(
+    let (stdout, err) = chat_ok(
         dir.path(),
         &[
             "-m",
@@ -183,7 +199,6 @@ async fn tool_choice_expose_and_max_turns_reach_the_request() {
         &served_by(&server),
     )
     .await;
-    assert!(out.status.success(), "{}", text(&out.stderr));
     let bodies = server.chat_bodies();
     assert_eq!(bodies.len(), 1, "one step only: {bodies:?}");
     assert_eq!(
@@ -202,18 +217,13 @@ async fn tool_choice_expose_and_max_turns_reach_the_request() {
         "native exposure of the allowed function"
     );
     // The recorded reply calls math__add: shown on stderr with its outcome (refused: not allowed).
-    let err = text(&out.stderr);
     assert!(err.contains("[call math::add {"), "{err}");
     assert!(err.contains("[math::add error:"), "{err}");
-    assert!(
-        !text(&out.stdout).contains("[call"),
-        "the reply stays alone on stdout"
-    );
+    assert!(!stdout.contains("[call"), "the reply stays alone on stdout");
     // The turn ended at its one step: said, not silent.
     assert!(
-        text(&out.stdout).contains("[stopped at the turn's max_turns limit"),
-        "{}",
-        text(&out.stdout)
+        stdout.contains("[stopped at the turn's max_turns limit"),
+        "{stdout}"
     );
 }
 
@@ -260,9 +270,7 @@ async fn a_dense_first_message_is_refused_and_the_next_message_of_the_session_co
     let args = ["--context-window", "2048"];
 
     // As a one-shot command: a failure, said with the size and the window.
-    let out = chat(dir.path(), &[&args[..], &["-m", &digits()]].concat(), &env).await;
-    assert!(!out.status.success(), "{}", text(&out.stdout));
-    let err = text(&out.stderr);
+    let (_, err) = chat_fails(dir.path(), &[&args[..], &["-m", &digits()]].concat(), &env).await;
     assert!(err.contains("context/message_too_large"), "{err}");
     assert!(
         err.contains("~3005 tokens") && err.contains("2048-token window"),
@@ -288,8 +296,7 @@ async fn a_dense_first_message_is_refused_and_the_next_message_of_the_session_co
 #[tokio::test]
 async fn a_tool_choice_nothing_offers_exits_non_zero_before_any_request() {
     let dir = tempfile::tempdir().unwrap();
-    let f = fixture(LLAMA_CPP_PYTHON, "plain_stream");
-    let server = Replay::start(f.exchanges).await;
+    let server = replaying(&["plain_stream"]).await;
     let env = served_by(&server);
     let cases: [(&[&str], &str); 3] = [
         (
@@ -301,9 +308,7 @@ async fn a_tool_choice_nothing_offers_exits_non_zero_before_any_request() {
     ];
     for (extra, says) in cases {
         let args = [&["-m", "Say hi.", "--tool-choice", "fs:read"][..], extra].concat();
-        let out = chat(dir.path(), &args, &env).await;
-        assert!(!out.status.success(), "{args:?}: {}", text(&out.stdout));
-        let err = text(&out.stderr);
+        let (_, err) = chat_fails(dir.path(), &args, &env).await;
         assert!(err.contains("--tool-choice fs:read"), "{err}");
         assert!(err.contains(says), "{args:?}: {err}");
         assert!(!err.contains("context"), "{err}");
@@ -378,9 +383,8 @@ async fn ctrl_c_stops_the_reply_and_a_second_one_quits() {
 #[tokio::test]
 async fn a_resumed_reply_is_marked_where_it_was_cut() {
     let dir = tempfile::tempdir().unwrap();
-    let f = fixture(LLAMA_CPP_PYTHON, "interrupted_by_second_request");
-    let server = Replay::start(f.exchanges).await;
-    let out = chat(
+    let server = replaying(&["interrupted_by_second_request"]).await;
+    let (stdout, _) = chat_ok(
         dir.path(),
         &[
             "-m",
@@ -391,8 +395,6 @@ async fn a_resumed_reply_is_marked_where_it_was_cut() {
         &served_by(&server),
     )
     .await;
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let stdout = text(&out.stdout);
     let (cut, resumed) = stdout
         .split_once("[the reply above was cut off; resumed:]")
         .unwrap_or_else(|| panic!("no mark: {stdout}"));
@@ -408,9 +410,7 @@ async fn a_resumed_reply_is_marked_where_it_was_cut() {
 #[tokio::test]
 async fn a_policy_kept_from_an_earlier_run_is_said() {
     let dir = tempfile::tempdir().unwrap();
-    let mut exchanges = fixture(LLAMA_CPP_PYTHON, "plain_stream").exchanges;
-    exchanges.extend(fixture(LLAMA_CPP_PYTHON, "multi_turn_stream").exchanges);
-    let server = Replay::start(exchanges).await;
+    let server = replaying(&["plain_stream", "multi_turn_stream"]).await;
     let env = served_by(&server);
     let out = chat_typed(
         dir.path(),
@@ -428,14 +428,12 @@ async fn a_policy_kept_from_an_earlier_run_is_said() {
         .and_then(|r| r.split(')').next())
         .unwrap_or_else(|| panic!("no session id: {err}"))
         .to_string();
-    let out = chat(
+    let (_, err) = chat_ok(
         dir.path(),
         &["-m", "What is my name?", "--session", &sid],
         &env,
     )
     .await;
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let err = text(&out.stderr);
     assert!(
         err.contains(&format!(
             "session {sid} keeps the function policy of an earlier run: --allow fs::read"
