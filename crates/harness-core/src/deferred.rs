@@ -145,7 +145,13 @@ impl Harness {
         let mut carry = Carry::default();
         carry.advance_point = Some("after_advance_persisted");
         self.run(Some(rec.clone()), Input::CallSettled, &mut carry)
-            .await?;
+            .await
+            .inspect_err(|e| {
+                // Its calls are closed and its record still parked (or, on a bus that writes a
+                // batch one by one, running without its step): the recovery at the next start
+                // runs it on (T43 then T37, or T42).
+                tracing::error!(session = %rec.session_id, turn = %rec.turn_id, "a settled turn could not run on: {e}");
+            })?;
         Ok(carry.enqueued)
     }
 

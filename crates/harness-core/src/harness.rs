@@ -470,7 +470,7 @@ impl Harness {
                     batch = again()?;
                 }
                 Err(e) => {
-                    tracing::error!(session = %session_id, attempt, "a turn's next step could not be written; the recovery at the next start schedules it: {e}");
+                    tracing::error!(session = %session_id, attempt, "a turn's next step could not be written, giving up: {e}");
                     return Err(e);
                 }
             }
