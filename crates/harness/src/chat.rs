@@ -12,29 +12,54 @@ use crate::runtime::{Runtime, RuntimeOptions};
 
 mod typeahead;
 
+/// The flags of `harness chat` (the doc comments are its `--help`); the runtime's own flags
+/// come beside them, see [`run`].
+#[derive(clap::Args)]
 pub struct ChatArgs {
+    /// Send this one message, print the reply, and exit.
+    #[arg(short = 'm', long = "message")]
     pub message: Option<String>,
+    #[arg(long)]
     pub session: Option<String>,
-    /// `None`: chosen by [`choose`].
+    /// scripted, anthropic, openai, openai-responses, openai-compatible, ollama, llamacpp,
+    /// vllm, lmstudio (default: the router config's, else whichever API key is set, else the
+    /// scripted demo).
+    #[arg(long)]
     pub provider: Option<String>,
+    /// Default: the router config's, else the provider's catalog default (a local server's
+    /// first listed model).
+    #[arg(long)]
     pub model: Option<String>,
+    /// Talk to a running server instead of an in-process runtime.
+    #[arg(long)]
     pub url: Option<String>,
-    /// Function globs the model may call (`--allow`); empty = none.
+    /// Let the model call functions matching this glob (repeatable). Without it a new
+    /// session is a plain chat (no functions), while a session named with --session keeps
+    /// the policy of its earlier turns (printed on stderr); naming --allow replaces it.
+    #[arg(long = "allow", value_name = "GLOB")]
     pub allow: Vec<String>,
-    /// Function globs held for approval in the in-process runtime (`--approve`).
-    pub approve: Vec<String>,
-    /// The output budget of each reply (`--max-output-tokens`).
+    /// The most tokens one reply may take (default: the model's catalog limit, 4096 for a
+    /// local server): lower it for a small model on a slow machine. A reply cut there says
+    /// so.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_output_tokens: Option<u32>,
-    /// The agent profile a new session runs under (`--agent`).
+    /// Run the new session under this agent profile of the directory (`agents/NAME.md`):
+    /// its prompt, preloaded functions and skills; its model unless --model is given.
+    #[arg(long, value_name = "NAME")]
     pub agent: Option<String>,
-    /// A function every generation must call (`--tool-choice`), for servers that use tools only
-    /// when one is named.
+    /// Make every generation call this function (sent as the provider's `tool_choice`,
+    /// chat-completions shape): servers such as llama-cpp-python use tools only when one
+    /// is named. Pair it with --max-turns, or the model calls it at every step. The choice
+    /// sticks to the session; `auto` clears it.
+    #[arg(long, value_name = "FUNCTION")]
     pub tool_choice: Option<String>,
-    /// The generate-step cap of each turn (`--max-turns`).
-    pub max_turns: Option<u32>,
-    /// How the allowed functions are offered (`--expose`: `native` or `agent_trigger`).
+    /// How the allowed functions are offered: `native` (one tool per function, needed by
+    /// --tool-choice) or `agent_trigger` (the default: one tool plus discovery).
+    #[arg(long, value_name = "MODE", value_parser = ["native", "agent_trigger"])]
     pub expose: Option<String>,
-    pub runtime: RuntimeOptions,
+    /// Generate steps per turn (default: the configuration's default_max_turns).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_turns: Option<u32>,
 }
 
 /// Where events come from: the in-process store, or a server's SSE stream.
@@ -524,12 +549,14 @@ fn held_for_approval(approve: &[String]) -> Vec<String> {
 /// How long an in-process chat waits for the configured MCP servers before the first message.
 const MCP_START_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
-pub async fn run(args: ChatArgs) -> Result<()> {
+/// Runs `harness chat`; an in-process runtime opens with `runtime`, holding for approval the
+/// mutating tools and whatever `approve` (`--approve`) names.
+pub async fn run(args: ChatArgs, runtime: RuntimeOptions, approve: Vec<String>) -> Result<()> {
     let (provider, model) = choose(&args).await?;
     let mut source = match &args.url {
         Some(url) => Source::Remote { url: url.clone() },
         None => {
-            let rt = Runtime::open(args.runtime, held_for_approval(&args.approve)).await?;
+            let rt = Runtime::open(runtime, held_for_approval(&approve)).await?;
             // The configured MCP servers connect in the background: give them a moment, so the
             // first message is not sent before their tools exist.
             if !rt.mcp.settled(MCP_START_WAIT).await {

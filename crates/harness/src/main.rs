@@ -174,50 +174,8 @@ enum Command {
     },
     /// A terminal chat that streams the reply as it arrives.
     Chat {
-        /// Send this one message, print the reply, and exit.
-        #[arg(short = 'm', long = "message")]
-        message: Option<String>,
-        #[arg(long)]
-        session: Option<String>,
-        /// scripted, anthropic, openai, openai-responses, openai-compatible, ollama, llamacpp,
-        /// vllm, lmstudio (default: the router config's, else whichever API key is set, else the
-        /// scripted demo).
-        #[arg(long)]
-        provider: Option<String>,
-        /// Default: the router config's, else the provider's catalog default (a local server's
-        /// first listed model).
-        #[arg(long)]
-        model: Option<String>,
-        /// Talk to a running server instead of an in-process runtime.
-        #[arg(long)]
-        url: Option<String>,
-        /// Let the model call functions matching this glob (repeatable). Without it a new
-        /// session is a plain chat (no functions), while a session named with --session keeps
-        /// the policy of its earlier turns (printed on stderr); naming --allow replaces it.
-        #[arg(long = "allow", value_name = "GLOB")]
-        allow: Vec<String>,
-        /// The most tokens one reply may take (default: the model's catalog limit, 4096 for a
-        /// local server): lower it for a small model on a slow machine. A reply cut there says
-        /// so.
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-        max_output_tokens: Option<u32>,
-        /// Run the new session under this agent profile of the directory (`agents/NAME.md`):
-        /// its prompt, preloaded functions and skills; its model unless --model is given.
-        #[arg(long, value_name = "NAME")]
-        agent: Option<String>,
-        /// Make every generation call this function (sent as the provider's `tool_choice`,
-        /// chat-completions shape): servers such as llama-cpp-python use tools only when one
-        /// is named. Pair it with --max-turns, or the model calls it at every step. The choice
-        /// sticks to the session; `auto` clears it.
-        #[arg(long, value_name = "FUNCTION")]
-        tool_choice: Option<String>,
-        /// How the allowed functions are offered: `native` (one tool per function, needed by
-        /// --tool-choice) or `agent_trigger` (the default: one tool plus discovery).
-        #[arg(long, value_name = "MODE", value_parser = ["native", "agent_trigger"])]
-        expose: Option<String>,
-        /// Generate steps per turn (default: the configuration's default_max_turns).
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-        max_turns: Option<u32>,
+        #[command(flatten)]
+        chat: chat::ChatArgs,
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
@@ -412,36 +370,8 @@ fn main() {
                 json,
                 url,
             } => client::call(&url, &function_id, json.as_deref()).await,
-            Command::Chat {
-                message,
-                session,
-                provider,
-                model,
-                url,
-                allow,
-                max_output_tokens,
-                agent,
-                tool_choice,
-                max_turns,
-                expose,
-                runtime,
-            } => {
-                chat::run(chat::ChatArgs {
-                    message,
-                    session,
-                    provider,
-                    model,
-                    url,
-                    allow,
-                    approve: runtime.approve.clone(),
-                    max_output_tokens,
-                    agent,
-                    tool_choice,
-                    max_turns,
-                    expose,
-                    runtime: runtime.options()?,
-                })
-                .await
+            Command::Chat { chat, runtime } => {
+                chat::run(chat, runtime.options()?, runtime.approve.clone()).await
             }
             Command::Mcp { url, runtime } => {
                 mcp::run(url, runtime.options()?, runtime.approve.clone()).await
