@@ -249,8 +249,14 @@ impl Harness {
 
     /// A server whose model answers "hi" to "hello".
     fn saying_hi(extra: &[&str]) -> Harness {
+        Harness::replying("hello", "hi", 0, extra)
+    }
+
+    /// A harness whose model answers a user text matching `matcher` with `text`, streamed a
+    /// chunk every `chunk_delay_ms`.
+    fn replying(matcher: &str, text: &str, chunk_delay_ms: u64, extra: &[&str]) -> Harness {
         Harness::start(
-            &json!({"generations": [text_gen("hello", "hi", 0)]}),
+            &json!({"generations": [text_gen(matcher, text, chunk_delay_ms)]}),
             extra,
             &[],
         )
@@ -936,11 +942,7 @@ fn reload_mid_stream_resumes() {
         return;
     };
     let reply = words(30, "r");
-    let h = Harness::start(
-        &json!({"generations": [text_gen("hello", &reply, 100)]}),
-        &[],
-        &[],
-    );
+    let h = Harness::replying("hello", &reply, 100, &[]);
     b.open_console(&h);
     let sid = b.send_until_partial("hello", 10);
     b.shot("before-reload");
@@ -964,11 +966,7 @@ fn server_restart_resumes_stream() {
         return;
     };
     let reply = words(40, "s");
-    let mut h = Harness::start(
-        &json!({"generations": [text_gen("hello", &reply, 150)]}),
-        &[],
-        &[],
-    );
+    let mut h = Harness::replying("hello", &reply, 150, &[]);
     b.open_console(&h);
     let sid = b.send_until_partial("hello", 10);
     h.kill();
@@ -1216,11 +1214,7 @@ fn stop_stops() {
         return;
     };
     let reply = words(60, "z");
-    let h = Harness::start(
-        &json!({"generations": [text_gen("slow", &reply, 200)]}),
-        &[],
-        &[],
-    );
+    let h = Harness::replying("slow", &reply, 200, &[]);
     b.open_console(&h);
     let sid = b.send_until_partial("slow please", 12);
     b.wait("the Stop button", "!document.getElementById('stop').hidden");
@@ -1596,11 +1590,7 @@ fn hostile_text_is_inert() {
         "<script>window.__pwned = 1</script> <img src=x onerror=\"window.__pwned = 2\"> \
          [click me](javascript:window.__pwned=3) **bold** `<b>code</b>`\n\n{long}"
     );
-    let h = Harness::start(
-        &json!({"generations": [text_gen("hostile", &hostile, 0)]}),
-        &[],
-        &[],
-    );
+    let h = Harness::replying("hostile", &hostile, 0, &[]);
     b.open_console(&h);
     let before = b.js(
         "return document.querySelectorAll('img, script, iframe, a').length",
@@ -1650,11 +1640,7 @@ fn token_flow() {
         return;
     };
     let token = "console-test-token-7";
-    let h = Harness::start(
-        &json!({"generations": [text_gen("hello", "streamed with a token", 50)]}),
-        &["--token", token],
-        &[],
-    );
+    let h = Harness::replying("hello", "streamed with a token", 50, &["--token", token]);
     b.goto(&h.url());
     b.wait(
         "the token form",
