@@ -16,7 +16,7 @@ use crate::harness::{Harness, Result};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::interpret::Carry;
 use crate::machine::Input;
-use crate::record::{CallCheckpoint, HeldResult, TurnRecord, Wait};
+use crate::record::{CallCheckpoint, CallState, HeldResult, TurnRecord, Wait};
 use crate::texts;
 use crate::TURN_SCOPE;
 
@@ -155,6 +155,18 @@ impl Harness {
         Ok(carry.enqueued)
     }
 
+    /// A parked turn whose calls are all closed, read again under the session's lock: the turn
+    /// machine runs it on (T37). Returns whether a step was enqueued.
+    async fn run_on_settled(&self, session_id: &str) -> Result<bool> {
+        let _guard = self.inner.locks.lock(session_id).await;
+        match self.load_record(session_id).await? {
+            Some(rec) if rec.status == TurnStatus::AwaitingFunctions && all_closed(&rec) => {
+                self.resume_if_settled(&rec).await
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// Settles pending calls past their timeout (hook holds never expire). Returns how many.
     pub async fn sweep_pending(&self, _req: SweepRequest) -> Result<SweepResponse> {
         // Retention rides on the sweep; a failed prune is retried by the next one.
@@ -175,6 +187,14 @@ impl Harness {
         let mut resolved = 0;
         for (session_id, rec) in records {
             if rec.status != TurnStatus::AwaitingFunctions {
+                continue;
+            }
+            if all_closed(&rec) {
+                // Its advance could not be written past the retries: it runs on here rather
+                // than at the next start.
+                if let Err(e) = self.run_on_settled(&session_id).await {
+                    tracing::warn!(session = %session_id, "a settled turn still cannot run on: {e}");
+                }
                 continue;
             }
             for (call_id, cp) in &rec.calls {
@@ -431,6 +451,12 @@ impl Harness {
             duration_ms,
         }))
     }
+}
+
+/// Whether every call of a parked turn is closed: nothing pending, nothing a restart must
+/// close as interrupted.
+fn all_closed(rec: &TurnRecord) -> bool {
+    rec.calls.values().all(|c| c.state() == CallState::Done)
 }
 
 /// Whether resolving a call in `phase` with `action` goes on to its target: the call machine

@@ -358,10 +358,20 @@ async fn held_call_loop() -> (
     (harness, bus, ran, e)
 }
 
-#[tokio::test]
-async fn a_released_call_whose_advance_is_refused_twice_still_runs_the_turn_on() {
-    use std::sync::atomic::Ordering;
-    let (harness, bus, ran, _e) = held_call_loop().await;
+/// A turn of [`held_call_loop`] parked on its held call, released with the commits of its
+/// advance refused `refusals` times: the loop, its bus, the runs of `t::f`, the store, the
+/// send's answer and the release's.
+async fn released_with_refusals(
+    refusals: usize,
+) -> (
+    harness_core::Harness,
+    std::sync::Arc<Refusing>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    support::embedded::Embedded,
+    harness_types::api::SendResponse,
+    Result<harness_types::api::ResolveResponse, harness_types::HarnessError>,
+) {
+    let (harness, bus, ran, e) = held_call_loop().await;
     let r = harness
         .send(allowing_as(
             "go",
@@ -378,8 +388,8 @@ async fn a_released_call_whose_advance_is_refused_twice_still_runs_the_turn_on()
         assert!(std::time::Instant::now() < deadline, "never parked");
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    // The release's record and next step: refused twice, written on the third try.
-    bus.refuse.store(2, Ordering::SeqCst);
+    bus.refuse
+        .store(refusals, std::sync::atomic::Ordering::SeqCst);
     let out = harness
         .resolve(harness_types::api::ResolveRequest {
             session_id: r.session_id.clone(),
@@ -391,10 +401,40 @@ async fn a_released_call_whose_advance_is_refused_twice_still_runs_the_turn_on()
             details: None,
             fs_scope: None,
         })
-        .await
-        .unwrap();
+        .await;
+    (harness, bus, ran, e, r, out)
+}
+
+#[tokio::test]
+async fn a_released_call_whose_advance_is_refused_twice_still_runs_the_turn_on() {
+    use std::sync::atomic::Ordering;
+    // Refused twice, written on the third try.
+    let (harness, bus, ran, _e, r, out) = released_with_refusals(2).await;
+    let out = out.unwrap();
     assert!(out.resolved && out.turn_resumed, "{out:?}");
     assert_eq!(Refusing::count(&bus.refused), 2);
+    let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
+    assert_eq!(
+        (s.status, s.result),
+        (TurnStatus::Completed, Some(json!("done")))
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "the target ran once");
+}
+
+#[tokio::test]
+async fn a_settled_turn_refused_past_the_retries_runs_on_at_the_next_sweep() {
+    use std::sync::atomic::Ordering;
+    let (harness, bus, ran, _e, r, out) = released_with_refusals(6).await;
+    assert!(out.is_err(), "every try refused: {out:?}");
+    assert_eq!(Refusing::count(&bus.refused), 6);
+    let s = support::embedded::status(&harness, &r.session_id)
+        .await
+        .unwrap();
+    assert_eq!(s.status, TurnStatus::AwaitingFunctions, "still parked");
+    harness
+        .sweep_pending(harness_types::api::SweepRequest { scheduled_at: None })
+        .await
+        .unwrap();
     let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
     assert_eq!(
         (s.status, s.result),
