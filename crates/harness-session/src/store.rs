@@ -80,6 +80,41 @@ CREATE TABLE IF NOT EXISTS entries (
     PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
 CREATE UNIQUE INDEX IF NOT EXISTS entries_by_id ON entries (session_id, entry_id);
+CREATE TABLE IF NOT EXISTS entry_log (
+    id INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    entry_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    body TEXT NOT NULL,
+    origin TEXT,
+    revision INTEGER NOT NULL
+);
+";
+
+/// The writer's index of `entry_log`, on its own connection: a TEMP table lives in memory and
+/// writes no WAL page, yet rolls back with the transaction and savepoints like any other, so
+/// an append sees the entries appended before it in the same batch. Readers do not need it:
+/// they find a session's log rows from the store's unfolded event ids.
+const WRITER_TAIL: &str = "
+CREATE TEMP TABLE IF NOT EXISTS entry_tail (
+    session_id TEXT NOT NULL,
+    entry_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    id INTEGER NOT NULL,
+    PRIMARY KEY (session_id, entry_id)
+) WITHOUT ROWID;
+";
+
+/// The fold: the log's latest version of each entry replaces the materialized row, in key
+/// order (each session's leaves are written once for everything the log held), and the log
+/// starts over. `DELETE` without a condition empties the table without visiting its rows.
+const FOLD_ENTRIES: &str = "
+INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
+    SELECT session_id, seq, entry_id, kind, body, origin, revision, MAX(id) FROM entry_log
+    GROUP BY session_id, seq ORDER BY session_id, seq;
+DELETE FROM entry_log;
+DELETE FROM temp.entry_tail;
 ";
 
 /// Earlier layouts indexed `(session_id, chg)`. Changes are found through the events instead
@@ -96,12 +131,8 @@ const LEGACY_CHANGE_BASE: i64 = -(1 << 62);
 /// (`Store::events_after`, which costs the session's events, not the log's) name the entries
 /// they changed, and an entry counts at its latest change only (`chg` is that event's id).
 /// Costs the events since the mark, not the transcript. An event that names an entry without
-/// being its change (one published by anyone else) matches nothing.
-const ENTRY_AT_CHANGE: &str = "
-    SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
-    WHERE session_id = ?1 AND entry_id = ?2 AND chg = ?3";
-
-/// Events read per page while looking for changes after a mark.
+/// being its change (one published by anyone else) matches nothing. Events are read in pages
+/// of this many.
 const CHANGE_EVENT_PAGE: usize = 256;
 
 /// `session::changes` from the beginning (or a legacy mark below 0, see `LEGACY_CHANGE_BASE`):
@@ -137,8 +168,22 @@ fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
         conn.execute("UPDATE entries SET chg = ?1 + seq", [LEGACY_CHANGE_BASE])?;
     }
     conn.execute_batch(DROP_CHANGE_INDEX)?;
+    // What a killed process left in the log is folded now: from here on the log only holds
+    // rows whose events are above the store's fold mark, which is how readers find them.
+    conn.execute_batch(WRITER_TAIL)?;
+    conn.execute_batch(FOLD_ENTRIES)?;
     Ok(())
 }
+
+/// The session store's part of the store's fold (see [`SessionStore::open`]).
+fn fold_entries(conn: &Connection, _upto: i64) -> std::result::Result<(), StoreError> {
+    conn.execute_batch(FOLD_ENTRIES)?;
+    Ok(())
+}
+
+/// Whether this store's folds already carry the entries (one hook per store).
+#[derive(Default)]
+struct FoldsEntries(std::sync::atomic::AtomicBool);
 
 /// The transcript store. Cheap to clone.
 #[derive(Clone)]
@@ -246,30 +291,160 @@ fn entry_from_row(
     })
 }
 
-fn entry_in(
+/// One version of an entry as stored (materialized in `entries`, or in `entry_log` where `chg`
+/// is the row id).
+struct Row {
+    seq: i64,
+    entry_id: String,
+    kind: String,
+    body: String,
+    origin: Option<String>,
+    revision: i64,
+    chg: i64,
+}
+
+/// The columns [`row`] reads, in its order; `entry_log` names its `id` as `chg`.
+const ENTRY_COLS: &str = "seq, entry_id, kind, body, origin, revision, chg";
+const LOG_COLS: &str = "seq, entry_id, kind, body, origin, revision, id";
+
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
+    Ok(Row {
+        seq: r.get(0)?,
+        entry_id: r.get(1)?,
+        kind: r.get(2)?,
+        body: r.get(3)?,
+        origin: r.get(4)?,
+        revision: r.get(5)?,
+        chg: r.get(6)?,
+    })
+}
+
+impl Row {
+    fn entry(self) -> std::result::Result<Entry, StoreError> {
+        entry_from_row(
+            self.entry_id,
+            self.seq,
+            &self.kind,
+            &self.body,
+            self.origin,
+            self.revision,
+        )
+    }
+}
+
+/// A session's entry versions not folded yet, the latest of each `seq`, read by the ids of the
+/// session's unfolded events (an entry change's log row has its event's id). Inside the
+/// caller's read transaction, with ids taken before it began: a fold committed since moved
+/// the rows to `entries`, which the same snapshot then shows.
+fn unfolded_in(
+    conn: &Connection,
+    session_id: &str,
+    ids: &[i64],
+) -> std::result::Result<std::collections::BTreeMap<i64, Row>, StoreError> {
+    let mut out = std::collections::BTreeMap::new();
+    if ids.is_empty() {
+        return Ok(out);
+    }
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {LOG_COLS} FROM entry_log WHERE id = ?1 AND session_id = ?2"
+    ))?;
+    for id in ids {
+        if let Some(r) = stmt.query_row(params![id, session_id], row).optional()? {
+            // Ids come oldest first: a later version of the same entry replaces an earlier.
+            out.insert(r.seq, r);
+        }
+    }
+    Ok(out)
+}
+
+/// The newer of two versions of an entry (by change mark).
+fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if b.chg > a.chg { b } else { a }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The latest version of an entry as the writer sees it, inside its transaction: the log's
+/// (through the writer's tail index) or else the materialized one.
+fn latest_in_writer(
     conn: &Connection,
     session_id: &str,
     entry_id: &str,
-) -> std::result::Result<Option<Entry>, StoreError> {
-    let row = conn
-        .prepare_cached(
-            "SELECT seq, kind, body, origin, revision FROM entries
-             WHERE session_id = ?1 AND entry_id = ?2",
-        )?
-        .query_row(params![session_id, entry_id], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, Option<String>>(3)?,
-                r.get::<_, i64>(4)?,
-            ))
-        })
+) -> std::result::Result<Option<Row>, StoreError> {
+    let logged: Option<i64> = conn
+        .prepare_cached("SELECT id FROM temp.entry_tail WHERE session_id = ?1 AND entry_id = ?2")?
+        .query_row(params![session_id, entry_id], |r| r.get(0))
         .optional()?;
-    row.map(|(seq, kind, body, origin, revision)| {
-        entry_from_row(entry_id.to_string(), seq, &kind, &body, origin, revision)
-    })
-    .transpose()
+    if let Some(id) = logged {
+        return Ok(conn
+            .prepare_cached(&format!("SELECT {LOG_COLS} FROM entry_log WHERE id = ?1"))?
+            .query_row([id], row)
+            .optional()?);
+    }
+    Ok(conn
+        .prepare_cached(&format!(
+            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
+        ))?
+        .query_row(params![session_id, entry_id], row)
+        .optional()?)
+}
+
+/// The latest version of an entry as a reader sees it (`unfolded`: from [`unfolded_in`]).
+fn latest_in_reader(
+    conn: &Connection,
+    session_id: &str,
+    entry_id: &str,
+    unfolded: &std::collections::BTreeMap<i64, Row>,
+) -> std::result::Result<Option<Row>, StoreError> {
+    let materialized = conn
+        .prepare_cached(&format!(
+            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
+        ))?
+        .query_row(params![session_id, entry_id], row)
+        .optional()?;
+    let logged = unfolded
+        .values()
+        .find(|r| r.entry_id == entry_id)
+        .map(|r| Row {
+            seq: r.seq,
+            entry_id: r.entry_id.clone(),
+            kind: r.kind.clone(),
+            body: r.body.clone(),
+            origin: r.origin.clone(),
+            revision: r.revision,
+            chg: r.chg,
+        });
+    Ok(newer(materialized, logged))
+}
+
+/// Writes one version of an entry (an append or an update) to the log, where the fold will
+/// find it, and to the writer's index of the log.
+#[allow(clippy::too_many_arguments)]
+fn log_entry_in(
+    conn: &Connection,
+    chg: i64,
+    session_id: &str,
+    seq: i64,
+    entry_id: &str,
+    kind: &str,
+    body: &str,
+    origin: Option<&str>,
+    revision: i64,
+) -> std::result::Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, origin, revision)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?
+    .execute(params![
+        chg, session_id, seq, entry_id, kind, body, origin, revision
+    ])?;
+    conn.prepare_cached(
+        "INSERT OR REPLACE INTO temp.entry_tail (session_id, entry_id, seq, id)
+         VALUES (?1, ?2, ?3, ?4)",
+    )?
+    .execute(params![session_id, entry_id, seq, chg])?;
+    Ok(())
 }
 
 /// Inserts the event announcing an entry change and returns its id, the entry's new change mark.
@@ -300,6 +475,10 @@ impl SessionStore {
     /// Creates the tables if needed.
     pub async fn open(store: Store) -> Result<SessionStore> {
         store.write(migrate).await?;
+        let hooked = store.shared::<FoldsEntries>();
+        if !hooked.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            store.on_fold(Arc::new(fold_entries));
+        }
         let log = store.shared::<ChangeLog>();
         Ok(SessionStore { store, log })
     }
@@ -395,9 +574,36 @@ impl SessionStore {
     }
 
     pub fn entry(&self, session_id: &str, entry_id: &str) -> Result<Option<Entry>> {
-        Ok(self
-            .store
-            .read(|conn| entry_in(conn, session_id, entry_id))?)
+        self.read_merged(session_id, |conn, unfolded| {
+            latest_in_reader(conn, session_id, entry_id, &unfolded)?
+                .map(Row::entry)
+                .transpose()
+        })
+    }
+
+    /// Runs `f` in one read transaction with the session's unfolded entry versions (see
+    /// [`unfolded_in`]): what the transcript holds is `entries` overlaid with them, the newer
+    /// change winning.
+    fn read_merged<R>(
+        &self,
+        session_id: &str,
+        f: impl FnOnce(
+            &Connection,
+            std::collections::BTreeMap<i64, Row>,
+        ) -> std::result::Result<R, StoreError>,
+    ) -> Result<R> {
+        // Taken before the snapshot starts (see `unfolded_in`).
+        let ids = self.store.unfolded_session_events(session_id, 0);
+        self.store
+            .read(|conn| {
+                conn.execute_batch("BEGIN")?;
+                let unfolded = unfolded_in(conn, session_id, &ids)?;
+                let out = f(conn, unfolded);
+                // `Store::read` rolls back whatever is left open.
+                let _ = conn.execute_batch("COMMIT");
+                out
+            })
+            .map_err(lower)
     }
 
     /// Appends an entry; an existing `entry_id` is a no-op that returns the original.
@@ -427,59 +633,57 @@ impl SessionStore {
             })?,
             None => 0,
         };
-        let page = self
-            .store
-            .read(|conn| {
-                require_session(conn, &req.session_id)?;
-                let mut floor = after_seq;
-                if let Some(after) = &req.after_entry_id {
-                    let seq = conn
-                        .prepare_cached(
-                            "SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2",
-                        )?
-                        .query_row(params![req.session_id, after], |r| r.get::<_, i64>(0))
-                        .optional()?
-                        .ok_or_else(|| {
-                            reject(HarnessError::not_found(format!(
-                                "after_entry_id: no entry '{after}' in session '{}'",
-                                req.session_id
-                            )))
-                        })?;
-                    floor = floor.max(seq);
+        let page = self.read_merged(&req.session_id, |conn, unfolded| {
+            require_session(conn, &req.session_id)?;
+            let mut floor = after_seq;
+            if let Some(after) = &req.after_entry_id {
+                let seq = latest_in_reader(conn, &req.session_id, after, &unfolded)?
+                    .map(|r| r.seq)
+                    .ok_or_else(|| {
+                        reject(HarnessError::not_found(format!(
+                            "after_entry_id: no entry '{after}' in session '{}'",
+                            req.session_id
+                        )))
+                    })?;
+                floor = floor.max(seq);
+            }
+            let sql = if req.include_custom {
+                "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
+                 WHERE session_id = +?1 AND seq > ?2 ORDER BY seq"
+            } else {
+                "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
+                 WHERE session_id = +?1 AND seq > ?2 AND kind = 'message' ORDER BY seq"
+            };
+            // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT changes (and
+            // every reuse from the statement cache rebinds it), so the page is cut here; the
+            // rows stream in index order, so nothing past the page is read. `+?1` for the
+            // same reason: a bare parameter compared with the leading column of the index
+            // the rows are ordered by re-prepares on every bind (harness_store::events).
+            let mut stmt = conn.prepare_cached(sql)?;
+            let rows = stmt.query_map(params![req.session_id, floor], row)?;
+            // The first `limit + 1` of the overlay are among the first `limit + 1` rows of
+            // `entries` and the unfolded versions (an unfolded version replaces a row, or
+            // comes after them all).
+            let mut merged = std::collections::BTreeMap::new();
+            for r in rows.take(limit as usize + 1) {
+                let r = r?;
+                merged.insert(r.seq, r);
+            }
+            for (seq, r) in unfolded {
+                if seq <= floor || (!req.include_custom && r.kind != "message") {
+                    continue;
                 }
-                let sql = if req.include_custom {
-                    "SELECT seq, entry_id, kind, body, origin, revision FROM entries
-                     WHERE session_id = +?1 AND seq > ?2 ORDER BY seq"
-                } else {
-                    "SELECT seq, entry_id, kind, body, origin, revision FROM entries
-                     WHERE session_id = +?1 AND seq > ?2 AND kind = 'message' ORDER BY seq"
-                };
-                // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT changes (and
-                // every reuse from the statement cache rebinds it), so the page is cut here; the
-                // rows stream in index order, so nothing past the page is read. `+?1` for the
-                // same reason: a bare parameter compared with the leading column of the index
-                // the rows are ordered by re-prepares on every bind (harness_store::events).
-                let mut stmt = conn.prepare_cached(sql)?;
-                let rows = stmt.query_map(params![req.session_id, floor], |r| {
-                    Ok((
-                        r.get::<_, i64>(0)?,
-                        r.get::<_, String>(1)?,
-                        r.get::<_, String>(2)?,
-                        r.get::<_, String>(3)?,
-                        r.get::<_, Option<String>>(4)?,
-                        r.get::<_, i64>(5)?,
-                    ))
-                })?;
-                let mut out = Vec::new();
-                for row in rows.take(limit as usize + 1) {
-                    let (seq, entry_id, kind, body, origin, revision) = row?;
-                    out.push(entry_from_row(
-                        entry_id, seq, &kind, &body, origin, revision,
-                    )?);
+                let old = merged.remove(&seq);
+                if let Some(r) = newer(old, Some(r)) {
+                    merged.insert(seq, r);
                 }
-                Ok(out)
-            })
-            .map_err(lower)?;
+            }
+            merged
+                .into_values()
+                .take(limit as usize + 1)
+                .map(Row::entry)
+                .collect::<std::result::Result<Vec<_>, _>>()
+        })?;
         let mut messages = page;
         let next_cursor = if messages.len() > limit as usize {
             messages.truncate(limit as usize);
@@ -520,7 +724,8 @@ impl SessionStore {
     }
 
     /// Up to `limit + 1` entries changed after mark `after` (≥ 0), by change mark, found from
-    /// the session's events (see [`ENTRY_AT_CHANGE`]). The events are read before the entries:
+    /// the session's events, each counting only if it is its entry's latest change. The events are
+    /// read before the entries:
     /// an entry changed again in between is left out here, and its newer change, above every
     /// mark answered now, is found from the answer's mark.
     fn changed_after_mark(
@@ -544,34 +749,18 @@ impl SessionStore {
                 .filter(|e| e.topic == topics::MESSAGE_ADDED || e.topic == topics::MESSAGE_UPDATED)
                 .filter_map(|e| Some((e.id, e.payload.get("entry_id")?.as_str()?.to_string())))
                 .collect();
-            self.store
-                .read(|conn| {
-                    let mut stmt = conn.prepare_cached(ENTRY_AT_CHANGE)?;
-                    for (id, entry_id) in named {
-                        if out.len() > limit {
-                            break;
-                        }
-                        let row = stmt
-                            .query_row(params![session_id, entry_id, id], |r| {
-                                Ok((
-                                    r.get::<_, i64>(0)?,
-                                    r.get::<_, String>(1)?,
-                                    r.get::<_, String>(2)?,
-                                    r.get::<_, String>(3)?,
-                                    r.get::<_, Option<String>>(4)?,
-                                    r.get::<_, i64>(5)?,
-                                ))
-                            })
-                            .optional()?;
-                        if let Some((seq, entry_id, kind, body, origin, revision)) = row {
-                            let entry =
-                                entry_from_row(entry_id, seq, &kind, &body, origin, revision)?;
-                            out.push((id, entry));
-                        }
+            self.read_merged(session_id, |conn, unfolded| {
+                for (id, entry_id) in named {
+                    if out.len() > limit {
+                        break;
                     }
-                    Ok(())
-                })
-                .map_err(lower)?;
+                    let latest = latest_in_reader(conn, session_id, &entry_id, &unfolded)?;
+                    if let Some(r) = latest.filter(|r| r.chg == id) {
+                        out.push((id, r.entry()?));
+                    }
+                }
+                Ok(())
+            })?;
             if out.len() > limit || last_page {
                 break;
             }
@@ -594,38 +783,39 @@ impl SessionStore {
         after: i64,
         limit: u32,
     ) -> Result<Vec<(i64, Entry)>> {
-        self.store
-            .read(|conn| {
-                // The page is cut here, not by a bound LIMIT (see `messages`).
-                let row = |r: &rusqlite::Row<'_>| {
-                    Ok((
-                        r.get::<_, i64>(0)?,
-                        r.get::<_, String>(1)?,
-                        r.get::<_, String>(2)?,
-                        r.get::<_, String>(3)?,
-                        r.get::<_, Option<String>>(4)?,
-                        r.get::<_, i64>(5)?,
-                        r.get::<_, i64>(6)?,
-                    ))
-                };
-                let mut stmt = conn.prepare_cached(CHANGES_FROM_START)?;
-                let rows = stmt.query_map(params![session_id, after], row)?;
-                let mut out = Vec::new();
-                for row in rows.take(limit as usize + 1) {
-                    let (seq, entry_id, kind, body, origin, revision, chg) = row?;
-                    out.push((
-                        chg,
-                        entry_from_row(entry_id, seq, &kind, &body, origin, revision)?,
-                    ));
+        self.read_merged(session_id, |conn, unfolded| {
+            // The page is cut here, not by a bound LIMIT (see `messages`). An unfolded
+            // version moves its entry later in change order, so as many more rows are read
+            // as there are unfolded versions.
+            let mut stmt = conn.prepare_cached(CHANGES_FROM_START)?;
+            let rows = stmt.query_map(params![session_id, after], row)?;
+            let mut by_seq = std::collections::BTreeMap::new();
+            for r in rows.take(limit as usize + 1 + unfolded.len()) {
+                let r = r?;
+                by_seq.insert(r.seq, r);
+            }
+            for (seq, r) in unfolded {
+                if r.chg <= after {
+                    continue;
                 }
-                // An entry proves its session exists (see `PreparedAppend::run`): the session
-                // is looked up only when there is none, to tell "nothing new" from "no such".
-                if out.is_empty() {
-                    require_session(conn, session_id)?;
+                let old = by_seq.remove(&seq);
+                if let Some(r) = newer(old, Some(r)) {
+                    by_seq.insert(seq, r);
                 }
-                Ok(out)
-            })
-            .map_err(lower)
+            }
+            let mut rows: Vec<Row> = by_seq.into_values().collect();
+            rows.sort_by_key(|r| r.chg);
+            let mut out = Vec::new();
+            for r in rows.into_iter().take(limit as usize + 1) {
+                out.push((r.chg, r.entry()?));
+            }
+            // An entry proves its session exists (see `PreparedAppend::run`): the session
+            // is looked up only when there is none, to tell "nothing new" from "no such".
+            if out.is_empty() {
+                require_session(conn, session_id)?;
+            }
+            Ok(out)
+        })
     }
 
     /// Every entry of a session, paging internally.
@@ -672,6 +862,11 @@ impl SessionStore {
             }
             conn.prepare_cached("DELETE FROM entries WHERE session_id = ?1")?
                 .execute(params![req.session_id])?;
+            // The log is short (it is emptied by every fold): scanned, not indexed.
+            conn.prepare_cached("DELETE FROM entry_log WHERE session_id = ?1")?
+                .execute(params![req.session_id])?;
+            conn.prepare_cached("DELETE FROM temp.entry_tail WHERE session_id = ?1")?
+                .execute(params![req.session_id])?;
             conn.prepare_cached("DELETE FROM sessions WHERE session_id = ?1")?
                 .execute(params![req.session_id])?;
             let event = insert_event_in(
@@ -708,8 +903,27 @@ impl SessionStore {
                 sessions.push(meta);
             }
         }
-        self.store
-            .read(|conn| list_summaries(conn, &mut sessions))?;
+        let children = self.store.read(children_in)?;
+        // Every session whose entries the summaries read: the page's and their sub-agents'.
+        let mut unfolded_ids = HashMap::new();
+        let mut queue: Vec<String> = sessions.iter().map(|m| m.session_id.clone()).collect();
+        while let Some(s) = queue.pop() {
+            if unfolded_ids.contains_key(&s) {
+                continue;
+            }
+            if let Some(c) = children.get(&s) {
+                queue.extend(c.iter().cloned());
+            }
+            let ids = self.store.unfolded_session_events(&s, 0);
+            unfolded_ids.insert(s, ids);
+        }
+        // One snapshot, begun after the unfolded ids were taken (see `unfolded_in`).
+        self.store.read(|conn| {
+            conn.execute_batch("BEGIN")?;
+            let out = list_summaries(conn, &mut sessions, &children, &unfolded_ids);
+            let _ = conn.execute_batch("COMMIT");
+            out
+        })?;
         let next_cursor = (ids.len() > limit as usize)
             .then(|| sessions.last().map(|m| m.session_id.clone()))
             .flatten();
@@ -726,25 +940,16 @@ impl SessionStore {
 fn list_summaries(
     conn: &Connection,
     sessions: &mut [SessionMeta],
+    children: &HashMap<String, Vec<String>>,
+    unfolded_ids: &HashMap<String, Vec<i64>>,
 ) -> std::result::Result<(), StoreError> {
-    let mut children: HashMap<String, Vec<String>> = HashMap::new();
-    {
-        let mut stmt = conn.prepare_cached(
-            "SELECT session_id, json_extract(metadata, '$.parent_session_id') FROM sessions
-             WHERE json_valid(metadata) AND json_extract(metadata, '$.parent_session_id') IS NOT NULL",
-        )?;
-        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
-        for row in rows {
-            let (child, parent) = row?;
-            children.entry(parent).or_default().push(child);
-        }
-    }
     let mut first_user = conn.prepare_cached(
-        "SELECT body FROM entries WHERE session_id = ?1 AND kind = 'message'
+        "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
+         WHERE session_id = ?1 AND kind = 'message'
          AND json_extract(body, '$.role') = 'user' ORDER BY seq LIMIT 1",
     )?;
-    let mut last_model = conn.prepare_cached(
-        "SELECT json_extract(body, '$.model'), json_extract(body, '$.provider') FROM entries
+    let mut last_assistant = conn.prepare_cached(
+        "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
          WHERE session_id = ?1 AND kind = 'message' AND json_extract(body, '$.role') = 'assistant'
          ORDER BY seq DESC LIMIT 1",
     )?;
@@ -752,28 +957,63 @@ fn list_summaries(
         "SELECT SUM(json_extract(body, '$.usage.cost_usd')) FROM entries
          WHERE session_id = ?1 AND kind = 'message' AND json_extract(body, '$.role') = 'assistant'",
     )?;
+    let mut cost_at = conn.prepare_cached(
+        "SELECT json_extract(body, '$.usage.cost_usd') FROM entries
+         WHERE session_id = ?1 AND seq = ?2 AND kind = 'message'
+         AND json_extract(body, '$.role') = 'assistant'",
+    )?;
+    let no_ids = Vec::new();
+    let unfolded_of = |sid: &str| {
+        unfolded_in(conn, sid, unfolded_ids.get(sid).unwrap_or(&no_ids)).map(|rows| {
+            // Each unfolded version with its parsed body, to tell roles apart.
+            rows.into_values()
+                .filter(|r| r.kind == "message")
+                .filter_map(|r| {
+                    let v: Value = serde_json::from_str(&r.body).ok()?;
+                    Some((r, v))
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let role = |v: &Value| v.get("role").and_then(Value::as_str).map(str::to_string);
     for meta in sessions.iter_mut() {
         let sid = meta.session_id.clone();
-        if let Some(body) = first_user
-            .query_row(params![sid], |r| r.get::<_, String>(0))
-            .optional()?
-        {
+        let unfolded = unfolded_of(&sid)?;
+        // The overlay's first user message: the materialized one, or an unfolded version
+        // with a lower seq or of the same entry.
+        let mut first = first_user.query_row(params![sid], row).optional()?;
+        for (r, v) in &unfolded {
+            let earlier = first.as_ref().is_none_or(|f| r.seq <= f.seq);
+            if earlier && role(v).as_deref() == Some("user") {
+                first = Some(Row {
+                    body: r.body.clone(),
+                    entry_id: r.entry_id.clone(),
+                    kind: r.kind.clone(),
+                    origin: r.origin.clone(),
+                    ..*r
+                });
+            }
+        }
+        if let Some(body) = first.map(|f| f.body) {
             if let Ok(AgentMessage::User(m)) = serde_json::from_str::<AgentMessage>(&body) {
                 let text = harness_types::message::joined_text(&m.content);
                 meta.preview = Some(text.chars().take(80).collect());
             }
         }
-        if let Some((model, provider)) = last_model
-            .query_row(params![sid], |r| {
-                Ok((
-                    r.get::<_, Option<String>>(0)?,
-                    r.get::<_, Option<String>>(1)?,
-                ))
-            })
+        let mut last: Option<(i64, Value)> = last_assistant
+            .query_row(params![sid], row)
             .optional()?
-        {
-            meta.model = model;
-            meta.provider = provider;
+            .and_then(|r| Some((r.seq, serde_json::from_str(&r.body).ok()?)));
+        for (r, v) in &unfolded {
+            let later = last.as_ref().is_none_or(|(seq, _)| r.seq >= *seq);
+            if later && role(v).as_deref() == Some("assistant") {
+                last = Some((r.seq, v.clone()));
+            }
+        }
+        if let Some((_, body)) = last {
+            let text = |k: &str| body.get(k).and_then(Value::as_str).map(str::to_string);
+            meta.model = text("model");
+            meta.provider = text("provider");
         }
         meta.parent_session_id = meta
             .metadata
@@ -790,6 +1030,18 @@ fn list_summaries(
             }
             let cost: Option<f64> = own_cost.query_row(params![s], |r| r.get(0))?;
             total += cost.unwrap_or(0.0);
+            // An unfolded version's cost replaces the materialized one of its entry.
+            for (r, v) in unfolded_of(&s)? {
+                if role(&v).as_deref() != Some("assistant") {
+                    continue;
+                }
+                let before: Option<f64> = cost_at
+                    .query_row(params![s, r.seq], |r| r.get(0))
+                    .optional()?
+                    .flatten();
+                let now = v.pointer("/usage/cost_usd").and_then(Value::as_f64);
+                total += now.unwrap_or(0.0) - before.unwrap_or(0.0);
+            }
             if let Some(c) = children.get(&s) {
                 queue.extend(c.iter().cloned());
             }
@@ -797,6 +1049,21 @@ fn list_summaries(
         meta.cost_usd = Some(total);
     }
     Ok(())
+}
+
+/// Each parent session's sub-agents (by their `metadata.parent_session_id`).
+fn children_in(conn: &Connection) -> std::result::Result<HashMap<String, Vec<String>>, StoreError> {
+    let mut children: HashMap<String, Vec<String>> = HashMap::new();
+    let mut stmt = conn.prepare_cached(
+        "SELECT session_id, json_extract(metadata, '$.parent_session_id') FROM sessions
+         WHERE json_valid(metadata) AND json_extract(metadata, '$.parent_session_id') IS NOT NULL",
+    )?;
+    let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+    for row in rows {
+        let (child, parent) = row?;
+        children.entry(parent).or_default().push(child);
+    }
+    Ok(children)
 }
 
 /// A validated `append`, ready to run inside a write.
@@ -873,23 +1140,26 @@ impl PreparedAppend {
         // Entries never outlive their session (`delete` removes both in one write), so an
         // entry found, or a session with entries, proves the session exists: the check runs
         // only for a session's first entry.
-        if let Some(seq) = conn
-            .prepare_cached("SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2")?
-            .query_row(params![session_id, entry_id], |r| r.get::<_, i64>(0))
-            .optional()?
-        {
+        if let Some(found) = latest_in_writer(conn, session_id, entry_id)? {
             return Ok((
                 AppendResponse {
                     entry_id: entry_id.clone(),
-                    seq,
+                    seq: found.seq,
                     appended: false,
                 },
                 None,
             ));
         }
-        let seq: i64 = conn
-            .prepare_cached("SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE session_id = +?1")?
+        // The next seq is past both the materialized entries and the log's.
+        let materialized: i64 = conn
+            .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = +?1")?
             .query_row(params![session_id], |r| r.get(0))?;
+        let logged: i64 = conn
+            .prepare_cached(
+                "SELECT COALESCE(MAX(seq), 0) FROM temp.entry_tail WHERE session_id = ?1",
+            )?
+            .query_row(params![session_id], |r| r.get(0))?;
+        let seq = materialized.max(logged) + 1;
         if seq == 1 {
             require_session(conn, session_id)?;
         }
@@ -899,11 +1169,17 @@ impl PreparedAppend {
             topics::MESSAGE_ADDED,
             &json!({"session_id": session_id, "entry_id": entry_id, "seq": seq}),
         )?;
-        conn.prepare_cached(
-            "INSERT INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 0, ?7)",
-        )?
-        .execute(params![session_id, seq, entry_id, kind, body, origin, chg])?;
+        log_entry_in(
+            conn,
+            chg,
+            session_id,
+            seq,
+            entry_id,
+            kind,
+            body,
+            origin.as_deref(),
+            0,
+        )?;
         log.publish(session_id, chg, || Entry {
             entry_id: entry_id.clone(),
             seq,
@@ -929,7 +1205,7 @@ pub(crate) fn update_message_in(
     req: &UpdateMessageRequest,
     log: &Arc<ChangeLog>,
 ) -> std::result::Result<(UpdateMessageResponse, Option<i64>), StoreError> {
-    let Some(entry) = entry_in(conn, &req.session_id, &req.entry_id)? else {
+    let Some(entry) = latest_in_writer(conn, &req.session_id, &req.entry_id)? else {
         // Only now the session: an entry found proves it exists (see `PreparedAppend::run`).
         require_session(conn, &req.session_id)?;
         return Err(reject(HarnessError::not_found(format!(
@@ -937,6 +1213,8 @@ pub(crate) fn update_message_in(
             req.entry_id, req.session_id
         ))));
     };
+    let seq = entry.seq;
+    let entry = entry.entry()?;
     if let Some(expected) = req.expected_revision {
         if expected != entry.revision {
             return Ok((
@@ -969,18 +1247,17 @@ pub(crate) fn update_message_in(
         topics::MESSAGE_UPDATED,
         &json!({"session_id": req.session_id, "entry_id": req.entry_id, "revision": revision}),
     )?;
-    conn.prepare_cached(
-        "UPDATE entries SET body = ?3, origin = ?4, revision = ?5, chg = ?6
-             WHERE session_id = ?1 AND entry_id = ?2",
-    )?
-    .execute(params![
-        req.session_id,
-        req.entry_id,
-        serde_json::to_string(&message)?,
-        origin.as_ref().map(|o| o.to_string()),
+    log_entry_in(
+        conn,
+        chg,
+        &req.session_id,
+        seq,
+        &req.entry_id,
+        "message",
+        &serde_json::to_string(&message)?,
+        origin.as_ref().map(|o| o.to_string()).as_deref(),
         revision,
-        chg
-    ])?;
+    )?;
     log.publish(&req.session_id, chg, || Entry {
         entry_id: req.entry_id.clone(),
         seq: entry.seq,

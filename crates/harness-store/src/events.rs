@@ -29,10 +29,15 @@ use crate::store::Store;
 /// bytes an event in memory, and the fold holds the writer for its length (a few ms).
 pub(crate) const FOLD_EVENTS: usize = 8192;
 
+/// What another crate folds with the events: a table it keeps, like the index, in a log
+/// ordered by event id and brings up to date in the same transaction (see [`Store::on_fold`]).
+pub type FoldHook = Arc<dyn Fn(&Connection, i64) -> Result<(), StoreError> + Send + Sync>;
+
 /// The ids above the fold mark, in memory (see the module docs).
 #[derive(Default)]
 pub(crate) struct EventTail {
     state: Mutex<TailState>,
+    hooks: Mutex<Vec<FoldHook>>,
 }
 
 #[derive(Default)]
@@ -226,6 +231,10 @@ pub(crate) fn fold_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<(), St
     .execute((from, to))?;
     conn.prepare_cached("UPDATE folds SET upto = ?1 WHERE name = 'events'")?
         .execute([to])?;
+    let hooks = tail.hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    for hook in hooks {
+        hook(conn, to)?;
+    }
     let tail = tail.clone();
     if !crate::after_commit(move || tail.folded(to)) {
         return Err(StoreError::Invalid(
@@ -371,6 +380,24 @@ impl Store {
     /// Events above the fold mark, kept in memory until the next fold.
     pub fn unfolded_events(&self) -> usize {
         self.event_tail().len()
+    }
+
+    /// The ids of `session_id`'s events above the fold mark (and above `after`), oldest first,
+    /// as committed when called; a few may be another session's (same hash): check the row.
+    /// A crate folding a table of its own with the events ([`Store::on_fold`]) finds a
+    /// session's unfolded rows from these.
+    pub fn unfolded_session_events(&self, session_id: &str, after: i64) -> Vec<i64> {
+        self.event_tail().after(session_id, after, usize::MAX).1
+    }
+
+    /// Runs `hook` in every fold's transaction, after the index is written, with the id the
+    /// fold reached: every event up to it is folded when that transaction commits.
+    pub fn on_fold(&self, hook: FoldHook) {
+        self.event_tail()
+            .hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(hook);
     }
 
     /// Highest committed event id (0 when the log is empty).

@@ -1,0 +1,336 @@
+//! Transcript writes go to an append-only log (`entry_log`) that the store's fold brings into
+//! `entries` in batches: every read answers the same whether an entry's latest version is
+//! still in the log, already folded, or one of each, and across a restart.
+
+use harness_session::SessionStore;
+use harness_store::{Durability, Store};
+use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, Usage};
+use harness_types::session::*;
+use serde_json::{json, Value};
+
+async fn open(path: &std::path::Path) -> SessionStore {
+    let store = Store::open(path, Durability::Normal).unwrap();
+    SessionStore::open(store).await.unwrap()
+}
+
+async fn create(s: &SessionStore, sid: &str, metadata: Value) {
+    s.create(CreateRequest {
+        session_id: Some(sid.into()),
+        metadata: Some(metadata),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+}
+
+async fn add(s: &SessionStore, sid: &str, entry_id: &str, message: AgentMessage) -> i64 {
+    s.append(AppendRequest {
+        session_id: sid.into(),
+        message: Some(message),
+        custom: None,
+        entry_id: Some(entry_id.into()),
+        origin: None,
+    })
+    .await
+    .unwrap()
+    .seq
+}
+
+async fn note(s: &SessionStore, sid: &str, entry_id: &str) {
+    s.append(AppendRequest {
+        session_id: sid.into(),
+        message: None,
+        custom: Some(CustomEntry {
+            custom_type: "note".into(),
+            data: json!({"id": entry_id}),
+        }),
+        entry_id: Some(entry_id.into()),
+        origin: None,
+    })
+    .await
+    .unwrap();
+}
+
+fn reply(text: &str, cost: f64) -> AgentMessage {
+    let mut m = AssistantMessage::ended(vec![ContentBlock::text(text)], "m1", "p1", 1);
+    m.usage = Some(Usage {
+        cost_usd: Some(cost),
+        ..Default::default()
+    });
+    AgentMessage::Assistant(m)
+}
+
+async fn edit(s: &SessionStore, sid: &str, entry_id: &str, text: &str, cost: f64) {
+    let r = s
+        .update_message(UpdateMessageRequest {
+            session_id: sid.into(),
+            entry_id: entry_id.into(),
+            content: vec![ContentBlock::text(text)],
+            usage: Some(Usage {
+                cost_usd: Some(cost),
+                ..Default::default()
+            }),
+            stop_reason: None,
+            details: None,
+            expected_revision: None,
+            origin: None,
+        })
+        .await
+        .unwrap();
+    assert!(r.updated);
+}
+
+/// Every read a client makes of session `sid`, as JSON: pages of two (with and without custom
+/// entries), a page after an entry, one entry, the changes from the start and in pages, and
+/// the list's summary.
+fn reads(s: &SessionStore, sid: &str, one: &str) -> Value {
+    let mut pages = Vec::new();
+    for include_custom in [true, false] {
+        let mut cursor = None;
+        loop {
+            let page = s
+                .messages(&MessagesRequest {
+                    session_id: sid.into(),
+                    include_custom,
+                    limit: Some(2),
+                    cursor,
+                    after_entry_id: None,
+                })
+                .unwrap();
+            pages.push(serde_json::to_value(&page.messages).unwrap());
+            match page.next_cursor {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+        }
+    }
+    let after_one = s
+        .messages(&MessagesRequest {
+            session_id: sid.into(),
+            include_custom: true,
+            limit: None,
+            cursor: None,
+            after_entry_id: Some(one.into()),
+        })
+        .unwrap();
+    let changes = |after, limit| {
+        s.changes(&ChangesRequest {
+            session_id: sid.into(),
+            after,
+            limit,
+        })
+        .unwrap()
+    };
+    let all = changes(None, None);
+    let first = changes(None, Some(2));
+    let rest = changes(Some(first.mark), None);
+    let list = s.list(&ListRequest::default()).unwrap();
+    let summary = list.sessions.iter().find(|m| m.session_id == sid).unwrap();
+    json!({
+        "pages": pages,
+        "after_one": after_one.messages,
+        "one": s.entry(sid, one).unwrap(),
+        "changes": all.entries,
+        "mark": all.mark,
+        "paged": [first.entries, rest.entries],
+        "summary": [summary.preview, summary.model, summary.cost_usd],
+    })
+}
+
+/// Versions in the log, not folded yet.
+fn logged(s: &SessionStore) -> i64 {
+    s.store()
+        .read(|c| Ok(c.query_row("SELECT COUNT(*) FROM entry_log", [], |r| r.get(0))?))
+        .unwrap()
+}
+
+fn texts(v: &Value) -> Vec<String> {
+    v["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let m = &e["message"];
+            if m.is_null() {
+                format!("custom:{}", e["custom"]["data"]["id"].as_str().unwrap())
+            } else {
+                m["content"][0]["text"].as_str().unwrap().to_string()
+            }
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_transcript_reads_the_same_in_the_log_folded_and_half_way() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let s = open(&path).await;
+    create(&s, "a", json!({})).await;
+    create(&s, "child", json!({"parent_session_id": "a"})).await;
+    add(&s, "a", "u1", AgentMessage::user_text("first question", 1)).await;
+    add(&s, "a", "r1", reply("draft", 0.5)).await;
+    note(&s, "a", "n1").await;
+    edit(&s, "a", "r1", "answer", 1.0).await;
+    add(&s, "child", "c1", reply("sub", 0.25)).await;
+
+    // Everything is in the log.
+    assert_eq!(logged(&s), 5);
+    let unfolded = reads(&s, "a", "r1");
+    assert_eq!(texts(&unfolded), ["first question", "custom:n1", "answer"]);
+    assert_eq!(unfolded["one"]["revision"], json!(1));
+    assert_eq!(
+        unfolded["summary"],
+        json!(["first question", "m1", 1.25]),
+        "preview, latest model, cost of the tree"
+    );
+    assert_eq!(unfolded["after_one"].as_array().unwrap().len(), 1);
+
+    s.store().fold_events().await.unwrap();
+    assert_eq!(reads(&s, "a", "r1"), unfolded, "folded");
+
+    // Half way: the folded reply is edited again and more comes, in the log.
+    edit(&s, "a", "r1", "better answer", 2.0).await;
+    add(&s, "a", "u2", AgentMessage::user_text("second", 2)).await;
+    add(&s, "a", "r2", reply("more", 0.5)).await;
+    add(&s, "child", "c2", reply("sub2", 0.25)).await;
+    assert_eq!(logged(&s), 4);
+    let half = reads(&s, "a", "r1");
+    assert_eq!(
+        texts(&half),
+        [
+            "first question",
+            "custom:n1",
+            "better answer",
+            "second",
+            "more"
+        ]
+    );
+    assert_eq!(half["one"]["revision"], json!(2));
+    assert_eq!(half["summary"], json!(["first question", "m1", 3.0]));
+    let seqs: Vec<i64> = half["pages"].as_array().unwrap()[0..3]
+        .iter()
+        .flat_map(|p| {
+            p.as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["seq"].as_i64().unwrap())
+        })
+        .collect();
+    assert_eq!(seqs, [1, 2, 3, 4, 5]);
+
+    s.store().fold_events().await.unwrap();
+    assert_eq!(reads(&s, "a", "r1"), half, "folded again");
+
+    // A restart finds the same (the store folds what is left when it closes).
+    edit(&s, "a", "r2", "more, edited", 0.75).await;
+    let before = reads(&s, "a", "r1");
+    s.store().close();
+    drop(s);
+    let s = open(&path).await;
+    assert_eq!(reads(&s, "a", "r1"), before, "after a restart");
+}
+
+/// Appends of one session committed in one batch still number on from each other, and an
+/// append is idempotent on its entry id while its first version is in the log.
+#[tokio::test]
+async fn appends_in_one_batch_number_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir.path().join("t.db")).await;
+    create(&s, "a", json!({})).await;
+    let mut appends = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let s = s.clone();
+        appends.spawn(async move {
+            add(
+                &s,
+                "a",
+                &format!("e{i}"),
+                AgentMessage::user_text(format!("m{i}"), 1),
+            )
+            .await
+        });
+    }
+    let mut seqs = appends.join_all().await;
+    seqs.sort();
+    assert_eq!(seqs, (1..=20).collect::<Vec<i64>>());
+    let again = add(&s, "a", "e7", AgentMessage::user_text("ignored", 1)).await;
+    let e7 = s.entry("a", "e7").unwrap().unwrap();
+    assert_eq!(again, e7.seq);
+    assert_eq!(s.all_entries("a", true).unwrap().len(), 20);
+}
+
+/// A process killed with versions in the log finds them at the next start (folded then).
+#[tokio::test]
+async fn versions_left_in_the_log_by_a_killed_process_are_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    {
+        let s = open(&path).await;
+        create(&s, "a", json!({})).await;
+        add(&s, "a", "r1", reply("draft", 0.5)).await;
+        s.store().close();
+    }
+    // What a write killed before the next fold leaves: the change's event and its version.
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute(
+            "INSERT INTO events(session_id, topic, payload, at_ms)
+             VALUES ('a', 'session::message-updated', '{\"entry_id\":\"r1\"}', 1)",
+            [],
+        )
+        .unwrap();
+        let id = conn.last_insert_rowid();
+        let body = serde_json::to_string(&reply("kept", 0.5)).unwrap();
+        conn.execute(
+            "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, revision)
+             VALUES (?1, 'a', 1, 'r1', 'message', ?2, 1)",
+            rusqlite::params![id, body],
+        )
+        .unwrap();
+    }
+    let s = open(&path).await;
+    let r1 = s.entry("a", "r1").unwrap().unwrap();
+    assert_eq!(r1.revision, 1);
+    let AgentMessage::Assistant(m) = r1.message.unwrap() else {
+        panic!("not a reply")
+    };
+    assert_eq!(m.content, vec![ContentBlock::text("kept")]);
+    // And the writer numbers on from it.
+    assert_eq!(
+        add(&s, "a", "u2", AgentMessage::user_text("next", 1)).await,
+        2
+    );
+}
+
+/// A deleted session's versions in the log go with it: a session created again under the same
+/// id starts empty, and a fold does not bring the old entries back.
+#[tokio::test]
+async fn a_deleted_session_leaves_nothing_in_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir.path().join("t.db")).await;
+    create(&s, "a", json!({})).await;
+    add(&s, "a", "old", AgentMessage::user_text("old", 1)).await;
+    s.store().fold_events().await.unwrap();
+    // One folded entry and one still in the log.
+    add(&s, "a", "old2", AgentMessage::user_text("old2", 1)).await;
+    let deleted = s
+        .delete(DeleteRequest {
+            session_id: "a".into(),
+        })
+        .await
+        .unwrap();
+    assert!(deleted.deleted);
+    create(&s, "a", json!({})).await;
+    assert_eq!(
+        add(&s, "a", "new", AgentMessage::user_text("new", 1)).await,
+        1
+    );
+    s.store().fold_events().await.unwrap();
+    let ids: Vec<String> = s
+        .all_entries("a", true)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.entry_id)
+        .collect();
+    assert_eq!(ids, ["new"]);
+}
