@@ -5,7 +5,9 @@
 //! bundled demo script: four turns over three sessions, and one state key), stopped by SIGTERM.
 //! Its WAL was checkpointed into `harness.db` by SQLite itself, so the fixture is one file.
 //! `expected.json` is what that server answered before it stopped: every session's status,
-//! transcript and event stream from the start.
+//! transcript and event stream from the start. The fixture is schema 2 (its events indexed by
+//! session on every insert, its transcript written to `entries` directly); opening it
+//! migrates it to schema 3 (events and entries folded in batches).
 
 mod common;
 
@@ -168,6 +170,28 @@ async fn a_data_dir_of_030ad11_opens_in_place_and_keeps_everything() {
     stop_cleanly(&mut server).await;
     server.start_again().await;
     assert_eq!(server.transcript("fx-a", true).await, transcript);
+
+    // Migrated once to the folded layout (schema 3): the per-insert `events_session` index is
+    // gone, every event of a session is in `events_by_session` up to the fold mark (a clean
+    // stop folds all of them), and no entry version is left in the log.
+    stop_cleanly(&mut server).await;
+    let db = rusqlite::Connection::open(server.data_dir().join("harness.db")).unwrap();
+    let one = |sql: &str| -> i64 { db.query_row(sql, [], |r| r.get(0)).unwrap() };
+    assert_eq!(one("PRAGMA user_version"), 3);
+    assert_eq!(
+        one("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'events_session'"),
+        0
+    );
+    assert_eq!(
+        one("SELECT upto FROM folds WHERE name = 'events'"),
+        one("SELECT MAX(id) FROM events")
+    );
+    assert_eq!(
+        one("SELECT COUNT(*) FROM events_by_session"),
+        one("SELECT COUNT(*) FROM events WHERE session_id IS NOT NULL")
+    );
+    assert_eq!(one("SELECT COUNT(*) FROM entry_log"), 0);
+    assert!(one("SELECT COUNT(*) FROM entries") > 0);
 }
 
 /// Many turns grow the WAL; a clean stop (SIGTERM) copies it into the database and truncates
