@@ -132,18 +132,7 @@ async fn text_streams_as_frames_with_usage_cost_and_cache_markers() {
     let (mock, run) = hi(vec![Reply::Stream(steps)]).await;
     assert_eq!(
         run.kinds(),
-        [
-            "start",
-            "usage",
-            "ping",
-            "text_start",
-            "text_delta",
-            "text_delta",
-            "text_end",
-            "usage",
-            "stop",
-            "done"
-        ]
+        stream_kinds(&["start", "usage", "ping"], &[("text", 2)])
     );
     let m = run.done();
     assert_eq!(m.content, vec![ContentBlock::text("Hello")]);

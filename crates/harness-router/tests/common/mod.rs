@@ -264,6 +264,21 @@ pub fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
     items.iter().map(|e| e[field].as_str().unwrap()).collect()
 }
 
+/// The frame kinds a streamed reply must give: `head` (the `start` frame and
+/// whatever a provider sends before its first block), then each `(block, pieces)`
+/// as `<block>_start`, one `<block>_delta` per piece and `<block>_end`, then the
+/// ending every provider gives a finished reply: `usage`, `stop`, `done`.
+pub fn stream_kinds(head: &[&str], blocks: &[(&str, usize)]) -> Vec<String> {
+    let mut kinds: Vec<String> = head.iter().map(|k| k.to_string()).collect();
+    for (block, pieces) in blocks {
+        kinds.push(format!("{block}_start"));
+        kinds.extend((0..*pieces).map(|_| format!("{block}_delta")));
+        kinds.push(format!("{block}_end"));
+    }
+    kinds.extend(["usage", "stop", "done"].map(String::from));
+    kinds
+}
+
 pub struct Run {
     pub frames: Vec<Frame>,
     pub ack: ChatAck,
