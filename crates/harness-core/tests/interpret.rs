@@ -405,25 +405,34 @@ async fn released_with_refusals(
     (harness, bus, ran, e, r, out)
 }
 
+/// The released turn runs on to its end with the target's answer, and the target ran once
+/// however many times the advance after it was refused.
+async fn completes_having_run_the_target_once(
+    harness: &harness_core::Harness,
+    r: &harness_types::api::SendResponse,
+    ran: &std::sync::atomic::AtomicUsize,
+) {
+    let s = support::embedded::wait_turn_end(harness, &r.session_id, &r.turn_id).await;
+    assert_eq!(
+        (s.status, s.result),
+        (TurnStatus::Completed, Some(json!("done")))
+    );
+    let runs = ran.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(runs, 1, "the target ran once");
+}
+
 #[tokio::test]
 async fn a_released_call_whose_advance_is_refused_twice_still_runs_the_turn_on() {
-    use std::sync::atomic::Ordering;
     // Refused twice, written on the third try.
     let (harness, bus, ran, _e, r, out) = released_with_refusals(2).await;
     let out = out.unwrap();
     assert!(out.resolved && out.turn_resumed, "{out:?}");
     assert_eq!(Refusing::count(&bus.refused), 2);
-    let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
-    assert_eq!(
-        (s.status, s.result),
-        (TurnStatus::Completed, Some(json!("done")))
-    );
-    assert_eq!(ran.load(Ordering::SeqCst), 1, "the target ran once");
+    completes_having_run_the_target_once(&harness, &r, &ran).await;
 }
 
 #[tokio::test]
 async fn a_settled_turn_refused_past_the_retries_runs_on_at_the_next_sweep() {
-    use std::sync::atomic::Ordering;
     let (harness, bus, ran, _e, r, out) = released_with_refusals(6).await;
     assert!(out.is_err(), "every try refused: {out:?}");
     assert_eq!(Refusing::count(&bus.refused), 6);
@@ -435,12 +444,7 @@ async fn a_settled_turn_refused_past_the_retries_runs_on_at_the_next_sweep() {
         .sweep_pending(harness_types::api::SweepRequest { scheduled_at: None })
         .await
         .unwrap();
-    let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
-    assert_eq!(
-        (s.status, s.result),
-        (TurnStatus::Completed, Some(json!("done")))
-    );
-    assert_eq!(ran.load(Ordering::SeqCst), 1, "the target ran once");
+    completes_having_run_the_target_once(&harness, &r, &ran).await;
 }
 
 #[tokio::test]
