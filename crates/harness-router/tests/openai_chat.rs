@@ -265,16 +265,6 @@ async fn a_full_exchange_round_trips_in_the_chat_format() {
     let r = router_for(&mock);
     add_exchange(&r, "openai", MODEL, "call_1").await;
     let second = &mock.bodies()[1];
-    assert_eq!(
-        second["messages"],
-        json!([
-            {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "add 2 and 3"},
-            {"role": "assistant", "content": "Adding.", "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "math__add", "arguments": "{\"a\":2,\"b\":3}"}}
-            ]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "{\"sum\":5}"}
-        ])
-    );
+    assert_eq!(second["messages"], chat_format_exchange());
     assert_eq!(second["tools"], mock.bodies()[0]["tools"]);
 }

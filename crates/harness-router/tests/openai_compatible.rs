@@ -237,17 +237,7 @@ async fn a_full_exchange_round_trips_in_the_chat_format() {
     .await;
     let r = router_for(&mock);
     add_exchange(&r, "ollama", MODEL, "call_1").await;
-    assert_eq!(
-        mock.bodies()[1]["messages"],
-        json!([
-            {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "add 2 and 3"},
-            {"role": "assistant", "content": "Adding.", "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "math__add", "arguments": "{\"a\":2,\"b\":3}"}}
-            ]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "{\"sum\":5}"}
-        ])
-    );
+    assert_eq!(mock.bodies()[1]["messages"], chat_format_exchange());
 }
 
 #[test]

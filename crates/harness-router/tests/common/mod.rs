@@ -434,6 +434,19 @@ pub async fn add_exchange(router: &Router, provider: &str, model: &str, call_id:
     assert_eq!(second.done().content, vec![ContentBlock::text("It is 5.")]);
 }
 
+/// The messages of [`add_exchange`]'s second request in the chat-completions format, which
+/// OpenAI and the servers compatible with it read alike (call `call_1`).
+pub fn chat_format_exchange() -> Value {
+    json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "add 2 and 3"},
+        {"role": "assistant", "content": "Adding.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "math__add", "arguments": "{\"a\":2,\"b\":3}"}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"sum\":5}"}
+    ])
+}
+
 /// The assistant message of a finished run, as the loop stores it.
 pub fn assistant(run: &Run) -> AgentMessage {
     AgentMessage::Assistant(run.done())
