@@ -1,11 +1,15 @@
 //! One generation: call `router::chat`, fold its frames into the pre-appended assistant entry
 //! with coalesced `session::update-message` writes, and end with exactly one outcome.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use harness_types::fold::FrameFold;
 use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
-use harness_types::router::{ChatAck, ChatCall, ChatExtras, ChatRequest, Frame};
+use harness_types::router::{
+    ChatAck, ChatAckError, ChatCall, ChatExtras, ChatRequest, Frame, FrameTap,
+};
 use harness_types::session::{UpdateMessageRequest, UpdateMessageResponse};
 use harness_types::HarnessError;
 use serde_json::{json, Value};
@@ -56,6 +60,46 @@ impl Accumulator {
     }
 }
 
+/// A generation's frames: typed from the router in process, JSON from any other.
+enum Frames {
+    Typed(tokio::sync::mpsc::UnboundedReceiver<Frame>),
+    Json(tokio::sync::mpsc::UnboundedReceiver<Value>),
+}
+
+impl Frames {
+    /// The next frame (a JSON one that does not parse is skipped); `None` once the stream
+    /// ended. Cancel-safe: nothing is taken off the channel without being answered.
+    async fn next(&mut self) -> Option<Frame> {
+        match self {
+            Frames::Typed(rx) => rx.recv().await,
+            Frames::Json(rx) => loop {
+                if let Ok(frame) = serde_json::from_value::<Frame>(rx.recv().await?) {
+                    return Some(frame);
+                }
+            },
+        }
+    }
+}
+
+/// `router::chat`'s answer as it arrived: typed in process, JSON (parsed only when read)
+/// otherwise.
+enum Acked {
+    Typed(Box<ChatAck>),
+    Json(Value),
+}
+
+impl Acked {
+    fn error(self) -> Option<ChatAckError> {
+        match self {
+            Acked::Typed(ack) => ack.error,
+            Acked::Json(v) => serde_json::from_value::<ChatAck>(v).ok()?.error,
+        }
+    }
+}
+
+type AckFuture =
+    Pin<Box<dyn Future<Output = std::result::Result<Acked, harness_bus::BusError>> + Send>>;
+
 impl Harness {
     async fn write_stream(
         &self,
@@ -93,42 +137,49 @@ impl Harness {
         let gen_start = self.marking().then(crate::trace::now_us);
         let mut first_chunk = None;
         let timeout = Duration::from_millis(c.router_timeout_ms);
-        let mut call = match self.inner.bus.local_handler("router::chat") {
-            // In-process: the conversation moves to the router instead of being serialized.
-            Some(local) => {
-                let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
-                let ctx = harness_bus::CallContext {
-                    frames: Some(tx),
-                    metadata: Value::Null,
-                };
-                let result = Box::pin(async move {
-                    let ack = harness_bus::local::invoke::<ChatAck>(
-                        local.as_ref(),
-                        "router::chat",
-                        Box::new(ChatCall {
-                            request: req,
-                            extras,
-                        }),
-                        ctx,
-                        timeout,
+        let (mut frames, result): (Frames, AckFuture) =
+            match self.inner.bus.local_handler("router::chat") {
+                // In-process: the conversation moves to the router and the frames come back as
+                // they are, neither turned into JSON.
+                Some(local) => {
+                    let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
+                    let tap = FrameTap::new(move |frame| {
+                        let _ = tx.send(frame);
+                    });
+                    let result = Box::pin(async move {
+                        let ack = harness_bus::local::invoke::<ChatAck>(
+                            local.as_ref(),
+                            "router::chat",
+                            Box::new(ChatCall {
+                                request: req,
+                                extras,
+                                frames: Some(tap),
+                            }),
+                            harness_bus::CallContext::default(),
+                            timeout,
+                        )
+                        .await?;
+                        Ok(Acked::Typed(Box::new(ack)))
+                    });
+                    (Frames::Typed(frames), result)
+                }
+                None => {
+                    let payload = extras
+                        .payload(&req)
+                        .map_err(|e| HarnessError::internal(e.to_string()))?;
+                    let call = self
+                        .inner
+                        .bus
+                        .call_streaming("router::chat", payload, Some(timeout))
+                        .await
+                        .map_err(|e| e.into_harness())?;
+                    let result = call.result;
+                    (
+                        Frames::Json(call.frames),
+                        Box::pin(async move { result.await.map(Acked::Json) }),
                     )
-                    .await?;
-                    serde_json::to_value(ack)
-                        .map_err(|e| harness_bus::BusError::internal(e.to_string()))
-                });
-                harness_bus::StreamingCall { frames, result }
-            }
-            None => {
-                let payload = extras
-                    .payload(&req)
-                    .map_err(|e| HarnessError::internal(e.to_string()))?;
-                self.inner
-                    .bus
-                    .call_streaming("router::chat", payload, Some(timeout))
-                    .await
-                    .map_err(|e| e.into_harness())?
-            }
-        };
+                }
+            };
         let coalesce = Duration::from_millis(c.stream_coalesce_ms);
         let mut acc = Accumulator {
             content: Vec::new(),
@@ -139,13 +190,12 @@ impl Harness {
         let mut last_write = Instant::now();
         let mut dirty = false;
         let mut abort_sent = false;
-        let mut result = Some(call.result);
-        let mut ack: Option<std::result::Result<Value, harness_bus::BusError>> = None;
+        let mut result = Some(result);
+        let mut ack: Option<std::result::Result<Acked, harness_bus::BusError>> = None;
         loop {
             tokio::select! {
-                frame = call.frames.recv() => {
+                frame = frames.next() => {
                     let Some(frame) = frame else { break };
-                    let Ok(frame) = serde_json::from_value::<Frame>(frame) else { continue };
                     if frame.is_terminal() {
                         terminal = Some(frame);
                         continue;
@@ -202,10 +252,7 @@ impl Harness {
                 }),
                 ack,
             ) => {
-                let acked = ack
-                    .ok()
-                    .and_then(|v| serde_json::from_value::<ChatAck>(v).ok())
-                    .and_then(|a| a.error);
+                let acked = ack.ok().and_then(Acked::error);
                 let mut message = error;
                 if message.content.is_empty() {
                     message.content = acc.content.clone();

@@ -7,11 +7,12 @@ use std::sync::{Arc, Mutex, RwLock};
 use async_trait::async_trait;
 use harness_bus::typed::{self, schema};
 use harness_bus::{Bus, BusError, CallContext, FunctionDef, Handler, LocalHandler, LocalValue};
+use harness_types::context::ModelRef;
 use harness_types::fold::FrameFold;
 use harness_types::message::{AssistantMessage, ContentBlock, ErrorKind, StopReason};
 use harness_types::parse::parse_payload;
 use harness_types::router::{
-    AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatCall, ChatRequest, Frame,
+    AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatCall, ChatRequest, Frame, FrameTap,
 };
 pub use harness_types::router::{CacheIntent, ChatExtras, SystemSection};
 use harness_types::{now_ms, HarnessError};
@@ -100,6 +101,8 @@ fn block_chars(b: &ContentBlock) -> usize {
 /// and a success is built from exactly what the caller saw.
 pub struct FrameWriter {
     ctx: CallContext,
+    /// An in-process caller's typed sink, used instead of `ctx`'s JSON one.
+    tap: Option<FrameTap>,
     partial: AssistantMessage,
     fold: FrameFold,
     started: bool,
@@ -111,6 +114,7 @@ impl FrameWriter {
     pub fn new(ctx: CallContext, model: &str, provider: &str) -> Self {
         FrameWriter {
             ctx,
+            tap: None,
             partial: AssistantMessage::ended(Vec::new(), model, provider, now_ms()),
             fold: FrameFold::default(),
             started: false,
@@ -122,6 +126,24 @@ impl FrameWriter {
     pub fn with_context(mut self, chat: ChatContext) -> Self {
         self.chat = chat;
         self
+    }
+
+    /// Sends the frames to `tap` as they are, not as JSON through the call context.
+    pub fn with_tap(mut self, tap: Option<FrameTap>) -> Self {
+        self.tap = tap;
+        self
+    }
+
+    /// Hands a frame to the caller: typed to a tap, else as JSON to a streaming caller (a
+    /// caller that streams nothing costs no serialization).
+    fn emit(&self, frame: Frame) {
+        if let Some(tap) = &self.tap {
+            tap.send(frame);
+        } else if self.ctx.frames.is_some() {
+            if let Ok(v) = serde_json::to_value(&frame) {
+                self.ctx.frame(v);
+            }
+        }
     }
 
     /// The request's catalog row, extras and resolved reasoning.
@@ -154,9 +176,7 @@ impl FrameWriter {
                 other
             }
         };
-        if let Ok(v) = serde_json::to_value(&frame) {
-            self.ctx.frame(v);
-        }
+        self.emit(frame);
     }
 
     fn fold(&mut self, frame: &Frame) {
@@ -260,9 +280,7 @@ impl FrameWriter {
             usage: message.usage.clone(),
             error: None,
         };
-        if let Ok(v) = serde_json::to_value(Frame::Done { message }) {
-            self.ctx.frame(v);
-        }
+        self.emit(Frame::Done { message });
         ack
     }
 
@@ -277,14 +295,11 @@ impl FrameWriter {
         partial.stop_reason = StopReason::Error;
         partial.error_kind = Some(err.kind);
         partial.error_message = Some(err.diagnostic());
-        let frame = Frame::Error {
+        self.emit(Frame::Error {
             error: partial.clone(),
             error_kind: err.kind,
             error_message: err.diagnostic(),
-        };
-        if let Ok(v) = serde_json::to_value(&frame) {
-            self.ctx.frame(v);
-        }
+        });
         ChatAck {
             ok: false,
             provider: partial.provider,
@@ -364,7 +379,7 @@ pub struct Router {
     default_provider: Arc<Mutex<Option<String>>>,
     // std Mutex: held only to insert/remove/look up a token, never across an await.
     in_flight: Arc<Mutex<HashMap<String, CancellationToken>>>,
-    catalog: Arc<RwLock<Arc<Catalog>>>,
+    catalog: Arc<RwLock<Arc<CatalogState>>>,
     /// Context windows servers reported, by (provider, model), with when they were asked: a
     /// server is asked once, not at every step (a silent one again after a minute). std Mutex:
     /// never held across the request.
@@ -376,6 +391,30 @@ pub struct Router {
 
 /// A context window a server reported (or did not), and when it was asked.
 type Reported = (Option<u64>, std::time::Instant);
+
+/// The catalog in use and the rows looked up in it: every step asks for its model's row twice
+/// (the loop's `router::models::get`, then the request), and a lookup walks every row and
+/// alias and was then turned into JSON. Replaced whole with the catalog, so no answer outlives
+/// the catalog it came from.
+#[derive(Default)]
+struct CatalogState {
+    catalog: Arc<Catalog>,
+    /// By (provider, model). std Mutex: never held across an await.
+    rows: Mutex<HashMap<(Option<String>, String), Row>>,
+}
+
+/// What [`Router::model_entry`] answered, kept until `until` (a catch-all row whose server
+/// reported no window is asked again after [`WINDOW_RETRY`]).
+#[derive(Clone)]
+struct Row {
+    entry: Option<ModelEntry>,
+    /// `router::models::get`'s answer (`null` without a row).
+    json: Arc<Value>,
+    until: Option<std::time::Instant>,
+}
+
+/// Rows kept per catalog; past it they are all dropped (model ids are a caller's to choose).
+const MAX_ROWS: usize = 256;
 
 /// How long a server that reported no context window is left alone.
 const WINDOW_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
@@ -428,21 +467,70 @@ impl Router {
 
     /// Replaces the catalog (an override merged by the caller).
     pub fn set_catalog(&self, catalog: Catalog) {
-        *self.catalog.write().expect("router lock") = Arc::new(catalog);
+        *self.catalog.write().expect("router lock") = Arc::new(CatalogState {
+            catalog: Arc::new(catalog),
+            rows: Mutex::default(),
+        });
     }
 
     /// The catalog in use: context windows, output limits, prices, capabilities.
     pub fn catalog(&self) -> Arc<Catalog> {
-        self.catalog.read().expect("router lock").clone()
+        self.catalog.read().expect("router lock").catalog.clone()
     }
 
     /// The catalog row of `id` on `provider`; when only a catch-all row answers, the context
     /// window the server itself reports replaces the row's guess (and bounds the output budget
     /// to half of it).
     pub async fn model_entry(&self, provider: Option<&str>, id: &str) -> Option<ModelEntry> {
-        let mut entry = self.catalog().get(provider, id)?;
+        self.row(provider, id).await.entry
+    }
+
+    /// [`model_entry`](Self::model_entry) as `router::models::get` answers it (`null` without a
+    /// row), shared rather than serialized again.
+    pub async fn model_json(&self, provider: Option<&str>, id: &str) -> Arc<Value> {
+        self.row(provider, id).await.json
+    }
+
+    /// The answer about `id` on `provider`: kept from an earlier lookup in the same catalog
+    /// while it holds, else looked up and kept.
+    async fn row(&self, provider: Option<&str>, id: &str) -> Row {
+        let state = self.catalog.read().expect("router lock").clone();
+        let key = (provider.map(str::to_string), id.to_string());
+        let kept = state.rows.lock().expect("router lock").get(&key).cloned();
+        if let Some(row) = kept.filter(|r| r.until.is_none_or(|t| std::time::Instant::now() < t)) {
+            return row;
+        }
+        let (entry, until) = self.look_up(&state.catalog, provider, id).await;
+        let json = entry
+            .as_ref()
+            .and_then(|e| serde_json::to_value(e).ok())
+            .unwrap_or(Value::Null);
+        let row = Row {
+            entry,
+            json: Arc::new(json),
+            until,
+        };
+        let mut rows = state.rows.lock().expect("router lock");
+        if rows.len() >= MAX_ROWS {
+            rows.clear();
+        }
+        rows.insert(key, row.clone());
+        row
+    }
+
+    /// [`model_entry`](Self::model_entry) read from `catalog`, and until when the answer holds
+    /// (`None`: as long as the catalog).
+    async fn look_up(
+        &self,
+        catalog: &Catalog,
+        provider: Option<&str>,
+        id: &str,
+    ) -> (Option<ModelEntry>, Option<std::time::Instant>) {
+        let Some(mut entry) = catalog.get(provider, id) else {
+            return (None, None);
+        };
         let Some(pid) = provider.filter(|_| entry.generic) else {
-            return Some(entry);
+            return (Some(entry), None);
         };
         let key = (pid.to_string(), id.to_string());
         let cached = self
@@ -452,27 +540,30 @@ impl Router {
             .get(&key)
             .copied()
             .filter(|(n, at)| n.is_some() || at.elapsed() < WINDOW_RETRY);
-        let window = match cached {
-            Some((n, _)) => n,
+        let (window, asked) = match cached {
+            Some(reported) => reported,
             None => {
                 let n = match self.provider(pid) {
                     Some(p) => p.context_window(id).await,
                     None => None,
                 };
+                let asked = std::time::Instant::now();
                 self.windows
                     .lock()
                     .expect("router lock")
-                    .insert(key, (n, std::time::Instant::now()));
-                n
+                    .insert(key, (n, asked));
+                (n, asked)
             }
         };
+        // A server that reported a window keeps it; a silent one is asked again later.
+        let until = window.is_none().then(|| asked + WINDOW_RETRY);
         if let Some(n) = window.filter(|n| *n > 0) {
             entry.context_window = n;
             entry.max_output_tokens = entry.max_output_tokens.min((n / 2).max(1));
             entry.generic = false;
             entry.window_known = true;
         }
-        Some(entry)
+        (Some(entry), until)
     }
 
     pub fn abort(&self, request_id: &str) -> bool {
@@ -492,9 +583,20 @@ impl Router {
     /// [`chat`](Self::chat) with the spec §11 fields `ChatRequest` does not carry.
     pub async fn chat_with(
         &self,
+        req: ChatRequest,
+        extras: ChatExtras,
+        ctx: CallContext,
+    ) -> ChatAck {
+        self.chat_to(req, extras, ctx, None).await
+    }
+
+    /// [`chat_with`](Self::chat_with), the frames going to `tap` when one is given.
+    async fn chat_to(
+        &self,
         mut req: ChatRequest,
         extras: ChatExtras,
         ctx: CallContext,
+        tap: Option<FrameTap>,
     ) -> ChatAck {
         let provider_id = req
             .provider
@@ -509,7 +611,7 @@ impl Router {
             reasoning_effort: None,
             input: RequestInput::of(&req),
         };
-        let out = FrameWriter::new(ctx, &req.model, &provider_id);
+        let out = FrameWriter::new(ctx, &req.model, &provider_id).with_tap(tap);
         let Some(provider) = provider else {
             let err = ProviderError::new(
                 ErrorKind::Permanent,
@@ -792,7 +894,8 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         let r = r.clone();
         async move {
             let call: ChatCall = harness_bus::local::take("router::chat", payload)?;
-            Ok(Box::new(r.chat_with(call.request, call.extras, ctx).await) as LocalValue)
+            let ack = r.chat_to(call.request, call.extras, ctx, call.frames).await;
+            Ok(Box::new(ack) as LocalValue)
         }
     };
     bus.register_function_with_local(
@@ -851,17 +954,33 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         .schemas(schema::<ListRequest>(), json!({"type": "object"})),
         Arc::new(list) as Arc<dyn Handler>,
     );
-    typed::register(
-        bus,
+    let r = router.clone();
+    let get = move |payload: Value, _ctx: CallContext| {
+        let r = r.clone();
+        async move {
+            let req: GetRequest = parse_payload(payload)?;
+            let row = r.model_json(req.provider.as_deref(), &req.id).await;
+            Ok::<_, BusError>(Arc::unwrap_or_clone(row))
+        }
+    };
+    // In process the loop asks on every step: it takes a `ModelRef` and the shared answer.
+    let r = router.clone();
+    let get_local = move |payload: LocalValue, _ctx: CallContext| {
+        let r = r.clone();
+        async move {
+            let req: ModelRef = harness_bus::local::take("router::models::get", payload)?;
+            let row = r.model_json(req.provider.as_deref(), &req.id).await;
+            Ok(Box::new(row) as LocalValue)
+        }
+    };
+    bus.register_function_with_local(
         FunctionDef::new(
             "router::models::get",
             "The catalog row of a model (context window, max output, capabilities, prices per million tokens), or null.",
-        ),
-        router.clone(),
-        |r, req: GetRequest| async move {
-            let entry = r.model_entry(req.provider.as_deref(), &req.id).await;
-            Ok::<_, BusError>(entry)
-        },
+        )
+        .schemas(schema::<GetRequest>(), schema::<Option<ModelEntry>>()),
+        Arc::new(get) as Arc<dyn Handler>,
+        Arc::new(get_local) as Arc<dyn LocalHandler>,
     );
     let r = router.clone();
     let supports = move |payload: Value, _ctx: CallContext| {
@@ -933,5 +1052,112 @@ mod chat_schema_tests {
                 .is_some(),
             "{s}"
         );
+    }
+}
+
+#[cfg(test)]
+mod tap_tests {
+    use super::*;
+    use harness_types::message::AgentMessage;
+    use std::sync::Mutex as StdMutex;
+
+    /// Streams "hi" as one text block.
+    struct Hi;
+
+    #[async_trait]
+    impl Provider for Hi {
+        fn id(&self) -> &str {
+            "hi"
+        }
+
+        async fn chat(
+            &self,
+            req: ChatRequest,
+            mut out: FrameWriter,
+            _cancel: CancellationToken,
+        ) -> ChatAck {
+            out.send(Frame::Start {
+                model: Some(req.model.clone()),
+                provider: Some("hi".into()),
+            });
+            out.send(Frame::TextStart);
+            out.send(Frame::TextDelta { delta: "hi".into() });
+            out.send(Frame::TextEnd);
+            out.complete(StopReason::End, None)
+        }
+    }
+
+    fn request() -> ChatRequest {
+        ChatRequest {
+            request_id: "r1".into(),
+            session_id: None,
+            model: "m".into(),
+            provider: Some("hi".into()),
+            system_prompt: None,
+            messages: vec![AgentMessage::user_text("hello", 0)].into(),
+            tools: vec![],
+            thinking_level: None,
+            max_output_tokens: None,
+            provider_options: None,
+            response_format: None,
+        }
+    }
+
+    fn router() -> Router {
+        let router = Router::new();
+        router.add_provider(Arc::new(Hi));
+        router
+    }
+
+    /// Without the message's timestamp, which differs between two runs.
+    fn shape(frames: Vec<Frame>) -> Vec<Frame> {
+        frames
+            .into_iter()
+            .map(|f| match f {
+                Frame::Done { mut message } => {
+                    message.timestamp = 0;
+                    Frame::Done { message }
+                }
+                other => other,
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_tapped_chat_hands_the_tap_the_frames_a_json_caller_gets_and_serializes_none() {
+        let (json_tx, mut json_rx) = tokio::sync::mpsc::unbounded_channel();
+        let ctx = |frames| CallContext {
+            frames,
+            metadata: Value::Null,
+        };
+        router()
+            .chat_with(request(), ChatExtras::default(), ctx(Some(json_tx)))
+            .await;
+        let mut via_json = Vec::new();
+        while let Ok(v) = json_rx.try_recv() {
+            via_json.push(serde_json::from_value::<Frame>(v).unwrap());
+        }
+
+        let tapped = Arc::new(StdMutex::new(Vec::new()));
+        let sink = tapped.clone();
+        let tap = FrameTap::new(move |f| sink.lock().unwrap().push(f));
+        let (json_tx, mut json_rx) = tokio::sync::mpsc::unbounded_channel();
+        let ack = router()
+            .chat_to(
+                request(),
+                ChatExtras::default(),
+                ctx(Some(json_tx)),
+                Some(tap),
+            )
+            .await;
+        assert!(ack.ok, "{ack:?}");
+        assert!(json_rx.try_recv().is_err(), "a tapped chat also sent JSON");
+        let via_tap = std::mem::take(&mut *tapped.lock().unwrap());
+
+        assert!(
+            matches!(via_tap.last(), Some(Frame::Done { message }) if harness_types::message::joined_text(&message.content) == "hi"),
+            "{via_tap:?}"
+        );
+        assert_eq!(shape(via_tap), shape(via_json));
     }
 }

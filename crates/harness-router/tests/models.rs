@@ -169,3 +169,67 @@ async fn frame_latency_is_measured_over_a_local_socket() {
     assert!(report.per_frame_us.p50 > 0.0);
     eprintln!("{}", serde_json::to_string_pretty(&report).unwrap());
 }
+
+/// In process `router::models::get` takes a `ModelRef` and answers the JSON call's row, shared;
+/// a replaced catalog answers at once (no row outlives the catalog it was read from).
+#[tokio::test]
+async fn models_get_in_process_answers_as_over_json_and_follows_a_new_catalog() {
+    let router = Router::new();
+    let (bus, _dir) = bus_with(&router);
+    let local = bus
+        .local_handler("router::models::get")
+        .expect("router::models::get has an in-process handler");
+    let in_process = |provider: Option<&str>, id: &str| {
+        let req = harness_types::context::ModelRef {
+            id: id.to_string(),
+            provider: provider.map(str::to_string),
+        };
+        let local = local.clone();
+        async move {
+            harness_bus::local::invoke::<Arc<Value>>(
+                local.as_ref(),
+                "router::models::get",
+                Box::new(req),
+                harness_bus::CallContext::default(),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let asks = [
+        (Some("anthropic"), "claude-haiku-4-5-20251001"),
+        (Some("scripted"), "demo"),
+        (Some("scripted"), "any-model"),
+        (None, "no-such-model"),
+    ];
+    for (provider, id) in asks {
+        let over_json = model(&bus, json!({"provider": provider, "id": id})).await;
+        // Asked twice: the second answer is the kept one.
+        for _ in 0..2 {
+            assert_eq!(
+                *in_process(provider, id).await,
+                over_json,
+                "{provider:?} {id}"
+            );
+        }
+    }
+    assert_eq!(
+        model(&bus, json!({"provider": "scripted", "id": "demo"})).await["context_window"],
+        200000
+    );
+
+    let smaller = router
+        .catalog()
+        .merged(
+            &json!({"models": [{"provider": "scripted", "id": "demo", "context_window": 1000, "max_output_tokens": 500}]}),
+            "test",
+        )
+        .unwrap();
+    router.set_catalog(smaller);
+    let demo = model(&bus, json!({"provider": "scripted", "id": "demo"})).await;
+    assert_eq!(demo["context_window"], 1000, "{demo}");
+    assert_eq!(*in_process(Some("scripted"), "demo").await, demo);
+    let entry = router.model_entry(Some("scripted"), "demo").await.unwrap();
+    assert_eq!(entry.context_window, 1000);
+}

@@ -25,6 +25,31 @@ pub struct ToolSpec {
 pub struct ChatCall {
     pub request: ChatRequest,
     pub extras: ChatExtras,
+    /// Where the frames go, typed, instead of the call context's JSON sink: an in-process
+    /// caller folds them as they are (a frame turned into JSON and parsed back cost more than
+    /// folding it).
+    pub frames: Option<FrameTap>,
+}
+
+/// A typed frame sink for [`ChatCall::frames`]. Dropping every copy ends the stream, as
+/// closing the JSON sink does.
+#[derive(Clone)]
+pub struct FrameTap(Arc<dyn Fn(Frame) + Send + Sync>);
+
+impl FrameTap {
+    pub fn new(send: impl Fn(Frame) + Send + Sync + 'static) -> Self {
+        FrameTap(Arc::new(send))
+    }
+
+    pub fn send(&self, frame: Frame) {
+        (self.0)(frame)
+    }
+}
+
+impl std::fmt::Debug for FrameTap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FrameTap")
+    }
 }
 
 /// One section of the system prompt (spec §11 `system_sections`): the stable prefix is marked

@@ -121,7 +121,7 @@ impl Harness {
         held_back: u64,
     ) -> Result<std::result::Result<Prepared, ContextRefusal>> {
         let catalog = self.catalog_entry(rec).await;
-        let context_window = self.context_window_of(catalog.as_ref());
+        let context_window = self.context_window_of(catalog.as_deref());
         let max_output = rec.options.max_output_tokens.unwrap_or(0) as u64;
         // The policy is read only when the history could overflow at all: no tokenizer yields
         // more tokens than bytes, and the usage correction at most doubles a count.
@@ -142,7 +142,7 @@ impl Harness {
                 + FRAMING_TOKENS
                 + REASSEMBLY_SLACK)
             > context_window.saturating_sub(max_output);
-        let prune = may_overflow && self.prune_allowed(rec, catalog.as_ref()).await?.0;
+        let prune = may_overflow && self.prune_allowed(rec, catalog.as_deref()).await?.0;
         let hooked = !self.hooks(HookPoint::PreGenerate).await?.is_empty();
         let registry_changed = {
             let live = self.functions_generation();
@@ -284,7 +284,7 @@ impl Harness {
                     context_window,
                     tokens + held_back,
                     rec.options.max_output_tokens,
-                    catalog.as_ref(),
+                    catalog.as_deref(),
                 );
                 return Ok(Ok(Prepared {
                     system_prompt: prompt,
@@ -465,15 +465,29 @@ impl Harness {
         self.context_policy_of(&rec.session_id, catalog).await
     }
 
-    /// The turn's model as the router's catalog describes it (`None` when it cannot say).
-    pub(crate) async fn catalog_entry(&self, rec: &TurnRecord) -> Option<Value> {
-        let req = json!({"provider": rec.options.provider, "id": rec.options.model});
+    /// The turn's model as the router's catalog describes it (`None` when it cannot say). In
+    /// process the router's own copy is shared: asked on every step, it is neither a JSON
+    /// request nor a row serialized again.
+    pub(crate) async fn catalog_entry(&self, rec: &TurnRecord) -> Option<Arc<Value>> {
+        const ID: &str = "router::models::get";
         let timeout = std::time::Duration::from_millis(self.config().session_timeout_ms);
+        if let Some(local) = self.inner.bus.local_handler(ID) {
+            let req = ModelRef {
+                id: rec.options.model.clone(),
+                provider: rec.options.provider.clone(),
+            };
+            let ctx = harness_bus::CallContext::default();
+            return harness_bus::local::invoke(local.as_ref(), ID, Box::new(req), ctx, timeout)
+                .await
+                .ok();
+        }
+        let req = json!({"provider": rec.options.provider, "id": rec.options.model});
         self.inner
             .bus
-            .call("router::models::get", req, Some(timeout))
+            .call(ID, req, Some(timeout))
             .await
             .ok()
+            .map(Arc::new)
     }
 
     /// The model's context window from its catalog row; for models the router does not know
