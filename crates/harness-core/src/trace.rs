@@ -412,8 +412,18 @@ pub(crate) fn facts(
     marks: &std::collections::BTreeMap<u64, StepMarks>,
     children: &dyn Fn(&str, &str) -> Option<ChildFacts>,
 ) -> TurnFacts {
-    let by_id: std::collections::HashMap<&str, &Entry> =
-        entries.iter().map(|e| (e.entry_id.as_str(), e)).collect();
+    // Only the turn's own entries (`e_<turn>_…`) are looked up: indexing the whole session
+    // cost every turn of a long session its history.
+    let ours = |id: &str| {
+        id.strip_prefix("e_")
+            .and_then(|r| r.strip_prefix(rec.turn_id.as_str()))
+            .is_some_and(|r| r.starts_with('_'))
+    };
+    let by_id: std::collections::HashMap<&str, &Entry> = entries
+        .iter()
+        .filter(|e| ours(&e.entry_id))
+        .map(|e| (e.entry_id.as_str(), e))
+        .collect();
     let assistant = |n: u64| {
         by_id
             .get(ids::assistant_entry(&rec.turn_id, n).as_str())
