@@ -345,17 +345,36 @@ fn unfolded_in(
     if ids.is_empty() {
         return Ok(out);
     }
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {LOG_COLS} FROM entry_log WHERE id = ?1 AND session_id = ?2"
-    ))?;
-    for id in ids {
-        if let Some(r) = stmt.query_row(params![id, session_id], row).optional()? {
-            // Ids come oldest first: a later version of the same entry replaces an earlier.
-            out.insert(r.seq, r);
+    // Ids come oldest first: a later version of the same entry replaces an earlier.
+    if ids.len() <= POINT_LOOKUPS {
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {LOG_COLS} FROM entry_log WHERE id = ?1 AND session_id = ?2"
+        ))?;
+        for id in ids {
+            if let Some(r) = stmt.query_row(params![id, session_id], row).optional()? {
+                out.insert(r.seq, r);
+            }
         }
+        return Ok(out);
+    }
+    // A session with many unfolded events has most of the log: one scan of the span of its
+    // ids reads each page once. Its rows there are exactly those the ids name (every event of
+    // the session up to the last id committed before the ids were taken).
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {LOG_COLS} FROM entry_log WHERE id >= ?1 AND id <= ?2 AND session_id = ?3
+         ORDER BY id"
+    ))?;
+    let span = (ids[0], ids[ids.len() - 1]);
+    for r in stmt.query_map(params![span.0, span.1, session_id], row)? {
+        let r = r?;
+        out.insert(r.seq, r);
     }
     Ok(out)
 }
+
+/// Up to this many unfolded events a session's logged versions are looked up one by one;
+/// past it, by one scan of the log.
+const POINT_LOOKUPS: usize = 32;
 
 /// The newer of two versions of an entry (by change mark).
 fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {

@@ -334,3 +334,35 @@ async fn a_deleted_session_leaves_nothing_in_the_log() {
         .collect();
     assert_eq!(ids, ["new"]);
 }
+
+/// A session with more unfolded events than are looked up one by one (its versions are then
+/// found by one scan of the log) reads the same, with a neighbour's versions in between.
+#[tokio::test]
+async fn a_session_with_many_unfolded_versions_reads_the_same_folded() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir.path().join("t.db")).await;
+    create(&s, "a", json!({})).await;
+    create(&s, "b", json!({})).await;
+    for i in 0..20 {
+        add(
+            &s,
+            "a",
+            &format!("u{i}"),
+            AgentMessage::user_text(format!("q{i}"), 1),
+        )
+        .await;
+        add(&s, "b", &format!("x{i}"), AgentMessage::user_text("b", 1)).await;
+        add(&s, "a", &format!("r{i}"), reply("draft", 0.5)).await;
+        edit(&s, "a", &format!("r{i}"), &format!("a{i}"), 0.25).await;
+    }
+    assert_eq!(logged(&s), 80);
+    let unfolded = reads(&s, "a", "r7");
+    let want: Vec<String> = (0..20)
+        .flat_map(|i| [format!("q{i}"), format!("a{i}")])
+        .collect();
+    assert_eq!(texts(&unfolded), want);
+    assert_eq!(unfolded["summary"], json!(["q0", "m1", 5.0]));
+    s.store().fold_events().await.unwrap();
+    assert_eq!(logged(&s), 0);
+    assert_eq!(reads(&s, "a", "r7"), unfolded);
+}
