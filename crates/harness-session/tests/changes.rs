@@ -1,14 +1,14 @@
 //! `session::changes`: a cached reader sees exactly the entries appended or updated after its
 //! mark, and transcripts written before change marks existed still read in full.
 
+mod common;
+
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
-use harness_types::message::{AgentMessage, ContentBlock};
+use harness_types::message::AgentMessage;
 use harness_types::session::*;
 
 async fn open(dir: &std::path::Path) -> SessionStore {
-    let store = Store::open(&dir.join("t.db"), Durability::Normal).unwrap();
-    SessionStore::open(store).await.unwrap()
+    common::open(&dir.join("t.db")).await
 }
 
 /// A store with the session "s" and a neighbour "other", whose changes must never show in s's.
@@ -21,24 +21,12 @@ async fn open_with_neighbour(dir: &std::path::Path) -> SessionStore {
 }
 
 async fn append(s: &SessionStore, sid: &str, entry_id: &str, text: &str) {
-    s.append(AppendRequest {
-        session_id: sid.into(),
-        message: Some(AgentMessage::user_text(text, 1)),
-        custom: None,
-        entry_id: Some(entry_id.into()),
-        origin: None,
-    })
-    .await
-    .unwrap();
+    let message = AgentMessage::user_text(text, 1);
+    common::add(s, sid, Some(entry_id), message).await;
 }
 
 async fn create(s: &SessionStore, sid: &str) {
-    s.create(CreateRequest {
-        session_id: Some(sid.into()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    common::create(s, sid, serde_json::json!({})).await;
 }
 
 fn changes(s: &SessionStore, sid: &str, after: Option<i64>, limit: Option<u32>) -> ChangesResponse {
@@ -75,18 +63,7 @@ async fn a_reader_gets_only_what_changed_after_its_mark() {
     assert!(changes(&s, "s", Some(all.mark), None).entries.is_empty());
 
     // An update and an append: both, the update with its new content, each once.
-    s.update_message(UpdateMessageRequest {
-        session_id: "s".into(),
-        entry_id: "e1".into(),
-        content: vec![ContentBlock::text("edited")],
-        usage: None,
-        stop_reason: None,
-        details: None,
-        expected_revision: None,
-        origin: None,
-    })
-    .await
-    .unwrap();
+    s.update_message(edit("s", "e1", "edited")).await.unwrap();
     append(&s, "s", "e3", "new").await;
     let delta = changes(&s, "s", Some(all.mark), None);
     assert_eq!(ids(&delta), ["e1", "e3"]);
@@ -164,16 +141,7 @@ async fn entries_written_before_change_marks_read_in_full() {
 }
 
 fn edit(sid: &str, entry_id: &str, text: &str) -> UpdateMessageRequest {
-    UpdateMessageRequest {
-        session_id: sid.into(),
-        entry_id: entry_id.into(),
-        content: vec![ContentBlock::text(text)],
-        usage: None,
-        stop_reason: None,
-        details: None,
-        expected_revision: None,
-        origin: None,
-    }
+    common::edit(sid, entry_id, text, None)
 }
 
 /// What SQLite holds: every entry changed after `after`, in change order. The transcript is

@@ -2,38 +2,16 @@
 //! `entries` in batches: every read answers the same whether an entry's latest version is
 //! still in the log, already folded, or one of each, and across a restart.
 
+mod common;
+
+use common::{create, open};
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
 use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, Usage};
 use harness_types::session::*;
 use serde_json::{json, Value};
 
-async fn open(path: &std::path::Path) -> SessionStore {
-    let store = Store::open(path, Durability::Normal).unwrap();
-    SessionStore::open(store).await.unwrap()
-}
-
-async fn create(s: &SessionStore, sid: &str, metadata: Value) {
-    s.create(CreateRequest {
-        session_id: Some(sid.into()),
-        metadata: Some(metadata),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-}
-
 async fn add(s: &SessionStore, sid: &str, entry_id: &str, message: AgentMessage) -> i64 {
-    s.append(AppendRequest {
-        session_id: sid.into(),
-        message: Some(message),
-        custom: None,
-        entry_id: Some(entry_id.into()),
-        origin: None,
-    })
-    .await
-    .unwrap()
-    .seq
+    common::add(s, sid, Some(entry_id), message).await
 }
 
 async fn note(s: &SessionStore, sid: &str, entry_id: &str) {
@@ -61,23 +39,12 @@ fn reply(text: &str, cost: f64) -> AgentMessage {
 }
 
 async fn edit(s: &SessionStore, sid: &str, entry_id: &str, text: &str, cost: f64) {
-    let r = s
-        .update_message(UpdateMessageRequest {
-            session_id: sid.into(),
-            entry_id: entry_id.into(),
-            content: vec![ContentBlock::text(text)],
-            usage: Some(Usage {
-                cost_usd: Some(cost),
-                ..Default::default()
-            }),
-            stop_reason: None,
-            details: None,
-            expected_revision: None,
-            origin: None,
-        })
-        .await
-        .unwrap();
-    assert!(r.updated);
+    let usage = Usage {
+        cost_usd: Some(cost),
+        ..Default::default()
+    };
+    let r = s.update_message(common::edit(sid, entry_id, text, Some(usage)));
+    assert!(r.await.unwrap().updated);
 }
 
 /// Every read a client makes of session `sid`, as JSON: pages of two (with and without custom

@@ -1,37 +1,16 @@
 //! `session::list` answers what a list view shows without a request per session: the preview,
 //! the latest model and provider, the parent of a sub-agent, and the cost of the session's tree.
 
+mod common;
+
+use common::create;
 use harness_session::SessionStore;
-use harness_store::{Durability, Store};
 use harness_types::message::{AgentMessage, AssistantMessage, ContentBlock, Usage};
 use harness_types::session::*;
 use serde_json::json;
 
-async fn open(dir: &std::path::Path) -> SessionStore {
-    let store = Store::open(&dir.join("t.db"), Durability::Normal).unwrap();
-    SessionStore::open(store).await.unwrap()
-}
-
-async fn create(s: &SessionStore, sid: &str, metadata: serde_json::Value) {
-    s.create(CreateRequest {
-        session_id: Some(sid.into()),
-        metadata: Some(metadata),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-}
-
 async fn add(s: &SessionStore, sid: &str, message: AgentMessage) {
-    s.append(AppendRequest {
-        session_id: sid.into(),
-        message: Some(message),
-        custom: None,
-        entry_id: None,
-        origin: None,
-    })
-    .await
-    .unwrap();
+    common::add(s, sid, None, message).await;
 }
 
 fn reply(model: &str, provider: &str, cost: f64) -> AgentMessage {
@@ -47,7 +26,7 @@ fn reply(model: &str, provider: &str, cost: f64) -> AgentMessage {
 #[tokio::test]
 async fn list_entries_carry_preview_model_parent_and_tree_cost() {
     let dir = tempfile::tempdir().unwrap();
-    let s = open(dir.path()).await;
+    let s = common::open(&dir.path().join("t.db")).await;
     create(&s, "s_root", json!({})).await;
     create(&s, "s_child", json!({"parent_session_id": "s_root"})).await;
     create(&s, "s_grandchild", json!({"parent_session_id": "s_child"})).await;
