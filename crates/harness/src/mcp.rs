@@ -62,11 +62,7 @@ impl Remote {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| anyhow!("harness/internal: HTTP client: {e}"))?;
-        Ok(Remote {
-            base,
-            shown,
-            http,
-        })
+        Ok(Remote { base, shown, http })
     }
 
     /// One function call; an error is a `harness/<code>: <message>` text. A transport failure
