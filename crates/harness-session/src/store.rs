@@ -11,6 +11,8 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
 
 use crate::changes::ChangeLog;
+use crate::entry_log::*;
+use crate::list::*;
 use crate::topics;
 
 /// The largest page `messages` returns.
@@ -92,31 +94,6 @@ CREATE TABLE IF NOT EXISTS entry_log (
 );
 ";
 
-/// The writer's index of `entry_log`, on its own connection: a TEMP table lives in memory and
-/// writes no WAL page, yet rolls back with the transaction and savepoints like any other, so
-/// an append sees the entries appended before it in the same batch. Readers do not need it:
-/// they find a session's log rows from the store's unfolded event ids.
-const WRITER_TAIL: &str = "
-CREATE TEMP TABLE IF NOT EXISTS entry_tail (
-    session_id TEXT NOT NULL,
-    entry_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    id INTEGER NOT NULL,
-    PRIMARY KEY (session_id, entry_id)
-) WITHOUT ROWID;
-";
-
-/// The fold: the log's latest version of each entry replaces the materialized row, in key
-/// order (each session's leaves are written once for everything the log held), and the log
-/// starts over. `DELETE` without a condition empties the table without visiting its rows.
-const FOLD_ENTRIES: &str = "
-INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
-    SELECT session_id, seq, entry_id, kind, body, origin, revision, MAX(id) FROM entry_log
-    GROUP BY session_id, seq ORDER BY session_id, seq;
-DELETE FROM entry_log;
-DELETE FROM temp.entry_tail;
-";
-
 /// Earlier layouts indexed `(session_id, chg)`. Changes are found through the events instead
 /// (see [`SessionStore::changes`]): the index was a fourth B-tree leaf of the session dirtied by
 /// every append and update (about 1.5 of the 14.5 WAL pages a text step wrote), for a read the
@@ -171,12 +148,6 @@ fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
     // What a killed process left in the log is folded now: from here on the log only holds
     // rows whose events are above the store's fold mark, which is how readers find them.
     conn.execute_batch(WRITER_TAIL)?;
-    conn.execute_batch(FOLD_ENTRIES)?;
-    Ok(())
-}
-
-/// The session store's part of the store's fold (see [`SessionStore::open`]).
-fn fold_entries(conn: &Connection, _upto: i64) -> std::result::Result<(), StoreError> {
     conn.execute_batch(FOLD_ENTRIES)?;
     Ok(())
 }
@@ -267,7 +238,7 @@ fn insert_session_in(
     Ok(())
 }
 
-fn entry_from_row(
+pub(crate) fn entry_from_row(
     entry_id: String,
     seq: i64,
     kind: &str,
@@ -289,192 +260,6 @@ fn entry_from_row(
         origin,
         revision,
     })
-}
-
-/// One version of an entry as stored (materialized in `entries`, or in `entry_log` where `chg`
-/// is the row id).
-struct Row {
-    seq: i64,
-    entry_id: String,
-    kind: String,
-    body: String,
-    origin: Option<String>,
-    revision: i64,
-    chg: i64,
-}
-
-/// The columns [`row`] reads, in its order; `entry_log` names its `id` as `chg`.
-const ENTRY_COLS: &str = "seq, entry_id, kind, body, origin, revision, chg";
-const LOG_COLS: &str = "seq, entry_id, kind, body, origin, revision, id";
-
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
-    Ok(Row {
-        seq: r.get(0)?,
-        entry_id: r.get(1)?,
-        kind: r.get(2)?,
-        body: r.get(3)?,
-        origin: r.get(4)?,
-        revision: r.get(5)?,
-        chg: r.get(6)?,
-    })
-}
-
-impl Row {
-    fn entry(self) -> std::result::Result<Entry, StoreError> {
-        entry_from_row(
-            self.entry_id,
-            self.seq,
-            &self.kind,
-            &self.body,
-            self.origin,
-            self.revision,
-        )
-    }
-}
-
-/// A session's entry versions not folded yet, the latest of each `seq`, read by the ids of the
-/// session's unfolded events (an entry change's log row has its event's id). Inside the
-/// caller's read transaction, with ids taken before it began: a fold committed since moved
-/// the rows to `entries`, which the same snapshot then shows.
-fn unfolded_in(
-    conn: &Connection,
-    session_id: &str,
-    ids: &[i64],
-) -> std::result::Result<std::collections::BTreeMap<i64, Row>, StoreError> {
-    let mut out = std::collections::BTreeMap::new();
-    if ids.is_empty() {
-        return Ok(out);
-    }
-    // Ids come oldest first: a later version of the same entry replaces an earlier.
-    if ids.len() <= POINT_LOOKUPS {
-        let mut stmt = conn.prepare_cached(&format!(
-            "SELECT {LOG_COLS} FROM entry_log WHERE id = ?1 AND session_id = ?2"
-        ))?;
-        for id in ids {
-            if let Some(r) = stmt.query_row(params![id, session_id], row).optional()? {
-                out.insert(r.seq, r);
-            }
-        }
-        return Ok(out);
-    }
-    // A session with many unfolded events has most of the log: one scan of the span of its
-    // ids reads each page once. Its rows there are exactly those the ids name (every event of
-    // the session up to the last id committed before the ids were taken).
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {LOG_COLS} FROM entry_log WHERE id >= ?1 AND id <= ?2 AND session_id = ?3
-         ORDER BY id"
-    ))?;
-    let span = (ids[0], ids[ids.len() - 1]);
-    for r in stmt.query_map(params![span.0, span.1, session_id], row)? {
-        let r = r?;
-        out.insert(r.seq, r);
-    }
-    Ok(out)
-}
-
-/// Up to this many unfolded events a session's logged versions are looked up one by one;
-/// past it, by one scan of the log.
-const POINT_LOOKUPS: usize = 32;
-
-/// The newer of two versions of an entry (by change mark).
-fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(if b.chg > a.chg { b } else { a }),
-        (a, b) => a.or(b),
-    }
-}
-
-/// The latest version of an entry as the writer sees it, inside its transaction: the log's
-/// (through the writer's tail index) or else the materialized one.
-fn latest_in_writer(
-    conn: &Connection,
-    session_id: &str,
-    entry_id: &str,
-) -> std::result::Result<Option<Row>, StoreError> {
-    let logged: Option<i64> = conn
-        .prepare_cached("SELECT id FROM temp.entry_tail WHERE session_id = ?1 AND entry_id = ?2")?
-        .query_row(params![session_id, entry_id], |r| r.get(0))
-        .optional()?;
-    if let Some(id) = logged {
-        return Ok(conn
-            .prepare_cached(&format!("SELECT {LOG_COLS} FROM entry_log WHERE id = ?1"))?
-            .query_row([id], row)
-            .optional()?);
-    }
-    Ok(conn
-        .prepare_cached(&format!(
-            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
-        ))?
-        .query_row(params![session_id, entry_id], row)
-        .optional()?)
-}
-
-/// The latest version of an entry as a reader sees it (`unfolded`: from [`unfolded_in`]).
-fn latest_in_reader(
-    conn: &Connection,
-    session_id: &str,
-    entry_id: &str,
-    unfolded: &std::collections::BTreeMap<i64, Row>,
-) -> std::result::Result<Option<Row>, StoreError> {
-    let materialized = conn
-        .prepare_cached(&format!(
-            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
-        ))?
-        .query_row(params![session_id, entry_id], row)
-        .optional()?;
-    let logged = unfolded
-        .values()
-        .find(|r| r.entry_id == entry_id)
-        .map(|r| Row {
-            seq: r.seq,
-            entry_id: r.entry_id.clone(),
-            kind: r.kind.clone(),
-            body: r.body.clone(),
-            origin: r.origin.clone(),
-            revision: r.revision,
-            chg: r.chg,
-        });
-    Ok(newer(materialized, logged))
-}
-
-/// Writes one version of an entry (an append or an update) to the log, where the fold will
-/// find it, and to the writer's index of the log.
-#[allow(clippy::too_many_arguments)]
-fn log_entry_in(
-    conn: &Connection,
-    chg: i64,
-    session_id: &str,
-    seq: i64,
-    entry_id: &str,
-    kind: &str,
-    body: &str,
-    origin: Option<&str>,
-    revision: i64,
-) -> std::result::Result<(), StoreError> {
-    conn.prepare_cached(
-        "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, origin, revision)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-    )?
-    .execute(params![
-        chg, session_id, seq, entry_id, kind, body, origin, revision
-    ])?;
-    conn.prepare_cached(
-        "INSERT OR REPLACE INTO temp.entry_tail (session_id, entry_id, seq, id)
-         VALUES (?1, ?2, ?3, ?4)",
-    )?
-    .execute(params![session_id, entry_id, seq, chg])?;
-    Ok(())
-}
-
-/// Inserts the event announcing an entry change and returns its id, the entry's new change mark.
-fn change_event(
-    conn: &Connection,
-    session_id: &str,
-    topic: &str,
-    payload: &Value,
-) -> std::result::Result<i64, StoreError> {
-    insert_event_in(conn, Some(session_id), topic, payload, None)?
-        .ok_or_else(|| StoreError::Invalid("an event without a dedupe key was not inserted".into()))
 }
 
 fn require_session(conn: &Connection, session_id: &str) -> std::result::Result<(), StoreError> {
@@ -951,138 +736,6 @@ impl SessionStore {
             next_cursor,
         })
     }
-}
-
-/// The additive `session::list` fields, so a list view needs no request per session: the
-/// preview, the latest model, the parent, and the cost of the session's tree (its sub-agents
-/// found through their `metadata.parent_session_id`).
-fn list_summaries(
-    conn: &Connection,
-    sessions: &mut [SessionMeta],
-    children: &HashMap<String, Vec<String>>,
-    unfolded_ids: &HashMap<String, Vec<i64>>,
-) -> std::result::Result<(), StoreError> {
-    let mut first_user = conn.prepare_cached(
-        "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
-         WHERE session_id = ?1 AND kind = 'message'
-         AND json_extract(body, '$.role') = 'user' ORDER BY seq LIMIT 1",
-    )?;
-    let mut last_assistant = conn.prepare_cached(
-        "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
-         WHERE session_id = ?1 AND kind = 'message' AND json_extract(body, '$.role') = 'assistant'
-         ORDER BY seq DESC LIMIT 1",
-    )?;
-    let mut own_cost = conn.prepare_cached(
-        "SELECT SUM(json_extract(body, '$.usage.cost_usd')) FROM entries
-         WHERE session_id = ?1 AND kind = 'message' AND json_extract(body, '$.role') = 'assistant'",
-    )?;
-    let mut cost_at = conn.prepare_cached(
-        "SELECT json_extract(body, '$.usage.cost_usd') FROM entries
-         WHERE session_id = ?1 AND seq = ?2 AND kind = 'message'
-         AND json_extract(body, '$.role') = 'assistant'",
-    )?;
-    let no_ids = Vec::new();
-    let unfolded_of = |sid: &str| {
-        unfolded_in(conn, sid, unfolded_ids.get(sid).unwrap_or(&no_ids)).map(|rows| {
-            // Each unfolded version with its parsed body, to tell roles apart.
-            rows.into_values()
-                .filter(|r| r.kind == "message")
-                .filter_map(|r| {
-                    let v: Value = serde_json::from_str(&r.body).ok()?;
-                    Some((r, v))
-                })
-                .collect::<Vec<_>>()
-        })
-    };
-    let role = |v: &Value| v.get("role").and_then(Value::as_str).map(str::to_string);
-    for meta in sessions.iter_mut() {
-        let sid = meta.session_id.clone();
-        let unfolded = unfolded_of(&sid)?;
-        // The overlay's first user message: the materialized one, or an unfolded version
-        // with a lower seq or of the same entry.
-        let mut first = first_user.query_row(params![sid], row).optional()?;
-        for (r, v) in &unfolded {
-            let earlier = first.as_ref().is_none_or(|f| r.seq <= f.seq);
-            if earlier && role(v).as_deref() == Some("user") {
-                first = Some(Row {
-                    body: r.body.clone(),
-                    entry_id: r.entry_id.clone(),
-                    kind: r.kind.clone(),
-                    origin: r.origin.clone(),
-                    ..*r
-                });
-            }
-        }
-        if let Some(body) = first.map(|f| f.body) {
-            if let Ok(AgentMessage::User(m)) = serde_json::from_str::<AgentMessage>(&body) {
-                let text = harness_types::message::joined_text(&m.content);
-                meta.preview = Some(text.chars().take(80).collect());
-            }
-        }
-        let mut last: Option<(i64, Value)> = last_assistant
-            .query_row(params![sid], row)
-            .optional()?
-            .and_then(|r| Some((r.seq, serde_json::from_str(&r.body).ok()?)));
-        for (r, v) in &unfolded {
-            let later = last.as_ref().is_none_or(|(seq, _)| r.seq >= *seq);
-            if later && role(v).as_deref() == Some("assistant") {
-                last = Some((r.seq, v.clone()));
-            }
-        }
-        if let Some((_, body)) = last {
-            let text = |k: &str| body.get(k).and_then(Value::as_str).map(str::to_string);
-            meta.model = text("model");
-            meta.provider = text("provider");
-        }
-        meta.parent_session_id = meta
-            .metadata
-            .get("parent_session_id")
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        // The tree, walked breadth-first; `seen` guards against a metadata cycle.
-        let mut total = 0.0;
-        let mut seen = std::collections::HashSet::new();
-        let mut queue = vec![sid];
-        while let Some(s) = queue.pop() {
-            if !seen.insert(s.clone()) {
-                continue;
-            }
-            let cost: Option<f64> = own_cost.query_row(params![s], |r| r.get(0))?;
-            total += cost.unwrap_or(0.0);
-            // An unfolded version's cost replaces the materialized one of its entry.
-            for (r, v) in unfolded_of(&s)? {
-                if role(&v).as_deref() != Some("assistant") {
-                    continue;
-                }
-                let before: Option<f64> = cost_at
-                    .query_row(params![s, r.seq], |r| r.get(0))
-                    .optional()?
-                    .flatten();
-                let now = v.pointer("/usage/cost_usd").and_then(Value::as_f64);
-                total += now.unwrap_or(0.0) - before.unwrap_or(0.0);
-            }
-            if let Some(c) = children.get(&s) {
-                queue.extend(c.iter().cloned());
-            }
-        }
-        meta.cost_usd = Some(total);
-    }
-    Ok(())
-}
-
-/// Each parent session's sub-agents (by their `metadata.parent_session_id`).
-fn children_in(conn: &Connection) -> std::result::Result<HashMap<String, Vec<String>>, StoreError> {
-    let mut children: HashMap<String, Vec<String>> = HashMap::new();
-    let mut stmt = conn.prepare_cached(
-        "SELECT session_id, json_extract(metadata, '$.parent_session_id') FROM sessions
-         WHERE json_valid(metadata) AND json_extract(metadata, '$.parent_session_id') IS NOT NULL",
-    )?;
-    let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
-    for row in rows {
-        let (child, parent) = row?;
-        children.entry(parent).or_default().push(child);
-    }
-    Ok(children)
 }
 
 /// A validated `append`, ready to run inside a write.

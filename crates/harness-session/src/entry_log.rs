@@ -1,0 +1,228 @@
+//! The transcript's append-only entry log: an append or update writes the entry's new version
+//! here (its row id is the change event's id) instead of rewriting the session's leaf of
+//! `entries`; the store's fold brings the latest versions into `entries` in one batch. Readers
+//! and the writer find a version not yet folded through this module.
+
+use harness_store::{insert_event_in, StoreError};
+use harness_types::session::*;
+use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::Value;
+
+use crate::store::entry_from_row;
+
+/// The writer's index of `entry_log`, on its own connection: a TEMP table lives in memory and
+/// writes no WAL page, yet rolls back with the transaction and savepoints like any other, so
+/// an append sees the entries appended before it in the same batch. Readers do not need it:
+/// they find a session's log rows from the store's unfolded event ids.
+pub(crate) const WRITER_TAIL: &str = "
+CREATE TEMP TABLE IF NOT EXISTS entry_tail (
+    session_id TEXT NOT NULL,
+    entry_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    id INTEGER NOT NULL,
+    PRIMARY KEY (session_id, entry_id)
+) WITHOUT ROWID;
+";
+
+/// The fold: the log's latest version of each entry replaces the materialized row, in key
+/// order (each session's leaves are written once for everything the log held), and the log
+/// starts over. `DELETE` without a condition empties the table without visiting its rows.
+pub(crate) const FOLD_ENTRIES: &str = "
+INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
+    SELECT session_id, seq, entry_id, kind, body, origin, revision, MAX(id) FROM entry_log
+    GROUP BY session_id, seq ORDER BY session_id, seq;
+DELETE FROM entry_log;
+DELETE FROM temp.entry_tail;
+";
+
+/// The session store's part of the store's fold (see [`SessionStore::open`]).
+pub(crate) fn fold_entries(conn: &Connection, _upto: i64) -> std::result::Result<(), StoreError> {
+    conn.execute_batch(FOLD_ENTRIES)?;
+    Ok(())
+}
+
+/// One version of an entry as stored (materialized in `entries`, or in `entry_log` where `chg`
+/// is the row id).
+pub(crate) struct Row {
+    pub(crate) seq: i64,
+    pub(crate) entry_id: String,
+    pub(crate) kind: String,
+    pub(crate) body: String,
+    pub(crate) origin: Option<String>,
+    pub(crate) revision: i64,
+    pub(crate) chg: i64,
+}
+
+/// The columns [`row`] reads, in its order; `entry_log` names its `id` as `chg`.
+pub(crate) const ENTRY_COLS: &str = "seq, entry_id, kind, body, origin, revision, chg";
+pub(crate) const LOG_COLS: &str = "seq, entry_id, kind, body, origin, revision, id";
+
+pub(crate) fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
+    Ok(Row {
+        seq: r.get(0)?,
+        entry_id: r.get(1)?,
+        kind: r.get(2)?,
+        body: r.get(3)?,
+        origin: r.get(4)?,
+        revision: r.get(5)?,
+        chg: r.get(6)?,
+    })
+}
+
+impl Row {
+    pub(crate) fn entry(self) -> std::result::Result<Entry, StoreError> {
+        entry_from_row(
+            self.entry_id,
+            self.seq,
+            &self.kind,
+            &self.body,
+            self.origin,
+            self.revision,
+        )
+    }
+}
+
+/// A session's entry versions not folded yet, the latest of each `seq`, read by the ids of the
+/// session's unfolded events (an entry change's log row has its event's id). Inside the
+/// caller's read transaction, with ids taken before it began: a fold committed since moved
+/// the rows to `entries`, which the same snapshot then shows.
+pub(crate) fn unfolded_in(
+    conn: &Connection,
+    session_id: &str,
+    ids: &[i64],
+) -> std::result::Result<std::collections::BTreeMap<i64, Row>, StoreError> {
+    let mut out = std::collections::BTreeMap::new();
+    if ids.is_empty() {
+        return Ok(out);
+    }
+    // Ids come oldest first: a later version of the same entry replaces an earlier.
+    if ids.len() <= POINT_LOOKUPS {
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {LOG_COLS} FROM entry_log WHERE id = ?1 AND session_id = ?2"
+        ))?;
+        for id in ids {
+            if let Some(r) = stmt.query_row(params![id, session_id], row).optional()? {
+                out.insert(r.seq, r);
+            }
+        }
+        return Ok(out);
+    }
+    // A session with many unfolded events has most of the log: one scan of the span of its
+    // ids reads each page once. Its rows there are exactly those the ids name (every event of
+    // the session up to the last id committed before the ids were taken).
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {LOG_COLS} FROM entry_log WHERE id >= ?1 AND id <= ?2 AND session_id = ?3
+         ORDER BY id"
+    ))?;
+    let span = (ids[0], ids[ids.len() - 1]);
+    for r in stmt.query_map(params![span.0, span.1, session_id], row)? {
+        let r = r?;
+        out.insert(r.seq, r);
+    }
+    Ok(out)
+}
+
+/// Up to this many unfolded events a session's logged versions are looked up one by one;
+/// past it, by one scan of the log.
+const POINT_LOOKUPS: usize = 32;
+
+/// The newer of two versions of an entry (by change mark).
+pub(crate) fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if b.chg > a.chg { b } else { a }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The latest version of an entry as the writer sees it, inside its transaction: the log's
+/// (through the writer's tail index) or else the materialized one.
+pub(crate) fn latest_in_writer(
+    conn: &Connection,
+    session_id: &str,
+    entry_id: &str,
+) -> std::result::Result<Option<Row>, StoreError> {
+    let logged: Option<i64> = conn
+        .prepare_cached("SELECT id FROM temp.entry_tail WHERE session_id = ?1 AND entry_id = ?2")?
+        .query_row(params![session_id, entry_id], |r| r.get(0))
+        .optional()?;
+    if let Some(id) = logged {
+        return Ok(conn
+            .prepare_cached(&format!("SELECT {LOG_COLS} FROM entry_log WHERE id = ?1"))?
+            .query_row([id], row)
+            .optional()?);
+    }
+    Ok(conn
+        .prepare_cached(&format!(
+            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
+        ))?
+        .query_row(params![session_id, entry_id], row)
+        .optional()?)
+}
+
+/// The latest version of an entry as a reader sees it (`unfolded`: from [`unfolded_in`]).
+pub(crate) fn latest_in_reader(
+    conn: &Connection,
+    session_id: &str,
+    entry_id: &str,
+    unfolded: &std::collections::BTreeMap<i64, Row>,
+) -> std::result::Result<Option<Row>, StoreError> {
+    let materialized = conn
+        .prepare_cached(&format!(
+            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
+        ))?
+        .query_row(params![session_id, entry_id], row)
+        .optional()?;
+    let logged = unfolded
+        .values()
+        .find(|r| r.entry_id == entry_id)
+        .map(|r| Row {
+            seq: r.seq,
+            entry_id: r.entry_id.clone(),
+            kind: r.kind.clone(),
+            body: r.body.clone(),
+            origin: r.origin.clone(),
+            revision: r.revision,
+            chg: r.chg,
+        });
+    Ok(newer(materialized, logged))
+}
+
+/// Writes one version of an entry (an append or an update) to the log, where the fold will
+/// find it, and to the writer's index of the log.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn log_entry_in(
+    conn: &Connection,
+    chg: i64,
+    session_id: &str,
+    seq: i64,
+    entry_id: &str,
+    kind: &str,
+    body: &str,
+    origin: Option<&str>,
+    revision: i64,
+) -> std::result::Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, origin, revision)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?
+    .execute(params![
+        chg, session_id, seq, entry_id, kind, body, origin, revision
+    ])?;
+    conn.prepare_cached(
+        "INSERT OR REPLACE INTO temp.entry_tail (session_id, entry_id, seq, id)
+         VALUES (?1, ?2, ?3, ?4)",
+    )?
+    .execute(params![session_id, entry_id, seq, chg])?;
+    Ok(())
+}
+
+/// Inserts the event announcing an entry change and returns its id, the entry's new change mark.
+pub(crate) fn change_event(
+    conn: &Connection,
+    session_id: &str,
+    topic: &str,
+    payload: &Value,
+) -> std::result::Result<i64, StoreError> {
+    insert_event_in(conn, Some(session_id), topic, payload, None)?
+        .ok_or_else(|| StoreError::Invalid("an event without a dedupe key was not inserted".into()))
+}
