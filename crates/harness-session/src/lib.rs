@@ -9,9 +9,7 @@
 //! Architecture invariant: the turn loop never touches these tables; it calls the functions.
 
 mod changes;
-mod entry_log;
 mod functions;
-mod list;
 mod store;
 
 pub use functions::{register, register_transactional};

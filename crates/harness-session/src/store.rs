@@ -11,9 +11,13 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
 
 use crate::changes::ChangeLog;
-use crate::entry_log::*;
-use crate::list::*;
+
+mod entry_log;
+mod list;
+
 use crate::topics;
+use entry_log::*;
+use list::*;
 
 /// The largest page `messages` returns.
 pub const MAX_PAGE: u32 = 500;
@@ -238,7 +242,7 @@ fn insert_session_in(
     Ok(())
 }
 
-pub(crate) fn entry_from_row(
+fn entry_from_row(
     entry_id: String,
     seq: i64,
     kind: &str,
@@ -260,6 +264,18 @@ pub(crate) fn entry_from_row(
         origin,
         revision,
     })
+}
+
+/// One version of an entry as stored (materialized in `entries`, or in `entry_log` where `chg`
+/// is the row id).
+struct Row {
+    seq: i64,
+    entry_id: String,
+    kind: String,
+    body: String,
+    origin: Option<String>,
+    revision: i64,
+    chg: i64,
 }
 
 fn require_session(conn: &Connection, session_id: &str) -> std::result::Result<(), StoreError> {

@@ -8,13 +8,13 @@ use harness_types::session::*;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value;
 
-use crate::store::entry_from_row;
+use super::{entry_from_row, Row};
 
 /// The writer's index of `entry_log`, on its own connection: a TEMP table lives in memory and
 /// writes no WAL page, yet rolls back with the transaction and savepoints like any other, so
 /// an append sees the entries appended before it in the same batch. Readers do not need it:
 /// they find a session's log rows from the store's unfolded event ids.
-pub(crate) const WRITER_TAIL: &str = "
+pub(super) const WRITER_TAIL: &str = "
 CREATE TEMP TABLE IF NOT EXISTS entry_tail (
     session_id TEXT NOT NULL,
     entry_id TEXT NOT NULL,
@@ -27,7 +27,7 @@ CREATE TEMP TABLE IF NOT EXISTS entry_tail (
 /// The fold: the log's latest version of each entry replaces the materialized row, in key
 /// order (each session's leaves are written once for everything the log held), and the log
 /// starts over. `DELETE` without a condition empties the table without visiting its rows.
-pub(crate) const FOLD_ENTRIES: &str = "
+pub(super) const FOLD_ENTRIES: &str = "
 INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
     SELECT session_id, seq, entry_id, kind, body, origin, revision, MAX(id) FROM entry_log
     GROUP BY session_id, seq ORDER BY session_id, seq;
@@ -36,28 +36,16 @@ DELETE FROM temp.entry_tail;
 ";
 
 /// The session store's part of the store's fold (see [`SessionStore::open`]).
-pub(crate) fn fold_entries(conn: &Connection, _upto: i64) -> std::result::Result<(), StoreError> {
+pub(super) fn fold_entries(conn: &Connection, _upto: i64) -> std::result::Result<(), StoreError> {
     conn.execute_batch(FOLD_ENTRIES)?;
     Ok(())
 }
 
-/// One version of an entry as stored (materialized in `entries`, or in `entry_log` where `chg`
-/// is the row id).
-pub(crate) struct Row {
-    pub(crate) seq: i64,
-    pub(crate) entry_id: String,
-    pub(crate) kind: String,
-    pub(crate) body: String,
-    pub(crate) origin: Option<String>,
-    pub(crate) revision: i64,
-    pub(crate) chg: i64,
-}
-
 /// The columns [`row`] reads, in its order; `entry_log` names its `id` as `chg`.
-pub(crate) const ENTRY_COLS: &str = "seq, entry_id, kind, body, origin, revision, chg";
-pub(crate) const LOG_COLS: &str = "seq, entry_id, kind, body, origin, revision, id";
+pub(super) const ENTRY_COLS: &str = "seq, entry_id, kind, body, origin, revision, chg";
+pub(super) const LOG_COLS: &str = "seq, entry_id, kind, body, origin, revision, id";
 
-pub(crate) fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
+pub(super) fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
     Ok(Row {
         seq: r.get(0)?,
         entry_id: r.get(1)?,
@@ -70,7 +58,7 @@ pub(crate) fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
 }
 
 impl Row {
-    pub(crate) fn entry(self) -> std::result::Result<Entry, StoreError> {
+    pub(super) fn entry(self) -> std::result::Result<Entry, StoreError> {
         entry_from_row(
             self.entry_id,
             self.seq,
@@ -86,7 +74,7 @@ impl Row {
 /// session's unfolded events (an entry change's log row has its event's id). Inside the
 /// caller's read transaction, with ids taken before it began: a fold committed since moved
 /// the rows to `entries`, which the same snapshot then shows.
-pub(crate) fn unfolded_in(
+pub(super) fn unfolded_in(
     conn: &Connection,
     session_id: &str,
     ids: &[i64],
@@ -127,7 +115,7 @@ pub(crate) fn unfolded_in(
 const POINT_LOOKUPS: usize = 32;
 
 /// The newer of two versions of an entry (by change mark).
-pub(crate) fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {
+pub(super) fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {
     match (a, b) {
         (Some(a), Some(b)) => Some(if b.chg > a.chg { b } else { a }),
         (a, b) => a.or(b),
@@ -136,7 +124,7 @@ pub(crate) fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {
 
 /// The latest version of an entry as the writer sees it, inside its transaction: the log's
 /// (through the writer's tail index) or else the materialized one.
-pub(crate) fn latest_in_writer(
+pub(super) fn latest_in_writer(
     conn: &Connection,
     session_id: &str,
     entry_id: &str,
@@ -160,7 +148,7 @@ pub(crate) fn latest_in_writer(
 }
 
 /// The latest version of an entry as a reader sees it (`unfolded`: from [`unfolded_in`]).
-pub(crate) fn latest_in_reader(
+pub(super) fn latest_in_reader(
     conn: &Connection,
     session_id: &str,
     entry_id: &str,
@@ -190,7 +178,7 @@ pub(crate) fn latest_in_reader(
 /// Writes one version of an entry (an append or an update) to the log, where the fold will
 /// find it, and to the writer's index of the log.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn log_entry_in(
+pub(super) fn log_entry_in(
     conn: &Connection,
     chg: i64,
     session_id: &str,
@@ -217,7 +205,7 @@ pub(crate) fn log_entry_in(
 }
 
 /// Inserts the event announcing an entry change and returns its id, the entry's new change mark.
-pub(crate) fn change_event(
+pub(super) fn change_event(
     conn: &Connection,
     session_id: &str,
     topic: &str,

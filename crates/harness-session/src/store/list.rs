@@ -8,12 +8,13 @@ use harness_types::session::*;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value;
 
-use crate::entry_log::*;
+use super::entry_log::*;
+use super::Row;
 
 /// The additive `session::list` fields, so a list view needs no request per session: the
 /// preview, the latest model, the parent, and the cost of the session's tree (its sub-agents
 /// found through their `metadata.parent_session_id`).
-pub(crate) fn list_summaries(
+pub(super) fn list_summaries(
     conn: &Connection,
     sessions: &mut [SessionMeta],
     children: &HashMap<String, Vec<String>>,
@@ -128,7 +129,7 @@ pub(crate) fn list_summaries(
 }
 
 /// Each parent session's sub-agents (by their `metadata.parent_session_id`).
-pub(crate) fn children_in(
+pub(super) fn children_in(
     conn: &Connection,
 ) -> std::result::Result<HashMap<String, Vec<String>>, StoreError> {
     let mut children: HashMap<String, Vec<String>> = HashMap::new();
