@@ -294,6 +294,18 @@ impl ChatDecoder {
         }
         self.open = Open::None;
     }
+
+    /// Sends a piece of thinking or text, after `start` unless its `block` is the one open
+    /// (a chunk may switch from reasoning to text, or back).
+    fn piece(&mut self, out: &mut FrameWriter, block: Open, start: Frame, piece: Frame) {
+        if self.open != block {
+            self.close(out);
+            out.send(start);
+            self.open = block;
+        }
+        out.send(piece);
+        self.emitted = true;
+    }
 }
 
 /// OpenAI counts cached tokens inside `prompt_tokens`; the router's `input` is uncached input.
@@ -430,22 +442,12 @@ impl ChatDecoder {
             .or_else(|| delta["reasoning"].as_str())
             .filter(|s| !s.is_empty());
         if let Some(r) = reasoning {
-            if self.open != Open::Thinking {
-                self.close(out);
-                out.send(Frame::ThinkingStart);
-                self.open = Open::Thinking;
-            }
-            out.send(Frame::ThinkingDelta { delta: r.into() });
-            self.emitted = true;
+            let frame = Frame::ThinkingDelta { delta: r.into() };
+            self.piece(out, Open::Thinking, Frame::ThinkingStart, frame);
         }
         if let Some(text) = delta["content"].as_str().filter(|s| !s.is_empty()) {
-            if self.open != Open::Text {
-                self.close(out);
-                out.send(Frame::TextStart);
-                self.open = Open::Text;
-            }
-            out.send(Frame::TextDelta { delta: text.into() });
-            self.emitted = true;
+            let frame = Frame::TextDelta { delta: text.into() };
+            self.piece(out, Open::Text, Frame::TextStart, frame);
         }
         if let Some(calls) = delta["tool_calls"].as_array() {
             for (i, c) in calls.iter().enumerate() {
