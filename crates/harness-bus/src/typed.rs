@@ -34,7 +34,7 @@ where
     Fut: Future<Output = Result<Resp, E>> + Send + 'static,
 {
     let def = def.schemas(schema::<Req>(), schema::<Resp>());
-    bus.register_function(def, json_handler(state, Arc::new(f)));
+    bus.register_function(def, handler(state, f));
 }
 
 /// As [`register`], and in-process callers may also pass `Req` and take `Resp` as they are, with
@@ -51,7 +51,10 @@ where
     let def = def.schemas(schema::<Req>(), schema::<Resp>());
     let f = Arc::new(f);
     let function_id = def.function_id.clone();
-    let json = json_handler(state.clone(), f.clone());
+    let json = {
+        let f = f.clone();
+        handler(state.clone(), move |state, req| f(state, req))
+    };
     let local = move |payload: LocalValue, _ctx: CallContext| {
         let (state, f) = (state.clone(), f.clone());
         let req = take::<Req>(&function_id, payload);
@@ -63,7 +66,9 @@ where
     bus.register_function_with_local(def, json, Arc::new(local) as Arc<dyn LocalHandler>);
 }
 
-fn json_handler<S, Req, Resp, E, F, Fut>(state: S, f: Arc<F>) -> Arc<dyn Handler>
+/// The JSON side of [`register`] alone, for a function whose schemas are written by hand or
+/// whose in-process side answers another type than its JSON one.
+pub fn handler<S, Req, Resp, E, F, Fut>(state: S, f: F) -> Arc<dyn Handler>
 where
     S: Clone + Send + Sync + 'static,
     Req: DeserializeOwned + Send + 'static,
@@ -72,6 +77,7 @@ where
     F: Fn(S, Req) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Resp, E>> + Send + 'static,
 {
+    let f = Arc::new(f);
     Arc::new(move |payload: Value, _ctx: CallContext| {
         let (state, f) = (state.clone(), f.clone());
         async move {

@@ -14,7 +14,9 @@ use harness_types::parse::parse_payload;
 use harness_types::router::{
     AbortRequest, AbortResponse, ChatAck, ChatAckError, ChatCall, ChatRequest, Frame, FrameTap,
 };
-pub use harness_types::router::{CacheIntent, ChatExtras, SystemSection};
+pub use harness_types::router::{
+    CacheIntent, ChatExtras, CountAnswer, CountRequest, SystemSection,
+};
 use harness_types::{now_ms, HarnessError};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -799,24 +801,6 @@ impl Router {
     }
 }
 
-/// `router::count-tokens` request.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CountRequest {
-    #[serde(default)]
-    pub provider: Option<String>,
-    pub model: String,
-    pub texts: Vec<String>,
-}
-
-/// `router::count-tokens` answer: one count per text, or `null` when the server cannot count.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct CountAnswer {
-    pub counts: Option<Vec<u64>>,
-    /// `server:<provider>` when the server counted.
-    pub counter: Option<String>,
-}
-
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct ListRequest {
@@ -919,7 +903,8 @@ pub fn register(bus: &dyn Bus, router: &Router) {
             Ok::<_, BusError>(AbortResponse { aborted })
         },
     );
-    typed::register(
+    // With a typed side: harness-context asks on every step whether the server counts.
+    typed::register_with_local(
         bus,
         FunctionDef::new(
             "router::count-tokens",
@@ -954,15 +939,10 @@ pub fn register(bus: &dyn Bus, router: &Router) {
         .schemas(schema::<ListRequest>(), json!({"type": "object"})),
         Arc::new(list) as Arc<dyn Handler>,
     );
-    let r = router.clone();
-    let get = move |payload: Value, _ctx: CallContext| {
-        let r = r.clone();
-        async move {
-            let req: GetRequest = parse_payload(payload)?;
-            let row = r.model_json(req.provider.as_deref(), &req.id).await;
-            Ok::<_, BusError>(Arc::unwrap_or_clone(row))
-        }
-    };
+    let get = typed::handler(router.clone(), |r, req: GetRequest| async move {
+        let row = r.model_json(req.provider.as_deref(), &req.id).await;
+        Ok::<_, BusError>(Arc::unwrap_or_clone(row))
+    });
     // In process the loop asks on every step: it takes a `ModelRef` and the shared answer.
     let r = router.clone();
     let get_local = move |payload: LocalValue, _ctx: CallContext| {
@@ -979,31 +959,25 @@ pub fn register(bus: &dyn Bus, router: &Router) {
             "The catalog row of a model (context window, max output, capabilities, prices per million tokens), or null.",
         )
         .schemas(schema::<GetRequest>(), schema::<Option<ModelEntry>>()),
-        Arc::new(get) as Arc<dyn Handler>,
+        get,
         Arc::new(get_local) as Arc<dyn LocalHandler>,
     );
-    let r = router.clone();
-    let supports = move |payload: Value, _ctx: CallContext| {
-        let r = r.clone();
-        async move {
-            let req: SupportsRequest = parse_payload(payload)?;
-            let Some(cap) = Capability::parse(&req.capability) else {
-                return Err(HarnessError::invalid_field(
-                    "capability",
-                    format!(
-                        "unknown capability '{}' (known: {})",
-                        req.capability,
-                        Capability::NAMES
-                    ),
-                )
-                .into());
-            };
-            let grammar = cap == Capability::StructuredOutput
-                && r.provider(&req.provider).is_some_and(|p| p.grammar_json());
-            let supported = grammar || r.catalog().supports(Some(&req.provider), &req.id, cap);
-            Ok(json!({"supported": supported}))
-        }
-    };
+    let supports = typed::handler(router.clone(), |r, req: SupportsRequest| async move {
+        let Some(cap) = Capability::parse(&req.capability) else {
+            return Err(HarnessError::invalid_field(
+                "capability",
+                format!(
+                    "unknown capability '{}' (known: {})",
+                    req.capability,
+                    Capability::NAMES
+                ),
+            ));
+        };
+        let grammar = cap == Capability::StructuredOutput
+            && r.provider(&req.provider).is_some_and(|p| p.grammar_json());
+        let supported = grammar || r.catalog().supports(Some(&req.provider), &req.id, cap);
+        Ok(json!({"supported": supported}))
+    });
     bus.register_function(
         FunctionDef::new(
             "router::models::supports",
@@ -1013,7 +987,7 @@ pub fn register(bus: &dyn Bus, router: &Router) {
             schema::<SupportsRequest>(),
             json!({"type": "object", "properties": {"supported": {"type": "boolean"}}}),
         ),
-        Arc::new(supports) as Arc<dyn Handler>,
+        supports,
     );
 }
 
