@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
+use harness_types::error::error_chain;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -352,17 +353,6 @@ pub fn html_to_markdown(html: &str) -> String {
         .skip_tags(vec!["script", "style", "noscript", "template", "head"])
         .build();
     converter.convert(html).unwrap_or_else(|_| html.to_string())
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

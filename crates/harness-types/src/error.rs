@@ -145,9 +145,57 @@ impl HarnessError {
     }
 }
 
+/// An error and its causes, `: `-separated: what a user reads of a failed request (reqwest keeps
+/// the OS's words, "Connection refused", two sources down).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error with an optional cause, to build a chain of any length.
+    #[derive(Debug)]
+    struct Link(&'static str, Option<Box<Link>>);
+
+    impl fmt::Display for Link {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Link {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1
+                .as_deref()
+                .map(|l| l as &(dyn std::error::Error + 'static))
+        }
+    }
+
+    #[test]
+    fn an_error_chain_names_every_cause_in_order() {
+        let refused = Link("Connection refused", None);
+        assert_eq!(error_chain(&refused), "Connection refused");
+        let chain = Link(
+            "error sending request",
+            Some(Box::new(Link(
+                "client error (Connect)",
+                Some(Box::new(refused)),
+            ))),
+        );
+        assert_eq!(
+            error_chain(&chain),
+            "error sending request: client error (Connect): Connection refused"
+        );
+    }
 
     #[test]
     fn wire_form_round_trips_for_every_code() {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 use harness_bus::{Bus, EmbeddedBus};
 use harness_mcp::server::{CallFuture, Caller, HarnessServer};
+use harness_types::error::error_chain;
 use serde_json::{json, Value};
 
 use crate::runtime::{Runtime, RuntimeOptions};
@@ -86,7 +87,10 @@ impl Remote {
                     timeout.unwrap_or_default().as_secs()
                 )
             } else {
-                format!("harness/dependency: {shown}: {}", causes(&e.without_url()))
+                format!(
+                    "harness/dependency: {shown}: {}",
+                    error_chain(&e.without_url())
+                )
             }
         };
         let response = request.send().await.map_err(failed)?;
@@ -128,19 +132,6 @@ impl Remote {
             Err(e) => Err(anyhow!("{e} (from {})", self.shown)),
         }
     }
-}
-
-/// An error and its causes, `: `-separated (reqwest keeps the OS's words, "Connection
-/// refused", two sources down).
-fn causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 impl Caller for Remote {
