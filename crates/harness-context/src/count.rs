@@ -15,7 +15,7 @@ use harness_bus::Bus;
 
 use harness_types::context::ModelRef;
 use harness_types::message::{AgentMessage, ContentBlock};
-use harness_types::router::ToolSpec;
+use harness_types::router::{CountAnswer, CountRequest, ToolSpec};
 use tiktoken_rs::CoreBPE;
 
 /// Tokens of role and framing per message (OpenAI's chat format spends 3–4).
@@ -191,12 +191,32 @@ fn server_cache() -> &'static Mutex<ServerCache> {
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// `router::count-tokens`, in process when the router shares it (no JSON either way: the
+/// probe runs on every step of a session whose server cannot count); `None` when nothing
+/// answers.
+async fn ask_router(bus: &dyn Bus, req: CountRequest, timeout: Duration) -> Option<CountAnswer> {
+    const ID: &str = "router::count-tokens";
+    if let Some(local) = bus.local_handler(ID) {
+        let ctx = harness_bus::CallContext::default();
+        return harness_bus::local::invoke(local.as_ref(), ID, Box::new(req), ctx, timeout)
+            .await
+            .ok();
+    }
+    let payload = serde_json::to_value(&req).ok()?;
+    let answer = bus.call(ID, payload, Some(timeout)).await.ok()?;
+    serde_json::from_value(answer).ok()
+}
+
 /// Whether the model's server counts at all (`router::count-tokens` with no texts).
 async fn server_can_count(bus: &dyn Bus, model: &ModelRef) -> bool {
-    let probe = serde_json::json!({"provider": model.provider, "model": model.id, "texts": []});
-    bus.call("router::count-tokens", probe, Some(Duration::from_secs(10)))
+    let probe = CountRequest {
+        provider: model.provider.clone(),
+        model: model.id.clone(),
+        texts: Vec::new(),
+    };
+    ask_router(bus, probe, Duration::from_secs(10))
         .await
-        .is_ok_and(|can| can["counts"].is_array())
+        .is_some_and(|can| can.counts.is_some())
 }
 
 /// The texts of `history` and the system prompt counted by the model's server
@@ -265,14 +285,14 @@ pub async fn server_counts(
         if counted_before && !server_can_count(bus, model).await {
             return None;
         }
-        let texts: Vec<&str> = missing.iter().map(|(_, t)| *t).collect();
-        let req =
-            serde_json::json!({"provider": model.provider, "model": model.id, "texts": texts});
-        let answer = bus
-            .call("router::count-tokens", req, Some(Duration::from_secs(60)))
-            .await
-            .ok()?;
-        let counts: Vec<u64> = serde_json::from_value(answer["counts"].clone()).ok()?;
+        let req = CountRequest {
+            provider: model.provider.clone(),
+            model: model.id.clone(),
+            texts: missing.iter().map(|(_, t)| t.to_string()).collect(),
+        };
+        let counts = ask_router(bus, req, Duration::from_secs(60))
+            .await?
+            .counts?;
         if counts.len() != missing.len() {
             return None;
         }

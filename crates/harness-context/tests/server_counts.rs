@@ -3,10 +3,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use harness_bus::{Bus, CallContext, EmbeddedBus, FunctionDef};
+use harness_bus::{Bus, BusError, CallContext, EmbeddedBus, FunctionDef, LocalHandler, LocalValue};
 use harness_store::{Durability, Store};
 use harness_types::context::{AssembleOptions, AssembleRequest, ModelRef};
 use harness_types::message::AgentMessage;
+use harness_types::router::{CountAnswer, CountRequest};
 use serde_json::{json, Value};
 
 /// The texts of every `router::count-tokens` request, in order.
@@ -120,4 +121,56 @@ async fn a_counting_server_is_sent_each_text_once() {
         ],
         "{asked:?}"
     );
+}
+
+#[tokio::test]
+async fn an_in_process_counter_is_asked_typed_and_its_counts_are_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("c.db"), Durability::Normal).unwrap();
+    let bus = Arc::new(EmbeddedBus::new(store).unwrap());
+    let asked: Arc<Mutex<Vec<CountRequest>>> = Arc::default();
+    let log = asked.clone();
+    // The JSON side refuses: only the typed side may answer this caller.
+    let json = Arc::new(|_payload: Value, _ctx: CallContext| async move {
+        Err::<Value, _>(BusError::internal("asked over JSON"))
+    });
+    let local = move |payload: LocalValue, _ctx: CallContext| {
+        let req: CountRequest = *payload.downcast().unwrap();
+        let counts = req.texts.iter().map(|t| t.len() as u64 * 10).collect();
+        log.lock().unwrap().push(req);
+        async move {
+            let answer = CountAnswer {
+                counts: Some(counts),
+                counter: Some("server:local".into()),
+            };
+            Ok(Box::new(answer) as LocalValue)
+        }
+    };
+    bus.register_function_with_local(
+        FunctionDef::new("router::count-tokens", "test counter"),
+        json,
+        Arc::new(local) as Arc<dyn LocalHandler>,
+    );
+    let messages = history(2);
+    let out = harness_context::assemble_over(
+        Some(bus.as_ref() as &dyn Bus),
+        &messages,
+        request("counts-in-process"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.counter.as_deref(), Some("server+estimate:generic"));
+    let texts: u64 = ["be brief", "message number 0", "message number 1"]
+        .iter()
+        .map(|t| t.len() as u64 * 10 + 4)
+        .sum();
+    assert_eq!(out.token_count, texts);
+    let asked = asked.lock().unwrap();
+    // The probe (no texts), then the texts, with the turn's provider and model.
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    assert!(asked[0].texts.is_empty(), "{asked:?}");
+    assert_eq!(asked[1].texts.len(), 3, "{asked:?}");
+    assert!(asked
+        .iter()
+        .all(|r| r.model == "counts-in-process" && r.provider.as_deref() == Some("local")));
 }

@@ -244,6 +244,24 @@ pub struct AbortResponse {
     pub aborted: bool,
 }
 
+/// `router::count-tokens` request.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CountRequest {
+    #[serde(default)]
+    pub provider: Option<String>,
+    pub model: String,
+    pub texts: Vec<String>,
+}
+
+/// `router::count-tokens` answer: one count per text, or `null` when the server cannot count.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CountAnswer {
+    pub counts: Option<Vec<u64>>,
+    /// `server:<provider>` when the server counted.
+    pub counter: Option<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
