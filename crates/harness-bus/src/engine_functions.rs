@@ -97,6 +97,16 @@ struct StateList {
     with_keys: bool,
 }
 
+/// The function ids an `engine::functions::list` (or `engine::workers::info`) answer names, in
+/// its order; an answer of another shape names none.
+pub fn listed_function_ids(list: &Value) -> impl Iterator<Item = &str> {
+    list["functions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["function_id"].as_str())
+}
+
 /// The worker an embedded function belongs to, named as the iii deployment names the worker
 /// that registers it, so the discovery loop the identity prompt teaches (list, filter by
 /// `worker`, `engine::workers::info`) reads the same in both modes.

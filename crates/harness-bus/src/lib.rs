@@ -22,5 +22,6 @@ pub use bus::{
     HandlerFuture, QueueDef, StreamingCall, TriggerTypeDef, TypedRequest,
 };
 pub use embedded::{EmbeddedBus, TxAnswer, TxHandler, TxPrepare, TxPrepareTyped, TxWrite};
+pub use engine_functions::listed_function_ids;
 pub use error::{BusCode, BusError};
 pub use local::{LocalFuture, LocalHandler, LocalValue};

@@ -942,11 +942,7 @@ async fn check_tool_choice(
     else {
         return Ok(());
     };
-    let mut offered: Vec<&str> = list["functions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|f| f["function_id"].as_str())
+    let mut offered: Vec<&str> = harness_bus::listed_function_ids(&list)
         .filter(|id| globs.is_match(id))
         .collect();
     offered.sort_unstable();

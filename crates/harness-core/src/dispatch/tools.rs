@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 
+use harness_bus::listed_function_ids;
 use harness_types::api::ExposeMode;
 use harness_types::router::ToolSpec;
 use serde_json::{json, Value};
@@ -46,11 +47,7 @@ impl Harness {
             return Ok(vec![agent_trigger_tool()]);
         }
         let list: Value = self.call("engine::functions::list", &json!({})).await?;
-        let mut ids: Vec<String> = list["functions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|f| f["function_id"].as_str())
+        let mut ids: Vec<String> = listed_function_ids(&list)
             .filter(|id| policy.allows(id))
             .map(str::to_string)
             .collect();
@@ -104,11 +101,7 @@ impl Harness {
             function_id,
             "engine::functions::list" | "engine::workers::info"
         ) {
-            let ids: Vec<&str> = value["functions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|f| f["function_id"].as_str())
+            let ids: Vec<&str> = listed_function_ids(&value)
                 .filter(|id| policy.allows(id))
                 .collect();
             if !ids.is_empty() {
