@@ -185,6 +185,10 @@ impl Harness {
         }
         let now = now_ms();
         let mut resolved = 0;
+        // Set when a settled turn's advance fails again: the store is refusing writes, so the
+        // other settled turns wait for the next sweep instead of each paying the retries
+        // (seconds apiece) while the expired calls below wait behind them.
+        let mut store_refusing = false;
         for (session_id, rec) in records {
             if rec.status != TurnStatus::AwaitingFunctions {
                 continue;
@@ -192,8 +196,12 @@ impl Harness {
             if all_closed(&rec) {
                 // Its advance could not be written past the retries: it runs on here rather
                 // than at the next start.
+                if store_refusing {
+                    continue;
+                }
                 if let Err(e) = self.run_on_settled(&session_id).await {
                     tracing::warn!(session = %session_id, "a settled turn still cannot run on: {e}");
+                    store_refusing = true;
                 }
                 continue;
             }

@@ -296,8 +296,8 @@ mod refusing {
     }
 }
 
-/// A loop over [`Refusing`] whose model calls `t::f` (held by a pre-trigger hook) on "go",
-/// then answers "done"; a hook that lets everything pass is bound before the turn, after each
+/// A loop over [`Refusing`] whose model calls `t::f` (held by a pre-trigger hook) on "go" (and
+/// once more on "second", for a turn of another session), then answers "done"; a hook that lets everything pass is bound before the turn, after each
 /// generation and after the turn. Answers the loop, the bus it runs on, the runs of `t::f`,
 /// and the store (kept open).
 async fn held_call_loop() -> (
@@ -310,8 +310,12 @@ async fn held_call_loop() -> (
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     let e = support::embedded::embedded().await;
-    let script =
-        json!({"generations": [call_gen("go", "c1", "t::f", json!({})), text_gen("done")]});
+    let script = json!({"generations": [
+        call_gen("go", "c1", "t::f", json!({})),
+        call_gen("^second$", "c1", "t::f", json!({})),
+        text_gen("done"),
+        text_gen("done"),
+    ]});
     let router = harness_router::Router::new();
     router.add_provider(Arc::new(support::embedded::scripted(&script, &e.shared)));
     harness_router::register(e.shared.as_ref(), &router);
@@ -372,9 +376,24 @@ async fn released_with_refusals(
     Result<harness_types::api::ResolveResponse, harness_types::HarnessError>,
 ) {
     let (harness, bus, ran, e) = held_call_loop().await;
+    let (r, out) = release_refused(&harness, &bus, "go", refusals).await;
+    (harness, bus, ran, e, r, out)
+}
+
+/// A new session's turn on `harness` (its message `text`) parked on its held call, then released with the commits of its
+/// advance refused `refusals` times: the send's answer and the release's.
+async fn release_refused(
+    harness: &harness_core::Harness,
+    bus: &Refusing,
+    text: &str,
+    refusals: usize,
+) -> (
+    harness_types::api::SendResponse,
+    Result<harness_types::api::ResolveResponse, harness_types::HarnessError>,
+) {
     let r = harness
         .send(allowing_as(
-            "go",
+            text,
             &["t::*"],
             harness_types::api::ExposeMode::Native,
         ))
@@ -402,7 +421,7 @@ async fn released_with_refusals(
             fs_scope: None,
         })
         .await;
-    (harness, bus, ran, e, r, out)
+    (r, out)
 }
 
 /// The released turn runs on to its end with the target's answer, and the target ran once
@@ -445,6 +464,42 @@ async fn a_settled_turn_refused_past_the_retries_runs_on_at_the_next_sweep() {
         .await
         .unwrap();
     completes_having_run_the_target_once(&harness, &r, &ran).await;
+}
+
+/// While the store refuses writes, one sweep pays the retries for one settled turn, not for
+/// each: the others wait for the next sweep, which runs every one of them on.
+#[tokio::test]
+async fn a_sweep_stops_running_settled_turns_on_once_the_store_refuses() {
+    let (harness, bus, ran, _e, a, out) = released_with_refusals(6).await;
+    assert!(out.is_err(), "every try refused: {out:?}");
+    let (b, out) = release_refused(&harness, &bus, "second", 6).await;
+    assert!(out.is_err(), "every try refused: {out:?}");
+    assert_eq!(Refusing::count(&bus.refused), 12);
+    // Enough refusals for one turn's retries: a sweep that tried the second turn too would
+    // write its advance.
+    bus.refuse.store(6, std::sync::atomic::Ordering::SeqCst);
+    let sweep = || harness.sweep_pending(harness_types::api::SweepRequest { scheduled_at: None });
+    sweep().await.unwrap();
+    assert_eq!(Refusing::count(&bus.refused), 18);
+    for r in [&a, &b] {
+        let s = support::embedded::status(&harness, &r.session_id)
+            .await
+            .unwrap();
+        assert_eq!(s.status, TurnStatus::AwaitingFunctions, "still parked");
+    }
+    sweep().await.unwrap();
+    for r in [&a, &b] {
+        let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
+        assert_eq!(
+            (s.status, s.result),
+            (TurnStatus::Completed, Some(json!("done")))
+        );
+    }
+    assert_eq!(
+        ran.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "each target ran once"
+    );
 }
 
 #[tokio::test]
