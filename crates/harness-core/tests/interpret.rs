@@ -400,7 +400,7 @@ async fn release_refused(
         .await
         .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !support::embedded::status(&harness, &r.session_id)
+    while !support::embedded::status(harness, &r.session_id)
         .await
         .is_some_and(|s| s.status == TurnStatus::AwaitingFunctions)
     {
