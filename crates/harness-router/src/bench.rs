@@ -167,18 +167,10 @@ fn delta(i: usize) -> Vec<u8> {
 
 fn request(model: &str) -> ChatRequest {
     static NEXT: AtomicU64 = AtomicU64::new(0);
+    let id = format!("bench:{}", NEXT.fetch_add(1, Ordering::Relaxed));
     ChatRequest {
-        request_id: format!("bench:{}", NEXT.fetch_add(1, Ordering::Relaxed)),
-        session_id: None,
-        model: model.to_string(),
         provider: Some("anthropic".into()),
-        system_prompt: None,
-        messages: vec![AgentMessage::user_text("bench", 0)].into(),
-        tools: vec![],
-        thinking_level: None,
-        max_output_tokens: None,
-        provider_options: None,
-        response_format: None,
+        ..ChatRequest::new(id, model, vec![AgentMessage::user_text("bench", 0)])
     }
 }
 

@@ -1063,17 +1063,8 @@ mod tap_tests {
 
     fn request() -> ChatRequest {
         ChatRequest {
-            request_id: "r1".into(),
-            session_id: None,
-            model: "m".into(),
             provider: Some("hi".into()),
-            system_prompt: None,
-            messages: vec![AgentMessage::user_text("hello", 0)].into(),
-            tools: vec![],
-            thinking_level: None,
-            max_output_tokens: None,
-            provider_options: None,
-            response_format: None,
+            ..ChatRequest::new("r1", "m", vec![AgentMessage::user_text("hello", 0)])
         }
     }
 

@@ -294,21 +294,15 @@ fn assert_no_cut_reply_marked_end(rt: &Rt, session: &str) -> usize {
 
 fn request(messages: Vec<AgentMessage>) -> ChatRequest {
     ChatRequest {
-        request_id: "live:0".into(),
-        session_id: None,
-        model: MODEL.into(),
         provider: Some("llamacpp".into()),
         system_prompt: Some("You are terse.".into()),
-        messages: messages.into(),
         tools: vec![ToolSpec {
             name: "math::add".into(),
             description: "Add two numbers.".into(),
             parameters: json!({"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}),
         }],
-        thinking_level: None,
         max_output_tokens: Some(64),
-        provider_options: None,
-        response_format: None,
+        ..ChatRequest::new("live:0", MODEL, messages)
     }
 }
 

@@ -128,6 +128,30 @@ pub struct ChatRequest {
     pub response_format: Option<Value>,
 }
 
+impl ChatRequest {
+    /// A request for `model` over `messages` and nothing else (no provider, system prompt, tools,
+    /// limits or options): a caller sets the few fields it needs with `..ChatRequest::new(…)`.
+    pub fn new(
+        request_id: impl Into<String>,
+        model: impl Into<String>,
+        messages: Vec<AgentMessage>,
+    ) -> Self {
+        ChatRequest {
+            request_id: request_id.into(),
+            session_id: None,
+            model: model.into(),
+            provider: None,
+            system_prompt: None,
+            messages: Arc::new(messages),
+            tools: vec![],
+            thinking_level: None,
+            max_output_tokens: None,
+            provider_options: None,
+            response_format: None,
+        }
+    }
+}
+
 /// One streamed frame of a generation. Exactly one terminal frame (`done` or `error`) ends a
 /// stream.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -267,19 +291,7 @@ mod tests {
     use super::*;
 
     fn request() -> ChatRequest {
-        ChatRequest {
-            request_id: "t:0".into(),
-            session_id: None,
-            model: "m".into(),
-            provider: None,
-            system_prompt: None,
-            messages: Arc::new(vec![]),
-            tools: vec![],
-            thinking_level: None,
-            max_output_tokens: None,
-            provider_options: None,
-            response_format: None,
-        }
+        ChatRequest::new("t:0", "m", vec![])
     }
 
     /// Across the bus the extras sit at the top level beside the request's own fields, and a

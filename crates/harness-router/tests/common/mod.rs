@@ -219,17 +219,10 @@ pub fn router(
 
 pub fn request(provider: &str, model: &str, messages: Vec<AgentMessage>) -> ChatRequest {
     ChatRequest {
-        request_id: "t_1:0".into(),
         session_id: Some("s_1".into()),
-        model: model.into(),
         provider: Some(provider.into()),
         system_prompt: Some("You are terse.".into()),
-        messages: messages.into(),
-        tools: vec![],
-        thinking_level: None,
-        max_output_tokens: None,
-        provider_options: None,
-        response_format: None,
+        ..ChatRequest::new("t_1:0", model, messages)
     }
 }
 
