@@ -9,8 +9,11 @@ use std::process::Output;
 
 #[path = "common/chat_env.rs"]
 mod chat_env;
+#[path = "common/http_head.rs"]
+mod http_head;
 
 use chat_env::chat_in;
+use http_head::content_length;
 
 fn chat(dir: &std::path::Path, args: &[&str], env: &[(&str, String)]) -> Output {
     chat_in(dir, args, env).output().expect("run harness chat")
@@ -70,11 +73,7 @@ fn one_stream_server() -> (String, std::thread::JoinHandle<String>) {
             }
         };
         let head = String::from_utf8_lossy(&buf[..body_start]).to_ascii_lowercase();
-        let len: usize = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0);
+        let len = content_length(&head).unwrap_or(0);
         while buf.len() < body_start + len {
             let n = sock.read(&mut chunk).unwrap();
             buf.extend_from_slice(&chunk[..n]);

@@ -17,12 +17,16 @@
 //! Nothing sleeps to synchronize: every wait polls the page or the API against a deadline. The
 //! one fixed pause (`stop_stops`) observes that nothing changes after the turn ended.
 
+#[path = "common/http_head.rs"]
+mod http_head;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use http_head::content_length;
 use serde_json::{json, Value};
 
 /// The binary under test; `HARNESS_CONSOLE_TEST_BIN` overrides it (a target directory shared
@@ -145,10 +149,7 @@ fn http(
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    let length = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse::<usize>().ok());
+    let length = content_length(&head);
     let chunked = head.contains("transfer-encoding: chunked");
     let mut body = raw[cut + 4..].to_vec();
     loop {

@@ -13,6 +13,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::http_head::content_length;
 use common::raw_serve::RawServe;
 use common::{free_port, run_cli, script, text_gen, wait_for, BIN, WAIT};
 use serde_json::{json, Value};
@@ -357,11 +358,7 @@ fn keep_alive(conn: &mut TcpStream, host: &str, path: &str) -> (u16, String) {
         answer.push(byte[0]);
     }
     let head = String::from_utf8_lossy(&answer).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .map(|v| v.trim().parse().unwrap())
-        .unwrap_or_else(|| panic!("no content-length in {head}"));
+    let length = content_length(&head).unwrap_or_else(|| panic!("no content-length in {head}"));
     let mut body = vec![0u8; length];
     conn.read_exact(&mut body).unwrap();
     answer.extend(body);

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
+pub mod http_head;
 pub mod process;
 pub mod raw_serve;
 pub mod scripts;
