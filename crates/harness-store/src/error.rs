@@ -27,6 +27,17 @@ pub enum StoreError {
          it first, or talk to it over its API (e.g. `harness chat --url`)"
     )]
     InUse { path: String, holder: String },
+    /// The database was written by a newer harness (a higher schema version than this build
+    /// knows): opening it could lose what the newer layout keeps elsewhere, so it is left as is.
+    #[error(
+        "harness/store_too_new: {path} holds store schema {found} and this harness reads up to \
+         {supported}; run the harness that wrote it (or a newer one); this one did not change it"
+    )]
+    TooNew {
+        path: String,
+        found: i64,
+        supported: i64,
+    },
     /// Misuse or a batch-level failure (e.g. the batch COMMIT failed, a write closure panicked).
     #[error("{0}")]
     Invalid(String),

@@ -7,7 +7,7 @@ use rusqlite::{Connection, OptionalExtension};
 /// 2: `kv` a rowid table, `events` without AUTOINCREMENT and with a partial dedupe index.
 /// 3: no `events_session` index; `events_by_session`, folded in batches (`events.rs`), and
 ///    `folds`, the mark each fold reached.
-const SCHEMA_VERSION: i64 = 3;
+pub(crate) const SCHEMA_VERSION: i64 = 3;
 
 // `kv` is a rowid table with a unique (scope, key) index, not WITHOUT ROWID: its values (turn
 // records are ~1.3 KiB) are larger than the ~1 KiB a WITHOUT ROWID row keeps on a 4 KiB page, so
@@ -112,7 +112,7 @@ fn is_v1(conn: &Connection) -> rusqlite::Result<bool> {
 }
 
 fn create_in(conn: &Connection) -> rusqlite::Result<()> {
-    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    let version = version(conn)?;
     if is_v1(conn)? {
         tracing::info!("harness-store: migrating the store to schema version {SCHEMA_VERSION}");
         conn.execute_batch(FROM_V1)?;
@@ -128,6 +128,11 @@ fn create_in(conn: &Connection) -> rusqlite::Result<()> {
         conn.execute_batch(TO_V3)?;
     }
     conn.pragma_update(None, "user_version", SCHEMA_VERSION)
+}
+
+/// The schema version a database holds (0 when it is new).
+pub(crate) fn version(conn: &Connection) -> rusqlite::Result<i64> {
+    conn.query_row("PRAGMA user_version", [], |r| r.get(0))
 }
 
 /// Creates the tables, migrating an older layout, in one transaction.

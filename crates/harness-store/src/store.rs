@@ -199,6 +199,16 @@ impl Store {
         let lock = crate::lock::acquire(path, access)?;
         let conn = Connection::open(path)?;
         conn.busy_timeout(BUSY_TIMEOUT)?;
+        // A newer harness may keep rows where this one does not look (and a migration of ours
+        // would stamp its own version over the newer one): refused before anything is written.
+        let found = schema::version(&conn)?;
+        if found > schema::SCHEMA_VERSION {
+            return Err(StoreError::TooNew {
+                path: path.display().to_string(),
+                found,
+                supported: schema::SCHEMA_VERSION,
+            });
+        }
         let mode: String =
             conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {

@@ -240,3 +240,42 @@ async fn a_version_2_event_log_is_indexed_by_session_once() {
     assert_eq!(next, Some(41));
     assert_eq!(store.events_after("a", 40, 10).unwrap().len(), 1);
 }
+
+#[tokio::test]
+async fn a_store_written_by_a_newer_harness_is_refused_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("newer.db");
+    {
+        let store = Store::open(&path, Durability::Full).unwrap();
+        store
+            .kv_set("harness_turn", "s1", &json!({"n": 1}))
+            .await
+            .unwrap();
+        store.close();
+    }
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch("PRAGMA user_version = 99; CREATE TABLE from_the_future(x);")
+            .unwrap();
+    }
+
+    let err = Store::open(&path, Durability::Full).expect_err("refused");
+    let text = err.to_string();
+    assert!(text.starts_with("harness/store_too_new: "), "{text}");
+    assert!(
+        text.contains("schema 99") && text.contains("up to 3"),
+        "{text}"
+    );
+    assert!(text.contains("newer.db"), "{text}");
+
+    // Nothing was migrated or stamped over: the newer harness finds its database as it left it.
+    let conn = Connection::open(&path).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 99);
+    let value: String = conn
+        .query_row("SELECT value FROM kv WHERE key = 's1'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(value, r#"{"n":1}"#);
+}
