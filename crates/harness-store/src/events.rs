@@ -96,9 +96,9 @@ impl EventTail {
         }
     }
 
-    /// The fold mark and the tail ids of `session_id` above `after` (at most `limit`, and some
-    /// may belong to another session of the same hash: the caller checks).
-    fn after(&self, session_id: &str, after: i64, limit: usize) -> (i64, Vec<i64>) {
+    /// The fold mark and the tail ids of `session_id` above `after` (some may belong to another
+    /// session of the same hash: the caller checks).
+    fn after(&self, session_id: &str, after: i64) -> (i64, Vec<i64>) {
         let hash = session_hash(session_id);
         let state = self.state();
         let from = state.rows.partition_point(|&(_, id)| id <= after);
@@ -106,7 +106,6 @@ impl EventTail {
             .iter()
             .filter(|(h, _)| *h == hash)
             .map(|(_, id)| *id)
-            .take(limit)
             .collect();
         (state.upto, ids)
     }
@@ -340,8 +339,10 @@ impl Store {
         limit: usize,
     ) -> Result<Vec<EventRow>, StoreError> {
         // Mark and tail are taken together, before the read: a fold that commits meanwhile
-        // only adds to the index what the tail ids already name.
-        let (upto, tail) = self.event_tail().after(session_id, after_id, limit);
+        // only adds to the index what the tail ids already name. Every tail id of the session's
+        // hash, not `limit` of them: one of another session with the same hash would otherwise
+        // take a place in the page, and a short page reads as "caught up" to a stream.
+        let (upto, tail) = self.event_tail().after(session_id, after_id);
         self.read(|c| {
             let mut out = Vec::new();
             if after_id < upto {
@@ -387,7 +388,7 @@ impl Store {
     /// A crate folding a table of its own with the events ([`Store::on_fold`]) finds a
     /// session's unfolded rows from these.
     pub fn unfolded_session_events(&self, session_id: &str, after: i64) -> Vec<i64> {
-        self.event_tail().after(session_id, after, usize::MAX).1
+        self.event_tail().after(session_id, after).1
     }
 
     /// Runs `hook` in every fold's transaction, after the index is written, with the id the
@@ -450,5 +451,38 @@ mod tests {
             })
             .unwrap();
         assert_eq!(reprepared, 0);
+    }
+
+    /// Tail ids whose session hash collides with the one asked for are skipped without
+    /// shortening the page: a full page still holds `limit` of the session's own events.
+    #[tokio::test]
+    async fn a_hash_collision_in_the_tail_does_not_shorten_a_page() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("e.db"), Durability::Normal).unwrap();
+        for i in 0..4 {
+            store
+                .append_event(Some("other"), "t", &serde_json::json!({ "i": i }), None)
+                .await
+                .unwrap();
+        }
+        for i in 0..3 {
+            store
+                .append_event(Some("s"), "t", &serde_json::json!({ "i": i }), None)
+                .await
+                .unwrap();
+        }
+        // Give the other session's tail rows the hash of "s", as a collision would.
+        {
+            let mut state = store.event_tail().state();
+            assert_eq!(state.rows.len(), 7, "nothing folded yet");
+            let hash = session_hash("s");
+            for row in state.rows.iter_mut() {
+                row.0 = hash;
+            }
+        }
+        let page = store.events_after("s", 0, 3).unwrap();
+        let ids: Vec<i64> = page.iter().map(|e| e.id).collect();
+        assert_eq!(ids, vec![5, 6, 7]);
+        assert!(page.iter().all(|e| e.session_id.as_deref() == Some("s")));
     }
 }
