@@ -62,6 +62,14 @@ pub const MAX_LINE: usize = 16 * 1024 * 1024;
 /// are nothing.
 pub const MAX_IN_FLIGHT: usize = 32;
 
+/// Request bytes held by the requests in flight (each holds its line's length until its answer
+/// is queued). [`MAX_IN_FLIGHT`] alone would let 32 requests of [`MAX_LINE`] each hold half a
+/// GiB; this keeps a client sending large ones to a few at a time.
+pub const MAX_BYTES_IN_FLIGHT: usize = 64 * 1024 * 1024;
+
+/// The unit of [`MAX_BYTES_IN_FLIGHT`]'s semaphore (its permits are counted in `u32`).
+const BYTE_PERMIT: usize = 1024;
+
 /// Answers waiting for the writer. A request holds its slot until its answer is queued, so this
 /// only lets the requests finish while the writer is busy; as many as can be in flight.
 const ANSWERS_QUEUED: usize = MAX_IN_FLIGHT;
@@ -191,6 +199,7 @@ impl HarnessServer {
         let server = Arc::new(self);
         let (tx, mut rx) = mpsc::channel::<Value>(ANSWERS_QUEUED);
         let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+        let bytes = Arc::new(Semaphore::new(MAX_BYTES_IN_FLIGHT / BYTE_PERMIT));
         let writer = tokio::spawn(async move {
             let mut output = output;
             while let Some(message) = rx.recv().await {
@@ -209,6 +218,10 @@ impl HarnessServer {
                 Ok(Some(line)) => line,
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
+            };
+            let weight = match &line {
+                Line::Text(text) => text.len().div_ceil(BYTE_PERMIT).max(1),
+                Line::TooLong => 1,
             };
             let message = match line {
                 Line::TooLong => Err(ErrorData::invalid_request(
@@ -231,6 +244,10 @@ impl HarnessServer {
                 let Ok(slot) = slots.clone().acquire_owned().await else {
                     break Ok(());
                 };
+                // At most MAX_LINE / BYTE_PERMIT, well below the semaphore's size.
+                let Ok(held) = bytes.clone().acquire_many_owned(weight as u32).await else {
+                    break Ok(());
+                };
                 let (server, tx) = (server.clone(), tx.clone());
                 running.spawn(async move {
                     let answer = AssertUnwindSafe(server.answer(&method, params))
@@ -246,7 +263,7 @@ impl HarnessServer {
                             ))
                         });
                     let _ = tx.send(reply(id, answer)).await;
-                    drop(slot);
+                    drop((slot, held));
                 });
             }
             // Notifications (initialized, cancelled, progress) and answers to requests this

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use harness_mcp::server::{CallFuture, Caller, HarnessServer, MAX_IN_FLIGHT, SERVER_NAME};
+use harness_mcp::server::{
+    CallFuture, Caller, HarnessServer, MAX_BYTES_IN_FLIGHT, MAX_IN_FLIGHT, SERVER_NAME,
+};
 use rmcp::model::{CallToolRequestParams, CallToolResult, ProtocolVersion};
 use rmcp::service::Peer;
 use rmcp::{RoleClient, ServiceExt};
@@ -374,35 +376,36 @@ async fn a_request_whose_handler_panics_is_answered_with_an_internal_error() {
     assert_eq!(got["result"]["structuredContent"]["status"], "completed");
 }
 
-/// Many more requests than may run at once, each held until released: no more than
-/// MAX_IN_FLIGHT ever run together (the server stops reading meanwhile), and every one is
-/// answered once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_flood_of_requests_runs_at_most_max_in_flight_at_once_and_is_answered_in_full() {
-    let flood = MAX_IN_FLIGHT * 4;
-    let caller = Arc::new(Recorder {
-        gate: Some(Semaphore::new(0)),
-        ..Recorder::default()
-    });
+/// Writes `requests` (held by the caller's gate until released) and waits until `running` of
+/// them run at once; checks that no more start, then releases them one at a time and checks
+/// that every one is answered once, with the status the caller gives.
+async fn flood_and_release(caller: Arc<Recorder>, requests: Vec<String>, running: usize) {
+    let flood = requests.len();
     let (Raw { mut out, mut lines }, _task) = raw(caller.clone()).await;
     let writer = tokio::spawn(async move {
-        for i in 0..flood {
-            let line = status_request(i, "s1") + "\n";
-            out.write_all(line.as_bytes()).await.unwrap();
+        for request in requests {
+            out.write_all(request.as_bytes()).await.unwrap();
+            out.write_all(b"\n").await.unwrap();
         }
         out
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while caller.in_flight.load(Ordering::SeqCst) < MAX_IN_FLIGHT {
-        assert!(Instant::now() < deadline, "the slots never filled");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while caller.in_flight.load(Ordering::SeqCst) < running {
+        assert!(
+            Instant::now() < deadline,
+            "{running} requests never ran at once"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    // Nothing more starts while the server holds back.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(caller.in_flight.load(Ordering::SeqCst), running);
     let gate = caller.gate.as_ref().unwrap();
     let mut answered = HashSet::new();
     while answered.len() < flood {
         // One request finishes, so one more may start.
         gate.add_permits(1);
-        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
             .await
             .expect("an answer")
             .unwrap()
@@ -414,12 +417,43 @@ async fn a_flood_of_requests_runs_at_most_max_in_flight_at_once_and_is_answered_
         );
         let id = got["id"].as_u64().unwrap();
         assert!(answered.insert(id), "{id} answered twice");
-        assert!(
-            caller.most_in_flight.load(Ordering::SeqCst) <= MAX_IN_FLIGHT,
-            "more than {MAX_IN_FLIGHT} requests ran at once"
-        );
     }
-    assert_eq!(caller.most_in_flight.load(Ordering::SeqCst), MAX_IN_FLIGHT);
+    assert_eq!(caller.most_in_flight.load(Ordering::SeqCst), running);
     assert_eq!(caller.in_flight.load(Ordering::SeqCst), 0);
     writer.await.unwrap();
+}
+
+fn gated() -> Arc<Recorder> {
+    Arc::new(Recorder {
+        gate: Some(Semaphore::new(0)),
+        ..Recorder::default()
+    })
+}
+
+/// Many more requests than may run at once, each held until released: no more than
+/// MAX_IN_FLIGHT ever run together (the server stops reading meanwhile), and every one is
+/// answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_requests_runs_at_most_max_in_flight_at_once_and_is_answered_in_full() {
+    let requests = (0..MAX_IN_FLIGHT * 4)
+        .map(|i| status_request(i, "s1"))
+        .collect();
+    flood_and_release(gated(), requests, MAX_IN_FLIGHT).await;
+}
+
+/// Large requests are held back by their bytes, not only their number: requests of 5 MiB each
+/// (blank space inside the JSON) run at most MAX_BYTES_IN_FLIGHT / 5 MiB at once, far fewer
+/// than MAX_IN_FLIGHT, and every one is answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_requests_in_flight_are_bounded_by_their_bytes() {
+    const SIZE: usize = 5 * 1024 * 1024;
+    let most = MAX_BYTES_IN_FLIGHT / SIZE;
+    assert!(most < MAX_IN_FLIGHT);
+    let requests = (0..most + 8)
+        .map(|i| {
+            let request = status_request(i, "s1");
+            format!("{{{}{}", " ".repeat(SIZE), &request[1..])
+        })
+        .collect();
+    flood_and_release(gated(), requests, most).await;
 }
