@@ -50,9 +50,7 @@ impl Remote {
         parsed.set_query(None);
         parsed.set_fragment(None);
         let base = parsed.as_str().trim_end_matches('/').to_string();
-        let _ = parsed.set_username("");
-        let _ = parsed.set_password(None);
-        let shown = parsed.as_str().trim_end_matches('/').to_string();
+        let shown = crate::client::shown_url(&base);
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(anyhow!(
                 "harness/invalid_request: --url: {shown}: must be an http:// or https:// URL"
