@@ -31,11 +31,6 @@ const SECRETS: &[(&str, &str)] = &[
     ("CORP_VAULT_ADDR", "MARKER-operator-c3a0"),
 ];
 
-fn is_root() -> bool {
-    // SAFETY: geteuid only returns a number.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// A `harness serve` with the markers in its environment, on loopback with a token.
 struct Served {
     proc: KillOnDrop,
@@ -174,7 +169,7 @@ fn files_containing(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_reads_no_secret_through_proc() {
-    if !is_root() {
+    if !running_as_root() {
         println!("skipped: this test runs the harness as root, the case where /proc gave most away; not root here");
         return;
     }

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, script, text_gen, text_of, Api, EventStream, Sessions, BIN, WAIT};
+use common::{
+    free_port, running_as_root, script, text_gen, text_of, Api, EventStream, Sessions, BIN, WAIT,
+};
 use serde_json::{json, Value};
 
 /// A tmpfs mounted for the test; unmounted on drop, also when the test fails.
@@ -83,10 +85,6 @@ impl Drop for Serve {
             eprintln!("--- serve log ---\n{}\n---", self.log());
         }
     }
-}
-
-fn running_as_root() -> bool {
-    unsafe { libc::geteuid() == 0 }
 }
 
 /// Writes zeros to `file` until the filesystem refuses more.

@@ -25,6 +25,12 @@ pub use scripts::*;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_harness");
 
+/// Whether the tests run as root: a few need it (a tmpfs mount) or test what root could see.
+pub fn running_as_root() -> bool {
+    // SAFETY: geteuid only returns a number.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// A port nobody listens on right now (the child's bind is checked, see `Server::spawn`).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
