@@ -221,6 +221,32 @@ enum Stopper {
     Remote(String),
 }
 
+/// The process's Ctrl-C (SIGINT), as one stream for its life.
+struct Interrupts {
+    #[cfg(unix)]
+    signal: Option<tokio::signal::unix::Signal>,
+}
+
+impl Interrupts {
+    fn new() -> Interrupts {
+        Interrupts {
+            #[cfg(unix)]
+            signal: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok(),
+        }
+    }
+
+    /// The next Ctrl-C; `false` once none can come (the handler could not be installed).
+    async fn recv(&mut self) -> bool {
+        #[cfg(unix)]
+        return match &mut self.signal {
+            Some(signal) => signal.recv().await.is_some(),
+            None => false,
+        };
+        #[cfg(not(unix))]
+        return tokio::signal::ctrl_c().await.is_ok();
+    }
+}
+
 impl Interrupt {
     /// Installs the handler for the rest of the process.
     fn install(stopper: Stopper) -> Interrupt {
@@ -228,9 +254,13 @@ impl Interrupt {
             following: Default::default(),
         };
         let state = me.following.clone();
+        // One listener for the life of the process, made before anything can be interrupted:
+        // a Ctrl-C that comes while the stop of the first is still on its way is kept for the
+        // next `recv`, where a listener made anew each time (`ctrl_c()`) would never see it.
+        let mut interrupts = Interrupts::new();
         tokio::spawn(async move {
             loop {
-                if tokio::signal::ctrl_c().await.is_err() {
+                if !interrupts.recv().await {
                     return;
                 }
                 let stop = {
@@ -244,21 +274,25 @@ impl Interrupt {
                     std::process::exit(130);
                 };
                 eprintln!("\n[stopping the reply; Ctrl-C again quits]");
-                let payload = json!({ "session_id": session_id });
-                let stopped = match &stopper {
-                    Stopper::Local(bus) => {
-                        use harness_bus::Bus;
-                        bus.call("harness::stop", payload, None)
-                            .await
-                            .map_err(|e| anyhow!("{e}"))
+                // In a task of its own: the next Ctrl-C (to quit) is read while this one waits.
+                let stopper = stopper.clone();
+                tokio::spawn(async move {
+                    let payload = json!({ "session_id": session_id });
+                    let stopped = match &stopper {
+                        Stopper::Local(bus) => {
+                            use harness_bus::Bus;
+                            bus.call("harness::stop", payload, None)
+                                .await
+                                .map_err(|e| anyhow!("{e}"))
+                        }
+                        Stopper::Remote(url) => {
+                            crate::client::call_value(url, "harness::stop", &payload).await
+                        }
+                    };
+                    if let Err(e) = stopped {
+                        eprintln!("[could not stop the reply: {e}]");
                     }
-                    Stopper::Remote(url) => {
-                        crate::client::call_value(url, "harness::stop", &payload).await
-                    }
-                };
-                if let Err(e) = stopped {
-                    eprintln!("[could not stop the reply: {e}]");
-                }
+                });
             }
         });
         me
