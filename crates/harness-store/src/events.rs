@@ -425,18 +425,23 @@ mod tests {
     use crate::store::Durability;
     use rusqlite::StatementStatus;
 
+    /// Appends `n` events of `session`.
+    async fn append(store: &Store, session: &str, n: usize) {
+        for i in 0..n {
+            store
+                .append_event(Some(session), "t", &serde_json::json!({ "i": i }), None)
+                .await
+                .unwrap();
+        }
+    }
+
     /// Paging with changing page sizes reuses the cached statement as prepared: nothing in it
     /// (a bound LIMIT, say) makes SQLite compile it again on every call.
     #[tokio::test]
     async fn paging_never_reprepares() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("e.db"), Durability::Normal).unwrap();
-        for i in 0..5 {
-            store
-                .append_event(Some("s"), "t", &serde_json::json!({ "i": i }), None)
-                .await
-                .unwrap();
-        }
+        append(&store, "s", 5).await;
         // Folded, so the pages come through the per-session index.
         store.fold_events().await.unwrap();
         for (session, after, limit) in [("s", 0, 2), ("s", 2, 10), ("x", 0, 1), ("s", 300, 3)] {
@@ -459,18 +464,8 @@ mod tests {
     async fn a_hash_collision_in_the_tail_does_not_shorten_a_page() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("e.db"), Durability::Normal).unwrap();
-        for i in 0..4 {
-            store
-                .append_event(Some("other"), "t", &serde_json::json!({ "i": i }), None)
-                .await
-                .unwrap();
-        }
-        for i in 0..3 {
-            store
-                .append_event(Some("s"), "t", &serde_json::json!({ "i": i }), None)
-                .await
-                .unwrap();
-        }
+        append(&store, "other", 4).await;
+        append(&store, "s", 3).await;
         // Give the other session's tail rows the hash of "s", as a collision would.
         {
             let mut state = store.event_tail().state();
