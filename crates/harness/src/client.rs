@@ -99,11 +99,8 @@ mod tests {
     #[tokio::test]
     async fn a_server_out_of_reach_is_named_without_its_credential() {
         // A port nobody listens on: bound, then released.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let bound = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr());
+        let port = bound.unwrap().port();
         let url = format!("http://ops:hunter2@127.0.0.1:{port}");
         let err = call_value(&url, "harness::status", &serde_json::json!({}))
             .await
