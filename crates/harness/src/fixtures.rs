@@ -61,7 +61,12 @@ impl Log {
         let log = self.0.clone();
         tokio::task::spawn_blocking(move || {
             let mut file = log.lock().expect("fixture log lock");
-            writeln!(file, "{line}")?;
+            // One write of the whole line: `writeln!` on an unbuffered file writes each piece
+            // of the value's formatting by itself, and a test reading the log meanwhile saw
+            // half a line.
+            let mut text = line.to_string();
+            text.push('\n');
+            file.write_all(text.as_bytes())?;
             file.sync_data()
         })
         .await

@@ -134,10 +134,12 @@ pub fn assert_slow_work_interrupted<'a>(fx: &Fixtures, entries: &'a [Value]) -> 
     result
 }
 
-/// The invocations logged so far, one JSON value per line of the fixture log.
+/// The invocations logged so far, one JSON value per line of the fixture log. A last line not
+/// ended yet is still being written (or was cut by a kill): it is not an invocation logged.
 pub fn logged_invocations(log: &Path) -> Vec<Value> {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
         .lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).expect("fixture log line is JSON"))
