@@ -49,6 +49,11 @@ struct TailState {
     /// The tail length at which the writer folds next (raised after a failed fold, so a full
     /// disk does not make every commit try again).
     fold_at: usize,
+    /// The highest event id (with a session or not) whose batch committed and whose ids are in
+    /// `rows`: what subscribers may be woken to. The log's own `MAX(id)` may be ahead of it
+    /// between a COMMIT and its after-commit step, when a reader woken to it would not find
+    /// the event in the tail yet.
+    last: i64,
 }
 
 fn session_hash(session_id: &str) -> u64 {
@@ -76,16 +81,23 @@ impl EventTail {
             let session: String = row.get(0)?;
             rows.push((session_hash(&session), row.get(1)?));
         }
+        let last = max_event_id(conn)?;
         *self.state() = TailState {
             upto,
             rows,
             fold_at: FOLD_EVENTS,
+            last,
         };
         Ok(())
     }
 
-    fn push(&self, hash: u64, id: i64) {
+    /// Event `id` committed; `hash` is its session's when it has one.
+    fn push(&self, hash: Option<u64>, id: i64) {
         let mut state = self.state();
+        state.last = state.last.max(id);
+        let Some(hash) = hash else {
+            return;
+        };
         // Ids arrive in commit order; one that does not (nothing should) still lands in place.
         match state.rows.last() {
             Some(&(_, last)) if last > id => {
@@ -112,6 +124,11 @@ impl EventTail {
 
     pub(crate) fn len(&self) -> usize {
         self.state().rows.len()
+    }
+
+    /// See [`TailState::last`].
+    fn last(&self) -> i64 {
+        self.state().last
     }
 
     /// Whether the writer should fold after its commit.
@@ -148,14 +165,14 @@ pub(crate) fn install_writer(tail: Arc<EventTail>) {
     WRITER_TAIL.with(|t| *t.borrow_mut() = Some(tail));
 }
 
-/// Adds event `id` of `session_id` to the tail once the batch inserting it commits. Off a
-/// writer thread (a connection of no open store) nothing is added: the next open reads the
-/// event back from the log.
-fn pend(session_id: &str, id: i64) {
+/// Adds event `id` (of `session_id`, if any) to the tail once the batch inserting it commits.
+/// Off a writer thread (a connection of no open store) nothing is added: the next open reads
+/// the event back from the log.
+fn pend(session_id: Option<&str>, id: i64) {
     let Some(tail) = WRITER_TAIL.with(|t| t.borrow().clone()) else {
         return;
     };
-    let hash = session_hash(session_id);
+    let hash = session_id.map(session_hash);
     crate::after_commit(move || tail.push(hash, id));
 }
 
@@ -205,9 +222,7 @@ pub fn insert_event_text_in(
         return Ok(None);
     }
     let id = conn.last_insert_rowid();
-    if let Some(session_id) = session_id {
-        pend(session_id, id);
-    }
+    pend(session_id, id);
     Ok(Some(id))
 }
 
@@ -310,12 +325,12 @@ impl Store {
     }
 
     /// Wakes subscribers after events were inserted with [`insert_event_in`] inside a caller's
-    /// write (call it once that write has resolved).
+    /// write (call it once that write has resolved). Up to the last event whose commit is
+    /// complete here, not the log's `MAX(id)`: an event of a batch still between its COMMIT and
+    /// its after-commit step is not in the tail yet, a subscriber woken to it would read a page
+    /// without it, and its own wake-up, coming later with the same id, would wake nobody.
     pub fn notify_events(&self) {
-        match self.last_event_id() {
-            Ok(id) => self.publish_event_id(id),
-            Err(e) => tracing::warn!(error = %e, "harness-store: cannot read the last event id"),
-        }
+        self.publish_event_id(self.event_tail().last());
     }
 
     /// Wakes subscribers after a caller's write that inserted event `id` with

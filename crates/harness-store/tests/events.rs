@@ -223,3 +223,64 @@ async fn the_writer_folds_a_long_tail_and_an_idle_one() {
     }
     assert_eq!(session_ids(&store, "y", 0, 500).len(), want[1].len() + 5);
 }
+
+/// Between a batch's COMMIT and its after-commit step, the event it inserted is in the log but
+/// not yet in the session's tail: `notify_events` then wakes nobody to it (a reader woken to
+/// it would page without it, and its own wake-up later, with the same id, would be lost), and
+/// does once the write resolved. The page read in between does not hold it either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_events_wakes_only_to_events_a_reader_can_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("ev.db"), Durability::Normal).unwrap();
+    let before = store
+        .append_event(Some("s"), "t", &json!(0), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut rx = store.subscribe_events();
+    rx.borrow_and_update();
+
+    let (entered, in_after_commit) = std::sync::mpsc::channel::<()>();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(Some(released));
+    let write = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .write(move |c| {
+                    // Registered before the insert: it runs, and holds the writer, before the
+                    // tail learns of the event.
+                    let released = released.lock().unwrap().take();
+                    harness_store::after_commit(move || {
+                        entered.send(()).unwrap();
+                        if let Some(r) = released {
+                            r.recv().unwrap();
+                        }
+                    });
+                    insert_event_in(c, Some("s"), "t", &json!(1), None)
+                })
+                .await
+                .unwrap()
+                .unwrap()
+        })
+    };
+    tokio::task::spawn_blocking(move || in_after_commit.recv().unwrap())
+        .await
+        .unwrap();
+    // Committed: the log has it.
+    assert!(store.last_event_id().unwrap() > before);
+    store.notify_events();
+    assert!(
+        !rx.has_changed().unwrap(),
+        "woken to an event not in the tail"
+    );
+    assert_eq!(store.events_after("s", before, 10).unwrap().len(), 0);
+
+    release.send(()).unwrap();
+    let id = write.await.unwrap();
+    store.notify_events();
+    assert!(rx.has_changed().unwrap());
+    assert_eq!(*rx.borrow_and_update(), id);
+    let page = store.events_after("s", before, 10).unwrap();
+    assert_eq!(page.iter().map(|e| e.id).collect::<Vec<_>>(), vec![id]);
+}
