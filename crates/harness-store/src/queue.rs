@@ -148,10 +148,8 @@ pub struct Queues {
 struct QueuesInner {
     store: Store,
     /// The right to take the rows the writer hands over; `None` when another `Queues` of this
-    /// store has it (then every wake reads the table). Each dispatcher holds it too: a new
-    /// `Queues` made while the last one's deliveries finish must not take (and deliver again)
-    /// the rows still in flight.
-    inbox: Option<Arc<InboxClaim>>,
+    /// store has it (then every wake reads the table).
+    inbox: Option<InboxClaim>,
     // std Mutex: only held to look up / insert a queue's state, never across an await.
     queues: Mutex<HashMap<String, Arc<QueueState>>>,
     /// `true` once `shutdown` was called; dropping it (last `Queues` dropped) also stops the
@@ -381,7 +379,7 @@ impl QueueState {
 
 impl Queues {
     pub fn new(store: Store) -> Queues {
-        let inbox = InboxClaim::new(&store).map(Arc::new);
+        let inbox = InboxClaim::new(&store);
         if inbox.is_none() {
             tracing::warn!(
                 path = %store.path().display(),
@@ -440,7 +438,7 @@ impl Queues {
     /// ids above the last one seen, then wakes the dispatcher.
     pub fn wake(&self, queue: &str) -> Result<(), StoreError> {
         self.state(queue)
-            .scan(&self.inner.store, self.inner.inbox.as_deref())
+            .scan(&self.inner.store, self.inner.inbox.as_ref())
             .map(|_| ())
     }
 
@@ -457,7 +455,7 @@ impl Queues {
             tracing::warn!(queue, "harness-store: queue already started");
             return;
         }
-        if let Err(e) = state.scan(&self.inner.store, self.inner.inbox.as_deref()) {
+        if let Err(e) = state.scan(&self.inner.store, self.inner.inbox.as_ref()) {
             // Not fatal: the next enqueue/wake rescans from the same watermark.
             tracing::error!(queue, error = %e, "harness-store: initial queue load failed");
         }
@@ -466,7 +464,6 @@ impl Queues {
             self.inner.store.clone(),
             handler,
             self.inner.shutdown.subscribe(),
-            self.inner.inbox.clone(),
         ));
         lock(&self.inner.dispatchers).push(task);
     }
@@ -526,8 +523,6 @@ async fn dispatch_loop(
     store: Store,
     handler: QueueHandler,
     mut shutdown: watch::Receiver<bool>,
-    // Released only once the last delivery finished or was aborted (see `QueuesInner::inbox`).
-    _claim: Option<Arc<InboxClaim>>,
 ) {
     let mut deliveries = JoinSet::new();
     loop {
