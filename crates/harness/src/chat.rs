@@ -138,15 +138,7 @@ impl Source {
                 }
             }
             Source::Remote { url } => {
-                let endpoint = format!(
-                    "{}/v1/sessions/{}/events",
-                    url.trim_end_matches('/'),
-                    session_id
-                );
-                let resp = crate::client::get(&endpoint).await?;
-                if !resp.status().is_success() {
-                    return Err(anyhow!("{endpoint}: HTTP {}", resp.status()));
-                }
+                let resp = crate::client::session_events(url, session_id).await?;
                 let mut body = resp.bytes_stream();
                 let mut buf = String::new();
                 let (mut topic, mut data) = (String::new(), String::new());

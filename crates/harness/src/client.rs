@@ -21,9 +21,20 @@ pub(crate) fn authorize(req: reqwest::RequestBuilder) -> reqwest::RequestBuilder
     }
 }
 
-/// A GET with the token (the event stream).
-pub async fn get(endpoint: &str) -> reqwest::Result<reqwest::Response> {
-    authorize(reqwest::Client::new().get(endpoint)).send().await
+/// A session's event stream on a server (SSE), opened with the token. A failure names the
+/// server by [`shown_url`], never with the credential its URL may carry.
+pub async fn session_events(url: &str, session_id: &str) -> Result<reqwest::Response> {
+    let path = format!("/v1/sessions/{session_id}/events");
+    let endpoint = format!("{}{path}", url.trim_end_matches('/'));
+    let resp = authorize(reqwest::Client::new().get(&endpoint))
+        .send()
+        .await
+        .map_err(reqwest::Error::without_url)
+        .with_context(|| format!("cannot reach {}", shown_url(url)))?;
+    if !resp.status().is_success() {
+        return Err(anyhow!("{}{path}: HTTP {}", shown_url(url), resp.status()));
+    }
+    Ok(resp)
 }
 
 /// A server's URL as an error or a log may show it: without the user name and password it may
@@ -112,6 +123,31 @@ mod tests {
         );
         assert!(
             !text.contains("hunter2") && !text.contains("ops:"),
+            "{text}"
+        );
+    }
+    #[tokio::test]
+    async fn a_refused_event_stream_is_named_without_the_credential() {
+        // A server that answers every request 401, as one given a wrong token does.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut head = [0u8; 4096];
+                let _ = socket.read(&mut head).await;
+                let _ = socket
+                    .write_all(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+            }
+        });
+        let url = format!("http://ops:hunter2@127.0.0.1:{port}/?token=abc");
+        let err = session_events(&url, "s1").await.unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("401"), "{text}");
+        assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+        assert!(
+            !text.contains("hunter2") && !text.contains("ops:") && !text.contains("abc"),
             "{text}"
         );
     }
