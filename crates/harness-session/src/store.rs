@@ -63,6 +63,19 @@ fn lower(e: StoreError) -> SessionError {
     }
 }
 
+/// Each entry once, at its latest change, in change order. Pages of events are read one
+/// snapshot each: an entry changed again between two pages' reads is the latest on both.
+fn latest_per_entry(changes: Vec<(i64, Entry)>) -> Vec<(i64, Entry)> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out: Vec<(i64, Entry)> = changes
+        .into_iter()
+        .rev()
+        .filter(|(_, e)| seen.insert(e.entry_id.clone()))
+        .collect();
+    out.reverse();
+    out
+}
+
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
@@ -581,6 +594,7 @@ impl SessionStore {
                 }
                 Ok(())
             })?;
+            out = latest_per_entry(out);
             if out.len() > limit || last_page {
                 break;
             }
@@ -1040,4 +1054,40 @@ fn apply_update(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(id: &str, seq: i64) -> Entry {
+        Entry {
+            entry_id: id.into(),
+            seq,
+            message: None,
+            custom: None,
+            origin: None,
+            revision: 0,
+        }
+    }
+
+    /// An entry found on two pages (changed again between their reads) is answered once, at
+    /// its later change; the others keep their order.
+    #[test]
+    fn an_entry_changed_between_two_pages_is_answered_once_at_its_latest() {
+        let changes = vec![
+            (10, entry("a", 1)),
+            (11, entry("b", 2)),
+            (12, entry("c", 3)),
+            (20, entry("a", 1)),
+        ];
+        let got: Vec<(i64, String)> = latest_per_entry(changes)
+            .into_iter()
+            .map(|(chg, e)| (chg, e.entry_id))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(11, "b".into()), (12, "c".into()), (20, "a".into())]
+        );
+    }
 }

@@ -22,6 +22,7 @@ CREATE TEMP TABLE IF NOT EXISTS entry_tail (
     id INTEGER NOT NULL,
     PRIMARY KEY (session_id, entry_id)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS temp.entry_tail_by_seq ON entry_tail (session_id, seq);
 ";
 
 /// The fold: the log's latest version of each entry replaces the materialized row, in key
