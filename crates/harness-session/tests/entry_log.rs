@@ -254,6 +254,21 @@ async fn versions_left_in_the_log_by_a_killed_process_are_found() {
             rusqlite::params![id, body],
         )
         .unwrap();
+        // And an append (seq 2) that only the log holds.
+        conn.execute(
+            "INSERT INTO events(session_id, topic, payload, at_ms)
+             VALUES ('a', 'session::message-added', '{\"entry_id\":\"k2\"}', 2)",
+            [],
+        )
+        .unwrap();
+        let id = conn.last_insert_rowid();
+        let body = serde_json::to_string(&AgentMessage::user_text("logged only", 2)).unwrap();
+        conn.execute(
+            "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, revision)
+             VALUES (?1, 'a', 2, 'k2', 'message', ?2, 0)",
+            rusqlite::params![id, body],
+        )
+        .unwrap();
     }
     let s = open(&path).await;
     let r1 = s.entry("a", "r1").unwrap().unwrap();
@@ -262,11 +277,21 @@ async fn versions_left_in_the_log_by_a_killed_process_are_found() {
         panic!("not a reply")
     };
     assert_eq!(m.content, vec![ContentBlock::text("kept")]);
-    // And the writer numbers on from it.
+    assert!(s.entry("a", "k2").unwrap().is_some());
+    // And the writer numbers on from both: the append after seq 2, the update from revision 1.
     assert_eq!(
-        add(&s, "a", "u2", AgentMessage::user_text("next", 1)).await,
-        2
+        add(&s, "a", "u3", AgentMessage::user_text("next", 1)).await,
+        3
     );
+    edit(&s, "a", "r1", "edited", 0.5).await;
+    assert_eq!(s.entry("a", "r1").unwrap().unwrap().revision, 2);
+    let ids: Vec<String> = s
+        .all_entries("a", true)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.entry_id)
+        .collect();
+    assert_eq!(ids, vec!["r1", "k2", "u3"]);
 }
 
 /// A deleted session's versions in the log go with it: a session created again under the same
