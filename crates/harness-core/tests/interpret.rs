@@ -297,8 +297,8 @@ mod refusing {
 }
 
 /// A loop over [`Refusing`] whose model calls `t::f` (held by a pre-trigger hook) on "go" (and
-/// once more on "second", for a turn of another session), then answers "done"; a hook that lets everything pass is bound before the turn, after each
-/// generation and after the turn. Answers the loop, the bus it runs on, the runs of `t::f`,
+/// once more on "second", for a turn of another session), then answers "done"; a hook that lets everything pass is bound before the turn, before and after
+/// each generation and after the turn. Answers the loop, the bus it runs on, the runs of `t::f`,
 /// and the store (kept open).
 async fn held_call_loop() -> (
     harness_core::Harness,
@@ -347,6 +347,7 @@ async fn held_call_loop() -> (
     for (id, point) in [
         ("guard::hold", "pre-trigger"),
         ("guard::pass", "pre-turn"),
+        ("guard::pass", "pre-generate"),
         ("guard::pass", "post-generate"),
         ("guard::pass", "post-turn"),
     ] {
@@ -505,12 +506,13 @@ async fn a_sweep_stops_running_settled_turns_on_once_the_store_refuses() {
 #[tokio::test]
 async fn a_one_step_turn_reads_each_hook_chain_it_runs_once() {
     let (harness, bus, _ran, _e) = held_call_loop().await;
-    // No call: one step, whose start, generation and end each pass one bound hook.
+    // No call: one step, whose start, generation (before and after) and end each pass one
+    // bound hook.
     let r = harness.send(send("hello")).await.unwrap();
     let s = support::embedded::wait_turn_end(&harness, &r.session_id, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Completed);
     let reads = bus.hook_reads.lock().unwrap().clone();
-    for point in ["pre-turn", "post-generate", "post-turn"] {
+    for point in ["pre-turn", "pre-generate", "post-generate", "post-turn"] {
         assert_eq!(reads.get(point), Some(&1), "{point}: {reads:?}");
     }
 }

@@ -66,6 +66,7 @@ impl Harness {
     /// The final budget check is the caller's.
     async fn pre_generate(
         &self,
+        hooks: &[hooks::Hook],
         rec: &TurnRecord,
         system_prompt: Option<String>,
         messages: Vec<AgentMessage>,
@@ -83,7 +84,7 @@ impl Harness {
         env["generate"] = json!({"system_prompt": system_prompt, "messages": messages,
                                  "model": rec.options.model, "provider": rec.options.provider, "tools": tools, "expose": expose});
         let chain = self
-            .run_hooks(HookPoint::PreGenerate, env, None, None)
+            .run_chain(HookPoint::PreGenerate, hooks, env, None, None)
             .await?;
         if let Decision::Deny(reason) = chain.decision {
             return Ok(Err(ContextRefusal::Denied(reason)));
@@ -143,7 +144,9 @@ impl Harness {
                 + REASSEMBLY_SLACK)
             > context_window.saturating_sub(max_output);
         let prune = may_overflow && self.prune_allowed(rec, catalog.as_deref()).await?.0;
-        let hooked = !self.hooks(HookPoint::PreGenerate).await?.is_empty();
+        // Read once for the step: whether to run them, and the chain each pass runs.
+        let pre_generate = self.hooks(HookPoint::PreGenerate).await?;
+        let hooked = !pre_generate.is_empty();
         let registry_changed = {
             let live = self.functions_generation();
             rec.functions_generation.is_some_and(|seen| seen != live)
@@ -245,7 +248,10 @@ impl Harness {
             }
             if hooked {
                 let list = Arc::unwrap_or_clone(messages);
-                match self.pre_generate(rec, prompt, list, tools).await? {
+                match self
+                    .pre_generate(&pre_generate, rec, prompt, list, tools)
+                    .await?
+                {
                     Ok((p, m)) => (prompt, messages) = (p, Arc::new(m)),
                     Err(why) => return Ok(Err(why)),
                 }
