@@ -402,18 +402,21 @@ type Reported = (Option<u64>, std::time::Instant);
 struct CatalogState {
     catalog: Arc<Catalog>,
     /// By (provider, model). std Mutex: never held across an await.
-    rows: Mutex<HashMap<(Option<String>, String), Row>>,
+    /// Shared, so a hit (every step asks) copies no entry.
+    rows: Mutex<HashMap<RowKey, Arc<Row>>>,
 }
 
 /// What [`Router::model_entry`] answered, kept until `until` (a catch-all row whose server
 /// reported no window is asked again after [`WINDOW_RETRY`]).
-#[derive(Clone)]
 struct Row {
     entry: Option<ModelEntry>,
     /// `router::models::get`'s answer (`null` without a row).
     json: Arc<Value>,
     until: Option<std::time::Instant>,
 }
+
+/// (provider, model id).
+type RowKey = (Option<String>, String);
 
 /// Rows kept per catalog; past it they are all dropped (model ids are a caller's to choose).
 const MAX_ROWS: usize = 256;
@@ -484,18 +487,18 @@ impl Router {
     /// window the server itself reports replaces the row's guess (and bounds the output budget
     /// to half of it).
     pub async fn model_entry(&self, provider: Option<&str>, id: &str) -> Option<ModelEntry> {
-        self.row(provider, id).await.entry
+        self.row(provider, id).await.entry.clone()
     }
 
     /// [`model_entry`](Self::model_entry) as `router::models::get` answers it (`null` without a
     /// row), shared rather than serialized again.
     pub async fn model_json(&self, provider: Option<&str>, id: &str) -> Arc<Value> {
-        self.row(provider, id).await.json
+        self.row(provider, id).await.json.clone()
     }
 
     /// The answer about `id` on `provider`: kept from an earlier lookup in the same catalog
     /// while it holds, else looked up and kept.
-    async fn row(&self, provider: Option<&str>, id: &str) -> Row {
+    async fn row(&self, provider: Option<&str>, id: &str) -> Arc<Row> {
         let state = self.catalog.read().expect("router lock").clone();
         let key = (provider.map(str::to_string), id.to_string());
         let kept = state.rows.lock().expect("router lock").get(&key).cloned();
@@ -507,11 +510,11 @@ impl Router {
             .as_ref()
             .and_then(|e| serde_json::to_value(e).ok())
             .unwrap_or(Value::Null);
-        let row = Row {
+        let row = Arc::new(Row {
             entry,
             json: Arc::new(json),
             until,
-        };
+        });
         let mut rows = state.rows.lock().expect("router lock");
         if rows.len() >= MAX_ROWS {
             rows.clear();
