@@ -70,11 +70,12 @@ CREATE TABLE IF NOT EXISTS folds(
 ";
 
 /// Version 2 (or a fresh store) → 3: the per-session index is built from the whole log in one
-/// go, and the old index every insert wrote is dropped. Idempotent.
+/// go, and the old index every insert wrote is dropped — after, so the build reads the log in
+/// that index's order instead of sorting every pair in memory. Idempotent.
 const TO_V3: &str = "
-DROP INDEX IF EXISTS events_session;
 INSERT OR IGNORE INTO events_by_session(session_id, id)
     SELECT session_id, id FROM events WHERE session_id IS NOT NULL ORDER BY session_id, id;
+DROP INDEX IF EXISTS events_session;
 INSERT OR REPLACE INTO folds(name, upto) VALUES ('events', (SELECT COALESCE(MAX(id), 0) FROM events));
 ";
 
