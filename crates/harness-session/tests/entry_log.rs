@@ -327,14 +327,15 @@ async fn a_deleted_session_leaves_nothing_in_the_log() {
     assert_eq!(ids, ["new"]);
 }
 
-/// A session with more unfolded events than are looked up one by one (its versions are then
-/// found by one scan of the log) reads the same, with a neighbour's versions in between.
-#[tokio::test]
-async fn a_session_with_many_unfolded_versions_reads_the_same_folded() {
+/// Session "a" with 20 rounds of a question, a reply and its edit, `neighbours` other sessions
+/// adding an entry each round in between: read before and after the fold, the same.
+async fn many_unfolded_versions_read_the_same_folded(neighbours: usize) {
     let dir = tempfile::tempdir().unwrap();
     let s = open(&dir.path().join("t.db")).await;
     create(&s, "a", json!({})).await;
-    create(&s, "b", json!({})).await;
+    for n in 0..neighbours {
+        create(&s, &format!("b{n}"), json!({})).await;
+    }
     for i in 0..20 {
         add(
             &s,
@@ -343,11 +344,14 @@ async fn a_session_with_many_unfolded_versions_reads_the_same_folded() {
             AgentMessage::user_text(format!("q{i}"), 1),
         )
         .await;
-        add(&s, "b", &format!("x{i}"), AgentMessage::user_text("b", 1)).await;
+        for n in 0..neighbours {
+            let sid = format!("b{n}");
+            add(&s, &sid, &format!("x{i}"), AgentMessage::user_text("b", 1)).await;
+        }
         add(&s, "a", &format!("r{i}"), reply("draft", 0.5)).await;
         edit(&s, "a", &format!("r{i}"), &format!("a{i}"), 0.25).await;
     }
-    assert_eq!(logged(&s), 80);
+    assert_eq!(logged(&s), 20 * (3 + neighbours as i64));
     let unfolded = reads(&s, "a", "r7");
     let want: Vec<String> = (0..20)
         .flat_map(|i| [format!("q{i}"), format!("a{i}")])
@@ -357,4 +361,18 @@ async fn a_session_with_many_unfolded_versions_reads_the_same_folded() {
     s.store().fold_events().await.unwrap();
     assert_eq!(logged(&s), 0);
     assert_eq!(reads(&s, "a", "r7"), unfolded);
+}
+
+/// More unfolded events than are looked up one by one, dense in their span (one neighbour):
+/// found by one scan of the log over the span.
+#[tokio::test]
+async fn a_session_with_many_unfolded_versions_reads_the_same_folded() {
+    many_unfolded_versions_read_the_same_folded(1).await;
+}
+
+/// The same, sparse in their span (twelve neighbours writing in between): looked up one by
+/// one.
+#[tokio::test]
+async fn a_session_with_many_sparse_unfolded_versions_reads_the_same_folded() {
+    many_unfolded_versions_read_the_same_folded(12).await;
 }

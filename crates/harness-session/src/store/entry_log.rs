@@ -85,7 +85,11 @@ pub(super) fn unfolded_in(
         return Ok(out);
     }
     // Ids come oldest first: a later version of the same entry replaces an earlier.
-    if ids.len() <= POINT_LOOKUPS {
+    let span = (ids[0], ids[ids.len() - 1]);
+    // The span's rows are mostly other sessions' when this one's ids are sparse in it (many
+    // busy sessions interleaved): then looking each id up reads less than scanning the span.
+    let dense = (ids.len() as i64).saturating_mul(SPARSE) > span.1 - span.0;
+    if ids.len() <= POINT_LOOKUPS || !dense {
         let mut stmt = conn.prepare_cached(&format!(
             "SELECT {LOG_COLS} FROM entry_log WHERE id = ?1 AND session_id = ?2"
         ))?;
@@ -96,14 +100,13 @@ pub(super) fn unfolded_in(
         }
         return Ok(out);
     }
-    // A session with many unfolded events has most of the log: one scan of the span of its
-    // ids reads each page once. Its rows there are exactly those the ids name (every event of
-    // the session up to the last id committed before the ids were taken).
+    // Many ids, dense in their span: one scan of the span reads each page once. The session's
+    // rows there are exactly those the ids name (every event of the session up to the last id
+    // committed before the ids were taken).
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {LOG_COLS} FROM entry_log WHERE id >= ?1 AND id <= ?2 AND session_id = ?3
          ORDER BY id"
     ))?;
-    let span = (ids[0], ids[ids.len() - 1]);
     for r in stmt.query_map(params![span.0, span.1, session_id], row)? {
         let r = r?;
         out.insert(r.seq, r);
@@ -112,8 +115,12 @@ pub(super) fn unfolded_in(
 }
 
 /// Up to this many unfolded events a session's logged versions are looked up one by one;
-/// past it, by one scan of the log.
+/// past it, by one scan of the log over their span, unless they are sparse in it.
 const POINT_LOOKUPS: usize = 32;
+
+/// A session's ids are sparse in their span when it holds more than this many ids for each of
+/// them.
+const SPARSE: i64 = 4;
 
 /// The newer of two versions of an entry (by change mark).
 pub(super) fn newer(a: Option<Row>, b: Option<Row>) -> Option<Row> {
@@ -155,16 +162,11 @@ pub(super) fn latest_in_reader(
     entry_id: &str,
     unfolded: &std::collections::BTreeMap<i64, Row>,
 ) -> std::result::Result<Option<Row>, StoreError> {
-    let materialized = conn
-        .prepare_cached(&format!(
-            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
-        ))?
-        .query_row(params![session_id, entry_id], row)
-        .optional()?;
-    let logged = unfolded
-        .values()
-        .find(|r| r.entry_id == entry_id)
-        .map(|r| Row {
+    // A version in the log is newer than the materialized one: a fold empties the log in the
+    // transaction that writes `entries`, so one snapshot never holds a logged version older
+    // than its row.
+    if let Some(r) = unfolded.values().find(|r| r.entry_id == entry_id) {
+        return Ok(Some(Row {
             seq: r.seq,
             entry_id: r.entry_id.clone(),
             kind: r.kind.clone(),
@@ -172,8 +174,14 @@ pub(super) fn latest_in_reader(
             origin: r.origin.clone(),
             revision: r.revision,
             chg: r.chg,
-        });
-    Ok(newer(materialized, logged))
+        }));
+    }
+    Ok(conn
+        .prepare_cached(&format!(
+            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
+        ))?
+        .query_row(params![session_id, entry_id], row)
+        .optional()?)
 }
 
 /// Writes one version of an entry (an append or an update) to the log, where the fold will
