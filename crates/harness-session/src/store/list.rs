@@ -100,6 +100,7 @@ pub(super) fn list_summaries(
         // The tree, walked breadth-first; `seen` guards against a metadata cycle.
         let mut total = 0.0;
         let mut seen = std::collections::HashSet::new();
+        let mut own = Some(unfolded);
         let mut queue = vec![sid];
         while let Some(s) = queue.pop() {
             if !seen.insert(s.clone()) {
@@ -107,8 +108,13 @@ pub(super) fn list_summaries(
             }
             let cost: Option<f64> = own_cost.query_row(params![s], |r| r.get(0))?;
             total += cost.unwrap_or(0.0);
+            // The listed session's versions were read above; its descendants' are read here.
+            let versions = match own.take() {
+                Some(versions) => versions,
+                None => unfolded_of(&s)?,
+            };
             // An unfolded version's cost replaces the materialized one of its entry.
-            for (r, v) in unfolded_of(&s)? {
+            for (r, v) in versions {
                 if role(&v).as_deref() != Some("assistant") {
                     continue;
                 }
