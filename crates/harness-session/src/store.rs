@@ -281,6 +281,7 @@ fn entry_from_row(
 
 /// One version of an entry as stored (materialized in `entries`, or in `entry_log` where `chg`
 /// is the row id).
+#[derive(Clone)]
 struct Row {
     seq: i64,
     entry_id: String,

@@ -111,6 +111,15 @@ fn logged(s: &SessionStore) -> i64 {
         .unwrap()
 }
 
+/// The ids of a session's entries, custom ones included, in order.
+fn entry_ids(s: &SessionStore, sid: &str) -> Vec<String> {
+    s.all_entries(sid, true)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.entry_id)
+        .collect()
+}
+
 fn texts(v: &Value) -> Vec<String> {
     v["changes"]
         .as_array()
@@ -285,12 +294,7 @@ async fn versions_left_in_the_log_by_a_killed_process_are_found() {
     );
     edit(&s, "a", "r1", "edited", 0.5).await;
     assert_eq!(s.entry("a", "r1").unwrap().unwrap().revision, 2);
-    let ids: Vec<String> = s
-        .all_entries("a", true)
-        .unwrap()
-        .into_iter()
-        .map(|e| e.entry_id)
-        .collect();
+    let ids = entry_ids(&s, "a");
     assert_eq!(ids, vec!["r1", "k2", "u3"]);
 }
 
@@ -318,12 +322,7 @@ async fn a_deleted_session_leaves_nothing_in_the_log() {
         1
     );
     s.store().fold_events().await.unwrap();
-    let ids: Vec<String> = s
-        .all_entries("a", true)
-        .unwrap()
-        .into_iter()
-        .map(|e| e.entry_id)
-        .collect();
+    let ids = entry_ids(&s, "a");
     assert_eq!(ids, ["new"]);
 }
 

@@ -147,12 +147,7 @@ pub(super) fn latest_in_writer(
             .query_row([id], row)
             .optional()?);
     }
-    Ok(conn
-        .prepare_cached(&format!(
-            "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
-        ))?
-        .query_row(params![session_id, entry_id], row)
-        .optional()?)
+    materialized(conn, session_id, entry_id)
 }
 
 /// The latest version of an entry as a reader sees it (`unfolded`: from [`unfolded_in`]).
@@ -166,16 +161,17 @@ pub(super) fn latest_in_reader(
     // transaction that writes `entries`, so one snapshot never holds a logged version older
     // than its row.
     if let Some(r) = unfolded.values().find(|r| r.entry_id == entry_id) {
-        return Ok(Some(Row {
-            seq: r.seq,
-            entry_id: r.entry_id.clone(),
-            kind: r.kind.clone(),
-            body: r.body.clone(),
-            origin: r.origin.clone(),
-            revision: r.revision,
-            chg: r.chg,
-        }));
+        return Ok(Some(r.clone()));
     }
+    materialized(conn, session_id, entry_id)
+}
+
+/// The materialized version of an entry (`entries`), if it has one.
+fn materialized(
+    conn: &Connection,
+    session_id: &str,
+    entry_id: &str,
+) -> std::result::Result<Option<Row>, StoreError> {
     Ok(conn
         .prepare_cached(&format!(
             "SELECT {ENTRY_COLS} FROM entries WHERE session_id = ?1 AND entry_id = ?2"
