@@ -46,6 +46,9 @@ const IDLE_TRUNCATE_AFTER: std::time::Duration = std::time::Duration::from_milli
 /// How long an idle truncation waits for readers to leave the WAL before it gives up.
 const TRUNCATE_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How long the truncation at close waits for readers and the checkpointer.
+const CLOSE_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What [`after_commit`] queued for the batch in progress.
 type AfterCommit = Vec<Box<dyn FnOnce()>>;
 
@@ -262,7 +265,8 @@ pub(crate) fn writer_loop(
                     unsettled = true;
                 }
                 if unsettled {
-                    unsettled = !truncate_wal(&conn, counters);
+                    // Readers are short; one that is not must not hold a waiting write for long.
+                    unsettled = !truncate_wal(&conn, counters, TRUNCATE_BUSY_TIMEOUT);
                 }
                 continue;
             }
@@ -274,8 +278,11 @@ pub(crate) fn writer_loop(
                 // A clean stop leaves the data directory holding what it stores, not the WAL's
                 // high-water mark: the last connection to close would delete the WAL, but the
                 // writer's is not the last one (readers and the checkpointer close after it).
+                // Nothing waits on the writer any more, and the checkpointer may be copying the
+                // WAL (a PASSIVE checkpoint holds the checkpoint lock): wait for it rather than
+                // give up after the idle timeout (a clean stop under load left 20 MB so).
                 if unsettled {
-                    truncate_wal(&conn, counters);
+                    truncate_wal(&conn, counters, CLOSE_BUSY_TIMEOUT);
                 }
                 break;
             }
@@ -342,9 +349,8 @@ fn fold_events(
 /// Only when the writer is idle or stopping: it waits for readers to leave the WAL, during
 /// which no write commits. Returns whether the WAL is empty now; a reader or the checkpointer
 /// in the way makes it return false, and the next idle moment tries again.
-fn truncate_wal(conn: &Connection, counters: &Counters) -> bool {
-    // Readers are short; one that is not must not hold a waiting write for long.
-    let _ = conn.busy_timeout(TRUNCATE_BUSY_TIMEOUT);
+fn truncate_wal(conn: &Connection, counters: &Counters, busy: std::time::Duration) -> bool {
+    let _ = conn.busy_timeout(busy);
     // (busy, frames in the WAL, frames checkpointed)
     let out: rusqlite::Result<(i64, i64, i64)> =
         conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
