@@ -12,6 +12,10 @@
 //!   batch COMMIT, before any write of the batch is answered, every cached key with one of those
 //!   rowids is dropped and the generation moves on. A rolled-back change is dropped too, which is
 //!   only a miss.
+//! * A change the writer appends to the kv log (`kv_log.rs`) touches no `kv` row: the log's
+//!   append names its key instead, and the same step drops that key (and what was remembered
+//!   absent or empty of it). A value cached from the log has no row until the fold writes it
+//!   back, which then tells the cache its row; the fold's own row changes drop nothing.
 //!
 //! So a read that starts after a write resolved never sees an older value.
 //!
@@ -55,17 +59,25 @@ pub(crate) struct KvCache {
     changed: Arc<Mutex<Vec<i64>>>,
     /// Rowids of `kv` rows inserted since the writer last resolved them (see the module docs).
     inserted: Arc<Mutex<Vec<i64>>>,
+    /// Keys whose new version the writer appended to the kv log since its last commit
+    /// (`kv_log.rs`): a log write changes no `kv` row, so the update hook does not see it.
+    changed_keys: Mutex<Vec<(String, String)>>,
     /// Write-through fills of the batch in progress (writer thread only), in statement order.
     pending: Mutex<Vec<Fill>>,
+    /// The kv log's state (`kv_log.rs`).
+    pub(crate) log: crate::kv_log::LogState,
 }
 
 /// A value the writer wrote, to be cached if the batch commits with it.
 struct Fill {
     key: (String, String),
-    rowid: i64,
+    /// The `kv` row the value is in, if it is in one (a logged version is not yet).
+    rowid: Option<i64>,
     /// Length of the change log right after the write's statement: a later entry with the same
     /// rowid means the row changed again in this batch.
     at: usize,
+    /// The same for the changed keys: a later entry with the same key, a later logged version.
+    at_key: usize,
     text_len: usize,
     value: Arc<Value>,
 }
@@ -81,7 +93,13 @@ pub(crate) fn install_writer(cache: Arc<KvCache>) {
 }
 
 /// Records a write-through fill for the batch in progress; a no-op off a writer thread.
-pub(crate) fn pend_fill(scope: &str, key: &str, rowid: i64, text_len: usize, value: Arc<Value>) {
+pub(crate) fn pend_fill(
+    scope: &str,
+    key: &str,
+    rowid: Option<i64>,
+    text_len: usize,
+    value: Arc<Value>,
+) {
     WRITER_CACHE.with(|c| {
         if let Some(cache) = c.borrow().as_ref() {
             cache.pend(scope, key, rowid, text_len, value);
@@ -128,9 +146,15 @@ impl Default for Inserted {
     }
 }
 
+/// The writer thread's cache, if the current thread is a store's writer.
+pub(crate) fn writer_cache() -> Option<Arc<KvCache>> {
+    WRITER_CACHE.with(|c| c.borrow().clone())
+}
+
 /// The value parsed: a hit costs a clone, which is cheaper than parsing the text again.
 struct Cached {
-    rowid: i64,
+    /// The `kv` row it was read from (None: from the kv log, or a logged write).
+    rowid: Option<i64>,
     value: Arc<Value>,
     /// What it counts against [`MAX_BYTES`] (its stored text's length plus the key's).
     size: usize,
@@ -213,6 +237,38 @@ impl KvCache {
         lock(&self.inner).forget(inserted);
     }
 
+    /// Records that a version of `scope`/`key` was appended to the kv log (writer thread).
+    pub(crate) fn key_changed(&self, scope: &str, key: &str) {
+        lock(&self.changed_keys).push((scope.to_string(), key.to_string()));
+    }
+
+    /// Where the rowid change log stands: a mark to [`KvCache::unchange_since`].
+    pub(crate) fn change_mark(&self) -> usize {
+        lock(&self.changed).len()
+    }
+
+    /// Forgets the row changes logged since `mark`: the kv log's fold writes into `kv` the
+    /// versions readers already see (from the log, or cached from it), so what it changes must
+    /// not empty the cache of every key it folds.
+    pub(crate) fn unchange_since(&self, mark: usize) {
+        lock(&self.changed).truncate(mark);
+    }
+
+    /// The kv log's fold wrote these keys back into `kv` rows (after its COMMIT): a cached
+    /// value of one, which no row held, is keyed by its row from now on, so that a later
+    /// change of the row invalidates it like any other.
+    pub(crate) fn rows_written_back(&self, rows: crate::kv_log::WrittenBack) {
+        let mut inner = lock(&self.inner);
+        for (k, rowid) in rows {
+            if let Some(cached) = inner.entries.get_mut(&k) {
+                if cached.rowid.is_none() {
+                    cached.rowid = Some(rowid);
+                    inner.by_rowid.insert(rowid, k);
+                }
+            }
+        }
+    }
+
     /// How many fills are pending: a mark to [`KvCache::drop_pending_since`].
     pub(crate) fn pending_mark(&self) -> usize {
         lock(&self.pending).len()
@@ -223,15 +279,17 @@ impl KvCache {
         lock(&self.pending).truncate(mark);
     }
 
-    fn pend(&self, scope: &str, key: &str, rowid: i64, text_len: usize, value: Arc<Value>) {
+    fn pend(&self, scope: &str, key: &str, rowid: Option<i64>, text_len: usize, value: Arc<Value>) {
         if cost(scope, key, text_len) > MAX_BYTES / 8 {
             return;
         }
         let at = lock(&self.changed).len();
+        let at_key = lock(&self.changed_keys).len();
         lock(&self.pending).push(Fill {
             key: (scope.to_string(), key.to_string()),
             rowid,
             at,
+            at_key,
             text_len,
             value,
         });
@@ -267,7 +325,7 @@ impl KvCache {
         generation: u64,
         scope: &str,
         key: &str,
-        rowid: i64,
+        rowid: Option<i64>,
         text_len: usize,
         value: Arc<Value>,
     ) {
@@ -296,8 +354,12 @@ impl KvCache {
     /// Then puts in the batch's pending fills that no later statement of the batch overwrote.
     pub(crate) fn committed(&self, inserted: &Inserted) {
         let changed = std::mem::take(&mut *lock(&self.changed));
+        let changed_keys = std::mem::take(&mut *lock(&self.changed_keys));
         let fills = std::mem::take(&mut *lock(&self.pending));
-        if changed.is_empty() && matches!(inserted, Inserted::Keys(k) if k.is_empty()) {
+        if changed.is_empty()
+            && changed_keys.is_empty()
+            && matches!(inserted, Inserted::Keys(k) if k.is_empty())
+        {
             return;
         }
         let mut inner = lock(&self.inner);
@@ -307,16 +369,25 @@ impl KvCache {
         inner.generation += 1;
         for &rowid in &changed {
             if let Some(k) = inner.by_rowid.remove(&rowid) {
-                if let Some(gone) = inner.entries.remove(&k) {
-                    inner.bytes -= gone.size;
-                    inner.dropped.push(gone.value);
-                }
+                inner.drop_entry(&k);
+            }
+        }
+        // A logged version (or deletion) is a new value of its key, and may be its first.
+        for k in &changed_keys {
+            inner.drop_entry(k);
+            inner.empty.remove(&k.0);
+            if !inner.absent.is_empty() {
+                inner.absent.remove(k);
             }
         }
         let mut evicted = Vec::new();
         for fill in fills {
             let later = changed.get(fill.at..).unwrap_or_default();
-            if later.contains(&fill.rowid) {
+            if fill.rowid.is_some_and(|rowid| later.contains(&rowid)) {
+                continue;
+            }
+            let later_keys = changed_keys.get(fill.at_key..).unwrap_or_default();
+            if later_keys.contains(&fill.key) {
                 continue;
             }
             let size = cost(&fill.key.0, &fill.key.1, fill.text_len);
@@ -346,6 +417,17 @@ impl KvCache {
 }
 
 impl Inner {
+    /// Drops `k`'s cached value (freed by the next reader).
+    fn drop_entry(&mut self, k: &(String, String)) {
+        if let Some(gone) = self.entries.remove(k) {
+            if let Some(rowid) = gone.rowid {
+                self.by_rowid.remove(&rowid);
+            }
+            self.bytes -= gone.size;
+            self.dropped.push(gone.value);
+        }
+    }
+
     fn forget(&mut self, inserted: &Inserted) {
         let Inserted::Keys(keys) = inserted else {
             self.absent.clear();
@@ -366,13 +448,15 @@ impl Inner {
         let replaced = self.entries.insert(k.clone(), cached);
         let fresh = replaced.is_none();
         if let Some(old) = replaced {
-            if old.rowid != rowid {
-                self.by_rowid.remove(&old.rowid);
+            if let Some(old_rowid) = old.rowid.filter(|&r| Some(r) != rowid) {
+                self.by_rowid.remove(&old_rowid);
             }
             self.bytes -= old.size;
             evicted.push(old.value);
         }
-        self.by_rowid.insert(rowid, k.clone());
+        if let Some(rowid) = rowid {
+            self.by_rowid.insert(rowid, k.clone());
+        }
         // A rewrite keeps the key's place: pushing it again made `order` grow with every write
         // of a hot key (a turn record is written several times a turn), and the clean-up below
         // then ran at every insert.
@@ -385,7 +469,9 @@ impl Inner {
                 break;
             };
             if let Some(gone) = self.entries.remove(&oldest) {
-                self.by_rowid.remove(&gone.rowid);
+                if let Some(rowid) = gone.rowid {
+                    self.by_rowid.remove(&rowid);
+                }
                 self.bytes -= gone.size;
                 evicted.push(gone.value);
             }
@@ -416,7 +502,7 @@ mod tests {
     fn write(cache: &KvCache, key: &str, n: u64) {
         // The update hook logs the row during the statement; the fill is left after it.
         cache.change_log().lock().unwrap().push(1);
-        cache.pend("s", key, 1, 8, Arc::new(json!({"n": n})));
+        cache.pend("s", key, Some(1), 8, Arc::new(json!({"n": n})));
         cache.committed(&Inserted::default());
     }
 

@@ -229,6 +229,10 @@ pub fn insert_event_text_in(
 /// Folds every event above the mark into `events_by_session`, inside the caller's write; the
 /// tail drops what was folded once that write commits (nothing changes if it rolls back).
 pub(crate) fn fold_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<(), StoreError> {
+    // The kv log folds with the events (`kv_log.rs`), whether or not there are events.
+    if let Some(cache) = crate::cache::writer_cache() {
+        crate::kv_log::fold_in(conn, &cache)?;
+    }
     let from = tail.state().upto;
     let to = max_event_id(conn)?;
     if to <= from {

@@ -12,14 +12,34 @@ use crate::cache::Lookup;
 use crate::error::StoreError;
 use crate::store::Store;
 
-/// Reads one value.
+/// Reads one value, the kv log's versions included (see `kv_log.rs`): on the writer (inside a
+/// `Store::write` closure) through its index of the log, this batch's versions too; on another
+/// connection (`Store::read`) by a scan of the log, which is short (`Store::kv_get` knows where
+/// to look and does not scan).
 pub fn kv_get_in(conn: &Connection, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
-    let text: Option<String> = conn
-        .prepare_cached("SELECT value FROM kv WHERE scope = ?1 AND key = ?2")?
-        .query_row((scope, key), |r| r.get(0))
-        .optional()?;
+    let logged = match logging() {
+        Some(_) => crate::kv_log::latest_in(conn, scope, key)?,
+        None => crate::kv_log::latest_scan_in(conn, scope, key)?,
+    };
+    let text: Option<String> = match logged {
+        Some(version) => version,
+        None => row_text(conn, scope, key)?,
+    };
     text.map(|t| serde_json::from_str(&t).map_err(StoreError::from))
         .transpose()
+}
+
+fn row_text(conn: &Connection, scope: &str, key: &str) -> Result<Option<String>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT value FROM kv WHERE scope = ?1 AND key = ?2")?
+        .query_row((scope, key), |r| r.get(0))
+        .optional()?)
+}
+
+/// The writer's cache when the current thread is a store's writer, which logs its kv changes
+/// (`kv_log.rs`); None elsewhere (a bare connection writes `kv` in place).
+fn logging() -> Option<Arc<crate::cache::KvCache>> {
+    crate::cache::writer_cache()
 }
 
 /// Upserts one value; returns the previous value.
@@ -69,15 +89,26 @@ pub fn kv_put_cached_in(
     Ok(())
 }
 
-/// The one upsert of a kv row; answers its rowid (what the cache keys invalidation on).
-fn upsert_in(conn: &Connection, scope: &str, key: &str, text: &str) -> Result<i64, StoreError> {
-    Ok(conn
-        .prepare_cached(
+/// The one write of a value: appended to the kv log on the writer (None: no row holds it yet),
+/// an upsert elsewhere (its rowid, which the cache keys invalidation on).
+fn upsert_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    text: &str,
+) -> Result<Option<i64>, StoreError> {
+    if let Some(cache) = logging() {
+        crate::kv_log::append(conn, &cache, scope, key, Some(text))?;
+        return Ok(None);
+    }
+    Ok(Some(
+        conn.prepare_cached(
             "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
              ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
              RETURNING rowid",
         )?
-        .query_row((scope, key, text, harness_types::now_ms()), |r| r.get(0))?)
+        .query_row((scope, key, text, harness_types::now_ms()), |r| r.get(0))?,
+    ))
 }
 
 /// Deletes one value; returns it if it existed.
@@ -88,8 +119,13 @@ pub fn kv_delete_in(
 ) -> Result<Option<Value>, StoreError> {
     let old = kv_get_in(conn, scope, key)?;
     if old.is_some() {
-        conn.prepare_cached("DELETE FROM kv WHERE scope = ?1 AND key = ?2")?
-            .execute((scope, key))?;
+        match logging() {
+            Some(cache) => crate::kv_log::append(conn, &cache, scope, key, None)?,
+            None => {
+                conn.prepare_cached("DELETE FROM kv WHERE scope = ?1 AND key = ?2")?
+                    .execute((scope, key))?;
+            }
+        }
     }
     Ok(old)
 }
@@ -112,14 +148,21 @@ impl Store {
             Lookup::Unknown => {}
         }
         let generation = cache.generation();
-        let row: Option<(i64, String)> = self.read(|c| {
+        // Before the read transaction begins (see `kv_log.rs`: who finds what).
+        let logged = cache.log.id_of(scope, key);
+        let row: Option<(Option<i64>, Option<String>)> = self.read(|c| {
+            if let Some(id) = logged {
+                if let Some(version) = crate::kv_log::version_at(c, id, scope, key)? {
+                    return Ok(Some((None, version)));
+                }
+            }
             Ok(
                 c.prepare_cached("SELECT rowid, value FROM kv WHERE scope = ?1 AND key = ?2")?
-                    .query_row((scope, key), |r| Ok((r.get(0)?, r.get(1)?)))
+                    .query_row((scope, key), |r| Ok((Some(r.get(0)?), Some(r.get(1)?))))
                     .optional()?,
             )
         })?;
-        let Some((rowid, text)) = row else {
+        let Some((rowid, Some(text))) = row else {
             cache.fill_absent(generation, scope, key);
             return Ok(None);
         };
@@ -188,15 +231,33 @@ impl Store {
             return Ok(Vec::new());
         }
         let generation = cache.generation();
+        // Before the read transaction begins (see `kv_log.rs`: who finds what).
+        let logged = cache.log.ids_in(scope);
         let rows = self.read(|c| {
             let mut stmt =
                 c.prepare_cached("SELECT key, value FROM kv WHERE scope = +?1 ORDER BY key")?;
             let rows = stmt.query_map([scope], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
             })?;
-            let mut out = Vec::new();
+            let mut texts = std::collections::BTreeMap::new();
             for row in rows {
                 let (key, text) = row?;
+                texts.insert(key, text);
+            }
+            // Newer than the rows: what the log still holds of the scope.
+            for (key, id) in logged {
+                match crate::kv_log::version_at(c, id, scope, &key)? {
+                    Some(Some(text)) => {
+                        texts.insert(key, text);
+                    }
+                    Some(None) => {
+                        texts.remove(&key);
+                    }
+                    None => {}
+                }
+            }
+            let mut out = Vec::with_capacity(texts.len());
+            for (key, text) in texts {
                 out.push((key, serde_json::from_str(&text)?));
             }
             Ok(out)

@@ -16,6 +16,7 @@ mod cache;
 pub mod error;
 pub mod events;
 pub mod kv;
+mod kv_log;
 mod lock;
 pub mod queue;
 mod queue_inbox;

@@ -7,7 +7,8 @@ use rusqlite::{Connection, OptionalExtension};
 /// 2: `kv` a rowid table, `events` without AUTOINCREMENT and with a partial dedupe index.
 /// 3: no `events_session` index; `events_by_session`, folded in batches (`events.rs`), and
 ///    `folds`, the mark each fold reached.
-pub(crate) const SCHEMA_VERSION: i64 = 3;
+/// 4: `kv_log`, where the writer appends kv changes for a fold to write back (`kv_log.rs`).
+pub(crate) const SCHEMA_VERSION: i64 = 4;
 
 // `kv` is a rowid table with a unique (scope, key) index, not WITHOUT ROWID: its values (turn
 // records are ~1.3 KiB) are larger than the ~1 KiB a WITHOUT ROWID row keeps on a 4 KiB page, so
@@ -23,6 +24,9 @@ pub(crate) const SCHEMA_VERSION: i64 = 3;
 // ids are never reused and event cursors (`after_id`) stay valid forever, without the
 // `sqlite_sequence` update AUTOINCREMENT costs on every insert. Most events carry no dedupe key:
 // the unique index holds only those that do.
+//
+// `kv_log` holds kv changes not yet written back to `kv` (NULL value: a deletion), appended
+// in id order by the writer and emptied by each fold (`kv_log.rs`).
 //
 // `events_by_session` is the per-session index of the log, written by folds rather than by each
 // insert (`events.rs`); `folds` holds the mark up to which it is complete.
@@ -63,6 +67,13 @@ CREATE TABLE IF NOT EXISTS events_by_session(
     id INTEGER NOT NULL,
     PRIMARY KEY(session_id, id)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS kv_log(
+    id INTEGER PRIMARY KEY,
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value TEXT,
+    updated_at INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS folds(
     name TEXT PRIMARY KEY,
     upto INTEGER NOT NULL

@@ -239,6 +239,7 @@ impl Store {
 
         let mut conn = conn;
         let kv_cache = Arc::new(KvCache::default());
+        crate::kv_log::recover(&conn, &kv_cache)?;
         let changed = kv_cache.change_log();
         let inserted = kv_cache.insert_log();
         conn.update_hook(Some(

@@ -260,7 +260,7 @@ pub(crate) fn writer_loop(
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 // Idle: the tail is folded before the WAL is emptied, so neither memory nor
                 // the next open holds more than a burst's events.
-                if tail.len() > 0 {
+                if tail.len() > 0 || !cache.log.is_empty() {
                     fold_events(&conn, counters, cache, tail);
                     unsettled = true;
                 }
@@ -271,7 +271,7 @@ pub(crate) fn writer_loop(
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                if tail.len() > 0 {
+                if tail.len() > 0 || !cache.log.is_empty() {
                     fold_events(&conn, counters, cache, tail);
                     unsettled = true;
                 }
@@ -302,7 +302,7 @@ pub(crate) fn writer_loop(
             txn.run(op);
         }
         txn.commit(counters);
-        if tail.due() {
+        if tail.due() || cache.log.due() {
             fold_events(&conn, counters, cache, tail);
         }
         let checkpoint = counters.batch_checkpoint_ns.swap(0, Ordering::Relaxed);
@@ -550,7 +550,12 @@ impl<'c> Batch<'c> {
         let ok = op.run(Ok(self.conn));
         let full = self.saw(op.as_ref());
         if self.conn.is_autocommit() {
-            let lost = Lost::new(RUN_LOST).full(full);
+            // SQLite rolls the whole transaction back when a statement without a statement
+            // journal (a plain one-row insert) runs out of space: say so.
+            let lost = match full {
+                true => Lost::new(format!("database or disk is full: {RUN_LOST}")).full(true),
+                false => Lost::new(RUN_LOST),
+            };
             self.lost(lost.clone());
             op.reply(Some(lost));
             return None;
@@ -606,8 +611,10 @@ impl<'c> Batch<'c> {
                     counters.commit_seq.fetch_add(1, Ordering::SeqCst);
                 }
                 // Before any reply: a read after a resolved write never finds the old value.
-                self.cache.committed(&inserted);
+                // The after-commit work first: a reader that sees the cache's generation move
+                // on must also find what the kv log's versions moved to (`kv_log.rs`).
                 run_after_commit();
+                self.cache.committed(&inserted);
                 for op in self.done.drain(..) {
                     op.reply(None);
                 }

@@ -103,7 +103,7 @@ async fn a_version_1_store_opens_with_everything_in_it() {
         })
         .unwrap();
     assert!(!layout.0.contains("WITHOUT ROWID"), "{}", layout.0);
-    assert_eq!(layout.1, 3);
+    assert_eq!(layout.1, 4);
 
     // State.
     let s1 = store.kv_get("harness_turn", "s1").unwrap().unwrap();
@@ -217,7 +217,7 @@ async fn a_version_2_event_log_is_indexed_by_session_once() {
             ))
         })
         .unwrap();
-    assert_eq!((version, old_index), (3, false));
+    assert_eq!((version, old_index), (4, false));
     let a: Vec<i64> = store
         .events_after("a", 0, 100)
         .unwrap()
@@ -263,7 +263,7 @@ async fn a_store_written_by_a_newer_harness_is_refused_and_left_as_it_was() {
     let text = err.to_string();
     assert!(text.starts_with("harness/store_too_new: "), "{text}");
     assert!(
-        text.contains("schema 99") && text.contains("up to 3"),
+        text.contains("schema 99") && text.contains("up to 4"),
         "{text}"
     );
     assert!(text.contains("newer.db"), "{text}");

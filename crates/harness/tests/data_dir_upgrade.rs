@@ -171,13 +171,14 @@ async fn a_data_dir_of_030ad11_opens_in_place_and_keeps_everything() {
     server.start_again().await;
     assert_eq!(server.transcript("fx-a", true).await, transcript);
 
-    // Migrated once to the folded layout (schema 3): the per-insert `events_session` index is
+    // Migrated once to the folded layout (schema 4): the per-insert `events_session` index is
     // gone, every event of a session is in `events_by_session` up to the fold mark (a clean
-    // stop folds all of them), and no entry version is left in the log.
+    // stop folds all of them), and no entry version or kv version is left in a log.
     stop_cleanly(&mut server).await;
     let db = rusqlite::Connection::open(server.data_dir().join("harness.db")).unwrap();
     let one = |sql: &str| -> i64 { db.query_row(sql, [], |r| r.get(0)).unwrap() };
-    assert_eq!(one("PRAGMA user_version"), 3);
+    assert_eq!(one("PRAGMA user_version"), 4);
+    assert_eq!(one("SELECT COUNT(*) FROM kv_log"), 0);
     assert_eq!(
         one("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'events_session'"),
         0
