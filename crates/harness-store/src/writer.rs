@@ -46,7 +46,8 @@ const IDLE_TRUNCATE_AFTER: std::time::Duration = std::time::Duration::from_milli
 /// How long an idle truncation waits for readers to leave the WAL before it gives up.
 const TRUNCATE_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// How long the truncation at close waits for readers and the checkpointer.
+/// How long the truncation at close keeps trying while readers or the checkpointer are in
+/// its way.
 const CLOSE_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What [`after_commit`] queued for the batch in progress.
@@ -279,10 +280,16 @@ pub(crate) fn writer_loop(
                 // high-water mark: the last connection to close would delete the WAL, but the
                 // writer's is not the last one (readers and the checkpointer close after it).
                 // Nothing waits on the writer any more, and the checkpointer may be copying the
-                // WAL (a PASSIVE checkpoint holds the checkpoint lock): wait for it rather than
-                // give up after the idle timeout (a clean stop under load left 20 MB so).
+                // WAL: its PASSIVE checkpoint holds the checkpoint lock, which SQLite does not
+                // wait for (no busy handler: the TRUNCATE fails at once), so try again until
+                // it is done rather than give up (a clean stop under load left 20 MB so).
                 if unsettled {
-                    truncate_wal(&conn, counters, CLOSE_BUSY_TIMEOUT);
+                    let deadline = std::time::Instant::now() + CLOSE_BUSY_TIMEOUT;
+                    while !truncate_wal(&conn, counters, TRUNCATE_BUSY_TIMEOUT)
+                        && std::time::Instant::now() < deadline
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
                 }
                 break;
             }

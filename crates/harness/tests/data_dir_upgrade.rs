@@ -234,7 +234,11 @@ async fn a_clean_stop_leaves_no_wal_behind() {
     stop_cleanly(&mut server).await;
     let left = wal_len(&server.data_dir());
     println!("WAL: {largest} bytes at most during the turns, {left} after the clean stop");
-    assert!(left <= 4 << 20, "{left} bytes of WAL after a clean stop");
+    assert!(
+        left <= 4 << 20,
+        "{left} bytes of WAL after a clean stop; the server said:\n{}",
+        server.log()
+    );
     server.start_again().await;
     for s in 0..SESSIONS {
         let transcript = server.transcript(&format!("wal-{s}"), false).await;
