@@ -479,7 +479,12 @@ async fn a_kill_right_after_a_released_call_advances_its_turn_leaves_the_step_qu
         let db = rusqlite::Connection::open(server.data_dir().join("harness.db")).unwrap();
         let record: String = db
             .query_row(
-                "SELECT value FROM kv WHERE scope = 'harness_turn' AND key = ?1",
+                // The newest version: the kv log's, else the row it was folded into.
+                "SELECT value FROM (
+                     SELECT value, id FROM kv_log WHERE scope = 'harness_turn' AND key = ?1
+                     UNION ALL
+                     SELECT value, 0 FROM kv WHERE scope = 'harness_turn' AND key = ?1)
+                 ORDER BY id DESC LIMIT 1",
                 [sid],
                 |r| r.get(0),
             )
