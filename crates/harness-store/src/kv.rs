@@ -17,14 +17,11 @@ use crate::store::Store;
 /// connection (`Store::read`) by a scan of the log, which is short (`Store::kv_get` knows where
 /// to look and does not scan).
 pub fn kv_get_in(conn: &Connection, scope: &str, key: &str) -> Result<Option<Value>, StoreError> {
-    let logged = match logging() {
-        Some(_) => crate::kv_log::latest_in(conn, scope, key)?,
-        None => crate::kv_log::latest_scan_in(conn, scope, key)?,
-    };
-    let text: Option<String> = match logged {
-        Some(version) => version,
-        None => row_text(conn, scope, key)?,
-    };
+    let text: Option<String> =
+        match crate::kv_log::latest_in(conn, scope, key, logging().is_some())? {
+            Some(version) => version,
+            None => row_text(conn, scope, key)?,
+        };
     text.map(|t| serde_json::from_str(&t).map_err(StoreError::from))
         .transpose()
 }

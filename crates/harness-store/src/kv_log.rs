@@ -127,35 +127,22 @@ pub(crate) fn append(
     Ok(())
 }
 
-/// The newest logged version of `scope`/`key` on the writer's connection (this batch's
-/// included), or None when it has none.
+/// The newest logged version of `scope`/`key` that `conn` sees, or None when it has none: on
+/// the writer's connection (`writer`) through its index of the log, this batch's versions
+/// included; on another, by a scan of the log.
 pub(crate) fn latest_in(
     conn: &Connection,
     scope: &str,
     key: &str,
+    writer: bool,
 ) -> Result<Option<Version>, StoreError> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT l.value FROM temp.kv_log_at t JOIN kv_log l ON l.id = t.id
-             WHERE t.scope = ?1 AND t.key = ?2",
-        )?
-        .query_row((scope, key), |r| r.get::<_, Option<String>>(0))
-        .optional()?)
-}
-
-/// The newest logged version of `scope`/`key` a connection without the writer's index sees,
-/// by a scan of the log; None when it has none.
-pub(crate) fn latest_scan_in(
-    conn: &Connection,
-    scope: &str,
-    key: &str,
-) -> Result<Option<Version>, StoreError> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT value FROM kv_log WHERE scope = ?1 AND key = ?2 ORDER BY id DESC LIMIT 1",
-        )?
-        .query_row((scope, key), |r| r.get::<_, Option<String>>(0))
-        .optional()?)
+    let sql = if writer {
+        "SELECT l.value FROM temp.kv_log_at t JOIN kv_log l ON l.id = t.id
+         WHERE t.scope = ?1 AND t.key = ?2"
+    } else {
+        "SELECT value FROM kv_log WHERE scope = ?1 AND key = ?2 ORDER BY id DESC LIMIT 1"
+    };
+    one_version(conn, sql, (scope, key))
 }
 
 /// The logged version `id` of `scope`/`key`, read on a reader's connection; None when the
@@ -166,9 +153,22 @@ pub(crate) fn version_at(
     scope: &str,
     key: &str,
 ) -> Result<Option<Version>, StoreError> {
+    one_version(
+        conn,
+        "SELECT value FROM kv_log WHERE id = ?1 AND scope = ?2 AND key = ?3",
+        (id, scope, key),
+    )
+}
+
+/// The version the one row `sql` selects holds, if it selects one.
+fn one_version(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<Option<Version>, StoreError> {
     Ok(conn
-        .prepare_cached("SELECT value FROM kv_log WHERE id = ?1 AND scope = ?2 AND key = ?3")?
-        .query_row((id, scope, key), |r| r.get::<_, Option<String>>(0))
+        .prepare_cached(sql)?
+        .query_row(params, |r| r.get::<_, Option<String>>(0))
         .optional()?)
 }
 

@@ -2,9 +2,10 @@
 //! resolved call on stdout; the parent SIGKILLs it mid-stream and checks that every reported
 //! write survived and every reported enqueue is either still queued or was handled.
 
+mod common;
+
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use futures::FutureExt;
@@ -56,13 +57,7 @@ async fn crash_child() {
 fn sigkill_loses_no_resolved_write_or_enqueue() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("crash.db");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, &db)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = common::spawn_child("crash_child", CHILD_ENV, &db);
     let stdout = BufReader::new(child.stdout.take().unwrap());
     let (mut wrote, mut enqueued, mut handled) = (Vec::new(), Vec::new(), HashSet::new());
     for line in stdout.lines() {

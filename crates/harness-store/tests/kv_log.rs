@@ -2,9 +2,10 @@
 //! answer the newest version before and after a fold, deletions included, and a log a killed
 //! process left is folded at the next open with each key's newest version.
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 
 use harness_store::{Durability, Store};
 use serde_json::{json, Value};
@@ -136,13 +137,7 @@ fn outcome(i: u64) -> Option<Value> {
 fn sigkill_leaves_a_log_the_next_open_folds_with_each_keys_newest_version() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("crash.db");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["kv_log_child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, &db)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = common::spawn_child("kv_log_child", CHILD_ENV, &db);
     let stdout = BufReader::new(child.stdout.take().unwrap());
     // Each writer's last reported op (its ops run one after another).
     let mut last: HashMap<u64, u64> = HashMap::new();

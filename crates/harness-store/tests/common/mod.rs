@@ -59,3 +59,16 @@ pub async fn one_batch<T>(
     );
     out
 }
+
+/// Runs this test binary's `child` test alone in a process of its own, with `env` naming its
+/// database `db`, its stdout piped to the caller (what it reports) and its stderr dropped: the
+/// process a crash test SIGKILLs.
+pub fn spawn_child(child: &str, env: &str, db: &std::path::Path) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([child, "--exact", "--nocapture", "--test-threads=1"])
+        .env(env, db)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
