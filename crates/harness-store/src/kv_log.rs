@@ -49,8 +49,9 @@ pub(crate) const TEMP_INDEX: &str = "CREATE TEMP TABLE IF NOT EXISTS kv_log_at(
 /// What readers and the writer share of the log.
 #[derive(Default)]
 pub(crate) struct LogState {
-    /// Each logged key's newest committed log id.
-    latest: Mutex<HashMap<(String, String), i64>>,
+    /// Each logged key's newest committed log id, by scope and key (looked up by `&str`, no
+    /// key built per read; a scope's keys without a walk of the others).
+    latest: Mutex<HashMap<String, HashMap<String, i64>>>,
     /// The next log id.
     next_id: AtomicI64,
     /// Versions appended since the last fold (rolled-back ones included: a fold comes early).
@@ -58,26 +59,25 @@ pub(crate) struct LogState {
 }
 
 impl LogState {
-    fn latest(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), i64>> {
+    fn latest(&self) -> std::sync::MutexGuard<'_, HashMap<String, HashMap<String, i64>>> {
         self.latest.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes `id` as the newest committed version of `scope`/`key`.
+    fn publish(&self, scope: String, key: String, id: i64) {
+        self.latest().entry(scope).or_default().insert(key, id);
     }
 
     /// The newest committed log id of `scope`/`key`, if it has an unfolded version.
     pub(crate) fn id_of(&self, scope: &str, key: &str) -> Option<i64> {
-        let latest = self.latest();
-        if latest.is_empty() {
-            return None;
-        }
-        latest.get(&(scope.to_string(), key.to_string())).copied()
+        self.latest().get(scope)?.get(key).copied()
     }
 
     /// The unfolded keys of `scope` with their newest committed log ids.
     pub(crate) fn ids_in(&self, scope: &str) -> Vec<(String, i64)> {
-        self.latest()
-            .iter()
-            .filter(|((s, _), _)| s == scope)
-            .map(|((_, k), id)| (k.clone(), *id))
-            .collect()
+        self.latest().get(scope).map_or_else(Vec::new, |keys| {
+            keys.iter().map(|(k, id)| (k.clone(), *id)).collect()
+        })
     }
 
     /// Whether the writer should fold at its next commit.
@@ -116,10 +116,8 @@ pub(crate) fn append(
     .execute((scope, key, id))?;
     log.rows.fetch_add(1, Ordering::Relaxed);
     cache.key_changed(scope, key);
-    let (shared, k) = (cache.clone(), (scope.to_string(), key.to_string()));
-    if !crate::after_commit(move || {
-        shared.log.latest().insert(k, id);
-    }) {
+    let (shared, scope, key) = (cache.clone(), scope.to_string(), key.to_string());
+    if !crate::after_commit(move || shared.log.publish(scope, key, id)) {
         return Err(StoreError::Invalid(
             "the kv log is written by the store's writer only".into(),
         ));
@@ -188,7 +186,10 @@ pub(crate) fn fold_in(conn: &Connection, cache: &Arc<KvCache>) -> Result<(), Sto
     let rows = cache.log.rows.load(Ordering::Relaxed);
     let shared = cache.clone();
     if !crate::after_commit(move || {
-        shared.log.latest().retain(|_, id| *id > upto);
+        shared.log.latest().retain(|_, keys| {
+            keys.retain(|_, id| *id > upto);
+            !keys.is_empty()
+        });
         shared.rows_written_back(rowids);
         let _ = shared
             .log
@@ -265,14 +266,15 @@ pub(crate) fn recover(conn: &Connection, cache: &KvCache) -> Result<(), StoreErr
                 "INSERT INTO temp.kv_log_at(scope, key, id)
                      SELECT scope, key, MAX(id) FROM kv_log GROUP BY scope, key",
             )?;
-            let mut latest = cache.log.latest();
             let mut stmt = conn.prepare("SELECT scope, key, id FROM temp.kv_log_at")?;
-            let rows = stmt.query_map([], |r| Ok(((r.get(0)?, r.get(1)?), r.get(2)?)))?;
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            let mut logged = 0;
             for row in rows {
-                let (k, id) = row?;
-                latest.insert(k, id);
+                let (scope, key, id) = row?;
+                cache.log.publish(scope, key, id);
+                logged += 1;
             }
-            cache.log.rows.store(latest.len(), Ordering::Relaxed);
+            cache.log.rows.store(logged, Ordering::Relaxed);
             Ok(())
         }
     }
