@@ -34,7 +34,9 @@
 //!   includes the previous step's return, its queue ack (a commit and, with fsync on, the fsync
 //!   the queue waits for before it releases the session's next message) and two task spawns.
 //!   Measured with fsync on (`handoff_us_*`, the default durability) and off
-//!   (`handoff_nofsync_us_*`); `send_handoff_us_p50` is send's enqueue → step 0.
+//!   (`handoff_nofsync_us_*`); `send_handoff_us_p50` is send's enqueue → step 0 (0 when step 0
+//!   starts before the send's task sees its enqueue return: the queue wakes on the commit,
+//!   before the writer answers).
 //! * **Durable steps/s** (`steps_per_sec`): C sessions each running text turns back to back (send,
 //!   wait for `turn-completed`, send again; a new session every 20 turns so transcripts stay
 //!   short) for a fixed time after a short warm-up; steps/s = completed one-step turns / elapsed.
