@@ -13,8 +13,9 @@
 //!   log id), a TEMP table of its own connection: memory only, no WAL, and rolled back with the
 //!   batch or an op's savepoint, so a write reads what earlier writes of its batch logged.
 //! * **Readers** (other connections, no TEMP table) take the key's newest *committed* log id
-//!   from [`LogState::latest`] (filled after each COMMIT, before the batch's writes are
-//!   answered) before they open their read transaction, then read that log row in it. A row no
+//!   from [`LogState::latest`] (filled after each COMMIT, before the kv cache's generation
+//!   moves on and before the batch's writes are answered) before they open their read
+//!   transaction, then read that log row in it. A row no
 //!   longer there was folded before the transaction began, so `kv` holds it (or something
 //!   newer). A key with no id had nothing logged when the read began: `kv` is current.
 //! * **A deletion** is a logged version too (a NULL value), so a crash between it and the fold
