@@ -25,17 +25,6 @@ fn quiet() -> HarnessConfig {
     }
 }
 
-/// The loop's own sweep runs from a cron binding, each minute at second 0 by default: in the
-/// middle of a test that calls the sweep itself and counts what it did, it would run parked
-/// turns on behind the test's back (a test crossing a minute failed so). Bound to a moment no
-/// test reaches instead.
-fn no_cron_sweep() -> HarnessConfig {
-    HarnessConfig {
-        sweep_expression: "0 0 0 1 1 *".into(),
-        ..config()
-    }
-}
-
 #[tokio::test]
 async fn a_reply_the_provider_cut_is_resumed_with_its_notice_record_and_step_in_one_write() {
     // Stateless (`repeat`): the resumed request ends on the resume marker, not on "q", so the
@@ -346,7 +335,7 @@ async fn held_call_loop() -> (
         }),
     );
     let bus = Arc::new(Refusing::over(e.shared.clone()));
-    let harness = support::embedded::start_loop(bus.clone(), no_cron_sweep()).await;
+    let harness = support::embedded::start_loop(bus.clone(), config()).await;
     // Bound once the loop has registered the hook points: `guard::hold` holds every call,
     // `guard::pass` lets everything else pass.
     for (id, decision) in [("guard::hold", "hold"), ("guard::pass", "continue")] {

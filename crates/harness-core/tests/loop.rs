@@ -412,7 +412,12 @@ async fn a_step_that_finds_no_turn_record_ends_the_turn_as_a_clean_failure() {
 #[tokio::test]
 async fn a_config_change_applies_at_once_and_rebinds_the_sweep() {
     use harness_bus::Bus;
-    let rt = runtime(json!({"generations": [text_gen("ok")]}), config()).await;
+    // The default sweep expression, which the tests' own configuration replaces.
+    let cfg = HarnessConfig {
+        sweep_expression: HarnessConfig::default().sweep_expression,
+        ..config()
+    };
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), cfg).await;
     let sweeps = |b: Vec<harness_bus::Binding>| -> Vec<serde_json::Value> {
         b.into_iter()
             .filter(|b| b.function_id == "harness::sweep-pending")

@@ -56,13 +56,20 @@ pub fn scripted(script: &Value, shared: &Arc<dyn Bus>) -> ScriptedProvider {
     ScriptedProvider::new(script, shared.clone())
 }
 
-/// The loop's configuration in tests: frames are not coalesced, so a test sees each one.
+/// The loop's configuration in tests: frames are not coalesced, so a test sees each one, and
+/// the loop's own sweep is bound to a moment no test reaches. At its default (a cron binding,
+/// each minute at second 0) it ran parked turns on behind a test that sweeps itself and counts
+/// what its sweep did, and such a test failed whenever it crossed a minute.
 pub fn config() -> HarnessConfig {
     HarnessConfig {
         stream_coalesce_ms: 0,
+        sweep_expression: NO_CRON_SWEEP.into(),
         ..HarnessConfig::default()
     }
 }
+
+/// A cron expression for a moment no test reaches (midnight of 1 January).
+pub const NO_CRON_SWEEP: &str = "0 0 0 1 1 *";
 
 /// The loop on `shared` with `config`, its functions registered, started.
 pub async fn start_loop(shared: Arc<dyn Bus>, config: HarnessConfig) -> Harness {
