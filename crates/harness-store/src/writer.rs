@@ -266,8 +266,7 @@ pub(crate) fn writer_loop(
                     unsettled = true;
                 }
                 if unsettled {
-                    // Readers are short; one that is not must not hold a waiting write for long.
-                    unsettled = !truncate_wal(&conn, counters, TRUNCATE_BUSY_TIMEOUT);
+                    unsettled = !truncate_wal(&conn, counters);
                 }
                 continue;
             }
@@ -285,9 +284,7 @@ pub(crate) fn writer_loop(
                 // it is done rather than give up (a clean stop under load left 20 MB so).
                 if unsettled {
                     let deadline = std::time::Instant::now() + CLOSE_BUSY_TIMEOUT;
-                    while !truncate_wal(&conn, counters, TRUNCATE_BUSY_TIMEOUT)
-                        && std::time::Instant::now() < deadline
-                    {
+                    while !truncate_wal(&conn, counters) && std::time::Instant::now() < deadline {
                         std::thread::sleep(std::time::Duration::from_millis(5));
                     }
                 }
@@ -356,8 +353,9 @@ fn fold_events(
 /// Only when the writer is idle or stopping: it waits for readers to leave the WAL, during
 /// which no write commits. Returns whether the WAL is empty now; a reader or the checkpointer
 /// in the way makes it return false, and the next idle moment tries again.
-fn truncate_wal(conn: &Connection, counters: &Counters, busy: std::time::Duration) -> bool {
-    let _ = conn.busy_timeout(busy);
+fn truncate_wal(conn: &Connection, counters: &Counters) -> bool {
+    // Readers are short; one that is not must not hold a waiting write for long.
+    let _ = conn.busy_timeout(TRUNCATE_BUSY_TIMEOUT);
     // (busy, frames in the WAL, frames checkpointed)
     let out: rusqlite::Result<(i64, i64, i64)> =
         conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
@@ -559,9 +557,10 @@ impl<'c> Batch<'c> {
         if self.conn.is_autocommit() {
             // SQLite rolls the whole transaction back when a statement without a statement
             // journal (a plain one-row insert) runs out of space: say so.
-            let lost = match full {
-                true => Lost::new(format!("database or disk is full: {RUN_LOST}")).full(true),
-                false => Lost::new(RUN_LOST),
+            let lost = if full {
+                Lost::new(format!("database or disk is full: {RUN_LOST}")).full(true)
+            } else {
+                Lost::new(RUN_LOST)
             };
             self.lost(lost.clone());
             op.reply(Some(lost));
