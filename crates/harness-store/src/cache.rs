@@ -71,12 +71,8 @@ pub(crate) struct KvCache {
 /// A value the writer wrote, to be cached if the batch commits with it.
 struct Fill {
     key: (String, String),
-    /// The `kv` row the value is in, if it is in one (a logged version is not yet).
-    rowid: Option<i64>,
-    /// Length of the change log right after the write's statement: a later entry with the same
-    /// rowid means the row changed again in this batch.
-    at: usize,
-    /// The same for the changed keys: a later entry with the same key, a later logged version.
+    /// Length of the changed keys right after the write's append to the kv log: a later entry
+    /// with the same key is a later version of it in this batch.
     at_key: usize,
     text_len: usize,
     value: Arc<Value>,
@@ -93,16 +89,10 @@ pub(crate) fn install_writer(cache: Arc<KvCache>) {
 }
 
 /// Records a write-through fill for the batch in progress; a no-op off a writer thread.
-pub(crate) fn pend_fill(
-    scope: &str,
-    key: &str,
-    rowid: Option<i64>,
-    text_len: usize,
-    value: Arc<Value>,
-) {
+pub(crate) fn pend_fill(scope: &str, key: &str, text_len: usize, value: Arc<Value>) {
     WRITER_CACHE.with(|c| {
         if let Some(cache) = c.borrow().as_ref() {
-            cache.pend(scope, key, rowid, text_len, value);
+            cache.pend(scope, key, text_len, value);
         }
     });
 }
@@ -242,16 +232,19 @@ impl KvCache {
         lock(&self.changed_keys).push((scope.to_string(), key.to_string()));
     }
 
-    /// Where the rowid change log stands: a mark to [`KvCache::unchange_since`].
-    pub(crate) fn change_mark(&self) -> usize {
-        lock(&self.changed).len()
+    /// Where the rowid change and insert logs stand: a mark to [`KvCache::unchange_since`].
+    pub(crate) fn change_mark(&self) -> (usize, usize) {
+        (lock(&self.changed).len(), lock(&self.inserted).len())
     }
 
-    /// Forgets the row changes logged since `mark`: the kv log's fold writes into `kv` the
-    /// versions readers already see (from the log, or cached from it), so what it changes must
-    /// not empty the cache of every key it folds.
-    pub(crate) fn unchange_since(&self, mark: usize) {
-        lock(&self.changed).truncate(mark);
+    /// Forgets the row changes and inserts logged since `mark`: the kv log's fold writes into
+    /// `kv` the versions readers already see (from the log, or cached from it), so what it
+    /// changes must not empty the cache of every key it folds, and the keys it inserts were
+    /// forgotten as absent when their logged versions committed (nor need the writer read
+    /// each one back before the COMMIT).
+    pub(crate) fn unchange_since(&self, mark: (usize, usize)) {
+        lock(&self.changed).truncate(mark.0);
+        lock(&self.inserted).truncate(mark.1);
     }
 
     /// The kv log's fold wrote these keys back into `kv` rows (after its COMMIT): a cached
@@ -279,16 +272,13 @@ impl KvCache {
         lock(&self.pending).truncate(mark);
     }
 
-    fn pend(&self, scope: &str, key: &str, rowid: Option<i64>, text_len: usize, value: Arc<Value>) {
+    fn pend(&self, scope: &str, key: &str, text_len: usize, value: Arc<Value>) {
         if cost(scope, key, text_len) > MAX_BYTES / 8 {
             return;
         }
-        let at = lock(&self.changed).len();
         let at_key = lock(&self.changed_keys).len();
         lock(&self.pending).push(Fill {
             key: (scope.to_string(), key.to_string()),
-            rowid,
-            at,
             at_key,
             text_len,
             value,
@@ -380,19 +370,22 @@ impl KvCache {
                 inner.absent.remove(k);
             }
         }
+        // Where each key last changed in the batch: a fill made before that was overwritten
+        // (one pass, not a search of the rest of the batch per fill).
+        let last_key: HashMap<&(String, String), usize> = changed_keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k, i))
+            .collect();
         let mut evicted = Vec::new();
         for fill in fills {
-            let later = changed.get(fill.at..).unwrap_or_default();
-            if fill.rowid.is_some_and(|rowid| later.contains(&rowid)) {
-                continue;
-            }
-            let later_keys = changed_keys.get(fill.at_key..).unwrap_or_default();
-            if later_keys.contains(&fill.key) {
+            if last_key.get(&fill.key).is_some_and(|&i| i >= fill.at_key) {
                 continue;
             }
             let size = cost(&fill.key.0, &fill.key.1, fill.text_len);
+            // In no row until the fold writes it back (see `rows_written_back`).
             let cached = Cached {
-                rowid: fill.rowid,
+                rowid: None,
                 value: fill.value,
                 size,
             };
@@ -498,11 +491,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// One write-through write of `scope`/`key` (rowid 1) committed.
+    /// One write-through write of `scope`/`key` committed.
     fn write(cache: &KvCache, key: &str, n: u64) {
-        // The update hook logs the row during the statement; the fill is left after it.
-        cache.change_log().lock().unwrap().push(1);
-        cache.pend("s", key, Some(1), 8, Arc::new(json!({"n": n})));
+        // The kv log's append names the key; the fill is left after it.
+        cache.key_changed("s", key);
+        cache.pend("s", key, 8, Arc::new(json!({"n": n})));
         cache.committed(&Inserted::default());
     }
 

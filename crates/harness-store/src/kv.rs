@@ -69,7 +69,7 @@ pub fn kv_put_text_in(
     key: &str,
     text: &str,
 ) -> Result<(), StoreError> {
-    upsert_in(conn, scope, key, text).map(|_| ())
+    upsert_in(conn, scope, key, text)
 }
 
 /// [`kv_put_text_in`] that also caches `value` (what `text` says) once the writer's batch
@@ -81,31 +81,23 @@ pub fn kv_put_cached_in(
     text: &str,
     value: &Arc<Value>,
 ) -> Result<(), StoreError> {
-    let rowid = upsert_in(conn, scope, key, text)?;
-    crate::cache::pend_fill(scope, key, rowid, text.len(), value.clone());
+    upsert_in(conn, scope, key, text)?;
+    crate::cache::pend_fill(scope, key, text.len(), value.clone());
     Ok(())
 }
 
-/// The one write of a value: appended to the kv log on the writer (None: no row holds it yet),
-/// an upsert elsewhere (its rowid, which the cache keys invalidation on).
-fn upsert_in(
-    conn: &Connection,
-    scope: &str,
-    key: &str,
-    text: &str,
-) -> Result<Option<i64>, StoreError> {
+/// The one write of a value: appended to the kv log on the writer, an upsert elsewhere (a
+/// bare connection, which no cache reads through).
+fn upsert_in(conn: &Connection, scope: &str, key: &str, text: &str) -> Result<(), StoreError> {
     if let Some(cache) = logging() {
-        crate::kv_log::append(conn, &cache, scope, key, Some(text))?;
-        return Ok(None);
+        return crate::kv_log::append(conn, &cache, scope, key, Some(text));
     }
-    Ok(Some(
-        conn.prepare_cached(
-            "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
-             RETURNING rowid",
-        )?
-        .query_row((scope, key, text, harness_types::now_ms()), |r| r.get(0))?,
-    ))
+    conn.prepare_cached(
+        "INSERT INTO kv(scope, key, value, updated_at) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(scope, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+    )?
+    .execute((scope, key, text, harness_types::now_ms()))?;
+    Ok(())
 }
 
 /// Deletes one value; returns it if it existed.

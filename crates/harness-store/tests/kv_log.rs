@@ -30,6 +30,10 @@ async fn reads_see_logged_versions_and_deletions_before_and_after_the_fold() {
     assert_eq!(rows(&path, "kv_log"), 0, "the fold empties the log");
     assert_eq!(rows(&path, "kv"), 2);
 
+    // Remembered absent (and the scope's list read) before the new key is written: its
+    // logged version, and then the fold's insert of its row, must not leave it so.
+    assert_eq!(store.kv_get("s", "c").unwrap(), None);
+
     // Unfolded: a new version of a folded key, a deletion of one, a new key.
     store.kv_put("s", "a", &json!(2)).await.unwrap();
     store.kv_delete("s", "b").await.unwrap();
