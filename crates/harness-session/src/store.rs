@@ -483,16 +483,13 @@ impl SessionStore {
             }
             let sql = if req.include_custom {
                 "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
-                 WHERE session_id = +?1 AND seq > ?2 ORDER BY seq"
+                 WHERE session_id = ?1 AND seq > ?2 ORDER BY seq"
             } else {
                 "SELECT seq, entry_id, kind, body, origin, revision, chg FROM entries
-                 WHERE session_id = +?1 AND seq > ?2 AND kind = 'message' ORDER BY seq"
+                 WHERE session_id = ?1 AND seq > ?2 AND kind = 'message' ORDER BY seq"
             };
-            // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT changes (and
-            // every reuse from the statement cache rebinds it), so the page is cut here; the
-            // rows stream in index order, so nothing past the page is read. `+?1` for the
-            // same reason: a bare parameter compared with the leading column of the index
-            // the rows are ordered by re-prepares on every bind (harness_store::events).
+            // The page is cut here (the overlay below may replace rows); the rows stream in
+            // index order, so nothing past the page is read.
             let mut stmt = conn.prepare_cached(sql)?;
             let rows = stmt.query_map(params![req.session_id, floor], row)?;
             // The first `limit + 1` of the overlay are among the first `limit + 1` rows of
@@ -855,7 +852,7 @@ impl PreparedAppend {
         }
         // The next seq is past both the materialized entries and the log's.
         let materialized: i64 = conn
-            .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = +?1")?
+            .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = ?1")?
             .query_row(params![session_id], |r| r.get(0))?;
         let logged: i64 = conn
             .prepare_cached(

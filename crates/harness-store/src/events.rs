@@ -263,15 +263,9 @@ pub(crate) fn fold_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<(), St
 }
 
 /// A session's folded events in `(after, upto]` (see the module docs).
-///
-/// `+?1`, not `?1`: SQLite (3.54) re-prepares a statement that orders by an index whose
-/// leading column is compared with a bare bound parameter every time that parameter is bound
-/// again, and the statement cache rebinds on every use. The unary plus keeps the index (same
-/// plan, no sort) without the re-preparation. The same holds for every `col = +?N … ORDER BY`
-/// of the store and the transcript.
 const EVENTS_FOLDED: &str = "SELECT e.id, e.session_id, e.topic, e.payload, e.at_ms
                  FROM events_by_session s CROSS JOIN events e ON e.id = s.id
-                 WHERE s.session_id = +?1 AND s.id > ?2 AND s.id <= ?3 ORDER BY s.id";
+                 WHERE s.session_id = ?1 AND s.id > ?2 AND s.id <= ?3 ORDER BY s.id";
 
 /// One event of the tail, by id.
 const EVENT_BY_ID: &str = "SELECT id, session_id, topic, payload, at_ms FROM events WHERE id = ?1";
@@ -366,10 +360,7 @@ impl Store {
             let mut out = Vec::new();
             if after_id < upto {
                 let mut stmt = c.prepare_cached(EVENTS_FOLDED)?;
-                // No `LIMIT ?`: SQLite re-prepares a statement whose bound LIMIT value changes,
-                // and the statement cache clears bindings between uses, so a bound LIMIT would
-                // re-prepare on every call. Rows stream in index order; stopping early reads
-                // nothing more. (And `+?1` in EVENTS_FOLDED, for the same reason.)
+                // Rows stream in index order; stopping early reads nothing more.
                 let rows = stmt.query_map((session_id, after_id, upto), raw_event)?;
                 for row in rows.take(limit) {
                     out.push(parsed(row?)?);
@@ -454,8 +445,9 @@ mod tests {
         }
     }
 
-    /// Paging with changing page sizes reuses the cached statement as prepared: nothing in it
-    /// (a bound LIMIT, say) makes SQLite compile it again on every call.
+    /// Paging through sessions reuses the cached statement as prepared: a new session id bound
+    /// to the leading column of the index the rows are ordered by does not make SQLite compile
+    /// it again (see `store::stable_plans`).
     #[tokio::test]
     async fn paging_never_reprepares() {
         let dir = tempfile::tempdir().unwrap();

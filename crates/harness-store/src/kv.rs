@@ -212,7 +212,6 @@ impl Store {
     }
 
     /// Every `(key, value)` of a scope, ordered by key (the primary key order: no sort needed).
-    /// `+?1`: see `events::EVENTS_AFTER` (a bare parameter here re-prepares on every call).
     /// A scope found empty is remembered until a row is inserted into it (see `cache.rs`).
     pub fn kv_list(&self, scope: &str) -> Result<Vec<(String, Value)>, StoreError> {
         let cache = self.kv_cache();
@@ -224,7 +223,7 @@ impl Store {
         let logged = cache.log.ids_in(scope);
         let rows = self.read(|c| {
             let mut stmt =
-                c.prepare_cached("SELECT key, value FROM kv WHERE scope = +?1 ORDER BY key")?;
+                c.prepare_cached("SELECT key, value FROM kv WHERE scope = ?1 ORDER BY key")?;
             let rows = stmt.query_map([scope], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
             })?;

@@ -365,12 +365,11 @@ impl QueueState {
     }
 
     /// The queue's ready rows with id > `after`, oldest first.
-    /// (`+?1`: see `events::EVENTS_AFTER`; a bare parameter re-prepares on every scan.)
     fn read_ready(&self, store: &Store, after: i64) -> Result<Vec<Pending>, StoreError> {
         store.read(|c| {
             let mut stmt = c.prepare_cached(
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
-                 WHERE queue = +?1 AND status = 'ready' AND id > ?2 ORDER BY id",
+                 WHERE queue = ?1 AND status = 'ready' AND id > ?2 ORDER BY id",
             )?;
             rows(&mut stmt, (&self.name, after), &self.name, 1)
         })
@@ -491,7 +490,7 @@ impl Queues {
         self.inner.store.read(|c| {
             let mut stmt = c.prepare_cached(
                 "SELECT id, grp, function_id, payload, attempts FROM queue_messages
-                 WHERE queue = +?1 AND status = 'dead' ORDER BY id",
+                 WHERE queue = ?1 AND status = 'dead' ORDER BY id",
             )?;
             Ok(rows(&mut stmt, [queue], queue, 0)?
                 .into_iter()

@@ -265,3 +265,34 @@ async fn a_replayable_op_that_ends_the_transaction_loses_the_batch() {
     assert_eq!(store.kv_get("s", "a").unwrap(), None);
     assert_eq!(store.kv_get("s", "c").unwrap(), Some(json!(3)));
 }
+
+/// A cached statement runs as planned, whatever value is bound: SQLite would otherwise parse
+/// and plan a `MAX(…) WHERE key = ?` again for each new key (the append's next-seq lookup, on
+/// the writer, once per entry), on the writer and on every reader.
+#[tokio::test]
+async fn cached_statements_are_not_planned_again_for_new_values() {
+    use harness_store::Connection;
+    use rusqlite::StatementStatus;
+    const SQL: &str = "SELECT COALESCE(MAX(updated_at), 0) FROM kv WHERE scope = ?1";
+    fn replans(c: &Connection) -> Result<i32, StoreError> {
+        for i in 0..8 {
+            let _: i64 = c
+                .prepare_cached(SQL)?
+                .query_row([format!("scope-{i}")], |r| r.get(0))?;
+        }
+        Ok(c.prepare_cached(SQL)?
+            .get_status(StatementStatus::RePrepare))
+    }
+    let (_dir, store) = open(Durability::Normal);
+    assert_eq!(store.write(replans).await.unwrap(), 0, "writer");
+    assert_eq!(store.read(replans).unwrap(), 0, "reader");
+    // The statement is one that would be planned again without the setting.
+    let plain = Connection::open_in_memory().unwrap();
+    plain
+        .execute_batch(
+            "CREATE TABLE kv(scope TEXT NOT NULL, key TEXT NOT NULL, value TEXT, updated_at INTEGER,
+             PRIMARY KEY(scope, key)) WITHOUT ROWID",
+        )
+        .unwrap();
+    assert!(replans(&plain).unwrap() > 0, "the control connection");
+}
