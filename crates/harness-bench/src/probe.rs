@@ -41,8 +41,12 @@ impl StepAcc {
             self.store_ns.fetch_add(ns, Ordering::Relaxed);
             self.store_ops.fetch_add(1, Ordering::Relaxed);
         }
+        // Charged to the step it measures: the name is copied only the first time it is seen.
         let mut by_op = lock(&self.by_op);
-        let e = by_op.entry(op.to_string()).or_default();
+        let e = match by_op.get_mut(op) {
+            Some(e) => e,
+            None => by_op.entry(op.to_string()).or_default(),
+        };
         e.0 += 1;
         e.1 += ns;
     }
@@ -191,14 +195,14 @@ pub(crate) async fn timed<T>(op: &str, store: bool, fut: impl Future<Output = T>
 /// An in-process handler whose calls are timed like [`ProbeBus::call`]'s.
 pub(crate) struct TimedLocal {
     pub(crate) inner: Arc<dyn LocalHandler>,
-    pub(crate) op: String,
+    pub(crate) op: Arc<str>,
     pub(crate) store: bool,
 }
 
 impl LocalHandler for TimedLocal {
     fn call(&self, payload: LocalValue, ctx: CallContext) -> LocalFuture {
         let fut = self.inner.call(payload, ctx);
-        let (op, store) = (self.op.clone(), self.store);
+        let (op, store) = (Arc::clone(&self.op), self.store);
         Box::pin(async move { timed(&op, store, fut).await })
     }
 }
@@ -231,14 +235,42 @@ pub(crate) fn is_store_op(op: &str) -> bool {
 /// A scope with the session id in it (`harness_queue:s_<hex>`) named generically, so the
 /// breakdown groups one operation instead of listing every session.
 pub(crate) fn generic_scope(scope: &str) -> String {
-    match scope.rfind("s_") {
-        Some(i)
-            if scope[i + 2..].len() >= 8
-                && scope[i + 2..].bytes().all(|b| b.is_ascii_alphanumeric()) =>
-        {
-            format!("{}<session>", &scope[..i])
+    match session_at(scope) {
+        Some(i) => format!("{}<session>", &scope[..i]),
+        None => scope.to_string(),
+    }
+}
+
+/// Where the session id of a scope like `harness_queue:s_<hex>` starts.
+fn session_at(scope: &str) -> Option<usize> {
+    let i = scope.rfind("s_")?;
+    let id = &scope[i + 2..];
+    (id.len() >= 8 && id.bytes().all(|b| b.is_ascii_alphanumeric())).then_some(i)
+}
+
+/// The breakdown's names of `state_list` calls, built once per scope shape: a step lists its
+/// session's queue several times, and what the probe spends is charged to the step it measures.
+#[derive(Default)]
+pub(crate) struct ListNames {
+    /// By the scope's prefix, for scopes that end in a session id.
+    per_session: Mutex<HashMap<String, Arc<str>>>,
+    /// By the whole scope, for the others.
+    whole: Mutex<HashMap<String, Arc<str>>>,
+}
+
+impl ListNames {
+    fn name(&self, scope: &str) -> Arc<str> {
+        let (names, key) = match session_at(scope) {
+            Some(i) => (&self.per_session, &scope[..i]),
+            None => (&self.whole, scope),
+        };
+        let mut names = lock(names);
+        if let Some(n) = names.get(key) {
+            return Arc::clone(n);
         }
-        _ => scope.to_string(),
+        let n: Arc<str> = format!("state_list {}", generic_scope(scope)).into();
+        names.insert(key.to_string(), Arc::clone(&n));
+        n
     }
 }
 
@@ -284,6 +316,7 @@ impl Handler for StepHandler {
 pub(crate) struct ProbeBus {
     pub(crate) inner: Arc<dyn Bus>,
     pub(crate) probe: Arc<Probe>,
+    pub(crate) list_names: ListNames,
 }
 
 #[async_trait]
@@ -362,7 +395,7 @@ impl Bus for ProbeBus {
         let inner = self.inner.local_handler(function_id)?;
         Some(Arc::new(TimedLocal {
             inner,
-            op: function_id.to_string(),
+            op: function_id.into(),
             store: is_store_function(function_id),
         }))
     }
@@ -476,10 +509,6 @@ impl Bus for ProbeBus {
     }
 
     async fn state_list(&self, scope: &str) -> Result<Vec<(String, Value)>, BusError> {
-        store_op(
-            &format!("state_list {}", generic_scope(scope)),
-            self.inner.state_list(scope),
-        )
-        .await
+        store_op(&self.list_names.name(scope), self.inner.state_list(scope)).await
     }
 }

@@ -111,6 +111,7 @@ impl Rig {
                 Arc::new(ProbeBus {
                     inner,
                     probe: layer_probe,
+                    list_names: Default::default(),
                 }) as Arc<dyn Bus>
             }),
         };
