@@ -15,6 +15,7 @@ use crate::interpret::Carry;
 use crate::machine::{Input, Seed};
 use crate::record::{Failure, TurnRecord};
 use crate::texts;
+use crate::transcript::TranscriptOnce;
 
 impl Harness {
     /// Carries out `Effect::Finalize` for a record the machine made terminal, with `held` (the
@@ -55,8 +56,9 @@ impl Harness {
         self.record_turn_event(&mut batch, &event);
         self.commit(batch).await?;
         crate::failpoint::hit("after_finalize_persisted");
-        self.observe_finished(rec).await;
-        self.announce_usage(rec).await;
+        let mut transcript = TranscriptOnce::default();
+        self.observe_finished(rec, &mut transcript).await;
+        self.announce_usage(rec, &mut transcript).await;
         self.clear_signal(&rec.turn_id);
         if made_bindings(rec) {
             self.end_turn_bindings(&rec.session_id, &rec.turn_id).await;
@@ -82,7 +84,8 @@ impl Harness {
         self.record_turn_event(&mut batch, &event);
         self.commit(batch).await?;
         // A crash after the terminal write may have cut this short; it knows the turn.
-        self.announce_usage(rec).await;
+        self.announce_usage(rec, &mut TranscriptOnce::default())
+            .await;
         if made_bindings(rec) {
             self.end_turn_bindings(&rec.session_id, &rec.turn_id).await;
         }

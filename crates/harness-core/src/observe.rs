@@ -117,7 +117,11 @@ impl Harness {
 
     /// After a turn's terminal write: its facts to the observer, its spans to the sink. Best
     /// effort: a failed read is logged and the turn is not affected.
-    pub(crate) async fn observe_finished(&self, rec: &TurnRecord) {
+    pub(crate) async fn observe_finished(
+        &self,
+        rec: &TurnRecord,
+        transcript: &mut crate::transcript::TranscriptOnce,
+    ) {
         let Some(t) = self.telemetry() else {
             return;
         };
@@ -128,7 +132,7 @@ impl Harness {
         if ctx.is_none() && t.observer.is_none() {
             return;
         }
-        let entries = match self.transcript_shared(&rec.session_id).await {
+        let entries = match transcript.get(self, &rec.session_id).await {
             Ok(e) => e,
             Err(e) => {
                 tracing::debug!(session = %rec.session_id, "telemetry: transcript unreadable: {e}");

@@ -149,6 +149,22 @@ impl Harness {
     }
 }
 
+/// A session's transcript read at most once by what follows a turn's end (its telemetry and its
+/// usage milestones, each of which may want it or not): the second asks nothing of the store.
+#[derive(Default)]
+pub(crate) struct TranscriptOnce(Option<Arc<Vec<Entry>>>);
+
+impl TranscriptOnce {
+    pub(crate) async fn get(&mut self, h: &Harness, session_id: &str) -> Result<Arc<Vec<Entry>>> {
+        if let Some(entries) = &self.0 {
+            return Ok(Arc::clone(entries));
+        }
+        let entries = h.transcript_shared(session_id).await?;
+        self.0 = Some(Arc::clone(&entries));
+        Ok(entries)
+    }
+}
+
 /// Folds changed entries into a transcript kept in `seq` order: an entry already there is
 /// replaced (an update), a new one is inserted at its place (almost always the end). Answers the
 /// lowest index it touched (`entries.len()` when nothing changed).

@@ -116,16 +116,24 @@ fn outcome_of(rec: &TurnRecord) -> Option<&'static str> {
 
 impl Harness {
     /// After a root turn's terminal write. Never fails the turn.
-    pub(crate) async fn announce_usage(&self, rec: &TurnRecord) {
+    pub(crate) async fn announce_usage(
+        &self,
+        rec: &TurnRecord,
+        transcript: &mut crate::transcript::TranscriptOnce,
+    ) {
         if rec.depth != 0 || rec.parent.is_some() || !enabled(self.config().usage_reporting) {
             return;
         }
-        if let Err(e) = self.try_announce(rec).await {
+        if let Err(e) = self.try_announce(rec, transcript).await {
             tracing::debug!(session = %rec.session_id, "usage announcement skipped: {e}");
         }
     }
 
-    async fn try_announce(&self, rec: &TurnRecord) -> Result<()> {
+    async fn try_announce(
+        &self,
+        rec: &TurnRecord,
+        transcript: &mut crate::transcript::TranscriptOnce,
+    ) -> Result<()> {
         let bus = &self.inner.bus;
         let mut row: UsageRow = match self.state_get(USAGE_SCOPE, &rec.session_id).await? {
             Some(v) => serde_json::from_value(v).unwrap_or_default(),
@@ -136,7 +144,7 @@ impl Harness {
         if !row.milestones.contains(&last) {
             // The root turns so far, this one included, read from the transcript (in memory):
             // the same count however often a redelivered finalize asks.
-            let turns = root_turns(&self.transcript_shared(&rec.session_id).await?);
+            let turns = root_turns(&transcript.get(self, &rec.session_id).await?);
             if MILESTONES.contains(&turns) && !row.milestones.contains(&turns) {
                 row.milestones.push(turns);
                 events.push(("harness_session_progress", Some(turns), None));
