@@ -31,8 +31,9 @@ tokio::task_local! {
 pub(crate) struct StepAcc {
     pub(crate) store_ns: AtomicU64,
     pub(crate) store_ops: AtomicU64,
-    /// Per operation: (count, ns), store operations and timed loop calls alike.
-    pub(crate) by_op: Mutex<HashMap<String, (u64, u64)>>,
+    /// Per operation: (name, count, ns), store operations and timed loop calls alike. A list,
+    /// searched: a step names a dozen operations, and hashing each name cost more.
+    pub(crate) by_op: Mutex<Vec<(String, u64, u64)>>,
 }
 
 impl StepAcc {
@@ -43,12 +44,13 @@ impl StepAcc {
         }
         // Charged to the step it measures: the name is copied only the first time it is seen.
         let mut by_op = lock(&self.by_op);
-        let e = match by_op.get_mut(op) {
-            Some(e) => e,
-            None => by_op.entry(op.to_string()).or_default(),
-        };
-        e.0 += 1;
-        e.1 += ns;
+        match by_op.iter_mut().find(|(name, ..)| name == op) {
+            Some((_, n, total)) => {
+                *n += 1;
+                *total += ns;
+            }
+            None => by_op.push((op.to_string(), 1, ns)),
+        }
     }
 }
 
@@ -284,14 +286,19 @@ impl Handler for StepHandler {
         let inner = self.inner.clone();
         let probe = self.probe.clone();
         Box::pin(async move {
-            let start = Instant::now();
-            probe.step_started(&payload, start);
+            // The handoff ends as the handler starts; the step's own time starts after the
+            // probe's bookkeeping, which is not the loop's.
+            probe.step_started(&payload, Instant::now());
             let turn_id = payload
                 .get("turn_id")
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_string();
-            let acc = Arc::new(StepAcc::default());
+            let acc = Arc::new(StepAcc {
+                by_op: Mutex::new(Vec::with_capacity(16)),
+                ..StepAcc::default()
+            });
+            let start = Instant::now();
             let out = STEP.scope(acc.clone(), inner.call(payload, ctx)).await;
             let wall_ns = start.elapsed().as_nanos() as u64;
             let skipped = match &out {
@@ -303,7 +310,10 @@ impl Handler for StepHandler {
                 wall_ns,
                 store_ns: acc.store_ns.load(Ordering::Relaxed),
                 store_ops: acc.store_ops.load(Ordering::Relaxed),
-                by_op: std::mem::take(&mut *lock(&acc.by_op)),
+                by_op: std::mem::take(&mut *lock(&acc.by_op))
+                    .into_iter()
+                    .map(|(op, n, ns)| (op, (n, ns)))
+                    .collect(),
             };
             probe.step_finished(sample, skipped);
             probe.steps_handled.fetch_add(1, Ordering::SeqCst);
