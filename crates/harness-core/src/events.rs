@@ -61,6 +61,18 @@ impl Harness {
             dedupe_key,
             payload,
         } = ev;
+        self.fan_out_with(topic, admits, || (dedupe_key, payload))
+            .await
+    }
+
+    /// [`Harness::fan_out`] with the event's dedupe key and payload built only when a binding
+    /// admits it: most events have no binding, and then nothing is serialised for one.
+    async fn fan_out_with(
+        &self,
+        topic: &'static str,
+        admits: Admits<'_>,
+        event: impl FnOnce() -> (String, Value),
+    ) -> Result<()> {
         let bindings = match self.inner.bus.bindings(topic).await {
             Ok(b) => b,
             Err(e) => {
@@ -72,6 +84,7 @@ impl Harness {
         if admitted.is_empty() {
             return Ok(());
         }
+        let (dedupe_key, payload) = event();
         // The event log deduplicates a republished event; the fan-out must too: a step
         // redelivered after a crash re-runs the terminal side effects, and a binding must still
         // see one event per turn. The mark is written before the deliveries (which are
@@ -130,20 +143,14 @@ impl Harness {
 
     /// The deliveries of a turn event recorded by [`Harness::record_turn_event`].
     pub(crate) async fn fan_out_turn_event<E: TurnEvent>(&self, ev: E) -> Result<()> {
-        // Most turns' events have no binding: then nothing is serialised for one.
-        if !self.has_bindings(E::TOPIC).await {
-            return Ok(());
-        }
-        let key = ev.dedupe_key();
         let session_id = ev.session_id().to_string();
         let parent = ev.parent_session_id().map(str::to_string);
-        let ev = Event {
-            topic: E::TOPIC,
-            dedupe_key: key,
-            payload: serde_json::to_value(ev).unwrap_or(Value::Null),
-        };
         let filter = |config: &Value| admits(config, &session_id, parent.as_deref());
-        self.fan_out(ev, &filter).await
+        self.fan_out_with(E::TOPIC, &filter, || {
+            let key = ev.dedupe_key();
+            (key, serde_json::to_value(ev).unwrap_or(Value::Null))
+        })
+        .await
     }
 }
 
