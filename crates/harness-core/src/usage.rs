@@ -166,7 +166,7 @@ impl Harness {
             value: serde_json::to_value(&row).map_err(internal)?,
         }];
         {
-            let entries = self.transcript_shared(&rec.session_id).await?;
+            let entries = transcript.get(self, &rec.session_id).await?;
             // A session that never spawned is its whole tree: its own transcript answers,
             // without `harness::metrics`, which lists every session to find a tree.
             let totals = if spawned(&entries) {
