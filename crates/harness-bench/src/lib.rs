@@ -49,8 +49,8 @@
 //!   step of the same cells: how well the single writer groups the steps' writes and what they
 //!   cost it in pages. `store_writer` gives, per cell, the share of wall time the one writer
 //!   thread was busy with batches (`busy`, near 1 means it is the bound) and, within that, in
-//!   its own catch-up checkpoints (`checkpoint`), which stall every session's writes (all null
-//!   on iii).
+//!   its own catch-up checkpoints (`checkpoint`), which stall every session's writes, and the
+//!   share the syncer thread spent in barriers' fsyncs (`syncer_busy`; all null on iii).
 //! * **Function-call step** (`call_*`, `fsyncs_per_function_step`): an in-process no-op function
 //!   `bench::noop` is registered on the runtime's bus and turns are sent with
 //!   `functions: {allow: ["bench::*"], expose: "native"}, max_turns: 8`, against a script whose

@@ -48,6 +48,7 @@ pub(crate) fn since(s0: StoreStats, s1: StoreStats) -> StoreStats {
             .writer_checkpoint_ns
             .saturating_sub(s0.writer_checkpoint_ns),
         wal_truncations: s1.wal_truncations.saturating_sub(s0.wal_truncations),
+        syncer_busy_ns: s1.syncer_busy_ns.saturating_sub(s0.syncer_busy_ns),
     }
 }
 
@@ -101,6 +102,7 @@ impl Cell {
         json!({
             "busy": share(d.stats.writer_busy_ns),
             "checkpoint": share(d.stats.writer_checkpoint_ns),
+            "syncer_busy": share(d.stats.syncer_busy_ns),
         })
     }
 }

@@ -78,6 +78,9 @@ pub struct StoreStats {
     /// Times the writer, idle or stopping, checkpointed the whole WAL and truncated it to
     /// nothing (not counted in `writer_busy_ns`: no write was waiting).
     pub wal_truncations: u64,
+    /// Time the syncer thread spent in barriers' fsyncs: against wall time, how close the
+    /// fsyncs are to bounding durable throughput (one runs at a time).
+    pub syncer_busy_ns: u64,
 }
 
 /// A barrier waiting for the syncer: fsync must cover commit sequence number `target`.
@@ -106,6 +109,7 @@ pub(crate) struct Counters {
     pub(crate) batch_checkpoint_ns: AtomicU64,
     /// Times the idle or stopping writer emptied the WAL.
     pub(crate) wal_truncations: AtomicU64,
+    syncer_busy_ns: AtomicU64,
     /// Why the latest write, fsync or checkpoint failed for lack of space, until a commit
     /// writes to the WAL again ([`Store::storage_full`]).
     full: Mutex<Option<String>>,
@@ -500,6 +504,7 @@ impl Store {
             writer_busy_ns: c.writer_busy_ns.load(Ordering::Relaxed),
             writer_checkpoint_ns: c.writer_checkpoint_ns.load(Ordering::Relaxed),
             wal_truncations: c.wal_truncations.load(Ordering::Relaxed),
+            syncer_busy_ns: c.syncer_busy_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -723,7 +728,12 @@ fn syncer_loop(db: PathBuf, rx: mpsc::Receiver<SyncRequest>, counters: Arc<Count
         } else {
             // Everything committed up to `upto` is already in the WAL file's page cache.
             let upto = counters.commit_seq.load(Ordering::SeqCst);
-            match sync_wal(&db, &wal_path, &mut wal) {
+            let started = std::time::Instant::now();
+            let synced = sync_wal(&db, &wal_path, &mut wal);
+            counters
+                .syncer_busy_ns
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            match synced {
                 Ok(()) => {
                     counters.fsyncs.fetch_add(1, Ordering::Relaxed);
                     counters.synced_seq.fetch_max(upto, Ordering::SeqCst);

@@ -90,11 +90,16 @@ async fn barrier_fsyncs_in_full_mode_only_when_needed() {
     store.kv_set("s", "k", &json!(1)).await.unwrap();
     store.barrier().await.unwrap();
     assert_eq!(store.stats().fsyncs, 1);
+    // The syncer's time is the fsync's: counted when one ran, not when none was needed.
+    let busy = store.stats().syncer_busy_ns;
+    assert!(busy > 0, "an fsync took no time");
     store.barrier().await.unwrap();
     assert_eq!(store.stats().fsyncs, 1, "nothing new committed: no fsync");
+    assert_eq!(store.stats().syncer_busy_ns, busy);
     store.kv_set("s", "k", &json!(2)).await.unwrap();
     store.barrier().await.unwrap();
     assert_eq!(store.stats().fsyncs, 2);
+    assert!(store.stats().syncer_busy_ns > busy);
 }
 
 #[tokio::test]

@@ -298,8 +298,8 @@ impl Report<'_> {
         ));
         rows.extend(per_cell(
             &cells.store_writer,
-            |c| format!("store writer busy / in its own checkpoints, share of wall time, {c} sessions (fsync on)"),
-            |v| format!("{} / {}", v["busy"], v["checkpoint"]),
+            |c| format!("store writer busy / in its own checkpoints / syncer in fsyncs, share of wall time, {c} sessions (fsync on)"),
+            |v| format!("{} / {} / {}", v["busy"], v["checkpoint"], v["syncer_busy"]),
         ));
         rows.extend([
             info(
