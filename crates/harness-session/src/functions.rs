@@ -184,6 +184,9 @@ pub fn register_transactional(bus: &EmbeddedBus, sessions: &SessionStore) {
         bus,
         "session::set-status",
         |req: SetStatusRequest| Ok(req),
-        Arc::new(set_status_in),
+        Arc::new({
+            let statuses = sessions.statuses().clone();
+            move |conn, req: &SetStatusRequest| set_status_in(conn, req, &statuses)
+        }),
     );
 }

@@ -14,10 +14,12 @@ use crate::changes::ChangeLog;
 
 mod entry_log;
 mod list;
+mod status_log;
 
 use crate::topics;
 use entry_log::*;
 use list::*;
+use status_log::StatusLog;
 
 /// The largest page `messages` returns.
 pub const MAX_PAGE: u32 = 500;
@@ -166,6 +168,9 @@ fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
     // rows whose events are above the store's fold mark, which is how readers find them.
     conn.execute_batch(WRITER_TAIL)?;
     conn.execute_batch(FOLD_ENTRIES)?;
+    conn.execute_batch(status_log::SCHEMA)?;
+    conn.execute_batch(status_log::WRITER_TAIL)?;
+    status_log::recover_in(conn)?;
     Ok(())
 }
 
@@ -179,6 +184,8 @@ pub struct SessionStore {
     store: Store,
     /// Shared by every `SessionStore` over the same store (its writes must all reach it).
     log: Arc<ChangeLog>,
+    /// Statuses not folded into their rows yet (`status_log.rs`); shared the same way.
+    statuses: Arc<StatusLog>,
 }
 
 fn status_str(s: SessionStatus) -> &'static str {
@@ -237,6 +244,20 @@ fn meta_in(
             cost_usd: None,
         },
     ))
+}
+
+/// As [`meta_in`], on the writer: with the status its transaction sees (`status_log.rs`).
+fn meta_in_writer(
+    conn: &Connection,
+    session_id: &str,
+) -> std::result::Result<Option<SessionMeta>, StoreError> {
+    let Some(mut meta) = meta_in(conn, session_id)? else {
+        return Ok(None);
+    };
+    if let Some(pending) = status_log::pending_in_writer(conn, session_id)? {
+        pending.apply(&mut meta);
+    }
+    Ok(Some(meta))
 }
 
 fn insert_session_in(
@@ -309,12 +330,21 @@ impl SessionStore {
     /// Creates the tables if needed.
     pub async fn open(store: Store) -> Result<SessionStore> {
         store.write(migrate).await?;
+        let statuses = store.shared::<StatusLog>();
         let hooked = store.shared::<FoldsEntries>();
         if !hooked.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            store.on_fold(Arc::new(fold_entries));
+            let folding = statuses.clone();
+            store.on_fold(Arc::new(move |conn: &Connection, upto: i64| {
+                fold_entries(conn, upto)?;
+                status_log::fold_in(conn, &folding, upto)
+            }));
         }
         let log = store.shared::<ChangeLog>();
-        Ok(SessionStore { store, log })
+        Ok(SessionStore {
+            store,
+            log,
+            statuses,
+        })
     }
 
     pub fn store(&self) -> &Store {
@@ -379,7 +409,7 @@ impl SessionStore {
         }
         self.store
             .write_replayable(move |conn| {
-                if let Some(meta) = meta_in(conn, &req.session_id)? {
+                if let Some(meta) = meta_in_writer(conn, &req.session_id)? {
                     return Ok(EnsureResponse {
                         meta,
                         created: false,
@@ -404,7 +434,19 @@ impl SessionStore {
     }
 
     pub fn get(&self, session_id: &str) -> Result<Option<SessionMeta>> {
-        Ok(self.store.read(|conn| meta_in(conn, session_id))?)
+        // The overlay before the row (see `status_log.rs`).
+        let pending = self.statuses.get(session_id);
+        let meta = self.store.read(|conn| meta_in(conn, session_id))?;
+        Ok(meta.map(|mut meta| {
+            if let Some(p) = pending {
+                p.apply(&mut meta);
+            }
+            meta
+        }))
+    }
+
+    pub(crate) fn statuses(&self) -> &Arc<StatusLog> {
+        &self.statuses
     }
 
     pub fn entry(&self, session_id: &str, entry_id: &str) -> Result<Option<Entry>> {
@@ -678,7 +720,8 @@ impl SessionStore {
                 return Ok(SetStatusResponse { changed: false });
             }
         }
-        self.write_notified(move |conn| set_status_in(conn, &req))
+        let statuses = self.statuses.clone();
+        self.write_notified(move |conn| set_status_in(conn, &req, &statuses))
             .await
     }
 
@@ -688,6 +731,7 @@ impl SessionStore {
     /// stream must not find a hole.
     pub async fn delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
         let log = self.log.clone();
+        let statuses = self.statuses.clone();
         self.write_notified(move |conn| {
             if meta_in(conn, &req.session_id)?.is_none() {
                 return Ok((DeleteResponse { deleted: false }, None));
@@ -701,6 +745,7 @@ impl SessionStore {
                 .execute(params![req.session_id])?;
             conn.prepare_cached("DELETE FROM sessions WHERE session_id = ?1")?
                 .execute(params![req.session_id])?;
+            status_log::forget_in(conn, &statuses, &req.session_id)?;
             let event = insert_event_in(
                 conn,
                 Some(&req.session_id),
@@ -975,26 +1020,18 @@ pub(crate) fn update_message_in(
     ))
 }
 
-/// `set-status` inside a caller's write (events are inserted, subscribers not woken).
+/// `set-status` inside a caller's write (events are inserted, subscribers not woken). The row
+/// is left to the fold (`status_log.rs`): the change is the event and the writer's TEMP row.
 pub(crate) fn set_status_in(
     conn: &Connection,
     req: &SetStatusRequest,
+    statuses: &Arc<StatusLog>,
 ) -> std::result::Result<(SetStatusResponse, Option<i64>), StoreError> {
-    // One statement when the status changes (every step sets it twice); the session is read
-    // only when nothing was updated, to tell "unchanged" from "no such session".
-    let updated = conn
-        .prepare_cached(
-            "UPDATE sessions SET status = ?2, status_reason = ?3, updated_at = ?4
-             WHERE session_id = ?1 AND (status IS NOT ?2 OR status_reason IS NOT ?3)",
-        )?
-        .execute(params![
-            req.session_id,
-            status_str(req.status),
-            req.reason,
-            now_ms()
-        ])?;
-    if updated == 0 {
+    let Some((status, reason)) = status_log::current_in_writer(conn, &req.session_id)? else {
         require_session(conn, &req.session_id)?;
+        return Ok((SetStatusResponse { changed: false }, None));
+    };
+    if parse_status(&status) == req.status && reason == req.reason {
         return Ok((SetStatusResponse { changed: false }, None));
     }
     let event = insert_event_in(
@@ -1003,6 +1040,14 @@ pub(crate) fn set_status_in(
         topics::STATUS_CHANGED,
         &json!({"session_id": req.session_id, "status": req.status, "reason": req.reason}),
         None,
+    )?;
+    status_log::record_in(
+        conn,
+        statuses,
+        &req.session_id,
+        req.status,
+        req.reason.as_deref(),
+        now_ms(),
     )?;
     Ok((SetStatusResponse { changed: true }, event))
 }

@@ -286,6 +286,43 @@ fn parsed((id, session_id, topic, payload, at_ms): RawEvent) -> Result<EventRow,
     })
 }
 
+/// Inside a caller's write or read: the latest event of each session among `topics` with an
+/// id above `after`, and the log's highest id. For a crate that keeps a table of its own
+/// up to date from its events in folds (see [`Store::on_fold`]) and, at open, catches up on
+/// what a killed process committed after its last fold.
+pub fn latest_by_session_in(
+    conn: &Connection,
+    after: i64,
+    topics: &[&str],
+) -> Result<(Vec<EventRow>, i64), StoreError> {
+    let upto = max_event_id(conn)?;
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, session_id, topic, payload, at_ms FROM events
+         WHERE id > ?1 AND session_id IS NOT NULL ORDER BY id",
+    )?;
+    let mut latest: std::collections::HashMap<String, EventRow> = Default::default();
+    let mut rows = stmt.query([after])?;
+    while let Some(r) = rows.next()? {
+        let topic: String = r.get(2)?;
+        if !topics.contains(&topic.as_str()) {
+            continue;
+        }
+        let session: String = r.get(1)?;
+        let payload: String = r.get(3)?;
+        let row = EventRow {
+            id: r.get(0)?,
+            session_id: Some(session.clone()),
+            topic,
+            payload: serde_json::from_str(&payload)?,
+            at_ms: r.get(4)?,
+        };
+        latest.insert(session, row);
+    }
+    let mut out: Vec<EventRow> = latest.into_values().collect();
+    out.sort_by_key(|e| e.id);
+    Ok((out, upto))
+}
+
 pub(crate) fn max_event_id(conn: &Connection) -> Result<i64, StoreError> {
     Ok(conn
         .prepare_cached("SELECT COALESCE(MAX(id), 0) FROM events")?
