@@ -1031,7 +1031,7 @@ pub(crate) fn set_status_in(
         require_session(conn, &req.session_id)?;
         return Ok((SetStatusResponse { changed: false }, None));
     };
-    if parse_status(&status) == req.status && reason == req.reason {
+    if status == req.status && reason == req.reason {
         return Ok((SetStatusResponse { changed: false }, None));
     }
     let event = insert_event_in(

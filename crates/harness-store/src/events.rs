@@ -287,9 +287,9 @@ fn parsed((id, session_id, topic, payload, at_ms): RawEvent) -> Result<EventRow,
 }
 
 /// Inside a caller's write or read: the latest event of each session among `topics` with an
-/// id above `after`, and the log's highest id. For a crate that keeps a table of its own
-/// up to date from its events in folds (see [`Store::on_fold`]) and, at open, catches up on
-/// what a killed process committed after its last fold.
+/// id above `after`, oldest first, and the log's highest id. For a crate that keeps a table of
+/// its own up to date from its events in folds (see [`Store::on_fold`]) and, at open, catches
+/// up on what a killed process committed after its last fold.
 pub fn latest_by_session_in(
     conn: &Connection,
     after: i64,
@@ -300,7 +300,8 @@ pub fn latest_by_session_in(
         "SELECT id, session_id, topic, payload, at_ms FROM events
          WHERE id > ?1 AND session_id IS NOT NULL ORDER BY id",
     )?;
-    let mut latest: std::collections::HashMap<String, EventRow> = Default::default();
+    // Each session's latest, as read; only those payloads are parsed.
+    let mut latest: std::collections::HashMap<String, RawEvent> = Default::default();
     let mut rows = stmt.query([after])?;
     while let Some(r) = rows.next()? {
         let topic: String = r.get(2)?;
@@ -308,19 +309,22 @@ pub fn latest_by_session_in(
             continue;
         }
         let session: String = r.get(1)?;
-        let payload: String = r.get(3)?;
-        let row = EventRow {
-            id: r.get(0)?,
-            session_id: Some(session.clone()),
-            topic,
-            payload: serde_json::from_str(&payload)?,
-            at_ms: r.get(4)?,
-        };
-        latest.insert(session, row);
+        latest.insert(
+            session.clone(),
+            (r.get(0)?, Some(session), topic, r.get(3)?, r.get(4)?),
+        );
     }
-    let mut out: Vec<EventRow> = latest.into_values().collect();
+    let mut out = latest
+        .into_values()
+        .map(parsed)
+        .collect::<Result<Vec<_>, _>>()?;
     out.sort_by_key(|e| e.id);
     Ok((out, upto))
+}
+
+/// Inside a caller's write or read: the log's highest event id (0 when it is empty).
+pub fn last_event_id_in(conn: &Connection) -> Result<i64, StoreError> {
+    max_event_id(conn)
 }
 
 pub(crate) fn max_event_id(conn: &Connection) -> Result<i64, StoreError> {

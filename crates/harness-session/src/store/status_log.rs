@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use harness_store::{latest_by_session_in, StoreError};
+use harness_store::{last_event_id_in, latest_by_session_in, StoreError};
 use harness_types::session::{SessionMeta, SessionStatus};
 use rusqlite::{params, Connection, OptionalExtension};
 
@@ -106,19 +106,15 @@ impl StatusLog {
 pub(super) fn current_in_writer(
     conn: &Connection,
     session_id: &str,
-) -> Result<Option<(String, Option<String>)>, StoreError> {
-    let unfolded = conn
-        .prepare_cached(
-            "SELECT status, status_reason FROM temp.session_status WHERE session_id = ?1",
-        )?
-        .query_row([session_id], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()?;
-    if unfolded.is_some() {
-        return Ok(unfolded);
+) -> Result<Option<(SessionStatus, Option<String>)>, StoreError> {
+    if let Some(p) = pending_in_writer(conn, session_id)? {
+        return Ok(Some((p.status, p.reason)));
     }
     Ok(conn
         .prepare_cached("SELECT status, status_reason FROM sessions WHERE session_id = ?1")?
-        .query_row([session_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row([session_id], |r| {
+            Ok((parse_status(&r.get::<_, String>(0)?), r.get(1)?))
+        })
         .optional()?)
 }
 
@@ -214,8 +210,7 @@ pub(super) fn recover_in(conn: &Connection) -> Result<(), StoreError> {
     let Some(mark) = mark else {
         // A new store, or one a version that wrote every status into its row left: the rows
         // are complete. From here on the mark is always there (set now, moved by each fold).
-        let (_, upto) = latest_by_session_in(conn, i64::MAX, &[])?;
-        return set_mark(conn, upto);
+        return set_mark(conn, last_event_id_in(conn)?);
     };
     let (latest, upto) =
         latest_by_session_in(conn, mark, &[topics::STATUS_CHANGED, topics::DELETED])?;
