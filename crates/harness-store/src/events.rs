@@ -13,6 +13,14 @@
 //! its session, in id order. The writer folds when the tail reaches [`FOLD_EVENTS`], when it is
 //! idle and when the store closes; one fold rewrites each session's leaf once for thousands of
 //! events. At open the tail is read back from the log (ids above the stored mark).
+//!
+//! Dedupe keys are folded the same way. A unique index on the log's key column had its new
+//! keys at two right edges (the keys begin with their topic), rewritten by every commit: 0.7 of
+//! a step's ~5.5 WAL pages. The keys of the tail's events are in `temp.event_keys_tail`, a TEMP
+//! table of the writer's connection (memory only, no WAL, rolled back with the batch or an op's
+//! savepoint, so a retried write within a batch still sees its own key); the fold moves them to
+//! `event_keys`, in key order. An insert with a key looks in both. At open the TEMP table is
+//! filled from the keys of the events above the mark.
 
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -28,6 +36,12 @@ use crate::store::Store;
 /// an event costs (at 200 busy sessions, 8,192 events are ~40 a session); the tail costs 16
 /// bytes an event in memory, and the fold holds the writer for its length (a few ms).
 pub(crate) const FOLD_EVENTS: usize = 8192;
+
+/// The writer connection's dedupe keys of the events above the fold mark (see the module docs).
+const TAIL_KEYS: &str = "CREATE TEMP TABLE IF NOT EXISTS event_keys_tail(
+    dedupe_key TEXT PRIMARY KEY
+) WITHOUT ROWID;
+DELETE FROM temp.event_keys_tail;";
 
 /// What another crate folds with the events: a table it keeps, like the index, in a log
 /// ordered by event id and brings up to date in the same transaction (see [`Store::on_fold`]).
@@ -81,6 +95,13 @@ impl EventTail {
             let session: String = row.get(0)?;
             rows.push((session_hash(&session), row.get(1)?));
         }
+        // The tail's dedupe keys, on the writer's connection (see the module docs).
+        conn.execute_batch(TAIL_KEYS)?;
+        conn.prepare(
+            "INSERT OR IGNORE INTO temp.event_keys_tail(dedupe_key)
+             SELECT dedupe_key FROM events WHERE id > ?1 AND dedupe_key IS NOT NULL",
+        )?
+        .execute([upto])?;
         let last = max_event_id(conn)?;
         *self.state() = TailState {
             upto,
@@ -209,18 +230,26 @@ pub fn insert_event_text_in(
     text: &str,
     dedupe_key: Option<&str>,
 ) -> Result<Option<i64>, StoreError> {
-    // ON CONFLICT(dedupe_key) rather than INSERT OR IGNORE: only a duplicate key is ignored,
-    // any other constraint failure is still an error. The WHERE names the partial index.
-    let changed = conn
-        .prepare_cached(
-            "INSERT INTO events(session_id, topic, payload, dedupe_key, at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5)
-             ON CONFLICT(dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING",
-        )?
-        .execute((session_id, topic, text, dedupe_key, harness_types::now_ms()))?;
-    if changed == 0 {
-        return Ok(None);
+    if let Some(key) = dedupe_key {
+        // The tail's keys first (in memory), then the folded ones. A plain INSERT of the key
+        // below: it is new, and any other failure is still an error.
+        let seen = conn
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM temp.event_keys_tail WHERE dedupe_key = ?1)
+                     OR EXISTS (SELECT 1 FROM event_keys WHERE dedupe_key = ?1)",
+            )?
+            .query_row([key], |r| r.get::<_, bool>(0))?;
+        if seen {
+            return Ok(None);
+        }
+        conn.prepare_cached("INSERT INTO temp.event_keys_tail(dedupe_key) VALUES (?1)")?
+            .execute([key])?;
     }
+    conn.prepare_cached(
+        "INSERT INTO events(session_id, topic, payload, dedupe_key, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?
+    .execute((session_id, topic, text, dedupe_key, harness_types::now_ms()))?;
     let id = conn.last_insert_rowid();
     pend(session_id, id);
     Ok(Some(id))
@@ -247,6 +276,14 @@ pub(crate) fn fold_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<(), St
          ORDER BY session_id, id",
     )?
     .execute((from, to))?;
+    // Every key in the TEMP table is an event's at or below `to` (the writer's own view).
+    conn.prepare_cached(
+        "INSERT OR IGNORE INTO event_keys(dedupe_key)
+         SELECT dedupe_key FROM temp.event_keys_tail ORDER BY dedupe_key",
+    )?
+    .execute([])?;
+    conn.prepare_cached("DELETE FROM temp.event_keys_tail")?
+        .execute([])?;
     conn.prepare_cached("UPDATE folds SET upto = ?1 WHERE name = 'events'")?
         .execute([to])?;
     let hooks = tail.hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -8,7 +8,8 @@ use rusqlite::{Connection, OptionalExtension};
 /// 3: no `events_session` index; `events_by_session`, folded in batches (`events.rs`), and
 ///    `folds`, the mark each fold reached.
 /// 4: `kv_log`, where the writer appends kv changes for a fold to write back (`kv_log.rs`).
-pub(crate) const SCHEMA_VERSION: i64 = 4;
+/// 5: no `events_dedupe` index; `event_keys`, the dedupe keys of folded events (`events.rs`).
+pub(crate) const SCHEMA_VERSION: i64 = 5;
 
 // `kv` is a rowid table with a unique (scope, key) index, not WITHOUT ROWID: its values (turn
 // records are ~1.3 KiB) are larger than the ~1 KiB a WITHOUT ROWID row keeps on a 4 KiB page, so
@@ -22,8 +23,11 @@ pub(crate) const SCHEMA_VERSION: i64 = 4;
 //
 // `events` ids are plain rowids (max + 1): the log is append-only (nothing deletes from it), so
 // ids are never reused and event cursors (`after_id`) stay valid forever, without the
-// `sqlite_sequence` update AUTOINCREMENT costs on every insert. Most events carry no dedupe key:
-// the unique index holds only those that do.
+// `sqlite_sequence` update AUTOINCREMENT costs on every insert.
+//
+// `event_keys` holds the dedupe keys of folded events (most events carry none); the keys of the
+// events above the fold mark are checked in the writer's memory and written here by the fold, so
+// that a commit does not rewrite the right edges of a key index (`events.rs`).
 //
 // `kv_log` holds kv changes not yet written back to `kv` (NULL value: a deletion), appended
 // in id order by the writer and emptied by each fold (`kv_log.rs`).
@@ -60,7 +64,9 @@ CREATE TABLE IF NOT EXISTS events(
     dedupe_key TEXT,
     at_ms INTEGER NOT NULL
 );
-CREATE UNIQUE INDEX IF NOT EXISTS events_dedupe ON events(dedupe_key) WHERE dedupe_key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS event_keys(
+    dedupe_key TEXT PRIMARY KEY
+) WITHOUT ROWID;
 
 CREATE TABLE IF NOT EXISTS events_by_session(
     session_id TEXT NOT NULL,
@@ -88,6 +94,17 @@ INSERT OR IGNORE INTO events_by_session(session_id, id)
     SELECT session_id, id FROM events WHERE session_id IS NOT NULL ORDER BY session_id, id;
 DROP INDEX IF EXISTS events_session;
 INSERT OR REPLACE INTO folds(name, upto) VALUES ('events', (SELECT COALESCE(MAX(id), 0) FROM events));
+";
+
+/// Version 4 (or older, after the steps above) → 5: the dedupe keys of the folded events move
+/// from the index every insert wrote to `event_keys`; those above the fold mark are read into the
+/// writer's memory at open, as a killed process would leave them. Idempotent.
+const TO_V5: &str = "
+INSERT OR IGNORE INTO event_keys(dedupe_key)
+    SELECT dedupe_key FROM events
+    WHERE dedupe_key IS NOT NULL AND id <= (SELECT upto FROM folds WHERE name = 'events')
+    ORDER BY dedupe_key;
+DROP INDEX IF EXISTS events_dedupe;
 ";
 
 /// Version 1 → 2: both tables are rebuilt under their old names moved aside, rows and ids kept.
@@ -138,6 +155,12 @@ fn create_in(conn: &Connection) -> rusqlite::Result<()> {
             tracing::info!("harness-store: indexing the event log by session (schema 3)");
         }
         conn.execute_batch(TO_V3)?;
+    }
+    if version < 5 {
+        if version > 0 {
+            tracing::info!("harness-store: moving the event log's dedupe keys (schema 5)");
+        }
+        conn.execute_batch(TO_V5)?;
     }
     conn.pragma_update(None, "user_version", SCHEMA_VERSION)
 }

@@ -296,3 +296,87 @@ async fn notify_events_wakes_only_to_events_a_reader_can_page() {
     let page = store.events_after("s", before, 10).unwrap();
     assert_eq!(page.iter().map(|e| e.id).collect::<Vec<_>>(), vec![id]);
 }
+
+/// Whether `key` is among the folded dedupe keys (`event_keys`).
+fn folded_key(store: &Store, key: &str) -> bool {
+    store
+        .read(|c| {
+            Ok(c.prepare("SELECT 1 FROM event_keys WHERE dedupe_key = ?1")?
+                .exists([key])?)
+        })
+        .unwrap()
+}
+
+/// A dedupe key counts wherever it is: in the writer's memory (above the fold mark, the same
+/// write included), folded into `event_keys`, or read back at open from what a killed process
+/// left; a key whose write rolled back was never recorded.
+#[tokio::test]
+async fn a_dedupe_key_counts_across_folds_rollbacks_and_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ev.db");
+    let store = Store::open(&path, Durability::Normal).unwrap();
+    let append = |key: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .append_event(Some("s"), "t", &json!({ "k": key }), Some(key))
+                .await
+                .unwrap()
+        }
+    };
+    assert!(append("folded").await.is_some());
+    store.fold_events().await.unwrap();
+    assert!(folded_key(&store, "folded"));
+    assert!(append("tail").await.is_some());
+    assert!(!folded_key(&store, "tail"), "above the mark: memory only");
+
+    // Twice in one write: the second is a duplicate of the first, uncommitted as it is.
+    let twice = store
+        .write(|c| {
+            let a = insert_event_in(c, Some("s"), "t", &json!(1), Some("same-write"))?;
+            let b = insert_event_in(c, Some("s"), "t", &json!(2), Some("same-write"))?;
+            Ok((a.is_some(), b.is_some()))
+        })
+        .await
+        .unwrap();
+    assert_eq!(twice, (true, false));
+    // A write that fails after inserting its key leaves nothing behind.
+    let failed = store
+        .write(|c| {
+            insert_event_in(c, Some("s"), "t", &json!(3), Some("rolled-back"))?;
+            Err::<(), _>(harness_store::StoreError::Invalid("on purpose".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+
+    for key in ["folded", "tail", "same-write"] {
+        assert_eq!(append(key).await, None, "{key} was recorded");
+    }
+    assert!(append("rolled-back").await.is_some());
+
+    // What a SIGKILL would leave: the database and its WAL as committed, nothing folded since.
+    let crashed = dir.path().join("crashed.db");
+    std::fs::copy(&path, &crashed).unwrap();
+    std::fs::copy(
+        dir.path().join("ev.db-wal"),
+        dir.path().join("crashed.db-wal"),
+    )
+    .unwrap();
+    store.close();
+    let reopened = Store::open(&crashed, Durability::Normal).unwrap();
+    assert!(reopened.unfolded_events() > 0, "the tail was read back");
+    for key in ["folded", "tail", "same-write", "rolled-back"] {
+        let again = reopened
+            .append_event(Some("s"), "t", &json!({}), Some(key))
+            .await
+            .unwrap();
+        assert_eq!(again, None, "{key} still counts after the crash");
+    }
+    reopened.fold_events().await.unwrap();
+    assert!(folded_key(&reopened, "tail") && folded_key(&reopened, "rolled-back"));
+    let fresh = reopened
+        .append_event(Some("s"), "t", &json!({}), Some("new"))
+        .await
+        .unwrap();
+    assert!(fresh.is_some());
+}

@@ -103,7 +103,7 @@ async fn a_version_1_store_opens_with_everything_in_it() {
         })
         .unwrap();
     assert!(!layout.0.contains("WITHOUT ROWID"), "{}", layout.0);
-    assert_eq!(layout.1, 4);
+    assert_eq!(layout.1, 5);
 
     // State.
     let s1 = store.kv_get("harness_turn", "s1").unwrap().unwrap();
@@ -217,7 +217,7 @@ async fn a_version_2_event_log_is_indexed_by_session_once() {
             ))
         })
         .unwrap();
-    assert_eq!((version, old_index), (4, false));
+    assert_eq!((version, old_index), (5, false));
     let a: Vec<i64> = store
         .events_after("a", 0, 100)
         .unwrap()
@@ -263,7 +263,7 @@ async fn a_store_written_by_a_newer_harness_is_refused_and_left_as_it_was() {
     let text = err.to_string();
     assert!(text.starts_with("harness/store_too_new: "), "{text}");
     assert!(
-        text.contains("schema 99") && text.contains("up to 4"),
+        text.contains("schema 99") && text.contains("up to 5"),
         "{text}"
     );
     assert!(text.contains("newer.db"), "{text}");
@@ -278,4 +278,85 @@ async fn a_store_written_by_a_newer_harness_is_refused_and_left_as_it_was() {
         .query_row("SELECT value FROM kv WHERE key = 's1'", [], |r| r.get(0))
         .unwrap();
     assert_eq!(value, r#"{"n":1}"#);
+}
+
+/// The event log and its fold mark as version 4 left them: the dedupe keys in a unique index
+/// every insert wrote, events folded up to id 2.
+const V4_EVENTS: &str = "
+CREATE TABLE IF NOT EXISTS events(
+    id INTEGER PRIMARY KEY,
+    session_id TEXT,
+    topic TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    dedupe_key TEXT,
+    at_ms INTEGER NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_dedupe ON events(dedupe_key) WHERE dedupe_key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS events_by_session(
+    session_id TEXT NOT NULL,
+    id INTEGER NOT NULL,
+    PRIMARY KEY(session_id, id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS folds(
+    name TEXT PRIMARY KEY,
+    upto INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO events VALUES (1, 's', 't', '{}', 'k-folded', 1), (2, 's', 't', '{}', NULL, 1),
+    (3, 's', 't', '{}', 'k-tail', 1), (4, 's', 't', '{}', NULL, 1);
+INSERT INTO events_by_session VALUES ('s', 1), ('s', 2);
+INSERT INTO folds VALUES ('events', 2);
+PRAGMA user_version = 4;
+";
+
+/// A version 4 log opens with its dedupe keys moved off the per-insert index: the folded
+/// events' keys into `event_keys`, the tail's into the writer's memory, and every one of them
+/// still deduplicates.
+#[tokio::test]
+async fn a_version_4_log_keeps_every_dedupe_key_off_the_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v4.db");
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.execute_batch(V4_EVENTS).unwrap();
+    }
+    let store = Store::open(&path, Durability::Full).unwrap();
+    let (version, index, folded): (i64, bool, Vec<String>) = store
+        .read(|c| {
+            let folded = c
+                .prepare("SELECT dedupe_key FROM event_keys ORDER BY dedupe_key")?
+                .query_map([], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            Ok((
+                c.query_row("PRAGMA user_version", [], |r| r.get(0))?,
+                c.prepare("SELECT 1 FROM sqlite_schema WHERE name = 'events_dedupe'")?
+                    .exists([])?,
+                folded,
+            ))
+        })
+        .unwrap();
+    assert_eq!((version, index), (5, false));
+    assert_eq!(folded, vec!["k-folded".to_string()]);
+    assert_eq!(store.unfolded_events(), 2);
+    for key in ["k-folded", "k-tail"] {
+        let again = store
+            .append_event(Some("s"), "t", &json!({}), Some(key))
+            .await
+            .unwrap();
+        assert_eq!(again, None, "{key} still deduplicates");
+    }
+    let ids: Vec<i64> = store
+        .events_after("s", 0, 10)
+        .unwrap()
+        .iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(ids, vec![1, 2, 3, 4]);
+    assert_eq!(
+        store
+            .append_event(Some("s"), "t", &json!({}), Some("k-new"))
+            .await
+            .unwrap(),
+        Some(5)
+    );
 }
