@@ -171,13 +171,14 @@ async fn a_data_dir_of_030ad11_opens_in_place_and_keeps_everything() {
     server.start_again().await;
     assert_eq!(server.transcript("fx-a", true).await, transcript);
 
-    // Migrated once to the folded layout (schema 4): the per-insert `events_session` index is
-    // gone, every event of a session is in `events_by_session` up to the fold mark (a clean
-    // stop folds all of them), and no entry version or kv version is left in a log.
+    // Migrated once to the folded layout (schema 5): the per-insert `events_session` and
+    // `events_dedupe` indexes are gone, every event of a session is in `events_by_session` and
+    // every dedupe key in `event_keys` up to the fold mark (a clean stop folds all of them), and
+    // no entry version or kv version is left in a log.
     stop_cleanly(&mut server).await;
     let db = rusqlite::Connection::open(server.data_dir().join("harness.db")).unwrap();
     let one = |sql: &str| -> i64 { db.query_row(sql, [], |r| r.get(0)).unwrap() };
-    assert_eq!(one("PRAGMA user_version"), 4);
+    assert_eq!(one("PRAGMA user_version"), 5);
     assert_eq!(one("SELECT COUNT(*) FROM kv_log"), 0);
     assert_eq!(
         one("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'events_session'"),
@@ -191,6 +192,15 @@ async fn a_data_dir_of_030ad11_opens_in_place_and_keeps_everything() {
         one("SELECT COUNT(*) FROM events_by_session"),
         one("SELECT COUNT(*) FROM events WHERE session_id IS NOT NULL")
     );
+    assert_eq!(
+        one("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'events_dedupe'"),
+        0
+    );
+    assert_eq!(
+        one("SELECT COUNT(*) FROM event_keys"),
+        one("SELECT COUNT(*) FROM events WHERE dedupe_key IS NOT NULL")
+    );
+    assert!(one("SELECT COUNT(*) FROM event_keys") > 0);
     assert_eq!(one("SELECT COUNT(*) FROM entry_log"), 0);
     assert!(one("SELECT COUNT(*) FROM entries") > 0);
 }
