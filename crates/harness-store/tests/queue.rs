@@ -674,3 +674,62 @@ async fn a_queues_after_a_dropped_one_delivers_the_rows_it_had_taken() {
     assert_eq!(recv(&mut rx).await, json!(2));
     queues.shutdown().await;
 }
+
+/// Enqueues one message in a write of its own and returns its id.
+async fn enqueue_one(store: &Store, n: i64) -> i64 {
+    store
+        .write(move |c| enqueue_in(c, "ids", "g", "f", &json!(n)))
+        .await
+        .unwrap()
+}
+
+/// Queue ids are consecutive within a process (a rolled-back enqueue gives its id back), never
+/// used twice, even after every row was deleted and the process killed, and the reservation in
+/// `sqlite_sequence` is written once for many enqueues, not by each commit.
+#[tokio::test]
+async fn queue_ids_are_never_reused_and_sqlite_sequence_is_written_once_per_reservation() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q.db");
+    let store = Store::open(&path, Durability::Normal).unwrap();
+    let first = enqueue_one(&store, 0).await;
+    let failed = store
+        .write(|c| {
+            enqueue_in(c, "ids", "g", "f", &json!("rolled back"))?;
+            Err::<(), _>(harness_store::StoreError::Invalid("on purpose".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+    store.record_wal_pages(true);
+    let mut ids = vec![first];
+    for n in 1..40 {
+        ids.push(enqueue_one(&store, n).await);
+    }
+    let pages = store.wal_pages_by_table().unwrap();
+    store.record_wal_pages(false);
+    assert_eq!(ids, (first..first + 40).collect::<Vec<_>>(), "consecutive");
+    assert!(pages.pages() >= 40, "{:?}", pages.by_table);
+    assert!(
+        !pages.by_table.iter().any(|(t, _)| t == "sqlite_sequence"),
+        "40 commits that enqueue, none writes sqlite_sequence: {:?}",
+        pages.by_table
+    );
+
+    // Every row acked (deleted), then what a SIGKILL leaves: the next id is still a new one.
+    store
+        .write(|c| Ok(c.execute("DELETE FROM queue_messages", [])?))
+        .await
+        .unwrap();
+    let last = *ids.last().unwrap();
+    let crashed = dir.path().join("crashed.db");
+    std::fs::copy(&path, &crashed).unwrap();
+    std::fs::copy(
+        dir.path().join("q.db-wal"),
+        dir.path().join("crashed.db-wal"),
+    )
+    .unwrap();
+    store.close();
+    let reopened = Store::open(&crashed, Durability::Normal).unwrap();
+    let next = enqueue_one(&reopened, 99).await;
+    assert!(next > last, "{next} after {last}");
+    assert_eq!(enqueue_one(&reopened, 100).await, next + 1);
+}
