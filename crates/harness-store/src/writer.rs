@@ -245,8 +245,9 @@ where
     }
 }
 
-/// Blocks for the first op, drains whatever else is already queued (up to [`MAX_BATCH`]) and
-/// runs it all as one transaction. Exits when every sender is gone and the queue is empty.
+/// Blocks for the first op, drains whatever else is already queued and runs it all as one
+/// transaction, taking in what arrives meanwhile (up to [`MAX_BATCH`] ops or
+/// [`MAX_BATCH_TIME`]) before the COMMIT. Exits when every sender is gone and the queue is empty.
 pub(crate) fn writer_loop(
     conn: Connection,
     rx: mpsc::Receiver<Box<dyn Op>>,
