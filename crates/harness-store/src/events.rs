@@ -231,8 +231,7 @@ pub fn insert_event_text_in(
     dedupe_key: Option<&str>,
 ) -> Result<Option<i64>, StoreError> {
     if let Some(key) = dedupe_key {
-        // The tail's keys first (in memory), then the folded ones. A plain INSERT of the key
-        // below: it is new, and any other failure is still an error.
+        // The tail's keys first (in memory), then the folded ones.
         let seen = conn
             .prepare_cached(
                 "SELECT EXISTS (SELECT 1 FROM temp.event_keys_tail WHERE dedupe_key = ?1)
@@ -242,8 +241,6 @@ pub fn insert_event_text_in(
         if seen {
             return Ok(None);
         }
-        conn.prepare_cached("INSERT INTO temp.event_keys_tail(dedupe_key) VALUES (?1)")?
-            .execute([key])?;
     }
     conn.prepare_cached(
         "INSERT INTO events(session_id, topic, payload, dedupe_key, at_ms)
@@ -251,6 +248,12 @@ pub fn insert_event_text_in(
     )?
     .execute((session_id, topic, text, dedupe_key, harness_types::now_ms()))?;
     let id = conn.last_insert_rowid();
+    // After the event, so a failed insert leaves no key behind to refuse its retry. A plain
+    // INSERT: the key is new (checked above), and any failure is still an error.
+    if let Some(key) = dedupe_key {
+        conn.prepare_cached("INSERT INTO temp.event_keys_tail(dedupe_key) VALUES (?1)")?
+            .execute([key])?;
+    }
     pend(session_id, id);
     Ok(Some(id))
 }
