@@ -1,5 +1,7 @@
 //! Event log: dedupe, paging, subscriptions.
 
+mod common;
+
 use std::time::Duration;
 
 use harness_store::{insert_event_in, Durability, Store};
@@ -355,13 +357,7 @@ async fn a_dedupe_key_counts_across_folds_rollbacks_and_a_crash() {
     assert!(append("rolled-back").await.is_some());
 
     // What a SIGKILL would leave: the database and its WAL as committed, nothing folded since.
-    let crashed = dir.path().join("crashed.db");
-    std::fs::copy(&path, &crashed).unwrap();
-    std::fs::copy(
-        dir.path().join("ev.db-wal"),
-        dir.path().join("crashed.db-wal"),
-    )
-    .unwrap();
+    let crashed = common::killed_copy(&path);
     store.close();
     let reopened = Store::open(&crashed, Durability::Normal).unwrap();
     assert!(reopened.unfolded_events() > 0, "the tail was read back");

@@ -1,6 +1,8 @@
 //! Durable FIFO queue semantics: ordering, exclusivity, parallelism, retries, dead letters,
 //! leases, prompt wake-up and redelivery after a crash.
 
+mod common;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -720,13 +722,7 @@ async fn queue_ids_are_never_reused_and_sqlite_sequence_is_written_once_per_rese
         .await
         .unwrap();
     let last = *ids.last().unwrap();
-    let crashed = dir.path().join("crashed.db");
-    std::fs::copy(&path, &crashed).unwrap();
-    std::fs::copy(
-        dir.path().join("q.db-wal"),
-        dir.path().join("crashed.db-wal"),
-    )
-    .unwrap();
+    let crashed = common::killed_copy(&path);
     store.close();
     let reopened = Store::open(&crashed, Durability::Normal).unwrap();
     let next = enqueue_one(&reopened, 99).await;

@@ -77,3 +77,17 @@ pub fn spawn_child(child: &str, env: &str, db: &std::path::Path) -> std::process
         .spawn()
         .unwrap()
 }
+
+/// A copy of the database at `path` and its WAL as they are now, beside it: what a SIGKILL
+/// of the process writing it would leave (committed, nothing folded or checkpointed since).
+pub fn killed_copy(path: &std::path::Path) -> std::path::PathBuf {
+    let copy = path.with_extension("killed.db");
+    std::fs::copy(path, &copy).unwrap();
+    let wal = |p: &std::path::Path| {
+        let mut s = p.as_os_str().to_owned();
+        s.push("-wal");
+        std::path::PathBuf::from(s)
+    };
+    std::fs::copy(wal(path), wal(&copy)).unwrap();
+    copy
+}
