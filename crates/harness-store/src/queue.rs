@@ -4,9 +4,10 @@
 //!   of groups that are eligible) drives dispatch, so dispatch never scans the table.
 //! * New rows reach the index through a scan of "ready rows with id > last scanned id". Scans are
 //!   serialised and ids are never reused (AUTOINCREMENT, reserved ahead: see [`ID_COUNTER`]) and
-//!   committed in id order by the single writer, so a scan can neither miss a row nor see one twice. The first scan (at the first
-//!   `enqueue`/`wake`/`start`) loads every ready row: a crashed process's in-flight messages are
-//!   simply ready again, which is redelivery (at-least-once).
+//!   committed in id order by the single writer, so a scan can neither miss a row nor see one
+//!   twice. The first scan (at the first `enqueue`/`wake`/`start`) loads every ready row: a
+//!   crashed process's in-flight messages are simply ready again, which is redelivery
+//!   (at-least-once).
 //! * Per group: only the oldest message is eligible, and never while another message of that
 //!   group is in flight or waiting out its retry backoff. Groups run in parallel up to
 //!   `concurrency` handlers, round-robin.

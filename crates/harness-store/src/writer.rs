@@ -298,26 +298,13 @@ pub(crate) fn writer_loop(
         unsettled = true;
         let started = std::time::Instant::now();
         batch.push(first);
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(op) => batch.push(op),
-                Err(_) => break,
-            }
-        }
         let mut txn = Batch::new(&conn, cache, counters);
         let mut ran = 0;
+        // Drains what is queued, runs it, and drains again: what arrived while the batch ran
+        // joins it rather than wait for the COMMIT and open a transaction of its own (a
+        // commit's cost is mostly the right edges it rewrites, whatever it carries). Never
+        // waits for more.
         loop {
-            for op in batch.drain(..) {
-                counters.writes.fetch_add(1, Ordering::Relaxed);
-                txn.run(op);
-                ran += 1;
-            }
-            // What arrived while the batch ran joins it rather than wait for the COMMIT and
-            // open a transaction of its own: a commit's cost is mostly the right edges it
-            // rewrites, whatever it carries. Never waits for more.
-            if ran >= MAX_BATCH || started.elapsed() >= MAX_BATCH_TIME {
-                break;
-            }
             while ran + batch.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(op) => batch.push(op),
@@ -325,6 +312,14 @@ pub(crate) fn writer_loop(
                 }
             }
             if batch.is_empty() {
+                break;
+            }
+            for op in batch.drain(..) {
+                counters.writes.fetch_add(1, Ordering::Relaxed);
+                txn.run(op);
+                ran += 1;
+            }
+            if ran >= MAX_BATCH || started.elapsed() >= MAX_BATCH_TIME {
                 break;
             }
         }
