@@ -510,8 +510,16 @@ impl Bus for ProbeBus {
         store_op("state_get", self.inner.state_get_shared(scope, key)).await
     }
 
+    async fn state_get_text(&self, scope: &str, key: &str) -> Result<Option<Arc<str>>, BusError> {
+        store_op("state_get", self.inner.state_get_text(scope, key)).await
+    }
+
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
         store_op("state_set", self.inner.state_set(scope, key, value)).await
+    }
+
+    async fn state_set_text(&self, scope: &str, key: &str, text: String) -> Result<(), BusError> {
+        store_op("state_set", self.inner.state_set_text(scope, key, text)).await
     }
 
     async fn state_delete(&self, scope: &str, key: &str) -> Result<(), BusError> {

@@ -214,6 +214,14 @@ pub enum BusWrite {
         key: String,
         value: Value,
     },
+    /// [`BusWrite::StateSet`] of a value its writer serialised itself (the turn record, from
+    /// its struct): a bus that stores JSON text stores and caches it as it is, so neither the
+    /// write nor a [`Bus::state_get_text`] of it builds a `Value` tree. It must be JSON text.
+    StateSetText {
+        scope: String,
+        key: String,
+        text: String,
+    },
     StateDelete {
         scope: String,
         key: String,
@@ -351,6 +359,21 @@ pub trait Bus: Send + Sync + 'static {
         Ok(self.state_get(scope, key).await?.map(Arc::new))
     }
 
+    /// [`Bus::state_get`] as JSON text, for a reader that parses it into its own type: a bus
+    /// that keeps the text (the embedded store) hands it over without building a `Value`.
+    async fn state_get_text(&self, scope: &str, key: &str) -> Result<Option<Arc<str>>, BusError> {
+        match self.state_get_shared(scope, key).await? {
+            None => Ok(None),
+            Some(v) => Ok(Some(to_text(&v)?.into())),
+        }
+    }
+
+    /// [`Bus::state_set`] of a value already serialised as JSON text (see
+    /// [`BusWrite::StateSetText`]).
+    async fn state_set_text(&self, scope: &str, key: &str, text: String) -> Result<(), BusError> {
+        self.state_set(scope, key, from_text(&text)?).await
+    }
+
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
         self.call(
             "state::set",
@@ -408,6 +431,10 @@ pub async fn commit_one_by_one<B: Bus + ?Sized>(
                 bus.state_set(&scope, &key, value).await?;
                 Value::Null
             }
+            BusWrite::StateSetText { scope, key, text } => {
+                bus.state_set_text(&scope, &key, text).await?;
+                Value::Null
+            }
             BusWrite::StateDelete { scope, key } => {
                 bus.state_delete(&scope, &key).await?;
                 Value::Null
@@ -431,4 +458,14 @@ pub async fn commit_one_by_one<B: Bus + ?Sized>(
         });
     }
     Ok(out)
+}
+
+fn to_text(value: &Value) -> Result<String, BusError> {
+    serde_json::to_string(value).map_err(|e| BusError::internal(e.to_string()))
+}
+
+/// The value a [`BusWrite::StateSetText`] names, for a bus that stores values, not text.
+fn from_text(text: &str) -> Result<Value, BusError> {
+    serde_json::from_str(text)
+        .map_err(|e| BusError::internal(format!("a state value is not JSON text: {e}")))
 }

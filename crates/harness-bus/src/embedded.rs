@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use harness_store::{
-    enqueue_text_in, insert_event_text_in, kv_delete_in, kv_put_cached_in, Connection, QueueConfig,
-    QueueHandler, QueueMessage, Queues, Store, StoreError,
+    enqueue_text_in, insert_event_text_in, kv_delete_in, kv_put_cached_in, kv_put_text_cached_in,
+    Connection, QueueConfig, QueueHandler, QueueMessage, Queues, Store, StoreError,
 };
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -546,6 +546,11 @@ impl Bus for EmbeddedBus {
                     text: to_text(&value)?,
                     value: Arc::new(value),
                 },
+                (BusWrite::StateSetText { scope, key, text }, _) => Planned::StateSetText {
+                    scope,
+                    key,
+                    text: text.into(),
+                },
                 (BusWrite::StateDelete { scope, key }, _) => Planned::StateDelete { scope, key },
                 (
                     BusWrite::Enqueue {
@@ -627,8 +632,20 @@ impl Bus for EmbeddedBus {
         Ok(self.inner.store.kv_get_shared(scope, key)?)
     }
 
+    async fn state_get_text(&self, scope: &str, key: &str) -> Result<Option<Arc<str>>, BusError> {
+        Ok(self.inner.store.kv_get_text(scope, key)?)
+    }
+
     async fn state_set(&self, scope: &str, key: &str, value: Value) -> Result<(), BusError> {
         self.inner.store.kv_put_through(scope, key, value).await?;
+        Ok(())
+    }
+
+    async fn state_set_text(&self, scope: &str, key: &str, text: String) -> Result<(), BusError> {
+        self.inner
+            .store
+            .kv_put_text_through(scope, key, text.into())
+            .await?;
         Ok(())
     }
 
@@ -675,6 +692,12 @@ enum Planned {
         text: String,
         /// What `text` says, for the store's cache once the batch commits.
         value: Arc<Value>,
+    },
+    /// Cached as the text itself.
+    StateSetText {
+        scope: String,
+        key: String,
+        text: Arc<str>,
     },
     StateDelete {
         scope: String,
@@ -734,6 +757,10 @@ impl Planned {
                 value,
             } => {
                 kv_put_cached_in(conn, scope, key, text, value)?;
+                Value::Null
+            }
+            Planned::StateSetText { scope, key, text } => {
+                kv_put_text_cached_in(conn, scope, key, text)?;
                 Value::Null
             }
             Planned::StateDelete { scope, key } => {

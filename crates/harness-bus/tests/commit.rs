@@ -256,3 +256,69 @@ async fn typed_writes_skip_json_where_the_form_takes_their_type() {
     assert_eq!(out, vec![json!({"text": "d"})]);
     assert_eq!(rx.recv().await.unwrap(), json!({"text": "d"}));
 }
+
+/// A value given as JSON text is written as that text, in a batch's transaction or one by one,
+/// read back as the same text or parsed, and rolled back with its batch.
+#[tokio::test]
+async fn state_written_as_text_commits_rolls_back_and_reads_in_either_form() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, bus) = open(dir.path());
+    let text = |key: &str, text: &str| BusWrite::StateSetText {
+        scope: "t".into(),
+        key: key.into(),
+        text: text.into(),
+    };
+    bus.commit(vec![text("a", r#"{"z":1,"a":[true]}"#)])
+        .await
+        .unwrap();
+    assert_eq!(
+        bus.state_get_text("t", "a").await.unwrap().as_deref(),
+        Some(r#"{"z":1,"a":[true]}"#)
+    );
+    assert_eq!(
+        bus.state_get("t", "a").await.unwrap(),
+        Some(json!({"z": 1, "a": [true]}))
+    );
+
+    // In a batch that fails: rolled back with it.
+    bus.register_transactional(
+        "t::refuse",
+        Arc::new(|_conn, _payload| Err(StoreError::Invalid("refused".into()))),
+    );
+    let refused = vec![
+        text("a", r#""rolled back""#),
+        BusWrite::Call {
+            function_id: "t::refuse".into(),
+            payload: Value::Null,
+        },
+    ];
+    assert!(bus.commit(refused).await.is_err());
+    assert_eq!(
+        bus.state_get_text("t", "a").await.unwrap().as_deref(),
+        Some(r#"{"z":1,"a":[true]}"#)
+    );
+
+    // One by one (a call without a transactional form), and by `state_set_text`.
+    bus.register_function(
+        harness_bus::FunctionDef::new("t::plain", "answers 7"),
+        Arc::new(|_p: Value, _ctx| async { Ok(json!(7)) }),
+    );
+    let plain = BusWrite::Call {
+        function_id: "t::plain".into(),
+        payload: Value::Null,
+    };
+    bus.commit(vec![text("b", "[1,2]"), plain]).await.unwrap();
+    assert_eq!(bus.state_get("t", "b").await.unwrap(), Some(json!([1, 2])));
+    bus.state_set_text("t", "c", "\"c\"".into()).await.unwrap();
+    assert_eq!(
+        bus.state_get_text("t", "c").await.unwrap().as_deref(),
+        Some("\"c\"")
+    );
+    // A value written parsed reads as text too.
+    bus.state_set("t", "d", json!({"n": 1})).await.unwrap();
+    assert_eq!(
+        bus.state_get_text("t", "d").await.unwrap().as_deref(),
+        Some(r#"{"n":1}"#)
+    );
+    assert_eq!(bus.state_get_text("t", "none").await.unwrap(), None);
+}

@@ -230,12 +230,10 @@ impl StepWrites {
     /// As [`Harness::save_record`] (stamps `updated_at` the same way).
     pub(crate) fn save_record(&mut self, rec: &mut TurnRecord) -> Result<()> {
         rec.updated_at = harness_types::now_ms();
-        let value =
-            serde_json::to_value(&*rec).map_err(|e| HarnessError::internal(e.to_string()))?;
-        self.writes.push(BusWrite::StateSet {
+        self.writes.push(BusWrite::StateSetText {
             scope: TURN_SCOPE.to_string(),
             key: rec.session_id.clone(),
-            value,
+            text: record_text(rec)?,
         });
         Ok(())
     }
@@ -419,16 +417,17 @@ impl Harness {
     }
 
     pub(crate) async fn load_record(&self, session_id: &str) -> Result<Option<TurnRecord>> {
-        // Shared, not cloned: the record is parsed from the store cache's own copy.
-        let v = self
+        // As text, parsed straight into the record: the record is written as text too (see
+        // `record_text`), and the store's cache hands over its own copy of that text.
+        let text = self
             .inner
             .bus
-            .state_get_shared(TURN_SCOPE, session_id)
+            .state_get_text(TURN_SCOPE, session_id)
             .await
             .map_err(bus_err)?;
-        match v {
+        match text {
             None => Ok(None),
-            Some(v) => <TurnRecord as serde::Deserialize>::deserialize(&*v)
+            Some(text) => serde_json::from_str::<TurnRecord>(&text)
                 .map(Some)
                 .map_err(|e| {
                     HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
@@ -438,10 +437,9 @@ impl Harness {
 
     pub(crate) async fn save_record(&self, rec: &mut TurnRecord) -> Result<()> {
         rec.updated_at = harness_types::now_ms();
-        let v = serde_json::to_value(&*rec).map_err(|e| HarnessError::internal(e.to_string()))?;
         self.inner
             .bus
-            .state_set(TURN_SCOPE, &rec.session_id, v)
+            .state_set_text(TURN_SCOPE, &rec.session_id, record_text(rec)?)
             .await
             .map_err(bus_err)
     }
@@ -552,6 +550,12 @@ impl Harness {
             .expect("signals lock")
             .remove(turn_id);
     }
+}
+
+/// The turn record as the JSON text the store keeps, serialised straight from the struct: it is
+/// written two or three times a step, and a `Value` tree in between cost more than the text.
+fn record_text(rec: &TurnRecord) -> Result<String> {
+    serde_json::to_string(rec).map_err(|e| HarnessError::internal(e.to_string()))
 }
 
 #[cfg(test)]

@@ -75,7 +75,7 @@ struct Fill {
     /// with the same key is a later version of it in this batch.
     at_key: usize,
     text_len: usize,
-    value: Arc<Value>,
+    value: Stored,
 }
 
 thread_local! {
@@ -89,7 +89,7 @@ pub(crate) fn install_writer(cache: Arc<KvCache>) {
 }
 
 /// Records a write-through fill for the batch in progress; a no-op off a writer thread.
-pub(crate) fn pend_fill(scope: &str, key: &str, text_len: usize, value: Arc<Value>) {
+pub(crate) fn pend_fill(scope: &str, key: &str, text_len: usize, value: Stored) {
     WRITER_CACHE.with(|c| {
         if let Some(cache) = c.borrow().as_ref() {
             cache.pend(scope, key, text_len, value);
@@ -109,7 +109,7 @@ struct Inner {
     /// Values the writer dropped from the cache, freed by the next reader that looks it up:
     /// the writer thread, which every session waits on, does not pay for the frees. Bounded
     /// ([`MAX_DROPPED`]): with no reader about, the writer frees them after all.
-    dropped: Vec<Arc<Value>>,
+    dropped: Vec<Stored>,
     /// Keys a read found absent, and scopes a list found empty, since no insert says otherwise.
     absent: HashSet<(String, String)>,
     empty: HashSet<String>,
@@ -117,7 +117,7 @@ struct Inner {
 
 /// [`KvCache::lookup`]'s answer.
 pub(crate) enum Lookup {
-    Hit(Arc<Value>),
+    Hit(Stored),
     /// A read since the last insert of the key found it absent.
     Absent,
     Unknown,
@@ -141,11 +141,20 @@ pub(crate) fn writer_cache() -> Option<Arc<KvCache>> {
     WRITER_CACHE.with(|c| c.borrow().clone())
 }
 
-/// The value parsed: a hit costs a clone, which is cheaper than parsing the text again.
+/// A cached value, in the form its writer or first reader had it: a hit costs a clone, which
+/// is cheaper than parsing the text again.
+#[derive(Clone)]
+pub(crate) enum Stored {
+    Parsed(Arc<Value>),
+    /// The JSON text, for readers that parse into their own type (the turn record): they skip
+    /// the `Value` tree, whose building and freeing cost more than the parse itself.
+    Text(Arc<str>),
+}
+
 struct Cached {
     /// The `kv` row it was read from (None: from the kv log, or a logged write).
     rowid: Option<i64>,
-    value: Arc<Value>,
+    value: Stored,
     /// What it counts against [`MAX_BYTES`] (its stored text's length plus the key's).
     size: usize,
 }
@@ -272,7 +281,7 @@ impl KvCache {
         lock(&self.pending).truncate(mark);
     }
 
-    fn pend(&self, scope: &str, key: &str, text_len: usize, value: Arc<Value>) {
+    fn pend(&self, scope: &str, key: &str, text_len: usize, value: Stored) {
         if cost(scope, key, text_len) > MAX_BYTES / 8 {
             return;
         }
@@ -317,7 +326,7 @@ impl KvCache {
         key: &str,
         rowid: Option<i64>,
         text_len: usize,
-        value: Arc<Value>,
+        value: Stored,
     ) {
         let size = cost(scope, key, text_len);
         if size > MAX_BYTES / 8 {
@@ -436,7 +445,7 @@ impl Inner {
     }
 
     /// Caches `k`, evicting the oldest entries beyond [`MAX_BYTES`] into `evicted`.
-    fn insert(&mut self, k: (String, String), cached: Cached, evicted: &mut Vec<Arc<Value>>) {
+    fn insert(&mut self, k: (String, String), cached: Cached, evicted: &mut Vec<Stored>) {
         let (rowid, size) = (cached.rowid, cached.size);
         let replaced = self.entries.insert(k.clone(), cached);
         let fresh = replaced.is_none();
@@ -495,7 +504,7 @@ mod tests {
     fn write(cache: &KvCache, key: &str, n: u64) {
         // The kv log's append names the key; the fill is left after it.
         cache.key_changed("s", key);
-        cache.pend("s", key, 8, Arc::new(json!({"n": n})));
+        cache.pend("s", key, 8, Stored::Parsed(Arc::new(json!({"n": n}))));
         cache.committed(&Inserted::default());
     }
 
@@ -518,7 +527,10 @@ mod tests {
     impl KvCache {
         fn get(&self, scope: &str, key: &str) -> Option<Arc<Value>> {
             match self.lookup(scope, key) {
-                Lookup::Hit(value) => Some(value),
+                Lookup::Hit(Stored::Parsed(value)) => Some(value),
+                Lookup::Hit(Stored::Text(text)) => {
+                    Some(Arc::new(serde_json::from_str(&text).unwrap()))
+                }
                 Lookup::Absent | Lookup::Unknown => None,
             }
         }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rusqlite::{Connection, OptionalExtension};
 use serde_json::Value;
 
-use crate::cache::Lookup;
+use crate::cache::{Lookup, Stored};
 use crate::error::StoreError;
 use crate::store::Store;
 
@@ -82,7 +82,20 @@ pub fn kv_put_cached_in(
     value: &Arc<Value>,
 ) -> Result<(), StoreError> {
     upsert_in(conn, scope, key, text)?;
-    crate::cache::pend_fill(scope, key, text.len(), value.clone());
+    crate::cache::pend_fill(scope, key, text.len(), Stored::Parsed(value.clone()));
+    Ok(())
+}
+
+/// [`kv_put_cached_in`] of a value given only as its JSON text, which the cache keeps as text
+/// (for [`Store::kv_get_text`]). The text is not checked here: the caller serialised it.
+pub fn kv_put_text_cached_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    text: &Arc<str>,
+) -> Result<(), StoreError> {
+    upsert_in(conn, scope, key, text)?;
+    crate::cache::pend_fill(scope, key, text.len(), Stored::Text(text.clone()));
     Ok(())
 }
 
@@ -132,13 +145,68 @@ impl Store {
     pub fn kv_get_shared(&self, scope: &str, key: &str) -> Result<Option<Arc<Value>>, StoreError> {
         let cache = self.kv_cache();
         match cache.lookup(scope, key) {
-            Lookup::Hit(value) => return Ok(Some(value)),
+            Lookup::Hit(Stored::Parsed(value)) => return Ok(Some(value)),
+            Lookup::Hit(Stored::Text(text)) => {
+                return Ok(Some(Arc::new(serde_json::from_str(&text)?)))
+            }
             Lookup::Absent => return Ok(None),
             Lookup::Unknown => {}
         }
         let generation = cache.generation();
+        let Some((rowid, text)) = self.kv_read_text(scope, key)? else {
+            cache.fill_absent(generation, scope, key);
+            return Ok(None);
+        };
+        let value: Arc<Value> = Arc::new(serde_json::from_str(&text)?);
+        cache.fill(
+            generation,
+            scope,
+            key,
+            rowid,
+            text.len(),
+            Stored::Parsed(value.clone()),
+        );
+        Ok(Some(value))
+    }
+
+    /// The latest committed value as its JSON text, for a reader that parses it into its own
+    /// type; cached as text when a read fills the cache, and served from either form.
+    pub fn kv_get_text(&self, scope: &str, key: &str) -> Result<Option<Arc<str>>, StoreError> {
+        let cache = self.kv_cache();
+        match cache.lookup(scope, key) {
+            Lookup::Hit(Stored::Text(text)) => return Ok(Some(text)),
+            Lookup::Hit(Stored::Parsed(value)) => {
+                return Ok(Some(serde_json::to_string(&*value)?.into()))
+            }
+            Lookup::Absent => return Ok(None),
+            Lookup::Unknown => {}
+        }
+        let generation = cache.generation();
+        let Some((rowid, text)) = self.kv_read_text(scope, key)? else {
+            cache.fill_absent(generation, scope, key);
+            return Ok(None);
+        };
+        let text: Arc<str> = text.into();
+        cache.fill(
+            generation,
+            scope,
+            key,
+            rowid,
+            text.len(),
+            Stored::Text(text.clone()),
+        );
+        Ok(Some(text))
+    }
+
+    /// A key's committed text and its `kv` row (None: the kv log's version), read past the
+    /// cache; None when the key is absent.
+    fn kv_read_text(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<(Option<i64>, String)>, StoreError> {
         // Before the read transaction begins (see `kv_log.rs`: who finds what).
-        let logged = cache.log.id_of(scope, key);
+        let logged = self.kv_cache().log.id_of(scope, key);
         let row: Option<(Option<i64>, Option<String>)> = self.read(|c| {
             if let Some(id) = logged {
                 if let Some(version) = crate::kv_log::version_at(c, id, scope, key)? {
@@ -151,13 +219,10 @@ impl Store {
                     .optional()?,
             )
         })?;
-        let Some((rowid, Some(text))) = row else {
-            cache.fill_absent(generation, scope, key);
-            return Ok(None);
-        };
-        let value: Arc<Value> = Arc::new(serde_json::from_str(&text)?);
-        cache.fill(generation, scope, key, rowid, text.len(), value.clone());
-        Ok(Some(value))
+        Ok(match row {
+            Some((rowid, Some(text))) => Some((rowid, text)),
+            _ => None,
+        })
     }
 
     /// Committed (not fsynced) when it resolves; returns the previous value.
@@ -201,6 +266,18 @@ impl Store {
         );
         let value = Arc::new(value);
         self.write_replayable(move |c| kv_put_cached_in(c, &scope, &key, &text, &value))
+            .await
+    }
+
+    /// [`Store::kv_put_through`] of a value already serialised as JSON text, cached as text.
+    pub async fn kv_put_text_through(
+        &self,
+        scope: &str,
+        key: &str,
+        text: Arc<str>,
+    ) -> Result<(), StoreError> {
+        let (scope, key) = (scope.to_string(), key.to_string());
+        self.write_replayable(move |c| kv_put_text_cached_in(c, &scope, &key, &text))
             .await
     }
 

@@ -30,7 +30,10 @@ pub use events::{
     insert_event_in, insert_event_text_in, last_event_id_in, latest_by_session_in, EventRow,
     FoldHook,
 };
-pub use kv::{kv_delete_in, kv_get_in, kv_put_cached_in, kv_put_in, kv_put_text_in, kv_set_in};
+pub use kv::{
+    kv_delete_in, kv_get_in, kv_put_cached_in, kv_put_in, kv_put_text_cached_in, kv_put_text_in,
+    kv_set_in,
+};
 pub use lock::Access;
 pub use queue::{enqueue_in, enqueue_text_in, QueueConfig, QueueHandler, QueueMessage, Queues};
 pub use store::{Durability, Store, StoreStats};
