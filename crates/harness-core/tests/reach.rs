@@ -237,8 +237,16 @@ async fn a_models_binding_is_checked_owned_by_its_call_and_removed_when_its_turn
         json!({"session_id": "s_bind", "turn_id": r.turn_id, "function_call_id": "b5",
                "function_id": "engine::register_trigger"})
     );
-    // The turn ended: so did its binding; no timer was added.
-    assert!(bindings_of(&rt, "test::tick").await.is_empty());
+    // The turn ended: so did its binding (removed just after the terminal write, which the
+    // wait above sees, so looked for until a deadline); no timer was added.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !bindings_of(&rt, "test::tick").await.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the binding outlived its turn"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     assert_eq!(bindings_of(&rt, "cron").await, cron_before);
 }
 
