@@ -128,34 +128,62 @@ pub struct MarkBook(Arc<std::sync::Mutex<MarkInner>>);
 
 #[derive(Default)]
 struct MarkInner {
-    turns: std::collections::HashMap<String, std::collections::BTreeMap<u64, StepMarks>>,
-    order: std::collections::VecDeque<String>,
+    /// Each turn's marks, with the number it was first marked under.
+    turns: std::collections::HashMap<String, (u64, std::collections::BTreeMap<u64, StepMarks>)>,
+    /// Turns by the number they were first marked under, oldest first. A turn taken since
+    /// stays until it reaches the front or the queue is compacted: taking it is then a map
+    /// removal, not a scan of every turn in flight.
+    order: std::collections::VecDeque<(u64, String)>,
+    next: u64,
 }
 
 const MARKED_TURNS: usize = 4096;
+
+impl MarkInner {
+    /// Whether `order`'s entry `(n, turn_id)` still names a turn being marked.
+    fn live(&self, n: u64, turn_id: &str) -> bool {
+        self.turns.get(turn_id).is_some_and(|(k, _)| *k == n)
+    }
+
+    fn first_mark(&mut self, turn_id: &str) {
+        while self.turns.len() >= MARKED_TURNS {
+            let Some((n, old)) = self.order.pop_front() else {
+                break;
+            };
+            if self.live(n, &old) {
+                self.turns.remove(&old);
+            }
+        }
+        let n = self.next;
+        self.next += 1;
+        self.order.push_back((n, turn_id.to_string()));
+        self.turns
+            .insert(turn_id.to_string(), (n, Default::default()));
+        // Taken turns pile up in the queue only until it holds twice the live ones.
+        if self.order.len() > 2 * self.turns.len() + 64 {
+            let order = std::mem::take(&mut self.order);
+            self.order = order
+                .into_iter()
+                .filter(|(n, t)| self.live(*n, t))
+                .collect();
+        }
+    }
+}
 
 impl MarkBook {
     pub(crate) fn step(&self, turn_id: &str, step: u64, f: impl FnOnce(&mut StepMarks)) {
         let mut m = self.0.lock().expect("marks lock");
         if !m.turns.contains_key(turn_id) {
-            if m.order.len() >= MARKED_TURNS {
-                if let Some(old) = m.order.pop_front() {
-                    m.turns.remove(&old);
-                }
-            }
-            m.order.push_back(turn_id.to_string());
+            m.first_mark(turn_id);
         }
-        f(m.turns
-            .entry(turn_id.to_string())
-            .or_default()
-            .entry(step)
-            .or_default());
+        if let Some((_, steps)) = m.turns.get_mut(turn_id) {
+            f(steps.entry(step).or_default());
+        }
     }
 
     pub(crate) fn take(&self, turn_id: &str) -> std::collections::BTreeMap<u64, StepMarks> {
         let mut m = self.0.lock().expect("marks lock");
-        m.order.retain(|t| t != turn_id);
-        m.turns.remove(turn_id).unwrap_or_default()
+        m.turns.remove(turn_id).map(|(_, s)| s).unwrap_or_default()
     }
 }
 

@@ -202,3 +202,40 @@ fn derived_ids_are_stable_and_distinct() {
         call_span_id("00f067aa0ba902b8", "c1")
     );
 }
+
+/// Taking a turn's marks leaves the others; the oldest turn still marked is forgotten past the
+/// bound, taken ones never count against it, and the queue stays bounded.
+#[test]
+fn marks_are_kept_per_turn_bounded_and_taken_without_a_scan() {
+    let book = MarkBook::default();
+    let mark = |t: &str, step: u64| book.step(t, step, |m| m.runs += 1);
+    mark("a", 0);
+    mark("b", 0);
+    mark("b", 1);
+    mark("c", 0);
+    assert_eq!(book.take("b").len(), 2);
+    assert!(book.take("b").is_empty(), "taken once");
+    assert_eq!(book.take("a")[&0].runs, 1);
+    // Many turns come and go: the queue does not grow with them.
+    for i in 0..20_000 {
+        let t = format!("t{i}");
+        mark(&t, 0);
+        book.take(&t);
+    }
+    {
+        let m = book.0.lock().unwrap();
+        assert_eq!(m.turns.len(), 1, "only c is left");
+        assert!(
+            m.order.len() <= 2 * m.turns.len() + 64 + 1,
+            "{}",
+            m.order.len()
+        );
+    }
+    // Turns never taken: the oldest goes once MARKED_TURNS newer ones were marked.
+    for i in 0..MARKED_TURNS {
+        mark(&format!("n{i}"), 0);
+    }
+    assert!(book.take("c").is_empty(), "c was the oldest");
+    assert_eq!(book.take("n0")[&0].runs, 1);
+    assert_eq!(book.0.lock().unwrap().turns.len(), MARKED_TURNS - 1);
+}
