@@ -81,9 +81,7 @@ pub fn kv_put_cached_in(
     text: &str,
     value: &Arc<Value>,
 ) -> Result<(), StoreError> {
-    upsert_in(conn, scope, key, text)?;
-    crate::cache::pend_fill(scope, key, text.len(), Stored::Parsed(value.clone()));
-    Ok(())
+    put_cached_in(conn, scope, key, text, Stored::Parsed(value.clone()))
 }
 
 /// [`kv_put_cached_in`] of a value given only as its JSON text, which the cache keeps as text
@@ -94,8 +92,18 @@ pub fn kv_put_text_cached_in(
     key: &str,
     text: &Arc<str>,
 ) -> Result<(), StoreError> {
+    put_cached_in(conn, scope, key, text, Stored::Text(text.clone()))
+}
+
+fn put_cached_in(
+    conn: &Connection,
+    scope: &str,
+    key: &str,
+    text: &str,
+    stored: Stored,
+) -> Result<(), StoreError> {
     upsert_in(conn, scope, key, text)?;
-    crate::cache::pend_fill(scope, key, text.len(), Stored::Text(text.clone()));
+    crate::cache::pend_fill(scope, key, text.len(), stored);
     Ok(())
 }
 
@@ -143,41 +151,50 @@ impl Store {
 
     /// [`Store::kv_get`] without the copy: a cached value is shared, not cloned.
     pub fn kv_get_shared(&self, scope: &str, key: &str) -> Result<Option<Arc<Value>>, StoreError> {
-        let cache = self.kv_cache();
-        match cache.lookup(scope, key) {
-            Lookup::Hit(Stored::Parsed(value)) => return Ok(Some(value)),
-            Lookup::Hit(Stored::Text(text)) => {
-                return Ok(Some(Arc::new(serde_json::from_str(&text)?)))
-            }
-            Lookup::Absent => return Ok(None),
-            Lookup::Unknown => {}
-        }
-        let generation = cache.generation();
-        let Some((rowid, text)) = self.kv_read_text(scope, key)? else {
-            cache.fill_absent(generation, scope, key);
-            return Ok(None);
-        };
-        let value: Arc<Value> = Arc::new(serde_json::from_str(&text)?);
-        cache.fill(
-            generation,
+        self.kv_get_as(
             scope,
             key,
-            rowid,
-            text.len(),
-            Stored::Parsed(value.clone()),
-        );
-        Ok(Some(value))
+            |stored| match stored {
+                Stored::Parsed(value) => Ok(value),
+                Stored::Text(text) => Ok(Arc::new(serde_json::from_str(&text)?)),
+            },
+            |text| {
+                let value: Arc<Value> = Arc::new(serde_json::from_str(&text)?);
+                Ok((Stored::Parsed(value.clone()), value))
+            },
+        )
     }
 
     /// The latest committed value as its JSON text, for a reader that parses it into its own
     /// type; cached as text when a read fills the cache, and served from either form.
     pub fn kv_get_text(&self, scope: &str, key: &str) -> Result<Option<Arc<str>>, StoreError> {
+        self.kv_get_as(
+            scope,
+            key,
+            |stored| match stored {
+                Stored::Text(text) => Ok(text),
+                Stored::Parsed(value) => Ok(serde_json::to_string(&*value)?.into()),
+            },
+            |text| {
+                let text: Arc<str> = text.into();
+                Ok((Stored::Text(text.clone()), text))
+            },
+        )
+    }
+
+    /// A key's value in the form `hit` makes of the cached one, or else read from SQLite and
+    /// made by `read` into the form to cache and the answer (see `cache.rs` for when a read
+    /// may fill the cache).
+    fn kv_get_as<R>(
+        &self,
+        scope: &str,
+        key: &str,
+        hit: impl FnOnce(Stored) -> Result<R, StoreError>,
+        read: impl FnOnce(String) -> Result<(Stored, R), StoreError>,
+    ) -> Result<Option<R>, StoreError> {
         let cache = self.kv_cache();
         match cache.lookup(scope, key) {
-            Lookup::Hit(Stored::Text(text)) => return Ok(Some(text)),
-            Lookup::Hit(Stored::Parsed(value)) => {
-                return Ok(Some(serde_json::to_string(&*value)?.into()))
-            }
+            Lookup::Hit(stored) => return hit(stored).map(Some),
             Lookup::Absent => return Ok(None),
             Lookup::Unknown => {}
         }
@@ -186,16 +203,10 @@ impl Store {
             cache.fill_absent(generation, scope, key);
             return Ok(None);
         };
-        let text: Arc<str> = text.into();
-        cache.fill(
-            generation,
-            scope,
-            key,
-            rowid,
-            text.len(),
-            Stored::Text(text.clone()),
-        );
-        Ok(Some(text))
+        let len = text.len();
+        let (stored, answer) = read(text)?;
+        cache.fill(generation, scope, key, rowid, len, stored);
+        Ok(Some(answer))
     }
 
     /// A key's committed text and its `kv` row (None: the kv log's version), read past the
