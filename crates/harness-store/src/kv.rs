@@ -85,13 +85,17 @@ pub fn kv_put_cached_in(
 }
 
 /// [`kv_put_cached_in`] of a value given only as its JSON text, which the cache keeps as text
-/// (for [`Store::kv_get_text`]). The text is not checked here: the caller serialised it.
+/// (for [`Store::kv_get_text`]). The caller serialised the text; only a test build checks it.
 pub fn kv_put_text_cached_in(
     conn: &Connection,
     scope: &str,
     key: &str,
     text: &Arc<str>,
 ) -> Result<(), StoreError> {
+    debug_assert!(
+        serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok(),
+        "the text written to {scope}/{key} is not JSON"
+    );
     put_cached_in(conn, scope, key, text, Stored::Text(text.clone()))
 }
 
