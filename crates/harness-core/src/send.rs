@@ -200,7 +200,7 @@ enum Steered {
 
 impl Harness {
     pub async fn send(&self, req: SendRequest) -> Result<SendResponse> {
-        self.accept(req, None).await
+        self.accept(req, None, false).await
     }
 
     /// A sub-agent's first message: `lineage` gives the child its frozen options, depth and
@@ -210,12 +210,23 @@ impl Harness {
         req: SendRequest,
         lineage: Lineage,
     ) -> Result<SendResponse> {
-        self.accept(req, Some(lineage)).await
+        self.accept(req, Some(lineage), true).await
     }
 
     /// The send path of both: checks, dedupe, steering a running turn lock-free, then under
     /// the session lock the next turn's options and the machine.
-    async fn accept(&self, req: SendRequest, lineage: Option<Lineage>) -> Result<SendResponse> {
+    ///
+    /// `session::ensure` is asked only when the session may not exist yet (`ensure`, or no turn
+    /// record was found): a turn record is written only after its session was ensured, and
+    /// deleting a session through the loop deletes its record first. A session deleted behind
+    /// the loop's back (`session::delete` called directly) refuses the message's append as not
+    /// found and writes nothing; the send then starts over, ensuring the session.
+    async fn accept(
+        &self,
+        req: SendRequest,
+        lineage: Option<Lineage>,
+        ensure: bool,
+    ) -> Result<SendResponse> {
         let checked = check(&req, lineage.is_some())?;
         if let Some(done) = self.deduplicated(&req).await? {
             return Ok(done);
@@ -244,6 +255,9 @@ impl Harness {
         if let Some(p) = prev.as_ref().filter(|p| !p.is_terminal()) {
             refuse_root_change(p, checked.named_root.as_ref())?;
         }
+        // Only a plain send may go without: a child's or an agent's send names what a new
+        // session is made with, and a parked message must not be parked twice.
+        let ensure = ensure || prev.is_none() || parked || checked.options.agent.is_some();
         let (seed, correction, applied) = self
             .seed(&req, &checked, &session_id, prev.as_ref(), lineage)
             .await?;
@@ -251,7 +265,9 @@ impl Harness {
             Some(_) => with_agent_metadata(req, &seed.options),
             None => req,
         };
-        self.ensure_session(&req, &session_id).await?;
+        if ensure {
+            self.ensure_session(&req, &session_id).await?;
+        }
         let new_turn = seed.turn_id.clone();
         let steering = prev
             .as_ref()
@@ -269,10 +285,14 @@ impl Harness {
             new_turn: new_turn.clone(),
             correction,
         });
-        let rec = self
-            .run(prev, input, &mut carry)
-            .await?
-            .ok_or_else(|| HarnessError::internal("a send left no turn record"))?;
+        let rec = match self.run(prev, input, &mut carry).await {
+            Err(e) if !ensure && e.code == ErrorCode::NotFound => {
+                tracing::info!(session = %session_id, "a send found its session gone behind the loop's back, ensuring it: {e}");
+                drop(_guard);
+                return Box::pin(self.accept(req, None, true)).await;
+            }
+            ran => ran?.ok_or_else(|| HarnessError::internal("a send left no turn record"))?,
+        };
         let response = if rec.turn_id == new_turn {
             SendResponse {
                 session_id,

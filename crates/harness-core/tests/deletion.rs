@@ -244,3 +244,49 @@ async fn bad_requests_name_their_field() {
         .unwrap_err();
     assert!(e.to_string().contains("force"), "{e}");
 }
+
+/// A send to a session with a turn record skips `session::ensure` (the record proves the
+/// session was ensured). A session deleted behind the loop's back (`session::delete` called
+/// directly, which leaves the record) refuses that send's append, and the send starts over,
+/// ensuring it: the session is made again and holds the new message only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_ensures_its_session_only_when_it_may_be_missing() {
+    let rt = replying("done").await;
+    let sessions = rt.sessions.clone();
+    let ensured = rt.register_async("session::ensure", None, move |p| {
+        let sessions = sessions.clone();
+        async move {
+            let made = sessions.ensure(serde_json::from_value(p).unwrap()).await;
+            serde_json::to_value(made.unwrap()).unwrap()
+        }
+    });
+    let to = |text: &str| harness_types::api::SendRequest {
+        session_id: Some("s_ensure".into()),
+        ..send(text)
+    };
+    let count = || ensured.load(std::sync::atomic::Ordering::SeqCst);
+
+    let (_, s) = rt.run(to("first")).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(count(), 1, "no record yet: ensured");
+    let (_, s) = rt.run(to("second")).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(count(), 1, "a record: not asked again");
+
+    rt.ok("session::delete", json!({"session_id": "s_ensure"}))
+        .await;
+    assert!(!session_exists(&rt, "s_ensure"));
+    assert!(rt.turn_record("s_ensure").await.is_some(), "left behind");
+    let (r, s) = rt.run(to("third")).await;
+    assert_eq!(s.status, TurnStatus::Completed);
+    assert_eq!(count(), 2, "the refused append sent it back to ensure");
+    assert!(session_exists(&rt, "s_ensure"));
+    let messages = rt.messages(&r.session_id);
+    assert_eq!(
+        messages,
+        [
+            ("user".to_string(), "third".to_string()),
+            ("assistant".to_string(), "done".to_string())
+        ]
+    );
+}
