@@ -824,6 +824,15 @@ pub(crate) struct PreparedAppend {
     origin_value: Option<Value>,
 }
 
+/// What an append looks up, on the writer's connection (`entry_tail` is its TEMP index of
+/// the log, see `entry_log.rs`): the entry's seq in the log, its materialized seq, and the
+/// session's last seq in each.
+const APPEND_LOOKUP: &str = "
+SELECT (SELECT seq FROM temp.entry_tail WHERE session_id = ?1 AND entry_id = ?2),
+       (SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2),
+       (SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = ?1),
+       (SELECT COALESCE(MAX(seq), 0) FROM temp.entry_tail WHERE session_id = ?1)";
+
 impl PreparedAppend {
     pub(crate) fn new(req: AppendRequest) -> std::result::Result<PreparedAppend, HarnessError> {
         let (kind, body) = match (&req.message, &req.custom) {
@@ -885,25 +894,25 @@ impl PreparedAppend {
         // Entries never outlive their session (`delete` removes both in one write), so an
         // entry found, or a session with entries, proves the session exists: the check runs
         // only for a session's first entry.
-        if let Some(found) = latest_in_writer(conn, session_id, entry_id)? {
+        // One statement for all an append looks up (each part walks one index): the entry's
+        // seq if it exists (an entry keeps its seq in every version, logged or materialized),
+        // and the session's last seq, materialized and logged: the next is past both.
+        let (found, materialized, logged): (Option<i64>, i64, i64) = conn
+            .prepare_cached(APPEND_LOOKUP)?
+            .query_row(params![session_id, entry_id], |r| {
+                let logged: Option<i64> = r.get(0)?;
+                Ok((logged.or(r.get(1)?), r.get(2)?, r.get(3)?))
+            })?;
+        if let Some(seq) = found {
             return Ok((
                 AppendResponse {
                     entry_id: entry_id.clone(),
-                    seq: found.seq,
+                    seq,
                     appended: false,
                 },
                 None,
             ));
         }
-        // The next seq is past both the materialized entries and the log's.
-        let materialized: i64 = conn
-            .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = ?1")?
-            .query_row(params![session_id], |r| r.get(0))?;
-        let logged: i64 = conn
-            .prepare_cached(
-                "SELECT COALESCE(MAX(seq), 0) FROM temp.entry_tail WHERE session_id = ?1",
-            )?
-            .query_row(params![session_id], |r| r.get(0))?;
         let seq = materialized.max(logged) + 1;
         if seq == 1 {
             require_session(conn, session_id)?;

@@ -154,4 +154,21 @@ async fn a_sessions_first_and_later_entries_append_in_order() {
         .await
         .unwrap();
     assert_eq!((again.seq, again.appended), (2, false));
+
+    // Folded into `entries`: a repeat is found there, and the next seq follows the folded ones
+    // and then the log's.
+    sessions.store().fold_events().await.unwrap();
+    let append = |entry_id: &str| {
+        sessions.append(req(
+            json!({"session_id": "s_1", "entry_id": entry_id, "message": user("x")}),
+        ))
+    };
+    let r = append("e_0").await.unwrap();
+    assert_eq!((r.seq, r.appended), (1, false), "a folded repeat");
+    let r = append("e_3").await.unwrap();
+    assert_eq!((r.seq, r.appended), (4, true), "after the folded entries");
+    let r = append("e_4").await.unwrap();
+    assert_eq!((r.seq, r.appended), (5, true), "after the logged one");
+    let r = append("e_3").await.unwrap();
+    assert_eq!((r.seq, r.appended), (4, false), "a logged repeat");
 }
