@@ -573,7 +573,7 @@ impl Harness {
         let init = req.session.clone().unwrap_or_default();
         match &req.session_id {
             Some(id) => {
-                let _: EnsureResponse = self
+                let made: EnsureResponse = self
                     .call(
                         "session::ensure",
                         &EnsureRequest {
@@ -584,6 +584,11 @@ impl Harness {
                         },
                     )
                     .await?;
+                // Made again under an id the loop may know (the session was deleted behind its
+                // back): what it cached of the old transcript is not this one's.
+                if made.created {
+                    self.forget_transcript(id);
+                }
             }
             None => {
                 self.create_session(&CreateRequest {

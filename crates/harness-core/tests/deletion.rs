@@ -248,7 +248,7 @@ async fn bad_requests_name_their_field() {
 /// A send to a session with a turn record skips `session::ensure` (the record proves the
 /// session was ensured). A session deleted behind the loop's back (`session::delete` called
 /// directly, which leaves the record) refuses that send's append, and the send starts over,
-/// ensuring it: the session is made again and holds the new message only.
+/// ensuring it: the session is made again and holds, and shows the model, the new message only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_send_ensures_its_session_only_when_it_may_be_missing() {
     let rt = replying("done").await;
@@ -281,6 +281,10 @@ async fn a_send_ensures_its_session_only_when_it_may_be_missing() {
     assert_eq!(s.status, TurnStatus::Completed);
     assert_eq!(count(), 2, "the refused append sent it back to ensure");
     assert!(session_exists(&rt, "s_ensure"));
+    // The model saw the new session's message only, nothing the loop cached of the old one.
+    let last = rt.recorder.seen.lock().unwrap().last().cloned().unwrap();
+    let seen: Vec<String> = last.messages.iter().map(|m| m.text()).collect();
+    assert_eq!(seen, ["third"]);
     let messages = rt.messages(&r.session_id);
     assert_eq!(
         messages,
