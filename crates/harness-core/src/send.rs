@@ -286,7 +286,13 @@ impl Harness {
             correction,
         });
         let rec = match self.run(prev, input, &mut carry).await {
-            Err(e) if !ensure && e.code == ErrorCode::NotFound => {
+            // Only when the session is indeed gone: a not-found from anything else the run did
+            // (after its batch may have committed) must not send the message again.
+            Err(e)
+                if !ensure
+                    && e.code == ErrorCode::NotFound
+                    && !self.session_exists(&session_id).await? =>
+            {
                 tracing::info!(session = %session_id, "a send found its session gone behind the loop's back, ensuring it: {e}");
                 drop(_guard);
                 return Box::pin(self.accept(req, None, true)).await;

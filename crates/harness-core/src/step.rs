@@ -512,7 +512,7 @@ impl Harness {
 
     /// Whether the session has a transcript (a step without a record may be for a session that
     /// was deleted).
-    async fn session_exists(&self, session_id: &str) -> Result<bool> {
+    pub(crate) async fn session_exists(&self, session_id: &str) -> Result<bool> {
         let session: Option<harness_types::session::GetResponse> = self
             .call("session::get", &json!({"session_id": session_id}))
             .await?;
