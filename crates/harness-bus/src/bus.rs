@@ -460,7 +460,8 @@ pub async fn commit_one_by_one<B: Bus + ?Sized>(
     Ok(out)
 }
 
-fn to_text(value: &Value) -> Result<String, BusError> {
+/// A value as the JSON text a store keeps.
+pub(crate) fn to_text(value: &Value) -> Result<String, BusError> {
     serde_json::to_string(value).map_err(|e| BusError::internal(e.to_string()))
 }
 

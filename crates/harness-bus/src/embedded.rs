@@ -20,7 +20,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::bus::{
-    Binding, Bus, BusWrite, CallContext, FunctionDef, Handler, QueueDef, StreamingCall,
+    to_text, Binding, Bus, BusWrite, CallContext, FunctionDef, Handler, QueueDef, StreamingCall,
     TriggerTypeDef, TypedRequest,
 };
 use crate::engine_functions;
@@ -675,10 +675,6 @@ fn prepare_typed(
         },
     };
     prepare(request.to_value()?).map_err(tx_error)
-}
-
-fn to_text(value: &Value) -> Result<String, BusError> {
-    serde_json::to_string(value).map_err(|e| BusError::internal(e.to_string()))
 }
 
 /// One write of a [`Bus::commit`] batch, planned (and serialised) before the batch reaches the
