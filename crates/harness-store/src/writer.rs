@@ -271,6 +271,12 @@ pub(crate) fn writer_loop(
                 }
                 if unsettled {
                     unsettled = !truncate_wal(&conn, counters);
+                    if !unsettled {
+                        // The fold's TEMP tables and scratch pages stay in this connection's
+                        // cache at the size the last burst left them; an idle store gives
+                        // them back (the cache refills from the OS's pages on the next burst).
+                        let _ = exec(&conn, "PRAGMA shrink_memory");
+                    }
                 }
                 continue;
             }
