@@ -33,9 +33,11 @@ use crate::store::Store;
 
 /// Unfolded events after which the writer folds them into `events_by_session`. A fold rewrites
 /// about one leaf per session with events in the tail, so the larger the tail the fewer pages
-/// an event costs (at 200 busy sessions, 8,192 events are ~40 a session); the tail costs 16
-/// bytes an event in memory, and the fold holds the writer for its length (a few ms).
-pub(crate) const FOLD_EVENTS: usize = 8192;
+/// an event costs (at 200 busy sessions, 16,384 events are ~80 a session: ~0.4 WAL pages a
+/// step fewer than at 8,192); the tail costs 16 bytes an event in memory, the writer's TEMP
+/// tables hold its dedupe keys and logged entries until the fold (an idle writer gives that
+/// memory back), and one fold holds the writer for its length (tens of ms under load).
+pub(crate) const FOLD_EVENTS: usize = 16384;
 
 /// The writer connection's dedupe keys of the events above the fold mark (see the module docs).
 const TAIL_KEYS: &str = "CREATE TEMP TABLE IF NOT EXISTS event_keys_tail(

@@ -214,7 +214,8 @@ async fn a_session_reads_the_same_events_before_and_after_a_fold() {
 async fn the_writer_folds_a_long_tail_and_an_idle_one() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("ev.db"), Durability::Normal).unwrap();
-    let want = append_round_robin(&store, &["x", "y"], 9000).await;
+    // More events than the writer's fold threshold (16,384).
+    let want = append_round_robin(&store, &["x", "y"], 17_000).await;
     // The next write runs after the fold the long tail triggered.
     store
         .append_event(Some("x"), "t", &json!("last"), None)
