@@ -65,6 +65,22 @@ pub(crate) async fn release_free_memory(host: &dyn Host, store: Option<&harness_
     }
 }
 
+/// Longest the reading waits for the store to settle.
+const SETTLE_CAP: Duration = Duration::from_secs(5);
+
+/// Waits until the store's writer has had its idle moment: after 500 ms without writes it folds
+/// the event tail and the logs (their in-memory indexes included) and empties the WAL, which
+/// its truncation counter shows. So every reading sees the store as an idle server holds it,
+/// whichever point of the fold cycle the last session's writes left it at (up to a whole tail
+/// of unfolded events otherwise, which moved the figure by a few hundred bytes a session).
+async fn settle_store(store: &harness_store::Store) {
+    let before = store.stats().wal_truncations;
+    let deadline = Instant::now() + SETTLE_CAP;
+    while store.stats().wal_truncations == before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The process's memory once so many sessions were filled, read after the allocators gave
 /// their free pages back.
 #[derive(Clone, Copy)]
@@ -83,7 +99,10 @@ impl Reading {
         store: Option<&harness_store::Store>,
         sessions: usize,
     ) -> Reading {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        match store {
+            Some(store) => settle_store(store).await,
+            None => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
         release_free_memory(host, store).await;
         trim_heap();
         Reading {

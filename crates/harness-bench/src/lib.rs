@@ -98,11 +98,13 @@
 //!   rest is measured the same way, so the two reports compare key by key.
 //! * **RAM per idle session** (`idle_session_bytes`): fsync off; N sessions with one completed
 //!   turn each (64 at a time); resident set (`VmRSS`) after minus before, divided by N. Each
-//!   read follows the allocators' release of their free pages (the host's, on every runtime
-//!   worker and on the store's writer thread, and `malloc_trim`): without it the figure moved by a third run to run with what
-//!   mimalloc's threads happened to keep. It includes SQLite's page caches growing with the
-//!   database (`idle_sqlite_heap_*_bytes`); `idle_session_marginal_bytes` is the slope over the
-//!   second half only. An explicit `--idle-sessions N` is measured whole (cap 12 ms a session).
+//!   read waits for the store's idle moment (its fold and WAL truncation, 500 ms after the last
+//!   write: otherwise the figure moved with how much of a fold's tail was in memory) and follows
+//!   the allocators' release of their free pages (the host's, on every runtime worker and on
+//!   the store's writer thread, and `malloc_trim`): without it the figure moved by a third run
+//!   to run with what mimalloc's threads happened to keep. It includes SQLite's page caches
+//!   growing with the database (`idle_sqlite_heap_*_bytes`); `idle_session_marginal_bytes` is
+//!   the slope over the second half only. An explicit `--idle-sessions N` is measured whole (cap 12 ms a session).
 //!
 //! Layout: one module per phase (`idle`, `overhead`, `handoff`, `calls`, `long_session`,
 //! `router`, `throughput`), each returning its figures; `probe` and `rig` (a runtime in a
