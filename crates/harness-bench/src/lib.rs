@@ -104,7 +104,8 @@
 //!   the store's writer thread, and `malloc_trim`): without it the figure moved by a third run
 //!   to run with what mimalloc's threads happened to keep. It includes SQLite's page caches
 //!   growing with the database (`idle_sqlite_heap_*_bytes`); `idle_session_marginal_bytes` is
-//!   the slope over the second half only. An explicit `--idle-sessions N` is measured whole (cap 12 ms a session).
+//!   the slope over the second half only. An explicit `--idle-sessions N` is measured whole
+//!   (cap 12 ms a session).
 //!
 //! Layout: one module per phase (`idle`, `overhead`, `handoff`, `calls`, `long_session`,
 //! `router`, `throughput`), each returning its figures; `probe` and `rig` (a runtime in a
