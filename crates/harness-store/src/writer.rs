@@ -53,6 +53,18 @@ const TRUNCATE_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_mil
 /// its way.
 const CLOSE_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// What the host runs on the writer thread once an idle store has given its own memory back
+/// ([`set_idle_release`]).
+static IDLE_RELEASE: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Sets what an idle writer runs after it has folded, emptied the WAL and shrunk SQLite's
+/// cache: the host's way to give back the free pages its allocator keeps for this thread (the
+/// store does not own the allocator). Set once per process; later calls change nothing and
+/// return `false`.
+pub fn set_idle_release(release: fn()) -> bool {
+    IDLE_RELEASE.set(release).is_ok()
+}
+
 /// What [`after_commit`] queued for the batch in progress.
 type AfterCommit = Vec<Box<dyn FnOnce()>>;
 
@@ -276,6 +288,12 @@ pub(crate) fn writer_loop(
                         // cache at the size the last burst left them; an idle store gives
                         // them back (the cache refills from the OS's pages on the next burst).
                         let _ = exec(&conn, "PRAGMA shrink_memory");
+                        // The pages the burst's rows and logs took stay with this thread's
+                        // heap until the host's allocator is told (0.1–1 MB after a busy
+                        // burst), and only this thread can tell it about its own.
+                        if let Some(release) = IDLE_RELEASE.get() {
+                            release();
+                        }
                     }
                 }
                 continue;

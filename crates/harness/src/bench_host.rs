@@ -103,18 +103,8 @@ impl Host for BinaryHost {
     }
 
     fn memory_release(&self) -> Option<fn()> {
-        Some(collect_free_memory)
+        Some(crate::memory::collect_free_memory)
     }
-}
-
-/// mimalloc (the global allocator, main.rs): frees the calling thread's unused pages and
-/// purges every free page of the process's arenas now, rather than after its delay.
-fn collect_free_memory() {
-    extern "C" {
-        fn mi_collect(force: bool);
-    }
-    // SAFETY: takes no pointer; mimalloc is linked in as the global allocator.
-    unsafe { mi_collect(true) }
 }
 
 /// The error of `--iii` in a build without the `iii` feature.

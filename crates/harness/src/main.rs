@@ -13,6 +13,7 @@ mod console;
 mod fixtures;
 mod http;
 mod mcp;
+mod memory;
 mod runtime;
 mod telemetry;
 #[cfg(feature = "iii")]
@@ -333,6 +334,7 @@ async fn serve(s: ServeArgs, args: RuntimeArgs) -> Result<()> {
 
 fn main() {
     init_tracing();
+    memory::release_when_idle();
     let cli = Cli::parse();
     client::set_token(cli.token.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
