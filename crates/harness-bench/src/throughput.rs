@@ -49,6 +49,8 @@ pub(crate) fn since(s0: StoreStats, s1: StoreStats) -> StoreStats {
             .saturating_sub(s0.writer_checkpoint_ns),
         wal_truncations: s1.wal_truncations.saturating_sub(s0.wal_truncations),
         syncer_busy_ns: s1.syncer_busy_ns.saturating_sub(s0.syncer_busy_ns),
+        linger_waits: s1.linger_waits.saturating_sub(s0.linger_waits),
+        linger_answered: s1.linger_answered.saturating_sub(s0.linger_answered),
     }
 }
 
@@ -89,6 +91,8 @@ impl Cell {
             "wal_pages": self.per_step(stats.wal_frames),
             "wal_bytes": by_table.map(|_| self.per_step(stats.wal_frames * frame_bytes)),
             "wal_pages_by_table": by_table.map(|_| Value::Object(tables)),
+            "linger_waits": self.per_step(stats.linger_waits),
+            "linger_answered": self.per_step(stats.linger_answered),
         })
     }
 

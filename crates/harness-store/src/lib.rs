@@ -38,7 +38,7 @@ pub use lock::Access;
 pub use queue::{enqueue_in, enqueue_text_in, QueueConfig, QueueHandler, QueueMessage, Queues};
 pub use store::{Durability, Store, StoreStats};
 pub use wal_pages::WalPages;
-pub use writer::{after_commit, set_idle_release};
+pub use writer::{after_commit, on_rollback, set_idle_release};
 
 /// The connection a [`Store::write`] closure runs on, for crates that build such closures.
 pub use rusqlite::Connection;

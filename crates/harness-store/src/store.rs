@@ -81,6 +81,10 @@ pub struct StoreStats {
     /// Time the syncer thread spent in barriers' fsyncs: against wall time, how close the
     /// fsyncs are to bounding durable throughput (one runs at a time).
     pub syncer_busy_ns: u64,
+    /// Times a large batch with nothing queued waited a moment for one more write before its
+    /// COMMIT, and of those, how many a write answered (see `writer.rs`, `Linger`).
+    pub linger_waits: u64,
+    pub linger_answered: u64,
 }
 
 /// A barrier waiting for the syncer: fsync must cover commit sequence number `target`.
@@ -110,6 +114,8 @@ pub(crate) struct Counters {
     /// Times the idle or stopping writer emptied the WAL.
     pub(crate) wal_truncations: AtomicU64,
     syncer_busy_ns: AtomicU64,
+    pub(crate) linger_waits: AtomicU64,
+    pub(crate) linger_answered: AtomicU64,
     /// Why the latest write, fsync or checkpoint failed for lack of space, until a commit
     /// writes to the WAL again ([`Store::storage_full`]).
     full: Mutex<Option<String>>,
@@ -506,6 +512,8 @@ impl Store {
             writer_checkpoint_ns: c.writer_checkpoint_ns.load(Ordering::Relaxed),
             wal_truncations: c.wal_truncations.load(Ordering::Relaxed),
             syncer_busy_ns: c.syncer_busy_ns.load(Ordering::Relaxed),
+            linger_waits: c.linger_waits.load(Ordering::Relaxed),
+            linger_answered: c.linger_answered.load(Ordering::Relaxed),
         }
     }
 

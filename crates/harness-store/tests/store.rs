@@ -84,6 +84,19 @@ async fn concurrent_writes_are_group_committed() {
     assert_eq!(store.kv_list("c").unwrap().len(), 100);
 }
 
+/// One caller writing one write at a time is the whole batch each time: the writer commits
+/// it at once, never waiting for a write that cannot come while its caller waits on it.
+#[tokio::test]
+async fn a_lone_writer_is_never_kept_waiting_for_company() {
+    let (_dir, store) = open(Durability::Normal);
+    for i in 0..200 {
+        store.kv_set("s", "k", &json!(i)).await.unwrap();
+    }
+    let stats = store.stats();
+    assert_eq!(stats.linger_waits, 0, "{stats:?}");
+    assert!(stats.commits >= 200, "{stats:?}");
+}
+
 #[tokio::test]
 async fn barrier_fsyncs_in_full_mode_only_when_needed() {
     let (_dir, store) = open(Durability::Full);
