@@ -166,8 +166,7 @@ fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
     conn.execute_batch(DROP_CHANGE_INDEX)?;
     // What a killed process left in the log is folded now: from here on the log only holds
     // rows whose events are above the store's fold mark, which is how readers find them.
-    conn.execute_batch(WRITER_TAIL)?;
-    conn.execute_batch(FOLD_ENTRIES)?;
+    fold_entries(conn, 0)?;
     conn.execute_batch(status_log::SCHEMA)?;
     conn.execute_batch(status_log::WRITER_TAIL)?;
     status_log::recover_in(conn)?;
@@ -741,8 +740,7 @@ impl SessionStore {
             // The log is short (it is emptied by every fold): scanned, not indexed.
             conn.prepare_cached("DELETE FROM entry_log WHERE session_id = ?1")?
                 .execute(params![req.session_id])?;
-            conn.prepare_cached("DELETE FROM temp.entry_tail WHERE session_id = ?1")?
-                .execute(params![req.session_id])?;
+            forget_session(&req.session_id)?;
             conn.prepare_cached("DELETE FROM sessions WHERE session_id = ?1")?
                 .execute(params![req.session_id])?;
             status_log::forget_in(conn, &statuses, &req.session_id)?;
@@ -824,14 +822,11 @@ pub(crate) struct PreparedAppend {
     origin_value: Option<Value>,
 }
 
-/// What an append looks up, on the writer's connection (`entry_tail` is its TEMP index of
-/// the log, see `entry_log.rs`): the entry's seq in the log, its materialized seq, and the
-/// session's last seq in each.
+/// What an append looks up in `entries` when the writer's index of the log (see
+/// `entry_log.rs`) does not have the entry: its materialized seq, and the session's last.
 const APPEND_LOOKUP: &str = "
-SELECT (SELECT seq FROM temp.entry_tail WHERE session_id = ?1 AND entry_id = ?2),
-       (SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2),
-       (SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = ?1),
-       (SELECT COALESCE(MAX(seq), 0) FROM temp.entry_tail WHERE session_id = ?1)";
+SELECT (SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2),
+       (SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = ?1)";
 
 impl PreparedAppend {
     pub(crate) fn new(req: AppendRequest) -> std::result::Result<PreparedAppend, HarnessError> {
@@ -894,15 +889,19 @@ impl PreparedAppend {
         // Entries never outlive their session (`delete` removes both in one write), so an
         // entry found, or a session with entries, proves the session exists: the check runs
         // only for a session's first entry.
-        // One statement for all an append looks up (each part walks one index): the entry's
-        // seq if it exists (an entry keeps its seq in every version, logged or materialized),
-        // and the session's last seq, materialized and logged: the next is past both.
-        let (found, materialized, logged): (Option<i64>, i64, i64) = conn
-            .prepare_cached(APPEND_LOOKUP)?
-            .query_row(params![session_id, entry_id], |r| {
-                let logged: Option<i64> = r.get(0)?;
-                Ok((logged.or(r.get(1)?), r.get(2)?, r.get(3)?))
-            })?;
+        // The entry's seq if it exists (an entry keeps its seq in every version, logged or
+        // materialized), and the session's last seq, materialized and logged: the next is past
+        // both. A logged entry needs no statement; otherwise one looks up both in `entries`
+        // (each part walks one index).
+        let (logged, last_logged) = writer_tail(session_id, entry_id);
+        let (found, materialized) = match logged {
+            Some(at) => (Some(at.seq), 0),
+            None => conn
+                .prepare_cached(APPEND_LOOKUP)?
+                .query_row(params![session_id, entry_id], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })?,
+        };
         if let Some(seq) = found {
             return Ok((
                 AppendResponse {
@@ -913,7 +912,7 @@ impl PreparedAppend {
                 None,
             ));
         }
-        let seq = materialized.max(logged) + 1;
+        let seq = materialized.max(last_logged) + 1;
         if seq == 1 {
             require_session(conn, session_id)?;
         }
@@ -1141,5 +1140,127 @@ mod tests {
             got,
             vec![(11, "b".into()), (12, "c".into()), (20, "a".into())]
         );
+    }
+}
+
+#[cfg(test)]
+mod writer_index {
+    use super::*;
+    use harness_store::Durability;
+    use harness_types::message::{AgentMessage, ContentBlock, UserMessage};
+
+    fn prepared(entry_id: &str) -> PreparedAppend {
+        PreparedAppend::new(AppendRequest {
+            session_id: "s".into(),
+            message: Some(AgentMessage::User(UserMessage {
+                content: vec![ContentBlock::text(entry_id)],
+                timestamp: 0,
+            })),
+            custom: None,
+            entry_id: Some(entry_id.into()),
+            origin: None,
+        })
+        .unwrap()
+    }
+
+    /// An append whose write rolls back (a failing replayable write, its run's other writes
+    /// rolled back and run again, a failing once write) leaves the writer's index of the log
+    /// as it found it: its entry is neither found nor counted by the appends after it in the
+    /// same batch, and can be appended again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_writes_append_is_forgotten_by_the_writers_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.db"), Durability::Normal).unwrap();
+        let sessions = SessionStore::open(store.clone()).await.unwrap();
+        sessions
+            .create(CreateRequest {
+                session_id: Some("s".into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let first = prepared("e1");
+        let log = sessions.change_log().clone();
+        store.write(move |c| first.run(c, &log)).await.unwrap();
+
+        // Holds the writer until every write below is queued, so they share the next batch.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let hold = tokio::spawn({
+            let store = store.clone();
+            async move {
+                store
+                    .write(move |_| {
+                        let _ = held.recv_timeout(std::time::Duration::from_secs(10));
+                        Ok(())
+                    })
+                    .await
+            }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let commits = store.stats().commits;
+        let append = |entry_id: &'static str, fail: bool, replayable: bool| {
+            let store = store.clone();
+            let log = sessions.change_log().clone();
+            let prepared = prepared(entry_id);
+            let run = move |c: &Connection| {
+                let (answer, _) = prepared.run(c, &log)?;
+                if fail {
+                    return Err(StoreError::Invalid(format!("{entry_id} fails")));
+                }
+                Ok(answer)
+            };
+            let task = tokio::spawn(async move {
+                if replayable {
+                    store.write_replayable(run).await
+                } else {
+                    store.write(run).await
+                }
+            });
+            // In this order in the queue.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            task
+        };
+        let rerun = append("e2", false, true);
+        let failed = append("e3", true, true);
+        let once_failed = append("e4", true, false);
+        let after = append("e5", false, true);
+        release.send(()).unwrap();
+        hold.await.unwrap().unwrap();
+        let rerun = rerun.await.unwrap().unwrap();
+        assert!(failed.await.unwrap().is_err());
+        assert!(once_failed.await.unwrap().is_err());
+        let after = after.await.unwrap().unwrap();
+        // The held write's batch commits alone (it outlasted a batch's time), then the
+        // queued appends' batch.
+        assert_eq!(
+            store.stats().commits,
+            commits + 2,
+            "the appends in one batch"
+        );
+
+        assert!(
+            rerun.appended,
+            "run again after its run rolled back: {rerun:?}"
+        );
+        assert_eq!(rerun.seq, 2);
+        assert!(after.appended);
+        assert_eq!(after.seq, 3, "the failed appends are not counted");
+        for gone in ["e3", "e4"] {
+            assert!(sessions.entry("s", gone).unwrap().is_none(), "{gone}");
+        }
+        assert_eq!(sessions.entry("s", "e2").unwrap().unwrap().seq, 2);
+        let again = sessions.append(AppendRequest {
+            session_id: "s".into(),
+            message: Some(AgentMessage::User(UserMessage {
+                content: vec![ContentBlock::text("e3")],
+                timestamp: 0,
+            })),
+            custom: None,
+            entry_id: Some("e3".into()),
+            origin: None,
+        });
+        let again = again.await.unwrap();
+        assert!(again.appended);
+        assert_eq!(again.seq, 4);
     }
 }

@@ -7,23 +7,114 @@ use harness_store::{insert_event_in, StoreError};
 use harness_types::session::*;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value;
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 use super::{entry_from_row, Row};
 
-/// The writer's index of `entry_log`, on its own connection: a TEMP table lives in memory and
-/// writes no WAL page, yet rolls back with the transaction and savepoints like any other, so
-/// an append sees the entries appended before it in the same batch. Readers do not need it:
-/// they find a session's log rows from the store's unfolded event ids.
-pub(super) const WRITER_TAIL: &str = "
-CREATE TEMP TABLE IF NOT EXISTS entry_tail (
-    session_id TEXT NOT NULL,
-    entry_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    id INTEGER NOT NULL,
-    PRIMARY KEY (session_id, entry_id)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS temp.entry_tail_by_seq ON entry_tail (session_id, seq);
-";
+/// The writer's index of `entry_log`: where each session's logged entries are, and its last
+/// seq. It lives in the writer thread's memory (readers do not need it: they find a session's
+/// log rows from the store's unfolded event ids) and follows the writer's transaction: every
+/// change registers its undo with [`harness_store::on_rollback`], so a write that rolls back
+/// leaves it as it found it, and an append sees the entries appended before it in the same
+/// batch. It was a TEMP table: an append's lookup through it and its index row cost ~7 % of
+/// the writer's time.
+#[derive(Default)]
+struct SessionTail {
+    last_seq: i64,
+    entries: HashMap<String, Logged>,
+}
+
+/// Where an entry's latest logged version is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Logged {
+    pub(super) seq: i64,
+    /// Its row in `entry_log` (the change event's id).
+    pub(super) id: i64,
+}
+
+thread_local! {
+    static LOG_INDEX: RefCell<HashMap<String, SessionTail>> = RefCell::new(HashMap::new());
+}
+
+/// How to put the writer's index back as a change found it.
+type Undo = Box<dyn FnOnce(&mut HashMap<String, SessionTail>)>;
+
+/// Changes the writer's index and registers how to put it back; off a writer thread (where
+/// nothing could undo it) the change is undone at once and refused.
+fn change_tail(
+    change: impl FnOnce(&mut HashMap<String, SessionTail>) -> Undo,
+) -> std::result::Result<(), StoreError> {
+    let undo = LOG_INDEX.with(|t| change(&mut t.borrow_mut()));
+    let undo = move || LOG_INDEX.with(|t| undo(&mut t.borrow_mut()));
+    harness_store::on_rollback(undo).map_err(|undo| {
+        undo();
+        StoreError::Invalid(
+            "the entry log's index is kept on the store's writer thread only".into(),
+        )
+    })
+}
+
+/// An entry's latest logged version and its session's last logged seq (0: none), as the
+/// writer sees them inside its transaction.
+pub(super) fn writer_tail(session_id: &str, entry_id: &str) -> (Option<Logged>, i64) {
+    LOG_INDEX.with(|t| {
+        t.borrow().get(session_id).map_or((None, 0), |s| {
+            (s.entries.get(entry_id).copied(), s.last_seq)
+        })
+    })
+}
+
+/// Records a version just written to the log in the writer's index.
+fn index_version(
+    session_id: &str,
+    entry_id: &str,
+    at: Logged,
+) -> std::result::Result<(), StoreError> {
+    change_tail(|tail| {
+        let new_session = !tail.contains_key(session_id);
+        let session = tail.entry(session_id.to_string()).or_default();
+        let last_seq = session.last_seq;
+        session.last_seq = last_seq.max(at.seq);
+        let before = session.entries.insert(entry_id.to_string(), at);
+        let (session_id, entry_id) = (session_id.to_string(), entry_id.to_string());
+        Box::new(move |tail| {
+            if new_session {
+                tail.remove(&session_id);
+            } else if let Some(session) = tail.get_mut(&session_id) {
+                session.last_seq = last_seq;
+                match before {
+                    Some(before) => {
+                        session.entries.insert(entry_id, before);
+                    }
+                    None => {
+                        session.entries.remove(&entry_id);
+                    }
+                }
+            }
+        })
+    })
+}
+
+/// Forgets a deleted session's logged entries.
+pub(super) fn forget_session(session_id: &str) -> std::result::Result<(), StoreError> {
+    change_tail(|tail| {
+        let removed = tail.remove_entry(session_id);
+        Box::new(move |tail| {
+            if let Some((id, session)) = removed {
+                tail.insert(id, session);
+            }
+        })
+    })
+}
+
+/// The log was folded into `entries`: the index starts over.
+fn forget_all() -> std::result::Result<(), StoreError> {
+    change_tail(|tail| {
+        let all = std::mem::take(tail);
+        Box::new(move |tail| *tail = all)
+    })
+}
 
 /// The fold: the log's latest version of each entry replaces the materialized row, in key
 /// order (each session's leaves are written once for everything the log held), and the log
@@ -33,13 +124,12 @@ INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, r
     SELECT session_id, seq, entry_id, kind, body, origin, revision, MAX(id) FROM entry_log
     GROUP BY session_id, seq ORDER BY session_id, seq;
 DELETE FROM entry_log;
-DELETE FROM temp.entry_tail;
 ";
 
 /// The session store's part of the store's fold (see [`SessionStore::open`]).
 pub(super) fn fold_entries(conn: &Connection, _upto: i64) -> std::result::Result<(), StoreError> {
     conn.execute_batch(FOLD_ENTRIES)?;
-    Ok(())
+    forget_all()
 }
 
 /// The columns [`row`] reads, in its order; `entry_log` names its `id` as `chg`.
@@ -137,14 +227,10 @@ pub(super) fn latest_in_writer(
     session_id: &str,
     entry_id: &str,
 ) -> std::result::Result<Option<Row>, StoreError> {
-    let logged: Option<i64> = conn
-        .prepare_cached("SELECT id FROM temp.entry_tail WHERE session_id = ?1 AND entry_id = ?2")?
-        .query_row(params![session_id, entry_id], |r| r.get(0))
-        .optional()?;
-    if let Some(id) = logged {
+    if let (Some(at), _) = writer_tail(session_id, entry_id) {
         return Ok(conn
             .prepare_cached(&format!("SELECT {LOG_COLS} FROM entry_log WHERE id = ?1"))?
-            .query_row([id], row)
+            .query_row([at.id], row)
             .optional()?);
     }
     materialized(conn, session_id, entry_id)
@@ -201,12 +287,7 @@ pub(super) fn log_entry_in(
     .execute(params![
         chg, session_id, seq, entry_id, kind, body, origin, revision
     ])?;
-    conn.prepare_cached(
-        "INSERT OR REPLACE INTO temp.entry_tail (session_id, entry_id, seq, id)
-         VALUES (?1, ?2, ?3, ?4)",
-    )?
-    .execute(params![session_id, entry_id, seq, chg])?;
-    Ok(())
+    index_version(session_id, entry_id, Logged { seq, id: chg })
 }
 
 /// Inserts the event announcing an entry change and returns its id, the entry's new change mark.
