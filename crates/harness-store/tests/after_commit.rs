@@ -24,6 +24,25 @@ fn noted(log: &Log) -> Vec<String> {
     log.lock().unwrap().clone()
 }
 
+/// A write of `key` = `value` that leaves `leave(log, key)` behind, then fails when `fails`.
+fn write_leaving(
+    log: &Log,
+    key: &'static str,
+    value: u64,
+    fails: bool,
+    leave: fn(&Log, &'static str),
+) -> impl FnMut(&Connection) -> Result<(), StoreError> + Send + 'static {
+    let log = log.clone();
+    move |c| {
+        kv_set_in(c, "s", key, &json!(value))?;
+        leave(&log, key);
+        match fails {
+            true => Err(StoreError::Invalid(format!("{key} fails"))),
+            false => Ok(()),
+        }
+    }
+}
+
 /// A write of `key` = `value` that notes `key` after its commit, and then fails when `fails`.
 fn set_and_note(
     log: &Log,
@@ -31,15 +50,9 @@ fn set_and_note(
     value: u64,
     fails: bool,
 ) -> impl FnMut(&Connection) -> Result<(), StoreError> + Send + 'static {
-    let log = log.clone();
-    move |c| {
-        kv_set_in(c, "s", key, &json!(value))?;
-        note(&log, key);
-        match fails {
-            true => Err(StoreError::Invalid(format!("{key} fails"))),
-            false => Ok(()),
-        }
-    }
+    write_leaving(log, key, value, fails, |log, key| {
+        note(log, key);
+    })
 }
 
 #[tokio::test]
@@ -65,27 +78,36 @@ async fn work_runs_after_the_commit_and_before_the_answer() {
     assert_eq!(noted(&log), ["k"]);
 }
 
-#[tokio::test]
-async fn rolled_back_writes_leave_nothing_and_replayed_ones_leave_one() {
+/// In one batch: replayable a, b (fails), c, where b's failure rolls the run of a and b back
+/// and a runs again; then a once-only write d that fails in its own savepoint. Each write is
+/// `write(log, key, value, fails)`; answers whether each succeeded, with the log.
+async fn a_batch_with_failures<W>(
+    write: impl Fn(&Log, &'static str, u64, bool) -> W,
+) -> (Vec<bool>, Log, Store, tempfile::TempDir)
+where
+    W: FnMut(&Connection) -> Result<(), StoreError> + Send + 'static,
+{
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("s.db"), Durability::Normal).unwrap();
     let log = Log::default();
-    // In one batch: replayable a, b (fails), c, where b's failure rolls the run back and a, c
-    // run again; then a once-only write d that fails in its own savepoint.
     let out = one_batch(
         &store,
         vec![
-            Box::pin(store.write_replayable(set_and_note(&log, "a", 1, false))),
-            Box::pin(store.write_replayable(set_and_note(&log, "b", 2, true))),
-            Box::pin(store.write_replayable(set_and_note(&log, "c", 3, false))),
-            Box::pin(store.write(set_and_note(&log, "d", 4, true))),
+            Box::pin(store.write_replayable(write(&log, "a", 1, false))),
+            Box::pin(store.write_replayable(write(&log, "b", 2, true))),
+            Box::pin(store.write_replayable(write(&log, "c", 3, false))),
+            Box::pin(store.write(write(&log, "d", 4, true))),
         ],
     )
     .await;
-    assert!(out[0].is_ok());
-    assert!(out[1].is_err());
-    assert!(out[2].is_ok());
-    assert!(out[3].is_err());
+    let ok = out.iter().map(Result::is_ok).collect();
+    (ok, log, store, dir)
+}
+
+#[tokio::test]
+async fn rolled_back_writes_leave_nothing_and_replayed_ones_leave_one() {
+    let (ok, log, _store, _dir) = a_batch_with_failures(set_and_note).await;
+    assert_eq!(ok, [true, false, true, false]);
     let mut got = noted(&log);
     got.sort();
     assert_eq!(
@@ -101,36 +123,16 @@ fn undoable(
     key: &'static str,
     fails: bool,
 ) -> impl FnMut(&Connection) -> Result<(), StoreError> + Send + 'static {
-    let log = log.clone();
-    move |c| {
-        kv_set_in(c, "s", key, &json!(1))?;
+    write_leaving(log, key, 1, fails, |log, key| {
         let l = log.clone();
         assert!(on_rollback(move || l.lock().unwrap().push(format!("undo {key}"))).is_ok());
-        match fails {
-            true => Err(StoreError::Invalid(format!("{key} fails"))),
-            false => Ok(()),
-        }
-    }
+    })
 }
 
 #[tokio::test]
 async fn undos_run_for_rolled_back_writes_newest_first_and_never_for_committed_ones() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("s.db"), Durability::Normal).unwrap();
-    let log = Log::default();
-    // In one batch: replayable a, b (fails: the run of a and b rolls back, a runs again), c;
-    // then a once-only write d that fails in its own savepoint.
-    let out = one_batch(
-        &store,
-        vec![
-            Box::pin(store.write_replayable(undoable(&log, "a", false))),
-            Box::pin(store.write_replayable(undoable(&log, "b", true))),
-            Box::pin(store.write_replayable(undoable(&log, "c", false))),
-            Box::pin(store.write(undoable(&log, "d", true))),
-        ],
-    )
-    .await;
-    let ok: Vec<bool> = out.iter().map(Result::is_ok).collect();
+    let (ok, log, store, _dir) =
+        a_batch_with_failures(|log, key, _, fails| undoable(log, key, fails)).await;
     assert_eq!(ok, [true, false, true, false]);
     assert_eq!(noted(&log), ["undo b", "undo a", "undo d"]);
     // Committed: the undos a and c left were dropped, not run later.
