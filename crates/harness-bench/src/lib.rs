@@ -10,7 +10,9 @@
 //! dir; fsync numbers are only meaningful on a real disk), with the bus wrapped in a
 //! `ProbeBus` (`probe.rs`): a pass-through that
 //!
-//! * times every `harness::turn` delivery (one step) from handler start to handler end;
+//! * in the phases that sample steps, times every `harness::turn` delivery (one step) from
+//!   handler start to handler end (the throughput cells only count steps: the probe's books
+//!   would be charged to the loop);
 //! * inside a step, adds up the time spent awaiting the store: `session::*` and `state::*` calls,
 //!   `state_*`, `enqueue`, `publish` and `barrier` (found through a task-local set by the step's
 //!   handler, so concurrent sends are never charged to a step);

@@ -1,5 +1,7 @@
-//! The probe: a pass-through bus that times every step and what the step awaits (see the
-//! crate docs), and tells the bench when a turn has ended.
+//! The probe: a pass-through bus that times every sampled step and what the step awaits (see
+//! the crate docs), and tells the bench when a turn has ended. Outside a sampled phase (the
+//! throughput cells) it only counts steps and watches for turns' ends: its books would be
+//! charged to the loop it measures.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -204,6 +206,10 @@ pub(crate) struct TimedLocal {
 impl LocalHandler for TimedLocal {
     fn call(&self, payload: LocalValue, ctx: CallContext) -> LocalFuture {
         let fut = self.inner.call(payload, ctx);
+        if STEP.try_with(|_| ()).is_err() {
+            // Outside a sampled step nothing would be recorded: no wrapper to pay for.
+            return fut;
+        }
         let (op, store) = (Arc::clone(&self.op), self.store);
         Box::pin(async move { timed(&op, store, fut).await })
     }
@@ -289,6 +295,13 @@ impl Handler for StepHandler {
             // The handoff ends as the handler starts; the step's own time starts after the
             // probe's bookkeeping, which is not the loop's.
             probe.step_started(&payload, Instant::now());
+            if !probe.sample_steps.load(Ordering::Relaxed) {
+                // Only counted: the throughput cells measure the loop, not the probe's books
+                // (with no step scope, `timed` records nothing).
+                let out = inner.call(payload, ctx).await;
+                probe.steps_handled.fetch_add(1, Ordering::SeqCst);
+                return out;
+            }
             let turn_id = payload
                 .get("turn_id")
                 .and_then(Value::as_str)
@@ -428,12 +441,15 @@ impl Bus for ProbeBus {
         function_id: &str,
         payload: Value,
     ) -> Result<(), BusError> {
-        let stamp = (queue == TURN_QUEUE).then(|| payload.clone());
-        if stamp.is_some() {
+        let step = queue == TURN_QUEUE;
+        // The payload is kept only while handoffs are stamped.
+        let stamp =
+            (step && self.probe.track_handoff.load(Ordering::Relaxed)).then(|| payload.clone());
+        if step {
             self.probe.steps_enqueued.fetch_add(1, Ordering::SeqCst);
         }
         let out = store_op("enqueue", self.inner.enqueue(queue, function_id, payload)).await;
-        if out.is_err() && stamp.is_some() {
+        if out.is_err() && step {
             self.probe.steps_enqueued.fetch_sub(1, Ordering::SeqCst);
         }
         out?;
@@ -464,15 +480,20 @@ impl Bus for ProbeBus {
     async fn commit(&self, writes: Vec<BusWrite>) -> Result<Vec<Value>, BusError> {
         // A batch is one store operation; its step enqueues and completions are seen as the
         // one-by-one `enqueue` and `publish` above see theirs.
-        let steps: Vec<Value> = writes
-            .iter()
-            .filter_map(|w| match w {
-                BusWrite::Enqueue { queue, payload, .. } if queue == TURN_QUEUE => {
-                    Some(payload.clone())
+        // The step payloads are kept only while handoffs are stamped.
+        let stamping = self.probe.track_handoff.load(Ordering::Relaxed);
+        let mut n = 0;
+        let mut steps: Vec<Value> = Vec::new();
+        for w in &writes {
+            if let BusWrite::Enqueue { queue, payload, .. } = w {
+                if queue == TURN_QUEUE {
+                    n += 1;
+                    if stamping {
+                        steps.push(payload.clone());
+                    }
                 }
-                _ => None,
-            })
-            .collect();
+            }
+        }
         let completed: Vec<Value> = writes
             .iter()
             .filter_map(|w| match w {
@@ -482,7 +503,6 @@ impl Bus for ProbeBus {
                 _ => None,
             })
             .collect();
-        let n = steps.len() as u64;
         self.probe.steps_enqueued.fetch_add(n, Ordering::SeqCst);
         let out = store_op("commit", self.inner.commit(writes)).await;
         if out.is_err() {
