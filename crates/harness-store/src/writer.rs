@@ -396,7 +396,7 @@ pub(crate) fn writer_loop(
             if batch.is_empty() {
                 // Nothing queued: wait a moment for the next write only while such waits have
                 // lately been answered (see `Linger`).
-                if ran < LINGER_FROM {
+                if !linger.large(ran) {
                     break;
                 }
                 match linger.wait(&rx, counters) {
@@ -413,6 +413,7 @@ pub(crate) fn writer_loop(
                 break;
             }
         }
+        linger.batch_ran(ran);
         txn.commit(counters);
         if tail.due() || cache.log.due() {
             fold_events(&conn, counters, cache, tail);
@@ -432,7 +433,8 @@ pub(crate) fn writer_loop(
 /// How long a batch with nothing queued waits for one more write before it commits.
 const LINGER: std::time::Duration = std::time::Duration::from_micros(40);
 
-/// A batch waits ([`LINGER`]) only once it has run this many writes.
+/// A batch waits ([`LINGER`]) once it has run this many writes (or two, while recent batches
+/// ran twice this on average).
 const LINGER_FROM: usize = 8;
 
 /// Whether a batch that has run everything queued waits [`LINGER`] for one more write.
@@ -445,9 +447,11 @@ const LINGER_FROM: usize = 8;
 /// sessions makes several writes in a row, each waiting for its commit). The writer cannot
 /// count its writers; two signs stand in:
 ///
-/// * the batch's size: callers make one write at a time, so a batch that ran
+/// * the batches' size: callers make one write at a time, so a batch that ran
 ///   [`LINGER_FROM`] writes had that many callers waiting on it at once, and more are likely
-///   between two writes; smaller batches (a few sessions) commit at once;
+///   between two writes; so are they when the recent batches ran twice that on average (many
+///   callers, and this batch started between two bursts of them), and then a batch of two
+///   waits too. A few sessions' batches are smaller, and a lone write never waits;
 /// * its recent waits: it waits while more than half of them were answered, and otherwise
 ///   tries one wait in [`Linger::PROBE`], to notice when they would be again.
 ///
@@ -460,6 +464,8 @@ struct Linger {
     since: u32,
     /// Time spent waiting in the batch in progress.
     waited: std::time::Duration,
+    /// Writes a batch ran lately, in 1/16 (an average over ~8 batches).
+    mean_batch: usize,
 }
 
 impl Linger {
@@ -500,6 +506,17 @@ impl Linger {
     /// Notes whether a wait was answered.
     fn answered(&mut self, hit: bool) {
         self.answered = (self.answered * 7 + if hit { 256 } else { 0 }) / 8;
+    }
+
+    /// Whether a batch that ran `ran` writes is large enough to wait: [`LINGER_FROM`] writes,
+    /// or any two while the batches lately ran twice that on average (many writers, between
+    /// two bursts).
+    fn large(&self, ran: usize) -> bool {
+        ran >= LINGER_FROM || (ran >= 2 && self.mean_batch >= 2 * LINGER_FROM * 16)
+    }
+
+    fn batch_ran(&mut self, ran: usize) {
+        self.mean_batch = (self.mean_batch * 7 + ran * 16) / 8;
     }
 
     fn take_waited(&mut self) -> std::time::Duration {
@@ -825,7 +842,7 @@ impl<'c> Batch<'c> {
 
 #[cfg(test)]
 mod tests {
-    use super::Linger;
+    use super::{Linger, LINGER_FROM};
 
     /// A writer starts out committing at once and tries a wait once in `PROBE` batches; waits
     /// that are answered make it wait every time, and unanswered ones stop it again.
@@ -847,5 +864,23 @@ mod tests {
             linger.answered(false);
         }
         assert!(!linger.worth_waiting(), "unanswered: commits at once");
+    }
+
+    /// A batch is large enough to wait at `LINGER_FROM` writes; a batch of two is too once
+    /// recent batches averaged twice that, and a lone write never is.
+    #[test]
+    fn a_batch_waits_when_it_or_the_recent_ones_are_large() {
+        let mut linger = Linger::default();
+        assert!(!linger.large(1) && !linger.large(2) && !linger.large(LINGER_FROM - 1));
+        assert!(linger.large(LINGER_FROM));
+        for _ in 0..20 {
+            linger.batch_ran(4 * LINGER_FROM);
+        }
+        assert!(linger.large(2), "many writers lately");
+        assert!(!linger.large(1), "a lone write");
+        for _ in 0..20 {
+            linger.batch_ran(3);
+        }
+        assert!(!linger.large(2), "few writers again");
     }
 }
