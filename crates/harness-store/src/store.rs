@@ -82,8 +82,9 @@ pub struct StoreStats {
     /// fsyncs are to bounding durable throughput (one runs at a time).
     pub syncer_busy_ns: u64,
     /// Times a large batch with nothing queued waited a moment for one more write before its
-    /// COMMIT, and of those, how many a write answered (see `writer.rs`, `Linger`).
+    /// COMMIT (see `writer.rs`, `Linger`).
     pub linger_waits: u64,
+    /// Of those waits, the ones a write answered.
     pub linger_answered: u64,
 }
 

@@ -65,13 +65,14 @@ pub fn set_idle_release(release: fn()) -> bool {
     IDLE_RELEASE.set(release).is_ok()
 }
 
-/// What [`after_commit`] queued for the batch in progress.
-type AfterCommit = Vec<Box<dyn FnOnce()>>;
+/// Work a write leaves for the writer to run later: after the batch's COMMIT
+/// ([`after_commit`]), or if its changes roll back ([`on_rollback`]).
+type Deferred = Vec<Box<dyn FnOnce()>>;
 
 thread_local! {
     /// Work the batch in progress leaves for after its COMMIT ([`after_commit`]); `None` off a
     /// writer thread.
-    static AFTER_COMMIT: RefCell<Option<AfterCommit>> = const { RefCell::new(None) };
+    static AFTER_COMMIT: RefCell<Option<Deferred>> = const { RefCell::new(None) };
 }
 
 /// Runs `f` once the batch the current write belongs to has committed, before any write of
@@ -92,7 +93,7 @@ pub fn after_commit(f: impl FnOnce() + 'static) -> bool {
 thread_local! {
     /// How to undo the in-memory changes of the batch in progress ([`on_rollback`]), oldest
     /// first; `None` off a writer thread.
-    static ON_ROLLBACK: RefCell<Option<AfterCommit>> = const { RefCell::new(None) };
+    static ON_ROLLBACK: RefCell<Option<Deferred>> = const { RefCell::new(None) };
 }
 
 /// Runs `f` if the changes of the current write roll back (its own savepoint's, its run's, or
@@ -394,8 +395,8 @@ pub(crate) fn writer_loop(
                 }
             }
             if batch.is_empty() {
-                // Nothing queued: wait a moment for the next write only while such waits have
-                // lately been answered (see `Linger`).
+                // Nothing queued: a large batch waits a moment for the next write, while such
+                // waits have lately been answered (see `Linger`).
                 if !linger.large(ran) {
                     break;
                 }
@@ -450,8 +451,8 @@ const LINGER_FROM: usize = 8;
 /// * the batches' size: callers make one write at a time, so a batch that ran
 ///   [`LINGER_FROM`] writes had that many callers waiting on it at once, and more are likely
 ///   between two writes; so are they when the recent batches ran twice that on average (many
-///   callers, and this batch started between two bursts of them), and then a batch of two
-///   waits too. A few sessions' batches are smaller, and a lone write never waits;
+///   callers, though this batch is small), and then a batch of two waits too. A few
+///   sessions' batches are smaller, and a lone write never waits;
 /// * its recent waits: it waits while more than half of them were answered, and otherwise
 ///   tries one wait in [`Linger::PROBE`], to notice when they would be again.
 ///
@@ -509,8 +510,7 @@ impl Linger {
     }
 
     /// Whether a batch that ran `ran` writes is large enough to wait: [`LINGER_FROM`] writes,
-    /// or any two while the batches lately ran twice that on average (many writers, between
-    /// two bursts).
+    /// or any two while the batches lately ran twice that on average (many writers).
     fn large(&self, ran: usize) -> bool {
         ran >= LINGER_FROM || (ran >= 2 && self.mean_batch >= 2 * LINGER_FROM * 16)
     }
