@@ -17,6 +17,7 @@ use crate::config::HarnessConfig;
 use crate::context::{Window, WindowState};
 use crate::locks::SessionLocks;
 use crate::record::TurnRecord;
+use crate::record_memo::{RecordMemo, Written};
 use crate::{TURN_QUEUE, TURN_SCOPE};
 
 /// The loop. Cheap to clone; every clone shares the same locks and signals.
@@ -41,6 +42,9 @@ pub(crate) struct Inner {
     /// Transcripts of recently stepped sessions, so a step reads only what changed since the
     /// last one. A std Mutex: held only to take or put an entry, never across an await.
     pub(crate) transcripts: Mutex<TranscriptCache>,
+    /// Turn records as the loop last wrote them, parsed (see `record_memo`). A std Mutex: held
+    /// only to take or put one.
+    pub(crate) records: Mutex<RecordMemo>,
     /// The results `Effect::CloseOpenCalls` wrote for a turn's open calls, by turn id, waiting
     /// for the `Effect::Finalize` that always follows it: they are committed in its batch, so
     /// a crash never leaves closed calls in the transcript beside a record that still waits.
@@ -164,6 +168,8 @@ impl TranscriptCache {
 #[derive(Clone, Default)]
 pub(crate) struct StepWrites {
     writes: Vec<BusWrite>,
+    /// The records these writes save, for the memo once they are committed.
+    records: Vec<Written>,
 }
 
 #[allow(dead_code)] // The step shell adopts these as it moves to one batch per step.
@@ -175,6 +181,7 @@ impl StepWrites {
     /// Puts `later`'s writes after these.
     pub(crate) fn extend(&mut self, later: StepWrites) {
         self.writes.extend(later.writes);
+        self.records.extend(later.records);
     }
 
     /// Typed: the embedded bus hands the request to the transcript store as it is; another bus
@@ -230,10 +237,12 @@ impl StepWrites {
     /// As [`Harness::save_record`] (stamps `updated_at` the same way).
     pub(crate) fn save_record(&mut self, rec: &mut TurnRecord) -> Result<()> {
         rec.updated_at = harness_types::now_ms();
+        let text = record_text(rec)?;
+        self.records.push(Written::of(rec, &text));
         self.writes.push(BusWrite::StateSetText {
             scope: TURN_SCOPE.to_string(),
             key: rec.session_id.clone(),
-            text: record_text(rec)?,
+            text,
         });
         Ok(())
     }
@@ -304,6 +313,7 @@ impl Harness {
                 judge_paused_until: Mutex::new(None),
                 functions_generation: std::sync::atomic::AtomicU64::new(1),
                 transcripts: Mutex::new(TranscriptCache::default()),
+                records: Mutex::new(RecordMemo::default()),
                 closings: Mutex::new(HashMap::new()),
                 protected: std::sync::RwLock::new(Vec::new()),
                 grants_lock: tokio::sync::Mutex::new(()),
@@ -418,30 +428,56 @@ impl Harness {
 
     pub(crate) async fn load_record(&self, session_id: &str) -> Result<Option<TurnRecord>> {
         // As text, parsed straight into the record: the record is written as text too (see
-        // `record_text`), and the store's cache hands over its own copy of that text.
+        // `record_text`), and the store's cache hands over its own copy of that text. The text
+        // the loop last wrote is not parsed again (see `record_memo`).
         let text = self
             .inner
             .bus
             .state_get_text(TURN_SCOPE, session_id)
             .await
             .map_err(bus_err)?;
-        match text {
-            None => Ok(None),
-            Some(text) => serde_json::from_str::<TurnRecord>(&text)
-                .map(Some)
-                .map_err(|e| {
-                    HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
-                }),
+        let Some(text) = text else {
+            return Ok(None);
+        };
+        let memo = self.records().get(session_id, &text);
+        if let Some(rec) = memo {
+            debug_assert_eq!(
+                serde_json::from_str::<TurnRecord>(&text).ok().as_ref(),
+                Some(&rec),
+                "a memoized record reads back equal to its text"
+            );
+            return Ok(Some(rec));
         }
+        serde_json::from_str::<TurnRecord>(&text)
+            .map(Some)
+            .map_err(|e| {
+                HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
+            })
     }
 
     pub(crate) async fn save_record(&self, rec: &mut TurnRecord) -> Result<()> {
         rec.updated_at = harness_types::now_ms();
+        let text = record_text(rec)?;
+        let written = Written::of(rec, &text);
         self.inner
             .bus
-            .state_set_text(TURN_SCOPE, &rec.session_id, record_text(rec)?)
+            .state_set_text(TURN_SCOPE, &rec.session_id, text)
             .await
-            .map_err(bus_err)
+            .map_err(bus_err)?;
+        self.remember([written]);
+        Ok(())
+    }
+
+    fn records(&self) -> std::sync::MutexGuard<'_, RecordMemo> {
+        self.inner.records.lock().expect("record memo lock")
+    }
+
+    /// Puts records the store now holds into the memo.
+    fn remember(&self, written: impl IntoIterator<Item = Written>) {
+        let mut memo = self.records();
+        for w in written {
+            memo.put(w);
+        }
     }
 
     /// Commits `first`, a batch that schedules a turn's next step, retrying with the batch
@@ -482,7 +518,14 @@ impl Harness {
         if writes.writes.is_empty() {
             return Ok(Vec::new());
         }
-        self.inner.bus.commit(writes.writes).await.map_err(bus_err)
+        let answers = self
+            .inner
+            .bus
+            .commit(writes.writes)
+            .await
+            .map_err(bus_err)?;
+        self.remember(writes.records);
+        Ok(answers)
     }
 
     pub(crate) async fn barrier(&self) -> Result<()> {
