@@ -43,7 +43,7 @@ pub(crate) struct Inner {
     /// last one. A std Mutex: held only to take or put an entry, never across an await.
     pub(crate) transcripts: Mutex<TranscriptCache>,
     /// Turn records as the loop last wrote them, parsed (see `record_memo`). A std Mutex: held
-    /// only to take or put one.
+    /// only to copy or put one.
     pub(crate) records: Mutex<RecordMemo>,
     /// The results `Effect::CloseOpenCalls` wrote for a turn's open calls, by turn id, waiting
     /// for the `Effect::Finalize` that always follows it: they are committed in its batch, so

@@ -1,6 +1,6 @@
 //! Turn records kept parsed beside the text they were written as.
 //!
-//! A step reads its session's record back two or three times, each time just after the loop
+//! A step reads its session's record back three or four times, each time just after the loop
 //! wrote it; parsing that text was ~8 % of the loop's CPU by profile (issue 34). The memo keeps
 //! the last record the loop wrote for a session with its exact text, and a read whose text from
 //! the store is that text copies the record instead of parsing it. It is a memo of a pure
@@ -47,7 +47,7 @@ impl Written {
     /// and the turn still runs.
     ///
     /// The text reads back equal unless it holds a `null`: an `Option` holding JSON null reads
-    /// back as `None`, and a field written as null without its skip reads back as its default.
+    /// back as `None`, and a field written as null without its skip may read back as its default.
     /// Such a record (rare: a function that answered null, say) is simply parsed on its next
     /// read; a `null` inside a string only costs that parse too. An ended turn's record is read
     /// once more at most (by the next send) and would otherwise sit in memory for every idle
