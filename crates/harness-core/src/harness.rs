@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::HarnessConfig;
 use crate::context::{Window, WindowState};
 use crate::locks::SessionLocks;
+use crate::recent;
 use crate::record::TurnRecord;
 use crate::record_memo::{RecordMemo, Written};
 use crate::{TURN_QUEUE, TURN_SCOPE};
@@ -124,16 +125,13 @@ impl TranscriptCache {
             if old.mark >= cached.mark {
                 return;
             }
-        } else if self.sessions.len() >= TRANSCRIPT_CACHE_SESSIONS {
-            if let Some(oldest) = self
-                .sessions
-                .iter()
-                .min_by_key(|(_, c)| c.used)
-                .map(|(k, _)| k.clone())
-            {
-                self.sessions.remove(&oldest);
-            }
         }
+        recent::make_room(
+            &mut self.sessions,
+            session_id,
+            TRANSCRIPT_CACHE_SESSIONS,
+            |c| c.used,
+        );
         cached.used = self.clock;
         self.sessions.insert(session_id.to_string(), cached);
     }

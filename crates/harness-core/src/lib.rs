@@ -38,6 +38,7 @@ pub(crate) use harness_machine::{machine, output, record};
 /// Every text the loop writes for a person or the model to read.
 pub use harness_machine::texts;
 mod prompt;
+mod recent;
 mod record_memo;
 mod recover;
 mod retention;

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 
+use crate::recent;
 use crate::record::TurnRecord;
 
 /// Sessions whose last written record stays parsed; the least recently written goes first.
@@ -84,18 +85,12 @@ impl RecordMemo {
             }
         };
         self.clock += 1;
-        if !self.by_session.contains_key(&record.session_id)
-            && self.by_session.len() >= RECORD_MEMO_SESSIONS
-        {
-            if let Some(oldest) = self
-                .by_session
-                .iter()
-                .min_by_key(|(_, m)| m.written)
-                .map(|(k, _)| k.clone())
-            {
-                self.by_session.remove(&oldest);
-            }
-        }
+        recent::make_room(
+            &mut self.by_session,
+            &record.session_id,
+            RECORD_MEMO_SESSIONS,
+            |m| m.written,
+        );
         self.by_session.insert(
             record.session_id.clone(),
             Memo {
