@@ -27,6 +27,10 @@ pub struct HarnessConfig {
     pub max_transient_resumes: u32,
     /// Minimum interval between streamed `update-message` writes (0 = every frame).
     pub stream_coalesce_ms: u64,
+    /// How long a step's first write (the `working` status, the assistant entry) may wait for
+    /// the model's answer, to be committed with it as one write (0 = before the model is
+    /// called).
+    pub first_write_hold_ms: u64,
     /// Outer budget of one `router::chat`.
     pub router_timeout_ms: u64,
     /// Budget of `session::*`, `state::*` and `context::*` calls.
@@ -183,6 +187,7 @@ impl Default for HarnessConfig {
             default_max_turns: 16,
             max_transient_resumes: 1,
             stream_coalesce_ms: 150,
+            first_write_hold_ms: 20,
             router_timeout_ms: 620_000,
             session_timeout_ms: 10_000,
             dispatch_timeout_ms: 300_000,

@@ -29,7 +29,9 @@ impl Harness {
         // the batch, with the reason, the terminal record, the session status and the event. On
         // the embedded bus one transaction, elsewhere in this order (each idempotent, and a
         // redelivered step that finds the record terminal repeats what follows it).
-        let mut batch = StepWrites::default();
+        // The held writes' head (the step's assistant entry, when its pre-append joined this
+        // batch) was due before anything parked now: it stays ahead of the rows.
+        let (mut batch, held) = held.split_head();
         let drained = self
             .drain_into(&rec.session_id, &rec.turn_id, &mut batch)
             .await?;

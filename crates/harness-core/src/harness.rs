@@ -168,6 +168,12 @@ pub(crate) struct StepWrites {
     writes: Vec<BusWrite>,
     /// The records these writes save, for the memo once they are committed.
     records: Vec<Written>,
+    /// How many of the first writes stay at the head when the finalizer puts steering rows
+    /// first (see [`StepWrites::split_head`]).
+    head: usize,
+    /// Crash failpoints reached once these writes are committed: a write joined to a later
+    /// batch reaches its failpoint when it is durable, wherever that is.
+    after: Vec<&'static str>,
 }
 
 #[allow(dead_code)] // The step shell adopts these as it moves to one batch per step.
@@ -176,10 +182,48 @@ impl StepWrites {
         self.writes.is_empty()
     }
 
-    /// Puts `later`'s writes after these.
+    /// Puts `later`'s writes after these. A head stays one: `later`'s joins it only when
+    /// every write here is head.
     pub(crate) fn extend(&mut self, later: StepWrites) {
+        if self.head == self.writes.len() {
+            self.head += later.head;
+        }
         self.writes.extend(later.writes);
         self.records.extend(later.records);
+        self.after.extend(later.after);
+    }
+
+    /// Whether a turn record is among these writes.
+    pub(crate) fn saves_record(&self) -> bool {
+        self.writes
+            .iter()
+            .any(|w| matches!(w, BusWrite::StateSetText { scope, .. } if scope == TURN_SCOPE))
+    }
+
+    /// Makes every write so far head: writes that were due before anything a later batch may
+    /// put first (the step's pre-appended assistant entry, ahead of steering rows the
+    /// finalizer delivers).
+    pub(crate) fn mark_head(&mut self) {
+        self.head = self.writes.len();
+    }
+
+    /// Splits off the head: `(head, rest)`, the failpoints and records going with the rest
+    /// (they are reached once the whole batch is committed).
+    pub(crate) fn split_head(mut self) -> (StepWrites, StepWrites) {
+        let rest = self.writes.split_off(self.head);
+        let head = StepWrites {
+            writes: std::mem::take(&mut self.writes),
+            head: self.head,
+            ..StepWrites::default()
+        };
+        self.writes = rest;
+        self.head = 0;
+        (head, self)
+    }
+
+    /// Reaches failpoint `point` once these writes are committed.
+    pub(crate) fn fail_after(&mut self, point: &'static str) {
+        self.after.push(point);
     }
 
     /// Typed: the embedded bus hands the request to the transcript store as it is; another bus
@@ -523,6 +567,9 @@ impl Harness {
             .await
             .map_err(bus_err)?;
         self.remember(writes.records);
+        for point in writes.after {
+            crate::failpoint::hit(point);
+        }
         Ok(answers)
     }
 

@@ -21,6 +21,7 @@ mod dispatch;
 mod events;
 pub mod failpoint;
 mod finalize;
+mod first_write;
 mod fsroot;
 mod functions;
 pub mod grants;

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use crate::context;
 use crate::dispatch::{plan_calls, Dispatched};
-use crate::failpoint;
+use crate::first_write::FirstWrite;
 use crate::harness::{Harness, Result, StepWrites};
 use crate::hooks::{self, Decision, HookPoint};
 use crate::interpret::Carry;
@@ -293,8 +293,22 @@ impl Harness {
             entry_id: Some(entry_id.clone()),
             origin: Some(json!({"turn_id": rec.turn_id})),
         })?;
-        self.commit(batch).await?;
-        failpoint::hit("after_assistant_appended");
+        batch.mark_head();
+        batch.fail_after("after_assistant_appended");
+        // Held back with the lock (`first_write.rs`) unless it saves the record: the record is
+        // read back after the stream, and must be the one this step left.
+        let guard = carry
+            .guard
+            .take()
+            .ok_or_else(|| HarnessError::internal("a step generates without its session lock"))?;
+        let hold = self.config().first_write_hold_ms;
+        let mut first = if hold == 0 || batch.saves_record() {
+            self.commit(batch).await?;
+            drop(guard);
+            FirstWrite::default()
+        } else {
+            FirstWrite::hold(batch, guard, std::time::Duration::from_millis(hold))
+        };
         let request_id = ids::request_id(&rec.turn_id, rec.step);
         // Not persisted here: `stop` derives the request id from `(turn_id, step)`, so the step
         // saves a store round trip; the next record write carries it for status readers.
@@ -327,17 +341,18 @@ impl Harness {
 
         let again = (req.clone(), extras.clone());
 
-        // Generate with the lock released, so `stop` can land mid-stream.
-        let stream = async |req, extras, last: &mut StepWrites| {
-            self.generate(req, extras, &sid, &entry_id, cancel.clone(), last)
+        // Generate with the lock released (once the first write is), so `stop` can land
+        // mid-stream.
+        let stream = async |req, extras, first: &mut FirstWrite, last: &mut StepWrites| {
+            self.generate(req, extras, &sid, &entry_id, cancel.clone(), first, last)
                 .await
         };
-        drop(carry.guard.take());
-        let mut generation = stream(req, extras, &mut carry.pending).await;
+        let mut generation = stream(req, extras, &mut first, &mut carry.pending).await;
         // The server measured the prompt over its window (our count was low): assembled once
         // more with a quarter of the prompt held back, so the history is compacted (or a message
         // that alone cannot fit refused), and asked again, once. Nothing was streamed.
         if overflowed(&generation) && !cancel.is_cancelled() {
+            self.release_first(&mut first).await?;
             let (mut req, extras) = again;
             // What the refused request carried, in bytes (which bound tokens).
             let request_bytes = context::byte_bound(&req.messages)
@@ -361,7 +376,7 @@ impl Harness {
                 req.system_prompt = p.system_prompt;
                 req.messages = p.messages;
                 req.max_output_tokens = p.max_output_tokens;
-                generation = stream(req, extras, &mut carry.pending).await;
+                generation = stream(req, extras, &mut first, &mut carry.pending).await;
             }
             if overflowed(&generation) {
                 carry.guard = Some(self.inner.locks.lock(&sid).await);
@@ -375,6 +390,17 @@ impl Harness {
             Err(_) => Vec::new(),
         };
         let observed = !post_generate.is_empty();
+        // The held write joins the answer's batch, at its head, and the lock held with it
+        // stays; a hook that looks, or a failed generation, gets it committed first.
+        let joined = match (first.take(), observed || generation.is_err()) {
+            (Some((batch, guard)), false) => Some((batch, guard)),
+            (Some((batch, guard)), true) => {
+                self.commit(batch).await?;
+                drop(guard);
+                None
+            }
+            (None, _) => None,
+        };
         if observed {
             // The hooks may read the transcript: the answer is there first.
             self.flush(carry).await?;
@@ -394,7 +420,14 @@ impl Harness {
                 .run_chain(HookPoint::PostGenerate, &post_generate, env, None, None)
                 .await;
         }
-        carry.guard = Some(self.inner.locks.lock(&sid).await);
+        match joined {
+            Some((mut batch, guard)) => {
+                batch.extend(std::mem::take(&mut carry.pending));
+                carry.pending = batch;
+                carry.guard = Some(guard);
+            }
+            None => carry.guard = Some(self.inner.locks.lock(&sid).await),
+        }
         let generation = generation?;
         // The record as it is now: a stop may have finalized it while the model streamed. The
         // contract's mode was chosen above and is written with the next record write.

@@ -15,6 +15,7 @@ use harness_types::HarnessError;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
+use crate::first_write::FirstWrite;
 use crate::harness::{Harness, Result, StepWrites};
 
 /// How a generation ended.
@@ -119,7 +120,10 @@ impl Harness {
 
     /// Streams one generation into `entry_id`. Bus failures (no router, a dropped link) are step
     /// errors; provider failures are a `Generation` with `error` set. The entry's final write is
-    /// added to `last`, not written: the caller commits it with its next batch.
+    /// added to `last`, not written: the caller commits it with its next batch. `first`, the
+    /// step's held first write, is committed once its time is up or before the first partial
+    /// write, whichever comes first (`first_write.rs`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn generate(
         &self,
         req: ChatRequest,
@@ -127,6 +131,7 @@ impl Harness {
         session_id: &str,
         entry_id: &str,
         cancel: CancellationToken,
+        first: &mut FirstWrite,
         last: &mut StepWrites,
     ) -> Result<Generation> {
         let c = self.config();
@@ -192,8 +197,13 @@ impl Harness {
         let mut abort_sent = false;
         let mut result = Some(result);
         let mut ack: Option<std::result::Result<Acked, harness_bus::BusError>> = None;
+        let due = tokio::time::sleep_until(first.until());
+        tokio::pin!(due);
         loop {
             tokio::select! {
+                _ = &mut due, if first.is_held() => {
+                    self.release_first(first).await?;
+                }
                 frame = frames.next() => {
                     let Some(frame) = frame else { break };
                     if frame.is_terminal() {
@@ -206,6 +216,7 @@ impl Harness {
                         }
                         dirty = true;
                         if last_write.elapsed() >= coalesce {
+                            self.release_first(first).await?;
                             let partial = partial_message(&acc, &model, &provider);
                             self.write_stream(session_id, entry_id, &partial, None).await?;
                             last_write = Instant::now();

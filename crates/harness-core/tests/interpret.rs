@@ -42,11 +42,12 @@ async fn a_reply_the_provider_cut_is_resumed_with_its_notice_record_and_step_in_
     assert_eq!((s.status, s.transient_resumes), (TurnStatus::Completed, 1));
     let writes = rt.writes_once_idle().await - before;
     // The new session: 1. The send (message, record, first step): 1. Each of the two steps:
-    // its start (status, event, assistant entry), its end (the cut answer with the recovery
-    // notice, the record and the next step; then the terminal batch), its ack: 3 each.
-    // Written one by one (before the interpreter), the cut step's answer, its notice and its
-    // advance were three writes: 10 in all.
-    assert_eq!(writes, 8, "{writes} store writes for a resumed turn");
+    // its start (status, event, assistant entry) held back and written with its end (the cut
+    // answer with the recovery notice, the record and the next step; then the terminal
+    // batch), its ack: 2 each. Written one by one (before the interpreter), the cut step's
+    // answer, its notice and its advance were three writes, and each step's start one more:
+    // 10 in all.
+    assert_eq!(writes, 6, "{writes} store writes for a resumed turn");
     let recovering = rt
         .entries(&r.session_id)
         .into_iter()
@@ -87,12 +88,12 @@ async fn a_step_past_max_turns_writes_its_notice_with_the_terminal_record() {
         (s.status, s.result),
         (TurnStatus::Completed, Some(json!("done")))
     );
-    // The same first step either way. The second: with room, its start, its end and its
-    // ack, plus the provider's assignment of the second generation (4); past `max_turns`,
-    // the status, the notice and the terminal record as one batch, and its ack (2). Written
-    // one by one (before the interpreter), the capped step's status and notice were two
-    // writes of their own, and both turns wrote as much.
-    assert_eq!(free - capped, 2, "capped {capped}, free {free}");
+    // The same first step either way. The second: with room, its start (held back) and end
+    // as one batch and its ack, plus the provider's assignment of the second generation (3);
+    // past `max_turns`, the status, the notice and the terminal record as one batch, and its
+    // ack (2). Written one by one (before the interpreter), the capped step's status and
+    // notice were two writes of their own, and both turns wrote as much.
+    assert_eq!(free - capped, 1, "capped {capped}, free {free}");
 }
 
 /// The store writes of a turn whose one call waits for the test; `steer` sends a message while

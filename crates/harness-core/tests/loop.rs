@@ -695,7 +695,7 @@ async fn a_create_that_answered_late_is_not_retried_into_already_exists() {
 }
 
 #[tokio::test]
-async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
+async fn a_text_turn_is_three_store_writes_send_step_and_ack() {
     // The embedded runtime's transactional session functions, as `harness serve` registers them;
     // no partial write of the streamed reply, however slow the machine.
     // Usage announcements write once at a milestone turn (the second turn is one); they are
@@ -713,9 +713,10 @@ async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
     req.session_id = Some(first.session_id.clone());
     let (second, end) = rt.run(req).await;
     assert_eq!(end.status, TurnStatus::Completed);
-    // The send's message, turn record and first step are one write; the step writes once
-    // before the generation and once after it; the queue acks the step.
-    assert_eq!(rt.writes_once_idle().await - before, 4);
+    // The send's message, turn record and first step are one write; the step's start (status,
+    // assistant entry), held while the model answers within `first_write_hold_ms`, is written
+    // with its end; the queue acks the step.
+    assert_eq!(rt.writes_once_idle().await - before, 3);
     assert_eq!(
         rt.messages(&second.session_id),
         vec![
@@ -725,6 +726,151 @@ async fn a_text_turn_is_four_store_writes_send_step_start_step_end_and_ack() {
             ("assistant".into(), "ok".into())
         ]
     );
+}
+
+/// No partial writes, no usage announcements; the step's first write held for `hold_ms`.
+fn holding(hold_ms: u64) -> HarnessConfig {
+    HarnessConfig {
+        stream_coalesce_ms: 60_000,
+        usage_reporting: false,
+        first_write_hold_ms: hold_ms,
+        ..config()
+    }
+}
+
+/// Waits until the model was asked `n` times.
+async fn asked(rt: &Rt, n: usize) {
+    until("the model is asked", || {
+        rt.recorder.seen.lock().unwrap().len() >= n
+    })
+    .await;
+}
+
+fn session_status(meta: &serde_json::Value) -> String {
+    meta["meta"]["status"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test]
+async fn a_model_slower_than_the_hold_finds_the_step_start_written_while_it_answers() {
+    let script = json!({"generations": [{"repeat": true, "delay_ms": 1500, "content": [{"type": "text", "text": "late"}]}]});
+    let rt = runtime(script, holding(20)).await;
+    harness_session::register_transactional(&rt.bus, &rt.sessions);
+    let (first, _) = rt.run(send("hello")).await;
+    let before = rt.writes_once_idle().await;
+    let mut req = send("again");
+    req.session_id = Some(first.session_id.clone());
+    let r = rt.send(req).await;
+    asked(&rt, 2).await;
+    let sid = r.session_id.clone();
+    let entry = format!("e_{}_0_assistant", r.turn_id);
+    until("the assistant entry is written", || {
+        rt.entry_ids(&sid).contains(&entry)
+    })
+    .await;
+    let meta = rt.ok("session::get", json!({"session_id": sid})).await;
+    assert_eq!(session_status(&meta), "working", "{meta}");
+    let running = rt.status(&sid).await.unwrap();
+    assert_eq!(
+        running.status,
+        TurnStatus::Running,
+        "written before the answer"
+    );
+    let s = rt.wait_terminal(&sid, &r.turn_id).await;
+    assert_eq!(s.result, Some(json!("late")));
+    // The step's start and end are two writes again.
+    assert_eq!(rt.writes_once_idle().await - before, 4);
+}
+
+#[tokio::test]
+async fn a_stop_while_the_first_write_is_held_keeps_the_entry_ahead_of_what_the_end_writes() {
+    // Held for the whole answer: nothing of the step is written before it ends.
+    let script = json!({"generations": [
+        {"match": {"last_user_text": "^first$"}, "repeat": true, "delay_ms": 30000, "content": [{"type": "text", "text": "never"}]}
+    ]});
+    let rt = runtime(script, holding(600_000)).await;
+    let r = rt.send(send("first")).await;
+    let sid = r.session_id.clone();
+    asked(&rt, 1).await;
+    let entry = format!("e_{}_0_assistant", r.turn_id);
+    assert!(!rt.entry_ids(&sid).contains(&entry), "the start is held");
+    // A steering message parks without the session lock while the write is held.
+    let mut more = send("and more");
+    more.session_id = Some(sid.clone());
+    let steered = rt.send(more).await;
+    assert_eq!((steered.merged, steered.queued), (Some(true), Some(true)));
+    assert!(rt.stop(&sid).await.stopping);
+    let s = rt.wait_terminal(&sid, &r.turn_id).await;
+    assert_eq!(s.status, TurnStatus::Cancelled);
+    // The held entry first, then the steering row the end delivered, then the stop notice.
+    let ids = rt.entry_ids(&sid);
+    let at = |id: &str| ids.iter().position(|e| e == id);
+    let stopped = format!("e_{}_stopped", r.turn_id);
+    let steering = rt
+        .entries(&sid)
+        .into_iter()
+        .find(|e| {
+            e.message
+                .as_ref()
+                .is_some_and(|m| harness_types::message::joined_text(m.content()) == "and more")
+        })
+        .map(|e| e.entry_id)
+        .expect("the steering message is delivered");
+    assert!(at(&entry).is_some(), "{ids:?}");
+    assert!(at(&entry) < at(&steering), "{ids:?}");
+    assert!(at(&steering) < at(&stopped), "{ids:?}");
+    let meta = rt.ok("session::get", json!({"session_id": sid})).await;
+    assert_eq!(session_status(&meta), "done", "not left working: {meta}");
+    let topics: Vec<String> = rt.topics(&sid).into_iter().map(|(t, _)| t).collect();
+    let started = topics.iter().position(|t| t == "harness::turn-started");
+    let completed = topics.iter().position(|t| t == "harness::turn-completed");
+    assert!(started.is_some() && started < completed, "{topics:?}");
+    assert_eq!(
+        topics
+            .iter()
+            .filter(|t| *t == "harness::turn-completed")
+            .count(),
+        1
+    );
+}
+
+/// A generation that fails with nothing streamed ends the turn at once: the steering message
+/// that came meanwhile is delivered by the end's batch, which also carries the held start
+/// (and then gets a turn of its own).
+#[tokio::test]
+async fn a_failed_answer_keeps_its_held_entry_ahead_of_the_steering_its_end_delivers() {
+    let script = json!({"generations": [
+        {"match": {"last_user_text": "^first$"}, "repeat": true, "delay_ms": 300,
+         "error": {"kind": "permanent", "message": "refused"}},
+        {"match": {"last_user_text": "^and more$"}, "repeat": true, "content": [{"type": "text", "text": "ok"}]}
+    ]});
+    let rt = runtime(script, holding(600_000)).await;
+    let r = rt.send(send("first")).await;
+    let sid = r.session_id.clone();
+    asked(&rt, 1).await;
+    let mut more = send("and more");
+    more.session_id = Some(sid.clone());
+    let steered = rt.send(more).await;
+    assert_eq!((steered.merged, steered.queued), (Some(true), Some(true)));
+    let ended = rt.completed_events(&sid, &r.turn_id).await;
+    assert_eq!(ended[0]["status"], "failed", "{ended:?}");
+    let ids = rt.entry_ids(&sid);
+    let at = |id: &str| ids.iter().position(|e| e == id);
+    let entry = format!("e_{}_0_assistant", r.turn_id);
+    let steering = rt
+        .entries(&sid)
+        .into_iter()
+        .find(|e| {
+            e.message
+                .as_ref()
+                .is_some_and(|m| harness_types::message::joined_text(m.content()) == "and more")
+        })
+        .map(|e| e.entry_id)
+        .expect("the steering message is delivered");
+    assert!(at(&entry).is_some(), "{ids:?}");
+    assert!(at(&entry) < at(&steering), "{ids:?}");
 }
 
 /// With `max_turns: 1` a reply the provider cut is still resumed: the resume finishes the one
