@@ -746,6 +746,27 @@ async fn asked(rt: &Rt, n: usize) {
     .await;
 }
 
+/// Sends `text` to the running turn of `sid`, which queues it (lock-free).
+async fn steer(rt: &Rt, sid: &str, text: &str) {
+    let mut more = send(text);
+    more.session_id = Some(sid.to_string());
+    let steered = rt.send(more).await;
+    assert_eq!((steered.merged, steered.queued), (Some(true), Some(true)));
+}
+
+/// The id of the entry whose message says `text`.
+fn entry_saying(rt: &Rt, sid: &str, text: &str) -> String {
+    rt.entries(sid)
+        .into_iter()
+        .find(|e| {
+            e.message
+                .as_ref()
+                .is_some_and(|m| harness_types::message::joined_text(m.content()) == text)
+        })
+        .map(|e| e.entry_id)
+        .unwrap_or_else(|| panic!("no entry says {text:?}"))
+}
+
 fn session_status(meta: &serde_json::Value) -> String {
     meta["meta"]["status"]
         .as_str()
@@ -797,10 +818,7 @@ async fn a_stop_while_the_first_write_is_held_keeps_the_entry_ahead_of_what_the_
     let entry = format!("e_{}_0_assistant", r.turn_id);
     assert!(!rt.entry_ids(&sid).contains(&entry), "the start is held");
     // A steering message parks without the session lock while the write is held.
-    let mut more = send("and more");
-    more.session_id = Some(sid.clone());
-    let steered = rt.send(more).await;
-    assert_eq!((steered.merged, steered.queued), (Some(true), Some(true)));
+    steer(&rt, &sid, "and more").await;
     assert!(rt.stop(&sid).await.stopping);
     let s = rt.wait_terminal(&sid, &r.turn_id).await;
     assert_eq!(s.status, TurnStatus::Cancelled);
@@ -808,16 +826,7 @@ async fn a_stop_while_the_first_write_is_held_keeps_the_entry_ahead_of_what_the_
     let ids = rt.entry_ids(&sid);
     let at = |id: &str| ids.iter().position(|e| e == id);
     let stopped = format!("e_{}_stopped", r.turn_id);
-    let steering = rt
-        .entries(&sid)
-        .into_iter()
-        .find(|e| {
-            e.message
-                .as_ref()
-                .is_some_and(|m| harness_types::message::joined_text(m.content()) == "and more")
-        })
-        .map(|e| e.entry_id)
-        .expect("the steering message is delivered");
+    let steering = entry_saying(&rt, &sid, "and more");
     assert!(at(&entry).is_some(), "{ids:?}");
     assert!(at(&entry) < at(&steering), "{ids:?}");
     assert!(at(&steering) < at(&stopped), "{ids:?}");
@@ -850,25 +859,13 @@ async fn a_failed_answer_keeps_its_held_entry_ahead_of_the_steering_its_end_deli
     let r = rt.send(send("first")).await;
     let sid = r.session_id.clone();
     asked(&rt, 1).await;
-    let mut more = send("and more");
-    more.session_id = Some(sid.clone());
-    let steered = rt.send(more).await;
-    assert_eq!((steered.merged, steered.queued), (Some(true), Some(true)));
+    steer(&rt, &sid, "and more").await;
     let ended = rt.completed_events(&sid, &r.turn_id).await;
     assert_eq!(ended[0]["status"], "failed", "{ended:?}");
     let ids = rt.entry_ids(&sid);
     let at = |id: &str| ids.iter().position(|e| e == id);
     let entry = format!("e_{}_0_assistant", r.turn_id);
-    let steering = rt
-        .entries(&sid)
-        .into_iter()
-        .find(|e| {
-            e.message
-                .as_ref()
-                .is_some_and(|m| harness_types::message::joined_text(m.content()) == "and more")
-        })
-        .map(|e| e.entry_id)
-        .expect("the steering message is delivered");
+    let steering = entry_saying(&rt, &sid, "and more");
     assert!(at(&entry).is_some(), "{ids:?}");
     assert!(at(&entry) < at(&steering), "{ids:?}");
 }
