@@ -44,6 +44,7 @@ default_context_window: 100000
 web_fetch_allow_private: true
 queue_concurrency: 16
 step_visibility_timeout_ms: 600000
+first_write_hold_ms: 0
 "#;
 
 fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
@@ -75,7 +76,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
     let (dir, file) = config_file("harness.yaml", EVERY_KEY);
     let env = [("CONFIG_TEST_HOME", "/srv/h")];
     let out = cli_ok(&["config", "validate", path_str(&file)], &env);
-    assert!(out.contains("ok (25 keys set)"), "{out}");
+    assert!(out.contains("ok (26 keys set)"), "{out}");
     // Without the variable the reference is named.
     let (rc, _, err) = cli_env(&["config", "validate", path_str(&file)], &[]);
     assert_eq!(rc, 1);
@@ -124,7 +125,7 @@ fn a_file_with_every_key_loads_and_show_names_each_source() {
         .values()
         .filter(|v| v["source"] == json!(file_source))
         .count();
-    assert_eq!(from_file, 23);
+    assert_eq!(from_file, 24);
     // A runtime started on it says which keys it does not act on yet.
     let data = dir.path().join("data");
     let (rc, _, err) = cli_env(

@@ -534,3 +534,42 @@ async fn a_kill_right_after_a_released_call_advances_its_turn_leaves_the_step_qu
     assert_eq!(answers, ["done writing"], "\n{}", render(&entries));
     server.assert_one_clean_turn(sid, &tid).await;
 }
+
+/// A step holds its first write (status, `turn-started`, the empty assistant entry) while the
+/// model answers; with the hold longer than the answer, a kill in that window finds nothing of
+/// the step written. The step runs again after the restart, and the turn ends once, with one
+/// assistant message and one `turn-started`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_while_the_first_write_is_held_the_step_runs_again_once() {
+    let reply = "Held, then written once.";
+    let mut slow = text_gen(None, reply, 0, false);
+    slow["delay_ms"] = json!(2500);
+    let script = script(vec![slow]);
+    let config = tempfile::tempdir().unwrap();
+    let file = config.path().join("harness.yaml");
+    std::fs::write(&file, "first_write_hold_ms: 600000\n").unwrap();
+    let mut server = Server::start(&script, &["--config", file.to_str().unwrap()]).await;
+    let sent = server.send(None, "hello").await;
+    let (sid, tid) = (id(&sent, "session_id"), id(&sent, "turn_id"));
+    // Well inside the model's delay: the step is waiting for the answer, its start held.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(server.status(&sid).await["status"], "running");
+    let entries = server.transcript(&sid, true).await;
+    assert_eq!(entries.len(), 1, "only the message:\n{}", render(&entries));
+
+    server.kill();
+    server.restart().await;
+
+    let entries = server.completed_transcript(&sid, &tid).await;
+    assert_eq!(
+        entries.len(),
+        2,
+        "one user and one assistant message:\n{}",
+        render(&entries)
+    );
+    assert_eq!(
+        (role_of(&entries[1]), text_of(&entries[1]).as_str()),
+        (Some("assistant"), reply)
+    );
+    server.assert_one_clean_turn(&sid, &tid).await;
+}
