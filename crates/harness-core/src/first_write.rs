@@ -39,16 +39,6 @@ pub(crate) struct FirstWrite {
     until: Instant,
 }
 
-impl Default for FirstWrite {
-    /// Nothing held.
-    fn default() -> FirstWrite {
-        FirstWrite {
-            held: None,
-            until: Instant::now(),
-        }
-    }
-}
-
 impl FirstWrite {
     /// `batch`, held under `guard` for at most `hold`.
     pub(crate) fn hold(batch: StepWrites, guard: SessionGuard, hold: Duration) -> FirstWrite {

@@ -302,13 +302,11 @@ impl Harness {
             .take()
             .ok_or_else(|| HarnessError::internal("a step generates without its session lock"))?;
         let hold = self.config().first_write_hold_ms;
-        let mut first = if hold == 0 || batch.saves_record() {
-            self.commit(batch).await?;
-            drop(guard);
-            FirstWrite::default()
-        } else {
-            FirstWrite::hold(batch, guard, std::time::Duration::from_millis(hold))
-        };
+        let saves_record = batch.saves_record();
+        let mut first = FirstWrite::hold(batch, guard, std::time::Duration::from_millis(hold));
+        if hold == 0 || saves_record {
+            self.release_first(&mut first).await?;
+        }
         let request_id = ids::request_id(&rec.turn_id, rec.step);
         // Not persisted here: `stop` derives the request id from `(turn_id, step)`, so the step
         // saves a store round trip; the next record write carries it for status readers.
@@ -392,15 +390,10 @@ impl Harness {
         let observed = !post_generate.is_empty();
         // The held write joins the answer's batch, at its head, and the lock held with it
         // stays; a hook that looks, or a failed generation, gets it committed first.
-        let joined = match (first.take(), observed || generation.is_err()) {
-            (Some((batch, guard)), false) => Some((batch, guard)),
-            (Some((batch, guard)), true) => {
-                self.commit(batch).await?;
-                drop(guard);
-                None
-            }
-            (None, _) => None,
-        };
+        if observed || generation.is_err() {
+            self.release_first(&mut first).await?;
+        }
+        let joined = first.take();
         if observed {
             // The hooks may read the transcript: the answer is there first.
             self.flush(carry).await?;
