@@ -12,6 +12,25 @@ use serde_json::{json, Value};
 const STORY: &str = "Once upon a time a small durable loop kept every word it was given, and when the \
 power went out it simply woke up again, read its notes, and finished the story without repeating itself.";
 
+/// The turn completed with exactly `user`'s message and one assistant message saying `reply`.
+async fn assert_one_exchange(server: &Server, sid: &str, tid: &str, user: &str, reply: &str) {
+    let entries = server.completed_transcript(sid, tid).await;
+    assert_eq!(
+        entries.len(),
+        2,
+        "one user and one assistant message:\n{}",
+        render(&entries)
+    );
+    assert_eq!(
+        (role_of(&entries[0]), text_of(&entries[0]).as_str()),
+        (Some("user"), user)
+    );
+    assert_eq!(
+        (role_of(&entries[1]), text_of(&entries[1]).as_str()),
+        (Some("assistant"), reply)
+    );
+}
+
 fn id(v: &Value, field: &str) -> String {
     v[field]
         .as_str()
@@ -163,21 +182,7 @@ async fn crash_right_after_send() {
     server.kill();
     server.restart().await;
 
-    let entries = server.completed_transcript(&sid, &tid).await;
-    assert_eq!(
-        entries.len(),
-        2,
-        "one user and one assistant message:\n{}",
-        render(&entries)
-    );
-    assert_eq!(
-        (role_of(&entries[0]), text_of(&entries[0]).as_str()),
-        (Some("user"), "hello")
-    );
-    assert_eq!(
-        (role_of(&entries[1]), text_of(&entries[1]).as_str()),
-        (Some("assistant"), reply)
-    );
+    assert_one_exchange(&server, &sid, &tid, "hello", reply).await;
 
     server.assert_one_clean_turn(&sid, &tid).await;
 }
@@ -560,16 +565,6 @@ async fn killed_while_the_first_write_is_held_the_step_runs_again_once() {
     server.kill();
     server.restart().await;
 
-    let entries = server.completed_transcript(&sid, &tid).await;
-    assert_eq!(
-        entries.len(),
-        2,
-        "one user and one assistant message:\n{}",
-        render(&entries)
-    );
-    assert_eq!(
-        (role_of(&entries[1]), text_of(&entries[1]).as_str()),
-        (Some("assistant"), reply)
-    );
+    assert_one_exchange(&server, &sid, &tid, "hello", reply).await;
     server.assert_one_clean_turn(&sid, &tid).await;
 }
