@@ -805,6 +805,25 @@ async fn a_model_slower_than_the_hold_finds_the_step_start_written_while_it_answ
     assert_eq!(rt.writes_once_idle().await - before, 4);
 }
 
+/// The hold is a number of milliseconds an operator may set as large as it parses: the
+/// largest one holds the write through the answer, it does not overflow the clock.
+#[tokio::test]
+async fn the_largest_hold_an_operator_can_set_holds_through_the_answer() {
+    let rt = runtime(json!({"generations": [text_gen("ok")]}), holding(u64::MAX)).await;
+    let (r, s) = rt.run(send("hello")).await;
+    assert_eq!(
+        (s.status, s.result),
+        (TurnStatus::Completed, Some(json!("ok")))
+    );
+    assert_eq!(
+        rt.messages(&r.session_id),
+        vec![
+            ("user".into(), "hello".into()),
+            ("assistant".into(), "ok".into())
+        ]
+    );
+}
+
 #[tokio::test]
 async fn a_stop_while_the_first_write_is_held_keeps_the_entry_ahead_of_what_the_end_writes() {
     // Held for the whole answer: nothing of the step is written before it ends.
