@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use harness_store::{insert_event_in, Store, StoreError};
+use harness_store::{insert_event_in, FoldPart, Store, StoreError};
 use harness_types::message::AgentMessage;
 use harness_types::session::*;
 use harness_types::{now_ms, ErrorCode, HarnessError};
@@ -168,7 +168,7 @@ fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
     conn.execute_batch(DROP_CHANGE_INDEX)?;
     // What a killed process left in the log is folded now: from here on the log only holds
     // rows whose events are above the store's fold mark, which is how readers find them.
-    fold_entries(conn, 0)?;
+    fold_whole_log_in(conn)?;
     conn.execute_batch(status_log::SCHEMA)?;
     conn.execute_batch(status_log::WRITER_TAIL)?;
     status_log::recover_in(conn)?;
@@ -335,9 +335,12 @@ impl SessionStore {
         let hooked = store.shared::<FoldsEntries>();
         if !hooked.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
             let folding = statuses.clone();
-            store.on_fold(Arc::new(move |conn: &Connection, upto: i64| {
-                fold_entries(conn, upto)?;
-                status_log::fold_in(conn, &folding, upto)
+            store.on_fold(Arc::new(move |conn: &Connection, part: &FoldPart<'_>| {
+                fold_part_in(conn, part)?;
+                match part {
+                    FoldPart::End { to } => status_log::fold_in(conn, &folding, *to),
+                    _ => Ok(()),
+                }
             }));
         }
         let log = store.shared::<ChangeLog>();

@@ -375,3 +375,107 @@ async fn a_session_with_many_unfolded_versions_reads_the_same_folded() {
 async fn a_session_with_many_sparse_unfolded_versions_reads_the_same_folded() {
     many_unfolded_versions_read_the_same_folded(12).await;
 }
+
+/// The store folds in parts, one after each of its writes once the event tail is long: a part
+/// changes nothing a reader sees; an entry edited after its session's part ran, and one edited
+/// before, read at their latest; a session deleted half way stays deleted; and the fold's end
+/// leaves in the log only what was written after it began.
+#[tokio::test]
+async fn a_fold_in_parts_changes_nothing_a_reader_sees() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(&dir.path().join("t.db")).await;
+    let sids: Vec<String> = (0..40).map(|i| format!("s{i:02}")).collect();
+    for sid in &sids {
+        create(&s, sid, json!({})).await;
+        add(
+            &s,
+            sid,
+            "u1",
+            AgentMessage::user_text(format!("q-{sid}"), 1),
+        )
+        .await;
+        add(&s, sid, "r1", reply("draft", 0.5)).await;
+        edit(&s, sid, "r1", &format!("a-{sid}"), 1.0).await;
+    }
+    // Enough events, spread over the sessions, for the writer to begin a fold after this write
+    // (its threshold is 16,384): ~17 parts of ~1,024 events, two or three sessions each.
+    let names = sids.clone();
+    s.store()
+        .write(move |c| {
+            for i in 0..16_384 {
+                harness_store::insert_event_in(c, Some(&names[i % 40]), "filler", &json!(i), None)?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+    let watched = ["s00", "s01", "s20", "s39"];
+    let snapshot = |s: &SessionStore| watched.map(|w| reads(s, w, "r1"));
+    let materialized = |s: &SessionStore, sid: &str| -> Option<String> {
+        let sid = sid.to_string();
+        s.store()
+            .read(move |c| {
+                Ok(c.query_row(
+                    "SELECT body FROM entries WHERE session_id = ?1 AND entry_id = 'r1'",
+                    [sid],
+                    |r| r.get(0),
+                )
+                .ok())
+            })
+            .unwrap()
+    };
+    let mut before = snapshot(&s);
+    let (mut writes, mut extra) = (0, 0);
+    let (mut edited, mut deleted, mut moved) = (false, false, None);
+    // Until the mark has moved and the folded versions have left the log: the appends that
+    // drove the parts, the two edits and s20's new entry are all it holds then.
+    while moved.is_none() || logged(&s) != writes as i64 + 3 {
+        assert!(
+            writes < 100,
+            "{} events unfolded",
+            s.store().unfolded_events()
+        );
+        // One write of a session no one watches: the writer runs the fold's next part after it.
+        let x = format!("x{writes}");
+        add(&s, "s10", &x, AgentMessage::user_text("x", 1)).await;
+        writes += 1;
+        assert_eq!(
+            snapshot(&s),
+            before,
+            "a part changed a read ({writes} writes)"
+        );
+        if !edited && materialized(&s, "s00").is_some_and(|row| row.contains("a-s00")) {
+            // The first sessions' part has run, the last session's not yet.
+            assert_eq!(materialized(&s, "s39"), None);
+            edit(&s, "s00", "r1", "edited after its part", 2.0).await;
+            edit(&s, "s39", "r1", "edited before its part", 2.0).await;
+            edited = true;
+            extra += 2;
+        } else if edited && !deleted {
+            let gone = s.delete(DeleteRequest {
+                session_id: "s20".into(),
+            });
+            assert!(gone.await.unwrap().deleted);
+            create(&s, "s20", json!({})).await;
+            add(&s, "s20", "r1", reply("new", 0.5)).await;
+            deleted = true;
+            extra += 3;
+        }
+        if moved.is_none() && s.store().unfolded_events() < 1_000 {
+            moved = Some(writes + extra);
+        }
+        before = snapshot(&s);
+    }
+    assert!(edited && deleted);
+    // Each write ran one part.
+    let parts = moved.unwrap();
+    assert!(parts >= 10, "the mark moved after {parts} parts");
+    assert_eq!(texts(&before[0]), ["q-s00", "edited after its part"]);
+    assert_eq!(texts(&before[1]), ["q-s01", "a-s01"]);
+    assert_eq!(texts(&before[2]), ["new"]);
+    assert_eq!(texts(&before[3]), ["q-s39", "edited before its part"]);
+    s.store().fold_events().await.unwrap();
+    assert_eq!(logged(&s), 0);
+    assert_eq!(snapshot(&s), before, "folded whole");
+    assert_eq!(entry_ids(&s, "s20"), ["r1"]);
+}

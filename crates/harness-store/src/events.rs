@@ -12,7 +12,10 @@
 //! mark `upto` is in it, and the ids above (the *tail*) are kept in memory, each with a hash of
 //! its session, in id order. The writer folds when the tail reaches [`FOLD_EVENTS`], when it is
 //! idle and when the store closes; one fold rewrites each session's leaf once for thousands of
-//! events. At open the tail is read back from the log (ids above the stored mark).
+//! events. At open the tail is read back from the log (ids above the stored mark). Under load a
+//! fold runs in parts between the writer's batches, so that no step's commit waits for a whole
+//! one (see [`fold_part_in`]); one part moves the mark, and those before it write nothing a
+//! reader looks at.
 //!
 //! Dedupe keys are folded the same way. A unique index on the log's key column had its new
 //! keys at two right edges (the keys begin with their topic), rewritten by every commit: 0.7 of
@@ -25,7 +28,7 @@
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 use serde_json::Value;
 
 use crate::error::StoreError;
@@ -36,7 +39,7 @@ use crate::store::Store;
 /// an event costs (at 200 busy sessions, 16,384 events are ~80 a session: ~0.4 WAL pages a
 /// step fewer than at 8,192); the tail costs 16 bytes an event in memory, the writer's TEMP
 /// tables hold its dedupe keys and logged entries until the fold (an idle writer gives that
-/// memory back), and one fold holds the writer for its length (tens of ms under load).
+/// memory back), and a fold takes the writer's time in parts of about a millisecond each.
 pub(crate) const FOLD_EVENTS: usize = 16384;
 
 /// The writer connection's dedupe keys of the events above the fold mark (see the module docs).
@@ -46,8 +49,31 @@ const TAIL_KEYS: &str = "CREATE TEMP TABLE IF NOT EXISTS event_keys_tail(
 DELETE FROM temp.event_keys_tail;";
 
 /// What another crate folds with the events: a table it keeps, like the index, in a log
-/// ordered by event id and brings up to date in the same transaction (see [`Store::on_fold`]).
-pub type FoldHook = Arc<dyn Fn(&Connection, i64) -> Result<(), StoreError> + Send + Sync>;
+/// ordered by event id and brings up to date in the fold's parts (see [`Store::on_fold`]).
+pub type FoldHook = Arc<dyn Fn(&Connection, &FoldPart<'_>) -> Result<(), StoreError> + Send + Sync>;
+
+/// One part of a fold, as a [`FoldHook`] is given it, each inside a write of the store's writer
+/// (see [`fold_part_in`]), in this order. Several may share one write (an idle writer folds
+/// whole).
+#[derive(Debug)]
+pub enum FoldPart<'a> {
+    /// A fold begins: it brings in what has an event id in `(from, to]`.
+    Begin { from: i64, to: i64 },
+    /// What has an event id in `(after, through]`, to be read (ranges in order, from `from`
+    /// to `to`).
+    Collect { after: i64, through: i64 },
+    /// The sessions whose ids are in `(after, through]` (`through` None: every one after
+    /// `after`), in key order; `after` is `""` in the first.
+    Sessions {
+        after: &'a str,
+        through: Option<&'a str>,
+    },
+    /// When this part's write commits the mark is `to`: readers look up by event id only what
+    /// is above it.
+    End { to: i64 },
+    /// What the fold made dead in `(after, through]` may go (ranges in order, after `End`).
+    Sweep { after: i64, through: i64 },
+}
 
 /// The ids above the fold mark, in memory (see the module docs).
 #[derive(Default)]
@@ -260,46 +286,241 @@ pub fn insert_event_text_in(
     Ok(Some(id))
 }
 
-/// Folds every event above the mark into `events_by_session`, inside the caller's write; the
-/// tail drops what was folded once that write commits (nothing changes if it rolls back).
+/// Keys a fold part brings into the index, about (a part ends at a session's last key): ~1 ms
+/// of the writer's time under load, about what the workers have queued for it, so a part does
+/// not leave them waiting the way a whole fold (30–40 ms) did.
+const FOLD_PART_KEYS: i64 = 1024;
+
+/// Event ids a collecting part reads (in id order, into TEMP tables: ~1 ms under load).
+const FOLD_COLLECT_IDS: i64 = 1024;
+
+/// Event ids a sweeping part covers (it drops rows in id order, with no index to write).
+const FOLD_SWEEP_IDS: i64 = 4096;
+
+/// The fold's keys, in key order: the `(session, id)` of each event it brings into the index
+/// (see [`fold_part_in`]). A TEMP table of the writer's connection: memory only, no WAL.
+const FOLD_KEYS: &str = "CREATE TEMP TABLE IF NOT EXISTS fold_keys(
+    session_id TEXT NOT NULL,
+    id INTEGER NOT NULL,
+    PRIMARY KEY(session_id, id)
+) WITHOUT ROWID;
+DELETE FROM temp.fold_keys;";
+
+/// A fold under way on this writer: what it brings in and how far its parts got.
+#[derive(Clone)]
+struct Fold {
+    /// The mark it moves from and to: it brings in the events in `(from, to]`.
+    from: i64,
+    to: i64,
+    stage: Stage,
+    /// The hooks as the fold began: each sees every part from its `Begin`.
+    hooks: Vec<FoldHook>,
+}
+
+/// Where a fold is (see [`fold_part_in`]), each stage in parts of its own.
+#[derive(Clone)]
+enum Stage {
+    /// Reading the events after this id (and the hooks' rows) into the fold's TEMP tables.
+    Collect { after: i64 },
+    /// Writing the keys of the sessions after this one (`""`: from the first) into the index.
+    Sessions { after: String },
+    /// The kv log (`kv_log.rs`), which folds with the events.
+    Kv,
+    /// The mark moves (the dedupe keys and the hooks' `End` with it).
+    End,
+    /// Dropping what the fold made dead, the ids after this one (see [`FoldPart::Sweep`]).
+    Sweep { after: i64 },
+}
+
+std::thread_local! {
+    /// The fold under way on this thread's writer (see [`fold_part_in`]).
+    static FOLDING: std::cell::RefCell<Option<Fold>> = const { std::cell::RefCell::new(None) };
+    /// The mark as this thread's writer last moved it, in its transaction: the tail's moves
+    /// only once that commits, and a whole fold may begin in the same write.
+    static MOVED_TO: std::cell::Cell<i64> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether a fold is under way on this thread's writer: its next part runs after the next
+/// commit.
+pub(crate) fn fold_under_way() -> bool {
+    FOLDING.with(|f| f.borrow().is_some())
+}
+
+/// Forgets the fold under way (after a part failed): the next one starts over, and every
+/// part is idempotent (`OR IGNORE`, `OR REPLACE`, a delete), so what the abandoned one wrote
+/// is written again at most.
+pub(crate) fn abandon_fold() {
+    FOLDING.with(|f| *f.borrow_mut() = None);
+}
+
+/// Sets the fold under way, undone if the write rolls back.
+fn set_folding(next: Option<Fold>) -> Result<(), StoreError> {
+    let before = FOLDING.with(|f| f.replace(next));
+    crate::on_rollback(move || FOLDING.with(|f| *f.borrow_mut() = before)).map_err(|undo| {
+        undo();
+        StoreError::Invalid("events are folded by the store's writer only".into())
+    })
+}
+
+/// Runs one part of the fold under way, beginning one if none is, inside the caller's write.
+/// Returns whether that was the last part.
+///
+/// A fold brings the events in `(from, to]` into `events_by_session` (and each hook's table,
+/// [`Store::on_fold`]) in parts, each its own write between the writer's batches, none long
+/// enough to leave the workers without a commit to wait for: the events are read into TEMP
+/// tables a range of ids at a time, the index is written a range of sessions at a time, in
+/// key order (each session's leaf still written once a fold), the kv log folds, then one part
+/// moves the mark, and the last ones drop what the fold made dead. Readers take the index's
+/// rows up to the mark only, so what the parts before the mark moved wrote is not read
+/// through the index, and the tail still names those events. A kill between parts leaves the
+/// mark where it was; the next fold writes the same rows again (`OR IGNORE`).
+pub(crate) fn fold_part_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<bool, StoreError> {
+    let fold = match FOLDING.with(|f| f.borrow().clone()) {
+        Some(fold) => fold,
+        None => {
+            let from = tail.state().upto.max(MOVED_TO.get());
+            let to = max_event_id(conn)?;
+            let hooks = tail.hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if to <= from {
+                // No events to fold: the kv log only.
+                fold_kv(conn)?;
+                return Ok(true);
+            }
+            conn.execute_batch(FOLD_KEYS)?;
+            for hook in &hooks {
+                hook(conn, &FoldPart::Begin { from, to })?;
+            }
+            Fold {
+                from,
+                to,
+                stage: Stage::Collect { after: from },
+                hooks,
+            }
+        }
+    };
+    let hooks = |part: FoldPart<'_>| -> Result<(), StoreError> {
+        fold.hooks.iter().try_for_each(|hook| hook(conn, &part))
+    };
+    let next = match &fold.stage {
+        Stage::Collect { after } => {
+            let through = (after + FOLD_COLLECT_IDS).min(fold.to);
+            conn.prepare_cached(
+                "INSERT INTO temp.fold_keys(session_id, id)
+                 SELECT session_id, id FROM events
+                 WHERE id > ?1 AND id <= ?2 AND session_id IS NOT NULL",
+            )?
+            .execute((after, through))?;
+            hooks(FoldPart::Collect {
+                after: *after,
+                through,
+            })?;
+            if through < fold.to {
+                Stage::Collect { after: through }
+            } else {
+                Stage::Sessions {
+                    after: String::new(),
+                }
+            }
+        }
+        Stage::Sessions { after } => {
+            // The part ends with the session at this offset (all of its keys); None: the rest.
+            let through: Option<String> = conn
+                .prepare_cached(
+                    "SELECT session_id FROM temp.fold_keys WHERE session_id > ?1
+                     ORDER BY session_id, id LIMIT 1 OFFSET ?2",
+                )?
+                .query_row(rusqlite::params![after, FOLD_PART_KEYS - 1], |r| r.get(0))
+                .optional()?;
+            match &through {
+                Some(through) => conn
+                    .prepare_cached(
+                        "INSERT OR IGNORE INTO events_by_session(session_id, id)
+                         SELECT session_id, id FROM temp.fold_keys
+                         WHERE session_id > ?1 AND session_id <= ?2",
+                    )?
+                    .execute((after, through))?,
+                None => conn
+                    .prepare_cached(
+                        "INSERT OR IGNORE INTO events_by_session(session_id, id)
+                         SELECT session_id, id FROM temp.fold_keys WHERE session_id > ?1",
+                    )?
+                    .execute([after])?,
+            };
+            hooks(FoldPart::Sessions {
+                after,
+                through: through.as_deref(),
+            })?;
+            match through {
+                Some(after) => Stage::Sessions { after },
+                None => Stage::Kv,
+            }
+        }
+        Stage::Kv => {
+            fold_kv(conn)?;
+            Stage::End
+        }
+        Stage::End => {
+            // The tail's dedupe keys, those of events past `to` too (the writer's own view): a
+            // key is looked up in both tables, so one moved early is found all the same.
+            conn.prepare_cached(
+                "INSERT OR IGNORE INTO event_keys(dedupe_key)
+                 SELECT dedupe_key FROM temp.event_keys_tail ORDER BY dedupe_key",
+            )?
+            .execute([])?;
+            conn.prepare_cached("DELETE FROM temp.event_keys_tail")?
+                .execute([])?;
+            conn.prepare_cached("UPDATE folds SET upto = ?1 WHERE name = 'events'")?
+                .execute([fold.to])?;
+            conn.prepare_cached("DELETE FROM temp.fold_keys")?
+                .execute([])?;
+            hooks(FoldPart::End { to: fold.to })?;
+            let before = MOVED_TO.replace(fold.to);
+            if let Err(undo) = crate::on_rollback(move || MOVED_TO.set(before)) {
+                undo();
+            }
+            let (tail, to) = (tail.clone(), fold.to);
+            if !crate::after_commit(move || tail.folded(to)) {
+                return Err(StoreError::Invalid(
+                    "events are folded by the store's writer only".into(),
+                ));
+            }
+            Stage::Sweep { after: fold.from }
+        }
+        Stage::Sweep { after } => {
+            let through = (after + FOLD_SWEEP_IDS).min(fold.to);
+            hooks(FoldPart::Sweep {
+                after: *after,
+                through,
+            })?;
+            if through >= fold.to {
+                set_folding(None)?;
+                return Ok(true);
+            }
+            Stage::Sweep { after: through }
+        }
+    };
+    set_folding(Some(Fold {
+        stage: next,
+        ..fold
+    }))?;
+    Ok(false)
+}
+
+/// The kv log's fold (it folds with the events, `kv_log.rs`).
+fn fold_kv(conn: &Connection) -> Result<(), StoreError> {
+    match crate::cache::writer_cache() {
+        Some(cache) => crate::kv_log::fold_in(conn, &cache),
+        None => Ok(()),
+    }
+}
+
+/// Folds every event above the mark into `events_by_session` inside the caller's write: the
+/// rest of the fold under way, or a whole one. The tail drops what was folded once that write
+/// commits (nothing changes if it rolls back).
 pub(crate) fn fold_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<(), StoreError> {
-    // The kv log folds with the events (`kv_log.rs`), whether or not there are events.
-    if let Some(cache) = crate::cache::writer_cache() {
-        crate::kv_log::fold_in(conn, &cache)?;
-    }
-    let from = tail.state().upto;
-    let to = max_event_id(conn)?;
-    if to <= from {
-        return Ok(());
-    }
-    // In key order, so each session's leaf is visited once. OR IGNORE: two folds in one batch
-    // both start from the mark the first has not moved yet.
-    conn.prepare_cached(
-        "INSERT OR IGNORE INTO events_by_session(session_id, id)
-         SELECT session_id, id FROM events
-         WHERE id > ?1 AND id <= ?2 AND session_id IS NOT NULL
-         ORDER BY session_id, id",
-    )?
-    .execute((from, to))?;
-    // Every key in the TEMP table is an event's at or below `to` (the writer's own view).
-    conn.prepare_cached(
-        "INSERT OR IGNORE INTO event_keys(dedupe_key)
-         SELECT dedupe_key FROM temp.event_keys_tail ORDER BY dedupe_key",
-    )?
-    .execute([])?;
-    conn.prepare_cached("DELETE FROM temp.event_keys_tail")?
-        .execute([])?;
-    conn.prepare_cached("UPDATE folds SET upto = ?1 WHERE name = 'events'")?
-        .execute([to])?;
-    let hooks = tail.hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    for hook in hooks {
-        hook(conn, to)?;
-    }
-    let tail = tail.clone();
-    if !crate::after_commit(move || tail.folded(to)) {
-        return Err(StoreError::Invalid(
-            "events are folded by the store's writer only".into(),
-        ));
+    // A fold under way began before the latest events: a whole one follows it.
+    for _ in 0..1 + usize::from(fold_under_way()) {
+        while !fold_part_in(conn, tail)? {}
     }
     Ok(())
 }
@@ -484,8 +705,8 @@ impl Store {
         self.event_tail().after(session_id, after).1
     }
 
-    /// Runs `hook` in every fold's transaction, after the index is written, with the id the
-    /// fold reached: every event up to it is folded when that transaction commits.
+    /// Runs `hook` in every part of every fold (see [`FoldPart`]), each inside the part's write,
+    /// after the index's share of that part is written.
     pub fn on_fold(&self, hook: FoldHook) {
         self.event_tail()
             .hooks

@@ -28,7 +28,7 @@ mod writer;
 pub use error::StoreError;
 pub use events::{
     insert_event_in, insert_event_text_in, last_event_id_in, latest_by_session_in, EventRow,
-    FoldHook,
+    FoldHook, FoldPart,
 };
 pub use kv::{
     kv_delete_in, kv_get_in, kv_put_cached_in, kv_put_in, kv_put_text_cached_in, kv_put_text_in,

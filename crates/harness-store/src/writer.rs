@@ -416,8 +416,9 @@ pub(crate) fn writer_loop(
         }
         linger.batch_ran(ran);
         txn.commit(counters);
-        if tail.due() || cache.log.due() {
-            fold_events(&conn, counters, cache, tail);
+        // A fold runs in parts, one after each batch (see `events::fold_part_in`).
+        if crate::events::fold_under_way() || tail.due() || cache.log.due() {
+            fold_part(&conn, counters, cache, tail);
         }
         let checkpoint = counters.batch_checkpoint_ns.swap(0, Ordering::Relaxed);
         counters
@@ -524,33 +525,54 @@ impl Linger {
     }
 }
 
-/// Folds the event tail into the per-session index (`events.rs`) as a batch of its own. A
-/// failure (a full disk) is logged and leaves the tail as it was, to be folded later.
+/// Folds the event tail into the per-session index (`events.rs`) as a batch of its own: the
+/// rest of the fold under way, or a whole one.
 fn fold_events(
     conn: &Connection,
     counters: &Counters,
     cache: &KvCache,
     tail: &std::sync::Arc<EventTail>,
 ) {
-    let (tx, mut rx) = oneshot::channel();
     let folding = tail.clone();
+    fold_batch(conn, counters, cache, tail, move |c| {
+        crate::events::fold_in(c, &folding)
+    });
+}
+
+/// Runs the next part of the fold under way (or begins one) as a batch of its own.
+fn fold_part(
+    conn: &Connection,
+    counters: &Counters,
+    cache: &KvCache,
+    tail: &std::sync::Arc<EventTail>,
+) {
+    let folding = tail.clone();
+    fold_batch(conn, counters, cache, tail, move |c| {
+        crate::events::fold_part_in(c, &folding).map(|_| ())
+    });
+}
+
+/// A fold's write as a batch of its own. A failure (a full disk) is logged, abandons the fold
+/// under way and leaves the tail as it was, to be folded later.
+fn fold_batch(
+    conn: &Connection,
+    counters: &Counters,
+    cache: &KvCache,
+    tail: &std::sync::Arc<EventTail>,
+    f: impl FnOnce(&Connection) -> Result<(), StoreError> + Send + 'static,
+) {
+    let (tx, mut rx) = oneshot::channel();
     let mut txn = Batch::new(conn, cache, counters);
-    txn.run(Box::new(once(
-        move |c| crate::events::fold_in(c, &folding),
-        tx,
-    )));
+    txn.run(Box::new(once(f, tx)));
     txn.commit(counters);
-    match rx.try_recv() {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            tail.fold_failed();
-            tracing::warn!(error = %e, "harness-store: event fold deferred");
-        }
-        Err(_) => {
-            tail.fold_failed();
-            tracing::warn!("harness-store: event fold deferred (no answer)");
-        }
-    }
+    let failed = match rx.try_recv() {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer".to_string(),
+    };
+    crate::events::abandon_fold();
+    tail.fold_failed();
+    tracing::warn!(error = %failed, "harness-store: event fold deferred");
 }
 
 /// Copies the whole WAL into the database and truncates it to nothing (`TRUNCATE` checkpoint:

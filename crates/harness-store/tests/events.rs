@@ -208,25 +208,46 @@ async fn a_session_reads_the_same_events_before_and_after_a_fold() {
     }
 }
 
-/// The writer folds on its own: right after the commit that makes the tail long, and when it
-/// has had nothing to write for a while.
+/// The writer folds on its own: in parts, one after each commit from the one that makes the
+/// tail long, and whole when it has had nothing to write for a while. Between the parts every
+/// session's events read back complete and once each, whichever side of a part they are.
 #[tokio::test]
-async fn the_writer_folds_a_long_tail_and_an_idle_one() {
+async fn the_writer_folds_a_long_tail_in_parts_and_an_idle_one() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("ev.db"), Durability::Normal).unwrap();
-    // More events than the writer's fold threshold (16,384).
-    let want = append_round_robin(&store, &["x", "y"], 17_000).await;
-    // The next write runs after the fold the long tail triggered.
-    store
-        .append_event(Some("x"), "t", &json!("last"), None)
-        .await
-        .unwrap();
-    assert!(store.unfolded_events() <= 1, "{}", store.unfolded_events());
-    let x = session_ids(&store, "x", 0, 256);
-    assert_eq!(x.len(), want[0].len() + 1);
-    assert_eq!(x[..want[0].len()], want[0][..]);
+    let names: Vec<String> = (0..40).map(|i| format!("s{i:02}")).collect();
+    let sessions: Vec<&str> = names.iter().map(String::as_str).collect();
+    // More events than the writer's fold threshold (16,384): its first part runs after this
+    // write commits.
+    let mut want = append_round_robin(&store, &sessions, 17_000).await;
+    let long = store.unfolded_events();
+    assert!(long >= 16_384, "{long}");
+    let mut writes = 0;
+    while store.unfolded_events() > writes {
+        assert!(
+            writes < 64,
+            "{} events still unfolded",
+            store.unfolded_events()
+        );
+        let id = store
+            .append_event(Some(sessions[0]), "t", &json!("next"), None)
+            .await
+            .unwrap()
+            .unwrap();
+        want[0].push(id);
+        writes += 1;
+        for (s, ids) in sessions.iter().zip(&want) {
+            assert_eq!(
+                &session_ids(&store, s, 0, 256),
+                ids,
+                "{s} after {writes} writes"
+            );
+        }
+    }
+    // A part is ~1,024 events: the fold took several writes' turns, not one.
+    assert!(writes >= 10, "folded in {writes} parts");
 
-    append_round_robin(&store, &["x", "y"], 10).await;
+    append_round_robin(&store, &sessions, 10).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while store.unfolded_events() > 0 {
         assert!(
@@ -236,7 +257,10 @@ async fn the_writer_folds_a_long_tail_and_an_idle_one() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(session_ids(&store, "y", 0, 500).len(), want[1].len() + 5);
+    assert_eq!(
+        session_ids(&store, sessions[1], 0, 500).len(),
+        want[1].len() + 1
+    );
 }
 
 /// Between a batch's COMMIT and its after-commit step, the event it inserted is in the log but

@@ -1,9 +1,10 @@
 //! The transcript's append-only entry log: an append or update writes the entry's new version
 //! here (its row id is the change event's id) instead of rewriting the session's leaf of
-//! `entries`; the store's fold brings the latest versions into `entries` in one batch. Readers
+//! `entries`; the store's fold brings the latest versions into `entries` (in parts, see
+//! [`fold_part_in`]). Readers
 //! and the writer find a version not yet folded through this module.
 
-use harness_store::{insert_event_in, StoreError};
+use harness_store::{insert_event_in, FoldPart, StoreError};
 use harness_types::session::*;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value;
@@ -116,21 +117,118 @@ fn forget_all() -> std::result::Result<(), StoreError> {
     })
 }
 
-/// The fold: the log's latest version of each entry replaces the materialized row, in key
-/// order (each session's leaves are written once for everything the log held), and the log
-/// starts over. `DELETE` without a condition empties the table without visiting its rows.
-pub(super) const FOLD_ENTRIES: &str = "
+/// The log's versions up to `to` were folded into `entries`: the index keeps the later ones.
+/// A session with none left is forgotten (its last seq is in `entries` now).
+fn forget_upto(to: i64) -> std::result::Result<(), StoreError> {
+    change_tail(|tail| {
+        let all = std::mem::take(tail);
+        for (session_id, session) in &all {
+            let entries: HashMap<String, Logged> = session
+                .entries
+                .iter()
+                .filter(|(_, at)| at.id > to)
+                .map(|(entry_id, at)| (entry_id.clone(), *at))
+                .collect();
+            if !entries.is_empty() {
+                tail.insert(
+                    session_id.clone(),
+                    SessionTail {
+                        last_seq: session.last_seq,
+                        entries,
+                    },
+                );
+            }
+        }
+        Box::new(move |tail| *tail = all)
+    })
+}
+
+/// What a killed process left in the log, folded at open: the latest version of each entry
+/// replaces the materialized row, in key order, and the log starts over. `DELETE` without a
+/// condition empties the table without visiting its rows.
+const FOLD_WHOLE_LOG: &str = "
 INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
     SELECT session_id, seq, entry_id, kind, body, origin, revision, MAX(id) FROM entry_log
     GROUP BY session_id, seq ORDER BY session_id, seq;
 DELETE FROM entry_log;
 ";
 
-/// The session store's part of the store's fold (see [`SessionStore::open`]).
-pub(super) fn fold_entries(conn: &Connection, _upto: i64) -> std::result::Result<(), StoreError> {
-    conn.execute_batch(FOLD_ENTRIES)?;
+/// At open, before anything reads the transcript (see [`FOLD_WHOLE_LOG`]).
+pub(super) fn fold_whole_log_in(conn: &Connection) -> std::result::Result<(), StoreError> {
+    conn.execute_batch(FOLD_WHOLE_LOG)?;
     forget_all()
 }
+
+/// The entries a fold brings into `entries`: the latest logged version of each, up to the
+/// fold's mark (a TEMP table of the writer's connection, filled as the fold collects).
+const FOLD_ENTRIES: &str = "CREATE TEMP TABLE IF NOT EXISTS fold_entries(
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    id INTEGER NOT NULL,
+    PRIMARY KEY(session_id, seq)
+) WITHOUT ROWID;
+DELETE FROM temp.fold_entries;";
+
+/// The session store's share of each part of the store's fold (see [`SessionStore::open`] and
+/// `FoldPart`): the entries' latest versions up to the fold's mark are noted as the fold
+/// collects, replace their materialized rows one range of sessions a part, in key order (each
+/// session's leaves written once a fold), and leave the log after the mark has moved.
+///
+/// Until the mark moves, every folded version is still in the log and readers still look it
+/// up there (by the events above the old mark), and a version in the log is never older than
+/// its row: the row a part wrote is the same version as the log's latest or an older one. A
+/// version logged after the fold began (above its mark) stays in the log for the next fold.
+/// After the mark has moved, no reader or writer looks up a version at or below it in the log
+/// (they go by the events above the mark, and the writer's index forgets them), so the sweep
+/// may take its time. A session deleted meanwhile lost its log rows, so the join below finds
+/// nothing of it to bring back.
+pub(super) fn fold_part_in(
+    conn: &Connection,
+    part: &FoldPart<'_>,
+) -> std::result::Result<(), StoreError> {
+    match part {
+        FoldPart::Begin { .. } => conn.execute_batch(FOLD_ENTRIES)?,
+        FoldPart::Collect { after, through } => {
+            // In id order: a later version of an entry replaces the one noted before it.
+            conn.prepare_cached(
+                "INSERT OR REPLACE INTO temp.fold_entries(session_id, seq, id)
+                 SELECT session_id, seq, id FROM entry_log WHERE id > ?1 AND id <= ?2
+                 ORDER BY id",
+            )?
+            .execute([after, through])?;
+        }
+        FoldPart::Sessions {
+            after,
+            through: Some(through),
+        } => {
+            conn.prepare_cached(&format!("{FOLD_SESSIONS} AND f.session_id <= ?2"))?
+                .execute(params![after, through])?;
+        }
+        FoldPart::Sessions {
+            after,
+            through: None,
+        } => {
+            conn.prepare_cached(FOLD_SESSIONS)?.execute([after])?;
+        }
+        FoldPart::End { to } => {
+            conn.prepare_cached("DELETE FROM temp.fold_entries")?
+                .execute([])?;
+            forget_upto(*to)?;
+        }
+        FoldPart::Sweep { after, through } => {
+            conn.prepare_cached("DELETE FROM entry_log WHERE id > ?1 AND id <= ?2")?
+                .execute([after, through])?;
+        }
+    }
+    Ok(())
+}
+
+/// A part's entries (see [`fold_part_in`]), from the sessions after `?1`, in key order.
+const FOLD_SESSIONS: &str = "
+INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
+    SELECT l.session_id, l.seq, l.entry_id, l.kind, l.body, l.origin, l.revision, l.id
+    FROM temp.fold_entries f CROSS JOIN entry_log l ON l.id = f.id
+    WHERE f.session_id > ?1";
 
 /// The columns [`row`] reads, in its order; `entry_log` names its `id` as `chg`.
 pub(super) const ENTRY_COLS: &str = "seq, entry_id, kind, body, origin, revision, chg";
@@ -243,9 +341,9 @@ pub(super) fn latest_in_reader(
     entry_id: &str,
     unfolded: &std::collections::BTreeMap<i64, Row>,
 ) -> std::result::Result<Option<Row>, StoreError> {
-    // A version in the log is newer than the materialized one: a fold empties the log in the
-    // transaction that writes `entries`, so one snapshot never holds a logged version older
-    // than its row.
+    // The latest version found in the log is never older than the materialized one: a fold
+    // writes a row with a version the log keeps until the mark has moved past it, and drops
+    // folded versions in id order (see `fold_part_in`).
     if let Some(r) = unfolded.values().find(|r| r.entry_id == entry_id) {
         return Ok(Some(r.clone()));
     }
