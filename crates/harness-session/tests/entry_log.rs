@@ -397,13 +397,16 @@ async fn a_fold_in_parts_changes_nothing_a_reader_sees() {
         add(&s, sid, "r1", reply("draft", 0.5)).await;
         edit(&s, sid, "r1", &format!("a-{sid}"), 1.0).await;
     }
-    // Enough events, spread over the sessions, for the writer to begin a fold after this write
-    // (its threshold is 16,384): ~17 parts of ~1,024 events, two or three sessions each.
-    let names = sids.clone();
+    // Enough events for the writer to begin a fold after this write (its threshold is
+    // 16,384), in sessions that sort between the watched ones (`s00f` after `s00`), so that
+    // the ~17 parts of ~1,024 keys each fall between them and reading a watched session stays
+    // quick (an idle writer, 500 ms without a write, would fold the rest whole).
+    let fillers: Vec<String> = sids.iter().map(|sid| format!("{sid}f")).collect();
     s.store()
         .write(move |c| {
             for i in 0..16_384 {
-                harness_store::insert_event_in(c, Some(&names[i % 40]), "filler", &json!(i), None)?;
+                let sid = Some(fillers[i % 40].as_str());
+                harness_store::insert_event_in(c, sid, "filler", &json!(i), None)?;
             }
             Ok(())
         })

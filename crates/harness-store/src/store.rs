@@ -259,6 +259,7 @@ impl Store {
         let last_event = events::max_event_id(&conn)?;
         let event_tail = Arc::new(events::EventTail::default());
         event_tail.load(&conn)?;
+        events::renew_fold_db(&conn)?;
 
         let counters = Arc::new(Counters::default());
         counters.commit_seq.store(1, Ordering::SeqCst);

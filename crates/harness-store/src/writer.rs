@@ -337,16 +337,20 @@ pub(crate) fn writer_loop(
                 // Idle: the tail is folded before the WAL is emptied, so neither memory nor
                 // the next open holds more than a burst's events.
                 if tail.len() > 0 || !cache.log.is_empty() {
-                    fold_events(&conn, counters, cache, tail);
+                    fold_events(&conn, counters, cache, tail, true);
                     unsettled = true;
                 }
                 if unsettled {
                     unsettled = !truncate_wal(&conn, counters);
                     if !unsettled {
-                        // The fold's TEMP tables and scratch pages stay in this connection's
+                        // The TEMP tables' and the folds' scratch pages stay in this connection's
                         // cache at the size the last burst left them; an idle store gives
                         // them back (the cache refills from the OS's pages on the next burst).
                         let _ = exec(&conn, "PRAGMA shrink_memory");
+                        // The fold's own tables go the same way (see `renew_fold_db`).
+                        if let Err(e) = crate::events::renew_fold_db(&conn) {
+                            tracing::warn!(error = %e, "harness-store: fold tables kept");
+                        }
                         // The pages the burst's rows and logs took stay with this thread's
                         // heap until the host's allocator is told (0.1–1 MB after a busy
                         // burst), and only this thread can tell it about its own.
@@ -359,7 +363,7 @@ pub(crate) fn writer_loop(
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 if tail.len() > 0 || !cache.log.is_empty() {
-                    fold_events(&conn, counters, cache, tail);
+                    fold_events(&conn, counters, cache, tail, true);
                     unsettled = true;
                 }
                 // A clean stop leaves the data directory holding what it stores, not the WAL's
@@ -418,7 +422,7 @@ pub(crate) fn writer_loop(
         txn.commit(counters);
         // A fold runs in parts, one after each batch (see `events::fold_part_in`).
         if crate::events::fold_under_way() || tail.due() || cache.log.due() {
-            fold_part(&conn, counters, cache, tail);
+            fold_events(&conn, counters, cache, tail, false);
         }
         let checkpoint = counters.batch_checkpoint_ns.swap(0, Ordering::Relaxed);
         counters
@@ -526,44 +530,27 @@ impl Linger {
 }
 
 /// Folds the event tail into the per-session index (`events.rs`) as a batch of its own: the
-/// rest of the fold under way, or a whole one.
+/// next part of the fold under way (or the first of a new one), or, `whole`, the rest of it and
+/// a whole one after it. A failure (a full disk) is logged, abandons the fold under way and
+/// leaves the tail as it was, to be folded later.
 fn fold_events(
     conn: &Connection,
     counters: &Counters,
     cache: &KvCache,
     tail: &std::sync::Arc<EventTail>,
+    whole: bool,
 ) {
     let folding = tail.clone();
-    fold_batch(conn, counters, cache, tail, move |c| {
-        crate::events::fold_in(c, &folding)
-    });
-}
-
-/// Runs the next part of the fold under way (or begins one) as a batch of its own.
-fn fold_part(
-    conn: &Connection,
-    counters: &Counters,
-    cache: &KvCache,
-    tail: &std::sync::Arc<EventTail>,
-) {
-    let folding = tail.clone();
-    fold_batch(conn, counters, cache, tail, move |c| {
-        crate::events::fold_part_in(c, &folding).map(|_| ())
-    });
-}
-
-/// A fold's write as a batch of its own. A failure (a full disk) is logged, abandons the fold
-/// under way and leaves the tail as it was, to be folded later.
-fn fold_batch(
-    conn: &Connection,
-    counters: &Counters,
-    cache: &KvCache,
-    tail: &std::sync::Arc<EventTail>,
-    f: impl FnOnce(&Connection) -> Result<(), StoreError> + Send + 'static,
-) {
+    let fold = move |c: &Connection| {
+        if whole {
+            crate::events::fold_in(c, &folding)
+        } else {
+            crate::events::fold_part_in(c, &folding).map(|_| ())
+        }
+    };
     let (tx, mut rx) = oneshot::channel();
     let mut txn = Batch::new(conn, cache, counters);
-    txn.run(Box::new(once(f, tx)));
+    txn.run(Box::new(once(fold, tx)));
     txn.commit(counters);
     let failed = match rx.try_recv() {
         Ok(Ok(())) => return,

@@ -8,7 +8,7 @@ use harness_store::StoreError;
 use harness_types::message::AgentMessage;
 use harness_types::session::*;
 use harness_types::HarnessError;
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
 
 use super::entry_log::*;
@@ -30,10 +30,16 @@ pub(crate) struct PreparedAppend {
 }
 
 /// What an append looks up in `entries` when the writer's index of the log (see
-/// `entry_log.rs`) does not have the entry: its materialized seq, and the session's last.
+/// `entry_log.rs`) has neither the entry nor its session: its materialized seq, and the
+/// session's last.
 const APPEND_LOOKUP: &str = "
 SELECT (SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2),
        (SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = ?1)";
+
+/// The same when the index has an append of the session: its seq is past every materialized
+/// one (it was numbered past them, and the index keeps it until it is folded), so only the
+/// entry is looked up.
+const APPEND_LOOKUP_ENTRY: &str = "SELECT seq FROM entries WHERE session_id = ?1 AND entry_id = ?2";
 
 impl PreparedAppend {
     pub(crate) fn new(req: AppendRequest) -> std::result::Result<PreparedAppend, HarnessError> {
@@ -98,11 +104,18 @@ impl PreparedAppend {
         // only for a session's first entry.
         // The entry's seq if it exists (an entry keeps its seq in every version, logged or
         // materialized), and the session's last seq, materialized and logged: the next is past
-        // both. A logged entry needs no statement; otherwise one looks up both in `entries`
+        // both. A logged entry needs no statement; otherwise one looks up the entry in
+        // `entries`, and the session's last seq there only when the index has none of it
         // (each part walks one index).
         let (logged, last_logged) = writer_tail(session_id, entry_id);
         let (found, materialized) = match logged {
             Some(at) => (Some(at.seq), 0),
+            None if last_logged > 0 => (
+                conn.prepare_cached(APPEND_LOOKUP_ENTRY)?
+                    .query_row(params![session_id, entry_id], |r| r.get(0))
+                    .optional()?,
+                0,
+            ),
             None => conn
                 .prepare_cached(APPEND_LOOKUP)?
                 .query_row(params![session_id, entry_id], |r| {

@@ -22,6 +22,9 @@ use super::{entry_from_row, Row};
 /// the writer's time.
 #[derive(Default)]
 struct SessionTail {
+    /// The seq of the last append logged here (0: none, only updates): every seq the session
+    /// has, logged or materialized, is at or below it, as the append was numbered past them
+    /// all. An update of an older entry does not raise it.
     last_seq: i64,
     entries: HashMap<String, Logged>,
 }
@@ -66,17 +69,21 @@ pub(super) fn writer_tail(session_id: &str, entry_id: &str) -> (Option<Logged>, 
     })
 }
 
-/// Records a version just written to the log in the writer's index.
+/// Records a version just written to the log (an append's or an update's) in the writer's
+/// index.
 fn index_version(
     session_id: &str,
     entry_id: &str,
     at: Logged,
+    append: bool,
 ) -> std::result::Result<(), StoreError> {
     change_tail(|tail| {
         let new_session = !tail.contains_key(session_id);
         let session = tail.entry(session_id.to_string()).or_default();
         let last_seq = session.last_seq;
-        session.last_seq = last_seq.max(at.seq);
+        if append {
+            session.last_seq = last_seq.max(at.seq);
+        }
         let before = session.entries.insert(entry_id.to_string(), at);
         let (session_id, entry_id) = (session_id.to_string(), entry_id.to_string());
         Box::new(move |tail| {
@@ -160,14 +167,14 @@ pub(super) fn fold_whole_log_in(conn: &Connection) -> std::result::Result<(), St
 }
 
 /// The entries a fold brings into `entries`: the latest logged version of each, up to the
-/// fold's mark (a TEMP table of the writer's connection, filled as the fold collects).
-const FOLD_ENTRIES: &str = "CREATE TEMP TABLE IF NOT EXISTS fold_entries(
+/// fold's mark (in the fold's own database, see `FoldPart::Begin`), noted as the fold collects.
+const FOLD_ENTRIES: &str = "CREATE TABLE IF NOT EXISTS fold.fold_entries(
     session_id TEXT NOT NULL,
     seq INTEGER NOT NULL,
     id INTEGER NOT NULL,
     PRIMARY KEY(session_id, seq)
 ) WITHOUT ROWID;
-DELETE FROM temp.fold_entries;";
+DELETE FROM fold.fold_entries;";
 
 /// The session store's share of each part of the store's fold (see [`SessionStore::open`] and
 /// `FoldPart`): the entries' latest versions up to the fold's mark are noted as the fold
@@ -191,7 +198,7 @@ pub(super) fn fold_part_in(
         FoldPart::Collect { after, through } => {
             // In id order: a later version of an entry replaces the one noted before it.
             conn.prepare_cached(
-                "INSERT OR REPLACE INTO temp.fold_entries(session_id, seq, id)
+                "INSERT OR REPLACE INTO fold.fold_entries(session_id, seq, id)
                  SELECT session_id, seq, id FROM entry_log WHERE id > ?1 AND id <= ?2
                  ORDER BY id",
             )?
@@ -211,7 +218,7 @@ pub(super) fn fold_part_in(
             conn.prepare_cached(FOLD_SESSIONS)?.execute([after])?;
         }
         FoldPart::End { to } => {
-            conn.prepare_cached("DELETE FROM temp.fold_entries")?
+            conn.prepare_cached("DELETE FROM fold.fold_entries")?
                 .execute([])?;
             forget_upto(*to)?;
         }
@@ -227,7 +234,7 @@ pub(super) fn fold_part_in(
 const FOLD_SESSIONS: &str = "
 INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
     SELECT l.session_id, l.seq, l.entry_id, l.kind, l.body, l.origin, l.revision, l.id
-    FROM temp.fold_entries f CROSS JOIN entry_log l ON l.id = f.id
+    FROM fold.fold_entries f CROSS JOIN entry_log l ON l.id = f.id
     WHERE f.session_id > ?1";
 
 /// The columns [`row`] reads, in its order; `entry_log` names its `id` as `chg`.
@@ -385,7 +392,8 @@ pub(super) fn log_entry_in(
     .execute(params![
         chg, session_id, seq, entry_id, kind, body, origin, revision
     ])?;
-    index_version(session_id, entry_id, Logged { seq, id: chg })
+    // An append's first version is revision 0; an update's is 1 or more.
+    index_version(session_id, entry_id, Logged { seq, id: chg }, revision == 0)
 }
 
 /// Inserts the event announcing an entry change and returns its id, the entry's new change mark.
