@@ -170,7 +170,6 @@ fn migrate(conn: &Connection) -> std::result::Result<(), StoreError> {
     // rows whose events are above the store's fold mark, which is how readers find them.
     fold_whole_log_in(conn)?;
     conn.execute_batch(status_log::SCHEMA)?;
-    conn.execute_batch(status_log::WRITER_TAIL)?;
     status_log::recover_in(conn)?;
     Ok(())
 }
@@ -255,7 +254,7 @@ fn meta_in_writer(
     let Some(mut meta) = meta_in(conn, session_id)? else {
         return Ok(None);
     };
-    if let Some(pending) = status_log::pending_in_writer(conn, session_id)? {
+    if let Some(pending) = status_log::pending_in_writer(session_id) {
         pending.apply(&mut meta);
     }
     Ok(Some(meta))
@@ -748,7 +747,7 @@ impl SessionStore {
             forget_session(&req.session_id)?;
             conn.prepare_cached("DELETE FROM sessions WHERE session_id = ?1")?
                 .execute(params![req.session_id])?;
-            status_log::forget_in(conn, &statuses, &req.session_id)?;
+            status_log::forget_in(&statuses, &req.session_id)?;
             let event = insert_event_in(
                 conn,
                 Some(&req.session_id),
@@ -911,8 +910,7 @@ pub(crate) fn set_status_in(
         &json!({"session_id": req.session_id, "status": req.status, "reason": req.reason}),
         None,
     )?;
-    status_log::record_in(
-        conn,
+    status_log::record(
         statuses,
         &req.session_id,
         req.status,
