@@ -967,6 +967,21 @@ fn apply_update(
     Ok(())
 }
 
+/// A store in `dir` with one session, `s`, for the writer's tests.
+#[cfg(test)]
+async fn store_with_session(dir: &std::path::Path) -> (Store, SessionStore) {
+    let store = Store::open(&dir.join("s.db"), harness_store::Durability::Normal).unwrap();
+    let sessions = SessionStore::open(store.clone()).await.unwrap();
+    sessions
+        .create(CreateRequest {
+            session_id: Some("s".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    (store, sessions)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -174,9 +174,7 @@ impl PreparedAppend {
 
 #[cfg(test)]
 mod writer_index {
-    use super::super::SessionStore;
     use super::*;
-    use harness_store::{Durability, Store};
     use harness_types::message::{AgentMessage, ContentBlock, UserMessage};
 
     fn prepared(entry_id: &str) -> PreparedAppend {
@@ -200,15 +198,7 @@ mod writer_index {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_writes_append_is_forgotten_by_the_writers_index() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("s.db"), Durability::Normal).unwrap();
-        let sessions = SessionStore::open(store.clone()).await.unwrap();
-        sessions
-            .create(CreateRequest {
-                session_id: Some("s".into()),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let (store, sessions) = super::super::store_with_session(dir.path()).await;
         let first = prepared("e1");
         let log = sessions.change_log().clone();
         store.write(move |c| first.run(c, &log)).await.unwrap();

@@ -259,7 +259,7 @@ pub(super) fn recover_in(conn: &Connection) -> Result<(), StoreError> {
 #[cfg(test)]
 mod writer_map {
     use super::super::{set_status_in, SessionStore};
-    use harness_store::{Durability, Store, StoreError};
+    use harness_store::StoreError;
     use harness_types::session::*;
 
     /// A `set-status` whose write rolls back leaves the writer's map as it found it: readers
@@ -268,15 +268,7 @@ mod writer_map {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rolled_back_status_is_forgotten_by_the_writer() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("s.db"), Durability::Normal).unwrap();
-        let sessions = SessionStore::open(store.clone()).await.unwrap();
-        sessions
-            .create(CreateRequest {
-                session_id: Some("s".into()),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let (store, sessions) = super::super::store_with_session(dir.path()).await;
         let set = |status| SetStatusRequest {
             session_id: "s".into(),
             status,
