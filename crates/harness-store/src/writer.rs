@@ -336,7 +336,7 @@ pub(crate) fn writer_loop(
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 // Idle: the tail is folded before the WAL is emptied, so neither memory nor
                 // the next open holds more than a burst's events.
-                if tail.len() > 0 || !cache.log.is_empty() {
+                if tail.len() > 0 || !cache.log.is_empty() || crate::events::fold_under_way() {
                     fold_events(&conn, counters, cache, tail, true);
                     unsettled = true;
                 }
@@ -362,7 +362,7 @@ pub(crate) fn writer_loop(
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                if tail.len() > 0 || !cache.log.is_empty() {
+                if tail.len() > 0 || !cache.log.is_empty() || crate::events::fold_under_way() {
                     fold_events(&conn, counters, cache, tail, true);
                     unsettled = true;
                 }
