@@ -209,8 +209,8 @@ async fn a_session_reads_the_same_events_before_and_after_a_fold() {
 }
 
 /// The writer folds on its own: in parts, one after each commit from the one that makes the
-/// tail long, and whole when it has had nothing to write for a while. Between the parts every
-/// session's events read back complete and once each, whichever side of a part they are.
+/// tail long, and whole when it has had nothing to write for a while. Between the parts the
+/// sessions' events read back complete and once each, whichever side of a part they are.
 #[tokio::test]
 async fn the_writer_folds_a_long_tail_in_parts_and_an_idle_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -236,16 +236,18 @@ async fn the_writer_folds_a_long_tail_in_parts_and_an_idle_one() {
             .unwrap();
         want[0].push(id);
         writes += 1;
-        for (s, ids) in sessions.iter().zip(&want) {
-            assert_eq!(
-                &session_ids(&store, s, 0, 256),
-                ids,
-                "{s} after {writes} writes"
-            );
+        // The written session and one more each time (reading all forty between writes could
+        // outlast the writer's idle wait, 500 ms, under load, and it would fold the rest whole).
+        for s in [0, writes % 40] {
+            let got = session_ids(&store, sessions[s], 0, 256);
+            assert_eq!(got, want[s], "{} after {writes} writes", sessions[s]);
         }
     }
-    // A part is ~1,024 events: the fold took several writes' turns, not one.
-    assert!(writes >= 10, "folded in {writes} parts");
+    // A part is ~1,024 events: the fold took many writes' turns, not one.
+    assert!(writes >= 20, "folded in {writes} parts");
+    for (s, ids) in sessions.iter().zip(&want) {
+        assert_eq!(&session_ids(&store, s, 0, 256), ids, "{s} folded");
+    }
 
     append_round_robin(&store, &sessions, 10).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
