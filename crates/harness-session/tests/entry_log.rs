@@ -482,3 +482,162 @@ async fn a_fold_in_parts_changes_nothing_a_reader_sees() {
     assert_eq!(snapshot(&s), before, "folded whole");
     assert_eq!(entry_ids(&s, "s20"), ["r1"]);
 }
+
+/// Where the SIGKILL test's child keeps its store.
+const CHILD_ENV: &str = "HARNESS_ENTRY_LOG_CHILD_DB";
+
+/// The child's body; a no-op when run as an ordinary test. Sessions `s0`..`s7` and 16,000
+/// events of other sessions; then, one write at a time, an entry appended and then edited in
+/// each session in turn, every resolved write printed. Twelve rounds (24 writes, so 24 fold
+/// parts) after the tail reached the fold's size it prints `mid` and waits to be killed, the
+/// fold under way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entry_log_child() {
+    use std::io::Write;
+    let Ok(path) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let s = open(path.as_ref()).await;
+    for i in 0..8 {
+        create(&s, &format!("s{i}"), json!({})).await;
+    }
+    s.store()
+        .write(|c| {
+            for i in 0..16_000 {
+                let sid = format!("f{}", i % 8);
+                harness_store::insert_event_in(c, Some(&sid), "filler", &json!(i), None)?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+    let mut began = None;
+    for n in 0u64.. {
+        let (sid, id) = (format!("s{}", n % 8), format!("e{n}"));
+        add(&s, &sid, &id, reply(&format!("m{n}"), 0.5)).await;
+        println!("added {sid} {id}");
+        edit(&s, &sid, &id, &format!("m{n} edited"), 1.0).await;
+        println!("edited {sid} {id}");
+        if began.is_none() && s.store().unfolded_events() >= 16_384 {
+            began = Some(n);
+        }
+        if began.is_some_and(|b| n >= b + 12) {
+            println!("mid");
+            std::io::stdout().flush().unwrap();
+            // Killed long before the writer's idle wait (500 ms) would fold the rest whole.
+            tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        }
+    }
+}
+
+/// SIGKILL in the middle of a fold in parts (some sessions' keys and entries written, the mark
+/// not moved): at the next start every entry whose append resolved is there once, at its
+/// edited version when the edit resolved, in order; and the index rows the parts wrote above
+/// the mark change nothing.
+#[test]
+fn sigkill_in_a_fold_in_parts_loses_no_resolved_entry() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("log.db");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "entry_log_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, &db)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut added: Vec<(String, String)> = Vec::new();
+    let mut edited = std::collections::HashSet::new();
+    let mut mid = false;
+    for line in stdout.lines() {
+        let line = line.unwrap();
+        // The first line follows the test harness's own "test entry_log_child ... ".
+        if let Some(at) = line.find("added ") {
+            let (sid, id) = line[at + 6..].split_once(' ').unwrap();
+            added.push((sid.to_string(), id.to_string()));
+        } else if let Some(at) = line.find("edited ") {
+            edited.insert(line[at + 7..].split_once(' ').unwrap().1.to_string());
+        } else if line.ends_with("mid") {
+            mid = true;
+            child.kill().unwrap();
+        }
+    }
+    child.wait().unwrap();
+    assert!(
+        mid,
+        "the child died before the fold, after {} entries",
+        added.len()
+    );
+
+    // Killed mid-fold: the parts wrote index rows above the mark, which did not move.
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let count = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
+    let mark = count("SELECT upto FROM folds WHERE name = 'events'");
+    let above = count(&format!(
+        "SELECT COUNT(*) FROM events_by_session WHERE id > {mark}"
+    ));
+    assert!(above > 0, "no part had written the index (mark {mark})");
+    drop(conn);
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let s = open(&db).await;
+        let texts = |sid: &str| -> Vec<(String, String)> {
+            s.all_entries(sid, true)
+                .unwrap()
+                .into_iter()
+                .map(|e| {
+                    let v = serde_json::to_value(&e.message).unwrap();
+                    let text = v["content"][0]["text"].as_str().unwrap().to_string();
+                    (e.entry_id, text)
+                })
+                .collect()
+        };
+        let before: Vec<_> = (0..8).map(|i| texts(&format!("s{i}"))).collect();
+        for (i, got) in before.iter().enumerate() {
+            let sid = format!("s{i}");
+            let want: Vec<&String> = added
+                .iter()
+                .filter(|(s, _)| *s == sid)
+                .map(|(_, id)| id)
+                .collect();
+            // Every resolved append once, in order (one more whose append committed
+            // unreported may follow).
+            let ids: Vec<&String> = got.iter().map(|(id, _)| id).collect();
+            assert_eq!(&ids[..want.len()], &want[..], "{sid}");
+            assert!(ids.len() <= want.len() + 1, "{sid}: {ids:?}");
+            for (id, text) in got {
+                let n = &id[1..];
+                if edited.contains(id) {
+                    assert_eq!(text, &format!("m{n} edited"), "{sid} {id}");
+                } else {
+                    assert!(text.starts_with(&format!("m{n}")), "{sid} {id}: {text}");
+                }
+            }
+        }
+        // Each session's event stream once, in order, whichever side of the mark its
+        // events' index rows are.
+        for (i, got) in before.iter().enumerate() {
+            let events = s
+                .store()
+                .events_after(&format!("s{i}"), 0, 100_000)
+                .unwrap();
+            assert!(events.windows(2).all(|w| w[0].id < w[1].id), "s{i}");
+            let added = events
+                .iter()
+                .filter(|e| e.topic == "session::message-added")
+                .count();
+            assert_eq!(added, got.len(), "s{i}");
+        }
+        // And the same after the next fold, whole.
+        s.store().fold_events().await.unwrap();
+        let after: Vec<_> = (0..8).map(|i| texts(&format!("s{i}"))).collect();
+        assert_eq!(after, before);
+    });
+}
