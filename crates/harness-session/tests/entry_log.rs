@@ -641,3 +641,61 @@ fn sigkill_in_a_fold_in_parts_loses_no_resolved_entry() {
         assert_eq!(after, before);
     });
 }
+
+/// A version left in the log at or below the fold mark (a fold that ended and did not finish
+/// its sweep: a full disk, a kill) is dead: the entry reads at its newer folded version, before
+/// and after a restart, and the next fold's sweep drops the row.
+#[tokio::test]
+async fn a_dead_version_left_below_the_mark_never_comes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let s = open(&path).await;
+    create(&s, "a", json!({})).await;
+    add(&s, "a", "r1", reply("draft", 0.5)).await;
+    edit(&s, "a", "r1", "final", 1.0).await;
+    s.store().fold_events().await.unwrap();
+    assert_eq!(logged(&s), 0);
+    // The draft's version again, as an unfinished sweep would have left it: its id is the
+    // append's event's, below the mark.
+    let first_event = s.store().events_after("a", 0, 10).unwrap()[1].id;
+    s.store()
+        .write(move |c| {
+            c.execute(
+                "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, revision)
+                 SELECT ?1, session_id, seq, entry_id, kind, REPLACE(body, 'final', 'draft'), 0
+                 FROM entries WHERE session_id = 'a' AND entry_id = 'r1'",
+                [first_event],
+            )?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(logged(&s), 1);
+    let text = |s: &SessionStore| texts(&reads(s, "a", "r1"));
+    assert_eq!(text(&s), ["final"]);
+
+    // A restart does not bring the draft back.
+    s.store().close();
+    drop(s);
+    let s = open(&path).await;
+    assert_eq!(text(&s), ["final"], "after a restart");
+    assert_eq!(logged(&s), 0);
+
+    // Left again, and a fold of later writes sweeps it.
+    s.store()
+        .write(move |c| {
+            c.execute(
+                "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, revision)
+                 SELECT ?1, session_id, seq, entry_id, kind, body, 0
+                 FROM entries WHERE session_id = 'a' AND entry_id = 'r1'",
+                [first_event],
+            )?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    add(&s, "a", "u2", AgentMessage::user_text("more", 2)).await;
+    s.store().fold_events().await.unwrap();
+    assert_eq!(logged(&s), 0, "the next fold's sweep drops the dead row");
+    assert_eq!(text(&s), ["final", "more"]);
+}

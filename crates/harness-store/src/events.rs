@@ -74,8 +74,10 @@ pub enum FoldPart<'a> {
     /// When this part's write commits the mark is `to`: readers look up by event id only what
     /// is above it.
     End { to: i64 },
-    /// What the fold made dead in `(after, through]` may go (ranges in order, after `End`).
-    Sweep { after: i64, through: i64 },
+    /// What is dead at or below `through` may go (`through` rising in steps to the fold's
+    /// `to`, after `End`): everything at or below the mark is, including what an abandoned
+    /// fold left behind.
+    Sweep { through: i64 },
 }
 
 /// The ids above the fold mark, in memory (see the module docs).
@@ -511,10 +513,7 @@ pub(crate) fn fold_part_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<b
         }
         Stage::Sweep { after } => {
             let through = (after + FOLD_SWEEP_IDS).min(fold.to);
-            hooks(FoldPart::Sweep {
-                after: *after,
-                through,
-            })?;
+            hooks(FoldPart::Sweep { through })?;
             if through >= fold.to {
                 set_folding(None)?;
                 return Ok(true);

@@ -150,10 +150,13 @@ fn forget_upto(to: i64) -> std::result::Result<(), StoreError> {
     })
 }
 
-/// What a killed process left in the log, folded at open: the latest version of each entry
-/// replaces the materialized row, in key order, and the log starts over. `DELETE` without a
-/// condition empties the table without visiting its rows.
+/// What a killed process left in the log, folded at open: the rows at or below the store's
+/// fold mark are dead (folded, their sweep cut short) and go first, as an older version than
+/// the row's must not replace it; then the latest version of each entry replaces the
+/// materialized row, in key order, and the log starts over. `DELETE` without a condition
+/// empties the table without visiting its rows.
 const FOLD_WHOLE_LOG: &str = "
+DELETE FROM entry_log WHERE id <= (SELECT upto FROM folds WHERE name = 'events');
 INSERT OR REPLACE INTO entries (session_id, seq, entry_id, kind, body, origin, revision, chg)
     SELECT session_id, seq, entry_id, kind, body, origin, revision, MAX(id) FROM entry_log
     GROUP BY session_id, seq ORDER BY session_id, seq;
@@ -222,9 +225,11 @@ pub(super) fn fold_part_in(
                 .execute([])?;
             forget_upto(*to)?;
         }
-        FoldPart::Sweep { after, through } => {
-            conn.prepare_cached("DELETE FROM entry_log WHERE id > ?1 AND id <= ?2")?
-                .execute([after, through])?;
+        FoldPart::Sweep { through } => {
+            // From the log's start: rows a fold abandoned after its end (a full disk) went dead
+            // below this fold's range, and go now (rows already gone cost nothing to skip).
+            conn.prepare_cached("DELETE FROM entry_log WHERE id <= ?1")?
+                .execute([through])?;
         }
     }
     Ok(())
