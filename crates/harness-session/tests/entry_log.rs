@@ -539,18 +539,7 @@ fn sigkill_in_a_fold_in_parts_loses_no_resolved_entry() {
     use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("log.db");
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "entry_log_child",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, &db)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = common::spawn_child("entry_log_child", CHILD_ENV, &db);
     let stdout = BufReader::new(child.stdout.take().unwrap());
     let mut added: Vec<(String, String)> = Vec::new();
     let mut edited = std::collections::HashSet::new();
@@ -642,6 +631,23 @@ fn sigkill_in_a_fold_in_parts_loses_no_resolved_entry() {
     });
 }
 
+/// Puts r1's draft version back in session `a`'s log under event id `id`, as a sweep cut short
+/// would have left it.
+async fn leave_draft(s: &SessionStore, id: i64) {
+    s.store()
+        .write(move |c| {
+            c.execute(
+                "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, revision)
+                 SELECT ?1, session_id, seq, entry_id, kind, REPLACE(body, 'final', 'draft'), 0
+                 FROM entries WHERE session_id = 'a' AND entry_id = 'r1'",
+                [id],
+            )?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+}
+
 /// A version left in the log at or below the fold mark (a fold that ended and did not finish
 /// its sweep: a full disk, a kill) is dead: the entry reads at its newer folded version, before
 /// and after a restart, and the next fold's sweep drops the row.
@@ -658,18 +664,7 @@ async fn a_dead_version_left_below_the_mark_never_comes_back() {
     // The draft's version again, as an unfinished sweep would have left it: its id is the
     // append's event's, below the mark.
     let first_event = s.store().events_after("a", 0, 10).unwrap()[1].id;
-    s.store()
-        .write(move |c| {
-            c.execute(
-                "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, revision)
-                 SELECT ?1, session_id, seq, entry_id, kind, REPLACE(body, 'final', 'draft'), 0
-                 FROM entries WHERE session_id = 'a' AND entry_id = 'r1'",
-                [first_event],
-            )?;
-            Ok(())
-        })
-        .await
-        .unwrap();
+    leave_draft(&s, first_event).await;
     assert_eq!(logged(&s), 1);
     let text = |s: &SessionStore| texts(&reads(s, "a", "r1"));
     assert_eq!(text(&s), ["final"]);
@@ -682,18 +677,7 @@ async fn a_dead_version_left_below_the_mark_never_comes_back() {
     assert_eq!(logged(&s), 0);
 
     // Left again, and a fold of later writes sweeps it.
-    s.store()
-        .write(move |c| {
-            c.execute(
-                "INSERT INTO entry_log (id, session_id, seq, entry_id, kind, body, revision)
-                 SELECT ?1, session_id, seq, entry_id, kind, body, 0
-                 FROM entries WHERE session_id = 'a' AND entry_id = 'r1'",
-                [first_event],
-            )?;
-            Ok(())
-        })
-        .await
-        .unwrap();
+    leave_draft(&s, first_event).await;
     add(&s, "a", "u2", AgentMessage::user_text("more", 2)).await;
     s.store().fold_events().await.unwrap();
     assert_eq!(logged(&s), 0, "the next fold's sweep drops the dead row");

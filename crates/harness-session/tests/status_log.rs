@@ -185,13 +185,7 @@ async fn status_child() {
 fn sigkill_loses_no_resolved_status() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("status.db");
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["status_child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, &db)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = common::spawn_child("status_child", CHILD_ENV, &db);
     let stdout = BufReader::new(child.stdout.take().unwrap());
     let mut last: HashMap<String, u64> = HashMap::new();
     let mut seen = 0;

@@ -56,3 +56,15 @@ pub fn edit(sid: &str, entry_id: &str, text: &str, usage: Option<Usage>) -> Upda
         origin: None,
     }
 }
+
+/// Runs test `name` of the running test binary as a child process (a real one, to be killed),
+/// with its database path `db` in the environment variable `env` and its stdout piped.
+pub fn spawn_child(name: &str, env: &str, db: &std::path::Path) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(env, db)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
