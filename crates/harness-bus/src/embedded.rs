@@ -39,8 +39,29 @@ pub type TxHandler = Arc<dyn Fn(&Connection, Value) -> Result<Value, StoreError>
 /// What a prepared write answers: the function's answer and the id of the last event it
 /// inserted, if any (so the batch wakes event subscribers without reading the log).
 pub struct TxAnswer {
-    pub answer: Value,
+    pub answer: TxValue,
     pub event: Option<i64>,
+}
+
+/// A prepared write's answer: JSON already, or a typed answer turned into JSON on the caller's
+/// thread once the batch is committed, so the single writer thread does not serialise answers.
+pub enum TxValue {
+    Ready(Value),
+    Later(Box<dyn FnOnce() -> serde_json::Result<Value> + Send>),
+}
+
+impl TxValue {
+    /// `answer`, serialised after the batch.
+    pub fn later<T: serde::Serialize + Send + 'static>(answer: T) -> TxValue {
+        TxValue::Later(Box::new(move || serde_json::to_value(answer)))
+    }
+
+    fn into_value(self) -> Result<Value, BusError> {
+        match self {
+            TxValue::Ready(v) => Ok(v),
+            TxValue::Later(f) => f().map_err(|e| BusError::internal(e.to_string())),
+        }
+    }
 }
 
 /// A write prepared on the caller's thread, to run inside a batch on the writer thread. It may
@@ -614,7 +635,7 @@ impl Bus for EmbeddedBus {
             Events::Last(id) => self.inner.store.notify_event(id),
             Events::Unknown => self.inner.store.notify_events(),
         }
-        Ok(out)
+        out.into_iter().map(TxValue::into_value).collect()
     }
 
     // State goes straight to the store: the `state::*` functions stay registered for callers
@@ -735,8 +756,8 @@ impl Events {
 }
 
 impl Planned {
-    fn run(&mut self, conn: &Connection, events: &mut Events) -> Result<Value, StoreError> {
-        Ok(match self {
+    fn run(&mut self, conn: &Connection, events: &mut Events) -> Result<TxValue, StoreError> {
+        Ok(TxValue::Ready(match self {
             Planned::InWriter(h, payload) => {
                 *events = Events::Unknown;
                 h(conn, payload.clone())?
@@ -744,7 +765,7 @@ impl Planned {
             Planned::Prepared(write) => {
                 let answer = write(conn)?;
                 events.inserted(answer.event);
-                answer.answer
+                return Ok(answer.answer);
             }
             Planned::StateSet {
                 scope,
@@ -788,7 +809,7 @@ impl Planned {
                 events.inserted(id);
                 Value::Null
             }
-        })
+        }))
     }
 }
 

@@ -21,7 +21,7 @@ pub use bus::{
     commit_one_by_one, Binding, Bus, BusWrite, CallContext, FrameSink, FunctionDef, Handler,
     HandlerFuture, QueueDef, StreamingCall, TriggerTypeDef, TypedRequest,
 };
-pub use embedded::{EmbeddedBus, TxAnswer, TxHandler, TxPrepare, TxPrepareTyped, TxWrite};
+pub use embedded::{EmbeddedBus, TxAnswer, TxHandler, TxPrepare, TxPrepareTyped, TxValue, TxWrite};
 pub use engine_functions::listed_function_ids;
 pub use error::{BusCode, BusError};
 pub use local::{LocalFuture, LocalHandler, LocalValue};

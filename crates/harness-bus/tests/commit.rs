@@ -187,7 +187,7 @@ async fn typed_writes_skip_json_where_the_form_takes_their_type() {
         Box::new(move |conn| {
             harness_store::kv_put_in(conn, "t", &text, &json!(text))?;
             Ok(harness_bus::TxAnswer {
-                answer: json!({"wrote": text}),
+                answer: harness_bus::TxValue::Ready(json!({"wrote": text})),
                 event: None,
             })
         })

@@ -326,7 +326,7 @@ async fn run_step(h: &Harness, req: TurnStepPayload) -> Result<TurnStepResult, H
     let started = std::time::Instant::now();
     h.mark_step_start(&req.turn_id, req.step);
     loop {
-        match h.step(req.clone()).await {
+        match Box::pin(h.step(req.clone())).await {
             Ok(r) => {
                 h.observe_step(&req, crate::trace::step_outcome(&r), started);
                 return Ok(r);
@@ -343,7 +343,7 @@ async fn run_step(h: &Harness, req: TurnStepPayload) -> Result<TurnStepResult, H
             }
             Err(e) => {
                 tracing::error!(session = %req.session_id, turn = %req.turn_id, "step failed: {e}");
-                h.fail_turn(&req, &e).await?;
+                Box::pin(h.fail_turn(&req, &e)).await?;
                 h.observe_step(&req, "failed", started);
                 return Ok(TurnStepResult {
                     session_id: req.session_id,

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use harness_bus::{Bus, BusError, BusWrite, TypedRequest};
-use harness_types::api::TurnStepPayload;
+use harness_types::api::{TurnStatus, TurnStepPayload};
 use harness_types::session::*;
 use harness_types::HarnessError;
 use serde::de::DeserializeOwned;
@@ -495,6 +495,35 @@ impl Harness {
             .map_err(|e| {
                 HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
             })
+    }
+
+    /// The status of a session's turn record, without reading the rest of it: a send asks
+    /// whether a turn runs before anything else, and an ended turn's record is not memoized.
+    pub(crate) async fn record_status(&self, session_id: &str) -> Result<Option<TurnStatus>> {
+        #[derive(serde::Deserialize)]
+        struct StatusOnly {
+            status: TurnStatus,
+        }
+        let text = self
+            .inner
+            .bus
+            .state_get_text(TURN_SCOPE, session_id)
+            .await
+            .map_err(bus_err)?;
+        let Some(text) = text else {
+            return Ok(None);
+        };
+        if let Some(rec) = self.records().get(session_id, &text) {
+            return Ok(Some(rec.status));
+        }
+        match serde_json::from_str::<StatusOnly>(&text) {
+            Ok(s) => Ok(Some(s.status)),
+            // The whole read says what is wrong with it.
+            Err(_) => self
+                .load_record(session_id)
+                .await
+                .map(|r| r.map(|r| r.status)),
+        }
     }
 
     pub(crate) async fn save_record(&self, rec: &mut TurnRecord) -> Result<()> {

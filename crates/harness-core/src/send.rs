@@ -200,7 +200,10 @@ enum Steered {
 
 impl Harness {
     pub async fn send(&self, req: SendRequest) -> Result<SendResponse> {
-        self.accept(req, None, false).await
+        // Boxed here and at the other calls of the loop's large futures (`run`, `step`): a
+        // future is moved whole into the one that awaits it, so an unboxed chain copies its
+        // ~20 KB state at every level of every call.
+        Box::pin(self.accept(req, None, false)).await
     }
 
     /// A sub-agent's first message: `lineage` gives the child its frozen options, depth and
@@ -285,7 +288,7 @@ impl Harness {
             new_turn: new_turn.clone(),
             correction,
         });
-        let rec = match self.run(prev, input, &mut carry).await {
+        let rec = match Box::pin(self.run(prev, input, &mut carry)).await {
             // Only when the session is indeed gone: a not-found from anything else the run did
             // (after its batch may have committed) must not send the message again.
             Err(e)
@@ -358,7 +361,9 @@ impl Harness {
         session_id: &str,
         entry_id: &str,
     ) -> Result<Steered> {
-        if req.session_id.is_none() {
+        if req.session_id.is_none()
+            || self.record_status(session_id).await? != Some(TurnStatus::Running)
+        {
             return Ok(Steered::No);
         }
         match self.load_record(session_id).await? {

@@ -73,7 +73,7 @@ impl Harness {
                 }
             }
         };
-        Ok(match self.run(rec, input, &mut carry).await? {
+        Ok(match Box::pin(self.run(rec, input, &mut carry)).await? {
             Some(r) if !carry.skipped => done(&r),
             _ => skipped(&sid),
         })

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use harness_bus::typed;
-use harness_bus::{Bus, EmbeddedBus, FunctionDef, TxAnswer, TxWrite, TypedRequest};
+use harness_bus::{Bus, EmbeddedBus, FunctionDef, TxAnswer, TxValue, TxWrite, TypedRequest};
 use harness_store::{Connection, StoreError};
 use harness_types::parse::parse_payload;
 use harness_types::session::*;
@@ -122,7 +122,7 @@ fn register_tx<Req, P, Resp>(
 ) where
     Req: DeserializeOwned + Clone + Send + Sync + 'static,
     P: Send + 'static,
-    Resp: Serialize + 'static,
+    Resp: Serialize + Send + 'static,
 {
     let write = Arc::new(move |req: Req| -> Result<TxWrite, StoreError> {
         let prepared = prepare(req)?;
@@ -130,7 +130,7 @@ fn register_tx<Req, P, Resp>(
         Ok(Box::new(move |conn: &Connection| {
             let (resp, event) = run(conn, &prepared)?;
             Ok(TxAnswer {
-                answer: serde_json::to_value(resp)?,
+                answer: TxValue::later(resp),
                 event,
             })
         }))
