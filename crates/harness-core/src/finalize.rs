@@ -100,7 +100,7 @@ impl Harness {
         let seed = Seed {
             session_id: prev.session_id.clone(),
             turn_id: ids::new_turn_id(),
-            options: prev.options.clone(),
+            options: (*prev.options).clone(),
             depth: prev.depth,
             parent: prev.parent.clone(),
             preview: None,

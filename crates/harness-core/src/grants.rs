@@ -228,7 +228,7 @@ impl Harness {
         let root = self
             .load_record(&sid)
             .await?
-            .and_then(|r| r.options.filesystem);
+            .and_then(|r| r.options.filesystem.clone());
         let grants = self.grants_row(&sid).await?.grants;
         Ok(InfoResponse {
             default_root,

@@ -162,7 +162,7 @@ impl Harness {
             // its own turn) or a sub-agent it started. Anything else belongs to someone else.
             reused = *id == p.session_id || self.owned_child(id, &p.session_id).await?;
         }
-        let parent_opts = parent.map(|(p, _)| &p.options);
+        let parent_opts = parent.map(|(p, _)| &*p.options);
         let prompt_named = o.system_prompt.is_some() || o.system_prompt_strategy.is_some();
         if req.agent.is_some() && prompt_named {
             return Err(crate::identity::agent_with_prompt_fields("agent"));

@@ -418,7 +418,7 @@ pub fn seeded(seed: Seed) -> TurnRecord {
         watermark_entry_id: None,
         stream_request_id: None,
         prompt_surface: None,
-        options: seed.options,
+        options: std::sync::Arc::new(seed.options),
         calls: Default::default(),
         parent: seed.parent,
         result: None,

@@ -590,7 +590,7 @@ pub struct TurnRecord {
     /// record write, like `stream_request_id`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_surface: Option<harness_types::api::PromptSurface>,
-    pub options: TurnOptions,
+    pub options: std::sync::Arc<TurnOptions>,
     #[serde(default)]
     pub calls: BTreeMap<String, CallCheckpoint>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -557,7 +557,7 @@ fn a_finished_generation_is_recorded_once_then_decided() {
 fn a_resume_is_part_of_the_generation_it_finishes() {
     use Effect::*;
     let mut cut = record(At::Ready).unwrap();
-    cut.options.max_turns = 1;
+    std::sync::Arc::make_mut(&mut cut.options).max_turns = 1;
     cut.turn_count = 0;
     let t = next(Some(cut), cut_answer(1, ErrorKind::Transient)).unwrap();
     assert!(matches!(t.effects[0], NoteResume { attempt: 1, .. }));
@@ -665,8 +665,9 @@ fn after_the_answer_steering_advances_and_silence_completes() {
 fn a_json_contract_validates_then_completes_nudges_or_fails_keeping_the_raw_value() {
     use Effect::*;
     let contract = |mut r: TurnRecord| {
-        r.options.output = harness_types::api::OutputContract::Json { schema: None };
-        r.options.max_validation_retries = Some(1);
+        std::sync::Arc::make_mut(&mut r.options).output =
+            harness_types::api::OutputContract::Json { schema: None };
+        std::sync::Arc::make_mut(&mut r.options).max_validation_retries = Some(1);
         r
     };
     let generated = contract(record(At::Generated).unwrap());
