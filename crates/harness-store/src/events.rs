@@ -19,12 +19,15 @@
 //!
 //! Dedupe keys are folded the same way. A unique index on the log's key column had its new
 //! keys at two right edges (the keys begin with their topic), rewritten by every commit: 0.7 of
-//! a step's ~5.5 WAL pages. The keys of the tail's events are in `temp.event_keys_tail`, a TEMP
-//! table of the writer's connection (memory only, no WAL, rolled back with the batch or an op's
-//! savepoint, so a retried write within a batch still sees its own key); the fold moves them to
-//! `event_keys`, in key order. An insert with a key looks in both. At open the TEMP table is
-//! filled from the keys of the events above the mark.
+//! a step's ~5.5 WAL pages. The keys of the tail's events are in the writer's memory
+//! ([`EventTail`]'s key set: no WAL page; each insert registers its undo with
+//! [`crate::on_rollback`], so a key rolls back with the batch or an op's savepoint and a retried
+//! write within a batch still sees its own); the fold moves them to `event_keys`, in key order.
+//! An insert with a key looks in both. At open the set is filled from the keys of the events
+//! above the mark. (It was a TEMP table: a look-up and an insert there cost each event with a
+//! key two statements, and the table's pages stayed with the connection.)
 
+use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -41,12 +44,6 @@ use crate::store::Store;
 /// tables hold its dedupe keys and logged entries until the fold (an idle writer gives that
 /// memory back), and a fold takes the writer's time in parts of about a millisecond each.
 pub(crate) const FOLD_EVENTS: usize = 16384;
-
-/// The writer connection's dedupe keys of the events above the fold mark (see the module docs).
-const TAIL_KEYS: &str = "CREATE TEMP TABLE IF NOT EXISTS event_keys_tail(
-    dedupe_key TEXT PRIMARY KEY
-) WITHOUT ROWID;
-DELETE FROM temp.event_keys_tail;";
 
 /// What another crate folds with the events: a table it keeps, like the index, in a log
 /// ordered by event id and brings up to date in the fold's parts (see [`Store::on_fold`]).
@@ -85,6 +82,9 @@ pub enum FoldPart<'a> {
 pub(crate) struct EventTail {
     state: Mutex<TailState>,
     hooks: Mutex<Vec<FoldHook>>,
+    /// The dedupe keys of the events above the fold mark, as the writer sees them inside its
+    /// transaction (see the module docs): written by the writer only.
+    keys: Mutex<HashSet<String>>,
 }
 
 #[derive(Default)]
@@ -114,6 +114,10 @@ impl EventTail {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn writer_keys(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Starts over from what the database holds: the fold mark and the events above it.
     pub(crate) fn load(&self, conn: &Connection) -> Result<(), StoreError> {
         let upto: i64 = conn
@@ -128,13 +132,15 @@ impl EventTail {
             let session: String = row.get(0)?;
             rows.push((session_hash(&session), row.get(1)?));
         }
-        // The tail's dedupe keys, on the writer's connection (see the module docs).
-        conn.execute_batch(TAIL_KEYS)?;
-        conn.prepare(
-            "INSERT OR IGNORE INTO temp.event_keys_tail(dedupe_key)
-             SELECT dedupe_key FROM events WHERE id > ?1 AND dedupe_key IS NOT NULL",
-        )?
-        .execute([upto])?;
+        // The tail's dedupe keys, for the writer (see the module docs).
+        let mut keys = HashSet::new();
+        let mut stmt =
+            conn.prepare("SELECT dedupe_key FROM events WHERE id > ?1 AND dedupe_key IS NOT NULL")?;
+        let mut found = stmt.query([upto])?;
+        while let Some(row) = found.next()? {
+            keys.insert(row.get(0)?);
+        }
+        *self.writer_keys() = keys;
         let last = max_event_id(conn)?;
         *self.state() = TailState {
             upto,
@@ -263,29 +269,40 @@ pub fn insert_event_text_in(
     text: &str,
     dedupe_key: Option<&str>,
 ) -> Result<Option<i64>, StoreError> {
-    if let Some(key) = dedupe_key {
-        // The tail's keys first (in memory), then the folded ones.
-        let seen = conn
-            .prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM temp.event_keys_tail WHERE dedupe_key = ?1)
-                     OR EXISTS (SELECT 1 FROM event_keys WHERE dedupe_key = ?1)",
-            )?
-            .query_row([key], |r| r.get::<_, bool>(0))?;
-        if seen {
-            return Ok(None);
+    let tail = match dedupe_key {
+        Some(key) => {
+            let tail = WRITER_TAIL.with(|t| t.borrow().clone()).ok_or_else(|| {
+                StoreError::Invalid(
+                    "events with a dedupe key are written by the store's writer only".into(),
+                )
+            })?;
+            // The tail's keys first (in memory), then the folded ones.
+            if tail.writer_keys().contains(key)
+                || conn
+                    .prepare_cached("SELECT 1 FROM event_keys WHERE dedupe_key = ?1")?
+                    .exists([key])?
+            {
+                return Ok(None);
+            }
+            Some(tail)
         }
-    }
+        None => None,
+    };
     conn.prepare_cached(
         "INSERT INTO events(session_id, topic, payload, dedupe_key, at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5)",
     )?
     .execute((session_id, topic, text, dedupe_key, harness_types::now_ms()))?;
     let id = conn.last_insert_rowid();
-    // After the event, so a failed insert leaves no key behind to refuse its retry. A plain
-    // INSERT: the key is new (checked above), and any failure is still an error.
-    if let Some(key) = dedupe_key {
-        conn.prepare_cached("INSERT INTO temp.event_keys_tail(dedupe_key) VALUES (?1)")?
-            .execute([key])?;
+    // After the event, so a failed insert leaves no key behind to refuse its retry.
+    if let (Some(key), Some(tail)) = (dedupe_key, tail) {
+        tail.writer_keys().insert(key.to_string());
+        let key = key.to_string();
+        if let Err(undo) = crate::on_rollback(move || {
+            tail.writer_keys().remove(&key);
+        }) {
+            undo();
+        }
     }
     pend(session_id, id);
     Ok(Some(id))
@@ -486,14 +503,22 @@ pub(crate) fn fold_part_in(conn: &Connection, tail: &Arc<EventTail>) -> Result<b
         }
         Stage::End => {
             // The tail's dedupe keys, those of events past `to` too (the writer's own view): a
-            // key is looked up in both tables, so one moved early is found all the same.
-            conn.prepare_cached(
-                "INSERT OR IGNORE INTO event_keys(dedupe_key)
-                 SELECT dedupe_key FROM temp.event_keys_tail ORDER BY dedupe_key",
-            )?
-            .execute([])?;
-            conn.prepare_cached("DELETE FROM temp.event_keys_tail")?
-                .execute([])?;
+            // key is looked up in both places, so one moved early is found all the same.
+            // Their undo first: a failed insert below rolls the part back, and the keys with it.
+            let keys = Arc::new(std::mem::take(&mut *tail.writer_keys()));
+            let (restore, kept) = (tail.clone(), keys.clone());
+            if let Err(undo) = crate::on_rollback(move || {
+                *restore.writer_keys() = Arc::unwrap_or_clone(kept);
+            }) {
+                undo();
+            }
+            let mut sorted: Vec<&String> = keys.iter().collect();
+            sorted.sort_unstable();
+            let mut insert =
+                conn.prepare_cached("INSERT OR IGNORE INTO event_keys(dedupe_key) VALUES (?1)")?;
+            for key in sorted {
+                insert.execute([key])?;
+            }
             conn.prepare_cached("UPDATE folds SET upto = ?1 WHERE name = 'events'")?
                 .execute([fold.to])?;
             conn.prepare_cached("DELETE FROM fold.fold_keys")?

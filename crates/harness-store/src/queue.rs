@@ -113,32 +113,63 @@ pub fn enqueue_in(
     )
 }
 
-/// Queue ids a single write of `sqlite_sequence` reserves (see [`ID_COUNTER`]).
+/// Queue ids a single write of `sqlite_sequence` reserves (see [`QueueIds`]).
 const RESERVED_IDS: i64 = 1 << 16;
 
-/// The writer connection's next queue id and how far `sqlite_sequence` has reserved ids.
+/// The writer's next queue id and how far `sqlite_sequence` has reserved ids.
 ///
 /// Why: `queue_messages` is AUTOINCREMENT so that an id is never used twice (acked rows are
 /// deleted, the newest included), and SQLite keeps that promise by writing the table's row of
 /// `sqlite_sequence` with every insert: a page rewritten by every commit that enqueues (0.12–0.15
-/// WAL pages a step at 200 sessions). Ids now come from this TEMP table (memory only, no WAL,
-/// rolled back with the batch or an op's savepoint, so ids stay consecutive), and
-/// `sqlite_sequence` is moved [`RESERVED_IDS`] ahead whenever an id passes it, in the same
-/// transaction: SQLite writes it only when an id exceeds it, and an open starts past it, so no id
-/// is used twice, across a SIGKILL too.
-const ID_COUNTER: &str =
-    "CREATE TEMP TABLE IF NOT EXISTS queue_ids(next INTEGER NOT NULL, reserved INTEGER NOT NULL);
-DELETE FROM temp.queue_ids;
-INSERT INTO temp.queue_ids(next, reserved)
-    SELECT n + 1, n FROM (SELECT MAX(
-        COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'queue_messages'), 0),
-        COALESCE((SELECT MAX(id) FROM queue_messages), 0)) AS n);";
+/// WAL pages a step at 200 sessions). Ids now come from this counter, in the writer thread's
+/// memory (read from the database at its first enqueue; each change registers its undo with
+/// [`crate::on_rollback`], so it rolls back with the batch or an op's savepoint and ids stay
+/// consecutive), and `sqlite_sequence` is moved [`RESERVED_IDS`] ahead whenever an id passes
+/// it, in the same transaction: SQLite writes it only when an id exceeds it, and a new writer
+/// starts past it, so no id is used twice, across a SIGKILL too. (The counter was a TEMP table:
+/// its `UPDATE … RETURNING` was 3 % of the writer's time.) Off a writer thread nothing can undo
+/// a change, so the counter is read from the database at every enqueue there.
+#[derive(Clone, Copy)]
+struct QueueIds {
+    next: i64,
+    reserved: i64,
+}
 
-/// At open, on the writer's connection: starts the queue's id counter past every id used or
-/// reserved before.
-pub(crate) fn prepare_writer(conn: &Connection) -> Result<(), StoreError> {
-    conn.execute_batch(ID_COUNTER)?;
-    Ok(())
+thread_local! {
+    static QUEUE_IDS: std::cell::Cell<Option<QueueIds>> = const { std::cell::Cell::new(None) };
+}
+
+/// Sets the writer's counter to `ids`, undone if the write rolls back.
+fn set_queue_ids(ids: QueueIds) {
+    let before = QUEUE_IDS.replace(Some(ids));
+    if let Err(undo) = crate::on_rollback(move || QUEUE_IDS.set(before)) {
+        undo();
+    }
+}
+
+/// Takes the next queue id; returns it with the reservation it is checked against.
+fn take_queue_id(conn: &Connection) -> Result<QueueIds, StoreError> {
+    let ids = match QUEUE_IDS.get() {
+        Some(ids) => ids,
+        None => {
+            let n: i64 = conn
+                .prepare_cached(
+                    "SELECT MAX(
+                        COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'queue_messages'), 0),
+                        COALESCE((SELECT MAX(id) FROM queue_messages), 0))",
+                )?
+                .query_row([], |r| r.get(0))?;
+            QueueIds {
+                next: n + 1,
+                reserved: n,
+            }
+        }
+    };
+    set_queue_ids(QueueIds {
+        next: ids.next + 1,
+        ..ids
+    });
+    Ok(ids)
 }
 
 /// Moves the reservation in `sqlite_sequence` (which the insert of `id` just raised to `id`)
@@ -147,8 +178,12 @@ fn reserve_ids(conn: &Connection, id: i64) -> Result<(), StoreError> {
     let upto = id + RESERVED_IDS;
     conn.prepare_cached("UPDATE sqlite_sequence SET seq = ?1 WHERE name = 'queue_messages'")?
         .execute([upto])?;
-    conn.prepare_cached("UPDATE temp.queue_ids SET reserved = ?1")?
-        .execute([upto])?;
+    if let Some(ids) = QUEUE_IDS.get() {
+        set_queue_ids(QueueIds {
+            reserved: upto,
+            ..ids
+        });
+    }
     Ok(())
 }
 
@@ -161,9 +196,7 @@ pub fn enqueue_text_in(
     function_id: &str,
     text: &str,
 ) -> Result<i64, StoreError> {
-    let (id, reserved): (i64, i64) = conn
-        .prepare_cached("UPDATE temp.queue_ids SET next = next + 1 RETURNING next - 1, reserved")?
-        .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let QueueIds { next: id, reserved } = take_queue_id(conn)?;
     conn.prepare_cached(
         "INSERT INTO queue_messages(id, queue, grp, function_id, payload, attempts, status, enqueued_at)
          VALUES (?1, ?2, ?3, ?4, ?5, 0, 'ready', ?6)",

@@ -255,7 +255,6 @@ impl Store {
         conn.pragma_update(None, "temp_store", "MEMORY")?;
         conn.set_prepared_statement_cache_capacity(64);
         schema::create(&conn)?;
-        crate::queue::prepare_writer(&conn)?;
         let last_event = events::max_event_id(&conn)?;
         let event_tail = Arc::new(events::EventTail::default());
         event_tail.load(&conn)?;
