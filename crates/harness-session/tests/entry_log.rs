@@ -398,13 +398,13 @@ async fn a_fold_in_parts_changes_nothing_a_reader_sees() {
         edit(&s, sid, "r1", &format!("a-{sid}"), 1.0).await;
     }
     // Enough events for the writer to begin a fold after this write (its threshold is
-    // 16,384), in sessions that sort between the watched ones (`s00f` after `s00`), so that
-    // the ~17 parts of ~1,024 keys each fall between them and reading a watched session stays
+    // 32,768), in sessions that sort between the watched ones (`s00f` after `s00`), so that
+    // the ~33 parts of ~1,024 keys each fall between them and reading a watched session stays
     // quick (an idle writer, 500 ms without a write, would fold the rest whole).
     let fillers: Vec<String> = sids.iter().map(|sid| format!("{sid}f")).collect();
     s.store()
         .write(move |c| {
-            for i in 0..16_384 {
+            for i in 0..32_768 {
                 let sid = Some(fillers[i % 40].as_str());
                 harness_store::insert_event_in(c, sid, "filler", &json!(i), None)?;
             }
@@ -434,7 +434,7 @@ async fn a_fold_in_parts_changes_nothing_a_reader_sees() {
     // drove the parts, the two edits and s20's new entry are all it holds then.
     while moved.is_none() || logged(&s) != writes as i64 + 3 {
         assert!(
-            writes < 100,
+            writes < 200,
             "{} events unfolded",
             s.store().unfolded_events()
         );
@@ -503,7 +503,7 @@ async fn entry_log_child() {
     }
     s.store()
         .write(|c| {
-            for i in 0..16_000 {
+            for i in 0..32_384 {
                 let sid = format!("f{}", i % 8);
                 harness_store::insert_event_in(c, Some(&sid), "filler", &json!(i), None)?;
             }
@@ -518,10 +518,23 @@ async fn entry_log_child() {
         println!("added {sid} {id}");
         edit(&s, &sid, &id, &format!("m{n} edited"), 1.0).await;
         println!("edited {sid} {id}");
-        if began.is_none() && s.store().unfolded_events() >= 16_384 {
+        if began.is_none() && s.store().unfolded_events() >= 32_768 {
             began = Some(n);
         }
-        if began.is_some_and(|b| n >= b + 12) {
+        // Mid-fold: a part has written index rows above the mark, which has not moved.
+        let written_above = || {
+            s.store()
+                .read(|c| {
+                    Ok(c.query_row(
+                        "SELECT EXISTS (SELECT 1 FROM events_by_session
+                             WHERE id > (SELECT upto FROM folds WHERE name = 'events'))",
+                        [],
+                        |r| r.get::<_, bool>(0),
+                    )?)
+                })
+                .unwrap()
+        };
+        if began.is_some_and(|b| n >= b + 4) && written_above() {
             println!("mid");
             std::io::stdout().flush().unwrap();
             // Killed long before the writer's idle wait (500 ms) would fold the rest whole.

@@ -39,11 +39,12 @@ use crate::store::Store;
 
 /// Unfolded events after which the writer folds them into `events_by_session`. A fold rewrites
 /// about one leaf per session with events in the tail, so the larger the tail the fewer pages
-/// an event costs (at 200 busy sessions, 16,384 events are ~80 a session: ~0.4 WAL pages a
-/// step fewer than at 8,192); the tail costs 16 bytes an event in memory, the writer's TEMP
-/// tables hold its dedupe keys and logged entries until the fold (an idle writer gives that
-/// memory back), and a fold takes the writer's time in parts of about a millisecond each.
-pub(crate) const FOLD_EVENTS: usize = 16384;
+/// an event costs (at 200 busy sessions: 3.0 WAL pages a step at 16,384, 2.8 at 32,768, and
+/// the writer busy 0.80 of the wall instead of 0.83); the tail costs 16 bytes an event in
+/// memory, the writer keeps its dedupe keys and the entry log's index until the fold (an idle
+/// writer folds and gives that memory back), and a fold takes the writer's time in parts of
+/// about a millisecond each.
+pub(crate) const FOLD_EVENTS: usize = 32768;
 
 /// What another crate folds with the events: a table it keeps, like the index, in a log
 /// ordered by event id and brings up to date in the fold's parts (see [`Store::on_fold`]).

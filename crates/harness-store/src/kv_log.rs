@@ -21,7 +21,7 @@
 //! * **A deletion** is a logged version too (a NULL value), so a crash between it and the fold
 //!   cannot bring an older logged version back.
 //!
-//! The fold runs as a part of the events fold (every 16,384 events, after 500 ms without
+//! The fold runs as a part of the events fold (every 32,768 events, after 500 ms without
 //! writes, at close) and when the log reaches [`FOLD_ROWS`] versions; a log a killed process
 //! left is folded at the next open. Log ids come from a counter of the writer's, so they never
 //! repeat within a process (the table is emptied by each fold, and a plain rowid would start

@@ -217,15 +217,15 @@ async fn the_writer_folds_a_long_tail_in_parts_and_an_idle_one() {
     let store = Store::open(&dir.path().join("ev.db"), Durability::Normal).unwrap();
     let names: Vec<String> = (0..40).map(|i| format!("s{i:02}")).collect();
     let sessions: Vec<&str> = names.iter().map(String::as_str).collect();
-    // More events than the writer's fold threshold (16,384): its first part runs after this
+    // More events than the writer's fold threshold (32,768): its first part runs after this
     // write commits.
-    let mut want = append_round_robin(&store, &sessions, 17_000).await;
+    let mut want = append_round_robin(&store, &sessions, 33_000).await;
     let long = store.unfolded_events();
-    assert!(long >= 16_384, "{long}");
+    assert!(long >= 32_768, "{long}");
     let mut writes = 0;
     while store.unfolded_events() > writes {
         assert!(
-            writes < 64,
+            writes < 160,
             "{} events still unfolded",
             store.unfolded_events()
         );
