@@ -472,13 +472,7 @@ impl Harness {
         // As text, parsed straight into the record: the record is written as text too (see
         // `record_text`), and the store's cache hands over its own copy of that text. The text
         // the loop last wrote is not parsed again (see `record_memo`).
-        let text = self
-            .inner
-            .bus
-            .state_get_text(TURN_SCOPE, session_id)
-            .await
-            .map_err(bus_err)?;
-        let Some(text) = text else {
+        let Some(text) = self.stored_record(session_id).await? else {
             return Ok(None);
         };
         let memo = self.records().get(session_id, &text);
@@ -490,11 +484,7 @@ impl Harness {
             );
             return Ok(Some(rec));
         }
-        serde_json::from_str::<TurnRecord>(&text)
-            .map(Some)
-            .map_err(|e| {
-                HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
-            })
+        parse_record(session_id, &text).map(Some)
     }
 
     /// The status of a session's turn record, without reading the rest of it: a send asks
@@ -504,26 +494,26 @@ impl Harness {
         struct StatusOnly {
             status: TurnStatus,
         }
-        let text = self
-            .inner
-            .bus
-            .state_get_text(TURN_SCOPE, session_id)
-            .await
-            .map_err(bus_err)?;
-        let Some(text) = text else {
+        let Some(text) = self.stored_record(session_id).await? else {
             return Ok(None);
         };
-        if let Some(rec) = self.records().get(session_id, &text) {
-            return Ok(Some(rec.status));
+        if let Some(status) = self.records().status(session_id, &text) {
+            return Ok(Some(status));
         }
         match serde_json::from_str::<StatusOnly>(&text) {
             Ok(s) => Ok(Some(s.status)),
             // The whole read says what is wrong with it.
-            Err(_) => self
-                .load_record(session_id)
-                .await
-                .map(|r| r.map(|r| r.status)),
+            Err(_) => parse_record(session_id, &text).map(|r| Some(r.status)),
         }
+    }
+
+    /// A session's turn record as the store holds it.
+    async fn stored_record(&self, session_id: &str) -> Result<Option<Arc<str>>> {
+        self.inner
+            .bus
+            .state_get_text(TURN_SCOPE, session_id)
+            .await
+            .map_err(bus_err)
     }
 
     pub(crate) async fn save_record(&self, rec: &mut TurnRecord) -> Result<()> {
@@ -671,6 +661,12 @@ impl Harness {
 
 /// The turn record as the JSON text the store keeps, serialised straight from the struct: it is
 /// written two or three times a step, and a `Value` tree in between cost more than the text.
+fn parse_record(session_id: &str, text: &str) -> Result<TurnRecord> {
+    serde_json::from_str::<TurnRecord>(text).map_err(|e| {
+        HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
+    })
+}
+
 fn record_text(rec: &TurnRecord) -> Result<String> {
     serde_json::to_string(rec).map_err(|e| HarnessError::internal(e.to_string()))
 }

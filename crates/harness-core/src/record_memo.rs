@@ -12,6 +12,7 @@ use std::collections::HashMap;
 
 use crate::recent;
 use crate::record::TurnRecord;
+use harness_types::api::TurnStatus;
 
 /// Sessions whose last written record stays parsed; the least recently written goes first.
 /// Enough for every session a busy process steps at once, small enough that idle sessions
@@ -76,6 +77,12 @@ impl RecordMemo {
         (memo.text == text).then(|| (*memo.record).clone())
     }
 
+    /// The status of the record `text` parses to, when `text` is what the loop last wrote.
+    pub(crate) fn status(&self, session_id: &str, text: &str) -> Option<TurnStatus> {
+        let memo = self.by_session.get(session_id)?;
+        (memo.text == text).then_some(memo.record.status)
+    }
+
     pub(crate) fn put(&mut self, written: Written) {
         let (text, record) = match written {
             Written::Keep { text, record } => (text, record),
@@ -132,6 +139,10 @@ mod tests {
         let other = serde_json::to_string(&record("s1", 4)).unwrap();
         assert_eq!(memo.get("s1", &other), None);
         assert_eq!(memo.get("s2", &text), None, "another session's record");
+        // The status alone, on the same terms.
+        assert_eq!(memo.status("s1", &text), Some(TurnStatus::Running));
+        assert_eq!(memo.status("s1", &other), None);
+        assert_eq!(memo.status("s2", &text), None);
     }
 
     #[test]
