@@ -27,7 +27,7 @@
 //! above the mark. (It was a TEMP table: a look-up and an insert there cost each event with a
 //! key two statements, and the table's pages stayed with the connection.)
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -94,6 +94,9 @@ struct TailState {
     upto: i64,
     /// `(hash of the session id, event id)` of each event above `upto`, by id.
     rows: Vec<(u64, i64)>,
+    /// The same ids by session hash, each in id order: a read of one session's tail takes its
+    /// own ids, not a scan of every session's (32,768 rows before a fold).
+    by_session: HashMap<u64, VecDeque<i64>>,
     /// The tail length at which the writer folds next (raised after a failed fold, so a full
     /// disk does not make every commit try again).
     fold_at: usize,
@@ -102,6 +105,15 @@ struct TailState {
     /// between a COMMIT and its after-commit step, when a reader woken to it would not find
     /// the event in the tail yet.
     last: i64,
+}
+
+/// `rows` (in id order) by session hash.
+fn index_by_session(rows: &[(u64, i64)]) -> HashMap<u64, VecDeque<i64>> {
+    let mut by_session: HashMap<u64, VecDeque<i64>> = HashMap::new();
+    for &(hash, id) in rows {
+        by_session.entry(hash).or_default().push_back(id);
+    }
+    by_session
 }
 
 fn session_hash(session_id: &str) -> u64 {
@@ -145,6 +157,7 @@ impl EventTail {
         let last = max_event_id(conn)?;
         *self.state() = TailState {
             upto,
+            by_session: index_by_session(&rows),
             rows,
             fold_at: FOLD_EVENTS,
             last,
@@ -167,6 +180,14 @@ impl EventTail {
             }
             _ => state.rows.push((hash, id)),
         }
+        let ids = state.by_session.entry(hash).or_default();
+        match ids.back() {
+            Some(&last) if last > id => {
+                let at = ids.partition_point(|&i| i < id);
+                ids.insert(at, id);
+            }
+            _ => ids.push_back(id),
+        }
     }
 
     /// The fold mark and the tail ids of `session_id` above `after` (some may belong to another
@@ -174,12 +195,10 @@ impl EventTail {
     fn after(&self, session_id: &str, after: i64) -> (i64, Vec<i64>) {
         let hash = session_hash(session_id);
         let state = self.state();
-        let from = state.rows.partition_point(|&(_, id)| id <= after);
-        let ids = state.rows[from..]
-            .iter()
-            .filter(|(h, _)| *h == hash)
-            .map(|(_, id)| *id)
-            .collect();
+        let ids = state.by_session.get(&hash).map_or_else(Vec::new, |ids| {
+            let from = ids.partition_point(|&id| id <= after);
+            ids.range(from..).copied().collect()
+        });
         (state.upto, ids)
     }
 
@@ -202,9 +221,22 @@ impl EventTail {
     fn folded(&self, upto: i64) {
         let mut state = self.state();
         let done = state.rows.partition_point(|&(_, id)| id <= upto);
-        state.rows.drain(..done);
+        let TailState {
+            rows, by_session, ..
+        } = &mut *state;
+        for (hash, _) in rows.drain(..done) {
+            if let Some(ids) = by_session.get_mut(&hash) {
+                while ids.front().is_some_and(|&id| id <= upto) {
+                    ids.pop_front();
+                }
+                if ids.is_empty() {
+                    by_session.remove(&hash);
+                }
+            }
+        }
         if state.rows.is_empty() {
             state.rows = Vec::new();
+            state.by_session = HashMap::new();
         }
         state.upto = state.upto.max(upto);
         state.fold_at = FOLD_EVENTS;
@@ -821,6 +853,33 @@ mod tests {
         assert_eq!(reprepared, 0);
     }
 
+    /// A session's tail ids come from its own list, which follows the rows through pushes (one
+    /// out of order too) and folds.
+    #[test]
+    fn a_sessions_tail_ids_follow_pushes_and_folds() {
+        let tail = EventTail::default();
+        let (a, b) = (session_hash("a"), session_hash("b"));
+        for id in [1, 3, 5, 7] {
+            tail.push(Some(a), id);
+        }
+        for id in [2, 4, 8] {
+            tail.push(Some(b), id);
+        }
+        tail.push(Some(b), 6);
+        tail.push(None, 9);
+        assert_eq!(tail.after("a", 0).1, vec![1, 3, 5, 7]);
+        assert_eq!(tail.after("b", 0).1, vec![2, 4, 6, 8]);
+        assert_eq!(tail.after("b", 4).1, vec![6, 8]);
+        assert_eq!(tail.after("c", 0).1, Vec::<i64>::new());
+        tail.folded(5);
+        assert_eq!(tail.after("a", 0), (5, vec![7]));
+        assert_eq!(tail.after("b", 0), (5, vec![6, 8]));
+        tail.folded(8);
+        assert_eq!(tail.after("a", 0).1, Vec::<i64>::new());
+        assert!(tail.state().by_session.is_empty());
+        assert_eq!(tail.len(), 0);
+    }
+
     /// Tail ids whose session hash collides with the one asked for are skipped without
     /// shortening the page: a full page still holds `limit` of the session's own events.
     #[tokio::test]
@@ -837,6 +896,7 @@ mod tests {
             for row in state.rows.iter_mut() {
                 row.0 = hash;
             }
+            state.by_session = index_by_session(&state.rows);
         }
         let page = store.events_after("s", 0, 3).unwrap();
         let ids: Vec<i64> = page.iter().map(|e| e.id).collect();
