@@ -40,7 +40,7 @@ use crate::store::Store;
 /// Unfolded events after which the writer folds them into `events_by_session`. A fold rewrites
 /// about one leaf per session with events in the tail, so the larger the tail the fewer pages
 /// an event costs (at 200 busy sessions: 3.0 WAL pages a step at 16,384, 2.8 at 32,768, and
-/// the writer busy 0.80 of the wall instead of 0.83); the tail costs 16 bytes an event in
+/// the writer busy 0.80 of the wall instead of 0.83); the tail costs ~24 bytes an event in
 /// memory, the writer keeps its dedupe keys and the entry log's index until the fold (an idle
 /// writer folds and gives that memory back), and a fold takes the writer's time in parts of
 /// about a millisecond each.
