@@ -659,14 +659,15 @@ impl Harness {
     }
 }
 
-/// The turn record as the JSON text the store keeps, serialised straight from the struct: it is
-/// written two or three times a step, and a `Value` tree in between cost more than the text.
+/// A turn record from the text the store keeps, parsed straight into the struct.
 fn parse_record(session_id: &str, text: &str) -> Result<TurnRecord> {
     serde_json::from_str::<TurnRecord>(text).map_err(|e| {
         HarnessError::state(format!("turn record of '{session_id}' is unreadable: {e}"))
     })
 }
 
+/// The turn record as the JSON text the store keeps, serialised straight from the struct: it is
+/// written two or three times a step, and a `Value` tree in between cost more than the text.
 fn record_text(rec: &TurnRecord) -> Result<String> {
     serde_json::to_string(rec).map_err(|e| HarnessError::internal(e.to_string()))
 }
