@@ -297,9 +297,7 @@ impl Store {
             }
         };
         let page_size: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
-        let mut wal_path = OsString::from(path.as_os_str());
-        wal_path.push("-wal");
-        let page_log = Arc::new(PageLog::new(wal_path.into(), page_size as u64));
+        let page_log = Arc::new(PageLog::new(path, page_size as u64));
         hand_off_checkpoints(&mut conn, requests, counters.clone(), page_log.clone())?;
 
         // The writer is a dedicated OS thread, not a tokio task: SQLite calls block (and a

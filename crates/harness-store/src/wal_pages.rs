@@ -13,9 +13,10 @@
 //! records while it measures. Without a readable index the frame headers are read.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use rusqlite::Connection;
@@ -52,6 +53,7 @@ impl WalPages {
 /// The recording the WAL hook adds to.
 pub(crate) struct PageLog {
     wal_path: PathBuf,
+    shm_path: PathBuf,
     page_size: u64,
     state: Mutex<Option<Recording>>,
 }
@@ -78,9 +80,16 @@ fn shm_slot(frame: u64) -> (u64, u64) {
 }
 
 impl PageLog {
-    pub(crate) fn new(wal_path: PathBuf, page_size: u64) -> PageLog {
+    /// The recording of the database at `db`, whose pages are `page_size` bytes.
+    pub(crate) fn new(db: &Path, page_size: u64) -> PageLog {
+        let beside = |suffix: &str| {
+            let mut path = OsString::from(db.as_os_str());
+            path.push(suffix);
+            PathBuf::from(path)
+        };
         PageLog {
-            wal_path,
+            wal_path: beside("-wal"),
+            shm_path: beside("-shm"),
             page_size,
             state: Mutex::new(None),
         }
@@ -111,7 +120,7 @@ impl PageLog {
             return;
         }
         if rec.shm.is_none() {
-            rec.shm = File::open(self.shm_path()).ok();
+            rec.shm = File::open(&self.shm_path).ok();
         }
         if let Some(shm) = &rec.shm {
             if read_index(shm, &mut rec.buf, first, last) {
@@ -125,16 +134,6 @@ impl PageLog {
         for page in self.frame_pages(rec, first, last) {
             *rec.pages.entry(page).or_default() += 1;
         }
-    }
-
-    fn shm_path(&self) -> PathBuf {
-        let mut path = self.wal_path.clone().into_os_string();
-        // `…-wal` → `…-shm`
-        let text = path.to_string_lossy();
-        let base = text.strip_suffix("-wal").unwrap_or(&text).to_string();
-        path = base.into();
-        path.push("-shm");
-        path.into()
     }
 
     /// The page numbers of frames `first..=last` from their frame headers in the WAL.
@@ -242,14 +241,14 @@ mod tests {
             }
             tx.commit().unwrap();
         }
-        let log = PageLog::new(dir.path().join("w.db-wal"), 4096);
+        let log = PageLog::new(&db, 4096);
         let frames = (std::fs::metadata(dir.path().join("w.db-wal"))
             .unwrap()
             .len()
             - WAL_HEADER)
             / log.frame_bytes();
         assert!(frames > SHM_FIRST_PAGES + SHM_PAGES, "{frames} frames");
-        let shm = File::open(log.shm_path()).unwrap();
+        let shm = File::open(&log.shm_path).unwrap();
         let mut rec = Recording {
             wal: None,
             shm: None,
